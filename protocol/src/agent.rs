@@ -1,0 +1,142 @@
+//! An agent definition: the front matter of `agents/NAME/agent.md` and its body.
+//!
+//! The shapes here are what the file says; `arbor-runtime` reads the file and
+//! checks what the types cannot (a sub-agent needs a description, say).
+
+use crate::tools::{BudgetArg, ToolName};
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+
+/// A loaded agent: front matter plus the system prompt.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AgentDef {
+    pub name: String,
+    pub description: Option<String>,
+    pub model: ModelRef,
+    /// The sandbox tools it may use (`exec`, `read_file`, `write_file`).
+    pub tools: Vec<ToolName>,
+    /// Tools this agent and everything below it may not use (I-25).
+    pub deny: Vec<String>,
+    pub subagents: Vec<String>,
+    pub sandbox: SandboxMode,
+    pub network: Network,
+    /// Secret names; values come from the node's environment (I-27).
+    pub secrets: Vec<String>,
+    /// The most one job of this agent may be granted, in tokens.
+    pub budget_tokens: Option<u64>,
+    pub max_turns: Option<u32>,
+    pub timeout: Option<Duration>,
+    pub script: Vec<ScriptTurn>,
+    /// The markdown body: the system prompt.
+    pub prompt: String,
+}
+
+/// The front matter exactly as written. Unknown keys are an error.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FrontMatter {
+    pub name: Option<String>,
+    pub description: Option<String>,
+    pub model: Option<String>,
+    #[serde(default)]
+    pub tools: Vec<ToolName>,
+    #[serde(default)]
+    pub deny: Vec<String>,
+    #[serde(default)]
+    pub subagents: Vec<String>,
+    pub sandbox: Option<SandboxMode>,
+    pub network: Option<Network>,
+    #[serde(default)]
+    pub secrets: Vec<String>,
+    pub budget: Option<BudgetArg>,
+    pub max_turns: Option<u32>,
+    pub timeout: Option<String>,
+    #[serde(default)]
+    pub script: Vec<ScriptTurnSpec>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ModelRef {
+    /// The offline, deterministic model: the agent's `script:` is its answers.
+    Scripted,
+    /// `provider/model` from arbor.toml.
+    Provider { provider: String, model: String },
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SandboxMode {
+    /// A subdirectory of the parent's workdir; tools are cut to the parent's.
+    #[default]
+    Shared,
+    /// Its own workdir, tools and secrets; it cannot delegate further (I-26).
+    Own,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Network {
+    #[default]
+    None,
+    Open,
+}
+
+/// One scripted model response.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ScriptTurn {
+    pub say: Option<String>,
+    pub calls: Vec<ScriptCall>,
+    pub usage: Option<ScriptUsage>,
+    pub delay: Option<Duration>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ScriptCall {
+    pub tool: String,
+    /// Checked when the call is made, not when the agent loads: scripts call
+    /// tools wrongly on purpose to test that.
+    pub args: serde_json::Value,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScriptUsage {
+    #[serde(default)]
+    pub input: u64,
+    #[serde(default)]
+    pub output: u64,
+}
+
+/// A turn as written in YAML.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScriptTurnSpec {
+    pub say: Option<String>,
+    pub call: Option<OneOrMany<ScriptCallSpec>>,
+    pub usage: Option<ScriptUsage>,
+    pub delay: Option<String>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScriptCallSpec {
+    pub tool: String,
+    #[serde(default)]
+    pub args: Option<serde_json::Value>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum OneOrMany<T> {
+    One(T),
+    Many(Vec<T>),
+}
+
+impl<T> OneOrMany<T> {
+    pub fn into_vec(self) -> Vec<T> {
+        match self {
+            OneOrMany::One(one) => vec![one],
+            OneOrMany::Many(many) => many,
+        }
+    }
+}

@@ -1,0 +1,158 @@
+//! Events: every state change of a run emits one (I-39). They are journaled,
+//! streamed to watchers, and folded into a `Tree` by whoever wants the picture.
+
+use crate::{ErrorClass, JobId, Refusal, RunId, Status, TaskStatus};
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    /// Node-wide order of emission.
+    pub seq: u64,
+    pub run: RunId,
+    /// Milliseconds since the Unix epoch.
+    pub at_ms: u64,
+    pub kind: EventKind,
+}
+
+/// Who an account or a child belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ParentRef {
+    Run(RunId),
+    Job(JobId),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NodeKind {
+    Run,
+    Step,
+    Job,
+}
+
+impl NodeKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NodeKind::Run => "run",
+            NodeKind::Step => "step",
+            NodeKind::Job => "job",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum EventKind {
+    RunStarted {
+        flow: String,
+        budget_tokens: u64,
+    },
+    RunFinished {
+        status: Status,
+        error_class: Option<ErrorClass>,
+        reason: Option<String>,
+        output: serde_json::Value,
+    },
+    /// A step or job was admitted: its grant is held and its record is durable.
+    NodeSpawned {
+        id: JobId,
+        parent: ParentRef,
+        kind: NodeKind,
+        agent: String,
+        label: Option<String>,
+        depth: u32,
+        attempt: u32,
+        grant_tokens: u64,
+        workdir: String,
+    },
+    NodeRunning {
+        id: JobId,
+    },
+    NodeFinished {
+        id: JobId,
+        status: Status,
+        task_status: Option<TaskStatus>,
+        error_class: Option<ErrorClass>,
+        /// Why it failed or was stopped, in words.
+        reason: Option<String>,
+        /// A stop that came from above (the parent ended or was stopped).
+        propagated: bool,
+        output: serde_json::Value,
+        error: Option<String>,
+        limitations: Vec<String>,
+        artifacts: Vec<String>,
+        turns: u32,
+        tokens_spent: u64,
+    },
+    /// An account's figures after a change; `available = grant - spent - held`.
+    AccountChanged {
+        owner: ParentRef,
+        grant: u64,
+        spent: u64,
+        held: u64,
+    },
+    /// I-12: spend crossed the wind-down share of the grant; emitted once.
+    WindDown {
+        owner: ParentRef,
+        spent: u64,
+        grant: u64,
+    },
+    ModelCalled {
+        id: JobId,
+        turn: u32,
+        reserved: u64,
+        input_tokens: u64,
+        output_tokens: u64,
+        truncated: bool,
+        wind_down: bool,
+    },
+    ToolCalled {
+        id: JobId,
+        turn: u32,
+        tool: String,
+        ok: bool,
+        detail: String,
+    },
+    Refused {
+        id: JobId,
+        tool: String,
+        refusal: Refusal,
+    },
+    /// I-20: a message for a job was queued; delivered or discarded later.
+    SteerQueued {
+        id: JobId,
+        message_id: u64,
+    },
+    SteerDelivered {
+        id: JobId,
+        message_id: u64,
+        turn: u32,
+    },
+    SteerDiscarded {
+        id: JobId,
+        message_id: u64,
+    },
+}
+
+impl EventKind {
+    /// The step or job an event is about, if any.
+    pub fn job(&self) -> Option<JobId> {
+        use EventKind::*;
+        match self {
+            NodeSpawned { id, .. }
+            | NodeRunning { id }
+            | NodeFinished { id, .. }
+            | ModelCalled { id, .. }
+            | ToolCalled { id, .. }
+            | Refused { id, .. }
+            | SteerQueued { id, .. }
+            | SteerDelivered { id, .. }
+            | SteerDiscarded { id, .. } => Some(*id),
+            AccountChanged { owner, .. } | WindDown { owner, .. } => match owner {
+                ParentRef::Job(id) => Some(*id),
+                ParentRef::Run(_) => None,
+            },
+            RunStarted { .. } | RunFinished { .. } => None,
+        }
+    }
+}

@@ -1,0 +1,31 @@
+//! arbor's plain data: the words every other crate speaks.
+//!
+//! Invariant: nothing here knows tokio, ractor, sled or HTTP. Everything is
+//! serde data that can cross a process boundary or be printed.
+
+pub mod agent;
+pub mod event;
+pub mod ids;
+pub mod limits;
+pub mod refusal;
+pub mod result;
+pub mod spec;
+pub mod status;
+pub mod tools;
+pub mod tree;
+
+mod duration_str;
+
+pub use agent::{AgentDef, ModelRef, Network, SandboxMode, ScriptCall, ScriptTurn, ScriptUsage};
+pub use event::{Event, EventKind, NodeKind, ParentRef};
+pub use ids::{JobId, RunId};
+pub use limits::Limits;
+pub use refusal::Refusal;
+pub use result::{ResultEnvelope, Usage};
+pub use spec::{FlowGroup, FlowSpec, RunSpec, StepSpec};
+pub use status::{ErrorClass, Status, TaskStatus};
+pub use tools::{
+    BudgetArg, CollectArgs, DelegateArgs, ExecArgs, JobArgs, OnFailure, ReadFileArgs,
+    SendMessageArgs, StopChildArgs, SubmitOutputArgs, ToolName, WriteFileArgs,
+};
+pub use tree::{AccountView, Tree, TreeNode};

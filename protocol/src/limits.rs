@@ -1,0 +1,69 @@
+//! The caps of I-03 to I-12, with their defaults. `arbor.toml [limits]` overrides them.
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// I-03: how deep jobs may go below a step (a step is depth 0).
+    pub depth: u32,
+    /// I-04: children in one delegate call.
+    pub fan_out: u32,
+    /// I-04: children running at once under one parent.
+    pub running_children: u32,
+    /// I-05: spawns per run, retries included, never refunded.
+    pub spawn_cap: u64,
+    /// I-08: the share of its available budget one delegate call may grant.
+    pub grant_fraction: f64,
+    /// I-12: the share of a grant after which model requests carry a wind-down notice.
+    pub wind_down: f64,
+    /// The most output tokens one model call may ask for; the account may allow fewer.
+    pub max_output_tokens: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            depth: 2,
+            fan_out: 16,
+            running_children: 16,
+            spawn_cap: 1000,
+            grant_fraction: 0.5,
+            wind_down: 0.8,
+            max_output_tokens: 4096,
+        }
+    }
+}
+
+impl Limits {
+    /// Checks every limit is usable; a zero cap would silently forbid all work
+    /// and a fraction outside (0, 1] would over- or never grant.
+    pub fn validate(&self) -> Result<(), String> {
+        let fraction_ok = |f: f64| f.is_finite() && f > 0.0 && f <= 1.0;
+        if self.fan_out == 0 {
+            return Err("limits.fan_out must be at least 1".into());
+        }
+        if self.running_children == 0 {
+            return Err("limits.running_children must be at least 1".into());
+        }
+        if self.spawn_cap == 0 {
+            return Err("limits.spawn_cap must be at least 1".into());
+        }
+        if !fraction_ok(self.grant_fraction) {
+            return Err(format!(
+                "limits.grant_fraction must be in (0, 1], got {}",
+                self.grant_fraction
+            ));
+        }
+        if !fraction_ok(self.wind_down) {
+            return Err(format!(
+                "limits.wind_down must be in (0, 1], got {}",
+                self.wind_down
+            ));
+        }
+        if self.max_output_tokens == 0 {
+            return Err("limits.max_output_tokens must be at least 1".into());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,39 @@
+//! Why a request was refused. A refusal changes nothing (I-04, I-06, I-36): it is
+//! returned as data, shown to the model as an error result, and journaled as an event.
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[serde(tag = "refusal", rename_all = "snake_case")]
+pub enum Refusal {
+    #[error("tool {tool} is not offered to this agent{why}")]
+    ToolNotOffered { tool: String, why: String },
+    #[error("bad arguments for {tool}: {message}")]
+    BadArguments { tool: String, message: String },
+    #[error("depth cap {cap} reached: a job at depth {depth} cannot delegate")]
+    DepthCap { depth: u32, cap: u32 },
+    #[error("fan-out cap: {asked} children in one call, at most {cap}")]
+    FanOutCap { asked: u32, cap: u32 },
+    #[error("running children cap: {running} running + {asked} asked > {cap}")]
+    RunningChildrenCap { running: u32, asked: u32, cap: u32 },
+    #[error("run spawn cap: {spawned} spawned + {asked} asked > {cap}")]
+    SpawnCap { spawned: u64, asked: u64, cap: u64 },
+    #[error("agent {agent:?} is not a sub-agent of {parent:?} (it may delegate to: {allowed})")]
+    NotASubagent {
+        agent: String,
+        parent: String,
+        allowed: String,
+    },
+    #[error("budget: {message}")]
+    Budget { message: String },
+    #[error("label {label:?} is already used by another child")]
+    DuplicateLabel { label: String },
+    #[error("no child {child:?} (known: {known})")]
+    UnknownChild { child: String, known: String },
+    #[error("child {child} has already ended ({status}); the message was not queued")]
+    ChildEnded { child: String, status: String },
+    #[error("this job is stopping; nothing new starts under it")]
+    Stopping,
+    #[error("{message}")]
+    Invalid { message: String },
+}

@@ -1,0 +1,41 @@
+//! I-21: the result envelope a parent receives for each child.
+
+use crate::{ErrorClass, JobId, Status, TaskStatus};
+use serde::{Deserialize, Serialize};
+
+/// Tokens spent by model calls (input + output).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+}
+
+impl Usage {
+    pub fn total(&self) -> u64 {
+        self.input_tokens + self.output_tokens
+    }
+}
+
+/// What a parent's `collect` returns for one child, and what a run reports for a step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ResultEnvelope {
+    pub job: JobId,
+    pub label: Option<String>,
+    pub attempt: u32,
+    pub agent: String,
+    pub status: Status,
+    pub task_status: Option<TaskStatus>,
+    /// The answer; null when stopped (I-16) or none was given.
+    pub output: serde_json::Value,
+    pub error: Option<String>,
+    pub error_class: Option<ErrorClass>,
+    pub limitations: Vec<String>,
+    /// Workdir-relative paths the runtime saw the job write (I-24).
+    pub artifacts: Vec<String>,
+    /// Tokens spent by the job and every settled descendant.
+    pub tokens_spent: u64,
+    /// Micro-dollars; 0 until prices are configured.
+    pub usd_micros_spent: u64,
+    pub turns: u32,
+    pub workdir: String,
+}

@@ -1,0 +1,119 @@
+//! Statuses of runs, steps and jobs, and what the agent says of its own work.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// Lifecycle of a run, step or job: pending -> running -> done | failed | stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    Pending,
+    Running,
+    Done,
+    Failed,
+    Stopped,
+}
+
+impl Status {
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Status::Done | Status::Failed | Status::Stopped)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Pending => "pending",
+            Status::Running => "running",
+            Status::Done => "done",
+            Status::Failed => "failed",
+            Status::Stopped => "stopped",
+        }
+    }
+}
+
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// I-22: what the work achieved, ordered best first. Machine checks can only lower it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskStatus {
+    // Declared worst first so that `Ord` and `min` mean "the lower of".
+    Failed,
+    Blocked,
+    Partial,
+    Completed,
+}
+
+impl TaskStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TaskStatus::Completed => "completed",
+            TaskStatus::Partial => "partial",
+            TaskStatus::Blocked => "blocked",
+            TaskStatus::Failed => "failed",
+        }
+    }
+}
+
+impl fmt::Display for TaskStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why a node failed, as a class a program can match on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorClass {
+    /// I-13: the root ceiling was reached.
+    BudgetExhausted,
+    /// I-19: the wall-clock timeout fired.
+    Timeout,
+    /// The model adapter failed.
+    Model,
+    /// I-23: the provider's usage cap; never retried.
+    ModelUsageCap,
+    /// I-23: the provider refused our credentials; never retried.
+    ModelAuth,
+    /// I-38: a panic was contained.
+    Panicked,
+    /// The agent's own work failed its checks or it declared failure.
+    Task,
+    /// The node restarted under it (I-30).
+    Interrupted,
+    /// It could not start.
+    Start,
+}
+
+impl ErrorClass {
+    /// I-23: classes after which a retry could only waste budget or repeat the refusal.
+    pub fn is_retryable(self) -> bool {
+        !matches!(
+            self,
+            ErrorClass::BudgetExhausted | ErrorClass::ModelUsageCap | ErrorClass::ModelAuth
+        )
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorClass::BudgetExhausted => "budget_exhausted",
+            ErrorClass::Timeout => "timeout",
+            ErrorClass::Model => "model",
+            ErrorClass::ModelUsageCap => "model_usage_cap",
+            ErrorClass::ModelAuth => "model_auth",
+            ErrorClass::Panicked => "panicked",
+            ErrorClass::Task => "task",
+            ErrorClass::Interrupted => "interrupted",
+            ErrorClass::Start => "start",
+        }
+    }
+}
+
+impl fmt::Display for ErrorClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}

@@ -1,0 +1,215 @@
+//! The tools an agent is offered, and their arguments as the model sends them.
+//!
+//! Every argument struct refuses unknown fields: a model (or a script) that
+//! passes `depth` or `run` in a job gets an error naming the field, so nothing
+//! in a request can reach lineage (I-02).
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolName {
+    Delegate,
+    Collect,
+    StopChild,
+    SendMessage,
+    Exec,
+    ReadFile,
+    WriteFile,
+    SubmitOutput,
+}
+
+impl ToolName {
+    pub const ALL: [ToolName; 8] = [
+        ToolName::Delegate,
+        ToolName::Collect,
+        ToolName::StopChild,
+        ToolName::SendMessage,
+        ToolName::Exec,
+        ToolName::ReadFile,
+        ToolName::WriteFile,
+        ToolName::SubmitOutput,
+    ];
+
+    /// The tools an agent.md `tools:` list may name.
+    pub const SANDBOX: [ToolName; 3] = [ToolName::Exec, ToolName::ReadFile, ToolName::WriteFile];
+
+    /// The tools offered to an agent that has sub-agents and is above the depth cap.
+    pub const DELEGATION: [ToolName; 4] = [
+        ToolName::Delegate,
+        ToolName::Collect,
+        ToolName::StopChild,
+        ToolName::SendMessage,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ToolName::Delegate => "delegate",
+            ToolName::Collect => "collect",
+            ToolName::StopChild => "stop_child",
+            ToolName::SendMessage => "send_message",
+            ToolName::Exec => "exec",
+            ToolName::ReadFile => "read_file",
+            ToolName::WriteFile => "write_file",
+            ToolName::SubmitOutput => "submit_output",
+        }
+    }
+}
+
+impl fmt::Display for ToolName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for ToolName {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        ToolName::ALL
+            .into_iter()
+            .find(|t| t.as_str() == s)
+            .ok_or_else(|| format!("unknown tool {s:?}"))
+    }
+}
+
+/// A budget as a request or a front matter states it. Integers of tokens only:
+/// `usd` is parsed so that it can be refused with a reason, not ignored.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BudgetArg {
+    pub tokens: Option<serde_json::Number>,
+    pub usd: Option<f64>,
+}
+
+impl BudgetArg {
+    /// I-09: a positive whole number of tokens, or a reason why not.
+    pub fn tokens(&self) -> Result<Option<u64>, String> {
+        if self.usd.is_some() {
+            return Err(
+                "budget.usd is not metered by this node yet (no prices are configured): give budget.tokens"
+                    .into(),
+            );
+        }
+        match &self.tokens {
+            None => Ok(None),
+            Some(n) => match n.as_u64() {
+                Some(0) => Err("budget.tokens must be at least 1 (0 never means unlimited)".into()),
+                Some(v) => Ok(Some(v)),
+                None => Err(format!("budget.tokens must be a positive whole number, got {n}")),
+            },
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnFailure {
+    /// The other children finish.
+    #[default]
+    Continue,
+    /// I-42: the first child that fails stops its still-running siblings.
+    CancelSiblings,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DelegateArgs {
+    pub jobs: Vec<JobArgs>,
+    #[serde(default = "yes")]
+    pub wait: bool,
+    #[serde(default)]
+    pub on_failure: OnFailure,
+    pub timeout: Option<String>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// One job in a delegate call. Only `agent` and `request` are required.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobArgs {
+    pub agent: String,
+    pub request: String,
+    pub label: Option<String>,
+    pub budget: Option<BudgetArg>,
+    pub max_turns: Option<i64>,
+    pub timeout: Option<String>,
+    pub retries: Option<i64>,
+    #[serde(default)]
+    pub deny: Vec<String>,
+    pub output_schema: Option<serde_json::Value>,
+    #[serde(default)]
+    pub require_artifacts: Vec<String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CollectArgs {
+    /// Labels or ids; empty means every child not yet collected.
+    #[serde(default)]
+    pub children: Vec<String>,
+    pub timeout: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StopChildArgs {
+    pub child: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SendMessageArgs {
+    pub child: String,
+    pub message: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExecArgs {
+    pub command: String,
+    pub timeout: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReadFileArgs {
+    pub path: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WriteFileArgs {
+    pub path: String,
+    pub content: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SubmitOutputArgs {
+    pub output: serde_json::Value,
+    pub task_status: Option<crate::TaskStatus>,
+    #[serde(default)]
+    pub limitations: Vec<String>,
+}
+
+/// Parses a humantime duration argument, naming the field in the error.
+pub fn parse_duration_arg(
+    field: &str,
+    text: Option<&str>,
+) -> Result<Option<std::time::Duration>, String> {
+    match text {
+        None => Ok(None),
+        Some(t) => {
+            let d = crate::duration_str::parse(t).map_err(|e| format!("{field}: {e}"))?;
+            if d.is_zero() {
+                return Err(format!("{field}: a timeout of 0 would stop at once"));
+            }
+            Ok(Some(d))
+        }
+    }
+}

@@ -1,0 +1,382 @@
+//! The run as a tree, folded from its events. This is what `arbor run --json`
+//! prints, what the live view draws and what tests read.
+
+use crate::event::{Event, EventKind, NodeKind, ParentRef};
+use crate::{ErrorClass, JobId, RunId, Status, TaskStatus};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+
+/// I-39: a job's events relayed into the run's timeline are bounded; past this
+/// many, one elision marker counts the rest.
+pub const EVENTS_PER_JOB: u64 = 200;
+
+/// One node of `arbor run --json` (shared/contract/run-output.schema.json).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TreeNode {
+    pub id: String,
+    pub kind: NodeKind,
+    pub agent: Option<String>,
+    pub label: Option<String>,
+    pub status: Status,
+    pub task_status: Option<TaskStatus>,
+    pub reason: Option<String>,
+    pub error_class: Option<ErrorClass>,
+    pub depth: u32,
+    pub attempt: u32,
+    pub account: AccountView,
+    pub output: serde_json::Value,
+    pub error: Option<String>,
+    pub limitations: Vec<String>,
+    pub artifacts: Vec<String>,
+    pub turns: u32,
+    pub events_elided: u64,
+    pub children: Vec<TreeNode>,
+}
+
+/// Tokens: granted to the node, spent by it and its settled descendants, held
+/// for running children and in-flight model calls.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AccountView {
+    pub grant: u64,
+    pub spent: u64,
+    pub held: u64,
+}
+
+impl AccountView {
+    pub fn available(&self) -> i128 {
+        self.grant as i128 - self.spent as i128 - self.held as i128
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Entry {
+    node: TreeNode,
+    parent: Option<JobId>,
+    children: Vec<JobId>,
+    /// Tokens its own model calls spent, to check that spent = own + settled children.
+    own_spent: u64,
+    events: u64,
+}
+
+/// A run's tree, built by applying its events in order.
+#[derive(Clone, Debug)]
+pub struct Tree {
+    run: RunId,
+    root: TreeNode,
+    root_children: Vec<JobId>,
+    root_own_spent: u64,
+    entries: HashMap<JobId, Entry>,
+    /// Every event applied, as the run's bounded timeline would keep them.
+    timeline_len: u64,
+}
+
+impl Tree {
+    pub fn new(run: RunId) -> Self {
+        Self {
+            run,
+            root: TreeNode {
+                id: run.to_string(),
+                kind: NodeKind::Run,
+                agent: None,
+                label: None,
+                status: Status::Pending,
+                task_status: None,
+                reason: None,
+                error_class: None,
+                depth: 0,
+                attempt: 1,
+                account: AccountView::default(),
+                output: serde_json::Value::Null,
+                error: None,
+                limitations: vec![],
+                artifacts: vec![],
+                turns: 0,
+                events_elided: 0,
+                children: vec![],
+            },
+            root_children: vec![],
+            root_own_spent: 0,
+            entries: HashMap::new(),
+            timeline_len: 0,
+        }
+    }
+
+    pub fn run_id(&self) -> RunId {
+        self.run
+    }
+
+    /// Folds one event in. Events of other runs are ignored.
+    pub fn apply(&mut self, event: &Event) {
+        if event.run != self.run {
+            return;
+        }
+        if let Some(id) = event.kind.job()
+            && let Some(entry) = self.entries.get_mut(&id)
+        {
+            entry.events += 1;
+            if entry.events > EVENTS_PER_JOB {
+                entry.node.events_elided += 1;
+                // Counted, not kept: the state change below still applies.
+            } else {
+                self.timeline_len += 1;
+            }
+        } else {
+            self.timeline_len += 1;
+        }
+        match &event.kind {
+            EventKind::RunStarted { budget_tokens, .. } => {
+                self.root.status = Status::Running;
+                self.root.account.grant = *budget_tokens;
+            }
+            EventKind::RunFinished {
+                status,
+                error_class,
+                reason,
+                output,
+            } => {
+                self.root.status = *status;
+                self.root.error_class = *error_class;
+                self.root.reason = reason.clone();
+                self.root.output = output.clone();
+                self.root.task_status = match status {
+                    Status::Done => Some(TaskStatus::Completed),
+                    _ => None,
+                };
+            }
+            EventKind::NodeSpawned {
+                id,
+                parent,
+                kind,
+                agent,
+                label,
+                depth,
+                attempt,
+                grant_tokens,
+                ..
+            } => {
+                let parent_job = match parent {
+                    ParentRef::Run(_) => {
+                        self.root_children.push(*id);
+                        None
+                    }
+                    ParentRef::Job(p) => {
+                        if let Some(pe) = self.entries.get_mut(p) {
+                            pe.children.push(*id);
+                        }
+                        Some(*p)
+                    }
+                };
+                let mut node = self.root.clone();
+                node.id = id.to_string();
+                node.kind = *kind;
+                node.agent = Some(agent.clone());
+                node.label = label.clone();
+                node.status = Status::Pending;
+                node.depth = *depth;
+                node.attempt = *attempt;
+                node.account = AccountView {
+                    grant: *grant_tokens,
+                    spent: 0,
+                    held: 0,
+                };
+                node.output = serde_json::Value::Null;
+                node.error_class = None;
+                node.reason = None;
+                node.task_status = None;
+                node.children = vec![];
+                self.entries.insert(
+                    *id,
+                    Entry {
+                        node,
+                        parent: parent_job,
+                        children: vec![],
+                        own_spent: 0,
+                        events: 1,
+                    },
+                );
+            }
+            EventKind::NodeRunning { id } => {
+                if let Some(e) = self.entries.get_mut(id)
+                    && !e.node.status.is_terminal()
+                {
+                    e.node.status = Status::Running;
+                }
+            }
+            EventKind::NodeFinished {
+                id,
+                status,
+                task_status,
+                error_class,
+                reason,
+                output,
+                error,
+                limitations,
+                artifacts,
+                turns,
+                ..
+            } => {
+                if let Some(e) = self.entries.get_mut(id) {
+                    let n = &mut e.node;
+                    n.status = *status;
+                    n.task_status = *task_status;
+                    n.error_class = *error_class;
+                    n.reason = reason.clone();
+                    n.output = output.clone();
+                    n.error = error.clone();
+                    n.limitations = limitations.clone();
+                    n.artifacts = artifacts.clone();
+                    n.turns = *turns;
+                }
+            }
+            EventKind::AccountChanged {
+                owner,
+                grant,
+                spent,
+                held,
+            } => {
+                let view = AccountView {
+                    grant: *grant,
+                    spent: *spent,
+                    held: *held,
+                };
+                match owner {
+                    ParentRef::Run(_) => self.root.account = view,
+                    ParentRef::Job(id) => {
+                        if let Some(e) = self.entries.get_mut(id) {
+                            e.node.account = view;
+                        }
+                    }
+                }
+            }
+            EventKind::ModelCalled {
+                id,
+                input_tokens,
+                output_tokens,
+                ..
+            } => {
+                if let Some(e) = self.entries.get_mut(id) {
+                    e.own_spent += input_tokens + output_tokens;
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// The whole tree, children in spawn order.
+    pub fn root(&self) -> TreeNode {
+        let mut root = self.root.clone();
+        root.children = self.root_children.iter().map(|c| self.build(*c)).collect();
+        root
+    }
+
+    fn build(&self, id: JobId) -> TreeNode {
+        let e = &self.entries[&id];
+        let mut node = e.node.clone();
+        node.children = e.children.iter().map(|c| self.build(*c)).collect();
+        node
+    }
+
+    pub fn node(&self, id: JobId) -> Option<&TreeNode> {
+        self.entries.get(&id).map(|e| &e.node)
+    }
+
+    pub fn parent_of(&self, id: JobId) -> Option<JobId> {
+        self.entries.get(&id).and_then(|e| e.parent)
+    }
+
+    pub fn children_of(&self, id: JobId) -> Vec<JobId> {
+        self.entries
+            .get(&id)
+            .map(|e| e.children.clone())
+            .unwrap_or_default()
+    }
+
+    /// Every step and job, in no particular order.
+    pub fn nodes(&self) -> impl Iterator<Item = (JobId, &TreeNode)> {
+        self.entries.iter().map(|(id, e)| (*id, &e.node))
+    }
+
+    /// The first node with this label (or agent name when no label matches).
+    pub fn find(&self, label_or_agent: &str) -> Option<JobId> {
+        let mut by_label: Vec<_> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.node.label.as_deref() == Some(label_or_agent))
+            .map(|(id, _)| *id)
+            .collect();
+        if by_label.is_empty() {
+            by_label = self
+                .entries
+                .iter()
+                .filter(|(_, e)| e.node.agent.as_deref() == Some(label_or_agent))
+                .map(|(id, _)| *id)
+                .collect();
+        }
+        by_label.sort();
+        by_label.first().copied()
+    }
+
+    pub fn run_status(&self) -> Status {
+        self.root.status
+    }
+
+    /// I-14 at a quiescent point: for every account, grant = spent + held +
+    /// available with available >= 0, and spent = own model spend + the spent
+    /// of every settled child. Returns every breach, described.
+    pub fn check_conservation(&self) -> Result<(), Vec<String>> {
+        let mut breaches = vec![];
+        let mut check = |name: String, acct: AccountView, own: Option<u64>, kids: &[JobId]| {
+            if acct.available() < 0 {
+                breaches.push(format!(
+                    "{name}: spent {} + held {} exceed grant {}",
+                    acct.spent, acct.held, acct.grant
+                ));
+            }
+            let settled: u64 = kids
+                .iter()
+                .filter_map(|k| self.entries.get(k))
+                .filter(|k| k.node.status.is_terminal())
+                .map(|k| k.node.account.spent)
+                .sum();
+            let running_grants: u64 = kids
+                .iter()
+                .filter_map(|k| self.entries.get(k))
+                .filter(|k| !k.node.status.is_terminal())
+                .map(|k| k.node.account.grant)
+                .sum();
+            if let Some(own) = own
+                && acct.spent != own + settled
+            {
+                breaches.push(format!(
+                    "{name}: spent {} != own {} + settled children {}",
+                    acct.spent, own, settled
+                ));
+            }
+            if acct.held < running_grants {
+                breaches.push(format!(
+                    "{name}: held {} < grants of running children {}",
+                    acct.held, running_grants
+                ));
+            }
+        };
+        check(
+            format!("run {}", self.run),
+            self.root.account,
+            Some(self.root_own_spent),
+            &self.root_children,
+        );
+        for (id, e) in &self.entries {
+            check(
+                format!("{} {}", e.node.kind.as_str(), id),
+                e.node.account,
+                Some(e.own_spent),
+                &e.children,
+            );
+        }
+        if breaches.is_empty() {
+            Ok(())
+        } else {
+            Err(breaches)
+        }
+    }
+}
