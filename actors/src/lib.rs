@@ -1,1 +1,26 @@
+//! arbor's actors: the node, runs, jobs (steps and delegated jobs), sandboxes
+//! and accounts, supervised as one tree; and the agent loop they share.
+//!
+//! Invariant: nothing here knows HTTP, reqwest, config files or argv. The
+//! outside world comes in through `Model`/`ModelFactory` and the journal.
 
+pub mod account;
+pub mod agent_loop;
+pub mod context;
+pub mod events;
+pub mod job;
+pub mod model;
+pub mod node;
+pub mod policy;
+pub mod run;
+pub mod sandbox;
+
+pub use account::{Account, AccountMsg, CallHold, GrantAsk, Ledger, Share, SpentMeter};
+pub use context::{NodeContext, RunContext};
+pub use events::EventBus;
+pub use job::{ChildHandle, Job, JobMsg};
+pub use model::{Message, Model, ModelError, ModelFactory, ModelReply, ModelRequest, ToolCall};
+pub use node::{Node, NodeArgs, NodeMsg};
+pub use policy::Policy;
+pub use run::{Run, RunMsg};
+pub use sandbox::{ExecOutcome, Sandbox, SandboxMsg};

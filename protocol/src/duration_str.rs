@@ -5,4 +5,3 @@ use std::time::Duration;
 pub fn parse(text: &str) -> Result<Duration, String> {
     humantime::parse_duration(text.trim()).map_err(|e| format!("bad duration {text:?}: {e}"))
 }
-

@@ -97,7 +97,9 @@ impl BudgetArg {
             Some(n) => match n.as_u64() {
                 Some(0) => Err("budget.tokens must be at least 1 (0 never means unlimited)".into()),
                 Some(v) => Ok(Some(v)),
-                None => Err(format!("budget.tokens must be a positive whole number, got {n}")),
+                None => Err(format!(
+                    "budget.tokens must be a positive whole number, got {n}"
+                )),
             },
         }
     }

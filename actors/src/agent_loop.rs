@@ -1,0 +1,658 @@
+//! The agent loop that steps and jobs share: a model in a tool loop.
+//!
+//! It runs as a task owned by its job actor, never inside a handler, so the
+//! actor serves stop, steer and status while a model call or a command runs.
+//! Everything that touches the tree (delegate, collect, stop, steer) is a
+//! message to the job actor; every model call is reserved with the account
+//! first (I-11) and settled on the reported usage.
+//!
+//! Invariants:
+//! 1. No model request is sent without a reservation covering its worst case.
+//! 2. Steering messages enter the history only at a turn boundary (I-20).
+//! 3. The wind-down notice rides on the request and never enters the history (I-12).
+//! 4. A tool that panics is one error result; the loop goes on (I-38).
+
+use crate::account::{AccountMsg, CallHold};
+use crate::context::NodeContext;
+use crate::job::JobMsg;
+use crate::model::{Message, Model, ModelError, ModelRequest, ToolCall};
+use crate::sandbox::SandboxMsg;
+use arbor_protocol::tools::parse_duration_arg;
+use arbor_protocol::{
+    AgentDef, CollectArgs, DelegateArgs, ErrorClass, EventKind, ExecArgs, JobId, ReadFileArgs,
+    Refusal, RunId, SendMessageArgs, StopChildArgs, SubmitOutputArgs, TaskStatus, ToolName,
+    WriteFileArgs,
+};
+use futures::FutureExt;
+use ractor::{ActorRef, RpcReplyPort};
+use serde::de::DeserializeOwned;
+use std::collections::BTreeMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use tokio_util::sync::CancellationToken;
+
+/// The notice a model request carries once spend has crossed the wind-down share.
+pub const WIND_DOWN_NOTICE: &str = "Budget notice: most of your budget is spent. Finish now: submit your best answer with submit_output, and list what is missing in limitations.";
+
+pub struct LoopArgs {
+    pub ctx: Arc<NodeContext>,
+    pub run: RunId,
+    pub id: JobId,
+    pub job: ActorRef<JobMsg>,
+    pub account: ActorRef<AccountMsg>,
+    pub sandbox: ActorRef<SandboxMsg>,
+    pub model: Arc<dyn Model>,
+    pub agent: Arc<AgentDef>,
+    pub offered: BTreeMap<ToolName, Result<(), String>>,
+    pub request: String,
+    pub max_turns: u32,
+    pub cancel: CancellationToken,
+}
+
+/// How the loop ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LoopEnd {
+    /// The agent called submit_output.
+    Submitted,
+    /// A model answer with no tool call (it declares completed).
+    FinalAnswer,
+    TurnCap,
+    /// The account could not cover the next call (I-13).
+    BudgetExhausted,
+    /// The model failed or the job's actor went away.
+    Failed,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoopOutcome {
+    pub end: LoopEnd,
+    pub declared: Option<TaskStatus>,
+    pub output: serde_json::Value,
+    pub limitations: Vec<String>,
+    pub error: Option<(ErrorClass, String)>,
+    pub turns: u32,
+    /// The agent said something that can stand as a partial answer.
+    pub produced: bool,
+}
+
+impl LoopOutcome {
+    pub fn failed(class: ErrorClass, message: String, turns: u32) -> Self {
+        Self {
+            end: LoopEnd::Failed,
+            declared: None,
+            output: serde_json::Value::Null,
+            limitations: vec![],
+            error: Some((class, message)),
+            turns,
+            produced: false,
+        }
+    }
+}
+
+/// Runs the loop to its end. Never panics: a panic in the model adapter is
+/// caught by the caller (`Job`), a panic in a tool here.
+pub async fn run(args: LoopArgs) -> LoopOutcome {
+    let mut history = vec![Message::User(args.request.clone())];
+    let tools: Vec<ToolName> = args
+        .offered
+        .iter()
+        .filter(|(_, v)| v.is_ok())
+        .map(|(t, _)| *t)
+        .collect();
+    let mut turn: u32 = 0;
+    let mut last_text: Option<String> = None;
+    loop {
+        if turn >= args.max_turns {
+            return ended_without_answer(
+                LoopEnd::TurnCap,
+                last_text,
+                turn,
+                format!("turn cap {} reached", args.max_turns),
+            );
+        }
+        // Turn boundary: steering queued since the last turn comes in now, in order.
+        match ractor::call!(args.job, |reply| JobMsg::TakeSteering { turn, reply }) {
+            Ok(messages) => {
+                for text in messages {
+                    history.push(Message::User(format!("Message from your parent: {text}")));
+                }
+            }
+            Err(_) => {
+                return LoopOutcome::failed(
+                    ErrorClass::Start,
+                    "the job actor is gone".into(),
+                    turn,
+                );
+            }
+        }
+        let mut request = ModelRequest {
+            agent: args.agent.name.clone(),
+            system: args.agent.prompt.clone(),
+            messages: history.clone(),
+            tools: tools.clone(),
+            max_output_tokens: args.ctx.limits.max_output_tokens,
+            wind_down: None,
+            turn,
+        };
+        let input_estimate = args.model.count_input(&request);
+        let hold: CallHold = match ractor::call!(args.account, |reply| AccountMsg::ReserveCall {
+            input_estimate,
+            max_output_limit: args.ctx.limits.max_output_tokens,
+            reply,
+        }) {
+            Ok(Ok(hold)) => hold,
+            Ok(Err(refusal)) => {
+                return ended_without_answer(
+                    LoopEnd::BudgetExhausted,
+                    last_text,
+                    turn,
+                    refusal.to_string(),
+                );
+            }
+            Err(_) => {
+                return LoopOutcome::failed(ErrorClass::Start, "the account is gone".into(), turn);
+            }
+        };
+        request.max_output_tokens = hold.max_output;
+        if hold.wind_down {
+            request.wind_down = Some(WIND_DOWN_NOTICE.to_string());
+        }
+        let answer = tokio::select! {
+            answer = AssertUnwindSafe(args.model.complete(request)).catch_unwind() => answer,
+            _ = args.cancel.cancelled() => {
+                // The call's hold is released with the account; nothing came back to charge.
+                settle(&args, hold.reserved, 0).await;
+                return LoopOutcome::failed(ErrorClass::Start, "stopped".into(), turn);
+            }
+        };
+        let reply = match answer {
+            Ok(Ok(reply)) => reply,
+            Ok(Err(ModelError { class, message })) => {
+                settle(&args, hold.reserved, 0).await;
+                return LoopOutcome::failed(class, format!("model call failed: {message}"), turn);
+            }
+            Err(panic) => {
+                settle(&args, hold.reserved, 0).await;
+                return LoopOutcome::failed(
+                    ErrorClass::Panicked,
+                    format!("the model adapter panicked: {}", panic_message(&panic)),
+                    turn,
+                );
+            }
+        };
+        let spent = reply.usage.total();
+        settle(&args, hold.reserved, spent).await;
+        args.ctx.events.emit(
+            args.run,
+            EventKind::ModelCalled {
+                id: args.id,
+                turn,
+                reserved: hold.reserved,
+                input_tokens: reply.usage.input_tokens,
+                output_tokens: reply.usage.output_tokens,
+                truncated: reply.truncated,
+                wind_down: hold.wind_down,
+            },
+        );
+        turn += 1;
+        if let Some(text) = reply.text.as_ref().filter(|t| !t.trim().is_empty()) {
+            last_text = Some(text.clone());
+        }
+        history.push(Message::Assistant {
+            text: reply.text.clone(),
+            calls: reply.calls.clone(),
+        });
+        if reply.calls.is_empty() {
+            // A final answer declares completed (I-22); an empty one is graded later.
+            let output = reply
+                .text
+                .map(serde_json::Value::String)
+                .unwrap_or(serde_json::Value::Null);
+            return LoopOutcome {
+                end: LoopEnd::FinalAnswer,
+                declared: Some(TaskStatus::Completed),
+                output,
+                limitations: vec![],
+                error: None,
+                turns: turn,
+                produced: last_text.is_some(),
+            };
+        }
+        for call in reply.calls {
+            let tool = call.tool.clone();
+            let result = AssertUnwindSafe(call_tool(&args, turn, &call))
+                .catch_unwind()
+                .await
+                .unwrap_or_else(|panic| {
+                    Step::Result(Err(format!("the tool panicked: {}", panic_message(&panic))))
+                });
+            match result {
+                Step::Submit(submitted) => {
+                    args.ctx.events.emit(
+                        args.run,
+                        EventKind::ToolCalled {
+                            id: args.id,
+                            turn,
+                            tool,
+                            ok: true,
+                            detail: "submitted".into(),
+                        },
+                    );
+                    return LoopOutcome {
+                        end: LoopEnd::Submitted,
+                        declared: Some(submitted.task_status.unwrap_or(TaskStatus::Completed)),
+                        output: submitted.output,
+                        limitations: submitted.limitations,
+                        error: None,
+                        turns: turn,
+                        produced: true,
+                    };
+                }
+                Step::Result(result) => {
+                    let (ok, content) = match result {
+                        Ok(v) => (true, v.to_string()),
+                        Err(e) => (false, e),
+                    };
+                    args.ctx.events.emit(
+                        args.run,
+                        EventKind::ToolCalled {
+                            id: args.id,
+                            turn,
+                            tool,
+                            ok,
+                            detail: clip(&content, 300),
+                        },
+                    );
+                    history.push(Message::ToolResult {
+                        call_id: call.id.clone(),
+                        content,
+                        is_error: !ok,
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// I-22: the task status a loop's end earns, lowered by the machine checks.
+/// Pure: every rule is a row in the unit table below.
+pub fn grade(
+    outcome: &LoopOutcome,
+    schema_error: Option<&str>,
+    missing_artifacts: &[String],
+) -> (TaskStatus, Vec<String>) {
+    let mut notes = vec![];
+    let mut status = match outcome.end {
+        LoopEnd::Submitted | LoopEnd::FinalAnswer => {
+            outcome.declared.unwrap_or(TaskStatus::Completed)
+        }
+        LoopEnd::TurnCap | LoopEnd::BudgetExhausted => {
+            if outcome.produced {
+                TaskStatus::Partial
+            } else {
+                TaskStatus::Failed
+            }
+        }
+        LoopEnd::Failed => TaskStatus::Failed,
+    };
+    if matches!(outcome.end, LoopEnd::Submitted | LoopEnd::FinalAnswer) && is_empty(&outcome.output)
+    {
+        status = TaskStatus::Failed;
+        notes.push("the answer is empty".to_string());
+    }
+    if let Some(error) = schema_error {
+        status = TaskStatus::Failed;
+        notes.push(format!("the output does not match its schema: {error}"));
+    }
+    if !missing_artifacts.is_empty() {
+        status = status.min(TaskStatus::Partial);
+        notes.push(format!(
+            "required artifacts missing: {}",
+            missing_artifacts.join(", ")
+        ));
+    }
+    (status, notes)
+}
+
+fn is_empty(output: &serde_json::Value) -> bool {
+    match output {
+        serde_json::Value::Null => true,
+        serde_json::Value::String(s) => s.trim().is_empty(),
+        _ => false,
+    }
+}
+
+fn ended_without_answer(
+    end: LoopEnd,
+    last_text: Option<String>,
+    turns: u32,
+    why: String,
+) -> LoopOutcome {
+    let produced = last_text.is_some();
+    let class = match end {
+        LoopEnd::BudgetExhausted => ErrorClass::BudgetExhausted,
+        _ => ErrorClass::Task,
+    };
+    LoopOutcome {
+        end,
+        declared: None,
+        output: last_text
+            .map(serde_json::Value::String)
+            .unwrap_or(serde_json::Value::Null),
+        limitations: vec![why.clone()],
+        error: Some((class, why)),
+        turns,
+        produced,
+    }
+}
+
+async fn settle(args: &LoopArgs, reserved: u64, spent: u64) {
+    let _ = ractor::call!(args.account, |reply| AccountMsg::SettleCall {
+        reserved,
+        spent,
+        reply
+    });
+}
+
+enum Step {
+    Submit(SubmitOutputArgs),
+    Result(Result<serde_json::Value, String>),
+}
+
+fn parse<T: DeserializeOwned>(tool: ToolName, args: &serde_json::Value) -> Result<T, String> {
+    let args = if args.is_null() {
+        serde_json::Value::Object(Default::default())
+    } else {
+        args.clone()
+    };
+    serde_json::from_value(args).map_err(|e| {
+        Refusal::BadArguments {
+            tool: tool.to_string(),
+            message: e.to_string(),
+        }
+        .to_string()
+    })
+}
+
+fn refusal_text(r: Refusal) -> String {
+    r.to_string()
+}
+
+async fn call_tool(args: &LoopArgs, turn: u32, call: &ToolCall) -> Step {
+    let Ok(tool) = call.tool.parse::<ToolName>() else {
+        return Step::Result(Err(format!("unknown tool {:?}", call.tool)));
+    };
+    if let Some(Err(why)) = args.offered.get(&tool) {
+        let refusal = Refusal::ToolNotOffered {
+            tool: tool.to_string(),
+            why: format!(": {why}"),
+        };
+        args.ctx.events.emit(
+            args.run,
+            EventKind::Refused {
+                id: args.id,
+                tool: tool.to_string(),
+                refusal: refusal.clone(),
+            },
+        );
+        return Step::Result(Err(refusal.to_string()));
+    }
+    let result = match tool {
+        ToolName::SubmitOutput => match parse::<SubmitOutputArgs>(tool, &call.args) {
+            Ok(submitted) => return Step::Submit(submitted),
+            Err(e) => Err(e),
+        },
+        ToolName::Delegate => delegate(args, &call.id, &call.args).await,
+        ToolName::Collect => collect(args, &call.args).await,
+        ToolName::StopChild => match parse::<StopChildArgs>(tool, &call.args) {
+            Ok(a) => actor_call(&args.job, |reply| JobMsg::StopChild {
+                child: a.child,
+                reply,
+            })
+            .await
+            .map(serde_json::Value::String),
+            Err(e) => Err(e),
+        },
+        ToolName::SendMessage => match parse::<SendMessageArgs>(tool, &call.args) {
+            Ok(a) => actor_call(&args.job, |reply| JobMsg::SendMessage {
+                child: a.child,
+                text: a.message,
+                reply,
+            })
+            .await
+            .map(|id| serde_json::json!({ "queued": true, "message_id": id })),
+            Err(e) => Err(e),
+        },
+        ToolName::Exec => match parse::<ExecArgs>(tool, &call.args) {
+            Ok(a) => match parse_duration_arg("timeout", a.timeout.as_deref()) {
+                Ok(timeout) => ractor::call!(args.sandbox, |reply| SandboxMsg::Exec {
+                    command: a.command,
+                    timeout,
+                    reply
+                })
+                .map_err(|e| format!("the sandbox is gone: {e}"))
+                .and_then(|outcome| {
+                    let value = serde_json::to_value(&outcome).unwrap_or_default();
+                    match outcome.error {
+                        Some(e) if outcome.exit_code.is_none() => Err(format!("{e}; {value}")),
+                        _ => Ok(value),
+                    }
+                }),
+                Err(e) => Err(e),
+            },
+            Err(e) => Err(e),
+        },
+        ToolName::ReadFile => match parse::<ReadFileArgs>(tool, &call.args) {
+            Ok(a) => ractor::call!(args.sandbox, |reply| SandboxMsg::ReadFile {
+                path: a.path,
+                reply
+            })
+            .map_err(|e| format!("the sandbox is gone: {e}"))
+            .and_then(|r| r.map(serde_json::Value::String)),
+            Err(e) => Err(e),
+        },
+        ToolName::WriteFile => match parse::<WriteFileArgs>(tool, &call.args) {
+            Ok(a) => {
+                let path = a.path.clone();
+                ractor::call!(args.sandbox, |reply| SandboxMsg::WriteFile {
+                    path: a.path,
+                    content: a.content,
+                    reply
+                })
+                .map_err(|e| format!("the sandbox is gone: {e}"))
+                .and_then(|r| r.map(|_| serde_json::json!({ "written": path })))
+            }
+            Err(e) => Err(e),
+        },
+    };
+    let _ = turn;
+    Step::Result(result)
+}
+
+async fn delegate(
+    args: &LoopArgs,
+    call_id: &str,
+    raw: &serde_json::Value,
+) -> Result<serde_json::Value, String> {
+    let delegate: DelegateArgs = parse(ToolName::Delegate, raw)?;
+    let timeout = parse_duration_arg("timeout", delegate.timeout.as_deref())?;
+    let wait = delegate.wait;
+    let handles = actor_call(&args.job, |reply| JobMsg::Delegate {
+        args: delegate,
+        call_id: call_id.to_string(),
+        reply,
+    })
+    .await?;
+    if !wait {
+        return Ok(serde_json::to_value(&handles).unwrap_or_default());
+    }
+    let labels = handles.iter().map(|h| h.label.clone()).collect();
+    let results = actor_call(&args.job, |reply| JobMsg::Collect {
+        children: labels,
+        timeout,
+        stop_on_timeout: true,
+        reply,
+    })
+    .await?;
+    Ok(serde_json::to_value(&results).unwrap_or_default())
+}
+
+async fn collect(args: &LoopArgs, raw: &serde_json::Value) -> Result<serde_json::Value, String> {
+    let collect: CollectArgs = parse(ToolName::Collect, raw)?;
+    let timeout = parse_duration_arg("timeout", collect.timeout.as_deref())?;
+    let results = actor_call(&args.job, |reply| JobMsg::Collect {
+        children: collect.children,
+        timeout,
+        stop_on_timeout: false,
+        reply,
+    })
+    .await?;
+    Ok(serde_json::to_value(&results).unwrap_or_default())
+}
+
+/// Calls the job actor; a refusal or a gone actor becomes the tool's error text.
+async fn actor_call<T: Send + 'static>(
+    job: &ActorRef<JobMsg>,
+    msg: impl FnOnce(RpcReplyPort<Result<T, Refusal>>) -> JobMsg,
+) -> Result<T, String> {
+    match job.call(msg, None).await {
+        Ok(ractor::rpc::CallResult::Success(Ok(v))) => Ok(v),
+        Ok(ractor::rpc::CallResult::Success(Err(refusal))) => Err(refusal_text(refusal)),
+        Ok(_) => Err("the job did not answer".into()),
+        Err(e) => Err(format!("the job actor is gone: {e}")),
+    }
+}
+
+pub fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "(no message)".into()
+    }
+}
+
+fn clip(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_string();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &text[..end])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn outcome(
+        end: LoopEnd,
+        declared: Option<TaskStatus>,
+        output: serde_json::Value,
+        produced: bool,
+    ) -> LoopOutcome {
+        LoopOutcome {
+            end,
+            declared,
+            output,
+            limitations: vec![],
+            error: None,
+            turns: 1,
+            produced,
+        }
+    }
+
+    fn check(case: (LoopOutcome, Option<&str>, &[&str]), expected: TaskStatus) {
+        let missing: Vec<String> = case.2.iter().map(|s| s.to_string()).collect();
+        let (got, _) = grade(&case.0, case.1, &missing);
+        assert_eq!(got, expected, "{:?}", case.0);
+    }
+
+    #[test]
+    fn inv_22_machine_checks_only_lower_what_the_agent_declared() {
+        use LoopEnd::{FinalAnswer, Submitted, TurnCap};
+        use TaskStatus::{Blocked, Completed, Partial};
+        const FAILED: TaskStatus = TaskStatus::Failed;
+        let ok = json!("answer");
+        check(
+            (
+                outcome(Submitted, Some(Completed), ok.clone(), true),
+                None,
+                &[],
+            ),
+            Completed,
+        );
+        check(
+            (
+                outcome(Submitted, Some(Blocked), ok.clone(), true),
+                None,
+                &[],
+            ),
+            Blocked,
+        );
+        check(
+            (
+                outcome(FinalAnswer, Some(Completed), ok.clone(), true),
+                None,
+                &[],
+            ),
+            Completed,
+        );
+        // an empty answer fails
+        check(
+            (
+                outcome(FinalAnswer, Some(Completed), json!(""), false),
+                None,
+                &[],
+            ),
+            FAILED,
+        );
+        check(
+            (
+                outcome(Submitted, Some(Completed), json!(null), true),
+                None,
+                &[],
+            ),
+            FAILED,
+        );
+        // turn cap: partial if anything was produced, else failed
+        check(
+            (outcome(TurnCap, None, ok.clone(), true), None, &[]),
+            Partial,
+        );
+        check(
+            (outcome(TurnCap, None, json!(null), false), None, &[]),
+            FAILED,
+        );
+        // a schema violation fails
+        check(
+            (
+                outcome(Submitted, Some(Completed), ok.clone(), true),
+                Some("bad"),
+                &[],
+            ),
+            FAILED,
+        );
+        // a missing artifact caps at partial, never raises
+        check(
+            (
+                outcome(Submitted, Some(Completed), ok.clone(), true),
+                None,
+                &["r.md"],
+            ),
+            Partial,
+        );
+        check(
+            (
+                outcome(Submitted, Some(Blocked), ok.clone(), true),
+                None,
+                &["r.md"],
+            ),
+            Blocked,
+        );
+    }
+}

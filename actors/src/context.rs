@@ -1,0 +1,69 @@
+//! What every actor of a node shares: the journal, the event bus, the agents,
+//! the models and the limits. Built once by the runtime, read-only after.
+
+use crate::events::EventBus;
+use crate::model::ModelFactory;
+use arbor_protocol::{AgentDef, Limits, Refusal, RunId};
+use arbor_storage::Journal;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+pub struct NodeContext {
+    pub journal: Journal,
+    pub events: EventBus,
+    pub limits: Limits,
+    pub agents: BTreeMap<String, Arc<AgentDef>>,
+    pub models: Arc<dyn ModelFactory>,
+    /// Workdirs are made below this: `<work_root>/<run>/...`.
+    pub work_root: PathBuf,
+}
+
+impl NodeContext {
+    pub fn agent(&self, name: &str) -> Option<Arc<AgentDef>> {
+        self.agents.get(name).cloned()
+    }
+}
+
+/// What the actors of one run share.
+pub struct RunContext {
+    pub run: RunId,
+    spawned: AtomicU64,
+    spawn_cap: u64,
+}
+
+impl RunContext {
+    pub fn new(run: RunId, spawn_cap: u64) -> Self {
+        Self {
+            run,
+            spawned: AtomicU64::new(0),
+            spawn_cap,
+        }
+    }
+
+    pub fn spawned(&self) -> u64 {
+        self.spawned.load(Ordering::Acquire)
+    }
+
+    /// I-05: counts `n` spawns against the run's cap, all or none. Retries
+    /// count; a finished child never gives its spawn back.
+    pub fn count_spawns(&self, n: u64) -> Result<(), Refusal> {
+        self.spawned
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |spawned| {
+                (spawned + n <= self.spawn_cap).then_some(spawned + n)
+            })
+            .map(|_| ())
+            .map_err(|spawned| Refusal::SpawnCap {
+                spawned,
+                asked: n,
+                cap: self.spawn_cap,
+            })
+    }
+
+    /// Takes back spawns that were counted but never started (I-06: a refused
+    /// spawn leaves nothing behind, not even a count).
+    pub fn uncount_spawns(&self, n: u64) {
+        self.spawned.fetch_sub(n, Ordering::AcqRel);
+    }
+}

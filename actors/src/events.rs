@@ -1,0 +1,107 @@
+//! The event bus: every state change is emitted here once (I-39), journaled,
+//! folded into the run's live `Tree`, and broadcast to watchers.
+//!
+//! Invariant: emission never blocks and never fails the emitter; a watcher that
+//! lags loses broadcast events, never the tree (which is folded under the lock).
+
+use arbor_protocol::{Event, EventKind, RunId, Tree};
+use arbor_storage::{Journal, Record};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+use tokio::sync::{broadcast, watch};
+
+const BROADCAST_CAPACITY: usize = 65_536;
+
+/// A cheap, cloneable handle to the node's event bus.
+#[derive(Clone)]
+pub struct EventBus {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    journal: Journal,
+    state: Mutex<BusState>,
+    live: broadcast::Sender<Event>,
+    /// Bumped after every event, so a watcher can wait for "something changed".
+    version: watch::Sender<u64>,
+}
+
+struct BusState {
+    seq: u64,
+    trees: HashMap<RunId, Tree>,
+}
+
+impl EventBus {
+    pub fn new(journal: Journal) -> Self {
+        let (live, _) = broadcast::channel(BROADCAST_CAPACITY);
+        let (version, _) = watch::channel(0);
+        Self {
+            inner: Arc::new(Inner {
+                journal,
+                state: Mutex::new(BusState {
+                    seq: 0,
+                    trees: HashMap::new(),
+                }),
+                live,
+                version,
+            }),
+        }
+    }
+
+    /// Emits one event of `run`: journals it, folds it into the run's tree, broadcasts it.
+    pub fn emit(&self, run: RunId, kind: EventKind) {
+        let at_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        let event = {
+            let mut state = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
+            state.seq += 1;
+            let event = Event {
+                seq: state.seq,
+                run,
+                at_ms,
+                kind,
+            };
+            state
+                .trees
+                .entry(run)
+                .or_insert_with(|| Tree::new(run))
+                .apply(&event);
+            // Journaled under the lock so the journal's order is the emission order.
+            if let Err(error) = self
+                .inner
+                .journal
+                .append(vec![Record::Event(event.clone())])
+            {
+                tracing::error!(%error, "could not journal an event");
+            }
+            event
+        };
+        let _ = self.inner.live.send(event);
+        self.inner.version.send_modify(|v| *v += 1);
+    }
+
+    /// Every event emitted from now on (a slow reader may see `Lagged`).
+    pub fn subscribe(&self) -> broadcast::Receiver<Event> {
+        self.inner.live.subscribe()
+    }
+
+    /// Changes whenever any event is emitted.
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.inner.version.subscribe()
+    }
+
+    /// A copy of the run's tree as of the last event.
+    pub fn tree(&self, run: RunId) -> Option<Tree> {
+        let state = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
+        state.trees.get(&run).cloned()
+    }
+
+    /// Reads the run's tree under the lock without copying it.
+    pub fn with_tree<T>(&self, run: RunId, f: impl FnOnce(Option<&Tree>) -> T) -> T {
+        let state = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
+        f(state.trees.get(&run))
+    }
+}

@@ -1,0 +1,228 @@
+//! Node: the root of the actor tree. Starts runs and routes operator commands.
+//!
+//! Children: one Run per run. A run that dies does not take the node with it
+//! (I-38): the node writes the run's failure itself.
+
+use crate::context::NodeContext;
+use crate::job::JobMsg;
+use crate::run::{Run, RunArgs, RunMsg};
+use arbor_protocol::{ErrorClass, EventKind, JobId, Refusal, RunId, RunSpec, Status};
+use arbor_storage::{Record, RunRecord};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+pub struct Node;
+
+pub struct NodeArgs {
+    pub ctx: Arc<NodeContext>,
+}
+
+pub enum NodeMsg {
+    StartRun {
+        spec: RunSpec,
+        reply: RpcReplyPort<Result<RunId, String>>,
+    },
+    StopRun {
+        run: RunId,
+        reason: String,
+        reply: RpcReplyPort<Result<(), String>>,
+    },
+    /// Stops one step or job: its parent decides, so that I-16 holds.
+    StopJob {
+        run: RunId,
+        job: JobId,
+        reason: String,
+        reply: RpcReplyPort<Result<(), String>>,
+    },
+    /// An operator's message to a running step or job (I-20).
+    Steer {
+        job: JobId,
+        text: String,
+        reply: RpcReplyPort<Result<u64, Refusal>>,
+    },
+}
+
+impl Actor for Node {
+    type Msg = NodeMsg;
+    type State = NodeState;
+    type Arguments = NodeArgs;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        args: NodeArgs,
+    ) -> Result<Self::State, ActorProcessingErr> {
+        Ok(NodeState {
+            ctx: args.ctx,
+            runs: HashMap::new(),
+        })
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<Self::Msg>,
+        message: Self::Msg,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        match message {
+            NodeMsg::StartRun { spec, reply } => {
+                let result = state.start_run(&myself, spec).await;
+                let _ = reply.send(result);
+            }
+            NodeMsg::StopRun { run, reason, reply } => {
+                let result = match state.runs.get(&run) {
+                    Some((actor, _)) => actor
+                        .cast(RunMsg::Stop { reason })
+                        .map_err(|e| e.to_string()),
+                    None => Err(format!("no running run {run}")),
+                };
+                let _ = reply.send(result);
+            }
+            NodeMsg::StopJob {
+                run,
+                job,
+                reason,
+                reply,
+            } => {
+                let _ = reply.send(state.stop_job(run, job, reason));
+            }
+            NodeMsg::Steer { job, text, reply } => {
+                match ractor::registry::where_is(job_name(job)) {
+                    Some(cell) => {
+                        let actor: ActorRef<JobMsg> = cell.into();
+                        let _ = actor.cast(JobMsg::Steer {
+                            text,
+                            reply: Some(reply),
+                        });
+                    }
+                    None => {
+                        let _ = reply.send(Err(Refusal::UnknownChild {
+                            child: job.to_string(),
+                            known: "no running job has that id".into(),
+                        }));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        event: SupervisionEvent,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        let (cell, failure) = match event {
+            SupervisionEvent::ActorTerminated(cell, _, _) => (cell, None),
+            SupervisionEvent::ActorFailed(cell, error) => (cell, Some(error.to_string())),
+            _ => return Ok(()),
+        };
+        let Some(run) = state
+            .runs
+            .iter()
+            .find(|(_, (actor, _))| actor.get_id() == cell.get_id())
+            .map(|(id, _)| *id)
+        else {
+            return Ok(());
+        };
+        let (_, spec) = state.runs.remove(&run).expect("found above");
+        if let Some(error) = failure {
+            let reason = format!("the run's actor panicked: {error}");
+            let record = RunRecord {
+                id: run,
+                flow: spec.flow,
+                budget_tokens: spec.budget_tokens,
+                status: Status::Failed,
+                error_class: Some(ErrorClass::Panicked),
+                reason: Some(reason.clone()),
+                output_json: "null".into(),
+                epoch: state.ctx.journal.epoch(),
+            };
+            let _ = state.ctx.journal.commit(vec![Record::Run(record)]).await;
+            state.ctx.events.emit(
+                run,
+                EventKind::RunFinished {
+                    status: Status::Failed,
+                    error_class: Some(ErrorClass::Panicked),
+                    reason: Some(reason),
+                    output: serde_json::Value::Null,
+                },
+            );
+        }
+        Ok(())
+    }
+}
+
+pub struct NodeState {
+    ctx: Arc<NodeContext>,
+    runs: HashMap<RunId, (ActorRef<RunMsg>, RunSpec)>,
+}
+
+/// The registry name of a step's or job's actor.
+pub fn job_name(id: JobId) -> String {
+    format!("arbor-job-{id}")
+}
+
+impl NodeState {
+    async fn start_run(
+        &mut self,
+        myself: &ActorRef<NodeMsg>,
+        spec: RunSpec,
+    ) -> Result<RunId, String> {
+        if spec.budget_tokens == 0 {
+            return Err(
+                "the run's budget must be at least 1 token (0 never means unlimited)".into(),
+            );
+        }
+        if spec.groups.is_empty() || spec.groups.iter().any(|g| g.steps.is_empty()) {
+            return Err("a run needs at least one group with at least one step".into());
+        }
+        for step in spec.groups.iter().flat_map(|g| &g.steps) {
+            if self.ctx.agent(&step.agent).is_none() {
+                return Err(format!("unknown agent {:?}", step.agent));
+            }
+        }
+        let id = RunId::new();
+        let args = RunArgs {
+            ctx: self.ctx.clone(),
+            id,
+            spec: spec.clone(),
+        };
+        let (actor, _) = Actor::spawn_linked(
+            Some(format!("arbor-run-{id}")),
+            Run,
+            args,
+            myself.get_cell(),
+        )
+        .await
+        .map_err(|e| format!("the run could not start: {e}"))?;
+        self.runs.insert(id, (actor, spec));
+        Ok(id)
+    }
+
+    fn stop_job(&self, run: RunId, job: JobId, reason: String) -> Result<(), String> {
+        let Some((run_actor, _)) = self.runs.get(&run) else {
+            return Err(format!("no running run {run}"));
+        };
+        let parent = self.ctx.events.with_tree(run, |t| {
+            t.and_then(|t| t.node(job).map(|_| t.parent_of(job)))
+        });
+        match parent {
+            None => Err(format!("run {run} has no job {job}")),
+            Some(None) => run_actor
+                .cast(RunMsg::StopStep { id: job, reason })
+                .map_err(|e| e.to_string()),
+            Some(Some(parent)) => match ractor::registry::where_is(job_name(parent)) {
+                Some(cell) => {
+                    let actor: ActorRef<JobMsg> = cell.into();
+                    actor
+                        .cast(JobMsg::StopChildById { id: job, reason })
+                        .map_err(|e| e.to_string())
+                }
+                None => Err(format!("job {job} has already ended")),
+            },
+        }
+    }
+}

@@ -1,0 +1,550 @@
+//! Run: one per run. Owns the run's root Account and its steps, group by group.
+//!
+//! Parent: the Node. Children: its Account and the steps of the current group
+//! (Job actors of kind step). Journals the run record at start and end, and
+//! each step's terminal record (it is the steps' parent).
+//!
+//! Invariants:
+//! 1. The steps of a group share what the run has available evenly (I-08).
+//! 2. The run ends only after every step settled; its spent is theirs (I-14).
+//! 3. A stopped or timed-out run stops every step first (I-15, I-18).
+
+use crate::account::{Account, AccountArgs, AccountMsg, GrantAsk, Share, SpentMeter};
+use crate::context::{NodeContext, RunContext};
+use crate::job::{self, Brief, ChildReport, Job, JobMsg, JobStart, Lineage, ParentHandle};
+use crate::policy::Policy;
+use arbor_protocol::{
+    ErrorClass, EventKind, JobId, NodeKind, ParentRef, ResultEnvelope, RunId, RunSpec, Status,
+    TaskStatus,
+};
+use arbor_storage::{Record, RunRecord};
+use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use tokio_util::sync::{CancellationToken, DropGuard};
+
+pub struct Run;
+
+pub struct RunArgs {
+    pub ctx: Arc<NodeContext>,
+    pub id: RunId,
+    pub spec: RunSpec,
+}
+
+pub enum RunMsg {
+    Stop {
+        reason: String,
+    },
+    /// An operator stops one step.
+    StopStep {
+        id: JobId,
+        reason: String,
+    },
+    ChildEnded {
+        report: ChildReport,
+    },
+    /// A step's actor ended; if it never reported, it failed (I-38).
+    StepGone {
+        actor: ractor::ActorId,
+        why: String,
+    },
+    TimedOut,
+}
+
+impl Actor for Run {
+    type Msg = RunMsg;
+    type State = RunState;
+    type Arguments = RunArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<Self::Msg>,
+        args: RunArgs,
+    ) -> Result<Self::State, ActorProcessingErr> {
+        let ctx = args.ctx;
+        let record = RunRecord {
+            id: args.id,
+            flow: args.spec.flow.clone(),
+            budget_tokens: args.spec.budget_tokens,
+            status: Status::Running,
+            error_class: None,
+            reason: None,
+            output_json: "null".into(),
+            epoch: ctx.journal.epoch(),
+        };
+        ctx.journal.commit(vec![Record::Run(record)]).await?;
+        ctx.events.emit(
+            args.id,
+            EventKind::RunStarted {
+                flow: args.spec.flow.clone(),
+                budget_tokens: args.spec.budget_tokens,
+            },
+        );
+        let meter = SpentMeter::default();
+        let (account, _) = Actor::spawn_linked(
+            None,
+            Account,
+            AccountArgs {
+                ctx: ctx.clone(),
+                run: args.id,
+                owner: ParentRef::Run(args.id),
+                grant: args.spec.budget_tokens,
+                wind_down: ctx.limits.wind_down,
+                meter: meter.clone(),
+            },
+            myself.get_cell(),
+        )
+        .await?;
+        let cancel = CancellationToken::new();
+        Ok(RunState {
+            run_ctx: Arc::new(RunContext::new(args.id, ctx.limits.spawn_cap)),
+            ctx,
+            id: args.id,
+            spec: args.spec,
+            account,
+            meter,
+            group: 0,
+            steps: BTreeMap::new(),
+            previous: vec![],
+            finish: None,
+            _cancel_on_drop: cancel.clone().drop_guard(),
+            cancel,
+        })
+    }
+
+    async fn post_start(
+        &self,
+        myself: ActorRef<Self::Msg>,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        if let Some(timeout) = state.spec.timeout {
+            myself.send_after(timeout, || RunMsg::TimedOut);
+        }
+        state.start_group(&myself).await;
+        state.maybe_complete(&myself).await
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        state.cancel.cancel();
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<Self::Msg>,
+        message: Self::Msg,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        match message {
+            RunMsg::Stop { reason } => {
+                state.begin_finish(Status::Stopped, None, reason);
+            }
+            RunMsg::StopStep { id, reason } => state.stop_step(id, &reason, false),
+            RunMsg::TimedOut => {
+                let timeout = humantime::format_duration(state.spec.timeout.unwrap_or_default());
+                state.begin_finish(
+                    Status::Failed,
+                    Some(ErrorClass::Timeout),
+                    format!("the run timed out after {timeout}"),
+                );
+            }
+            RunMsg::ChildEnded { report } => state.step_ended(&myself, report).await?,
+            RunMsg::StepGone { actor, why } => {
+                if let Some(report) = state.report_for_dead(actor, &why) {
+                    state.step_ended(&myself, report).await?;
+                }
+            }
+        }
+        state.maybe_complete(&myself).await
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        myself: ActorRef<Self::Msg>,
+        event: SupervisionEvent,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        let (cell, why) = match event {
+            SupervisionEvent::ActorTerminated(cell, _, reason) => {
+                (cell, reason.unwrap_or_else(|| "ended".into()))
+            }
+            SupervisionEvent::ActorFailed(cell, error) => (cell, format!("panicked: {error}")),
+            _ => return Ok(()),
+        };
+        if cell.get_id() == state.account.get_id() {
+            state.begin_finish(
+                Status::Failed,
+                Some(ErrorClass::Panicked),
+                format!("the run's account {why}"),
+            );
+        } else if state
+            .steps
+            .values()
+            .any(|s| s.actor.get_id() == cell.get_id() && s.envelope.is_none())
+        {
+            // As in Job: a report sent just before the stop is still queued.
+            let _ = myself.cast(RunMsg::StepGone {
+                actor: cell.get_id(),
+                why,
+            });
+        }
+        state.maybe_complete(&myself).await
+    }
+}
+
+struct StepEntry {
+    id: JobId,
+    label: String,
+    agent: String,
+    actor: ActorRef<JobMsg>,
+    grant: u64,
+    meter: SpentMeter,
+    stop_reason: Option<(String, bool)>,
+    envelope: Option<ResultEnvelope>,
+}
+
+struct RunFinish {
+    status: Status,
+    class: Option<ErrorClass>,
+    reason: Option<String>,
+    output: serde_json::Value,
+}
+
+pub struct RunState {
+    ctx: Arc<NodeContext>,
+    run_ctx: Arc<RunContext>,
+    id: RunId,
+    spec: RunSpec,
+    account: ActorRef<AccountMsg>,
+    meter: SpentMeter,
+    group: usize,
+    steps: BTreeMap<JobId, StepEntry>,
+    /// (label, output) of the previous group's steps, handed to the next group.
+    previous: Vec<(String, serde_json::Value)>,
+    finish: Option<RunFinish>,
+    cancel: CancellationToken,
+    _cancel_on_drop: DropGuard,
+}
+
+impl RunState {
+    async fn start_group(&mut self, myself: &ActorRef<RunMsg>) {
+        let Some(group) = self.spec.groups.get(self.group).cloned() else {
+            return;
+        };
+        let mut labels: Vec<String> = vec![];
+        let mut planned = vec![];
+        for step in &group.steps {
+            let Some(agent) = self.ctx.agent(&step.agent) else {
+                self.begin_finish(
+                    Status::Failed,
+                    Some(ErrorClass::Start),
+                    format!("unknown agent {:?}", step.agent),
+                );
+                return;
+            };
+            let base = step.label.clone().unwrap_or_else(|| agent.name.clone());
+            let mut label = base.clone();
+            let mut n = 2;
+            while labels.contains(&label) || self.steps.values().any(|s| s.label == label) {
+                label = format!("{base}-{n}");
+                n += 1;
+            }
+            labels.push(label.clone());
+            planned.push((JobId::new(), label, agent, step.instruction.clone()));
+        }
+        let asks = planned
+            .iter()
+            .map(|(id, _, agent, _)| GrantAsk {
+                child: *id,
+                agent: agent.name.clone(),
+                asked: None,
+                agent_max: agent.budget_tokens,
+            })
+            .collect();
+        let grants = match ractor::call!(self.account, |reply| AccountMsg::Reserve {
+            asks,
+            share: Share::Even,
+            reply
+        }) {
+            Ok(Ok(grants)) => grants,
+            Ok(Err(refusal)) => {
+                self.begin_finish(
+                    Status::Failed,
+                    Some(ErrorClass::BudgetExhausted),
+                    format!("group {} could not start: {refusal}", self.group + 1),
+                );
+                return;
+            }
+            Err(e) => {
+                self.begin_finish(Status::Failed, Some(ErrorClass::Start), e.to_string());
+                return;
+            }
+        };
+        let context = self.previous_results();
+        for ((id, label, agent, instruction), grant) in planned.into_iter().zip(grants) {
+            let meter = SpentMeter::default();
+            let start = JobStart {
+                ctx: self.ctx.clone(),
+                run_ctx: self.run_ctx.clone(),
+                lineage: Lineage {
+                    id,
+                    run: self.id,
+                    parent: ParentRef::Run(self.id),
+                    kind: NodeKind::Step,
+                    depth: 0,
+                    attempt: 1,
+                    label: Some(label.clone()),
+                },
+                brief: Brief {
+                    request: format!("{instruction}{context}"),
+                    max_turns: agent.max_turns.unwrap_or(job::DEFAULT_MAX_TURNS),
+                    timeout: agent.timeout,
+                    output_schema: None,
+                    require_artifacts: vec![],
+                },
+                policy: Policy::root(&agent),
+                grant,
+                workdir: self.ctx.work_root.join(self.id.to_string()).join(&label),
+                parent: ParentHandle::Run(myself.clone()),
+                cancel: self.cancel.child_token(),
+                meter: meter.clone(),
+                agent: agent.clone(),
+            };
+            let name = format!("arbor-job-{id}");
+            match Actor::spawn_linked(Some(name), Job, start, myself.get_cell()).await {
+                Ok((actor, _)) => {
+                    self.steps.insert(
+                        id,
+                        StepEntry {
+                            id,
+                            label,
+                            agent: agent.name.clone(),
+                            actor,
+                            grant,
+                            meter,
+                            stop_reason: None,
+                            envelope: None,
+                        },
+                    );
+                }
+                Err(e) => {
+                    let _ = ractor::call!(self.account, |reply| AccountMsg::Settle {
+                        child: id,
+                        spent: 0,
+                        reply
+                    });
+                    self.begin_finish(
+                        Status::Failed,
+                        Some(ErrorClass::Start),
+                        format!("step {label} could not start: {e}"),
+                    );
+                }
+            }
+        }
+    }
+
+    fn report_for_dead(&self, actor: ractor::ActorId, why: &str) -> Option<ChildReport> {
+        let step = self
+            .steps
+            .values()
+            .find(|s| s.actor.get_id() == actor && s.envelope.is_none())?;
+        Some(ChildReport {
+            id: step.id,
+            envelope: ResultEnvelope {
+                job: step.id,
+                label: Some(step.label.clone()),
+                attempt: 1,
+                agent: step.agent.clone(),
+                status: Status::Failed,
+                task_status: Some(TaskStatus::Failed),
+                output: serde_json::Value::Null,
+                error: Some(format!("the step's actor {why} before it reported")),
+                error_class: Some(ErrorClass::Panicked),
+                limitations: vec![],
+                artifacts: vec![],
+                tokens_spent: step.meter.get(),
+                usd_micros_spent: 0,
+                turns: 0,
+                workdir: String::new(),
+            },
+        })
+    }
+
+    fn previous_results(&self) -> String {
+        if self.previous.is_empty() {
+            return String::new();
+        }
+        let mut text = String::from("\n\nResults of the previous group:");
+        for (label, output) in &self.previous {
+            text.push_str(&format!("\n- {label}: {output}"));
+        }
+        text
+    }
+
+    fn stop_step(&mut self, id: JobId, reason: &str, propagated: bool) {
+        if let Some(step) = self.steps.get_mut(&id)
+            && step.envelope.is_none()
+            && step.stop_reason.is_none()
+        {
+            step.stop_reason = Some((reason.to_string(), propagated));
+            let _ = step.actor.cast(JobMsg::Stop {
+                reason: reason.to_string(),
+                propagated,
+            });
+        }
+    }
+
+    fn begin_finish(&mut self, status: Status, class: Option<ErrorClass>, reason: String) {
+        if self.finish.is_some() {
+            return;
+        }
+        let why = match status {
+            Status::Stopped => "its run was stopped",
+            _ => "its run ended",
+        };
+        let running: Vec<JobId> = self
+            .steps
+            .values()
+            .filter(|s| s.envelope.is_none())
+            .map(|s| s.id)
+            .collect();
+        for id in running {
+            self.stop_step(id, why, true);
+        }
+        self.finish = Some(RunFinish {
+            status,
+            class,
+            reason: Some(reason),
+            output: serde_json::Value::Null,
+        });
+    }
+
+    async fn step_ended(
+        &mut self,
+        myself: &ActorRef<RunMsg>,
+        report: ChildReport,
+    ) -> Result<(), ActorProcessingErr> {
+        let Some(step) = self.steps.get(&report.id) else {
+            return Ok(());
+        };
+        if step.envelope.is_some() {
+            return Ok(());
+        }
+        let mut envelope = report.envelope;
+        if let Some((reason, propagated)) = &step.stop_reason {
+            // I-16: a stopped step's output never reaches the run's result.
+            envelope.status = Status::Stopped;
+            envelope.task_status = None;
+            envelope.output = serde_json::Value::Null;
+            envelope.error_class = None;
+            envelope.error = Some(if *propagated {
+                format!("{reason} (propagated)")
+            } else {
+                reason.clone()
+            });
+        }
+        let _ = ractor::call!(self.account, |reply| AccountMsg::Settle {
+            child: step.id,
+            spent: envelope.tokens_spent,
+            reply
+        });
+        let propagated = step.stop_reason.as_ref().is_some_and(|r| r.1);
+        job::settle_record(
+            &self.ctx,
+            self.id,
+            ParentRef::Run(self.id),
+            &step.agent,
+            NodeKind::Step,
+            0,
+            &envelope,
+            step.grant,
+            propagated,
+        )
+        .await?;
+        let label = step.label.clone();
+        if let Some(step) = self.steps.get_mut(&report.id) {
+            step.envelope = Some(envelope.clone());
+        }
+        if self.finish.is_some() {
+            return Ok(());
+        }
+        if envelope.status != Status::Done {
+            let why = envelope.error.clone().unwrap_or_default();
+            let class = envelope.error_class.or(Some(ErrorClass::Task));
+            self.begin_finish(
+                Status::Failed,
+                class,
+                format!("step {label} {}: {why}", envelope.status),
+            );
+            return Ok(());
+        }
+        if self.steps.values().all(|s| s.envelope.is_some()) {
+            self.previous = self
+                .steps
+                .values()
+                .filter_map(|s| {
+                    s.envelope
+                        .as_ref()
+                        .map(|e| (s.label.clone(), e.output.clone()))
+                })
+                .collect();
+            self.steps.clear();
+            self.group += 1;
+            if self.group < self.spec.groups.len() {
+                self.start_group(myself).await;
+            } else {
+                let output = match self.previous.as_slice() {
+                    [(_, only)] => only.clone(),
+                    many => serde_json::Value::Object(
+                        many.iter().map(|(l, o)| (l.clone(), o.clone())).collect(),
+                    ),
+                };
+                self.finish = Some(RunFinish {
+                    status: Status::Done,
+                    class: None,
+                    reason: None,
+                    output,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    async fn maybe_complete(
+        &mut self,
+        myself: &ActorRef<RunMsg>,
+    ) -> Result<(), ActorProcessingErr> {
+        if self.finish.is_none() || self.steps.values().any(|s| s.envelope.is_none()) {
+            return Ok(());
+        }
+        let finish = self.finish.take().expect("checked above");
+        let view = ractor::call!(self.account, |reply| AccountMsg::Close { reply }).ok();
+        let _ = view.map(|v| v.spent).unwrap_or(self.meter.get());
+        let record = RunRecord {
+            id: self.id,
+            flow: self.spec.flow.clone(),
+            budget_tokens: self.spec.budget_tokens,
+            status: finish.status,
+            error_class: finish.class,
+            reason: finish.reason.clone(),
+            output_json: finish.output.to_string(),
+            epoch: self.ctx.journal.epoch(),
+        };
+        self.ctx.journal.commit(vec![Record::Run(record)]).await?;
+        self.ctx.events.emit(
+            self.id,
+            EventKind::RunFinished {
+                status: finish.status,
+                error_class: finish.class,
+                reason: finish.reason,
+                output: finish.output,
+            },
+        );
+        myself.stop(None);
+        Ok(())
+    }
+}

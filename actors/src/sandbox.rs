@@ -1,0 +1,471 @@
+//! Sandbox: one per step and job. Owns the workdir and every process started in it.
+//!
+//! Parent: the step or job it serves (spawned linked to it).
+//! In this release a sandbox is a process group per command in the job's
+//! workdir with a cleared environment; namespace isolation comes later and the
+//! messages will not change.
+//!
+//! Invariants:
+//! 1. Every process group it started is killed when it ends, however it ends:
+//!    `KillAll`, `post_stop`, and the `Drop` of its state (which runs even when
+//!    ractor kills the actor and skips `post_stop`) all kill them (I-17).
+//! 2. Files are read and written only below the workdir: absolute paths, `..`
+//!    and symlinks that lead out are refused (I-28).
+//! 3. Artifacts are what the runtime saw change in the workdir, never a claim (I-24).
+
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Component, Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+use tokio::io::AsyncReadExt;
+use tokio_util::sync::CancellationToken;
+
+/// The most of stdout and of stderr a command returns to the model.
+pub const OUTPUT_LIMIT: usize = 64 * 1024;
+/// The largest file `read_file` returns.
+pub const READ_LIMIT: u64 = 1024 * 1024;
+/// How many workdir entries an artifact scan looks at before it stops.
+const SCAN_LIMIT: usize = 10_000;
+
+pub struct Sandbox;
+
+pub struct SandboxArgs {
+    pub workdir: PathBuf,
+    /// Cancelled when the job (or anything above it) stops: running commands are killed at once.
+    pub cancel: CancellationToken,
+    pub exec_timeout: Duration,
+}
+
+pub enum SandboxMsg {
+    Exec {
+        command: String,
+        timeout: Option<Duration>,
+        reply: RpcReplyPort<ExecOutcome>,
+    },
+    /// A command finished; these paths changed.
+    ExecEnded {
+        changed: Vec<String>,
+    },
+    ReadFile {
+        path: String,
+        reply: RpcReplyPort<Result<String, String>>,
+    },
+    WriteFile {
+        path: String,
+        content: String,
+        reply: RpcReplyPort<Result<(), String>>,
+    },
+    Artifacts {
+        reply: RpcReplyPort<Vec<String>>,
+    },
+    /// Kill every process this sandbox started; replies with how many groups were signalled.
+    KillAll {
+        reply: RpcReplyPort<usize>,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct ExecOutcome {
+    pub exit_code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+    pub timed_out: bool,
+    /// The job was stopped while the command ran.
+    pub stopped: bool,
+    pub changed: Vec<String>,
+    pub error: Option<String>,
+}
+
+impl Actor for Sandbox {
+    type Msg = SandboxMsg;
+    type State = SandboxState;
+    type Arguments = SandboxArgs;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        args: SandboxArgs,
+    ) -> Result<Self::State, ActorProcessingErr> {
+        std::fs::create_dir_all(&args.workdir)?;
+        Ok(SandboxState {
+            workdir: args.workdir,
+            cancel: args.cancel,
+            exec_timeout: args.exec_timeout,
+            groups: ProcessGroups::default(),
+            artifacts: BTreeSet::new(),
+        })
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        state.groups.kill_all();
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<Self::Msg>,
+        message: Self::Msg,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        match message {
+            SandboxMsg::Exec {
+                command,
+                timeout,
+                reply,
+            } => {
+                // The command runs in its own task: the mailbox stays free for
+                // KillAll while it runs.
+                let job = ExecJob {
+                    workdir: state.workdir.clone(),
+                    groups: state.groups.clone(),
+                    cancel: state.cancel.clone(),
+                    timeout: timeout.unwrap_or(state.exec_timeout),
+                };
+                tokio::spawn(async move {
+                    let outcome = job.run(&command).await;
+                    let _ = myself.cast(SandboxMsg::ExecEnded {
+                        changed: outcome.changed.clone(),
+                    });
+                    let _ = reply.send(outcome);
+                });
+            }
+            SandboxMsg::ExecEnded { changed } => {
+                state.artifacts.extend(changed);
+            }
+            SandboxMsg::ReadFile { path, reply } => {
+                let _ = reply.send(read_confined(&state.workdir, &path));
+            }
+            SandboxMsg::WriteFile {
+                path,
+                content,
+                reply,
+            } => {
+                let result = write_confined(&state.workdir, &path, &content);
+                if result.is_ok() {
+                    state.artifacts.insert(normalize(&path));
+                }
+                let _ = reply.send(result);
+            }
+            SandboxMsg::Artifacts { reply } => {
+                let present = state
+                    .artifacts
+                    .iter()
+                    .filter(|p| state.workdir.join(p).is_file())
+                    .cloned()
+                    .collect();
+                let _ = reply.send(present);
+            }
+            SandboxMsg::KillAll { reply } => {
+                let _ = reply.send(state.groups.kill_all());
+            }
+        }
+        Ok(())
+    }
+}
+
+pub struct SandboxState {
+    workdir: PathBuf,
+    cancel: CancellationToken,
+    exec_timeout: Duration,
+    groups: ProcessGroups,
+    artifacts: BTreeSet<String>,
+}
+
+impl Drop for SandboxState {
+    fn drop(&mut self) {
+        // Runs even when the actor is killed and post_stop is skipped.
+        self.groups.kill_all();
+    }
+}
+
+/// The process groups a sandbox started. Once closed, a group registered late
+/// (a command that was starting while the sandbox ended) is killed at once.
+#[derive(Clone, Default)]
+pub struct ProcessGroups(Arc<Mutex<GroupsInner>>);
+
+#[derive(Default)]
+struct GroupsInner {
+    live: Vec<i32>,
+    closed: bool,
+}
+
+impl ProcessGroups {
+    /// Returns false (and kills the group) if the sandbox has already ended.
+    fn register(&self, pgid: i32) -> bool {
+        let mut inner = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if inner.closed {
+            kill_group(pgid);
+            return false;
+        }
+        inner.live.push(pgid);
+        true
+    }
+
+    fn kill_all(&self) -> usize {
+        let mut inner = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        inner.closed = true;
+        let groups = std::mem::take(&mut inner.live);
+        for pgid in &groups {
+            kill_group(*pgid);
+        }
+        groups.len()
+    }
+}
+
+fn kill_group(pgid: i32) {
+    use nix::sys::signal::{Signal, killpg};
+    use nix::unistd::Pid;
+    // ESRCH (already gone) is the common, fine case.
+    let _ = killpg(Pid::from_raw(pgid), Signal::SIGKILL);
+}
+
+struct ExecJob {
+    workdir: PathBuf,
+    groups: ProcessGroups,
+    cancel: CancellationToken,
+    timeout: Duration,
+}
+
+impl ExecJob {
+    async fn run(self, command: &str) -> ExecOutcome {
+        let mut outcome = ExecOutcome {
+            exit_code: None,
+            stdout: String::new(),
+            stderr: String::new(),
+            timed_out: false,
+            stopped: false,
+            changed: vec![],
+            error: None,
+        };
+        if self.cancel.is_cancelled() {
+            outcome.stopped = true;
+            outcome.error = Some("the job is stopping; the command was not started".into());
+            return outcome;
+        }
+        let before = snapshot(&self.workdir);
+        let mut cmd = tokio::process::Command::new("/bin/sh");
+        cmd.arg("-c")
+            .arg(command)
+            .current_dir(&self.workdir)
+            .env_clear()
+            .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+            .env("HOME", &self.workdir)
+            .env("LANG", "C.UTF-8")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        // SAFETY: set_pdeathsig is async-signal-safe (one prctl syscall) and
+        // touches no memory of the parent.
+        unsafe {
+            cmd.pre_exec(|| {
+                nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
+                    .map_err(std::io::Error::from)
+            });
+        }
+        let mut child = match cmd.spawn() {
+            Ok(child) => child,
+            Err(e) => {
+                outcome.error = Some(format!("could not start the command: {e}"));
+                return outcome;
+            }
+        };
+        let Some(pgid) = child.id().map(|p| p as i32) else {
+            outcome.error = Some("the command exited before it could be tracked".into());
+            return outcome;
+        };
+        if !self.groups.register(pgid) {
+            outcome.stopped = true;
+            outcome.error = Some("the sandbox ended while the command started".into());
+            return outcome;
+        }
+        let stdout = tokio::spawn(read_bounded(child.stdout.take()));
+        let stderr = tokio::spawn(read_bounded(child.stderr.take()));
+        tokio::select! {
+            status = child.wait() => {
+                outcome.exit_code = status.ok().and_then(|s| s.code());
+            }
+            _ = tokio::time::sleep(self.timeout) => {
+                kill_group(pgid);
+                outcome.timed_out = true;
+                outcome.error = Some(format!("timed out after {}", humantime::format_duration(self.timeout)));
+            }
+            _ = self.cancel.cancelled() => {
+                kill_group(pgid);
+                outcome.stopped = true;
+                outcome.error = Some("stopped: the job was stopped".into());
+            }
+        }
+        // A background process the command left behind may keep the pipes
+        // open; what it has written by now is what the model gets.
+        outcome.stdout = take_output(stdout).await;
+        outcome.stderr = take_output(stderr).await;
+        let after = snapshot(&self.workdir);
+        outcome.changed = after
+            .iter()
+            .filter(|(path, meta)| before.get(*path) != Some(meta))
+            .map(|(path, _)| path.clone())
+            .collect();
+        outcome
+    }
+}
+
+async fn take_output(task: tokio::task::JoinHandle<Vec<u8>>) -> String {
+    let abort = task.abort_handle();
+    match tokio::time::timeout(Duration::from_millis(200), task).await {
+        Ok(Ok(bytes)) => String::from_utf8_lossy(&bytes).into_owned(),
+        _ => {
+            abort.abort();
+            String::new()
+        }
+    }
+}
+
+async fn read_bounded<R: tokio::io::AsyncRead + Unpin>(pipe: Option<R>) -> Vec<u8> {
+    let Some(mut pipe) = pipe else {
+        return vec![];
+    };
+    let mut kept = Vec::new();
+    let mut buf = [0u8; 8192];
+    loop {
+        match pipe.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                let room = OUTPUT_LIMIT.saturating_sub(kept.len());
+                kept.extend_from_slice(&buf[..n.min(room)]);
+            }
+        }
+    }
+    kept
+}
+
+type Snapshot = BTreeMap<String, (u64, Option<SystemTime>)>;
+
+/// Size and mtime of every regular file below `root` (symlinks are not followed).
+fn snapshot(root: &Path) -> Snapshot {
+    let mut files = BTreeMap::new();
+    let mut stack = vec![root.to_path_buf()];
+    let mut seen = 0usize;
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            seen += 1;
+            if seen > SCAN_LIMIT {
+                return files;
+            }
+            let Ok(meta) = entry.path().symlink_metadata() else {
+                continue;
+            };
+            if meta.is_dir() {
+                stack.push(entry.path());
+            } else if meta.is_file()
+                && let Ok(rel) = entry.path().strip_prefix(root)
+            {
+                files.insert(
+                    rel.to_string_lossy().into_owned(),
+                    (meta.len(), meta.modified().ok()),
+                );
+            }
+        }
+    }
+    files
+}
+
+fn normalize(path: &str) -> String {
+    Path::new(path)
+        .components()
+        .filter(|c| matches!(c, Component::Normal(_)))
+        .map(|c| c.as_os_str().to_string_lossy().into_owned())
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
+/// Joins a model-given relative path to the workdir, refusing what could leave it.
+pub fn confine(workdir: &Path, path: &str) -> Result<PathBuf, String> {
+    if path.trim().is_empty() {
+        return Err("the path is empty".into());
+    }
+    let p = Path::new(path);
+    if p.is_absolute() {
+        return Err(format!(
+            "{path:?} is absolute: give a path relative to the workdir"
+        ));
+    }
+    for c in p.components() {
+        match c {
+            Component::Normal(_) | Component::CurDir => {}
+            _ => return Err(format!("{path:?} leaves the workdir: `..` is refused")),
+        }
+    }
+    // No symlink on the way may lead out, not even one the job made itself.
+    let mut at = workdir.to_path_buf();
+    for c in p.components() {
+        at.push(c);
+        if let Ok(meta) = at.symlink_metadata()
+            && meta.file_type().is_symlink()
+        {
+            return Err(format!("{path:?} goes through a symlink: refused"));
+        }
+    }
+    Ok(workdir.join(p))
+}
+
+pub fn read_confined(workdir: &Path, path: &str) -> Result<String, String> {
+    let full = confine(workdir, path)?;
+    let meta = std::fs::metadata(&full).map_err(|e| format!("{path}: {e}"))?;
+    if meta.len() > READ_LIMIT {
+        return Err(format!(
+            "{path} is {} bytes; read_file returns at most {READ_LIMIT}",
+            meta.len()
+        ));
+    }
+    let bytes = std::fs::read(&full).map_err(|e| format!("{path}: {e}"))?;
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
+}
+
+pub fn write_confined(workdir: &Path, path: &str, content: &str) -> Result<(), String> {
+    let full = confine(workdir, path)?;
+    if let Some(parent) = full.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| format!("{path}: {e}"))?;
+    }
+    std::fs::write(&full, content).map_err(|e| format!("{path}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn confine_refuses_what_leaves_the_workdir() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        std::os::unix::fs::symlink("/etc", root.join("out")).unwrap();
+        let check = |path: &str, ok: bool| {
+            assert_eq!(confine(root, path).is_ok(), ok, "{path}");
+        };
+        check("notes/a.txt", true);
+        check("./a.txt", true);
+        check("/etc/passwd", false);
+        check("../x", false);
+        check("a/../../x", false);
+        check("out/passwd", false);
+        check("", false);
+    }
+
+    #[test]
+    fn write_then_read_round_trips_inside_the_workdir() {
+        let dir = tempfile::tempdir().unwrap();
+        write_confined(dir.path(), "sub/dir/f.txt", "hello").unwrap();
+        assert_eq!(read_confined(dir.path(), "sub/dir/f.txt").unwrap(), "hello");
+        assert!(read_confined(dir.path(), "missing.txt").is_err());
+    }
+}

@@ -1,0 +1,128 @@
+//! How a run looks on a terminal: the live tree redrawn in place, or plain
+//! lines (one per change of status) when stdout is not a terminal.
+
+use arbor_protocol::{NodeKind, RunId, Status, Tree, TreeNode};
+use std::collections::HashMap;
+use std::io::Write;
+
+pub struct Progress {
+    live: bool,
+    drawn_lines: usize,
+    /// What each node's status was when last printed, for plain mode.
+    seen: HashMap<String, Status>,
+    _run: RunId,
+}
+
+impl Progress {
+    pub fn new(live: bool, run: RunId) -> Self {
+        Self {
+            live,
+            drawn_lines: 0,
+            seen: HashMap::new(),
+            _run: run,
+        }
+    }
+
+    pub fn show(&mut self, tree: &Tree) {
+        let root = tree.root();
+        if self.live {
+            let lines = lines(&root);
+            let mut out = std::io::stdout().lock();
+            if self.drawn_lines > 0 {
+                // Up to the top of what we drew, and clear it.
+                let _ = write!(out, "\x1b[{}F\x1b[J", self.drawn_lines);
+            }
+            for line in &lines {
+                let _ = writeln!(out, "{line}");
+            }
+            let _ = out.flush();
+            self.drawn_lines = lines.len();
+        } else {
+            self.plain(&root);
+        }
+    }
+
+    fn plain(&mut self, node: &TreeNode) {
+        if self.seen.get(&node.id) != Some(&node.status) {
+            self.seen.insert(node.id.clone(), node.status);
+            println!("{}", describe(node, false));
+        }
+        for child in &node.children {
+            self.plain(child);
+        }
+    }
+
+    pub fn finish(&mut self, tree: &Tree) {
+        let root = tree.root();
+        if !self.live {
+            println!();
+            for line in lines(&root) {
+                println!("{line}");
+            }
+        }
+        match &root.output {
+            serde_json::Value::Null => {}
+            serde_json::Value::String(s) => println!("\noutput:\n{s}"),
+            other => println!(
+                "\noutput:\n{}",
+                serde_json::to_string_pretty(other).unwrap_or_default()
+            ),
+        }
+        if let Some(reason) = &root.reason {
+            println!("reason: {reason}");
+        }
+    }
+}
+
+fn lines(root: &TreeNode) -> Vec<String> {
+    let mut out = vec![describe(root, true)];
+    walk(root, "", &mut out);
+    out
+}
+
+fn walk(node: &TreeNode, prefix: &str, out: &mut Vec<String>) {
+    let n = node.children.len();
+    for (i, child) in node.children.iter().enumerate() {
+        let last = i + 1 == n;
+        let branch = if last { "└─ " } else { "├─ " };
+        out.push(format!("{prefix}{branch}{}", describe(child, true)));
+        let deeper = format!("{prefix}{}", if last { "   " } else { "│  " });
+        walk(child, &deeper, out);
+    }
+}
+
+fn describe(node: &TreeNode, in_tree: bool) -> String {
+    let who = match node.kind {
+        NodeKind::Run => format!("run {}", node.id),
+        _ => {
+            let agent = node.agent.clone().unwrap_or_default();
+            match &node.label {
+                Some(label) if label != &agent => format!("{label} ({agent})"),
+                _ => agent,
+            }
+        }
+    };
+    let status = match node.task_status {
+        Some(ts) if node.status == Status::Done => format!("{} {}", node.status, ts),
+        _ => node.status.to_string(),
+    };
+    let acct = &node.account;
+    let attempt = if node.attempt > 1 {
+        format!(" attempt {}", node.attempt)
+    } else {
+        String::new()
+    };
+    let reason = match (&node.reason, node.status) {
+        (Some(r), Status::Failed | Status::Stopped) => format!(" — {r}"),
+        _ => String::new(),
+    };
+    let depth = if in_tree {
+        String::new()
+    } else {
+        format!(" depth {}", node.depth)
+    };
+    format!(
+        "{who} [{status}]{attempt}{depth} tokens spent {} held {} of {}{reason}",
+        acct.spent, acct.held, acct.grant
+    )
+}

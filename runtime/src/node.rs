@@ -1,0 +1,157 @@
+//! The embedded node: a journal on disk, the actor tree, and a handle to drive
+//! it. `arbor run` and the test harness both start one of these.
+//!
+//! Layout of a data dir: `journal/` (sled) and `work/<run>/...` (workdirs).
+
+use crate::scripted::DefaultModels;
+use crate::workspace::Workspace;
+use arbor_actors::{EventBus, ModelFactory, Node, NodeArgs, NodeContext, NodeMsg};
+use arbor_protocol::{JobId, Refusal, RunId, RunSpec, Tree};
+use arbor_storage::Journal;
+use ractor::ActorRef;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("journal: {0}")]
+    Journal(#[from] arbor_storage::Error),
+    #[error("{0}")]
+    Start(String),
+    #[error("{0}")]
+    Refused(String),
+}
+
+/// A running node. Dropping it without `shutdown` leaves the journal as a crash would.
+pub struct EmbeddedNode {
+    ctx: Arc<NodeContext>,
+    node: ActorRef<NodeMsg>,
+    join: Option<tokio::task::JoinHandle<()>>,
+    data_dir: PathBuf,
+}
+
+impl EmbeddedNode {
+    /// Opens the journal in `data_dir` and starts the actor tree with the scripted model.
+    pub async fn start(workspace: &Workspace, data_dir: &Path) -> Result<Self, Error> {
+        Self::start_with(workspace, data_dir, Arc::new(DefaultModels)).await
+    }
+
+    /// As `start`, with the models an embedder (or a test) chooses.
+    pub async fn start_with(
+        workspace: &Workspace,
+        data_dir: &Path,
+        models: Arc<dyn ModelFactory>,
+    ) -> Result<Self, Error> {
+        std::fs::create_dir_all(data_dir)
+            .map_err(|e| Error::Start(format!("{}: {e}", data_dir.display())))?;
+        let journal = Journal::open(&data_dir.join("journal"))?;
+        let events = EventBus::new(journal.clone());
+        let ctx = Arc::new(NodeContext {
+            journal,
+            events,
+            limits: workspace.config.limits.clone(),
+            agents: workspace
+                .agents
+                .iter()
+                .map(|(k, v)| (k.clone(), Arc::new(v.clone())))
+                .collect(),
+            models,
+            work_root: data_dir.join("work"),
+        });
+        let (node, join) = ractor::Actor::spawn(None, Node, NodeArgs { ctx: ctx.clone() })
+            .await
+            .map_err(|e| Error::Start(format!("the node could not start: {e}")))?;
+        Ok(Self {
+            ctx,
+            node,
+            join: Some(join),
+            data_dir: data_dir.to_path_buf(),
+        })
+    }
+
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
+    pub fn events(&self) -> &EventBus {
+        &self.ctx.events
+    }
+
+    pub fn journal(&self) -> &Journal {
+        &self.ctx.journal
+    }
+
+    pub fn context(&self) -> &Arc<NodeContext> {
+        &self.ctx
+    }
+
+    pub async fn start_run(&self, spec: RunSpec) -> Result<RunId, Error> {
+        ractor::call!(self.node, |reply| NodeMsg::StartRun { spec, reply })
+            .map_err(|e| Error::Start(e.to_string()))?
+            .map_err(Error::Refused)
+    }
+
+    pub async fn stop_run(&self, run: RunId, reason: &str) -> Result<(), Error> {
+        let reason = reason.to_string();
+        ractor::call!(self.node, |reply| NodeMsg::StopRun { run, reason, reply })
+            .map_err(|e| Error::Start(e.to_string()))?
+            .map_err(Error::Refused)
+    }
+
+    pub async fn stop_job(&self, run: RunId, job: JobId, reason: &str) -> Result<(), Error> {
+        let reason = reason.to_string();
+        ractor::call!(self.node, |reply| NodeMsg::StopJob {
+            run,
+            job,
+            reason,
+            reply
+        })
+        .map_err(|e| Error::Start(e.to_string()))?
+        .map_err(Error::Refused)
+    }
+
+    pub async fn steer(&self, job: JobId, text: &str) -> Result<u64, Refusal> {
+        let text = text.to_string();
+        match ractor::call!(self.node, |reply| NodeMsg::Steer { job, text, reply }) {
+            Ok(result) => result,
+            Err(e) => Err(Refusal::Invalid {
+                message: e.to_string(),
+            }),
+        }
+    }
+
+    /// The run's tree now (empty if nothing of it was seen yet).
+    pub fn tree(&self, run: RunId) -> Tree {
+        self.ctx.events.tree(run).unwrap_or_else(|| Tree::new(run))
+    }
+
+    /// Waits until `done` holds of the run's tree, re-checking after every event.
+    pub async fn wait_tree(&self, run: RunId, mut done: impl FnMut(&Tree) -> bool) -> Tree {
+        let mut changes = self.ctx.events.changes();
+        loop {
+            let tree = self.tree(run);
+            if done(&tree) {
+                return tree;
+            }
+            if changes.changed().await.is_err() {
+                return tree;
+            }
+        }
+    }
+
+    /// Waits for the run to end and returns its final tree.
+    pub async fn wait_run(&self, run: RunId) -> Tree {
+        self.wait_tree(run, |t| t.run_status().is_terminal()).await
+    }
+
+    /// Stops every run and the node, and flushes the journal.
+    pub async fn shutdown(mut self) -> Result<(), Error> {
+        self.node.stop_children(Some("node shutdown".into()));
+        self.node.stop(Some("node shutdown".into()));
+        if let Some(join) = self.join.take() {
+            let _ = join.await;
+        }
+        self.ctx.journal.flush().await?;
+        Ok(())
+    }
+}

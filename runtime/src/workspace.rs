@@ -1,0 +1,695 @@
+//! The workspace a user writes, read and checked before anything runs:
+//!
+//! ```text
+//! DIR/arbor.toml               optional: [limits], [budget]
+//! DIR/agents/NAME/agent.md     YAML front matter between `---` lines, then the system prompt
+//! DIR/flows/NAME.toml          optional: groups of steps, a budget, a timeout
+//! ```
+//!
+//! Loading reads every file and checks what the protocol types cannot, so a run
+//! never starts on a workspace with a typo in it. The first problem found is
+//! returned as one line that names the file (relative to the workspace) and the
+//! key, e.g. `agents/planner/agent.md: subagent `ghost` is not an agent in agents/`.
+//!
+//! Invariants, true of every `Workspace` that `load` or `from_texts` returns:
+//! 1. Every agent named anywhere (a `subagents` entry, a flow step) exists.
+//! 2. Every agent offered as a sub-agent has a non-empty description: the model
+//!    picks sub-agents by it.
+//! 3. Every budget is a positive whole number of tokens (I-09), and `usd` is
+//!    refused rather than ignored.
+//! 4. Agent and flow names are `[a-z0-9_-]+`, and an agent's `name:` equals its folder.
+//! 5. Loading is deterministic: files are checked in name order, so the same
+//!    broken workspace always reports the same problem.
+
+use arbor_protocol::agent::{FrontMatter, ScriptCallSpec, ScriptTurnSpec};
+use arbor_protocol::tools::parse_duration_arg;
+use arbor_protocol::{
+    AgentDef, BudgetArg, FlowSpec, Limits, ModelRef, RunSpec, ScriptCall, ScriptTurn, ToolName,
+};
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// A run's root grant when neither the flow, arbor.toml nor the caller gives one.
+pub const DEFAULT_BUDGET_TOKENS: u64 = 1_000_000;
+
+/// Everything a node needs from a user's workspace, checked.
+#[derive(Clone, Debug)]
+pub struct Workspace {
+    pub root: PathBuf,
+    pub config: Config,
+    pub agents: BTreeMap<String, AgentDef>,
+    pub flows: BTreeMap<String, FlowSpec>,
+}
+
+/// `arbor.toml`, with defaults applied.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    pub limits: Limits,
+    /// A run's budget when neither its flow nor the caller gives one.
+    pub budget_tokens: u64,
+}
+
+/// Why a workspace can't be used. Each message is one line naming the file.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("{}: not a directory", path.display())]
+    NotADirectory { path: PathBuf },
+    #[error("{}: no agents found", path.display())]
+    NoAgents { path: PathBuf },
+    /// The file could not be read (the io error is part of the message, not a source,
+    /// so that printing the chain does not say it twice).
+    #[error("{}: {error}", path.display())]
+    Read {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    /// The file was read, but what it says is wrong: bad syntax, an unknown key, a
+    /// value out of range, a name that does not resolve.
+    #[error("{}: {message}", path.display())]
+    Invalid { path: PathBuf, message: String },
+    #[error("flows/{name}.toml: no such flow (known: {known})")]
+    UnknownFlow { name: String, known: String },
+    #[error("agents/{name}/agent.md: no such agent (known: {known})")]
+    UnknownAgent { name: String, known: String },
+    #[error("budget override: must be at least 1 token (0 never means unlimited)")]
+    ZeroBudgetOverride,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            limits: Limits::default(),
+            budget_tokens: DEFAULT_BUDGET_TOKENS,
+        }
+    }
+}
+
+impl Workspace {
+    /// Reads and checks everything; the first problem is returned, naming the file and the key.
+    ///
+    /// In `agents/`, every folder not starting with `.` must hold an `agent.md`;
+    /// loose files are ignored. In `flows/`, every `*.toml` file is a flow.
+    pub fn load(dir: &Path) -> Result<Workspace, LoadError> {
+        if !dir.is_dir() {
+            return Err(LoadError::NotADirectory {
+                path: dir.to_path_buf(),
+            });
+        }
+        let config_path = dir.join("arbor.toml");
+        let config_text = if config_path.exists() {
+            Some(read(&config_path)?)
+        } else {
+            None
+        };
+
+        let agents_dir = dir.join("agents");
+        if !agents_dir.is_dir() {
+            return Err(LoadError::NoAgents { path: agents_dir });
+        }
+        let mut agent_texts = Vec::new();
+        for (name, path) in list_dir(&agents_dir)? {
+            if !path.is_dir() || name.starts_with('.') {
+                continue;
+            }
+            let file = path.join("agent.md");
+            if !file.is_file() {
+                return Err(LoadError::Invalid {
+                    path: PathBuf::from(format!("agents/{name}")),
+                    message: "no agent.md in this folder".into(),
+                });
+            }
+            agent_texts.push((name, read(&file)?));
+        }
+
+        let mut flow_texts = Vec::new();
+        let flows_dir = dir.join("flows");
+        if flows_dir.is_dir() {
+            for (file_name, path) in list_dir(&flows_dir)? {
+                let Some(name) = file_name.strip_suffix(".toml") else {
+                    continue;
+                };
+                if path.is_file() {
+                    flow_texts.push((name.to_string(), read(&path)?));
+                }
+            }
+        }
+
+        let agents: Vec<(&str, &str)> = agent_texts
+            .iter()
+            .map(|(name, text)| (name.as_str(), text.as_str()))
+            .collect();
+        let flows: Vec<(&str, &str)> = flow_texts
+            .iter()
+            .map(|(name, text)| (name.as_str(), text.as_str()))
+            .collect();
+        Self::from_texts(dir.to_path_buf(), config_text.as_deref(), &agents, &flows)
+    }
+
+    /// Builds a Workspace from in-memory texts (for the test harness): agents as
+    /// (name, agent.md text), flows as (name, flow TOML text). Checks exactly what
+    /// `load` checks.
+    pub fn from_texts(
+        root: PathBuf,
+        arbor_toml: Option<&str>,
+        agents: &[(&str, &str)],
+        flows: &[(&str, &str)],
+    ) -> Result<Workspace, LoadError> {
+        let config = match arbor_toml {
+            Some(text) => parse_config(text)?,
+            None => Config::default(),
+        };
+
+        if agents.is_empty() {
+            return Err(LoadError::NoAgents {
+                path: root.join("agents"),
+            });
+        }
+        let mut agent_defs = BTreeMap::new();
+        for &(name, text) in sorted(agents) {
+            let path = agent_path(name);
+            let agent = parse_agent(name, text, &path)?;
+            if agent_defs.insert(name.to_string(), agent).is_some() {
+                return Err(invalid(&path, "defined twice"));
+            }
+        }
+        check_subagents(&agent_defs)?;
+
+        let mut flow_specs = BTreeMap::new();
+        for &(name, text) in sorted(flows) {
+            let path = flow_path(name);
+            let flow = parse_flow(name, text, &path, &agent_defs)?;
+            if flow_specs.insert(name.to_string(), flow).is_some() {
+                return Err(invalid(&path, "defined twice"));
+            }
+        }
+
+        Ok(Workspace {
+            root,
+            config,
+            agents: agent_defs,
+            flows: flow_specs,
+        })
+    }
+
+    /// The RunSpec of flow NAME. Budget: `budget_override` (from --budget-tokens)
+    /// when Some, else the flow's budget, else arbor.toml's default. Timeout parsed
+    /// (humantime).
+    pub fn flow_run(&self, name: &str, budget_override: Option<u64>) -> Result<RunSpec, LoadError> {
+        let flow = self.flows.get(name).ok_or_else(|| LoadError::UnknownFlow {
+            name: name.to_string(),
+            known: known(self.flows.keys()),
+        })?;
+        let path = flow_path(name);
+        let flow_tokens = budget_tokens(flow.budget.as_ref()).map_err(|m| invalid(&path, m))?;
+        let budget_tokens = self.run_budget(budget_override, flow_tokens)?;
+        let timeout = parse_duration_arg("timeout", flow.timeout.as_deref())
+            .map_err(|m| invalid(&path, m))?;
+        Ok(RunSpec {
+            flow: name.to_string(),
+            groups: flow.groups.clone(),
+            budget_tokens,
+            timeout,
+        })
+    }
+
+    /// A single-agent run (RunSpec::single) checked: the agent exists. Budget:
+    /// `budget_override` when Some, else arbor.toml's default.
+    pub fn agent_run(
+        &self,
+        agent: &str,
+        input: &str,
+        budget_override: Option<u64>,
+    ) -> Result<RunSpec, LoadError> {
+        if !self.agents.contains_key(agent) {
+            return Err(LoadError::UnknownAgent {
+                name: agent.to_string(),
+                known: known(self.agents.keys()),
+            });
+        }
+        let budget_tokens = self.run_budget(budget_override, None)?;
+        Ok(RunSpec::single(agent, input, budget_tokens))
+    }
+
+    fn run_budget(
+        &self,
+        budget_override: Option<u64>,
+        flow_tokens: Option<u64>,
+    ) -> Result<u64, LoadError> {
+        match budget_override {
+            Some(0) => Err(LoadError::ZeroBudgetOverride),
+            Some(tokens) => Ok(tokens),
+            None => Ok(flow_tokens.unwrap_or(self.config.budget_tokens)),
+        }
+    }
+}
+
+/// Parses one `agent.md`: front matter between `---` lines, then the system prompt.
+/// `path` only names the file in errors. Checks everything about this agent alone;
+/// what needs the other agents (sub-agents exist, have descriptions) is checked by
+/// `Workspace::load` and `Workspace::from_texts`.
+pub fn parse_agent(folder_name: &str, text: &str, path: &Path) -> Result<AgentDef, LoadError> {
+    check_name("agent", folder_name).map_err(|m| invalid(path, m))?;
+    let (yaml, prompt) = split_front_matter(text).map_err(|m| invalid(path, m))?;
+    let front_matter: FrontMatter = serde_saphyr::from_str(yaml)
+        .map_err(|error| invalid(path, front_matter_error(yaml, &error)))?;
+    agent_from_front_matter(folder_name, front_matter, prompt).map_err(|m| invalid(path, m))
+}
+
+/// The file `arbor.toml` as written.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConfigFile {
+    #[serde(default)]
+    limits: Limits,
+    #[serde(default)]
+    budget: BudgetArg,
+}
+
+fn parse_config(text: &str) -> Result<Config, LoadError> {
+    let path = Path::new("arbor.toml");
+    let file: ConfigFile = toml::from_str(text).map_err(|e| invalid(path, toml_error(text, &e)))?;
+    file.limits.validate().map_err(|m| invalid(path, m))?;
+    let budget_tokens = file
+        .budget
+        .tokens()
+        .map_err(|m| invalid(path, m))?
+        .unwrap_or(DEFAULT_BUDGET_TOKENS);
+    Ok(Config {
+        limits: file.limits,
+        budget_tokens,
+    })
+}
+
+fn parse_flow(
+    name: &str,
+    text: &str,
+    path: &Path,
+    agents: &BTreeMap<String, AgentDef>,
+) -> Result<FlowSpec, LoadError> {
+    check_name("flow", name).map_err(|m| invalid(path, m))?;
+    let flow: FlowSpec = toml::from_str(text).map_err(|e| invalid(path, toml_error(text, &e)))?;
+    budget_tokens(flow.budget.as_ref()).map_err(|m| invalid(path, m))?;
+    parse_duration_arg("timeout", flow.timeout.as_deref()).map_err(|m| invalid(path, m))?;
+    if flow.groups.is_empty() {
+        return Err(invalid(
+            path,
+            "no `[[group]]`: a flow needs at least one group of steps",
+        ));
+    }
+    for (g, group) in flow.groups.iter().enumerate() {
+        if group.steps.is_empty() {
+            return Err(invalid(path, format!("group {} has no steps", g + 1)));
+        }
+        for (s, step) in group.steps.iter().enumerate() {
+            if !agents.contains_key(&step.agent) {
+                return Err(invalid(
+                    path,
+                    format!(
+                        "step {} of group {} names unknown agent `{}`",
+                        s + 1,
+                        g + 1,
+                        step.agent
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(flow)
+}
+
+/// Invariants 1 and 2: every sub-agent exists and can be chosen by its description.
+fn check_subagents(agents: &BTreeMap<String, AgentDef>) -> Result<(), LoadError> {
+    for (name, agent) in agents {
+        for sub in &agent.subagents {
+            let Some(sub_agent) = agents.get(sub) else {
+                return Err(invalid(
+                    &agent_path(name),
+                    format!("subagent `{sub}` is not an agent in agents/"),
+                ));
+            };
+            let described = sub_agent
+                .description
+                .as_deref()
+                .is_some_and(|d| !d.trim().is_empty());
+            if !described {
+                return Err(invalid(
+                    &agent_path(sub),
+                    format!("`description` is required: {name} offers it as a sub-agent"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The front matter's YAML and the body after it.
+fn split_front_matter(text: &str) -> Result<(&str, &str), String> {
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    let (first, mut rest) = split_line(text);
+    if first.trim_end() != "---" {
+        return Err("no front matter: the file must start with a `---` line".into());
+    }
+    let yaml_start = rest;
+    loop {
+        if rest.is_empty() {
+            return Err(
+                "the front matter is not closed: no second `---` line after the first".into(),
+            );
+        }
+        let (line, after) = split_line(rest);
+        if line.trim_end() == "---" {
+            let yaml = &yaml_start[..yaml_start.len() - rest.len()];
+            return Ok((yaml, after.trim()));
+        }
+        rest = after;
+    }
+}
+
+/// The first line (without its `\n`) and everything after it.
+fn split_line(text: &str) -> (&str, &str) {
+    match text.split_once('\n') {
+        Some((line, rest)) => (line, rest),
+        None => (text, ""),
+    }
+}
+
+fn agent_from_front_matter(
+    folder_name: &str,
+    front_matter: FrontMatter,
+    prompt: &str,
+) -> Result<AgentDef, String> {
+    let FrontMatter {
+        name,
+        description,
+        model,
+        tools,
+        deny,
+        subagents,
+        sandbox,
+        network,
+        secrets,
+        budget,
+        max_turns,
+        timeout,
+        script,
+    } = front_matter;
+
+    if let Some(name) = name
+        && name != folder_name
+    {
+        return Err(format!(
+            "name `{name}` differs from the folder name `{folder_name}`: rename one, or leave `name` out"
+        ));
+    }
+    if let Some(tool) = tools.iter().find(|t| !ToolName::SANDBOX.contains(t)) {
+        return Err(format!(
+            "tools: `{tool}` is not a sandbox tool (tools may name exec, read_file, write_file; \
+             delegation tools are offered to agents with subagents)"
+        ));
+    }
+    if max_turns == Some(0) {
+        return Err("max_turns must be at least 1".into());
+    }
+    let script = script
+        .into_iter()
+        .enumerate()
+        .map(|(i, turn)| script_turn(i + 1, turn))
+        .collect::<Result<Vec<_>, _>>()?;
+
+    Ok(AgentDef {
+        name: folder_name.to_string(),
+        description,
+        model: model_ref(model.as_deref())?,
+        tools,
+        deny,
+        subagents,
+        sandbox: sandbox.unwrap_or_default(),
+        network: network.unwrap_or_default(),
+        secrets,
+        budget_tokens: budget_tokens(budget.as_ref())?,
+        max_turns,
+        timeout: parse_duration_arg("timeout", timeout.as_deref())?,
+        script,
+        prompt: prompt.to_string(),
+    })
+}
+
+fn model_ref(model: Option<&str>) -> Result<ModelRef, String> {
+    match model.map(str::trim) {
+        None | Some("scripted") => Ok(ModelRef::Scripted),
+        Some(m) if m.contains('/') => Err(format!(
+            "model `{m}`: model providers are not configured in arbor.toml; use `scripted`"
+        )),
+        Some(m) => Err(format!(
+            "model `{m}` is not known: use `scripted` (or `provider/model` once providers are configured in arbor.toml)"
+        )),
+    }
+}
+
+/// `number` counts from 1, as a user counts the turns in the file.
+fn script_turn(number: usize, spec: ScriptTurnSpec) -> Result<ScriptTurn, String> {
+    let calls = match spec.call {
+        None => Vec::new(),
+        Some(call) => {
+            let specs = call.into_vec();
+            if specs.is_empty() {
+                return Err(format!(
+                    "script turn {number}: `call` is an empty list (leave it out for a final answer)"
+                ));
+            }
+            specs
+                .into_iter()
+                .enumerate()
+                .map(|(i, call)| script_call(number, i + 1, call))
+                .collect::<Result<Vec<_>, _>>()?
+        }
+    };
+    let delay = spec
+        .delay
+        .map(|text| {
+            humantime::parse_duration(text.trim())
+                .map_err(|e| format!("script turn {number}: delay: bad duration {text:?}: {e}"))
+        })
+        .transpose()?;
+    Ok(ScriptTurn {
+        say: spec.say,
+        calls,
+        usage: spec.usage,
+        delay,
+    })
+}
+
+/// Only the shape is checked here: the arguments are checked when the call is made,
+/// since scripts call tools wrongly on purpose to test that.
+fn script_call(turn: usize, number: usize, spec: ScriptCallSpec) -> Result<ScriptCall, String> {
+    let args = match spec.args {
+        None => serde_json::Value::Object(serde_json::Map::new()),
+        Some(args @ serde_json::Value::Object(_)) => args,
+        Some(other) => {
+            return Err(format!(
+                "script turn {turn}, call {number}: args must be a mapping, got {}",
+                json_kind(&other)
+            ));
+        }
+    };
+    Ok(ScriptCall {
+        tool: spec.tool,
+        args,
+    })
+}
+
+fn json_kind(value: &serde_json::Value) -> &'static str {
+    match value {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "a list",
+        serde_json::Value::Object(_) => "a mapping",
+    }
+}
+
+/// I-09 for a budget as written: `Ok(None)` when it gives no tokens.
+fn budget_tokens(budget: Option<&BudgetArg>) -> Result<Option<u64>, String> {
+    Ok(budget.map(BudgetArg::tokens).transpose()?.flatten())
+}
+
+fn check_name(kind: &str, name: &str) -> Result<(), String> {
+    let valid = !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-');
+    if valid {
+        Ok(())
+    } else {
+        Err(format!(
+            "{kind} name {name:?} must be lowercase letters, digits, `_` and `-`"
+        ))
+    }
+}
+
+/// One line for a YAML error in the front matter, with line numbers counted in the
+/// whole file (the opening `---` is line 1).
+fn front_matter_error(yaml: &str, error: &serde_saphyr::Error) -> String {
+    const LINES_BEFORE_YAML: u64 = 1;
+    let formatter = serde_saphyr::UserMessageFormatter;
+    let options = serde_saphyr::render_options! {
+        formatter: &formatter,
+        snippets: serde_saphyr::SnippetMode::Off,
+        line_offset: LINES_BEFORE_YAML,
+    };
+    let mut message = one_line(&error.render_with_options(options));
+    // A type error ("invalid u32") names no key: name the one it sits under.
+    if let Some(key) = error.location().and_then(|at| key_before(yaml, at))
+        && !message.contains(&format!("`{key}`"))
+    {
+        message = format!("{key}: {message}");
+    }
+    // `call:` is one call or a list of them; serde can only say that neither
+    // matched, so look again for what is wrong inside.
+    if message.contains("untagged enum OneOrMany")
+        && let Some(detail) = explain_script_calls(yaml)
+    {
+        message = match error.location() {
+            Some(at) => format!(
+                "{detail} at line {}, column {}",
+                at.line() + LINES_BEFORE_YAML,
+                at.column()
+            ),
+            None => detail,
+        };
+    }
+    format!("front matter: {}", plain_words(&message))
+}
+
+/// The key whose value holds `at`: the last `key:` before it on its line.
+fn key_before(yaml: &str, at: serde_saphyr::Location) -> Option<&str> {
+    let line = yaml
+        .lines()
+        .nth(usize::try_from(at.line()).ok()?.checked_sub(1)?)?;
+    let column = usize::try_from(at.column()).ok()?.checked_sub(1)?;
+    let end = line
+        .char_indices()
+        .nth(column)
+        .map_or(line.len(), |(i, _)| i);
+    let before = &line[..end];
+    let colon = before.rfind(':')?;
+    let key_start = before[..colon]
+        .rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '-'))
+        .map_or(0, |i| i + 1);
+    let key = &before[key_start..colon];
+    (!key.is_empty()).then_some(key)
+}
+
+/// What is wrong with the first bad `call:` in the front matter, if one is.
+fn explain_script_calls(yaml: &str) -> Option<String> {
+    let front_matter: serde_json::Value = serde_saphyr::from_str(yaml).ok()?;
+    let turns = front_matter.get("script")?.as_array()?;
+    for (t, turn) in turns.iter().enumerate() {
+        let Some(call) = turn.get("call") else {
+            continue;
+        };
+        let calls = match call {
+            serde_json::Value::Array(calls) => calls.clone(),
+            serde_json::Value::Object(_) => vec![call.clone()],
+            other => {
+                return Some(format!(
+                    "script turn {}: call must be a mapping {{tool, args}} or a list of them, got {}",
+                    t + 1,
+                    json_kind(other)
+                ));
+            }
+        };
+        for (c, call) in calls.into_iter().enumerate() {
+            if let Err(e) = serde_json::from_value::<ScriptCallSpec>(call) {
+                return Some(format!("script turn {}, call {}: {e}", t + 1, c + 1));
+            }
+        }
+    }
+    None
+}
+
+/// One line for a TOML error: its message and where it is.
+fn toml_error(text: &str, error: &toml::de::Error) -> String {
+    let message = plain_words(&one_line(error.message()));
+    match error.span() {
+        Some(span) => {
+            let before = text.get(..span.start).unwrap_or(text);
+            let line = before.matches('\n').count() + 1;
+            let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+            let column = before[line_start..].chars().count() + 1;
+            format!("{message} at line {line}, column {column}")
+        }
+        None => message,
+    }
+}
+
+/// Users write keys, not fields.
+fn plain_words(message: &str) -> String {
+    message.replace("unknown field", "unknown key")
+}
+
+fn one_line(message: &str) -> String {
+    message
+        .lines()
+        .map(str::trim)
+        .filter(|line| !line.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn invalid(path: &Path, message: impl Into<String>) -> LoadError {
+    LoadError::Invalid {
+        path: path.to_path_buf(),
+        message: message.into(),
+    }
+}
+
+fn agent_path(name: &str) -> PathBuf {
+    PathBuf::from(format!("agents/{name}/agent.md"))
+}
+
+fn flow_path(name: &str) -> PathBuf {
+    PathBuf::from(format!("flows/{name}.toml"))
+}
+
+fn known<'a>(names: impl Iterator<Item = &'a String>) -> String {
+    let names: Vec<&str> = names.map(String::as_str).collect();
+    if names.is_empty() {
+        "none".into()
+    } else {
+        names.join(", ")
+    }
+}
+
+fn sorted<'a>(texts: &'a [(&'a str, &'a str)]) -> Vec<&'a (&'a str, &'a str)> {
+    let mut texts: Vec<_> = texts.iter().collect();
+    texts.sort_by_key(|(name, _)| *name);
+    texts
+}
+
+fn read(path: &Path) -> Result<String, LoadError> {
+    std::fs::read_to_string(path).map_err(|error| LoadError::Read {
+        path: path.to_path_buf(),
+        error,
+    })
+}
+
+/// The entries of a directory as (file name, path), in name order.
+fn list_dir(dir: &Path) -> Result<Vec<(String, PathBuf)>, LoadError> {
+    let read_error = |error| LoadError::Read {
+        path: dir.to_path_buf(),
+        error,
+    };
+    let mut entries = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(read_error)? {
+        let entry = entry.map_err(read_error)?;
+        entries.push((
+            entry.file_name().to_string_lossy().into_owned(),
+            entry.path(),
+        ));
+    }
+    entries.sort();
+    Ok(entries)
+}

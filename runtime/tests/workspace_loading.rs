@@ -1,0 +1,440 @@
+//! Loading a user's workspace: what loads, and the one-line error for what doesn't.
+
+use arbor_protocol::{
+    AgentDef, FlowGroup, ModelRef, Network, SandboxMode, ScriptCall, ScriptTurn, ScriptUsage,
+    StepSpec, ToolName,
+};
+use arbor_runtime::workspace::{LoadError, Workspace, parse_agent};
+use serde_json::json;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+const PLANNER: &str = "\
+---
+description: Splits a question into parts
+model: scripted
+tools: [exec, read_file]
+deny: [write_file]
+subagents: [researcher]
+sandbox: own
+network: open
+secrets: [API_KEY]
+budget: { tokens: 5000 }
+max_turns: 7
+timeout: 5m
+script:
+  - say: thinking
+    call: { tool: delegate, args: { jobs: [{ agent: researcher, request: go }] } }
+    usage: { input: 10, output: 20 }
+    delay: 250ms
+  - call:
+      - { tool: collect }
+      - { tool: read_file, args: { path: notes.md } }
+  - say: done
+---
+You plan.
+";
+
+const RESEARCHER: &str = "---\ndescription: Finds things out\n---\nYou research.\n";
+
+const FLOW: &str = r#"
+budget = { tokens = 20000 }
+timeout = "10m"
+[[group]]
+steps = [{ agent = "planner", instruction = "Plan it", label = "plan" }]
+[[group]]
+steps = [{ agent = "researcher", instruction = "Check it" }]
+"#;
+
+/// A workspace of a planner and its researcher, with one flow and no arbor.toml.
+fn workspace(arbor_toml: Option<&str>, flow: &str) -> Result<Workspace, LoadError> {
+    Workspace::from_texts(
+        PathBuf::from("ws"),
+        arbor_toml,
+        &[("planner", PLANNER), ("researcher", RESEARCHER)],
+        &[("research", flow)],
+    )
+}
+
+/// The error of loading these agents alone.
+fn agents_error(agents: &[(&str, &str)]) -> String {
+    let error = Workspace::from_texts(PathBuf::from("ws"), None, agents, &[]).unwrap_err();
+    let message = error.to_string();
+    assert!(!message.contains('\n'), "not one line: {message}");
+    message
+}
+
+/// The error of parsing one agent.md whose front matter is `yaml`.
+fn front_matter_error(yaml: &str) -> String {
+    let text = format!("---\n{yaml}---\nprompt\n");
+    let message = parse_agent("planner", &text, Path::new("agents/planner/agent.md"))
+        .unwrap_err()
+        .to_string();
+    assert!(!message.contains('\n'), "not one line: {message}");
+    message
+}
+
+fn write(dir: &Path, path: &str, text: &str) {
+    let path = dir.join(path);
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(path, text).unwrap();
+}
+
+#[test]
+fn a_full_workspace_loads_with_every_field_mapped() {
+    let dir = tempfile::tempdir().unwrap();
+    write(
+        dir.path(),
+        "arbor.toml",
+        "[limits]\ndepth = 3\n[budget]\ntokens = 777\n",
+    );
+    write(dir.path(), "agents/planner/agent.md", PLANNER);
+    write(dir.path(), "agents/researcher/agent.md", RESEARCHER);
+    write(dir.path(), "agents/README.md", "loose files are ignored");
+    write(dir.path(), "flows/research.toml", FLOW);
+
+    let ws = Workspace::load(dir.path()).unwrap();
+
+    assert_eq!(ws.root, dir.path());
+    assert_eq!(ws.config.limits.depth, 3);
+    assert_eq!(ws.config.limits.fan_out, 16);
+    assert_eq!(ws.config.budget_tokens, 777);
+    let planner = AgentDef {
+        name: "planner".into(),
+        description: Some("Splits a question into parts".into()),
+        model: ModelRef::Scripted,
+        tools: vec![ToolName::Exec, ToolName::ReadFile],
+        deny: vec!["write_file".into()],
+        subagents: vec!["researcher".into()],
+        sandbox: SandboxMode::Own,
+        network: Network::Open,
+        secrets: vec!["API_KEY".into()],
+        budget_tokens: Some(5000),
+        max_turns: Some(7),
+        timeout: Some(Duration::from_secs(300)),
+        script: vec![
+            ScriptTurn {
+                say: Some("thinking".into()),
+                calls: vec![ScriptCall {
+                    tool: "delegate".into(),
+                    args: json!({ "jobs": [{ "agent": "researcher", "request": "go" }] }),
+                }],
+                usage: Some(ScriptUsage {
+                    input: 10,
+                    output: 20,
+                }),
+                delay: Some(Duration::from_millis(250)),
+            },
+            ScriptTurn {
+                calls: vec![
+                    ScriptCall {
+                        tool: "collect".into(),
+                        args: json!({}),
+                    },
+                    ScriptCall {
+                        tool: "read_file".into(),
+                        args: json!({ "path": "notes.md" }),
+                    },
+                ],
+                ..ScriptTurn::default()
+            },
+            ScriptTurn {
+                say: Some("done".into()),
+                ..ScriptTurn::default()
+            },
+        ],
+        prompt: "You plan.".into(),
+    };
+    assert_eq!(ws.agents["planner"], planner);
+
+    let researcher = &ws.agents["researcher"];
+    assert_eq!(researcher.model, ModelRef::Scripted);
+    assert_eq!(
+        (researcher.sandbox, researcher.network),
+        (SandboxMode::Shared, Network::None)
+    );
+    assert!(researcher.script.is_empty() && researcher.tools.is_empty());
+
+    let run = ws.flow_run("research", None).unwrap();
+    assert_eq!(run.flow, "research");
+    assert_eq!(run.budget_tokens, 20000);
+    assert_eq!(run.timeout, Some(Duration::from_secs(600)));
+    assert_eq!(
+        run.groups[0],
+        FlowGroup {
+            steps: vec![StepSpec {
+                agent: "planner".into(),
+                instruction: "Plan it".into(),
+                label: Some("plan".into()),
+            }],
+        }
+    );
+    assert_eq!(run.groups[1].steps[0].label, None);
+}
+
+#[test]
+fn a_missing_directory_and_an_empty_agents_folder_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nope");
+    assert_eq!(
+        Workspace::load(&missing).unwrap_err().to_string(),
+        format!("{}: not a directory", missing.display())
+    );
+    std::fs::create_dir(dir.path().join("agents")).unwrap();
+    assert_eq!(
+        Workspace::load(dir.path()).unwrap_err().to_string(),
+        format!("{}: no agents found", dir.path().join("agents").display())
+    );
+}
+
+#[test]
+fn an_unknown_front_matter_key_names_the_key_and_the_file() {
+    let message = front_matter_error("description: x\ndepth: 3\n");
+    assert!(
+        message.starts_with("agents/planner/agent.md: front matter: unknown key `depth`"),
+        "{message}"
+    );
+    assert!(message.contains("at line 3"), "{message}");
+}
+
+#[test]
+fn a_file_without_front_matter_is_refused() {
+    let message = agents_error(&[("planner", "You plan.\n")]);
+    assert_eq!(
+        message,
+        "agents/planner/agent.md: no front matter: the file must start with a `---` line"
+    );
+}
+
+#[test]
+fn bad_yaml_is_one_line_naming_the_file() {
+    let message = front_matter_error("subagents: [researcher\n");
+    assert!(
+        message.starts_with("agents/planner/agent.md: front matter: "),
+        "{message}"
+    );
+    let message = front_matter_error("max_turns: -1\n");
+    assert!(
+        message.contains("front matter: max_turns: invalid u32 at line 2"),
+        "{message}"
+    );
+}
+
+#[test]
+fn an_unknown_key_in_arbor_toml_is_named() {
+    let message = workspace(Some("[limits]\ndepht = 3\n"), FLOW)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        message.starts_with("arbor.toml: unknown key `depht`"),
+        "{message}"
+    );
+    assert!(message.ends_with("at line 2, column 1"), "{message}");
+}
+
+#[test]
+fn limits_out_of_range_are_refused() {
+    let message = workspace(Some("[limits]\ngrant_fraction = 1.5\n"), FLOW).unwrap_err();
+    assert_eq!(
+        message.to_string(),
+        "arbor.toml: limits.grant_fraction must be in (0, 1], got 1.5"
+    );
+}
+
+#[test]
+fn an_unknown_key_in_a_flow_is_named() {
+    let flow = FLOW.replace("label =", "lable =");
+    let message = workspace(None, &flow).unwrap_err().to_string();
+    assert!(
+        message.starts_with("flows/research.toml: unknown key `lable`"),
+        "{message}"
+    );
+}
+
+#[test]
+fn a_sub_agent_needs_a_description() {
+    let message = agents_error(&[
+        ("planner", "---\nsubagents: [researcher]\n---\n"),
+        ("researcher", "---\n---\n"),
+    ]);
+    assert_eq!(
+        message,
+        "agents/researcher/agent.md: `description` is required: planner offers it as a sub-agent"
+    );
+}
+
+#[test]
+fn an_unknown_subagent_is_refused() {
+    let message = agents_error(&[("planner", "---\nsubagents: [ghost]\n---\n")]);
+    assert_eq!(
+        message,
+        "agents/planner/agent.md: subagent `ghost` is not an agent in agents/"
+    );
+}
+
+#[test]
+fn a_flow_naming_an_unknown_agent_is_refused() {
+    let flow = FLOW.replace("\"researcher\"", "\"writr\"");
+    let message = workspace(None, &flow).unwrap_err().to_string();
+    assert_eq!(
+        message,
+        "flows/research.toml: step 1 of group 2 names unknown agent `writr`"
+    );
+}
+
+#[test]
+fn zero_negative_and_fractional_budgets_are_refused_everywhere() {
+    for tokens in ["0", "-5", "1.5"] {
+        let agent = front_matter_error(&format!("budget: {{ tokens: {tokens} }}\n"));
+        assert!(
+            agent.starts_with("agents/planner/agent.md: budget.tokens must be"),
+            "{agent}"
+        );
+
+        let flow = FLOW.replace("tokens = 20000", &format!("tokens = {tokens}"));
+        let flow = workspace(None, &flow).unwrap_err().to_string();
+        assert!(
+            flow.starts_with("flows/research.toml: budget.tokens must be"),
+            "{flow}"
+        );
+
+        let config = workspace(Some(&format!("[budget]\ntokens = {tokens}\n")), FLOW);
+        let config = config.unwrap_err().to_string();
+        assert!(
+            config.starts_with("arbor.toml: budget.tokens must be"),
+            "{config}"
+        );
+    }
+}
+
+#[test]
+fn a_usd_budget_is_refused_with_a_reason() {
+    let message = front_matter_error("budget: { usd: 2.5 }\n");
+    assert!(
+        message.starts_with("agents/planner/agent.md: budget.usd is not metered"),
+        "{message}"
+    );
+}
+
+#[test]
+fn a_provider_model_is_refused_until_providers_exist() {
+    let message = front_matter_error("model: openai/gpt-4o\n");
+    assert!(
+        message.ends_with("model providers are not configured in arbor.toml; use `scripted`"),
+        "{message}"
+    );
+    assert!(front_matter_error("model: gpt\n").contains("model `gpt` is not known"));
+}
+
+#[test]
+fn only_sandbox_tools_may_be_listed() {
+    let message = front_matter_error("tools: [exec, delegate]\n");
+    assert!(
+        message.contains("tools: `delegate` is not a sandbox tool"),
+        "{message}"
+    );
+}
+
+#[test]
+fn a_name_must_match_its_folder_and_be_lowercase() {
+    assert!(
+        front_matter_error("name: boss\n").contains("name `boss` differs from the folder name")
+    );
+    let message = agents_error(&[("Planner", RESEARCHER)]);
+    assert!(
+        message.starts_with("agents/Planner/agent.md: agent name \"Planner\" must be"),
+        "{message}"
+    );
+}
+
+#[test]
+fn call_is_one_mapping_or_a_list_of_them() {
+    let text = "---\nscript:\n  - call: { tool: exec, args: { command: ls } }\n  - call: [{ tool: a }, { tool: b }]\n  - {}\n---\n";
+    let agent = parse_agent("planner", text, Path::new("agent.md")).unwrap();
+    let tools: Vec<Vec<&str>> = agent
+        .script
+        .iter()
+        .map(|t| t.calls.iter().map(|c| c.tool.as_str()).collect())
+        .collect();
+    assert_eq!(tools, [vec!["exec"], vec!["a", "b"], vec![]]);
+    assert_eq!(agent.script[1].calls[0].args, json!({}));
+    assert_eq!(agent.script[2], ScriptTurn::default());
+}
+
+#[test]
+fn a_bad_call_says_what_is_wrong_inside_it() {
+    let message = front_matter_error("script:\n  - call: { tool: exec, argz: {} }\n");
+    assert!(
+        message.contains("script turn 1, call 1: unknown key `argz`"),
+        "{message}"
+    );
+    let message = front_matter_error("script:\n  - call: { tool: exec, args: [ls] }\n");
+    assert!(
+        message.ends_with("script turn 1, call 1: args must be a mapping, got a list"),
+        "{message}"
+    );
+}
+
+#[test]
+fn a_bad_delay_or_timeout_is_refused() {
+    let message = front_matter_error("script:\n  - say: hi\n    delay: soon\n");
+    assert!(
+        message.contains("script turn 1: delay: bad duration \"soon\""),
+        "{message}"
+    );
+    assert!(
+        front_matter_error("timeout: 0s\n").contains("timeout: a timeout of 0 would stop at once")
+    );
+    assert!(front_matter_error("max_turns: 0\n").contains("max_turns must be at least 1"));
+}
+
+#[test]
+fn flow_run_budget_is_override_then_flow_then_config() {
+    let config = Some("[budget]\ntokens = 300\n");
+    let with_budget = workspace(config, FLOW).unwrap();
+    let without = workspace(config, &FLOW.replace("budget = { tokens = 20000 }", "")).unwrap();
+
+    assert_eq!(
+        with_budget
+            .flow_run("research", Some(5))
+            .unwrap()
+            .budget_tokens,
+        5
+    );
+    assert_eq!(
+        with_budget
+            .flow_run("research", None)
+            .unwrap()
+            .budget_tokens,
+        20000
+    );
+    assert_eq!(
+        without.flow_run("research", None).unwrap().budget_tokens,
+        300
+    );
+    assert_eq!(
+        workspace(None, FLOW).unwrap().config.budget_tokens,
+        1_000_000
+    );
+    assert!(matches!(
+        with_budget.flow_run("research", Some(0)),
+        Err(LoadError::ZeroBudgetOverride)
+    ));
+}
+
+#[test]
+fn unknown_flows_and_agents_are_named_at_run_time() {
+    let ws = workspace(None, FLOW).unwrap();
+    assert_eq!(
+        ws.flow_run("reserch", None).unwrap_err().to_string(),
+        "flows/reserch.toml: no such flow (known: research)"
+    );
+    assert!(ws.agent_run("ghost", "hi", None).is_err());
+
+    let run = ws.agent_run("researcher", "hi", Some(9)).unwrap();
+    assert_eq!(
+        (run.flow.as_str(), run.budget_tokens),
+        ("agent:researcher", 9)
+    );
+    assert_eq!(run.groups[0].steps[0].instruction, "hi");
+}

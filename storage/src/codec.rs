@@ -1,0 +1,308 @@
+//! Key layout and value format: where each record lives in sled and what its
+//! bytes are. The layout is written out in the crate doc (`lib.rs`).
+//!
+//! Invariants:
+//! 1. Every record value is `FORMAT_VERSION` (1 byte) followed by its body; a
+//!    value whose first byte is anything else is undecodable, never guessed at.
+//! 2. Integers in keys are big-endian and ids are uuid v7 bytes, so sled's
+//!    byte order is time order and a prefix scan returns one owner's records
+//!    in the order they were written.
+//! 3. A key is a function of its record (plus the journal seq for ledger
+//!    entries); `check_entry` recomputes it so `scan` catches a value stored
+//!    under the wrong key.
+
+use crate::Error;
+use crate::record::{DelegationRecord, JobRecord, LedgerRecord, RunRecord, SteerRecord};
+use arbor_protocol::{Event, JobId, ParentRef, RunId};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+/// The version byte that starts every record value.
+pub(crate) const FORMAT_VERSION: u8 = 1;
+
+pub(crate) const RUNS: &str = "runs";
+pub(crate) const JOBS: &str = "jobs";
+pub(crate) const LEDGER: &str = "ledger";
+pub(crate) const DELEGATIONS: &str = "delegations";
+pub(crate) const STEERING: &str = "steering";
+pub(crate) const EVENTS: &str = "events";
+pub(crate) const META: &str = "meta";
+
+/// The trees that hold records, in the order `scan` walks them.
+pub(crate) const RECORD_TREES: [&str; 6] = [RUNS, JOBS, LEDGER, DELEGATIONS, STEERING, EVENTS];
+
+/// Meta keys. Meta values are bare big-endian integers with no version byte:
+/// `format` must be readable whatever the record format is.
+pub(crate) const META_FORMAT: &[u8] = b"format"; // u32
+pub(crate) const META_EPOCH: &[u8] = b"epoch"; // u64
+pub(crate) const META_SEQ: &[u8] = b"seq"; // u64
+
+const OWNER_RUN: u8 = 0;
+const OWNER_JOB: u8 = 1;
+
+pub(crate) fn run_key(id: RunId) -> Vec<u8> {
+    id.0.as_bytes().to_vec()
+}
+
+pub(crate) fn job_key(run: RunId, id: JobId) -> Vec<u8> {
+    [run.0.as_bytes().as_slice(), id.0.as_bytes()].concat()
+}
+
+/// The 17-byte prefix of every ledger key of one account.
+pub(crate) fn ledger_prefix(owner: ParentRef) -> Vec<u8> {
+    let (tag, uuid) = match owner {
+        ParentRef::Run(id) => (OWNER_RUN, id.0),
+        ParentRef::Job(id) => (OWNER_JOB, id.0),
+    };
+    [[tag].as_slice(), uuid.as_bytes()].concat()
+}
+
+pub(crate) fn ledger_key(owner: ParentRef, seq: u64) -> Vec<u8> {
+    [ledger_prefix(owner), seq.to_be_bytes().to_vec()].concat()
+}
+
+pub(crate) fn delegation_key(parent: JobId, key: &str) -> Vec<u8> {
+    [parent.0.as_bytes().as_slice(), key.as_bytes()].concat()
+}
+
+pub(crate) fn steer_key(job: JobId, message_id: u64) -> Vec<u8> {
+    [job.0.as_bytes().as_slice(), &message_id.to_be_bytes()].concat()
+}
+
+pub(crate) fn event_key(run: RunId, seq: u64) -> Vec<u8> {
+    [run.0.as_bytes().as_slice(), &seq.to_be_bytes()].concat()
+}
+
+/// Version byte ++ bincode (serde mode, standard config).
+pub(crate) fn encode_bincode<T: Serialize>(value: &T) -> Result<Vec<u8>, Error> {
+    let mut bytes = vec![FORMAT_VERSION];
+    bincode::serde::encode_into_std_write(value, &mut bytes, bincode::config::standard())
+        .map_err(|e| Error::Encode(e.to_string()))?;
+    Ok(bytes)
+}
+
+/// Version byte ++ JSON. Events go as JSON because bincode's serde mode can
+/// encode neither `serde_json::Value` (their outputs) nor internally tagged
+/// enums (`EventKind` is `#[serde(tag = "type")]`): both need
+/// `deserialize_any`, which a non-self-describing format cannot offer.
+pub(crate) fn encode_event(event: &Event) -> Result<Vec<u8>, Error> {
+    let mut bytes = vec![FORMAT_VERSION];
+    serde_json::to_writer(&mut bytes, event).map_err(|e| Error::Encode(e.to_string()))?;
+    Ok(bytes)
+}
+
+/// The body after the version byte, or why there is none.
+fn body(value: &[u8]) -> Result<&[u8], String> {
+    match value.split_first() {
+        None => Err("empty value".into()),
+        Some((&FORMAT_VERSION, body)) => Ok(body),
+        Some((version, _)) => Err(format!(
+            "unknown format version {version} (this build reads {FORMAT_VERSION})"
+        )),
+    }
+}
+
+pub(crate) fn decode_bincode<T: DeserializeOwned>(value: &[u8]) -> Result<T, String> {
+    let body = body(value)?;
+    let (decoded, read) =
+        bincode::serde::decode_from_slice::<T, _>(body, bincode::config::standard())
+            .map_err(|e| e.to_string())?;
+    // Trailing bytes mean the value is not what we think it is.
+    if read != body.len() {
+        return Err(format!("{} trailing bytes", body.len() - read));
+    }
+    Ok(decoded)
+}
+
+pub(crate) fn decode_event(value: &[u8]) -> Result<Event, String> {
+    serde_json::from_slice(body(value)?).map_err(|e| e.to_string())
+}
+
+/// Lowercase hex, for naming a key in a report.
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+pub(crate) fn undecodable(tree: &str, key: &[u8], error: String) -> Error {
+    Error::Undecodable {
+        tree: tree.to_string(),
+        key_hex: hex(key),
+        error,
+    }
+}
+
+/// Decodes one entry of a record tree and checks it is stored under the key
+/// its content implies. Unknown trees are refused: `scan` only walks ours.
+pub(crate) fn check_entry(tree: &str, key: &[u8], value: &[u8]) -> Result<(), String> {
+    let expected = match tree {
+        RUNS => run_key(decode_bincode::<RunRecord>(value)?.id),
+        JOBS => {
+            let job = decode_bincode::<JobRecord>(value)?;
+            job_key(job.run, job.id)
+        }
+        LEDGER => {
+            let entry = decode_bincode::<LedgerRecord>(value)?;
+            // The seq is not in the value; take it from the key if it has one.
+            let seq = key
+                .get(17..)
+                .and_then(|tail| <[u8; 8]>::try_from(tail).ok())
+                .map(u64::from_be_bytes)
+                .ok_or_else(|| format!("ledger key of {} bytes, expected 25", key.len()))?;
+            ledger_key(entry.owner, seq)
+        }
+        DELEGATIONS => {
+            let delegation = decode_bincode::<DelegationRecord>(value)?;
+            delegation_key(delegation.parent, &delegation.key)
+        }
+        STEERING => {
+            let steer = decode_bincode::<SteerRecord>(value)?;
+            steer_key(steer.job, steer.message_id)
+        }
+        EVENTS => {
+            let event = decode_event(value)?;
+            event_key(event.run, event.seq)
+        }
+        other => return Err(format!("no record type for tree {other:?}")),
+    };
+    if expected != key {
+        return Err(format!(
+            "stored under the wrong key: its content says {}",
+            hex(&expected)
+        ));
+    }
+    Ok(())
+}
+
+/// Checks one meta entry: a known key with a value of the right width.
+pub(crate) fn check_meta(key: &[u8], value: &[u8]) -> Result<(), String> {
+    let width = match key {
+        META_FORMAT => 4,
+        META_EPOCH | META_SEQ => 8,
+        _ => return Err("unknown meta key".into()),
+    };
+    if value.len() != width {
+        return Err(format!("{} bytes, expected {width}", value.len()));
+    }
+    Ok(())
+}
+
+pub(crate) fn meta_u64(key: &[u8], value: &[u8]) -> Result<u64, Error> {
+    <[u8; 8]>::try_from(value)
+        .map(u64::from_be_bytes)
+        .map_err(|_| undecodable(META, key, format!("{} bytes, expected 8", value.len())))
+}
+
+pub(crate) fn meta_u32(key: &[u8], value: &[u8]) -> Result<u32, Error> {
+    <[u8; 4]>::try_from(value)
+        .map(u32::from_be_bytes)
+        .map_err(|_| undecodable(META, key, format!("{} bytes, expected 4", value.len())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::{LedgerOp, SteerState};
+    use arbor_protocol::{EventKind, NodeKind, Status};
+
+    #[test]
+    fn bincode_records_round_trip_with_their_version_byte() {
+        let steer = SteerRecord {
+            job: JobId::new(),
+            message_id: 7,
+            text: "focus on the tests".into(),
+            state: SteerState::Delivered,
+            epoch: 3,
+        };
+        let bytes = encode_bincode(&steer).unwrap();
+        assert_eq!(bytes[0], FORMAT_VERSION);
+        assert_eq!(decode_bincode::<SteerRecord>(&bytes).unwrap(), steer);
+    }
+
+    #[test]
+    fn events_round_trip_as_json() {
+        let event = Event {
+            seq: 9,
+            run: RunId::new(),
+            at_ms: 1,
+            kind: EventKind::RunFinished {
+                status: Status::Done,
+                error_class: None,
+                reason: None,
+                output: serde_json::json!({"answer": [1, 2]}),
+            },
+        };
+        let bytes = encode_event(&event).unwrap();
+        assert_eq!(bytes[0], FORMAT_VERSION);
+        assert_eq!(decode_event(&bytes).unwrap(), event);
+        assert!(check_entry(EVENTS, &event_key(event.run, 9), &bytes).is_ok());
+    }
+
+    #[test]
+    fn unknown_version_empty_value_and_trailing_bytes_are_undecodable() {
+        let entry = LedgerRecord {
+            owner: ParentRef::Job(JobId::new()),
+            op: LedgerOp::Open { grant: 5 },
+            epoch: 1,
+        };
+        let mut bytes = encode_bincode(&entry).unwrap();
+        bytes.push(0);
+        assert!(
+            decode_bincode::<LedgerRecord>(&bytes)
+                .unwrap_err()
+                .contains("trailing")
+        );
+        bytes[0] = 2;
+        assert!(
+            decode_bincode::<LedgerRecord>(&bytes)
+                .unwrap_err()
+                .contains("version 2")
+        );
+        assert!(decode_bincode::<LedgerRecord>(&[]).is_err());
+    }
+
+    #[test]
+    fn a_record_under_a_key_it_does_not_own_is_reported() {
+        let run = RunId::new();
+        let job = JobRecord {
+            id: JobId::new(),
+            run,
+            parent: ParentRef::Run(run),
+            kind: NodeKind::Step,
+            agent: "planner".into(),
+            label: None,
+            depth: 0,
+            attempt: 1,
+            grant_tokens: 10,
+            workdir: "/w".into(),
+            status: Status::Pending,
+            task_status: None,
+            error_class: None,
+            reason: None,
+            output_json: "null".into(),
+            tokens_spent: 0,
+            epoch: 1,
+        };
+        let bytes = encode_bincode(&job).unwrap();
+        assert!(check_entry(JOBS, &job_key(run, job.id), &bytes).is_ok());
+        let wrong = job_key(RunId::new(), job.id);
+        assert!(
+            check_entry(JOBS, &wrong, &bytes)
+                .unwrap_err()
+                .contains("wrong key")
+        );
+    }
+
+    #[test]
+    fn keys_sort_by_owner_then_big_endian_seq() {
+        let owner = ParentRef::Run(RunId::new());
+        assert_eq!(ledger_key(owner, 1).len(), 25);
+        assert!(ledger_key(owner, 255) < ledger_key(owner, 256));
+        assert!(ledger_key(owner, 1).starts_with(&ledger_prefix(owner)));
+        let job = ParentRef::Job(JobId(match owner {
+            ParentRef::Run(r) => r.0,
+            ParentRef::Job(j) => j.0,
+        }));
+        // Same uuid, other kind of owner: the tag byte keeps the accounts apart.
+        assert_ne!(ledger_prefix(owner), ledger_prefix(job));
+    }
+}

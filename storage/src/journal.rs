@@ -1,0 +1,669 @@
+//! The journal handle: opening the sled db, appending records in seq order,
+//! group commit, and reads.
+//!
+//! A `Journal` is a cheap clone of an `Arc`. Behind it, one dedicated thread
+//! (the flusher) owns every `db.flush()`; callers never flush themselves.
+//!
+//! Invariants:
+//! 1. Seq order is apply order: one mutex covers handing out seqs *and*
+//!    applying them, so a reader who sees seq N applied sees everything below N.
+//! 2. One `append` is one sled transaction over every tree it touches and the
+//!    `meta` seq, so after a crash an append is wholly there or wholly gone, and
+//!    the stored seq is never behind a stored ledger key.
+//! 3. `durable_seq` only rises, and only to a seq that was applied before a
+//!    flush began: everything at or below it survives a crash (I-29).
+//! 4. A `commit` returns only once `durable_seq >= ` its seq.
+//!
+//! Group commit: `commit` sends a waiter to the flusher and awaits a oneshot.
+//! The flusher takes every waiter queued so far, reads the last applied seq,
+//! flushes once, publishes that seq as durable and wakes them all. Commits that
+//! arrive during a flush are served together by the next one, so under load
+//! the number of flushes stays far below the number of commits.
+//!
+//! Deadlock safety: the append mutex is never held across an await or while
+//! talking to the flusher, and the flusher takes no lock of ours; it shares
+//! only atomics (`Progress`) with the handles. It does not hold the handle's
+//! `Inner` either, so dropping the last handle closes its channel, the thread
+//! ends, and the drop joins it (which also releases sled's lock on the dir).
+
+use crate::Error;
+use crate::codec::{
+    self, DELEGATIONS, EVENTS, JOBS, LEDGER, META, META_EPOCH, META_FORMAT, META_SEQ, RECORD_TREES,
+    RUNS, STEERING,
+};
+use crate::record::{DelegationRecord, JobRecord, LedgerRecord, Record, RunRecord, SteerRecord};
+use arbor_protocol::{Event, JobId, ParentRef, RunId};
+use sled::Transactional;
+use sled::transaction::{ConflictableTransactionError, TransactionError};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, mpsc};
+use std::thread;
+use tokio::sync::oneshot;
+
+/// A handle on the journal; clone it freely.
+#[derive(Clone)]
+pub struct Journal {
+    inner: Arc<Inner>,
+}
+
+/// What `Journal::scan` found.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ScanReport {
+    /// Records that decoded and sit under the key their content implies.
+    pub records: u64,
+    /// Everything else, `meta` entries included.
+    pub undecodable: Vec<Undecodable>,
+}
+
+/// One stored entry that does not decode, named by tree and key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Undecodable {
+    pub tree: String,
+    pub key_hex: String,
+    pub error: String,
+}
+
+struct Inner {
+    db: sled::Db,
+    trees: Trees,
+    epoch: u64,
+    /// The last seq handed out, held for the whole of an append (invariant 1).
+    last_seq: Mutex<u64>,
+    progress: Arc<Progress>,
+    /// `None` only while dropping.
+    waiters: Option<mpsc::Sender<Waiter>>,
+    flusher: Mutex<Option<thread::JoinHandle<()>>>,
+}
+
+struct Trees {
+    runs: sled::Tree,
+    jobs: sled::Tree,
+    ledger: sled::Tree,
+    delegations: sled::Tree,
+    steering: sled::Tree,
+    events: sled::Tree,
+    meta: sled::Tree,
+}
+
+/// What the handles and the flusher share: numbers only.
+struct Progress {
+    /// The last seq applied to sled (visible to reads).
+    applied: AtomicU64,
+    /// The last seq covered by a completed flush.
+    durable: AtomicU64,
+    flushes: AtomicU64,
+}
+
+/// A commit waiting for a flush that covers `seq`.
+struct Waiter {
+    seq: u64,
+    reply: oneshot::Sender<Result<(), sled::Error>>,
+}
+
+impl Journal {
+    /// Opens (creating) the sled db at `dir`, checks or writes the format
+    /// version, bumps the boot epoch and starts the flusher.
+    pub fn open(dir: &Path) -> Result<Journal, Error> {
+        let (journal, waiters) = Self::open_without_flusher(dir)?;
+        journal.start_flusher(waiters)?;
+        Ok(journal)
+    }
+
+    /// This boot's epoch: 1 on the first open of a directory, +1 on each reopen.
+    pub fn epoch(&self) -> u64 {
+        self.inner.epoch
+    }
+
+    /// Applies `records` now, atomically and in order, and returns the seq of
+    /// the last one (each record takes one seq). Reads see them at once; they
+    /// are not durable until a flush covers them (see `commit`). An empty
+    /// list applies nothing and returns the last seq handed out.
+    pub fn append(&self, records: Vec<Record>) -> Result<u64, Error> {
+        let inner = &*self.inner;
+        // A panic while holding the lock cannot leave the counter half-updated:
+        // it is written only after the transaction succeeds.
+        let mut last_seq = inner
+            .last_seq
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if records.is_empty() {
+            return Ok(*last_seq);
+        }
+
+        // Encode everything before touching sled, so a record that cannot be
+        // encoded fails the whole append with nothing written.
+        let mut batches: Vec<(&'static str, sled::Batch)> = Vec::new();
+        let mut seq = *last_seq;
+        for record in &records {
+            seq += 1;
+            let (tree, key, value) = encode(record, seq)?;
+            match batches.iter_mut().find(|(name, _)| *name == tree) {
+                Some((_, batch)) => batch.insert(key, value),
+                None => {
+                    let mut batch = sled::Batch::default();
+                    batch.insert(key, value);
+                    batches.push((tree, batch));
+                }
+            }
+        }
+        let mut meta = sled::Batch::default();
+        meta.insert(META_SEQ, &seq.to_be_bytes());
+        batches.push((META, meta));
+
+        let trees: Vec<&sled::Tree> = batches
+            .iter()
+            .map(|(name, _)| inner.trees.get(name))
+            .collect();
+        trees
+            .as_slice()
+            .transaction(|views| {
+                for (view, (_, batch)) in views.iter().zip(&batches) {
+                    view.apply_batch(batch)?;
+                }
+                Ok::<_, ConflictableTransactionError<()>>(())
+            })
+            .map_err(|e| match e {
+                TransactionError::Storage(e) => Error::Sled(e),
+                // The closure never aborts.
+                TransactionError::Abort(()) => unreachable!("journal append aborted"),
+            })?;
+
+        *last_seq = seq;
+        // Published under the lock so `applied` never goes backwards.
+        inner.progress.applied.store(seq, Ordering::Release);
+        Ok(seq)
+    }
+
+    /// `append`, then wait until a flush covers the records (I-29: the journal
+    /// is written before anything acts on it). Concurrent commits share flushes.
+    pub async fn commit(&self, records: Vec<Record>) -> Result<u64, Error> {
+        let seq = self.append(records)?;
+        self.wait_durable(seq).await?;
+        Ok(seq)
+    }
+
+    /// Highest seq covered by a completed flush.
+    pub fn durable_seq(&self) -> u64 {
+        self.inner.progress.durable.load(Ordering::Acquire)
+    }
+
+    /// Waits for a flush covering everything appended so far.
+    pub async fn flush(&self) -> Result<(), Error> {
+        let seq = self.inner.progress.applied.load(Ordering::Acquire);
+        self.wait_durable(seq).await
+    }
+
+    /// How many flushes the flusher has done.
+    pub fn flush_count(&self) -> u64 {
+        self.inner.progress.flushes.load(Ordering::Acquire)
+    }
+
+    /// Every run, in key order.
+    pub fn runs(&self) -> Result<Vec<RunRecord>, Error> {
+        read_prefix(&self.inner.trees.runs, RUNS, &[], codec::decode_bincode)
+    }
+
+    pub fn run(&self, id: RunId) -> Result<Option<RunRecord>, Error> {
+        read_one(
+            &self.inner.trees.runs,
+            RUNS,
+            &codec::run_key(id),
+            codec::decode_bincode,
+        )
+    }
+
+    /// The run's steps and jobs, in id (that is, creation) order.
+    pub fn jobs(&self, run: RunId) -> Result<Vec<JobRecord>, Error> {
+        let prefix = codec::run_key(run);
+        read_prefix(&self.inner.trees.jobs, JOBS, &prefix, codec::decode_bincode)
+    }
+
+    pub fn job(&self, run: RunId, id: JobId) -> Result<Option<JobRecord>, Error> {
+        read_one(
+            &self.inner.trees.jobs,
+            JOBS,
+            &codec::job_key(run, id),
+            codec::decode_bincode,
+        )
+    }
+
+    /// One account's entries, in the order they were written.
+    pub fn ledger(&self, owner: ParentRef) -> Result<Vec<LedgerRecord>, Error> {
+        let prefix = codec::ledger_prefix(owner);
+        read_prefix(
+            &self.inner.trees.ledger,
+            LEDGER,
+            &prefix,
+            codec::decode_bincode,
+        )
+    }
+
+    /// The parent's delegate calls, in key order.
+    pub fn delegations(&self, parent: JobId) -> Result<Vec<DelegationRecord>, Error> {
+        let prefix = parent.0.as_bytes();
+        read_prefix(
+            &self.inner.trees.delegations,
+            DELEGATIONS,
+            prefix,
+            codec::decode_bincode,
+        )
+    }
+
+    /// The job's steering messages, by message id.
+    pub fn steering(&self, job: JobId) -> Result<Vec<SteerRecord>, Error> {
+        let prefix = job.0.as_bytes();
+        read_prefix(
+            &self.inner.trees.steering,
+            STEERING,
+            prefix,
+            codec::decode_bincode,
+        )
+    }
+
+    /// The run's events, by event seq.
+    pub fn events(&self, run: RunId) -> Result<Vec<Event>, Error> {
+        let prefix = codec::run_key(run);
+        read_prefix(
+            &self.inner.trees.events,
+            EVENTS,
+            &prefix,
+            codec::decode_event,
+        )
+    }
+
+    /// Decodes every record of every tree (and checks each `meta` entry),
+    /// listing what does not decode instead of skipping it. Fails only if sled
+    /// cannot be read at all.
+    pub fn scan(&self) -> Result<ScanReport, Error> {
+        let mut report = ScanReport::default();
+        let mut report_bad = |tree: &str, key: &[u8], error: String| {
+            report.undecodable.push(Undecodable {
+                tree: tree.to_string(),
+                key_hex: codec::hex(key),
+                error,
+            })
+        };
+        let mut records = 0;
+        for name in RECORD_TREES {
+            for entry in self.inner.trees.get(name).iter() {
+                let (key, value) = entry?;
+                match codec::check_entry(name, &key, &value) {
+                    Ok(()) => records += 1,
+                    Err(error) => report_bad(name, &key, error),
+                }
+            }
+        }
+        for entry in self.inner.trees.meta.iter() {
+            let (key, value) = entry?;
+            if let Err(error) = codec::check_meta(&key, &value) {
+                report_bad(META, &key, error);
+            }
+        }
+        report.records = records;
+        Ok(report)
+    }
+
+    /// Everything `open` does except starting the flusher, so a test can queue
+    /// commits first and watch one flush serve them all.
+    fn open_without_flusher(dir: &Path) -> Result<(Journal, mpsc::Receiver<Waiter>), Error> {
+        let db = open_db(dir)?;
+        let trees = Trees::open(&db)?;
+        let meta = &trees.meta;
+
+        let supported = u32::from(codec::FORMAT_VERSION);
+        match meta.get(META_FORMAT)? {
+            Some(found) => {
+                let found = codec::meta_u32(META_FORMAT, &found)?;
+                if found != supported {
+                    return Err(Error::FormatVersion { found, supported });
+                }
+            }
+            None => {
+                meta.insert(META_FORMAT, &supported.to_be_bytes())?;
+            }
+        }
+        let epoch = match meta.get(META_EPOCH)? {
+            Some(previous) => codec::meta_u64(META_EPOCH, &previous)? + 1,
+            None => 1,
+        };
+        meta.insert(META_EPOCH, &epoch.to_be_bytes())?;
+        let seq = match meta.get(META_SEQ)? {
+            Some(seq) => codec::meta_u64(META_SEQ, &seq)?,
+            None => 0,
+        };
+        // Durable before any record is stamped with it: two boots must never
+        // share an epoch, or recovery could not tell their records apart.
+        db.flush()?;
+        tracing::debug!(dir = %dir.display(), epoch, seq, "journal opened");
+
+        // Whatever was on disk at open is durable by definition.
+        let progress = Arc::new(Progress {
+            applied: AtomicU64::new(seq),
+            durable: AtomicU64::new(seq),
+            flushes: AtomicU64::new(0),
+        });
+        let (waiters, queue) = mpsc::channel();
+        let inner = Inner {
+            db,
+            trees,
+            epoch,
+            last_seq: Mutex::new(seq),
+            progress,
+            waiters: Some(waiters),
+            flusher: Mutex::new(None),
+        };
+        Ok((
+            Journal {
+                inner: Arc::new(inner),
+            },
+            queue,
+        ))
+    }
+
+    fn start_flusher(&self, queue: mpsc::Receiver<Waiter>) -> Result<(), Error> {
+        let db = self.inner.db.clone();
+        let progress = Arc::clone(&self.inner.progress);
+        let handle = thread::Builder::new()
+            .name("arbor-journal-flusher".into())
+            .spawn(move || run_flusher(&db, &progress, queue))
+            // Failing to spawn a thread is an OS resource fault; sled's Io
+            // variant is the closest home for it.
+            .map_err(|e| Error::Sled(sled::Error::Io(e)))?;
+        *self
+            .inner
+            .flusher
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(handle);
+        Ok(())
+    }
+
+    async fn wait_durable(&self, seq: u64) -> Result<(), Error> {
+        if self.durable_seq() >= seq {
+            return Ok(());
+        }
+        let (reply, done) = oneshot::channel();
+        let waiters = self.inner.waiters.as_ref().ok_or(Error::Closed)?;
+        waiters
+            .send(Waiter { seq, reply })
+            .map_err(|_| Error::Closed)?;
+        match done.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(Error::Sled(e)),
+            // The flusher died with our waiter in hand.
+            Err(_) => Err(Error::Closed),
+        }
+    }
+}
+
+// By hand: sled's handles print their whole cache state.
+impl std::fmt::Debug for Journal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Journal")
+            .field("epoch", &self.inner.epoch)
+            .field(
+                "applied_seq",
+                &self.inner.progress.applied.load(Ordering::Acquire),
+            )
+            .field("durable_seq", &self.durable_seq())
+            .field("flush_count", &self.flush_count())
+            .finish()
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Closing the channel ends the flusher's loop. No waiter can be queued:
+        // each one is sent by a handle that keeps this `Inner` alive.
+        drop(self.waiters.take());
+        let handle = self
+            .flusher
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(handle) = handle
+            && handle.join().is_err()
+        {
+            tracing::error!("the journal flusher panicked");
+        }
+    }
+}
+
+impl Trees {
+    fn open(db: &sled::Db) -> Result<Trees, Error> {
+        Ok(Trees {
+            runs: db.open_tree(RUNS)?,
+            jobs: db.open_tree(JOBS)?,
+            ledger: db.open_tree(LEDGER)?,
+            delegations: db.open_tree(DELEGATIONS)?,
+            steering: db.open_tree(STEERING)?,
+            events: db.open_tree(EVENTS)?,
+            meta: db.open_tree(META)?,
+        })
+    }
+
+    fn get(&self, name: &str) -> &sled::Tree {
+        match name {
+            RUNS => &self.runs,
+            JOBS => &self.jobs,
+            LEDGER => &self.ledger,
+            DELEGATIONS => &self.delegations,
+            STEERING => &self.steering,
+            EVENTS => &self.events,
+            META => &self.meta,
+            other => unreachable!("no journal tree {other:?}"),
+        }
+    }
+}
+
+/// Which tree a record goes to, under what key, as what bytes.
+fn encode(record: &Record, seq: u64) -> Result<(&'static str, Vec<u8>, Vec<u8>), Error> {
+    Ok(match record {
+        Record::Run(run) => (RUNS, codec::run_key(run.id), codec::encode_bincode(run)?),
+        Record::Job(job) => (
+            JOBS,
+            codec::job_key(job.run, job.id),
+            codec::encode_bincode(job)?,
+        ),
+        Record::Ledger(entry) => (
+            LEDGER,
+            codec::ledger_key(entry.owner, seq),
+            codec::encode_bincode(entry)?,
+        ),
+        Record::Delegation(delegation) => (
+            DELEGATIONS,
+            codec::delegation_key(delegation.parent, &delegation.key),
+            codec::encode_bincode(delegation)?,
+        ),
+        Record::Steer(steer) => (
+            STEERING,
+            codec::steer_key(steer.job, steer.message_id),
+            codec::encode_bincode(steer)?,
+        ),
+        Record::Event(event) => (
+            EVENTS,
+            codec::event_key(event.run, event.seq),
+            codec::encode_event(event)?,
+        ),
+    })
+}
+
+fn read_prefix<T>(
+    tree: &sled::Tree,
+    name: &str,
+    prefix: &[u8],
+    decode: fn(&[u8]) -> Result<T, String>,
+) -> Result<Vec<T>, Error> {
+    tree.scan_prefix(prefix)
+        .map(|entry| {
+            let (key, value) = entry?;
+            decode(&value).map_err(|error| codec::undecodable(name, &key, error))
+        })
+        .collect()
+}
+
+fn read_one<T>(
+    tree: &sled::Tree,
+    name: &str,
+    key: &[u8],
+    decode: fn(&[u8]) -> Result<T, String>,
+) -> Result<Option<T>, Error> {
+    tree.get(key)?
+        .map(|value| decode(&value).map_err(|error| codec::undecodable(name, key, error)))
+        .transpose()
+}
+
+/// The flusher's loop: one flush per batch of queued waiters, until every
+/// handle is gone.
+fn run_flusher(db: &sled::Db, progress: &Progress, queue: mpsc::Receiver<Waiter>) {
+    while let Ok(first) = queue.recv() {
+        let mut waiters = vec![first];
+        waiters.extend(queue.try_iter());
+
+        // A waiter already covered (the flush that served its neighbours read
+        // its seq as applied) needs no new flush.
+        let durable = progress.durable.load(Ordering::Acquire);
+        let (covered, pending): (Vec<_>, Vec<_>) =
+            waiters.into_iter().partition(|w| w.seq <= durable);
+        for waiter in covered {
+            let _ = waiter.reply.send(Ok(()));
+        }
+        if pending.is_empty() {
+            continue;
+        }
+
+        // Read before flushing: every append that published this seq has
+        // finished its transaction, so this flush covers it. Each waiter was
+        // sent after its own append, so the target covers every one of them.
+        let target = progress.applied.load(Ordering::Acquire);
+        debug_assert!(pending.iter().all(|w| w.seq <= target));
+        let flushed = db.flush();
+        progress.flushes.fetch_add(1, Ordering::AcqRel);
+        match flushed {
+            Ok(_) => {
+                progress.durable.fetch_max(target, Ordering::AcqRel);
+                for waiter in pending {
+                    // A commit whose caller went away no longer needs an answer.
+                    let _ = waiter.reply.send(Ok(()));
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "journal flush failed");
+                for waiter in pending {
+                    let _ = waiter.reply.send(Err(e.clone()));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::{LedgerOp, SteerState};
+    use std::future::Future;
+    use std::task::{Context, Waker};
+
+    fn steer(job: JobId, message_id: u64) -> Record {
+        Record::Steer(SteerRecord {
+            job,
+            message_id,
+            text: format!("message {message_id}"),
+            state: SteerState::Queued,
+            epoch: 1,
+        })
+    }
+
+    #[tokio::test]
+    async fn commits_queued_before_the_flusher_starts_share_one_flush() {
+        let dir = tempfile::tempdir().unwrap();
+        let (journal, queue) = Journal::open_without_flusher(dir.path()).unwrap();
+        let job = JobId::new();
+
+        // First poll of each commit appends and queues its waiter, then parks.
+        let mut commits: Vec<_> = (1..=50)
+            .map(|n| Box::pin(journal.commit(vec![steer(job, n)])))
+            .collect();
+        let mut cx = Context::from_waker(Waker::noop());
+        for commit in &mut commits {
+            assert!(commit.as_mut().poll(&mut cx).is_pending());
+        }
+        assert_eq!(journal.durable_seq(), 0);
+
+        journal.start_flusher(queue).unwrap();
+        for (n, commit) in commits.into_iter().enumerate() {
+            assert_eq!(commit.await.unwrap(), n as u64 + 1);
+        }
+        assert_eq!(journal.flush_count(), 1);
+        assert_eq!(journal.durable_seq(), 50);
+    }
+
+    #[tokio::test]
+    async fn an_append_takes_one_seq_per_record_and_empty_appends_take_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path()).unwrap();
+        let owner = ParentRef::Run(RunId::new());
+        let open = |grant| {
+            Record::Ledger(LedgerRecord {
+                owner,
+                op: LedgerOp::Open { grant },
+                epoch: 1,
+            })
+        };
+        assert_eq!(journal.append(vec![open(1), open(2), open(3)]).unwrap(), 3);
+        assert_eq!(journal.append(vec![]).unwrap(), 3);
+        assert_eq!(journal.commit(vec![]).await.unwrap(), 3);
+        assert!(journal.durable_seq() >= 3);
+        // Ledger keys carry the seq, so the three entries are distinct and in order.
+        let grants: Vec<_> = journal
+            .ledger(owner)
+            .unwrap()
+            .into_iter()
+            .map(|e| e.op)
+            .collect();
+        assert_eq!(
+            grants,
+            vec![
+                LedgerOp::Open { grant: 1 },
+                LedgerOp::Open { grant: 2 },
+                LedgerOp::Open { grant: 3 }
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn flush_waits_for_everything_appended_and_a_second_flush_is_free() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path()).unwrap();
+        let seq = journal.append(vec![steer(JobId::new(), 1)]).unwrap();
+        journal.flush().await.unwrap();
+        assert!(journal.durable_seq() >= seq);
+        let flushes = journal.flush_count();
+        journal.flush().await.unwrap();
+        assert_eq!(journal.flush_count(), flushes);
+    }
+}
+
+/// Opens the sled database, waiting a little for its file lock. sled's own
+/// background threads hold the database for a moment after the last handle
+/// is dropped, so a reopen in the same process (a restart in a test, a node
+/// restarted in place) can find the lock still held.
+pub fn open_db(dir: &Path) -> Result<sled::Db, Error> {
+    const ATTEMPTS: u32 = 100;
+    let mut attempt = 0;
+    loop {
+        match sled::Config::new().path(dir).open() {
+            Err(sled::Error::Io(e))
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    || e.to_string().contains("could not acquire lock") =>
+            {
+                attempt += 1;
+                if attempt >= ATTEMPTS {
+                    return Err(sled::Error::Io(e).into());
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            other => return Ok(other?),
+        }
+    }
+}

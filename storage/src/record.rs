@@ -1,0 +1,284 @@
+//! The record types: everything the journal stores, as plain serde data.
+//!
+//! Owns the shape of each record and the ledger arithmetic (`ledger_totals`).
+//! Where a record lives and how its bytes look is `codec`'s business.
+//!
+//! Invariants:
+//! 1. Runs, jobs, delegations and steering messages are *states*: writing one
+//!    again under the same key replaces it, so the journal holds the latest.
+//! 2. Ledger entries and events are *history*: each write adds one, nothing
+//!    rewrites them, and replaying them in key order gives back the account
+//!    or the run tree.
+//! 3. Every record carries the boot `epoch` that wrote it, so recovery can tell
+//!    what the previous life of the node left behind (I-30).
+
+use arbor_protocol::{ErrorClass, Event, JobId, NodeKind, ParentRef, RunId, Status, TaskStatus};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+
+/// Everything the journal stores, as handed to `Journal::append`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Record {
+    Run(RunRecord),
+    Job(JobRecord),
+    Ledger(LedgerRecord),
+    Delegation(DelegationRecord),
+    Steer(SteerRecord),
+    Event(Event),
+}
+
+/// The latest state of one run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunRecord {
+    pub id: RunId,
+    pub flow: String,
+    pub budget_tokens: u64,
+    pub status: Status,
+    pub error_class: Option<ErrorClass>,
+    pub reason: Option<String>,
+    pub output_json: String,
+    pub epoch: u64,
+}
+
+/// The latest state of one step or job.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JobRecord {
+    pub id: JobId,
+    pub run: RunId,
+    pub parent: ParentRef,
+    pub kind: NodeKind,
+    pub agent: String,
+    pub label: Option<String>,
+    pub depth: u32,
+    pub attempt: u32,
+    pub grant_tokens: u64,
+    pub workdir: String,
+    pub status: Status,
+    pub task_status: Option<TaskStatus>,
+    pub error_class: Option<ErrorClass>,
+    pub reason: Option<String>,
+    pub output_json: String,
+    pub tokens_spent: u64,
+    pub epoch: u64,
+}
+
+/// One change to an account. Keyed by owner and journal seq, so an owner's
+/// entries come back in the order they were written.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LedgerRecord {
+    pub owner: ParentRef,
+    pub op: LedgerOp,
+    pub epoch: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum LedgerOp {
+    /// The account was opened with this grant.
+    Open { grant: u64 },
+    /// A child's grant held.
+    Hold { child: JobId, tokens: u64 },
+    /// The child settled: `spent` charged, the rest of `granted` returned.
+    Release {
+        child: JobId,
+        granted: u64,
+        spent: u64,
+    },
+    /// A model call's worst case held.
+    CallReserve { tokens: u64 },
+    /// The call's real usage charged; its reservation released.
+    CallSettle { reserved: u64, spent: u64 },
+    /// The account closed with this final spent.
+    Close { spent: u64 },
+}
+
+/// A delegate call's outcome, so that a repeated call (same `key`, same
+/// `digest`) after a restart finds its children instead of spawning twice.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DelegationRecord {
+    pub parent: JobId,
+    pub key: String,
+    pub digest: String,
+    pub children: Vec<JobId>,
+    pub epoch: u64,
+}
+
+/// A message for a running job (I-20), and how far it got.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SteerRecord {
+    pub job: JobId,
+    pub message_id: u64,
+    pub text: String,
+    pub state: SteerState,
+    pub epoch: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SteerState {
+    Queued,
+    Delivered,
+    Discarded,
+}
+
+/// Conservation of one account recomputed from its ledger.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LedgerTotals {
+    /// What `Open` granted.
+    pub grant: u64,
+    /// Own `CallSettle` spent plus every `Release` spent.
+    pub spent: u64,
+    /// `Hold`s not yet released plus `CallReserve`s not yet settled.
+    pub held: u64,
+}
+
+/// Folds one account's entries, in journal order, into its totals.
+///
+/// `Close` changes nothing here: its `spent` is the account's own claim, which
+/// a caller checks against the recomputed `spent`. Arithmetic saturates rather
+/// than panics: a ledger that would underflow is a fault to report, and the
+/// caller sees it as totals that do not balance.
+pub fn ledger_totals(entries: &[LedgerRecord]) -> LedgerTotals {
+    let mut totals = LedgerTotals::default();
+    // Holds are per child so that a Release frees exactly what was held for
+    // that child, whatever `granted` it reports.
+    let mut holds: HashMap<JobId, u64> = HashMap::new();
+    let mut calls_reserved: u64 = 0;
+    for entry in entries {
+        match entry.op {
+            LedgerOp::Open { grant } => totals.grant = totals.grant.saturating_add(grant),
+            LedgerOp::Hold { child, tokens } => {
+                let held = holds.entry(child).or_default();
+                *held = held.saturating_add(tokens);
+            }
+            LedgerOp::Release { child, spent, .. } => {
+                holds.remove(&child);
+                totals.spent = totals.spent.saturating_add(spent);
+            }
+            LedgerOp::CallReserve { tokens } => {
+                calls_reserved = calls_reserved.saturating_add(tokens);
+            }
+            LedgerOp::CallSettle { reserved, spent } => {
+                calls_reserved = calls_reserved.saturating_sub(reserved);
+                totals.spent = totals.spent.saturating_add(spent);
+            }
+            LedgerOp::Close { .. } => {}
+        }
+    }
+    totals.held = holds
+        .values()
+        .fold(calls_reserved, |sum, held| sum.saturating_add(*held));
+    totals
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(op: LedgerOp) -> LedgerRecord {
+        LedgerRecord {
+            owner: ParentRef::Run(RunId::new()),
+            op,
+            epoch: 1,
+        }
+    }
+
+    fn check(ops: Vec<LedgerOp>, expected: LedgerTotals) {
+        let entries: Vec<_> = ops.into_iter().map(entry).collect();
+        assert_eq!(ledger_totals(&entries), expected, "ledger: {entries:#?}");
+    }
+
+    fn totals(grant: u64, spent: u64, held: u64) -> LedgerTotals {
+        LedgerTotals { grant, spent, held }
+    }
+
+    #[test]
+    fn empty_ledger_is_all_zero() {
+        check(vec![], totals(0, 0, 0));
+    }
+
+    #[test]
+    fn holds_count_until_their_child_is_released() {
+        let (a, b) = (JobId::new(), JobId::new());
+        check(
+            vec![
+                LedgerOp::Open { grant: 1000 },
+                LedgerOp::Hold {
+                    child: a,
+                    tokens: 300,
+                },
+                LedgerOp::Hold {
+                    child: b,
+                    tokens: 200,
+                },
+                LedgerOp::Release {
+                    child: a,
+                    granted: 300,
+                    spent: 120,
+                },
+            ],
+            totals(1000, 120, 200),
+        );
+    }
+
+    #[test]
+    fn calls_are_held_until_settled_and_charge_their_real_usage() {
+        check(
+            vec![
+                LedgerOp::Open { grant: 500 },
+                LedgerOp::CallReserve { tokens: 100 },
+                LedgerOp::CallSettle {
+                    reserved: 100,
+                    spent: 40,
+                },
+                LedgerOp::CallReserve { tokens: 80 },
+            ],
+            totals(500, 40, 80),
+        );
+    }
+
+    #[test]
+    fn a_whole_account_settles_to_nothing_held() {
+        let child = JobId::new();
+        check(
+            vec![
+                LedgerOp::Open { grant: 1000 },
+                LedgerOp::CallReserve { tokens: 100 },
+                LedgerOp::CallSettle {
+                    reserved: 100,
+                    spent: 30,
+                },
+                LedgerOp::Hold { child, tokens: 400 },
+                LedgerOp::CallReserve { tokens: 100 },
+                LedgerOp::Release {
+                    child,
+                    granted: 400,
+                    spent: 250,
+                },
+                LedgerOp::CallSettle {
+                    reserved: 100,
+                    spent: 70,
+                },
+                LedgerOp::Close { spent: 350 },
+            ],
+            totals(1000, 350, 0),
+        );
+    }
+
+    #[test]
+    fn a_release_without_a_hold_still_charges_and_never_underflows() {
+        check(
+            vec![
+                LedgerOp::Open { grant: 10 },
+                LedgerOp::Release {
+                    child: JobId::new(),
+                    granted: 5,
+                    spent: 3,
+                },
+                LedgerOp::CallSettle {
+                    reserved: 9,
+                    spent: 1,
+                },
+            ],
+            totals(10, 4, 0),
+        );
+    }
+}

@@ -1,0 +1,440 @@
+//! The journal from the outside: round trips, reopen, durability, group
+//! commit, corruption and the ledger arithmetic, on real sled directories.
+
+use arbor_protocol::{
+    ErrorClass, Event, EventKind, JobId, NodeKind, ParentRef, RunId, Status, TaskStatus,
+};
+use arbor_storage::{
+    DelegationRecord, Error, JobRecord, Journal, LedgerOp, LedgerRecord, LedgerTotals, Record,
+    RunRecord, SteerRecord, SteerState, ledger_totals,
+};
+use std::sync::Arc;
+
+fn run_record(id: RunId, status: Status) -> RunRecord {
+    RunRecord {
+        id,
+        flow: "review".into(),
+        budget_tokens: 10_000,
+        status,
+        error_class: None,
+        reason: None,
+        output_json: "null".into(),
+        epoch: 1,
+    }
+}
+
+fn job_record(run: RunId, id: JobId) -> JobRecord {
+    JobRecord {
+        id,
+        run,
+        parent: ParentRef::Run(run),
+        kind: NodeKind::Step,
+        agent: "planner".into(),
+        label: Some("plan".into()),
+        depth: 0,
+        attempt: 1,
+        grant_tokens: 4_000,
+        workdir: "/tmp/work/plan".into(),
+        status: Status::Failed,
+        task_status: Some(TaskStatus::Partial),
+        error_class: Some(ErrorClass::Timeout),
+        reason: Some("timed out after 5m".into()),
+        output_json: r#"{"done":false}"#.into(),
+        tokens_spent: 1_234,
+        epoch: 1,
+    }
+}
+
+fn ledger(owner: ParentRef, op: LedgerOp) -> LedgerRecord {
+    LedgerRecord {
+        owner,
+        op,
+        epoch: 1,
+    }
+}
+
+fn event(run: RunId, seq: u64, kind: EventKind) -> Event {
+    Event {
+        seq,
+        run,
+        at_ms: 1_700_000_000_000 + seq,
+        kind,
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[tokio::test]
+async fn every_record_kind_round_trips() {
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path()).unwrap();
+    let run = RunId::new();
+    let (step, child) = (JobId::new(), JobId::new());
+    let run_account = ParentRef::Run(run);
+
+    let job = job_record(run, step);
+    let entries = vec![
+        ledger(run_account, LedgerOp::Open { grant: 10_000 }),
+        ledger(
+            run_account,
+            LedgerOp::Hold {
+                child: step,
+                tokens: 4_000,
+            },
+        ),
+        ledger(run_account, LedgerOp::CallReserve { tokens: 500 }),
+        ledger(
+            run_account,
+            LedgerOp::CallSettle {
+                reserved: 500,
+                spent: 120,
+            },
+        ),
+        ledger(
+            run_account,
+            LedgerOp::Release {
+                child: step,
+                granted: 4_000,
+                spent: 1_234,
+            },
+        ),
+        ledger(run_account, LedgerOp::Close { spent: 1_354 }),
+    ];
+    let delegation = DelegationRecord {
+        parent: step,
+        key: "call-1".into(),
+        digest: "sha256:abc".into(),
+        children: vec![child],
+        epoch: 1,
+    };
+    let steer = SteerRecord {
+        job: step,
+        message_id: 1,
+        text: "look at the tests first".into(),
+        state: SteerState::Queued,
+        epoch: 1,
+    };
+    let events = vec![
+        event(
+            run,
+            1,
+            EventKind::RunStarted {
+                flow: "review".into(),
+                budget_tokens: 10_000,
+            },
+        ),
+        event(
+            run,
+            2,
+            EventKind::NodeFinished {
+                id: step,
+                status: Status::Done,
+                task_status: Some(TaskStatus::Completed),
+                error_class: None,
+                reason: None,
+                propagated: false,
+                output: serde_json::json!({"files": ["a.rs"], "n": 2}),
+                error: None,
+                limitations: vec![],
+                artifacts: vec!["report.md".into()],
+                turns: 3,
+                tokens_spent: 1_234,
+            },
+        ),
+    ];
+
+    let mut records = vec![
+        Record::Run(run_record(run, Status::Running)),
+        Record::Job(job.clone()),
+        Record::Delegation(delegation.clone()),
+        Record::Steer(steer.clone()),
+    ];
+    records.extend(entries.iter().cloned().map(Record::Ledger));
+    records.extend(events.iter().cloned().map(Record::Event));
+    journal.commit(records).await.unwrap();
+
+    assert_eq!(
+        journal.run(run).unwrap(),
+        Some(run_record(run, Status::Running))
+    );
+    assert_eq!(
+        journal.runs().unwrap(),
+        vec![run_record(run, Status::Running)]
+    );
+    assert_eq!(journal.job(run, step).unwrap(), Some(job.clone()));
+    assert_eq!(journal.jobs(run).unwrap(), vec![job]);
+    assert_eq!(journal.ledger(run_account).unwrap(), entries);
+    assert_eq!(journal.delegations(step).unwrap(), vec![delegation]);
+    assert_eq!(journal.steering(step).unwrap(), vec![steer.clone()]);
+    assert_eq!(journal.events(run).unwrap(), events);
+    assert_eq!(journal.job(run, child).unwrap(), None);
+    assert_eq!(journal.run(RunId::new()).unwrap(), None);
+    assert_eq!(journal.scan().unwrap().records, 4 + 6 + 2);
+
+    // States are replaced under their key; history only grows.
+    let delivered = SteerRecord {
+        state: SteerState::Delivered,
+        ..steer
+    };
+    journal
+        .commit(vec![
+            Record::Run(run_record(run, Status::Done)),
+            Record::Steer(delivered.clone()),
+            Record::Ledger(ledger(run_account, LedgerOp::Close { spent: 1_354 })),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(journal.run(run).unwrap().unwrap().status, Status::Done);
+    assert_eq!(journal.steering(step).unwrap(), vec![delivered]);
+    assert_eq!(journal.ledger(run_account).unwrap().len(), 7);
+}
+
+#[tokio::test]
+async fn reads_are_scoped_to_their_owner() {
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path()).unwrap();
+    let (a, b) = (RunId::new(), RunId::new());
+    let (job_a, job_b) = (JobId::new(), JobId::new());
+    journal
+        .commit(vec![
+            Record::Job(job_record(a, job_a)),
+            Record::Job(job_record(b, job_b)),
+            Record::Ledger(ledger(ParentRef::Run(a), LedgerOp::Open { grant: 1 })),
+            // Same uuid as run `a`, but a job account: the tag byte keeps them apart.
+            Record::Ledger(ledger(
+                ParentRef::Job(JobId(a.0)),
+                LedgerOp::Open { grant: 2 },
+            )),
+            Record::Event(event(a, 1, EventKind::NodeRunning { id: job_a })),
+            Record::Event(event(b, 2, EventKind::NodeRunning { id: job_b })),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(journal.jobs(a).unwrap(), vec![job_record(a, job_a)]);
+    assert_eq!(journal.ledger(ParentRef::Run(a)).unwrap().len(), 1);
+    assert_eq!(journal.ledger(ParentRef::Job(JobId(a.0))).unwrap().len(), 1);
+    assert_eq!(journal.events(b).unwrap().len(), 1);
+    assert!(journal.steering(job_a).unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn reopening_keeps_records_bumps_the_epoch_and_continues_the_seq() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = RunId::new();
+    let owner = ParentRef::Run(run);
+
+    let journal = Journal::open(dir.path()).unwrap();
+    assert_eq!(journal.epoch(), 1);
+    let first = journal
+        .commit(vec![
+            Record::Run(run_record(run, Status::Running)),
+            Record::Ledger(ledger(owner, LedgerOp::Open { grant: 100 })),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(first, 2);
+    drop(journal);
+
+    let journal = Journal::open(dir.path()).unwrap();
+    assert_eq!(journal.epoch(), 2);
+    assert_eq!(journal.durable_seq(), first);
+    assert_eq!(
+        journal.run(run).unwrap(),
+        Some(run_record(run, Status::Running))
+    );
+    let next = journal
+        .commit(vec![Record::Ledger(ledger(
+            owner,
+            LedgerOp::Close { spent: 0 },
+        ))])
+        .await
+        .unwrap();
+    assert_eq!(next, first + 1);
+    // Had the seq restarted, this entry would have overwritten the Open.
+    assert_eq!(
+        journal
+            .ledger(owner)
+            .unwrap()
+            .into_iter()
+            .map(|e| e.op)
+            .collect::<Vec<_>>(),
+        vec![LedgerOp::Open { grant: 100 }, LedgerOp::Close { spent: 0 }]
+    );
+    drop(journal);
+
+    assert_eq!(Journal::open(dir.path()).unwrap().epoch(), 3);
+}
+
+#[tokio::test]
+async fn commit_returns_only_once_its_records_are_durable() {
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path()).unwrap();
+    let run = RunId::new();
+
+    let appended = journal
+        .append(vec![Record::Run(run_record(run, Status::Pending))])
+        .unwrap();
+    // Visible at once, durable later.
+    assert!(journal.run(run).unwrap().is_some());
+
+    let committed = journal
+        .commit(vec![Record::Run(run_record(run, Status::Running))])
+        .await
+        .unwrap();
+    assert!(committed > appended);
+    assert!(journal.durable_seq() >= committed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_commits_share_flushes() {
+    const COMMITS: u64 = 50;
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path()).unwrap();
+    let owner = ParentRef::Run(RunId::new());
+    // Released together so the commits really overlap.
+    let start = Arc::new(tokio::sync::Barrier::new(COMMITS as usize));
+
+    let mut tasks = tokio::task::JoinSet::new();
+    for n in 0..COMMITS {
+        let (journal, start) = (journal.clone(), Arc::clone(&start));
+        tasks.spawn(async move {
+            start.wait().await;
+            let op = LedgerOp::CallReserve { tokens: n };
+            let seq = journal
+                .commit(vec![Record::Ledger(ledger(owner, op))])
+                .await
+                .unwrap();
+            assert!(journal.durable_seq() >= seq);
+            seq
+        });
+    }
+    let mut seqs = tasks.join_all().await;
+    seqs.sort();
+
+    assert_eq!(seqs, (1..=COMMITS).collect::<Vec<_>>());
+    assert_eq!(journal.durable_seq(), COMMITS);
+    assert_eq!(journal.ledger(owner).unwrap().len() as u64, COMMITS);
+    let flushes = journal.flush_count();
+    assert!(
+        flushes < COMMITS,
+        "group commit: {COMMITS} commits took {flushes} flushes"
+    );
+}
+
+#[tokio::test]
+async fn a_value_with_an_unknown_version_byte_is_reported_never_skipped() {
+    let dir = tempfile::tempdir().unwrap();
+    let (run, job) = (RunId::new(), JobId::new());
+    let journal = Journal::open(dir.path()).unwrap();
+    journal
+        .commit(vec![
+            Record::Run(run_record(run, Status::Running)),
+            Record::Job(job_record(run, job)),
+        ])
+        .await
+        .unwrap();
+    drop(journal);
+
+    // Corrupt the job's version byte behind the journal's back.
+    let key = [run.0.as_bytes().as_slice(), job.0.as_bytes()].concat();
+    {
+        let db = arbor_storage::open_db(dir.path()).unwrap();
+        let jobs = db.open_tree("jobs").unwrap();
+        let mut value = jobs.get(&key).unwrap().unwrap().to_vec();
+        value[0] = 9;
+        jobs.insert(&key, value).unwrap();
+        db.flush().unwrap();
+    }
+
+    let journal = Journal::open(dir.path()).unwrap();
+    let report = journal.scan().unwrap();
+    assert_eq!(report.records, 1, "the run still decodes");
+    assert_eq!(report.undecodable.len(), 1);
+    let bad = &report.undecodable[0];
+    assert_eq!(
+        (bad.tree.as_str(), bad.key_hex.as_str()),
+        ("jobs", hex(&key).as_str())
+    );
+    assert!(bad.error.contains("version 9"), "{}", bad.error);
+
+    match journal.jobs(run) {
+        Err(Error::Undecodable { tree, key_hex, .. }) => {
+            assert_eq!((tree, key_hex), ("jobs".to_string(), hex(&key)));
+        }
+        other => panic!("expected the read to fail on the bad value, got {other:?}"),
+    }
+    assert!(journal.run(run).unwrap().is_some());
+}
+
+#[test]
+fn a_journal_of_a_newer_format_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    drop(Journal::open(dir.path()).unwrap());
+    {
+        let db = arbor_storage::open_db(dir.path()).unwrap();
+        db.open_tree("meta")
+            .unwrap()
+            .insert("format", &2u32.to_be_bytes())
+            .unwrap();
+        db.flush().unwrap();
+    }
+    match Journal::open(dir.path()) {
+        Err(Error::FormatVersion {
+            found: 2,
+            supported: 1,
+        }) => {}
+        other => panic!("expected a format version error, got {:?}", other.err()),
+    }
+}
+
+#[tokio::test]
+async fn ledger_totals_balance_an_account_read_back_from_the_journal() {
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path()).unwrap();
+    let step = JobId::new();
+    let owner = ParentRef::Job(step);
+    let (a, b) = (JobId::new(), JobId::new());
+    let ops = [
+        LedgerOp::Open { grant: 4_000 },
+        LedgerOp::CallReserve { tokens: 600 },
+        LedgerOp::CallSettle {
+            reserved: 600,
+            spent: 250,
+        },
+        LedgerOp::Hold {
+            child: a,
+            tokens: 1_000,
+        },
+        LedgerOp::Hold {
+            child: b,
+            tokens: 800,
+        },
+        LedgerOp::CallReserve { tokens: 600 },
+        LedgerOp::Release {
+            child: a,
+            granted: 1_000,
+            spent: 700,
+        },
+    ];
+    journal
+        .commit(
+            ops.into_iter()
+                .map(|op| Record::Ledger(ledger(owner, op)))
+                .collect(),
+        )
+        .await
+        .unwrap();
+
+    let totals = ledger_totals(&journal.ledger(owner).unwrap());
+    // spent: 250 own + 700 from a; held: b's 800 + the open call's 600.
+    assert_eq!(
+        totals,
+        LedgerTotals {
+            grant: 4_000,
+            spent: 950,
+            held: 1_400
+        }
+    );
+}
