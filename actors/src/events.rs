@@ -19,8 +19,12 @@ pub struct EventBus {
     inner: Arc<Inner>,
 }
 
+/// Called synchronously inside `emit`, after the event is journaled and folded.
+pub type Observer = Arc<dyn Fn(&Event) + Send + Sync>;
+
 struct Inner {
     journal: Journal,
+    observers: Mutex<Vec<Observer>>,
     state: Mutex<BusState>,
     live: broadcast::Sender<Event>,
     /// Bumped after every event, so a watcher can wait for "something changed".
@@ -39,6 +43,7 @@ impl EventBus {
         Self {
             inner: Arc::new(Inner {
                 journal,
+                observers: Mutex::new(vec![]),
                 state: Mutex::new(BusState {
                     seq: 0,
                     trees: HashMap::new(),
@@ -79,8 +84,28 @@ impl EventBus {
             }
             event
         };
+        let observers = self
+            .inner
+            .observers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        for observer in observers {
+            observer(&event);
+        }
         let _ = self.inner.live.send(event);
         self.inner.version.send_modify(|v| *v += 1);
+    }
+
+    /// Runs `observer` on every later event, synchronously, in the emitter's
+    /// task: what it sees is the state at the moment of emission. For tests
+    /// and tracing; it must be quick and must not emit.
+    pub fn observe(&self, observer: Observer) {
+        self.inner
+            .observers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(observer);
     }
 
     /// Every event emitted from now on (a slow reader may see `Lagged`).

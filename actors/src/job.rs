@@ -103,6 +103,8 @@ pub struct JobStart {
     /// A child of the parent's token: a stop anywhere above cancels in-flight work here at once.
     pub cancel: CancellationToken,
     pub meter: SpentMeter,
+    /// The journal seq of its durable admission record.
+    pub record_seq: u64,
 }
 
 /// A child's final word to its parent.
@@ -193,6 +195,9 @@ impl Actor for Job {
         let cell = myself.get_cell();
         let lineage = start.lineage.clone();
         let ctx = start.ctx.clone();
+        // Checked before anything is made, so a job that cannot get its model
+        // leaves nothing behind (I-06).
+        let model = ctx.models.model_for(&start.agent)?;
         let workdir_existed = start.workdir.exists();
         let setup = async {
             let (account, _) = Actor::spawn_linked(
@@ -234,15 +239,14 @@ impl Actor for Job {
                 // I-06: a failed start leaves no workdir behind.
                 if !workdir_existed {
                     let _ = std::fs::remove_dir_all(&start.workdir);
+                    // The `jobs/` folder too, if this child was its first.
+                    if let Some(parent) = start.workdir.parent() {
+                        let _ = std::fs::remove_dir(parent);
+                    }
                 }
                 return Err(e.into());
             }
         };
-        let model = ctx.models.model_for(&start.agent).map_err(|e| {
-            account.stop(None);
-            sandbox.stop(None);
-            ActorProcessingErr::from(e)
-        })?;
         ctx.events.emit(
             lineage.run,
             EventKind::NodeSpawned {
@@ -255,6 +259,7 @@ impl Actor for Job {
                 attempt: lineage.attempt,
                 grant_tokens: start.grant,
                 workdir: start.workdir.display().to_string(),
+                record_seq: start.record_seq,
             },
         );
         let offered = start
@@ -1014,26 +1019,29 @@ impl JobState {
                 Status::Pending,
             )));
         }
-        if let Err(e) = self.ctx.journal.commit(records).await {
-            for (plan, _) in planned.iter().zip(&grants) {
-                let _ = ractor::call!(self.account, |reply| AccountMsg::Settle {
-                    child: plan.id,
-                    spent: 0,
-                    reply
-                });
+        let record_seq = match self.ctx.journal.commit(records).await {
+            Ok(seq) => seq,
+            Err(e) => {
+                for (plan, _) in planned.iter().zip(&grants) {
+                    let _ = ractor::call!(self.account, |reply| AccountMsg::Settle {
+                        child: plan.id,
+                        spent: 0,
+                        reply
+                    });
+                }
+                return Err((
+                    Refusal::Invalid {
+                        message: format!("the journal could not record the delegation: {e}"),
+                    },
+                    total,
+                ));
             }
-            return Err((
-                Refusal::Invalid {
-                    message: format!("the journal could not record the delegation: {e}"),
-                },
-                total,
-            ));
-        }
+        };
         let mut handles = vec![];
         let mut unstarted = 0;
         let mut first_failure = None;
         for (plan, grant) in planned.into_iter().zip(grants) {
-            match self.spawn_child(myself, &plan, grant).await {
+            match self.spawn_child(myself, &plan, grant, record_seq).await {
                 Ok(handle) => handles.push(handle),
                 Err(why) => {
                     unstarted += 1;
@@ -1093,6 +1101,7 @@ impl JobState {
         myself: &ActorRef<JobMsg>,
         plan: &PlannedChild,
         grant: u64,
+        record_seq: u64,
     ) -> Result<ChildHandle, String> {
         let meter = SpentMeter::default();
         let start = JobStart {
@@ -1115,6 +1124,7 @@ impl JobState {
             parent: ParentHandle::Job(myself.clone()),
             cancel: self.cancel.child_token(),
             meter: meter.clone(),
+            record_seq,
         };
         let name = format!("arbor-job-{}", plan.id);
         match Actor::spawn_linked(Some(name), Job, start, myself.get_cell()).await {
@@ -1413,18 +1423,21 @@ impl JobState {
             }
         };
         let record = self.child_record(&plan, grant, Status::Pending);
-        if let Err(e) = self.ctx.journal.commit(vec![Record::Job(record)]).await {
-            let _ = ractor::call!(self.account, |reply| AccountMsg::Settle {
-                child: plan.id,
-                spent: 0,
-                reply
-            });
-            self.run_ctx.uncount_spawns(1);
-            return Err(Refusal::Invalid {
-                message: e.to_string(),
-            });
-        }
-        self.spawn_child(myself, &plan, grant)
+        let record_seq = match self.ctx.journal.commit(vec![Record::Job(record)]).await {
+            Ok(seq) => seq,
+            Err(e) => {
+                let _ = ractor::call!(self.account, |reply| AccountMsg::Settle {
+                    child: plan.id,
+                    spent: 0,
+                    reply
+                });
+                self.run_ctx.uncount_spawns(1);
+                return Err(Refusal::Invalid {
+                    message: e.to_string(),
+                });
+            }
+        };
+        self.spawn_child(myself, &plan, grant, record_seq)
             .await
             .map(|_| ())
             .map_err(|message| {

@@ -17,7 +17,7 @@ use arbor_protocol::{
     ErrorClass, EventKind, JobId, NodeKind, ParentRef, ResultEnvelope, RunId, RunSpec, Status,
     TaskStatus,
 };
-use arbor_storage::{Record, RunRecord};
+use arbor_storage::{JobRecord, Record, RunRecord};
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -284,6 +284,51 @@ impl RunState {
                 return;
             }
         };
+        // I-29: the steps' records are durable before any of them starts.
+        let epoch = self.ctx.journal.epoch();
+        let records = planned
+            .iter()
+            .zip(&grants)
+            .map(|((id, label, agent, _), grant)| {
+                Record::Job(JobRecord {
+                    id: *id,
+                    run: self.id,
+                    parent: ParentRef::Run(self.id),
+                    kind: NodeKind::Step,
+                    agent: agent.name.clone(),
+                    label: Some(label.clone()),
+                    depth: 0,
+                    attempt: 1,
+                    grant_tokens: *grant,
+                    workdir: self.step_workdir(label).display().to_string(),
+                    status: Status::Pending,
+                    task_status: None,
+                    error_class: None,
+                    reason: None,
+                    output_json: "null".into(),
+                    tokens_spent: 0,
+                    epoch,
+                })
+            })
+            .collect();
+        let record_seq = match self.ctx.journal.commit(records).await {
+            Ok(seq) => seq,
+            Err(e) => {
+                for (id, ..) in &planned {
+                    let _ = ractor::call!(self.account, |reply| AccountMsg::Settle {
+                        child: *id,
+                        spent: 0,
+                        reply
+                    });
+                }
+                self.begin_finish(
+                    Status::Failed,
+                    Some(ErrorClass::Start),
+                    format!("the journal could not record the steps: {e}"),
+                );
+                return;
+            }
+        };
         let context = self.previous_results();
         for ((id, label, agent, instruction), grant) in planned.into_iter().zip(grants) {
             let meter = SpentMeter::default();
@@ -313,6 +358,7 @@ impl RunState {
                 cancel: self.cancel.child_token(),
                 meter: meter.clone(),
                 agent: agent.clone(),
+                record_seq,
             };
             let name = format!("arbor-job-{id}");
             match Actor::spawn_linked(Some(name), Job, start, myself.get_cell()).await {
@@ -372,6 +418,10 @@ impl RunState {
                 workdir: String::new(),
             },
         })
+    }
+
+    fn step_workdir(&self, label: &str) -> std::path::PathBuf {
+        self.ctx.work_root.join(self.id.to_string()).join(label)
     }
 
     fn previous_results(&self) -> String {

@@ -64,6 +64,9 @@ pub enum EventKind {
         attempt: u32,
         grant_tokens: u64,
         workdir: String,
+        /// The journal seq of its admission record (job record and delegation),
+        /// committed before it started (I-29).
+        record_seq: u64,
     },
     NodeRunning {
         id: JobId,

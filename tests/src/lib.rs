@@ -1,1 +1,325 @@
+//! The message-level harness: a real in-process node on a temporary journal,
+//! agents loaded from strings, scripted models, and verbs to drive and read it.
+//!
+//! ```no_run
+//! # async fn demo() {
+//! use arbor_testkit::{agent_md, TestNode};
+//! let node = TestNode::start(&[(
+//!     "solo",
+//!     &agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}"),
+//! )])
+//! .await;
+//! let run = node.run_agent("solo", "say hi").await;
+//! let tree = node.wait_run(run).await;
+//! assert_eq!(tree.root().output, "hi");
+//! # }
+//! ```
+//!
+//! Every wait has a guard: past `WAIT_LIMIT` it panics with the tree, so a
+//! broken promise fails the test instead of hanging it.
 
+use arbor_actors::model::{Model, ModelError, ModelFactory, ModelReply, ModelRequest};
+use arbor_protocol::{
+    AgentDef, Event, EventKind, JobId, NodeKind, ParentRef, Refusal, RunId, Tree, TreeNode,
+};
+use arbor_runtime::{DefaultModels, EmbeddedNode, Workspace};
+use arbor_storage::{Journal, LedgerRecord, ledger_totals};
+use futures::future::BoxFuture;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// How long any wait may take before the test fails with the tree printed.
+pub const WAIT_LIMIT: Duration = Duration::from_secs(30);
+
+/// An agent.md text from its front matter (YAML) and a one-line prompt.
+pub fn agent_md(front_matter: &str) -> String {
+    format!("---\n{front_matter}\n---\nYou are a test agent.\n")
+}
+
+/// A real node on a temporary data dir.
+pub struct TestNode {
+    node: EmbeddedNode,
+    dir: tempfile::TempDir,
+    pub workspace: Workspace,
+}
+
+impl TestNode {
+    /// Starts a node on these agents (name, agent.md text) with default limits.
+    pub async fn start(agents: &[(&str, &str)]) -> Self {
+        Self::start_full(None, agents, Arc::new(DefaultModels)).await
+    }
+
+    /// Starts a node with an arbor.toml text.
+    pub async fn start_with_config(arbor_toml: &str, agents: &[(&str, &str)]) -> Self {
+        Self::start_full(Some(arbor_toml), agents, Arc::new(DefaultModels)).await
+    }
+
+    /// Starts a node with the models a test chooses (a recorder, a panicking adapter).
+    pub async fn start_full(
+        arbor_toml: Option<&str>,
+        agents: &[(&str, &str)],
+        models: Arc<dyn ModelFactory>,
+    ) -> Self {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let workspace =
+            Workspace::from_texts(dir.path().join("workspace"), arbor_toml, agents, &[])
+                .unwrap_or_else(|e| panic!("the test workspace does not load: {e}"));
+        let node = EmbeddedNode::start_with(&workspace, &dir.path().join("data"), models)
+            .await
+            .expect("the node starts");
+        Self {
+            node,
+            dir,
+            workspace,
+        }
+    }
+
+    pub fn node(&self) -> &EmbeddedNode {
+        &self.node
+    }
+
+    pub fn journal(&self) -> &Journal {
+        self.node.journal()
+    }
+
+    pub fn data_dir(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    /// Runs one agent on `input` with the default budget.
+    pub async fn run_agent(&self, agent: &str, input: &str) -> RunId {
+        self.run_agent_with_budget(agent, input, None).await
+    }
+
+    pub async fn run_agent_with_budget(
+        &self,
+        agent: &str,
+        input: &str,
+        tokens: Option<u64>,
+    ) -> RunId {
+        let spec = self
+            .workspace
+            .agent_run(agent, input, tokens)
+            .unwrap_or_else(|e| panic!("{e}"));
+        self.node
+            .start_run(spec)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    pub fn tree(&self, run: RunId) -> Tree {
+        self.node.tree(run)
+    }
+
+    /// Waits for the run to end; returns its tree.
+    pub async fn wait_run(&self, run: RunId) -> Tree {
+        self.wait_until(run, |t| t.run_status().is_terminal()).await
+    }
+
+    /// Waits until `done` holds of the run's tree, re-checked after every event.
+    pub async fn wait_until(&self, run: RunId, done: impl FnMut(&Tree) -> bool) -> Tree {
+        match tokio::time::timeout(WAIT_LIMIT, self.node.wait_tree(run, done)).await {
+            Ok(tree) => tree,
+            Err(_) => panic!(
+                "waited {WAIT_LIMIT:?} in vain; the tree:\n{}",
+                serde_json::to_string_pretty(&self.tree(run).root()).unwrap_or_default()
+            ),
+        }
+    }
+
+    /// Waits until the node labelled (or, failing that, running agent) `name` exists.
+    pub async fn wait_for(&self, run: RunId, name: &str) -> JobId {
+        let tree = self.wait_until(run, |t| t.find(name).is_some()).await;
+        tree.find(name).expect("found above")
+    }
+
+    /// Waits until `name` has this status.
+    pub async fn wait_status(
+        &self,
+        run: RunId,
+        name: &str,
+        status: arbor_protocol::Status,
+    ) -> TreeNode {
+        let tree = self
+            .wait_until(run, |t| {
+                t.find(name)
+                    .and_then(|id| t.node(id))
+                    .is_some_and(|n| n.status == status)
+            })
+            .await;
+        tree.node(tree.find(name).expect("found"))
+            .expect("exists")
+            .clone()
+    }
+
+    pub async fn stop_run(&self, run: RunId) {
+        self.node
+            .stop_run(run, "stopped by the test")
+            .await
+            .expect("stop the run");
+    }
+
+    pub async fn stop_job(&self, run: RunId, job: JobId) {
+        self.node
+            .stop_job(run, job, "stopped by an operator")
+            .await
+            .expect("stop the job");
+    }
+
+    pub async fn steer(&self, job: JobId, text: &str) -> Result<u64, Refusal> {
+        self.node.steer(job, text).await
+    }
+
+    /// The run's events as journaled.
+    pub fn events(&self, run: RunId) -> Vec<Event> {
+        self.journal().events(run).expect("events decode")
+    }
+
+    /// Runs `f` on every later event, synchronously at emission.
+    pub fn observe(&self, f: impl Fn(&Event) + Send + Sync + 'static) {
+        self.node.events().observe(Arc::new(f));
+    }
+
+    pub fn ledger(&self, owner: ParentRef) -> Vec<LedgerRecord> {
+        self.journal().ledger(owner).expect("ledger decodes")
+    }
+
+    /// I-14 at a quiescent point, from two sides: the tree's figures add up,
+    /// and every account's ledger in the journal gives the same figures.
+    pub fn assert_conserved(&self, run: RunId) {
+        let tree = self.tree(run);
+        if let Err(breaches) = tree.check_conservation() {
+            panic!("conservation broken:\n{}", breaches.join("\n"));
+        }
+        let mut owners = vec![(ParentRef::Run(run), tree.root().account)];
+        owners.extend(tree.nodes().map(|(id, n)| (ParentRef::Job(id), n.account)));
+        for (owner, view) in owners {
+            let totals = ledger_totals(&self.ledger(owner));
+            assert_eq!(
+                (totals.grant, totals.spent, totals.held),
+                (view.grant, view.spent, view.held),
+                "the journal's ledger of {owner:?} disagrees with the tree"
+            );
+        }
+    }
+
+    /// A job's workdir, from its spawn event.
+    pub fn workdir(&self, run: RunId, job: JobId) -> PathBuf {
+        self.events(run)
+            .into_iter()
+            .find_map(|e| match e.kind {
+                EventKind::NodeSpawned { id, workdir, .. } if id == job => {
+                    Some(PathBuf::from(workdir))
+                }
+                _ => None,
+            })
+            .expect("the job was spawned")
+    }
+
+    /// Every step and job of the run.
+    pub fn jobs(&self, run: RunId) -> Vec<TreeNode> {
+        let tree = self.tree(run);
+        tree.nodes()
+            .filter(|(_, n)| n.kind != NodeKind::Run)
+            .map(|(_, n)| n.clone())
+            .collect()
+    }
+
+    pub async fn shutdown(self) {
+        self.node.shutdown().await.expect("a clean shutdown");
+    }
+}
+
+/// Wraps the scripted models and records every request each agent's model got.
+#[derive(Default)]
+pub struct RecordingModels {
+    requests: Arc<Mutex<HashMap<String, Vec<ModelRequest>>>>,
+    /// Agents whose model panics when called (I-38).
+    pub panicking: Vec<String>,
+}
+
+impl RecordingModels {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    pub fn panicking_for(agents: &[&str]) -> Arc<Self> {
+        Arc::new(Self {
+            requests: Default::default(),
+            panicking: agents.iter().map(|s| s.to_string()).collect(),
+        })
+    }
+
+    /// Every request the agent's models were sent, in order.
+    pub fn requests(&self, agent: &str) -> Vec<ModelRequest> {
+        self.requests
+            .lock()
+            .unwrap()
+            .get(agent)
+            .cloned()
+            .unwrap_or_default()
+    }
+}
+
+struct Recording {
+    inner: Arc<dyn Model>,
+    agent: String,
+    log: Arc<Mutex<HashMap<String, Vec<ModelRequest>>>>,
+    panics: bool,
+}
+
+impl Model for Recording {
+    fn count_input(&self, request: &ModelRequest) -> u64 {
+        self.inner.count_input(request)
+    }
+
+    fn complete(
+        &self,
+        request: ModelRequest,
+    ) -> BoxFuture<'static, Result<ModelReply, ModelError>> {
+        if self.panics {
+            panic!("a model adapter bug");
+        }
+        self.log
+            .lock()
+            .unwrap()
+            .entry(self.agent.clone())
+            .or_default()
+            .push(request.clone());
+        self.inner.complete(request)
+    }
+}
+
+impl ModelFactory for RecordingModels {
+    fn model_for(&self, agent: &AgentDef) -> Result<Arc<dyn Model>, String> {
+        Ok(Arc::new(Recording {
+            inner: DefaultModels.model_for(agent)?,
+            agent: agent.name.clone(),
+            log: self.requests.clone(),
+            panics: self.panicking.contains(&agent.name),
+        }))
+    }
+}
+
+/// A small, seedable generator for repeatable trials (xorshift64*).
+pub struct Seeded(u64);
+
+impl Seeded {
+    pub fn new(seed: u64) -> Self {
+        Self(seed.max(1))
+    }
+
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// A number in `lo..=hi`.
+    pub fn between(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next() % (hi - lo + 1)
+    }
+}

@@ -1,0 +1,332 @@
+//! Delegation: the tree's shape, lineage, caps, and refusals that change nothing.
+
+use arbor_actors::node::job_name;
+use arbor_protocol::{EventKind, JobId, ParentRef, Status, TaskStatus};
+use arbor_runtime::Workspace;
+use arbor_testkit::{TestNode, agent_md};
+use std::time::Duration;
+
+fn cell_of(job: JobId) -> ractor::ActorCell {
+    ractor::registry::where_is(job_name(job)).expect("the job's actor is registered while it runs")
+}
+
+/// A slow leaf: it answers after an hour unless stopped.
+const SLOW: &str = "description: slow\nscript:\n  - say: working\n    delay: 1h";
+
+#[tokio::test]
+async fn inv_01_every_node_is_an_actor_under_one_supervisor_and_stopping_stops_below() {
+    let boss = agent_md(
+        "subagents: [mid]\nscript:\n  - call: {tool: delegate, args: {wait: false, jobs: [{agent: mid, request: go, label: mid}]}}\n  - call: {tool: collect, args: {}}",
+    );
+    let mid = agent_md(
+        "description: middle\nsubagents: [leaf]\nscript:\n  - call: {tool: delegate, args: {wait: false, jobs: [{agent: leaf, request: go, label: leaf}]}}\n  - call: {tool: collect, args: {}}",
+    );
+    let node = TestNode::start(&[("boss", &boss), ("mid", &mid), ("leaf", &agent_md(SLOW))]).await;
+    let run = node.run_agent("boss", "go").await;
+    node.wait_status(run, "leaf", Status::Running).await;
+    let tree = node.tree(run);
+    let (boss_id, mid_id, leaf_id) = (
+        tree.find("boss").unwrap(),
+        tree.find("mid").unwrap(),
+        tree.find("leaf").unwrap(),
+    );
+
+    // The actor tree is the work tree: each job supervises its account, its
+    // sandbox and its child jobs, and nothing else.
+    let children_of = |job| {
+        cell_of(job)
+            .get_children()
+            .into_iter()
+            .map(|c| c.get_id())
+            .collect::<Vec<_>>()
+    };
+    let boss_children = children_of(boss_id);
+    assert_eq!(boss_children.len(), 3, "account, sandbox, mid");
+    assert!(boss_children.contains(&cell_of(mid_id).get_id()));
+    assert!(children_of(mid_id).contains(&cell_of(leaf_id).get_id()));
+    assert_eq!(children_of(leaf_id).len(), 2, "account, sandbox");
+
+    let cells = [cell_of(boss_id), cell_of(mid_id), cell_of(leaf_id)];
+    node.stop_run(run).await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Stopped);
+    for id in [boss_id, mid_id, leaf_id] {
+        assert_eq!(tree.node(id).unwrap().status, Status::Stopped);
+    }
+    for cell in cells {
+        cell.wait(Some(Duration::from_secs(5)))
+            .await
+            .expect("the actor stops");
+    }
+    node.assert_conserved(run);
+}
+
+#[tokio::test]
+async fn inv_02_lineage_is_set_by_the_spawner_not_by_a_request_or_a_definition() {
+    let boss = agent_md(
+        "subagents: [leaf]\nscript:\n  - call: {tool: delegate, args: {jobs: [{agent: leaf, request: go, label: a, depth: 0, run: other}]}}\n  - call: {tool: delegate, args: {jobs: [{agent: leaf, request: go, label: b}]}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let leaf =
+        agent_md("description: leaf\nscript:\n  - call: {tool: submit_output, args: {output: ok}}");
+    let node = TestNode::start(&[("boss", &boss), ("leaf", &leaf)]).await;
+    let run = node.run_agent("boss", "go").await;
+    let tree = node.wait_run(run).await;
+
+    // The request that tried to set depth and run was refused whole.
+    let refused = node.events(run).into_iter().any(|e| {
+        matches!(&e.kind, EventKind::ToolCalled { tool, ok: false, detail, .. }
+            if tool == "delegate" && detail.contains("unknown field `depth`"))
+    });
+    assert!(refused, "a job that names its own depth is refused");
+    assert!(tree.find("a").is_none());
+
+    let boss_id = tree.find("boss").unwrap();
+    let b = tree.node(tree.find("b").unwrap()).unwrap();
+    assert_eq!((b.depth, b.attempt), (1, 1));
+    assert_eq!(tree.parent_of(tree.find("b").unwrap()), Some(boss_id));
+
+    // Nor can a definition: lineage keys are unknown keys in agent.md.
+    let err = Workspace::from_texts(
+        "/nowhere".into(),
+        None,
+        &[("leaf", &agent_md("description: x\ndepth: 0"))],
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("depth") && err.contains("agents/leaf/agent.md"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn inv_03_a_job_at_the_depth_cap_is_not_offered_delegate() {
+    let boss = agent_md(
+        "subagents: [mid]\nscript:\n  - call: {tool: delegate, args: {jobs: [{agent: mid, request: go, label: mid}]}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let mid = agent_md(
+        "description: middle\nsubagents: [leaf]\nscript:\n  - call: {tool: delegate, args: {jobs: [{agent: leaf, request: go}]}}\n  - call: {tool: submit_output, args: {output: tried}}",
+    );
+    let leaf =
+        agent_md("description: leaf\nscript:\n  - call: {tool: submit_output, args: {output: ok}}");
+    let node = TestNode::start_with_config(
+        "[limits]\ndepth = 1",
+        &[("boss", &boss), ("mid", &mid), ("leaf", &leaf)],
+    )
+    .await;
+    let run = node.run_agent("boss", "go").await;
+    let tree = node.wait_run(run).await;
+    let mid_id = tree.find("mid").unwrap();
+    assert_eq!(tree.node(mid_id).unwrap().depth, 1);
+    assert!(tree.children_of(mid_id).is_empty(), "nothing below the cap");
+    let refused = node.events(run).into_iter().any(|e| {
+        matches!(&e.kind, EventKind::Refused { id, tool, refusal }
+            if *id == mid_id && tool == "delegate" && refusal.to_string().contains("depth cap 1"))
+    });
+    assert!(
+        refused,
+        "the call past the cap is an error result naming the cap"
+    );
+    assert_eq!(
+        tree.run_status(),
+        Status::Done,
+        "the loop went on after the refusal"
+    );
+}
+
+#[tokio::test]
+async fn inv_04_over_cap_fan_out_is_refused_whole_and_at_once() {
+    let jobs3 = "[{agent: leaf, request: a}, {agent: leaf, request: b}, {agent: leaf, request: c}]";
+    let boss = agent_md(&format!(
+        "subagents: [leaf]\nscript:\n  - call: {{tool: delegate, args: {{wait: false, jobs: {jobs3}}}}}\n  - call: {{tool: delegate, args: {{wait: false, jobs: [{{agent: leaf, request: a, label: one}}, {{agent: leaf, request: b, label: two}}]}}}}\n  - call: {{tool: delegate, args: {{wait: false, jobs: [{{agent: leaf, request: c, label: three}}]}}}}\n  - call: {{tool: stop_child, args: {{child: one}}}}\n  - call: {{tool: stop_child, args: {{child: two}}}}\n  - call: {{tool: submit_output, args: {{output: done}}}}"
+    ));
+    let node = TestNode::start_with_config(
+        "[limits]\nfan_out = 2\nrunning_children = 2",
+        &[("boss", &boss), ("leaf", &agent_md(SLOW))],
+    )
+    .await;
+    let run = node.run_agent("boss", "go").await;
+    let tree = node.wait_run(run).await;
+    let boss_id = tree.find("boss").unwrap();
+    // Only the two-job call started anything; the three-job call (fan-out)
+    // and the third child (running children) were refused whole.
+    let labels: Vec<_> = tree
+        .children_of(boss_id)
+        .iter()
+        .map(|c| tree.node(*c).unwrap().label.clone().unwrap())
+        .collect();
+    assert_eq!(labels, ["one", "two"]);
+    let refusals: Vec<String> = node
+        .events(run)
+        .into_iter()
+        .filter_map(|e| match e.kind {
+            EventKind::ToolCalled {
+                tool,
+                ok: false,
+                detail,
+                ..
+            } if tool == "delegate" => Some(detail),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(refusals.len(), 2, "{refusals:?}");
+    assert!(refusals[0].contains("fan-out cap: 3 children in one call, at most 2"));
+    assert!(refusals[1].contains("running children cap"));
+    // Nothing was reserved for the refused calls: two holds only.
+    let holds = node
+        .ledger(ParentRef::Job(boss_id))
+        .into_iter()
+        .filter(|r| matches!(r.op, arbor_storage::LedgerOp::Hold { .. }))
+        .count();
+    assert_eq!(holds, 2);
+    node.assert_conserved(run);
+}
+
+#[tokio::test]
+async fn inv_05_the_spawn_cap_counts_retries_and_never_refunds() {
+    let boss = agent_md(
+        "subagents: [flaky]\nscript:\n  - call: {tool: delegate, args: {jobs: [{agent: flaky, request: try, label: f, retries: 2}]}}\n  - call: {tool: delegate, args: {jobs: [{agent: flaky, request: again, label: g}]}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let flaky = agent_md(
+        "description: always fails\nscript:\n  - call: {tool: submit_output, args: {output: no, task_status: failed}}",
+    );
+    let node = TestNode::start_with_config(
+        "[limits]\nspawn_cap = 3",
+        &[("boss", &boss), ("flaky", &flaky)],
+    )
+    .await;
+    let run = node.run_agent("boss", "go").await;
+    let tree = node.wait_run(run).await;
+    let mut attempts: Vec<u32> = node
+        .jobs(run)
+        .iter()
+        .filter(|j| j.label.as_deref() == Some("f"))
+        .map(|j| j.attempt)
+        .collect();
+    attempts.sort();
+    assert_eq!(attempts, [1, 2, 3], "two retries, each a spawn");
+    assert!(
+        tree.find("g").is_none(),
+        "the cap was spent: finished children gave nothing back"
+    );
+    let refused = node.events(run).into_iter().any(|e| {
+        matches!(&e.kind, EventKind::ToolCalled { tool, ok: false, detail, .. }
+            if tool == "delegate" && detail.contains("run spawn cap: 3 spawned + 1 asked > 3"))
+    });
+    assert!(refused);
+}
+
+#[tokio::test]
+async fn inv_06_a_refused_or_failed_spawn_leaves_nothing_behind() {
+    // `ghost` names a model no adapter serves: it is admitted, then fails to start.
+    let boss = agent_md(
+        "subagents: [leaf, ghost]\nscript:\n  - call: {tool: delegate, args: {jobs: [{agent: leaf, request: big, budget: {tokens: 999999999}}]}}\n  - call: {tool: delegate, args: {jobs: [{agent: ghost, request: boo, label: g}]}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let leaf =
+        agent_md("description: leaf\nscript:\n  - call: {tool: submit_output, args: {output: ok}}");
+    let ghost = agent_md(
+        "description: ghost\nscript:\n  - call: {tool: submit_output, args: {output: ok}}",
+    );
+    let models = std::sync::Arc::new(RefuseGhost);
+    let node = TestNode::start_full(
+        None,
+        &[("boss", &boss), ("leaf", &leaf), ("ghost", &ghost)],
+        models,
+    )
+    .await;
+    let run = node.run_agent("boss", "go").await;
+    let tree = node.wait_run(run).await;
+    let boss_id = tree.find("boss").unwrap();
+
+    assert!(
+        tree.children_of(boss_id).is_empty(),
+        "no node in the tree for either"
+    );
+    let details: Vec<String> = node
+        .events(run)
+        .into_iter()
+        .filter_map(|e| match e.kind {
+            EventKind::ToolCalled {
+                tool,
+                ok: false,
+                detail,
+                ..
+            } if tool == "delegate" => Some(detail),
+            _ => None,
+        })
+        .collect();
+    assert!(details[0].contains("budget"), "{details:?}");
+    assert!(details[1].contains("could not start"), "{details:?}");
+    // No held budget, no workdir, and no running record: the failed start is
+    // recorded as failed, and nothing of the over-budget job was written.
+    assert_eq!(tree.node(boss_id).unwrap().account.held, 0);
+    let boss_dir = node.workdir(run, boss_id);
+    assert!(
+        !boss_dir.join("jobs").exists(),
+        "no workdir was left behind"
+    );
+    let records = node.journal().jobs(run).unwrap();
+    assert_eq!(records.len(), 2, "the step and the failed start");
+    let ghost_record = records.iter().find(|r| r.agent == "ghost").unwrap();
+    assert_eq!(ghost_record.status, Status::Failed);
+    node.assert_conserved(run);
+}
+
+struct RefuseGhost;
+
+impl arbor_actors::ModelFactory for RefuseGhost {
+    fn model_for(
+        &self,
+        agent: &arbor_protocol::AgentDef,
+    ) -> Result<std::sync::Arc<dyn arbor_actors::Model>, String> {
+        if agent.name == "ghost" {
+            return Err("no adapter serves the ghost's model".into());
+        }
+        arbor_actors::ModelFactory::model_for(&arbor_runtime::DefaultModels, agent)
+    }
+}
+
+#[tokio::test]
+async fn inv_42_cancel_siblings_stops_the_rest_when_one_fails() {
+    let boss = agent_md(
+        "subagents: [bad, leaf]\nscript:\n  - call: {tool: delegate, args: {on_failure: cancel_siblings, jobs: [{agent: bad, request: x, label: bad}, {agent: leaf, request: why, label: s1}, {agent: leaf, request: zed, label: s2}]}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let bad = agent_md(
+        "description: fails\nscript:\n  - call: {tool: submit_output, args: {output: no, task_status: failed}}",
+    );
+    let node = TestNode::start(&[("boss", &boss), ("bad", &bad), ("leaf", &agent_md(SLOW))]).await;
+    let run = node.run_agent("boss", "go").await;
+    let tree = node.wait_run(run).await;
+    for label in ["s1", "s2"] {
+        let sibling = tree.node(tree.find(label).unwrap()).unwrap();
+        assert_eq!(sibling.status, Status::Stopped);
+        assert_eq!(sibling.reason.as_deref(), Some("sibling bad failed"));
+    }
+    assert_eq!(
+        tree.node(tree.find("bad").unwrap()).unwrap().status,
+        Status::Failed
+    );
+    node.assert_conserved(run);
+}
+
+#[tokio::test]
+async fn inv_42_by_default_siblings_finish() {
+    let boss = agent_md(
+        "subagents: [bad, quick]\nscript:\n  - call: {tool: delegate, args: {jobs: [{agent: bad, request: x, label: bad}, {agent: quick, request: why, label: q}]}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let bad = agent_md(
+        "description: fails\nscript:\n  - call: {tool: submit_output, args: {output: no, task_status: failed}}",
+    );
+    let quick = agent_md(
+        "description: quick\nscript:\n  - say: thinking\n    delay: 50ms\n    call: {tool: submit_output, args: {output: fine}}",
+    );
+    let node = TestNode::start(&[("boss", &boss), ("bad", &bad), ("quick", &quick)]).await;
+    let run = node.run_agent("boss", "go").await;
+    let tree = node.wait_run(run).await;
+    let q = tree.node(tree.find("q").unwrap()).unwrap();
+    assert_eq!(
+        (q.status, q.task_status),
+        (Status::Done, Some(TaskStatus::Completed))
+    );
+}
