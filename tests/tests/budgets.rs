@@ -1,0 +1,455 @@
+//! Budgets: reserved before spent, never over-granted, settled exactly.
+
+use arbor_actors::account::{Account, AccountArgs, AccountMsg, GrantAsk, Share, SpentMeter};
+use arbor_actors::{EventBus, NodeContext};
+use arbor_protocol::{ErrorClass, EventKind, JobId, Limits, ParentRef, RunId, Status, TaskStatus};
+use arbor_runtime::{DefaultModels, Workspace};
+use arbor_storage::{Journal, ledger_totals};
+use arbor_testkit::{RecordingModels, Seeded, TestNode, agent_md};
+use std::sync::{Arc, Mutex};
+
+async fn lone_account(dir: &std::path::Path, grant: u64) -> (ActorRefAccount, Journal, RunId) {
+    let journal = Journal::open(&dir.join("journal")).unwrap();
+    let ctx = Arc::new(NodeContext {
+        journal: journal.clone(),
+        events: EventBus::new(journal.clone()),
+        limits: Limits::default(),
+        agents: Default::default(),
+        models: Arc::new(DefaultModels),
+        work_root: dir.join("work"),
+    });
+    let run = RunId::new();
+    let (account, _) = ractor::Actor::spawn(
+        None,
+        Account,
+        AccountArgs {
+            ctx,
+            run,
+            owner: ParentRef::Run(run),
+            grant,
+            wind_down: 0.8,
+            meter: SpentMeter::default(),
+        },
+    )
+    .await
+    .unwrap();
+    (account, journal, run)
+}
+
+type ActorRefAccount = ractor::ActorRef<AccountMsg>;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn inv_07_concurrent_reservations_never_overgrant() {
+    for seed in 1..=40u64 {
+        let mut rng = Seeded::new(seed);
+        let dir = tempfile::tempdir().unwrap();
+        let grant = rng.between(1_000, 100_000);
+        let (account, journal, run) = lone_account(dir.path(), grant).await;
+        // Many parents' worth of siblings reserve at the same moment.
+        let callers = rng.between(2, 24);
+        let mut tasks = vec![];
+        for _ in 0..callers {
+            let asks: Vec<GrantAsk> = (0..rng.between(1, 4))
+                .map(|_| GrantAsk {
+                    child: JobId::new(),
+                    agent: "a".into(),
+                    asked: (rng.next() % 2 == 0).then(|| rng.between(1, grant / 3)),
+                    agent_max: (rng.next() % 3 == 0).then(|| rng.between(1, grant)),
+                })
+                .collect();
+            let account = account.clone();
+            tasks.push(tokio::spawn(async move {
+                let children: Vec<JobId> = asks.iter().map(|a| a.child).collect();
+                let result = ractor::call!(account, |reply| AccountMsg::Reserve {
+                    asks,
+                    share: Share::Fraction(0.5),
+                    reply
+                })
+                .unwrap();
+                result.map(|grants| children.into_iter().zip(grants).collect::<Vec<_>>())
+            }));
+        }
+        let mut granted = vec![];
+        for t in tasks {
+            if let Ok(grants) = t.await.unwrap() {
+                assert!(
+                    grants.iter().all(|(_, g)| *g > 0),
+                    "seed {seed}: a zero grant (I-09)"
+                );
+                granted.extend(grants);
+            }
+        }
+        let total: u64 = granted.iter().map(|(_, g)| g).sum();
+        assert!(total <= grant, "seed {seed}: granted {total} of {grant}");
+        let view = ractor::call!(account, |reply| AccountMsg::Snapshot { reply }).unwrap();
+        assert_eq!(view.held, total, "seed {seed}: held is exactly the grants");
+
+        // Settle every child concurrently at a random spend within its grant.
+        let mut spent_total = 0;
+        let mut settles = vec![];
+        for (child, g) in granted {
+            let spent = rng.between(0, g);
+            spent_total += spent;
+            let account = account.clone();
+            settles.push(tokio::spawn(async move {
+                ractor::call!(account, |reply| AccountMsg::Settle {
+                    child,
+                    spent,
+                    reply
+                })
+                .unwrap()
+            }));
+        }
+        for s in settles {
+            s.await.unwrap();
+        }
+        let view = ractor::call!(account, |reply| AccountMsg::Snapshot { reply }).unwrap();
+        assert_eq!(
+            (view.spent, view.held),
+            (spent_total, 0),
+            "seed {seed}: I-14 after settling"
+        );
+        journal.flush().await.unwrap();
+        let totals = ledger_totals(&journal.ledger(ParentRef::Run(run)).unwrap());
+        assert_eq!(
+            (totals.grant, totals.spent, totals.held),
+            (grant, spent_total, 0),
+            "seed {seed}: the journal agrees"
+        );
+        account.stop(None);
+    }
+}
+
+#[tokio::test]
+async fn inv_07_no_account_ever_shows_more_than_its_grant_in_a_seeded_fan_out() {
+    for seed in 1..=8u64 {
+        let mut rng = Seeded::new(seed);
+        let mut calls = String::new();
+        for _ in 0..rng.between(2, 5) {
+            let jobs: Vec<String> = (0..rng.between(1, 6))
+                .map(|_| match rng.next() % 3 {
+                    0 => format!(
+                        "{{agent: leaf, request: r, budget: {{tokens: {}}}}}",
+                        rng.between(100, 5_000)
+                    ),
+                    _ => "{agent: leaf, request: r}".to_string(),
+                })
+                .collect();
+            calls.push_str(&format!(
+                "\n  - call: {{tool: delegate, args: {{wait: false, jobs: [{}]}}}}",
+                jobs.join(", ")
+            ));
+        }
+        calls.push_str("\n  - call: {tool: collect, args: {}}\n  - call: {tool: submit_output, args: {output: done}}");
+        let boss = agent_md(&format!("subagents: [leaf]\nmax_turns: 20\nscript:{calls}"));
+        let leaf = agent_md(&format!(
+            "description: leaf\nscript:\n  - say: working\n    delay: {}ms\n    usage: {{input: 50, output: 50}}\n    call: {{tool: submit_output, args: {{output: ok}}}}",
+            rng.between(0, 20)
+        ));
+        let node = TestNode::start(&[("boss", &boss), ("leaf", &leaf)]).await;
+        let breaches = Arc::new(Mutex::new(vec![]));
+        let seen = breaches.clone();
+        // Checked at every change, at the moment it happens.
+        node.observe(move |e| {
+            if let EventKind::AccountChanged {
+                owner,
+                grant,
+                spent,
+                held,
+            } = &e.kind
+                && spent + held > *grant
+            {
+                seen.lock()
+                    .unwrap()
+                    .push(format!("{owner:?}: {spent} + {held} > {grant}"));
+            }
+        });
+        let run = node
+            .run_agent_with_budget("boss", "go", Some(rng.between(20_000, 200_000)))
+            .await;
+        let tree = node.wait_run(run).await;
+        assert_eq!(tree.run_status(), Status::Done, "seed {seed}");
+        assert!(
+            breaches.lock().unwrap().is_empty(),
+            "seed {seed}: {:?}",
+            breaches.lock().unwrap()
+        );
+        node.assert_conserved(run);
+    }
+}
+
+#[tokio::test]
+async fn inv_08_one_call_grants_at_most_its_fraction_and_an_over_ask_is_refused_naming_the_cap() {
+    let boss = agent_md(
+        "subagents: [leaf]\nscript:\n  - call: {tool: delegate, args: {wait: false, jobs: [{agent: leaf, request: a, label: asks, budget: {tokens: 10000}}, {agent: leaf, request: b, label: s1}, {agent: leaf, request: c, label: s2}]}}\n  - call: {tool: delegate, args: {jobs: [{agent: leaf, request: d, label: greedy, budget: {tokens: 90000}}]}}\n  - call: {tool: collect, args: {}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let leaf =
+        agent_md("description: leaf\nscript:\n  - call: {tool: submit_output, args: {output: ok}}");
+    let node = TestNode::start(&[("boss", &boss), ("leaf", &leaf)]).await;
+    let run = node
+        .run_agent_with_budget("boss", "go", Some(100_000))
+        .await;
+    let tree = node.wait_run(run).await;
+    let grant = |label: &str| tree.node(tree.find(label).unwrap()).unwrap().account.grant;
+    let boss_spent_before = node
+        .events(run)
+        .into_iter()
+        .find_map(|e| match e.kind {
+            EventKind::ModelCalled {
+                turn: 0,
+                input_tokens,
+                output_tokens,
+                ..
+            } => Some(input_tokens + output_tokens),
+            _ => None,
+        })
+        .unwrap();
+    let available = 100_000 - boss_spent_before;
+    let cap = available / 2;
+    assert_eq!(grant("asks"), 10_000, "a child that asks gets what it asks");
+    assert_eq!(
+        grant("s1"),
+        (cap - 10_000) / 2,
+        "the rest share what is left of the cap"
+    );
+    assert_eq!(grant("s2"), grant("s1"));
+    assert!(tree.find("greedy").is_none());
+    let refused = node.events(run).into_iter().find_map(|e| match e.kind {
+        EventKind::ToolCalled {
+            tool,
+            ok: false,
+            detail,
+            ..
+        } if tool == "delegate" => Some(detail),
+        _ => None,
+    });
+    let refused = refused.expect("the over-ask is an error result");
+    assert!(
+        refused.contains("one delegate call may grant at most"),
+        "{refused}"
+    );
+}
+
+#[tokio::test]
+async fn inv_09_zero_never_means_unlimited() {
+    for (budget, says) in [
+        ("{tokens: 0}", "at least 1"),
+        ("{tokens: -5}", "positive whole number"),
+        ("{tokens: 1.5}", "positive whole number"),
+        ("{usd: 2.0}", "budget.usd"),
+    ] {
+        let boss = agent_md(&format!(
+            "subagents: [leaf]\nscript:\n  - call: {{tool: delegate, args: {{jobs: [{{agent: leaf, request: a, budget: {budget}}}]}}}}\n  - call: {{tool: submit_output, args: {{output: done}}}}"
+        ));
+        let leaf = agent_md(
+            "description: leaf\nscript:\n  - call: {tool: submit_output, args: {output: ok}}",
+        );
+        let node = TestNode::start(&[("boss", &boss), ("leaf", &leaf)]).await;
+        let run = node.run_agent("boss", "go").await;
+        let tree = node.wait_run(run).await;
+        assert_eq!(tree.nodes().count(), 1, "{budget}: nothing spawned");
+        let detail = node
+            .events(run)
+            .into_iter()
+            .find_map(|e| match e.kind {
+                EventKind::ToolCalled {
+                    tool,
+                    ok: false,
+                    detail,
+                    ..
+                } if tool == "delegate" => Some(detail),
+                _ => None,
+            })
+            .unwrap();
+        assert!(detail.contains(says), "{budget}: {detail}");
+    }
+    // A share that rounds down to zero is refused, never granted as 0.
+    let boss = agent_md(
+        "subagents: [leaf]\nscript:\n  - usage: {input: 5, output: 1}\n    call: {tool: delegate, args: {jobs: [{agent: leaf, request: a}, {agent: leaf, request: b}, {agent: leaf, request: c}]}}\n  - usage: {input: 1, output: 1}\n    call: {tool: submit_output, args: {output: done}}",
+    );
+    let leaf =
+        agent_md("description: leaf\nscript:\n  - call: {tool: submit_output, args: {output: ok}}");
+    let node = TestNode::start(&[("boss", &boss), ("leaf", &leaf)]).await;
+    let run = node.run_agent_with_budget("boss", "go", Some(10)).await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.nodes().count(), 1);
+    assert!(node.events(run).iter().any(|e| matches!(&e.kind,
+        EventKind::ToolCalled { ok: false, detail, .. } if detail.contains("would be granted 0 tokens"))));
+    // And a run of 0 tokens does not start.
+    let ws = &node.workspace;
+    assert!(ws.agent_run("boss", "go", Some(0)).is_err());
+}
+
+#[tokio::test]
+async fn inv_10_a_settled_child_returns_grant_minus_spent_and_a_stopped_one_is_charged_what_it_spent()
+ {
+    let boss = agent_md(
+        "subagents: [leaf, slow]\nscript:\n  - call: {tool: delegate, args: {jobs: [{agent: leaf, request: a, label: done}]}}\n  - call: {tool: delegate, args: {wait: false, jobs: [{agent: slow, request: b, label: slow}]}}\n  - call: {tool: stop_child, args: {child: slow}}\n  - call: {tool: collect, args: {}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let leaf = agent_md(
+        "description: leaf\nscript:\n  - usage: {input: 100, output: 23}\n    call: {tool: submit_output, args: {output: ok}}",
+    );
+    let slow = agent_md(
+        "description: slow\nscript:\n  - usage: {input: 70, output: 7}\n    call: {tool: send_message, args: {child: nobody, message: x}}\n  - say: slow\n    delay: 1h",
+    );
+    let node = TestNode::start(&[("boss", &boss), ("leaf", &leaf), ("slow", &slow)]).await;
+    let run = node.run_agent("boss", "go").await;
+    let tree = node.wait_run(run).await;
+    let done = tree.node(tree.find("done").unwrap()).unwrap();
+    assert_eq!(done.account.spent, 123);
+    let slow_node = tree.node(tree.find("slow").unwrap()).unwrap();
+    assert_eq!(slow_node.status, Status::Stopped);
+    // The stopped child may have made its first call or not; it is charged exactly that.
+    let slow_calls: u64 = node
+        .events(run)
+        .into_iter()
+        .filter_map(|e| match e.kind {
+            EventKind::ModelCalled {
+                id,
+                input_tokens,
+                output_tokens,
+                ..
+            } if Some(id) == tree.find("slow") => Some(input_tokens + output_tokens),
+            _ => None,
+        })
+        .sum();
+    assert_eq!(slow_node.account.spent, slow_calls);
+    let boss_node = tree.node(tree.find("boss").unwrap()).unwrap();
+    assert_eq!(boss_node.account.held, 0, "every hold was released");
+    node.assert_conserved(run);
+}
+
+#[tokio::test]
+async fn inv_11_no_model_call_breaches_the_root_ceiling() {
+    let greedy = agent_md(
+        "script:\n  - usage: {input: 300, output: 5000}\n    call: {tool: collect, args: {}}\n  - usage: {input: 300, output: 5000}\n    call: {tool: collect, args: {}}\n  - usage: {input: 300, output: 5000}\n    call: {tool: submit_output, args: {output: x}}",
+    );
+    let node = TestNode::start(&[("greedy", &greedy)]).await;
+    let run = node
+        .run_agent_with_budget("greedy", "go", Some(1_000))
+        .await;
+    let tree = node.wait_run(run).await;
+    assert!(tree.root().account.spent <= 1_000);
+    let calls: Vec<(u64, u64, bool)> = node
+        .events(run)
+        .into_iter()
+        .filter_map(|e| match e.kind {
+            EventKind::ModelCalled {
+                reserved,
+                input_tokens,
+                output_tokens,
+                truncated,
+                ..
+            } => Some((reserved, input_tokens + output_tokens, truncated)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        calls,
+        [(1_000, 1_000, true)],
+        "the one call was cut to what the account covered"
+    );
+    let root = tree.root();
+    assert_eq!(root.status, Status::Failed);
+    assert_eq!(
+        root.error_class,
+        Some(ErrorClass::BudgetExhausted),
+        "I-13: the step hit the root ceiling"
+    );
+    node.assert_conserved(run);
+}
+
+#[tokio::test]
+async fn inv_12_past_the_wind_down_share_requests_carry_a_notice_that_never_enters_the_history() {
+    let turn = "  - usage: {input: 100, output: 2900}\n    call: {tool: collect, args: {}}\n";
+    let agent = agent_md(&format!(
+        "script:\n{turn}{turn}{turn}  - usage: {{input: 100, output: 100}}\n    call: {{tool: submit_output, args: {{output: x}}}}"
+    ));
+    let models = RecordingModels::new();
+    let node = TestNode::start_full(None, &[("worker", &agent)], models.clone()).await;
+    let run = node
+        .run_agent_with_budget("worker", "go", Some(10_000))
+        .await;
+    node.wait_run(run).await;
+    let requests = models.requests("worker");
+    let notices: Vec<bool> = requests.iter().map(|r| r.wind_down.is_some()).collect();
+    // Spent after each call: 3000, 6000, 9000 -> only the fourth comes past 80%.
+    assert_eq!(notices, [false, false, false, true]);
+    for r in &requests {
+        let history = format!("{:?}", r.messages);
+        assert!(
+            !history.contains("Budget notice"),
+            "the notice is not stored in the history"
+        );
+    }
+    let crossings = node
+        .events(run)
+        .into_iter()
+        .filter(|e| {
+            matches!(
+                &e.kind,
+                EventKind::WindDown {
+                    owner: ParentRef::Job(_),
+                    ..
+                }
+            )
+        })
+        .count();
+    assert_eq!(crossings, 1, "the crossing emits one event");
+}
+
+#[tokio::test]
+async fn inv_13_a_job_at_its_ceiling_returns_partial_and_the_run_goes_on() {
+    let boss = agent_md(
+        "subagents: [deep]\nscript:\n  - call: {tool: delegate, args: {jobs: [{agent: deep, request: all, label: deep, budget: {tokens: 3000}}]}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let deep = agent_md(
+        "description: deep\nscript:\n  - say: first findings\n    usage: {input: 800, output: 1200}\n    call: {tool: collect, args: {}}\n  - say: more findings\n    usage: {input: 800, output: 1200}\n    call: {tool: collect, args: {}}\n  - usage: {input: 800, output: 1200}\n    call: {tool: submit_output, args: {output: everything}}",
+    );
+    let node = TestNode::start(&[("boss", &boss), ("deep", &deep)]).await;
+    let run = node.run_agent("boss", "go").await;
+    let tree = node.wait_run(run).await;
+    let deep = tree.node(tree.find("deep").unwrap()).unwrap();
+    assert_eq!(
+        (deep.status, deep.task_status),
+        (Status::Done, Some(TaskStatus::Partial))
+    );
+    assert_eq!(deep.output, "more findings", "its partial answer");
+    assert_eq!(deep.account.spent, 3_000, "its spend, exactly its ceiling");
+    assert_eq!(tree.run_status(), Status::Done, "the run goes on");
+    node.assert_conserved(run);
+}
+
+#[tokio::test]
+async fn inv_14_conservation_holds_for_every_account_of_the_example() {
+    let workspace = Workspace::load(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/research"),
+    )
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let node = arbor_runtime::EmbeddedNode::start(&workspace, dir.path())
+        .await
+        .unwrap();
+    let run = node
+        .start_run(workspace.flow_run("research", None).unwrap())
+        .await
+        .unwrap();
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Done);
+    tree.check_conservation()
+        .unwrap_or_else(|b| panic!("{b:?}"));
+    let root = tree.root();
+    let steps_spent: u64 = root.children.iter().map(|c| c.account.spent).sum();
+    assert_eq!(
+        root.account.spent, steps_spent,
+        "the run's spent is its steps'"
+    );
+    for (id, n) in tree.nodes() {
+        let totals = ledger_totals(&node.journal().ledger(ParentRef::Job(id)).unwrap());
+        assert_eq!(
+            (totals.grant, totals.spent, totals.held),
+            (n.account.grant, n.account.spent, n.account.held)
+        );
+    }
+    node.shutdown().await.unwrap();
+}
