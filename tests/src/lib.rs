@@ -323,3 +323,40 @@ impl Seeded {
         lo + self.next() % (hi - lo + 1)
     }
 }
+
+/// Waits until process `pid` has exited (or `limit` passes), without
+/// polling: a pidfd becomes readable when the process ends. True if it ended.
+pub async fn process_exits_within(pid: i32, limit: Duration) -> bool {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        // ESRCH: it is already gone.
+        return std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+    }
+    // SAFETY: the fd was just opened and is owned by nothing else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let Ok(async_fd) = tokio::io::unix::AsyncFd::new(fd) else {
+        return false;
+    };
+    tokio::time::timeout(limit, async_fd.readable())
+        .await
+        .is_ok()
+}
+
+/// Every process whose working directory is `dir` or below it.
+pub fn processes_in(dir: &std::path::Path) -> Vec<i32> {
+    let Ok(dir) = dir.canonicalize() else {
+        return vec![];
+    };
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return vec![];
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read_link(format!("/proc/{pid}/cwd")).is_ok_and(|cwd| cwd.starts_with(&dir))
+        })
+        .collect()
+}
