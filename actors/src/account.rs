@@ -119,7 +119,7 @@ impl Actor for Account {
         _myself: ActorRef<Self::Msg>,
         args: AccountArgs,
     ) -> Result<Self::State, ActorProcessingErr> {
-        let mut state = AccountState::new(args);
+        let state = AccountState::new(args);
         state
             .journal(
                 LedgerOp::Open {
@@ -128,7 +128,8 @@ impl Actor for Account {
                 true,
             )
             .await?;
-        state.publish();
+        // No event here: the opening figures are in the owner's NodeSpawned
+        // (or RunStarted), which the tree folds.
         Ok(state)
     }
 

@@ -336,7 +336,9 @@ pub async fn process_exits_within(pid: i32, limit: Duration) -> bool {
     }
     // SAFETY: the fd was just opened and is owned by nothing else.
     let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-    let Ok(async_fd) = tokio::io::unix::AsyncFd::new(fd) else {
+    // SAFETY: the OwnedFd moves into the AsyncFd, which deregisters it
+    // before it is closed; nothing else holds it.
+    let Ok(async_fd) = (unsafe { tokio::io::unix::AsyncFd::register(fd) }) else {
         return false;
     };
     tokio::time::timeout(limit, async_fd.readable())

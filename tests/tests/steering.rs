@@ -1,0 +1,134 @@
+//! Steering (I-20): queued with an id, delivered in order at a turn boundary,
+//! refused once the job ended, discarded if it ends first.
+
+use arbor_actors::model::Message;
+use arbor_protocol::{EventKind, Status};
+use arbor_testkit::{RecordingModels, TestNode, agent_md};
+
+#[tokio::test]
+async fn inv_20_messages_are_delivered_in_order_at_the_next_turn_and_refused_after_the_end() {
+    let boss = agent_md(
+        "subagents: [listener]\nscript:\n  - call: {tool: delegate, args: {wait: false, jobs: [{agent: listener, request: listen, label: l}]}}\n  - call: {tool: send_message, args: {child: l, message: first}}\n  - call: {tool: send_message, args: {child: l, message: second}}\n  - call: {tool: collect, args: {}}\n  - call: {tool: send_message, args: {child: l, message: late}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let listener = agent_md(
+        "description: listens\nscript:\n  - say: listening\n    delay: 300ms\n    call: {tool: collect, args: {}}\n  - call: {tool: collect, args: {}}\n  - call: {tool: submit_output, args: {output: heard}}",
+    );
+    let models = RecordingModels::new();
+    let node = TestNode::start_full(
+        None,
+        &[("boss", &boss), ("listener", &listener)],
+        models.clone(),
+    )
+    .await;
+    let run = node.run_agent("boss", "go").await;
+    let tree = node.wait_run(run).await;
+    let l = tree.find("l").unwrap();
+
+    let requests = models.requests("listener");
+    let parent_messages = |turn: usize| -> Vec<String> {
+        requests[turn]
+            .messages
+            .iter()
+            .filter_map(|m| match m {
+                Message::User(t) if t.starts_with("Message from your parent") => Some(t.clone()),
+                _ => None,
+            })
+            .collect()
+    };
+    assert!(parent_messages(0).is_empty(), "nothing arrives mid-turn");
+    assert_eq!(
+        parent_messages(1),
+        [
+            "Message from your parent: first",
+            "Message from your parent: second"
+        ]
+    );
+
+    let steering: Vec<String> = node
+        .events(run)
+        .into_iter()
+        .filter_map(|e| match e.kind {
+            EventKind::SteerQueued { id, message_id } if id == l => {
+                Some(format!("queued {message_id}"))
+            }
+            EventKind::SteerDelivered {
+                id,
+                message_id,
+                turn,
+            } if id == l => Some(format!("delivered {message_id} at {turn}")),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        steering,
+        [
+            "queued 1",
+            "queued 2",
+            "delivered 1 at 1",
+            "delivered 2 at 1"
+        ]
+    );
+
+    let late = node.events(run).into_iter().find_map(|e| match e.kind {
+        EventKind::ToolCalled {
+            tool,
+            ok: false,
+            detail,
+            ..
+        } if tool == "send_message" => Some(detail),
+        _ => None,
+    });
+    assert!(late.unwrap().contains("has already ended (done)"));
+    let records = node.journal().steering(l).unwrap();
+    assert_eq!(
+        records.len(),
+        2,
+        "both are journaled with their final state"
+    );
+}
+
+#[tokio::test]
+async fn inv_20_a_message_still_queued_when_the_job_ends_is_discarded() {
+    let boss = agent_md(
+        "subagents: [ender]\nscript:\n  - call: {tool: delegate, args: {wait: false, jobs: [{agent: ender, request: go, label: e}]}}\n  - call: {tool: send_message, args: {child: e, message: too late}}\n  - call: {tool: collect, args: {}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let ender = agent_md(
+        "description: ends on its first turn\nscript:\n  - say: finishing\n    delay: 300ms\n    call: {tool: submit_output, args: {output: finished}}",
+    );
+    let node = TestNode::start(&[("boss", &boss), ("ender", &ender)]).await;
+    let run = node.run_agent("boss", "go").await;
+    let tree = node.wait_run(run).await;
+    let e = tree.find("e").unwrap();
+    assert_eq!(tree.node(e).unwrap().status, Status::Done);
+    let fate: Vec<&'static str> = node
+        .events(run)
+        .into_iter()
+        .filter_map(|ev| match ev.kind {
+            EventKind::SteerQueued { id, .. } if id == e => Some("queued"),
+            EventKind::SteerDelivered { id, .. } if id == e => Some("delivered"),
+            EventKind::SteerDiscarded { id, .. } if id == e => Some("discarded"),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(fate, ["queued", "discarded"]);
+}
+
+#[tokio::test]
+async fn inv_20_an_operator_can_steer_a_running_step() {
+    let worker = agent_md(
+        "script:\n  - say: working\n    delay: 300ms\n    call: {tool: collect, args: {}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let models = RecordingModels::new();
+    let node = TestNode::start_full(None, &[("worker", &worker)], models.clone()).await;
+    let run = node.run_agent("worker", "go").await;
+    let step = node.wait_status(run, "worker", Status::Running).await;
+    let id = step.id.parse().unwrap();
+    assert_eq!(node.steer(id, "use metric units").await, Ok(1));
+    node.wait_run(run).await;
+    let second = &models.requests("worker")[1];
+    assert!(second.messages.contains(&Message::User(
+        "Message from your parent: use metric units".into()
+    )));
+    // A finished step refuses.
+    assert!(node.steer(id, "again").await.is_err());
+}
