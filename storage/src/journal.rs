@@ -557,6 +557,30 @@ fn run_flusher(db: &sled::Db, progress: &Progress, queue: mpsc::Receiver<Waiter>
     }
 }
 
+/// Opens the sled database, waiting a little for its file lock. sled's own
+/// background threads hold the database for a moment after the last handle
+/// is dropped, so a reopen in the same process (a restart in a test, a node
+/// restarted in place) can find the lock still held.
+pub fn open_db(dir: &Path) -> Result<sled::Db, Error> {
+    const ATTEMPTS: u32 = 100;
+    let mut attempt = 0;
+    loop {
+        match sled::Config::new().path(dir).open() {
+            Err(sled::Error::Io(e))
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    || e.to_string().contains("could not acquire lock") =>
+            {
+                attempt += 1;
+                if attempt >= ATTEMPTS {
+                    return Err(sled::Error::Io(e).into());
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            other => return Ok(other?),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -641,29 +665,5 @@ mod tests {
         let flushes = journal.flush_count();
         journal.flush().await.unwrap();
         assert_eq!(journal.flush_count(), flushes);
-    }
-}
-
-/// Opens the sled database, waiting a little for its file lock. sled's own
-/// background threads hold the database for a moment after the last handle
-/// is dropped, so a reopen in the same process (a restart in a test, a node
-/// restarted in place) can find the lock still held.
-pub fn open_db(dir: &Path) -> Result<sled::Db, Error> {
-    const ATTEMPTS: u32 = 100;
-    let mut attempt = 0;
-    loop {
-        match sled::Config::new().path(dir).open() {
-            Err(sled::Error::Io(e))
-                if e.kind() == std::io::ErrorKind::WouldBlock
-                    || e.to_string().contains("could not acquire lock") =>
-            {
-                attempt += 1;
-                if attempt >= ATTEMPTS {
-                    return Err(sled::Error::Io(e).into());
-                }
-                std::thread::sleep(std::time::Duration::from_millis(20));
-            }
-            other => return Ok(other?),
-        }
     }
 }
