@@ -53,8 +53,14 @@ async fn inv_07_concurrent_reservations_never_overgrant() {
                 .map(|_| GrantAsk {
                     child: JobId::new(),
                     agent: "a".into(),
-                    asked: (rng.next() % 2 == 0).then(|| rng.between(1, grant / 3)),
-                    agent_max: (rng.next() % 3 == 0).then(|| rng.between(1, grant)),
+                    asked: rng
+                        .next_u64()
+                        .is_multiple_of(2)
+                        .then(|| rng.between(1, grant / 3)),
+                    agent_max: rng
+                        .next_u64()
+                        .is_multiple_of(3)
+                        .then(|| rng.between(1, grant)),
                 })
                 .collect();
             let account = account.clone();
@@ -127,7 +133,7 @@ async fn inv_07_no_account_ever_shows_more_than_its_grant_in_a_seeded_fan_out() 
         let mut calls = String::new();
         for _ in 0..rng.between(2, 5) {
             let jobs: Vec<String> = (0..rng.between(1, 6))
-                .map(|_| match rng.next() % 3 {
+                .map(|_| match rng.next_u64() % 3 {
                     0 => format!(
                         "{{agent: leaf, request: r, budget: {{tokens: {}}}}}",
                         rng.between(100, 5_000)
