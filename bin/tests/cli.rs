@@ -1,0 +1,173 @@
+//! `arbor run` from the outside: the README's command, its JSON contract, its
+//! exit codes and its errors on bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn arbor(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_arbor"))
+        .args(args)
+        .output()
+        .expect("arbor runs")
+}
+
+fn schema(name: &str) -> jsonschema::Validator {
+    let text = std::fs::read_to_string(repo().join("docs/contract").join(name)).unwrap();
+    jsonschema::validator_for(&serde_json::from_str(&text).unwrap()).unwrap()
+}
+
+fn example_json(extra: &[&str]) -> (Output, serde_json::Value) {
+    let data = tempfile::tempdir().unwrap();
+    let example = repo().join("examples/research");
+    let mut args = vec!["run", example.to_str().unwrap(), "--json", "--data-dir", data.path().to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let out = arbor(&args);
+    let doc = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("stdout is one JSON document ({e}): {}", String::from_utf8_lossy(&out.stdout)));
+    (out, doc)
+}
+
+/// Checks every node: grant = spent + held + available (available >= 0),
+/// and spent covers the settled children's spent.
+fn check_numbers(node: &serde_json::Value) {
+    let acct = &node["account"];
+    let (grant, spent, held) = (
+        acct["grant"].as_u64().unwrap(),
+        acct["spent"].as_u64().unwrap(),
+        acct["held"].as_u64().unwrap(),
+    );
+    assert!(spent + held <= grant, "{}: spent {spent} + held {held} > grant {grant}", node["id"]);
+    let children_spent: u64 = node["children"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["account"]["spent"].as_u64().unwrap())
+        .sum();
+    assert!(spent >= children_spent, "{}: spent {spent} < children's {children_spent}", node["id"]);
+    if node["kind"] == "run" {
+        assert_eq!(spent, children_spent, "a run spends only through its steps");
+    }
+    for child in node["children"].as_array().unwrap() {
+        check_numbers(child);
+    }
+}
+
+fn find<'a>(node: &'a serde_json::Value, label: &str) -> Option<&'a serde_json::Value> {
+    if node["label"] == label {
+        return Some(node);
+    }
+    node["children"].as_array()?.iter().find_map(|c| find(c, label))
+}
+
+#[test]
+fn the_example_prints_one_valid_document_whose_numbers_add_up() {
+    let (out, doc) = example_json(&[]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let validator = schema("run-output.schema.json");
+    let errors: Vec<String> = validator.iter_errors(&doc).map(|e| format!("{e} at {}", e.instance_path())).collect();
+    assert!(errors.is_empty(), "{errors:#?}");
+    let run = &doc["run"];
+    assert_eq!((run["kind"].as_str(), run["status"].as_str()), (Some("run"), Some("done")));
+    check_numbers(run);
+    // The story the example tells.
+    let status = |label: &str| {
+        let n = find(run, label).unwrap_or_else(|| panic!("no {label}"));
+        (n["status"].as_str().unwrap().to_string(), n["task_status"].as_str().map(String::from))
+    };
+    assert_eq!(status("deep"), ("done".into(), Some("partial".into())), "reached its own ceiling");
+    assert_eq!(status("crawler").0, "stopped");
+    assert_eq!(status("writer"), ("done".into(), Some("completed".into())));
+    assert_eq!(find(run, "numbers").unwrap()["artifacts"], serde_json::json!(["shares.csv"]));
+    assert_eq!(find(run, "writer").unwrap()["artifacts"], serde_json::json!(["report.md"]));
+    assert!(find(run, "crawler").unwrap()["output"].is_null());
+}
+
+#[test]
+fn a_failed_run_exits_1_and_still_prints_its_tree() {
+    let (out, doc) = example_json(&["--budget-tokens", "100"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(doc["run"]["status"], "failed");
+    assert!(schema("run-output.schema.json").is_valid(&doc));
+    check_numbers(&doc["run"]);
+}
+
+#[test]
+fn bad_usage_and_bad_input_exit_2_with_one_line_that_says_why() {
+    let example = repo().join("examples/research");
+    let example = example.to_str().unwrap();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["run", "/no/such/workspace"], "not a directory"),
+        (vec!["run", example, "--flow", "nope"], "no such flow"),
+        (vec!["run", example, "--budget-tokens", "0"], "budget-tokens"),
+        (vec!["run", example, "--agent", "ghost", "--input", "x"], "no such agent"),
+        (vec!["run", example, "--agent", "planner"], "--input"),
+        (vec!["fly"], "unrecognized subcommand"),
+    ];
+    for (args, says) in cases {
+        let out = arbor(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+        assert!(out.stdout.is_empty(), "{args:?}: nothing on stdout");
+    }
+}
+
+#[test]
+fn a_workspace_with_an_unknown_key_is_refused_naming_the_key_and_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = dir.path().join("agents/solo");
+    std::fs::create_dir_all(&agent).unwrap();
+    std::fs::write(agent.join("agent.md"), "---\nscript: []\nbudgget: {tokens: 5}\n---\nhi\n").unwrap();
+    let out = arbor(&["run", dir.path().to_str().unwrap(), "--agent", "solo", "--input", "x"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr.contains("budgget") && stderr.contains("agents/solo/agent.md"), "{stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
+    assert!(!dir.path().join(".arbor").exists(), "bad input changes nothing");
+}
+
+#[test]
+fn without_a_terminal_progress_is_plain_lines() {
+    let data = tempfile::tempdir().unwrap();
+    let example = repo().join("examples/research");
+    let out = arbor(&["run", example.to_str().unwrap(), "--data-dir", data.path().to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(0));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!stdout.contains('\x1b'), "no escape codes when not a terminal");
+    assert!(stdout.contains("crawler (crawler) [stopped]") || stdout.contains("crawler [stopped]"), "{stdout}");
+    assert!(stdout.contains("output:"));
+}
+
+#[test]
+fn every_example_agent_is_valid_against_the_agent_schema() {
+    let validator = schema("agent.schema.json");
+    let agents = repo().join("examples/research/agents");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(agents).unwrap() {
+        let path = entry.unwrap().path().join("agent.md");
+        let text = std::fs::read_to_string(&path).unwrap();
+        let front = text.split("---").nth(1).unwrap();
+        let value: serde_json::Value = serde_saphyr::from_str(front).unwrap();
+        let errors: Vec<String> = validator.iter_errors(&value).map(|e| e.to_string()).collect();
+        assert!(errors.is_empty(), "{}: {errors:?}", path.display());
+        checked += 1;
+    }
+    assert_eq!(checked, 7);
+}
+
+#[test]
+fn the_contract_copies_match_the_shared_originals_when_present() {
+    let shared = repo().join("../shared/contract");
+    if !shared.exists() {
+        return; // A clone on its own carries the copies only.
+    }
+    for name in ["agent.schema.json", "run-output.schema.json"] {
+        let ours = std::fs::read(repo().join("docs/contract").join(name)).unwrap();
+        let theirs = std::fs::read(shared.join(name)).unwrap();
+        assert_eq!(ours, theirs, "docs/contract/{name} differs from the shared contract");
+    }
+}
