@@ -303,6 +303,15 @@ impl Actor for Job {
                 id: state.lineage.id,
             },
         );
+        tracing::info!(
+            run = %state.lineage.run,
+            job = %state.lineage.id,
+            agent = %state.agent.name,
+            depth = state.lineage.depth,
+            attempt = state.lineage.attempt,
+            grant = state.grant,
+            "job started"
+        );
         if let Some(timeout) = state.brief.timeout {
             myself.send_after(timeout, || JobMsg::TimedOut);
         }
@@ -688,6 +697,14 @@ impl JobState {
             turns: finish.turns.max(self.turns),
             workdir: self.workdir.display().to_string(),
         };
+        tracing::info!(
+            run = %self.lineage.run,
+            job = %self.lineage.id,
+            status = %envelope.status,
+            spent = envelope.tokens_spent,
+            reason = envelope.error.as_deref().unwrap_or(""),
+            "job ended"
+        );
         self.parent.report(ChildReport {
             id: self.lineage.id,
             envelope,
@@ -857,6 +874,7 @@ impl JobState {
             planned.push(plan);
         }
         self.run_ctx.count_spawns(planned.len() as u64)?;
+        tracing::debug!(run = %self.lineage.run, job = %self.lineage.id, children = planned.len(), "delegation admitted by the caps");
         let result = self.admit(myself, planned, call_id).await;
         match result {
             Ok(handles) => {

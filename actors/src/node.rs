@@ -35,6 +35,12 @@ pub enum NodeMsg {
         reason: String,
         reply: RpcReplyPort<Result<(), String>>,
     },
+    /// Stops every run (each stops its subtree and kills its processes) and
+    /// replies when the last one has ended. New runs are refused from now on.
+    StopAll {
+        reason: String,
+        reply: RpcReplyPort<()>,
+    },
     /// An operator's message to a running step or job (I-20).
     Steer {
         job: JobId,
@@ -56,6 +62,8 @@ impl Actor for Node {
         Ok(NodeState {
             ctx: args.ctx,
             runs: HashMap::new(),
+            closing: false,
+            stopped_waiters: vec![],
         })
     }
 
@@ -86,6 +94,16 @@ impl Actor for Node {
                 reply,
             } => {
                 let _ = reply.send(state.stop_job(run, job, reason));
+            }
+            NodeMsg::StopAll { reason, reply } => {
+                state.closing = true;
+                for (actor, _) in state.runs.values() {
+                    let _ = actor.cast(RunMsg::Stop {
+                        reason: reason.clone(),
+                    });
+                }
+                state.stopped_waiters.push(reply);
+                state.answer_stopped_waiters();
             }
             NodeMsg::Steer { job, text, reply } => {
                 match ractor::registry::where_is(job_name(job)) {
@@ -128,6 +146,7 @@ impl Actor for Node {
             return Ok(());
         };
         let (_, spec) = state.runs.remove(&run).expect("found above");
+        state.answer_stopped_waiters();
         if let Some(error) = failure {
             let reason = format!("the run's actor panicked: {error}");
             let record = RunRecord {
@@ -158,6 +177,9 @@ impl Actor for Node {
 pub struct NodeState {
     ctx: Arc<NodeContext>,
     runs: HashMap<RunId, (ActorRef<RunMsg>, RunSpec)>,
+    /// Set by StopAll: no new run starts.
+    closing: bool,
+    stopped_waiters: Vec<RpcReplyPort<()>>,
 }
 
 /// The registry name of a step's or job's actor.
@@ -166,11 +188,22 @@ pub fn job_name(id: JobId) -> String {
 }
 
 impl NodeState {
+    fn answer_stopped_waiters(&mut self) {
+        if self.runs.is_empty() {
+            for reply in self.stopped_waiters.drain(..) {
+                let _ = reply.send(());
+            }
+        }
+    }
+
     async fn start_run(
         &mut self,
         myself: &ActorRef<NodeMsg>,
         spec: RunSpec,
     ) -> Result<RunId, String> {
+        if self.closing {
+            return Err("the node is shutting down; no new run starts".into());
+        }
         if spec.budget_tokens == 0 {
             return Err(
                 "the run's budget must be at least 1 token (0 never means unlimited)".into(),

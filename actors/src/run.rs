@@ -585,6 +585,7 @@ impl RunState {
             epoch: self.ctx.journal.epoch(),
         };
         self.ctx.journal.commit(vec![Record::Run(record)]).await?;
+        tracing::info!(run = %self.id, status = %finish.status, reason = finish.reason.as_deref().unwrap_or(""), "run ended");
         self.ctx.events.emit(
             self.id,
             EventKind::RunFinished {

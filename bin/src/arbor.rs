@@ -61,6 +61,7 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -154,9 +155,14 @@ async fn run(args: RunArgs) -> Result<ExitCode, Failure> {
                     break node.tree(run);
                 }
             }
-            _ = tokio::signal::ctrl_c(), if !interrupted => {
+            _ = tokio::signal::ctrl_c() => {
+                if interrupted {
+                    // A second Ctrl-C: leave now; the journal shows what was running.
+                    eprintln!("arbor: interrupted twice: leaving without waiting");
+                    std::process::exit(130);
+                }
                 interrupted = true;
-                eprintln!("arbor: interrupted: stopping the run");
+                eprintln!("arbor: interrupted: stopping the run (Ctrl-C again to leave at once)");
                 let _ = node.stop_run(run, "interrupted (SIGINT)").await;
             }
         }

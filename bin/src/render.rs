@@ -71,6 +71,25 @@ impl Progress {
         if let Some(reason) = &root.reason {
             println!("reason: {reason}");
         }
+        let mut artifacts = vec![];
+        collect_artifacts(&root, &mut artifacts);
+        if !artifacts.is_empty() {
+            println!("\nartifacts:");
+            for path in artifacts {
+                println!("  {path}");
+            }
+        }
+    }
+}
+
+fn collect_artifacts(node: &TreeNode, out: &mut Vec<String>) {
+    if let Some(workdir) = &node.workdir {
+        for a in &node.artifacts {
+            out.push(std::path::Path::new(workdir).join(a).display().to_string());
+        }
+    }
+    for child in &node.children {
+        collect_artifacts(child, out);
     }
 }
 

@@ -23,11 +23,21 @@ fn schema(name: &str) -> jsonschema::Validator {
 fn example_json(extra: &[&str]) -> (Output, serde_json::Value) {
     let data = tempfile::tempdir().unwrap();
     let example = repo().join("examples/research");
-    let mut args = vec!["run", example.to_str().unwrap(), "--json", "--data-dir", data.path().to_str().unwrap()];
+    let mut args = vec![
+        "run",
+        example.to_str().unwrap(),
+        "--json",
+        "--data-dir",
+        data.path().to_str().unwrap(),
+    ];
     args.extend_from_slice(extra);
     let out = arbor(&args);
-    let doc = serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("stdout is one JSON document ({e}): {}", String::from_utf8_lossy(&out.stdout)));
+    let doc = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "stdout is one JSON document ({e}): {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    });
     (out, doc)
 }
 
@@ -40,14 +50,22 @@ fn check_numbers(node: &serde_json::Value) {
         acct["spent"].as_u64().unwrap(),
         acct["held"].as_u64().unwrap(),
     );
-    assert!(spent + held <= grant, "{}: spent {spent} + held {held} > grant {grant}", node["id"]);
+    assert!(
+        spent + held <= grant,
+        "{}: spent {spent} + held {held} > grant {grant}",
+        node["id"]
+    );
     let children_spent: u64 = node["children"]
         .as_array()
         .unwrap()
         .iter()
         .map(|c| c["account"]["spent"].as_u64().unwrap())
         .sum();
-    assert!(spent >= children_spent, "{}: spent {spent} < children's {children_spent}", node["id"]);
+    assert!(
+        spent >= children_spent,
+        "{}: spent {spent} < children's {children_spent}",
+        node["id"]
+    );
     if node["kind"] == "run" {
         assert_eq!(spent, children_spent, "a run spends only through its steps");
     }
@@ -60,29 +78,56 @@ fn find<'a>(node: &'a serde_json::Value, label: &str) -> Option<&'a serde_json::
     if node["label"] == label {
         return Some(node);
     }
-    node["children"].as_array()?.iter().find_map(|c| find(c, label))
+    node["children"]
+        .as_array()?
+        .iter()
+        .find_map(|c| find(c, label))
 }
 
 #[test]
 fn the_example_prints_one_valid_document_whose_numbers_add_up() {
     let (out, doc) = example_json(&[]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let validator = schema("run-output.schema.json");
-    let errors: Vec<String> = validator.iter_errors(&doc).map(|e| format!("{e} at {}", e.instance_path())).collect();
+    let errors: Vec<String> = validator
+        .iter_errors(&doc)
+        .map(|e| format!("{e} at {}", e.instance_path()))
+        .collect();
     assert!(errors.is_empty(), "{errors:#?}");
     let run = &doc["run"];
-    assert_eq!((run["kind"].as_str(), run["status"].as_str()), (Some("run"), Some("done")));
+    assert_eq!(
+        (run["kind"].as_str(), run["status"].as_str()),
+        (Some("run"), Some("done"))
+    );
     check_numbers(run);
     // The story the example tells.
     let status = |label: &str| {
         let n = find(run, label).unwrap_or_else(|| panic!("no {label}"));
-        (n["status"].as_str().unwrap().to_string(), n["task_status"].as_str().map(String::from))
+        (
+            n["status"].as_str().unwrap().to_string(),
+            n["task_status"].as_str().map(String::from),
+        )
     };
-    assert_eq!(status("deep"), ("done".into(), Some("partial".into())), "reached its own ceiling");
+    assert_eq!(
+        status("deep"),
+        ("done".into(), Some("partial".into())),
+        "reached its own ceiling"
+    );
     assert_eq!(status("crawler").0, "stopped");
     assert_eq!(status("writer"), ("done".into(), Some("completed".into())));
-    assert_eq!(find(run, "numbers").unwrap()["artifacts"], serde_json::json!(["shares.csv"]));
-    assert_eq!(find(run, "writer").unwrap()["artifacts"], serde_json::json!(["report.md"]));
+    assert_eq!(
+        find(run, "numbers").unwrap()["artifacts"],
+        serde_json::json!(["shares.csv"])
+    );
+    assert_eq!(
+        find(run, "writer").unwrap()["artifacts"],
+        serde_json::json!(["report.md"])
+    );
     assert!(find(run, "crawler").unwrap()["output"].is_null());
 }
 
@@ -102,8 +147,14 @@ fn bad_usage_and_bad_input_exit_2_with_one_line_that_says_why() {
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (vec!["run", "/no/such/workspace"], "not a directory"),
         (vec!["run", example, "--flow", "nope"], "no such flow"),
-        (vec!["run", example, "--budget-tokens", "0"], "budget-tokens"),
-        (vec!["run", example, "--agent", "ghost", "--input", "x"], "no such agent"),
+        (
+            vec!["run", example, "--budget-tokens", "0"],
+            "budget-tokens",
+        ),
+        (
+            vec!["run", example, "--agent", "ghost", "--input", "x"],
+            "no such agent",
+        ),
         (vec!["run", example, "--agent", "planner"], "--input"),
         (vec!["fly"], "unrecognized subcommand"),
     ];
@@ -121,24 +172,52 @@ fn a_workspace_with_an_unknown_key_is_refused_naming_the_key_and_the_file() {
     let dir = tempfile::tempdir().unwrap();
     let agent = dir.path().join("agents/solo");
     std::fs::create_dir_all(&agent).unwrap();
-    std::fs::write(agent.join("agent.md"), "---\nscript: []\nbudgget: {tokens: 5}\n---\nhi\n").unwrap();
-    let out = arbor(&["run", dir.path().to_str().unwrap(), "--agent", "solo", "--input", "x"]);
+    std::fs::write(
+        agent.join("agent.md"),
+        "---\nscript: []\nbudgget: {tokens: 5}\n---\nhi\n",
+    )
+    .unwrap();
+    let out = arbor(&[
+        "run",
+        dir.path().to_str().unwrap(),
+        "--agent",
+        "solo",
+        "--input",
+        "x",
+    ]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2));
-    assert!(stderr.contains("budgget") && stderr.contains("agents/solo/agent.md"), "{stderr}");
+    assert!(
+        stderr.contains("budgget") && stderr.contains("agents/solo/agent.md"),
+        "{stderr}"
+    );
     assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
-    assert!(!dir.path().join(".arbor").exists(), "bad input changes nothing");
+    assert!(
+        !dir.path().join(".arbor").exists(),
+        "bad input changes nothing"
+    );
 }
 
 #[test]
 fn without_a_terminal_progress_is_plain_lines() {
     let data = tempfile::tempdir().unwrap();
     let example = repo().join("examples/research");
-    let out = arbor(&["run", example.to_str().unwrap(), "--data-dir", data.path().to_str().unwrap()]);
+    let out = arbor(&[
+        "run",
+        example.to_str().unwrap(),
+        "--data-dir",
+        data.path().to_str().unwrap(),
+    ]);
     assert_eq!(out.status.code(), Some(0));
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(!stdout.contains('\x1b'), "no escape codes when not a terminal");
-    assert!(stdout.contains("crawler (crawler) [stopped]") || stdout.contains("crawler [stopped]"), "{stdout}");
+    assert!(
+        !stdout.contains('\x1b'),
+        "no escape codes when not a terminal"
+    );
+    assert!(
+        stdout.contains("crawler (crawler) [stopped]") || stdout.contains("crawler [stopped]"),
+        "{stdout}"
+    );
     assert!(stdout.contains("output:"));
 }
 
@@ -152,7 +231,10 @@ fn every_example_agent_is_valid_against_the_agent_schema() {
         let text = std::fs::read_to_string(&path).unwrap();
         let front = text.split("---").nth(1).unwrap();
         let value: serde_json::Value = serde_saphyr::from_str(front).unwrap();
-        let errors: Vec<String> = validator.iter_errors(&value).map(|e| e.to_string()).collect();
+        let errors: Vec<String> = validator
+            .iter_errors(&value)
+            .map(|e| e.to_string())
+            .collect();
         assert!(errors.is_empty(), "{}: {errors:?}", path.display());
         checked += 1;
     }
@@ -168,6 +250,9 @@ fn the_contract_copies_match_the_shared_originals_when_present() {
     for name in ["agent.schema.json", "run-output.schema.json"] {
         let ours = std::fs::read(repo().join("docs/contract").join(name)).unwrap();
         let theirs = std::fs::read(shared.join(name)).unwrap();
-        assert_eq!(ours, theirs, "docs/contract/{name} differs from the shared contract");
+        assert_eq!(
+            ours, theirs,
+            "docs/contract/{name} differs from the shared contract"
+        );
     }
 }

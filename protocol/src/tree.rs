@@ -28,6 +28,8 @@ pub struct TreeNode {
     pub error: Option<String>,
     pub limitations: Vec<String>,
     pub artifacts: Vec<String>,
+    /// Where its artifacts are: artifacts are relative to this folder.
+    pub workdir: Option<String>,
     pub turns: u32,
     pub events_elided: u64,
     pub children: Vec<TreeNode>,
@@ -90,6 +92,7 @@ impl Tree {
                 error: None,
                 limitations: vec![],
                 artifacts: vec![],
+                workdir: None,
                 turns: 0,
                 events_elided: 0,
                 children: vec![],
@@ -152,6 +155,7 @@ impl Tree {
                 depth,
                 attempt,
                 grant_tokens,
+                workdir,
                 ..
             } => {
                 let parent_job = match parent {
@@ -183,6 +187,7 @@ impl Tree {
                 node.error_class = None;
                 node.reason = None;
                 node.task_status = None;
+                node.workdir = Some(workdir.clone());
                 node.children = vec![];
                 self.entries.insert(
                     *id,

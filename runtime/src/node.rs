@@ -22,6 +22,9 @@ pub enum Error {
     Refused(String),
 }
 
+/// How long `shutdown` waits for runs to stop by themselves.
+pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// A running node. Dropping it without `shutdown` leaves the journal as a crash would.
 pub struct EmbeddedNode {
     ctx: Arc<NodeContext>,
@@ -144,8 +147,21 @@ impl EmbeddedNode {
         self.wait_tree(run, |t| t.run_status().is_terminal()).await
     }
 
-    /// Stops every run and the node, and flushes the journal.
+    /// Stops every run as an operator's stop would (each subtree stopped,
+    /// every process killed, every account settled and journaled), then the
+    /// node, and flushes the journal. A run that does not end within
+    /// `SHUTDOWN_GRACE` is killed: what it did not journal, recovery will.
     pub async fn shutdown(mut self) -> Result<(), Error> {
+        let stopped = self.node.call(
+            |reply| NodeMsg::StopAll {
+                reason: "the node is shutting down".into(),
+                reply,
+            },
+            Some(SHUTDOWN_GRACE),
+        );
+        if !matches!(stopped.await, Ok(ractor::rpc::CallResult::Success(()))) {
+            tracing::warn!("runs did not stop within the shutdown grace; killing them");
+        }
         self.node.stop_children(Some("node shutdown".into()));
         self.node.stop(Some("node shutdown".into()));
         if let Some(join) = self.join.take() {

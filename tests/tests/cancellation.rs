@@ -286,3 +286,42 @@ async fn inv_19_a_job_timeout_fails_it_with_class_timeout_and_charges_its_spend(
     assert_eq!(tree.run_status(), Status::Done);
     node.assert_conserved(run);
 }
+
+#[tokio::test]
+async fn inv_17_a_node_shutdown_stops_every_run_and_kills_its_processes() {
+    let worker = agent_md(
+        "tools: [exec]\nscript:\n  - call: {tool: exec, args: {command: \"sleep 305 >/dev/null 2>&1 & echo started\"}}\n  - call: {tool: exec, args: {command: \"exec sleep 306\"}}",
+    );
+    let node = TestNode::start(&[("worker", &worker)]).await;
+    let run = node.run_agent("worker", "go").await;
+    let w = node.wait_for(run, "worker").await;
+    node.wait_until(run, |_| {
+        node.events(run)
+            .iter()
+            .any(|e| matches!(&e.kind, EventKind::ToolCalled { tool, .. } if tool == "exec"))
+    })
+    .await;
+    let workdir = node.workdir(run, w);
+    let running = processes_in(&workdir);
+    assert!(
+        !running.is_empty(),
+        "the left-behind sleep runs in the workdir"
+    );
+    let journal = node.journal().clone();
+
+    node.shutdown().await;
+
+    for pid in running.into_iter().chain(processes_in(&workdir)) {
+        assert!(
+            process_exits_within(pid, Duration::from_secs(2)).await,
+            "process {pid} outlived the node"
+        );
+    }
+    let record = journal.job(run, w).unwrap().unwrap();
+    assert_eq!(
+        record.status,
+        Status::Stopped,
+        "the stop was journaled, not left running"
+    );
+    assert_eq!(journal.run(run).unwrap().unwrap().status, Status::Stopped);
+}
