@@ -212,6 +212,23 @@ impl Actor for Account {
                 let _ = reply.send(());
             }
             AccountMsg::Close { reply } => {
+                // A call whose loop was stopped mid-flight never reported
+                // usage: its hold is released uncharged, so a closed account
+                // holds nothing.
+                let outstanding = state.ledger.held_calls;
+                if outstanding > 0 {
+                    state.ledger.settle_call(outstanding, 0);
+                    state
+                        .journal(
+                            LedgerOp::CallSettle {
+                                reserved: outstanding,
+                                spent: 0,
+                            },
+                            false,
+                        )
+                        .await?;
+                    state.publish();
+                }
                 state.ledger.closed = true;
                 state
                     .journal(
@@ -440,5 +457,143 @@ impl Ledger {
         let granted = self.held_children.remove(&child)?;
         self.children_spent += spent;
         Some(granted)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ask(asked: Option<u64>, agent_max: Option<u64>) -> GrantAsk {
+        GrantAsk {
+            child: JobId::new(),
+            agent: "a".into(),
+            asked,
+            agent_max,
+        }
+    }
+
+    /// One rule per row: (grant, already spent, asks, share) -> grants or the refusal's words.
+    fn check(case: (u64, u64, Vec<GrantAsk>, Share), expected: Result<Vec<u64>, &str>) {
+        let (grant, spent, asks, share) = case;
+        let mut ledger = Ledger::new(grant, 0.8);
+        ledger.settle_call(0, spent);
+        match (ledger.plan_grants(&asks, share), expected) {
+            (Ok(got), Ok(want)) => assert_eq!(got, want),
+            (Err(got), Err(words)) => assert!(got.to_string().contains(words), "{got}"),
+            (got, want) => panic!("got {got:?}, want {want:?}"),
+        }
+    }
+
+    #[test]
+    fn inv_08_grants_follow_the_fraction_rule() {
+        let half = Share::Fraction(0.5);
+        // No asks: the cap shared evenly.
+        check(
+            (1000, 0, vec![ask(None, None), ask(None, None)], half),
+            Ok(vec![250, 250]),
+        );
+        // Askers get what they ask; the rest share what is left of the cap.
+        check(
+            (
+                1000,
+                0,
+                vec![ask(Some(100), None), ask(None, None), ask(None, None)],
+                half,
+            ),
+            Ok(vec![100, 200, 200]),
+        );
+        // Available is measured now: spent counts.
+        check((1000, 600, vec![ask(None, None)], half), Ok(vec![200]));
+        // The agent's own budget caps an even share...
+        check(
+            (1000, 0, vec![ask(None, Some(30)), ask(None, None)], half),
+            Ok(vec![30, 250]),
+        );
+        // ...and refuses a request above it, never clamps it.
+        check(
+            (1000, 0, vec![ask(Some(40), Some(30))], half),
+            Err("more than the 30 its agent may be granted"),
+        );
+        // Asking above the cap is refused naming the cap.
+        check(
+            (1000, 0, vec![ask(Some(501), None)], half),
+            Err("may grant at most 500"),
+        );
+        // Steps share all that is available evenly.
+        check(
+            (
+                999,
+                0,
+                vec![ask(None, None), ask(None, None), ask(None, None)],
+                Share::Even,
+            ),
+            Ok(vec![333, 333, 333]),
+        );
+    }
+
+    #[test]
+    fn inv_09_a_grant_that_would_be_zero_refuses_the_spawn() {
+        check(
+            (
+                3,
+                0,
+                vec![ask(None, None), ask(None, None)],
+                Share::Fraction(0.5),
+            ),
+            Err("would be granted 0 tokens"),
+        );
+        check(
+            (100, 100, vec![ask(None, None)], Share::Even),
+            Err("would be granted 0 tokens"),
+        );
+    }
+
+    #[test]
+    fn inv_11_a_call_reserves_its_worst_case_or_is_refused() {
+        let mut ledger = Ledger::new(1000, 0.8);
+        let hold = ledger.plan_call(300, 4096).unwrap();
+        assert_eq!(
+            (hold.reserved, hold.max_output),
+            (1000, 700),
+            "output cut to what is left"
+        );
+        ledger.held_calls += hold.reserved;
+        assert!(
+            ledger.plan_call(1, 10).is_err(),
+            "nothing left while the call is out"
+        );
+        ledger.settle_call(hold.reserved, 400);
+        assert_eq!(
+            ledger.view(),
+            arbor_protocol::AccountView {
+                grant: 1000,
+                spent: 400,
+                held: 0
+            }
+        );
+        assert!(
+            ledger.plan_call(600, 10).is_err(),
+            "a prompt that cannot fit is budget_exhausted"
+        );
+    }
+
+    #[test]
+    fn inv_10_settling_charges_spent_once_and_frees_the_rest() {
+        let mut ledger = Ledger::new(1000, 0.8);
+        let child = JobId::new();
+        ledger.held_children.insert(child, 400);
+        assert_eq!(ledger.available(), 600);
+        assert_eq!(ledger.settle_child(child, 150), Some(400));
+        assert_eq!(
+            (ledger.spent(), ledger.held(), ledger.available()),
+            (150, 0, 850)
+        );
+        assert_eq!(
+            ledger.settle_child(child, 150),
+            None,
+            "a second settle charges nothing"
+        );
+        assert_eq!(ledger.spent(), 150);
     }
 }

@@ -330,6 +330,7 @@ impl Tree {
     /// of every settled child. Returns every breach, described.
     pub fn check_conservation(&self) -> Result<(), Vec<String>> {
         let mut breaches = vec![];
+        let mut ended_holding = vec![];
         let mut check = |name: String, acct: AccountView, own: Option<u64>, kids: &[JobId]| {
             if acct.available() < 0 {
                 breaches.push(format!(
@@ -371,6 +372,13 @@ impl Tree {
             &self.root_children,
         );
         for (id, e) in &self.entries {
+            if e.node.status.is_terminal() && e.node.account.held != 0 {
+                ended_holding.push(format!(
+                    "{} {id} ended but still holds {}",
+                    e.node.kind.as_str(),
+                    e.node.account.held
+                ));
+            }
             check(
                 format!("{} {}", e.node.kind.as_str(), id),
                 e.node.account,
@@ -378,10 +386,120 @@ impl Tree {
                 &e.children,
             );
         }
+        breaches.extend(ended_holding);
         if breaches.is_empty() {
             Ok(())
         } else {
             Err(breaches)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::{Event, EventKind, NodeKind, ParentRef};
+
+    fn at(run: RunId, seq: u64, kind: EventKind) -> Event {
+        Event {
+            seq,
+            run,
+            at_ms: 0,
+            kind,
+        }
+    }
+
+    fn spawned(run: RunId, id: JobId, parent: ParentRef, grant: u64) -> EventKind {
+        EventKind::NodeSpawned {
+            id,
+            parent,
+            kind: NodeKind::Step,
+            agent: "a".into(),
+            label: None,
+            depth: 0,
+            attempt: 1,
+            grant_tokens: grant,
+            workdir: format!("/w/{run}"),
+            record_seq: 1,
+        }
+    }
+
+    fn finished(id: JobId, spent: u64) -> EventKind {
+        EventKind::NodeFinished {
+            id,
+            status: Status::Done,
+            task_status: Some(TaskStatus::Completed),
+            error_class: None,
+            reason: None,
+            propagated: false,
+            output: serde_json::Value::Null,
+            error: None,
+            limitations: vec![],
+            artifacts: vec![],
+            turns: 1,
+            tokens_spent: spent,
+        }
+    }
+
+    fn account(owner: ParentRef, grant: u64, spent: u64, held: u64) -> EventKind {
+        EventKind::AccountChanged {
+            owner,
+            grant,
+            spent,
+            held,
+        }
+    }
+
+    #[test]
+    fn inv_14_the_tree_finds_an_account_that_does_not_add_up() {
+        let run = RunId::new();
+        let step = JobId::new();
+        let model = EventKind::ModelCalled {
+            id: step,
+            turn: 0,
+            reserved: 50,
+            input_tokens: 30,
+            output_tokens: 10,
+            truncated: false,
+            wind_down: false,
+        };
+        let good = [
+            EventKind::RunStarted {
+                flow: "f".into(),
+                budget_tokens: 100,
+            },
+            spawned(run, step, ParentRef::Run(run), 100),
+            account(ParentRef::Run(run), 100, 0, 100),
+            model.clone(),
+            account(ParentRef::Job(step), 100, 40, 0),
+            finished(step, 40),
+            account(ParentRef::Run(run), 100, 40, 0),
+        ];
+        let mut tree = Tree::new(run);
+        for (i, kind) in good.iter().enumerate() {
+            tree.apply(&at(run, i as u64, kind.clone()));
+        }
+        assert_eq!(tree.check_conservation(), Ok(()));
+
+        // The run charged less than its step spent.
+        let mut bad = tree.clone();
+        bad.apply(&at(run, 99, account(ParentRef::Run(run), 100, 39, 0)));
+        assert!(
+            bad.check_conservation().unwrap_err()[0]
+                .contains("spent 39 != own 0 + settled children 40")
+        );
+        // A step that ended still holding budget.
+        let mut bad = tree.clone();
+        bad.apply(&at(run, 99, account(ParentRef::Job(step), 100, 40, 5)));
+        assert!(
+            bad.check_conservation()
+                .unwrap_err()
+                .iter()
+                .any(|b| b.contains("ended but still holds 5"))
+        );
+        // More spent and held than granted.
+        let mut bad = tree;
+        bad.apply(&at(run, 99, account(ParentRef::Run(run), 100, 40, 61)));
+        assert!(bad.check_conservation().unwrap_err()[0].contains("exceed grant 100"));
     }
 }
