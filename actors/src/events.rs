@@ -40,12 +40,15 @@ impl EventBus {
     pub fn new(journal: Journal) -> Self {
         let (live, _) = broadcast::channel(BROADCAST_CAPACITY);
         let (version, _) = watch::channel(0);
+        // Event seqs key events in the journal: starting above every seq the
+        // journal ever handed out keeps them unique across restarts.
+        let first_seq = journal.applied_seq();
         Self {
             inner: Arc::new(Inner {
                 journal,
                 observers: Mutex::new(vec![]),
                 state: Mutex::new(BusState {
-                    seq: 0,
+                    seq: first_seq,
                     trees: HashMap::new(),
                 }),
                 live,
@@ -122,6 +125,15 @@ impl EventBus {
     pub fn tree(&self, run: RunId) -> Option<Tree> {
         let state = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
         state.trees.get(&run).cloned()
+    }
+
+    /// The run a step or job belongs to, and its status now, if any tree has it.
+    pub fn find_job(&self, job: arbor_protocol::JobId) -> Option<(RunId, arbor_protocol::Status)> {
+        let state = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
+        state
+            .trees
+            .iter()
+            .find_map(|(run, tree)| tree.node(job).map(|n| (*run, n.status)))
     }
 
     /// Reads the run's tree under the lock without copying it.

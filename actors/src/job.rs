@@ -366,7 +366,7 @@ impl Actor for Job {
                 let _ = reply.send(texts);
             }
             JobMsg::Steer { text, reply } => {
-                let result = state.queue_steering(text);
+                let result = state.queue_steering(text).await;
                 if let Some(reply) = reply {
                     let _ = reply.send(result);
                 }
@@ -749,16 +749,28 @@ impl JobState {
 
     // ---- steering (I-20) ----
 
-    fn queue_steering(&mut self, text: String) -> Result<u64, Refusal> {
-        if self.finish.is_some() {
+    /// Queues a message; it is durable before the sender hears "queued".
+    async fn queue_steering(&mut self, text: String) -> Result<u64, Refusal> {
+        if let Some(finish) = &self.finish {
             return Err(Refusal::ChildEnded {
                 child: self.lineage.id.to_string(),
-                status: "ending".into(),
+                status: format!("ending as {}", finish.status),
             });
         }
         let id = self.next_message_id;
         self.next_message_id += 1;
-        self.journal_steer(id, &text, SteerState::Queued);
+        let record = Record::Steer(SteerRecord {
+            job: self.lineage.id,
+            message_id: id,
+            text: text.clone(),
+            state: SteerState::Queued,
+            epoch: self.ctx.journal.epoch(),
+        });
+        if let Err(e) = self.ctx.journal.commit(vec![record]).await {
+            return Err(Refusal::Invalid {
+                message: format!("the message could not be journaled: {e}"),
+            });
+        }
         self.steering.push_back((id, text));
         self.ctx.events.emit(
             self.lineage.run,

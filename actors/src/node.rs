@@ -115,10 +115,18 @@ impl Actor for Node {
                         });
                     }
                     None => {
-                        let _ = reply.send(Err(Refusal::UnknownChild {
-                            child: job.to_string(),
-                            known: "no running job has that id".into(),
-                        }));
+                        // Not running: say what it is, if the node knows it.
+                        let refusal = match state.ctx.events.find_job(job) {
+                            Some((_, status)) => Refusal::ChildEnded {
+                                child: job.to_string(),
+                                status: status.to_string(),
+                            },
+                            None => Refusal::UnknownChild {
+                                child: job.to_string(),
+                                known: "no step or job has that id".into(),
+                            },
+                        };
+                        let _ = reply.send(Err(refusal));
                     }
                 }
             }

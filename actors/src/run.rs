@@ -524,7 +524,11 @@ impl RunState {
         }
         if envelope.status != Status::Done {
             let why = envelope.error.clone().unwrap_or_default();
-            let class = envelope.error_class.or(Some(ErrorClass::Task));
+            // A stopped step is not a failure of its own: no class is invented for it.
+            let class = match envelope.status {
+                Status::Stopped => None,
+                _ => envelope.error_class.or(Some(ErrorClass::Task)),
+            };
             self.begin_finish(
                 Status::Failed,
                 class,

@@ -395,6 +395,15 @@ fn agent_from_front_matter(
         script,
     } = front_matter;
 
+    // Fail closed: a secret this node cannot deliver sealed (I-27) is refused,
+    // not silently dropped.
+    if !secrets.is_empty() {
+        return Err(format!(
+            "`secrets` ({}) cannot be delivered yet: this node's sandboxes have no sealed way to pass them; remove the key",
+            secrets.join(", ")
+        ));
+    }
+
     if let Some(name) = name
         && name != folder_name
     {

@@ -18,7 +18,6 @@ deny: [write_file]
 subagents: [researcher]
 sandbox: own
 network: open
-secrets: [API_KEY]
 budget: { tokens: 5000 }
 max_turns: 7
 timeout: 5m
@@ -108,7 +107,7 @@ fn a_full_workspace_loads_with_every_field_mapped() {
         subagents: vec!["researcher".into()],
         sandbox: SandboxMode::Own,
         network: Network::Open,
-        secrets: vec!["API_KEY".into()],
+        secrets: vec![],
         budget_tokens: Some(5000),
         max_turns: Some(7),
         timeout: Some(Duration::from_secs(300)),
@@ -437,4 +436,16 @@ fn unknown_flows_and_agents_are_named_at_run_time() {
         ("agent:researcher", 9)
     );
     assert_eq!(run.groups[0].steps[0].instruction, "hi");
+}
+
+#[test]
+fn secrets_are_refused_until_they_can_be_delivered_sealed() {
+    let text = "---\nsecrets: [API_KEY]\n---\nhi\n";
+    let err = parse_agent("solo", text, Path::new("agents/solo/agent.md"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("agents/solo/agent.md") && err.contains("API_KEY"),
+        "{err}"
+    );
 }

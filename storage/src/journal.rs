@@ -183,6 +183,12 @@ impl Journal {
         Ok(seq)
     }
 
+    /// Highest seq applied (readable, not necessarily durable). It never goes
+    /// back, not even across a reopen: the next boot continues from it.
+    pub fn applied_seq(&self) -> u64 {
+        self.inner.progress.applied.load(Ordering::Acquire)
+    }
+
     /// Highest seq covered by a completed flush.
     pub fn durable_seq(&self) -> u64 {
         self.inner.progress.durable.load(Ordering::Acquire)

@@ -8,7 +8,7 @@ use arbor_testkit::{RecordingModels, TestNode, agent_md};
 #[tokio::test]
 async fn inv_20_messages_are_delivered_in_order_at_the_next_turn_and_refused_after_the_end() {
     let boss = agent_md(
-        "subagents: [listener]\nscript:\n  - call: {tool: delegate, args: {wait: false, jobs: [{agent: listener, request: listen, label: l}]}}\n  - call: {tool: send_message, args: {child: l, message: first}}\n  - call: {tool: send_message, args: {child: l, message: second}}\n  - call: {tool: collect, args: {}}\n  - call: {tool: send_message, args: {child: l, message: late}}\n  - call: {tool: submit_output, args: {output: done}}",
+        "subagents: [listener]\nscript:\n  - call: {tool: delegate, args: {wait: false, jobs: [{agent: listener, request: listen, label: l}]}}\n  - delay: 100ms\n    call: {tool: send_message, args: {child: l, message: first}}\n  - call: {tool: send_message, args: {child: l, message: second}}\n  - call: {tool: collect, args: {}}\n  - call: {tool: send_message, args: {child: l, message: late}}\n  - call: {tool: submit_output, args: {output: done}}",
     );
     let listener = agent_md(
         "description: listens\nscript:\n  - say: listening\n    delay: 300ms\n    call: {tool: collect, args: {}}\n  - call: {tool: collect, args: {}}\n  - call: {tool: submit_output, args: {output: heard}}",
@@ -24,6 +24,36 @@ async fn inv_20_messages_are_delivered_in_order_at_the_next_turn_and_refused_aft
     let tree = node.wait_run(run).await;
     let l = tree.find("l").unwrap();
 
+    // Both are delivered together, in order, at one turn boundary: the
+    // request of that turn carries them, no earlier request does.
+    let steering: Vec<(String, u64, Option<u32>)> = node
+        .events(run)
+        .into_iter()
+        .filter_map(|e| match e.kind {
+            EventKind::SteerQueued { id, message_id } if id == l => {
+                Some(("queued".into(), message_id, None))
+            }
+            EventKind::SteerDelivered {
+                id,
+                message_id,
+                turn,
+            } if id == l => Some(("delivered".into(), message_id, Some(turn))),
+            _ => None,
+        })
+        .collect();
+    let kinds: Vec<(&str, u64)> = steering.iter().map(|(k, m, _)| (k.as_str(), *m)).collect();
+    assert_eq!(
+        kinds,
+        [
+            ("queued", 1),
+            ("queued", 2),
+            ("delivered", 1),
+            ("delivered", 2)
+        ]
+    );
+    let turn = steering[2].2.unwrap();
+    assert_eq!(steering[3].2, Some(turn), "delivered at the same boundary");
+
     let requests = models.requests("listener");
     let parent_messages = |turn: usize| -> Vec<String> {
         requests[turn]
@@ -35,37 +65,17 @@ async fn inv_20_messages_are_delivered_in_order_at_the_next_turn_and_refused_aft
             })
             .collect()
     };
-    assert!(parent_messages(0).is_empty(), "nothing arrives mid-turn");
+    for earlier in 0..turn as usize {
+        assert!(
+            parent_messages(earlier).is_empty(),
+            "nothing before its boundary"
+        );
+    }
     assert_eq!(
-        parent_messages(1),
+        parent_messages(turn as usize),
         [
             "Message from your parent: first",
             "Message from your parent: second"
-        ]
-    );
-
-    let steering: Vec<String> = node
-        .events(run)
-        .into_iter()
-        .filter_map(|e| match e.kind {
-            EventKind::SteerQueued { id, message_id } if id == l => {
-                Some(format!("queued {message_id}"))
-            }
-            EventKind::SteerDelivered {
-                id,
-                message_id,
-                turn,
-            } if id == l => Some(format!("delivered {message_id} at {turn}")),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(
-        steering,
-        [
-            "queued 1",
-            "queued 2",
-            "delivered 1 at 1",
-            "delivered 2 at 1"
         ]
     );
 
@@ -129,6 +139,7 @@ async fn inv_20_an_operator_can_steer_a_running_step() {
     assert!(second.messages.contains(&Message::User(
         "Message from your parent: use metric units".into()
     )));
-    // A finished step refuses.
-    assert!(node.steer(id, "again").await.is_err());
+    // A finished step refuses, naming its status.
+    let refusal = node.steer(id, "again").await.unwrap_err().to_string();
+    assert!(refusal.contains("has already ended (done)"), "{refusal}");
 }
