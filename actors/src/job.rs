@@ -1478,7 +1478,10 @@ impl JobState {
 }
 
 /// I-16: a child its parent stopped has no output, whatever it sent.
-fn final_envelope(stop: &Option<(String, bool)>, mut envelope: ResultEnvelope) -> ResultEnvelope {
+pub(crate) fn final_envelope(
+    stop: &Option<(String, bool)>,
+    mut envelope: ResultEnvelope,
+) -> ResultEnvelope {
     if let Some((reason, propagated)) = stop {
         envelope.status = Status::Stopped;
         envelope.task_status = None;
@@ -1491,6 +1494,35 @@ fn final_envelope(stop: &Option<(String, bool)>, mut envelope: ResultEnvelope) -
         });
     }
     envelope
+}
+
+/// The envelope of a child whose actor died without reporting (I-38): failed,
+/// class `panicked`, charged what its account had spent.
+pub(crate) fn dead_envelope(
+    id: JobId,
+    label: &str,
+    attempt: u32,
+    agent: &str,
+    error: &str,
+    tokens_spent: u64,
+) -> ResultEnvelope {
+    ResultEnvelope {
+        job: id,
+        label: Some(label.to_string()),
+        attempt,
+        agent: agent.to_string(),
+        status: Status::Failed,
+        task_status: Some(TaskStatus::Failed),
+        output: serde_json::Value::Null,
+        error: Some(error.to_string()),
+        error_class: Some(ErrorClass::Panicked),
+        limitations: vec![],
+        artifacts: vec![],
+        tokens_spent,
+        usd_micros_spent: 0,
+        turns: 0,
+        workdir: String::new(),
+    }
 }
 
 /// Writes a child's terminal record (durable, I-29) and emits its end. Shared
@@ -1792,23 +1824,14 @@ impl Children {
             .find(|c| c.actor.get_id() == actor && c.state != ChildState::Settled)?;
         Some(ChildReport {
             id: entry.id,
-            envelope: ResultEnvelope {
-                job: entry.id,
-                label: Some(entry.label.clone()),
-                attempt: entry.attempt,
-                agent: entry.agent.clone(),
-                status: Status::Failed,
-                task_status: Some(TaskStatus::Failed),
-                output: serde_json::Value::Null,
-                error: Some(format!("the job's actor {why} before it reported")),
-                error_class: Some(ErrorClass::Panicked),
-                limitations: vec![],
-                artifacts: vec![],
-                tokens_spent: entry.meter.get(),
-                usd_micros_spent: 0,
-                turns: 0,
-                workdir: String::new(),
-            },
+            envelope: dead_envelope(
+                entry.id,
+                &entry.label,
+                entry.attempt,
+                &entry.agent,
+                &format!("the job's actor {why} before it reported"),
+                entry.meter.get(),
+            ),
         })
     }
 }

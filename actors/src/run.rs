@@ -15,7 +15,6 @@ use crate::job::{self, Brief, ChildReport, Job, JobMsg, JobStart, Lineage, Paren
 use crate::policy::Policy;
 use arbor_protocol::{
     ErrorClass, EventKind, JobId, NodeKind, ParentRef, ResultEnvelope, RunId, RunSpec, Status,
-    TaskStatus,
 };
 use arbor_storage::{JobRecord, Record, RunRecord};
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
@@ -400,23 +399,14 @@ impl RunState {
             .find(|s| s.actor.get_id() == actor && s.envelope.is_none())?;
         Some(ChildReport {
             id: step.id,
-            envelope: ResultEnvelope {
-                job: step.id,
-                label: Some(step.label.clone()),
-                attempt: 1,
-                agent: step.agent.clone(),
-                status: Status::Failed,
-                task_status: Some(TaskStatus::Failed),
-                output: serde_json::Value::Null,
-                error: Some(format!("the step's actor {why} before it reported")),
-                error_class: Some(ErrorClass::Panicked),
-                limitations: vec![],
-                artifacts: vec![],
-                tokens_spent: step.meter.get(),
-                usd_micros_spent: 0,
-                turns: 0,
-                workdir: String::new(),
-            },
+            envelope: job::dead_envelope(
+                step.id,
+                &step.label,
+                1,
+                &step.agent,
+                &format!("the step's actor {why} before it reported"),
+                step.meter.get(),
+            ),
         })
     }
 
@@ -484,19 +474,8 @@ impl RunState {
         if step.envelope.is_some() {
             return Ok(());
         }
-        let mut envelope = report.envelope;
-        if let Some((reason, propagated)) = &step.stop_reason {
-            // I-16: a stopped step's output never reaches the run's result.
-            envelope.status = Status::Stopped;
-            envelope.task_status = None;
-            envelope.output = serde_json::Value::Null;
-            envelope.error_class = None;
-            envelope.error = Some(if *propagated {
-                format!("{reason} (propagated)")
-            } else {
-                reason.clone()
-            });
-        }
+        // I-16: a stopped step's output never reaches the run's result.
+        let envelope = job::final_envelope(&step.stop_reason, report.envelope);
         let _ = ractor::call!(self.account, |reply| AccountMsg::Settle {
             child: step.id,
             spent: envelope.tokens_spent,
