@@ -92,6 +92,9 @@ pub enum AccountMsg {
     SettleCall {
         reserved: u64,
         spent: u64,
+        /// The call's `ModelCalled` event, emitted with the charge so that no
+        /// stop can land between them (the tree checks spent = its calls).
+        event: Option<EventKind>,
         reply: RpcReplyPort<()>,
     },
     /// The child is done: charge what it spent, return the rest (I-10).
@@ -182,9 +185,13 @@ impl Actor for Account {
             AccountMsg::SettleCall {
                 reserved,
                 spent,
+                event,
                 reply,
             } => {
                 state.ledger.settle_call(reserved, spent);
+                if let Some(event) = event {
+                    state.ctx.events.emit(state.run, event);
+                }
                 state
                     .journal(LedgerOp::CallSettle { reserved, spent }, false)
                     .await?;

@@ -181,19 +181,16 @@ pub async fn run(args: LoopArgs) -> LoopOutcome {
             }
         };
         let spent = reply.usage.total();
-        settle(&args, hold.reserved, spent).await;
-        args.ctx.events.emit(
-            args.run,
-            EventKind::ModelCalled {
-                id: args.id,
-                turn,
-                reserved: hold.reserved,
-                input_tokens: reply.usage.input_tokens,
-                output_tokens: reply.usage.output_tokens,
-                truncated: reply.truncated,
-                wind_down: hold.wind_down,
-            },
-        );
+        let called = EventKind::ModelCalled {
+            id: args.id,
+            turn,
+            reserved: hold.reserved,
+            input_tokens: reply.usage.input_tokens,
+            output_tokens: reply.usage.output_tokens,
+            truncated: reply.truncated,
+            wind_down: hold.wind_down,
+        };
+        settle_with(&args, hold.reserved, spent, Some(called)).await;
         turn += 1;
         if let Some(text) = reply.text.as_ref().filter(|t| !t.trim().is_empty()) {
             last_text = Some(text.clone());
@@ -347,9 +344,14 @@ fn ended_without_answer(
 }
 
 async fn settle(args: &LoopArgs, reserved: u64, spent: u64) {
+    settle_with(args, reserved, spent, None).await
+}
+
+async fn settle_with(args: &LoopArgs, reserved: u64, spent: u64, event: Option<EventKind>) {
     let _ = ractor::call!(args.account, |reply| AccountMsg::SettleCall {
         reserved,
         spent,
+        event,
         reply
     });
 }

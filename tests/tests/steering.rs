@@ -99,8 +99,10 @@ async fn inv_20_messages_are_delivered_in_order_at_the_next_turn_and_refused_aft
 
 #[tokio::test]
 async fn inv_20_a_message_still_queued_when_the_job_ends_is_discarded() {
+    // The boss speaks 100ms into the ender's only turn: past its boundary,
+    // so the message can only wait for a next turn that never comes.
     let boss = agent_md(
-        "subagents: [ender]\nscript:\n  - call: {tool: delegate, args: {wait: false, jobs: [{agent: ender, request: go, label: e}]}}\n  - call: {tool: send_message, args: {child: e, message: too late}}\n  - call: {tool: collect, args: {}}\n  - call: {tool: submit_output, args: {output: done}}",
+        "subagents: [ender]\nscript:\n  - call: {tool: delegate, args: {wait: false, jobs: [{agent: ender, request: go, label: e}]}}\n  - delay: 100ms\n    call: {tool: send_message, args: {child: e, message: too late}}\n  - call: {tool: collect, args: {}}\n  - call: {tool: submit_output, args: {output: done}}",
     );
     let ender = agent_md(
         "description: ends on its first turn\nscript:\n  - say: finishing\n    delay: 300ms\n    call: {tool: submit_output, args: {output: finished}}",
