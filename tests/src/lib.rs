@@ -129,6 +129,21 @@ impl TestNode {
         }
     }
 
+    /// Waits until the run has an event for which `matches` holds; returns it.
+    pub async fn wait_event(
+        &self,
+        run: RunId,
+        mut matches: impl FnMut(&EventKind) -> bool,
+    ) -> Event {
+        let mut found = None;
+        self.wait_until(run, |_| {
+            found = self.events(run).into_iter().find(|e| matches(&e.kind));
+            found.is_some()
+        })
+        .await;
+        found.expect("found above")
+    }
+
     /// Waits until the node labelled (or, failing that, running agent) `name` exists.
     pub async fn wait_for(&self, run: RunId, name: &str) -> JobId {
         let tree = self.wait_until(run, |t| t.find(name).is_some()).await;

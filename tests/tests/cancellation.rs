@@ -169,18 +169,19 @@ async fn inv_17_a_stopped_jobs_processes_are_gone() {
     let run = node.run_agent("boss", "go").await;
     let w = node.wait_for(run, "w").await;
     // The first command has returned and left its background processes.
-    let mut exec_detail = None;
-    node.wait_until(run, |_| {
-        exec_detail = node.events(run).into_iter().find_map(|e| match e.kind {
-            EventKind::ToolCalled {
-                id, tool, detail, ..
-            } if id == w && tool == "exec" => Some(detail),
-            _ => None,
-        });
-        exec_detail.is_some()
-    })
-    .await;
-    let exec_detail = exec_detail.unwrap();
+    let called = node
+        .wait_event(
+            run,
+            |e| matches!(e, EventKind::ToolCalled { id, tool, .. } if *id == w && tool == "exec"),
+        )
+        .await;
+    let EventKind::ToolCalled {
+        detail: exec_detail,
+        ..
+    } = called.kind
+    else {
+        unreachable!("matched above")
+    };
     let marker = exec_detail
         .find("PIDS")
         .expect("the command printed its pids");
@@ -295,11 +296,10 @@ async fn inv_17_a_node_shutdown_stops_every_run_and_kills_its_processes() {
     let node = TestNode::start(&[("worker", &worker)]).await;
     let run = node.run_agent("worker", "go").await;
     let w = node.wait_for(run, "worker").await;
-    node.wait_until(run, |_| {
-        node.events(run)
-            .iter()
-            .any(|e| matches!(&e.kind, EventKind::ToolCalled { tool, .. } if tool == "exec"))
-    })
+    node.wait_event(
+        run,
+        |e| matches!(e, EventKind::ToolCalled { tool, .. } if tool == "exec"),
+    )
     .await;
     let workdir = node.workdir(run, w);
     let running = processes_in(&workdir);
