@@ -30,6 +30,9 @@ pub struct AccountArgs {
     /// I-12: the share of the grant after which model requests wind down.
     pub wind_down: f64,
     pub meter: SpentMeter,
+    /// A resumed run's account: it was opened before the restart and had spent
+    /// this much, all of it settled. Nothing new is journaled on open.
+    pub resume_spent: Option<u64>,
 }
 
 /// The account's total spent, readable by the parent without a message, so a
@@ -122,7 +125,11 @@ impl Actor for Account {
         _myself: ActorRef<Self::Msg>,
         args: AccountArgs,
     ) -> Result<Self::State, ActorProcessingErr> {
+        let resumed = args.resume_spent.is_some();
         let state = AccountState::new(args);
+        if resumed {
+            return Ok(state);
+        }
         state
             .journal(
                 LedgerOp::Open {
@@ -282,7 +289,7 @@ impl AccountState {
             ctx: args.ctx,
             run: args.run,
             owner: args.owner,
-            ledger: Ledger::new(args.grant, args.wind_down),
+            ledger: Ledger::resumed(args.grant, args.wind_down, args.resume_spent.unwrap_or(0)),
             wind_down_emitted: false,
             meter: args.meter,
         }
@@ -344,6 +351,15 @@ impl AccountState {
 }
 
 impl Ledger {
+    /// An account reopened after a restart: what it spent before is settled
+    /// spend of its (ended) children; nothing is held.
+    pub fn resumed(grant: u64, wind_down: f64, spent: u64) -> Self {
+        Self {
+            children_spent: spent,
+            ..Self::new(grant, wind_down)
+        }
+    }
+
     pub fn new(grant: u64, wind_down: f64) -> Self {
         Self {
             grant,

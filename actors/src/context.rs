@@ -42,6 +42,15 @@ impl RunContext {
         }
     }
 
+    /// A resumed run's context: the spawns counted before the restart stay counted (I-05).
+    pub fn resumed(run: RunId, spawn_cap: u64, spawned: u64) -> Self {
+        Self {
+            run,
+            spawned: AtomicU64::new(spawned),
+            spawn_cap,
+        }
+    }
+
     pub fn spawned(&self) -> u64 {
         self.spawned.load(Ordering::Acquire)
     }

@@ -111,6 +111,18 @@ impl EventBus {
             .push(observer);
     }
 
+    /// Folds a run's journaled history into its tree (after a restart), so the
+    /// tree shows what happened before; nothing is journaled again.
+    pub fn load_run(&self, run: RunId, history: &[Event]) {
+        let mut state = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut tree = Tree::new(run);
+        for event in history {
+            tree.apply(event);
+            state.seq = state.seq.max(event.seq);
+        }
+        state.trees.insert(run, tree);
+    }
+
     /// Every event emitted from now on (a slow reader may see `Lagged`).
     pub fn subscribe(&self) -> broadcast::Receiver<Event> {
         self.inner.live.subscribe()
@@ -123,8 +135,7 @@ impl EventBus {
 
     /// A copy of the run's tree as of the last event.
     pub fn tree(&self, run: RunId) -> Option<Tree> {
-        let state = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
-        state.trees.get(&run).cloned()
+        self.with_tree(run, |t| t.cloned())
     }
 
     /// The run a step or job belongs to, and its status now, if any tree has it.
@@ -137,8 +148,20 @@ impl EventBus {
     }
 
     /// Reads the run's tree under the lock without copying it.
+    /// A run this node has not seen since it started (one that ended before
+    /// a restart) is folded from the journal the first time it is asked for.
     pub fn with_tree<T>(&self, run: RunId, f: impl FnOnce(Option<&Tree>) -> T) -> T {
-        let state = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
+        if !state.trees.contains_key(&run)
+            && let Ok(history) = self.inner.journal.events(run)
+            && !history.is_empty()
+        {
+            let mut tree = Tree::new(run);
+            for event in &history {
+                tree.apply(event);
+            }
+            state.trees.insert(run, tree);
+        }
         f(state.trees.get(&run))
     }
 }

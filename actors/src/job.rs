@@ -210,6 +210,7 @@ impl Actor for Job {
                     grant: start.grant,
                     wind_down: ctx.limits.wind_down,
                     meter: start.meter.clone(),
+                    resume_spent: None,
                 },
                 cell.clone(),
             )
@@ -218,6 +219,11 @@ impl Actor for Job {
                 None,
                 Sandbox,
                 SandboxArgs {
+                    record: Some(crate::sandbox::GroupRecorder {
+                        journal: ctx.journal.clone(),
+                        run: lineage.run,
+                        job: lineage.id,
+                    }),
                     workdir: start.workdir.clone(),
                     cancel: start.cancel.clone(),
                     exec_timeout: DEFAULT_EXEC_TIMEOUT,

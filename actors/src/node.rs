@@ -23,6 +23,13 @@ pub enum NodeMsg {
         spec: RunSpec,
         reply: RpcReplyPort<Result<RunId, String>>,
     },
+    /// Resumes a run recovery found interrupted (I-34).
+    ResumeRun {
+        id: RunId,
+        spec: RunSpec,
+        resume: crate::run::Resume,
+        reply: RpcReplyPort<Result<RunId, String>>,
+    },
     StopRun {
         run: RunId,
         reason: String,
@@ -76,6 +83,15 @@ impl Actor for Node {
         match message {
             NodeMsg::StartRun { spec, reply } => {
                 let result = state.start_run(&myself, spec).await;
+                let _ = reply.send(result);
+            }
+            NodeMsg::ResumeRun {
+                id,
+                spec,
+                resume,
+                reply,
+            } => {
+                let result = state.spawn_run(&myself, id, spec, Some(resume)).await;
                 let _ = reply.send(result);
             }
             NodeMsg::StopRun { run, reason, reply } => {
@@ -212,6 +228,12 @@ impl NodeState {
         if self.closing {
             return Err("the node is shutting down; no new run starts".into());
         }
+        // A journal that cannot write takes no new work: nothing could be made durable.
+        if let Some(failure) = self.ctx.journal.failed() {
+            return Err(format!(
+                "the journal has failed ({failure}); no new run starts"
+            ));
+        }
         if spec.budget_tokens == 0 {
             return Err(
                 "the run's budget must be at least 1 token (0 never means unlimited)".into(),
@@ -225,11 +247,21 @@ impl NodeState {
                 return Err(format!("unknown agent {:?}", step.agent));
             }
         }
-        let id = RunId::new();
+        self.spawn_run(myself, RunId::new(), spec, None).await
+    }
+
+    async fn spawn_run(
+        &mut self,
+        myself: &ActorRef<NodeMsg>,
+        id: RunId,
+        spec: RunSpec,
+        resume: Option<crate::run::Resume>,
+    ) -> Result<RunId, String> {
         let args = RunArgs {
             ctx: self.ctx.clone(),
             id,
             spec: spec.clone(),
+            resume,
         };
         let (actor, _) = Actor::spawn_linked(
             Some(format!("arbor-run-{id}")),

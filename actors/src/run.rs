@@ -28,6 +28,25 @@ pub struct RunArgs {
     pub ctx: Arc<NodeContext>,
     pub id: RunId,
     pub spec: RunSpec,
+    /// Set when a restart resumes an interrupted run (I-34).
+    pub resume: Option<Resume>,
+}
+
+/// Where an interrupted run picks up, as recovery read it from the journal.
+#[derive(Clone, Debug, Default)]
+pub struct Resume {
+    /// The first group that had not finished.
+    pub group: usize,
+    /// (label, output) of every step of the groups before it.
+    pub previous: Vec<(String, serde_json::Value)>,
+    /// Steps of `group` that finished before the crash: they keep their results.
+    pub kept: Vec<ResultEnvelope>,
+    /// Attempts so far, by step label: a step run again gets the next one.
+    pub attempts: std::collections::HashMap<String, u32>,
+    /// What the run's account had spent, settled by recovery.
+    pub spent: u64,
+    /// Spawns the run had counted (I-05: never reset by a restart).
+    pub spawned: u64,
 }
 
 pub enum RunMsg {
@@ -72,13 +91,26 @@ impl Actor for Run {
             epoch: ctx.journal.epoch(),
         };
         ctx.journal.commit(vec![Record::Run(record)]).await?;
-        ctx.events.emit(
-            args.id,
-            EventKind::RunStarted {
-                flow: args.spec.flow.clone(),
-                budget_tokens: args.spec.budget_tokens,
-            },
-        );
+        let resume_given = args.resume.is_some();
+        let resume = args.resume.unwrap_or_default();
+        if resume_given {
+            ctx.events.emit(
+                args.id,
+                EventKind::RunResumed {
+                    epoch: ctx.journal.epoch(),
+                    group: resume.group as u32,
+                },
+            );
+        } else {
+            ctx.events.emit(
+                args.id,
+                EventKind::RunStarted {
+                    flow: args.spec.flow.clone(),
+                    budget_tokens: args.spec.budget_tokens,
+                    spec: args.spec.clone(),
+                },
+            );
+        }
         let meter = SpentMeter::default();
         let (account, _) = Actor::spawn_linked(
             None,
@@ -90,21 +122,45 @@ impl Actor for Run {
                 grant: args.spec.budget_tokens,
                 wind_down: ctx.limits.wind_down,
                 meter: meter.clone(),
+                resume_spent: resume_given.then_some(resume.spent),
             },
             myself.get_cell(),
         )
         .await?;
         let cancel = CancellationToken::new();
+        let labels = args.spec.step_labels();
+        let mut steps = BTreeMap::new();
+        for kept in &resume.kept {
+            steps.insert(
+                kept.job,
+                StepEntry {
+                    id: kept.job,
+                    label: kept.label.clone().unwrap_or_default(),
+                    agent: kept.agent.clone(),
+                    actor: None,
+                    grant: 0,
+                    meter: SpentMeter::default(),
+                    stop_reason: None,
+                    envelope: Some(kept.clone()),
+                },
+            );
+        }
         Ok(RunState {
-            run_ctx: Arc::new(RunContext::new(args.id, ctx.limits.spawn_cap)),
+            run_ctx: Arc::new(RunContext::resumed(
+                args.id,
+                ctx.limits.spawn_cap,
+                resume.spawned,
+            )),
+            labels,
+            attempts: resume.attempts,
             ctx,
             id: args.id,
             spec: args.spec,
             account,
             meter,
-            group: 0,
-            steps: BTreeMap::new(),
-            previous: vec![],
+            group: resume.group,
+            steps,
+            previous: resume.previous,
             finish: None,
             _cancel_on_drop: cancel.clone().drop_guard(),
             cancel,
@@ -119,7 +175,12 @@ impl Actor for Run {
         if let Some(timeout) = state.spec.timeout {
             myself.send_after(timeout, || RunMsg::TimedOut);
         }
-        state.start_group(&myself).await;
+        if state.group >= state.spec.groups.len() {
+            // A resumed run whose every group had finished: only its end was lost.
+            state.finish_done();
+        } else {
+            state.start_group(&myself).await;
+        }
         state.maybe_complete(&myself).await
     }
 
@@ -180,11 +241,12 @@ impl Actor for Run {
                 Some(ErrorClass::Panicked),
                 format!("the run's account {why}"),
             );
-        } else if state
-            .steps
-            .values()
-            .any(|s| s.actor.get_id() == cell.get_id() && s.envelope.is_none())
-        {
+        } else if state.steps.values().any(|s| {
+            s.actor
+                .as_ref()
+                .is_some_and(|a| a.get_id() == cell.get_id())
+                && s.envelope.is_none()
+        }) {
             // As in Job: a report sent just before the stop is still queued.
             let _ = myself.cast(RunMsg::StepGone {
                 actor: cell.get_id(),
@@ -199,7 +261,8 @@ struct StepEntry {
     id: JobId,
     label: String,
     agent: String,
-    actor: ActorRef<JobMsg>,
+    /// None for a step a resumed run kept from before the restart.
+    actor: Option<ActorRef<JobMsg>>,
     grant: u64,
     meter: SpentMeter,
     stop_reason: Option<(String, bool)>,
@@ -218,6 +281,10 @@ pub struct RunState {
     run_ctx: Arc<RunContext>,
     id: RunId,
     spec: RunSpec,
+    /// `spec.step_labels()`: the label of every step, group by group.
+    labels: Vec<Vec<String>>,
+    /// Attempts so far by label, from before a restart.
+    attempts: std::collections::HashMap<String, u32>,
     account: ActorRef<AccountMsg>,
     meter: SpentMeter,
     group: usize,
@@ -234,9 +301,13 @@ impl RunState {
         let Some(group) = self.spec.groups.get(self.group).cloned() else {
             return;
         };
-        let mut labels: Vec<String> = vec![];
+        let labels = self.labels.get(self.group).cloned().unwrap_or_default();
         let mut planned = vec![];
-        for step in &group.steps {
+        for (step, label) in group.steps.iter().zip(labels) {
+            // A step a resumed run kept needs no new attempt.
+            if self.steps.values().any(|s| s.label == label) {
+                continue;
+            }
             let Some(agent) = self.ctx.agent(&step.agent) else {
                 self.begin_finish(
                     Status::Failed,
@@ -245,19 +316,21 @@ impl RunState {
                 );
                 return;
             };
-            let base = step.label.clone().unwrap_or_else(|| agent.name.clone());
-            let mut label = base.clone();
-            let mut n = 2;
-            while labels.contains(&label) || self.steps.values().any(|s| s.label == label) {
-                label = format!("{base}-{n}");
-                n += 1;
-            }
-            labels.push(label.clone());
-            planned.push((JobId::new(), label, agent, step.instruction.clone()));
+            let attempt = self.attempts.get(&label).copied().unwrap_or(0) + 1;
+            planned.push((
+                JobId::new(),
+                label,
+                agent,
+                step.instruction.clone(),
+                attempt,
+            ));
+        }
+        if planned.is_empty() {
+            return;
         }
         let asks = planned
             .iter()
-            .map(|(id, _, agent, _)| GrantAsk {
+            .map(|(id, _, agent, _, _)| GrantAsk {
                 child: *id,
                 agent: agent.name.clone(),
                 asked: None,
@@ -288,7 +361,7 @@ impl RunState {
         let records = planned
             .iter()
             .zip(&grants)
-            .map(|((id, label, agent, _), grant)| {
+            .map(|((id, label, agent, _, attempt), grant)| {
                 Record::Job(JobRecord {
                     id: *id,
                     run: self.id,
@@ -297,9 +370,9 @@ impl RunState {
                     agent: agent.name.clone(),
                     label: Some(label.clone()),
                     depth: 0,
-                    attempt: 1,
+                    attempt: *attempt,
                     grant_tokens: *grant,
-                    workdir: self.step_workdir(label).display().to_string(),
+                    workdir: self.step_workdir(label, *attempt).display().to_string(),
                     status: Status::Pending,
                     task_status: None,
                     error_class: None,
@@ -329,7 +402,7 @@ impl RunState {
             }
         };
         let context = self.previous_results();
-        for ((id, label, agent, instruction), grant) in planned.into_iter().zip(grants) {
+        for ((id, label, agent, instruction, attempt), grant) in planned.into_iter().zip(grants) {
             let meter = SpentMeter::default();
             let start = JobStart {
                 ctx: self.ctx.clone(),
@@ -340,7 +413,7 @@ impl RunState {
                     parent: ParentRef::Run(self.id),
                     kind: NodeKind::Step,
                     depth: 0,
-                    attempt: 1,
+                    attempt,
                     label: Some(label.clone()),
                 },
                 brief: Brief {
@@ -368,7 +441,7 @@ impl RunState {
                             id,
                             label,
                             agent: agent.name.clone(),
-                            actor,
+                            actor: Some(actor),
                             grant,
                             meter,
                             stop_reason: None,
@@ -393,10 +466,9 @@ impl RunState {
     }
 
     fn report_for_dead(&self, actor: ractor::ActorId, why: &str) -> Option<ChildReport> {
-        let step = self
-            .steps
-            .values()
-            .find(|s| s.actor.get_id() == actor && s.envelope.is_none())?;
+        let step = self.steps.values().find(|s| {
+            s.actor.as_ref().is_some_and(|a| a.get_id() == actor) && s.envelope.is_none()
+        })?;
         Some(ChildReport {
             id: step.id,
             envelope: job::dead_envelope(
@@ -410,8 +482,14 @@ impl RunState {
         })
     }
 
-    fn step_workdir(&self, label: &str) -> std::path::PathBuf {
-        self.ctx.work_root.join(self.id.to_string()).join(label)
+    /// A step's workdir: its label, and the attempt after the first, so a
+    /// step run again after a restart starts clean.
+    fn step_workdir(&self, label: &str, attempt: u32) -> std::path::PathBuf {
+        let leaf = match attempt {
+            1 => label.to_string(),
+            n => format!("{label}-{n}"),
+        };
+        self.ctx.work_root.join(self.id.to_string()).join(leaf)
     }
 
     fn previous_results(&self) -> String {
@@ -431,7 +509,8 @@ impl RunState {
             && step.stop_reason.is_none()
         {
             step.stop_reason = Some((reason.to_string(), propagated));
-            let _ = step.actor.cast(JobMsg::Stop {
+            let Some(actor) = &step.actor else { return };
+            let _ = actor.cast(JobMsg::Stop {
                 reason: reason.to_string(),
                 propagated,
             });
@@ -530,21 +609,26 @@ impl RunState {
             if self.group < self.spec.groups.len() {
                 self.start_group(myself).await;
             } else {
-                let output = match self.previous.as_slice() {
-                    [(_, only)] => only.clone(),
-                    many => serde_json::Value::Object(
-                        many.iter().map(|(l, o)| (l.clone(), o.clone())).collect(),
-                    ),
-                };
-                self.finish = Some(RunFinish {
-                    status: Status::Done,
-                    class: None,
-                    reason: None,
-                    output,
-                });
+                self.finish_done();
             }
         }
         Ok(())
+    }
+
+    /// Every group finished: the run is done, its output the last group's.
+    fn finish_done(&mut self) {
+        let output = match self.previous.as_slice() {
+            [(_, only)] => only.clone(),
+            many => serde_json::Value::Object(
+                many.iter().map(|(l, o)| (l.clone(), o.clone())).collect(),
+            ),
+        };
+        self.finish = Some(RunFinish {
+            status: Status::Done,
+            class: None,
+            reason: None,
+            output,
+        });
     }
 
     async fn maybe_complete(

@@ -13,6 +13,7 @@
 //!    and symlinks that lead out are refused (I-28).
 //! 3. Artifacts are what the runtime saw change in the workdir, never a claim (I-24).
 
+use arbor_storage::{SandboxRecord, SandboxState as GroupState};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Component, Path, PathBuf};
@@ -32,6 +33,9 @@ const SCAN_LIMIT: usize = 10_000;
 pub struct Sandbox;
 
 pub struct SandboxArgs {
+    /// Where each process group is recorded, so a restart can kill what a
+    /// crash left running (I-30).
+    pub record: Option<GroupRecorder>,
     pub workdir: PathBuf,
     /// Cancelled when the job (or anything above it) stops: running commands are killed at once.
     pub cancel: CancellationToken,
@@ -93,7 +97,7 @@ impl Actor for Sandbox {
             workdir: args.workdir,
             cancel: args.cancel,
             exec_timeout: args.exec_timeout,
-            groups: ProcessGroups::default(),
+            groups: ProcessGroups::new(args.record),
             artifacts: BTreeSet::new(),
         })
     }
@@ -184,6 +188,28 @@ impl Drop for SandboxState {
     }
 }
 
+/// Journals a sandbox's process groups: live when started, ended when killed.
+#[derive(Clone)]
+pub struct GroupRecorder {
+    pub journal: arbor_storage::Journal,
+    pub run: arbor_protocol::RunId,
+    pub job: arbor_protocol::JobId,
+}
+
+impl GroupRecorder {
+    fn record(&self, pgid: i32, start: &(u64, String), state: GroupState) -> arbor_storage::Record {
+        arbor_storage::Record::Sandbox(SandboxRecord {
+            run: self.run,
+            job: self.job,
+            pgid,
+            start_ticks: start.0,
+            boot_id: start.1.clone(),
+            state,
+            epoch: self.journal.epoch(),
+        })
+    }
+}
+
 /// The process groups a sandbox started. Once closed, a group registered late
 /// (a command that was starting while the sandbox ended) is killed at once.
 #[derive(Clone, Default)]
@@ -191,19 +217,40 @@ pub struct ProcessGroups(Arc<Mutex<GroupsInner>>);
 
 #[derive(Default)]
 struct GroupsInner {
-    live: Vec<i32>,
+    live: Vec<(i32, Option<(u64, String)>)>,
     closed: bool,
+    recorder: Option<GroupRecorder>,
 }
 
 impl ProcessGroups {
-    /// Returns false (and kills the group) if the sandbox has already ended.
-    fn register(&self, pgid: i32) -> bool {
-        let mut inner = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        if inner.closed {
+    fn new(recorder: Option<GroupRecorder>) -> Self {
+        Self(Arc::new(Mutex::new(GroupsInner {
+            recorder,
+            ..Default::default()
+        })))
+    }
+
+    /// Registers a started group and makes its record durable. Returns false
+    /// (and kills the group) if the sandbox has already ended.
+    async fn register(&self, pgid: i32) -> bool {
+        let start = arbor_storage::process_start(pgid);
+        let (recorder, closed) = {
+            let mut inner = self.0.lock().unwrap_or_else(|p| p.into_inner());
+            if !inner.closed {
+                inner.live.push((pgid, start.clone()));
+            }
+            (inner.recorder.clone(), inner.closed)
+        };
+        if closed {
             kill_group(pgid);
             return false;
         }
-        inner.live.push(pgid);
+        if let (Some(recorder), Some(start)) = (recorder, start) {
+            let record = recorder.record(pgid, &start, GroupState::Live);
+            if let Err(error) = recorder.journal.commit(vec![record]).await {
+                tracing::error!(%error, pgid, "could not journal a process group");
+            }
+        }
         true
     }
 
@@ -211,8 +258,18 @@ impl ProcessGroups {
         let mut inner = self.0.lock().unwrap_or_else(|p| p.into_inner());
         inner.closed = true;
         let groups = std::mem::take(&mut inner.live);
-        for pgid in &groups {
+        let mut ended = vec![];
+        for (pgid, start) in &groups {
             kill_group(*pgid);
+            if let (Some(recorder), Some(start)) = (&inner.recorder, start) {
+                ended.push(recorder.record(*pgid, start, GroupState::Ended));
+            }
+        }
+        if let Some(recorder) = &inner.recorder
+            && !ended.is_empty()
+            && let Err(error) = recorder.journal.append(ended)
+        {
+            tracing::error!(%error, "could not journal ended process groups");
         }
         groups.len()
     }
@@ -281,7 +338,7 @@ impl ExecJob {
             outcome.error = Some("the command exited before it could be tracked".into());
             return outcome;
         };
-        if !self.groups.register(pgid) {
+        if !self.groups.register(pgid).await {
             outcome.stopped = true;
             outcome.error = Some("the sandbox ended while the command started".into());
             return outcome;

@@ -46,6 +46,20 @@ pub enum EventKind {
     RunStarted {
         flow: String,
         budget_tokens: u64,
+        /// The whole spec, so a restart can resume the run (I-34).
+        spec: crate::RunSpec,
+    },
+    /// A restart found the run interrupted and resumed it at `group`.
+    RunResumed {
+        epoch: u64,
+        group: u32,
+    },
+    /// What recovery did to this run when the node restarted (I-30, I-31).
+    Recovered {
+        epoch: u64,
+        jobs_failed: u32,
+        processes_killed: u32,
+        grants_released: u32,
     },
     RunFinished {
         status: Status,
@@ -155,7 +169,7 @@ impl EventKind {
                 ParentRef::Job(id) => Some(*id),
                 ParentRef::Run(_) => None,
             },
-            RunStarted { .. } | RunFinished { .. } => None,
+            RunStarted { .. } | RunFinished { .. } | RunResumed { .. } | Recovered { .. } => None,
         }
     }
 }

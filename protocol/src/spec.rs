@@ -15,6 +15,34 @@ pub struct RunSpec {
 }
 
 impl RunSpec {
+    /// Every step's label, group by group: the step's `label`, else its agent's
+    /// name, made unique across the whole run with `-2`, `-3`... Labels name
+    /// workdirs and let a resumed run find its steps again, so this is the
+    /// one place they are made.
+    pub fn step_labels(&self) -> Vec<Vec<String>> {
+        let mut taken: Vec<String> = vec![];
+        self.groups
+            .iter()
+            .map(|group| {
+                group
+                    .steps
+                    .iter()
+                    .map(|step| {
+                        let base = step.label.clone().unwrap_or_else(|| step.agent.clone());
+                        let mut label = base.clone();
+                        let mut n = 2;
+                        while taken.contains(&label) {
+                            label = format!("{base}-{n}");
+                            n += 1;
+                        }
+                        taken.push(label.clone());
+                        label
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
     /// A run of one agent on one input.
     pub fn single(agent: &str, input: &str, budget_tokens: u64) -> Self {
         Self {
@@ -24,6 +52,7 @@ impl RunSpec {
                     agent: agent.to_string(),
                     instruction: input.to_string(),
                     label: None,
+                    retries: None,
                 }],
             }],
             budget_tokens,
@@ -55,4 +84,50 @@ pub struct StepSpec {
     pub agent: String,
     pub instruction: String,
     pub label: Option<String>,
+    /// How many new attempts the step may get when a restart interrupted it
+    /// (I-34). Default 1; 0 makes an interruption fail the run.
+    pub retries: Option<u32>,
+}
+
+impl StepSpec {
+    pub const DEFAULT_RETRIES: u32 = 1;
+
+    pub fn retries(&self) -> u32 {
+        self.retries.unwrap_or(Self::DEFAULT_RETRIES)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(agent: &str, label: Option<&str>) -> StepSpec {
+        StepSpec {
+            agent: agent.into(),
+            instruction: "x".into(),
+            label: label.map(String::from),
+            retries: None,
+        }
+    }
+
+    #[test]
+    fn step_labels_are_unique_across_the_whole_run() {
+        let spec = RunSpec {
+            flow: "f".into(),
+            groups: vec![
+                FlowGroup {
+                    steps: vec![step("a", None), step("a", None), step("b", Some("x"))],
+                },
+                FlowGroup {
+                    steps: vec![step("a", None), step("c", Some("x"))],
+                },
+            ],
+            budget_tokens: 1,
+            timeout: None,
+        };
+        assert_eq!(
+            spec.step_labels(),
+            vec![vec!["a", "a-2", "x"], vec!["a-3", "x-2"]]
+        );
+    }
 }

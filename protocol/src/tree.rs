@@ -131,6 +131,10 @@ impl Tree {
                 self.root.status = Status::Running;
                 self.root.account.grant = *budget_tokens;
             }
+            EventKind::RunResumed { .. } => {
+                self.root.status = Status::Running;
+                self.root.reason = None;
+            }
             EventKind::RunFinished {
                 status,
                 error_class,
@@ -467,6 +471,7 @@ mod tests {
             EventKind::RunStarted {
                 flow: "f".into(),
                 budget_tokens: 100,
+                spec: crate::RunSpec::single("a", "x", 100),
             },
             spawned(run, step, ParentRef::Run(run), 100),
             account(ParentRef::Run(run), 100, 0, 100),

@@ -3,6 +3,7 @@
 //!
 //! Layout of a data dir: `journal/` (sled) and `work/<run>/...` (workdirs).
 
+use crate::recovery::{self, RecoveryReport, RunOutcome};
 use crate::scripted::DefaultModels;
 use crate::workspace::Workspace;
 use arbor_actors::{EventBus, ModelFactory, Node, NodeArgs, NodeContext, NodeMsg};
@@ -31,6 +32,8 @@ pub struct EmbeddedNode {
     node: ActorRef<NodeMsg>,
     join: Option<tokio::task::JoinHandle<()>>,
     data_dir: PathBuf,
+    recovery: RecoveryReport,
+    resumed: Vec<(RunId, RunSpec)>,
 }
 
 impl EmbeddedNode {
@@ -61,15 +64,55 @@ impl EmbeddedNode {
             models,
             work_root: data_dir.join("work"),
         });
+        // Recovery before anything new starts (I-30 to I-35).
+        let recovery = recovery::recover(&ctx.journal, &ctx.events).await?;
         let (node, join) = ractor::Actor::spawn(None, Node, NodeArgs { ctx: ctx.clone() })
             .await
             .map_err(|e| Error::Start(format!("the node could not start: {e}")))?;
+        let mut resumed = vec![];
+        for run in &recovery.runs {
+            if let RunOutcome::Resume { spec, resume } = &run.outcome {
+                let (id, spec, resume) = (run.run, spec.clone(), resume.clone());
+                let again = spec.clone();
+                ractor::call!(node, |reply| NodeMsg::ResumeRun {
+                    id,
+                    spec,
+                    resume,
+                    reply
+                })
+                .map_err(|e| Error::Start(e.to_string()))?
+                .map_err(Error::Start)?;
+                resumed.push((id, again));
+            }
+        }
         Ok(Self {
             ctx,
             node,
             join: Some(join),
             data_dir: data_dir.to_path_buf(),
+            recovery,
+            resumed,
         })
+    }
+
+    /// What recovery found and did when this node started.
+    pub fn recovery(&self) -> &RecoveryReport {
+        &self.recovery
+    }
+
+    /// Runs this start resumed, with their specs (I-34).
+    pub fn resumed(&self) -> &[(RunId, RunSpec)] {
+        &self.resumed
+    }
+
+    /// Stops the node the way a crash would: every actor killed at once, no
+    /// stop handlers, nothing journaled on the way out. Processes the
+    /// sandboxes started are killed as their state is dropped.
+    pub async fn crash(mut self) {
+        self.node.kill();
+        if let Some(join) = self.join.take() {
+            let _ = join.await;
+        }
     }
 
     pub fn data_dir(&self) -> &Path {

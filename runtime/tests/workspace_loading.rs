@@ -165,6 +165,7 @@ fn a_full_workspace_loads_with_every_field_mapped() {
                 agent: "planner".into(),
                 instruction: "Plan it".into(),
                 label: Some("plan".into()),
+                retries: None,
             }],
         }
     );

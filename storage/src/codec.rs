@@ -12,7 +12,9 @@
 //!    under the wrong key.
 
 use crate::Error;
-use crate::record::{DelegationRecord, JobRecord, LedgerRecord, RunRecord, SteerRecord};
+use crate::record::{
+    DelegationRecord, JobRecord, LedgerRecord, RunRecord, SandboxRecord, SteerRecord,
+};
 use arbor_protocol::{Event, JobId, ParentRef, RunId};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -26,10 +28,12 @@ pub(crate) const LEDGER: &str = "ledger";
 pub(crate) const DELEGATIONS: &str = "delegations";
 pub(crate) const STEERING: &str = "steering";
 pub(crate) const EVENTS: &str = "events";
+pub(crate) const SANDBOXES: &str = "sandboxes";
 pub(crate) const META: &str = "meta";
 
 /// The trees that hold records, in the order `scan` walks them.
-pub(crate) const RECORD_TREES: [&str; 6] = [RUNS, JOBS, LEDGER, DELEGATIONS, STEERING, EVENTS];
+pub(crate) const RECORD_TREES: [&str; 7] =
+    [RUNS, JOBS, LEDGER, DELEGATIONS, STEERING, EVENTS, SANDBOXES];
 
 /// Meta keys. Meta values are bare big-endian integers with no version byte:
 /// `format` must be readable whatever the record format is.
@@ -71,6 +75,12 @@ pub(crate) fn steer_key(job: JobId, message_id: u64) -> Vec<u8> {
 
 pub(crate) fn event_key(run: RunId, seq: u64) -> Vec<u8> {
     [run.0.as_bytes().as_slice(), &seq.to_be_bytes()].concat()
+}
+
+/// Job uuid ++ pgid as the big-endian bytes of its `u32` bit pattern. Pgids
+/// are positive, so key order within a job is pgid order.
+pub(crate) fn sandbox_key(job: JobId, pgid: i32) -> Vec<u8> {
+    [job.0.as_bytes().as_slice(), &pgid.to_be_bytes()].concat()
 }
 
 /// Version byte ++ bincode (serde mode, standard config).
@@ -162,6 +172,10 @@ pub(crate) fn check_entry(tree: &str, key: &[u8], value: &[u8]) -> Result<(), St
             let event = decode_event(value)?;
             event_key(event.run, event.seq)
         }
+        SANDBOXES => {
+            let sandbox = decode_bincode::<SandboxRecord>(value)?;
+            sandbox_key(sandbox.job, sandbox.pgid)
+        }
         other => return Err(format!("no record type for tree {other:?}")),
     };
     if expected != key {
@@ -201,7 +215,7 @@ pub(crate) fn meta_u32(key: &[u8], value: &[u8]) -> Result<u32, Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::record::{LedgerOp, SteerState};
+    use crate::record::{LedgerOp, SandboxState, SteerState};
     use arbor_protocol::{EventKind, NodeKind, Status};
 
     #[test]
@@ -293,6 +307,33 @@ mod tests {
     }
 
     #[test]
+    fn sandbox_records_round_trip_under_job_then_pgid() {
+        let run = RunId::new();
+        let sandbox = SandboxRecord {
+            run,
+            job: JobId::new(),
+            pgid: 4242,
+            start_ticks: 987_654,
+            boot_id: "6f1c8a52-0f7b-4bd0-9a49-1d6ba8b0b0c1".into(),
+            state: SandboxState::Live,
+            epoch: 2,
+        };
+        let bytes = encode_bincode(&sandbox).unwrap();
+        assert_eq!(decode_bincode::<SandboxRecord>(&bytes).unwrap(), sandbox);
+        let key = sandbox_key(sandbox.job, sandbox.pgid);
+        assert_eq!(key.len(), 20);
+        assert_eq!(&key[16..], &4242u32.to_be_bytes());
+        assert!(check_entry(SANDBOXES, &key, &bytes).is_ok());
+        let other_group = sandbox_key(sandbox.job, 4243);
+        assert!(key < other_group);
+        assert!(
+            check_entry(SANDBOXES, &other_group, &bytes)
+                .unwrap_err()
+                .contains("wrong key")
+        );
+    }
+
+    #[test]
     fn keys_sort_by_owner_then_big_endian_seq() {
         let owner = ParentRef::Run(RunId::new());
         assert_eq!(ledger_key(owner, 1).len(), 25);
@@ -304,5 +345,122 @@ mod tests {
         }));
         // Same uuid, other kind of owner: the tag byte keeps the accounts apart.
         assert_ne!(ledger_prefix(owner), ledger_prefix(job));
+    }
+}
+
+/// The bytes of each record as this format version lays them out, pinned:
+/// journals on disk depend on them, so a change here must come with a new
+/// `FORMAT_VERSION` (and a way to read the old one).
+#[cfg(test)]
+mod golden {
+    use super::*;
+    use crate::record::{LedgerOp, SteerState};
+    use arbor_protocol::{ErrorClass, NodeKind, Status, TaskStatus};
+
+    fn job_id() -> JobId {
+        "01890a5d-ac96-774b-bcce-b302099a8057".parse().unwrap()
+    }
+
+    fn run_id() -> RunId {
+        "01890a5d-ac96-774b-bcce-b302099a8058".parse().unwrap()
+    }
+
+    #[test]
+    fn existing_record_layouts_do_not_change() {
+        let run = RunRecord {
+            id: run_id(),
+            flow: "f".into(),
+            budget_tokens: 300,
+            status: Status::Running,
+            error_class: Some(ErrorClass::Timeout),
+            reason: Some("r".into()),
+            output_json: "{}".into(),
+            epoch: 2,
+        };
+        let job = JobRecord {
+            id: job_id(),
+            run: run_id(),
+            parent: ParentRef::Run(run_id()),
+            kind: NodeKind::Job,
+            agent: "a".into(),
+            label: Some("l".into()),
+            depth: 1,
+            attempt: 2,
+            grant_tokens: 70_000,
+            workdir: "/w".into(),
+            status: Status::Done,
+            task_status: Some(TaskStatus::Completed),
+            error_class: None,
+            reason: None,
+            output_json: "1".into(),
+            tokens_spent: 5,
+            epoch: 3,
+        };
+        let ledger = LedgerRecord {
+            owner: ParentRef::Job(job_id()),
+            op: LedgerOp::Release {
+                child: job_id(),
+                granted: 1_000,
+                spent: 251,
+            },
+            epoch: 1,
+        };
+        let delegation = DelegationRecord {
+            parent: job_id(),
+            key: "k".into(),
+            digest: "d".into(),
+            children: vec![job_id()],
+            epoch: 1,
+        };
+        let steer = SteerRecord {
+            job: job_id(),
+            message_id: 9,
+            text: "t".into(),
+            state: SteerState::Discarded,
+            epoch: 4,
+        };
+        let check = |name: &str, bytes: Vec<u8>, expected: &str| {
+            assert_eq!(hex(&bytes), expected, "the layout of {name} changed");
+        };
+        check(
+            "RunRecord",
+            encode_bincode(&run).unwrap(),
+            "011001890a5dac96774bbcceb302099a80580166fb2c01010101010172027b7d02",
+        );
+        check(
+            "JobRecord",
+            encode_bincode(&job).unwrap(),
+            "011001890a5dac96774bbcceb302099a80571001890a5dac96774bbcceb302099a8058001001890a5dac96\
+             774bbcceb302099a805802016101016c0102fc70110100022f77020103000001310503",
+        );
+        check(
+            "LedgerRecord",
+            encode_bincode(&ledger).unwrap(),
+            "01011001890a5dac96774bbcceb302099a8057021001890a5dac96774bbcceb302099a8057fbe803fbfb0001",
+        );
+        check(
+            "DelegationRecord",
+            encode_bincode(&delegation).unwrap(),
+            "011001890a5dac96774bbcceb302099a8057016b0164011001890a5dac96774bbcceb302099a805701",
+        );
+        let sandbox = SandboxRecord {
+            run: run_id(),
+            job: job_id(),
+            pgid: 4242,
+            start_ticks: 987_654,
+            boot_id: "b".into(),
+            state: crate::record::SandboxState::Ended,
+            epoch: 5,
+        };
+        check(
+            "SandboxRecord",
+            encode_bincode(&sandbox).unwrap(),
+            "011001890a5dac96774bbcceb302099a80581001890a5dac96774bbcceb302099a8057fb2421fc06120f0001620105",
+        );
+        check(
+            "SteerRecord",
+            encode_bincode(&steer).unwrap(),
+            "011001890a5dac96774bbcceb302099a80570901740204",
+        );
     }
 }

@@ -3,7 +3,9 @@
 //! could not do what was asked.
 
 /// What can go wrong opening, writing or reading the journal.
-#[derive(Debug, thiserror::Error)]
+///
+/// `Clone` so that one failed flush can answer every commit that waited on it.
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum Error {
     #[error("sled: {0}")]
     Sled(#[from] sled::Error),
@@ -24,4 +26,30 @@ pub enum Error {
     /// The group-commit flusher is gone (it panicked, or the journal is being dropped).
     #[error("the journal's flusher has stopped")]
     Closed,
+    /// A record stamped with an earlier boot's epoch (I-41): a late write from
+    /// something the restart already failed. The whole append was refused.
+    #[error(
+        "refused a write from an earlier boot of the node: the record carries epoch \
+         {record_epoch}, the journal is at epoch {current}; nothing was written"
+    )]
+    StaleEpoch { record_epoch: u64, current: u64 },
+    /// A record stamped with an epoch no boot has had yet: a bug in the caller,
+    /// since nothing can come from a later boot. The whole append was refused.
+    #[error(
+        "refused a record from epoch {record_epoch}, ahead of the journal's epoch \
+         {current}: nothing can come from a later boot; nothing was written"
+    )]
+    FutureEpoch { record_epoch: u64, current: u64 },
+    /// Syncing a file sled wrote failed (`fdatasync`/`fsync`). What the kernel
+    /// held for it may be lost, so nothing after it is acknowledged.
+    #[error("cannot sync {path} to disk: {error}")]
+    Sync { path: String, error: String },
+    /// A fault injected through `Journal::faults` (tests only): `"write"` or `"flush"`.
+    #[error("injected fault: the journal's {0} failed")]
+    Injected(&'static str),
+    /// An earlier write or flush failed, so the journal takes no more writes
+    /// and acknowledges nothing more until it is reopened. Carries the first
+    /// failure.
+    #[error("the journal stopped taking writes after a failure: {0}")]
+    Failed(String),
 }

@@ -2,7 +2,8 @@
 //! group commit, and reads.
 //!
 //! A `Journal` is a cheap clone of an `Arc`. Behind it, one dedicated thread
-//! (the flusher) owns every `db.flush()`; callers never flush themselves.
+//! (the flusher) owns every `db.flush()` and every sync of sled's files
+//! (`fsync`); callers never flush themselves.
 //!
 //! Invariants:
 //! 1. Seq order is apply order: one mutex covers handing out seqs *and*
@@ -13,6 +14,20 @@
 //! 3. `durable_seq` only rises, and only to a seq that was applied before a
 //!    flush began: everything at or below it survives a crash (I-29).
 //! 4. A `commit` returns only once `durable_seq >= ` its seq.
+//! 5. An append whose records carry any epoch but this boot's is refused
+//!    whole, before anything is written (I-41).
+//! 6. After the first failed write or flush (real or injected), every append
+//!    and every flush not already covered fails with `Error::Failed`, naming
+//!    that first failure, until the journal is reopened: a journal that cannot
+//!    write stops the node from taking new work, and nothing is acknowledged
+//!    that a failed sync may have lost.
+//!
+//! What a completed flush promises: sled's `flush` and then an `fdatasync` of
+//! its `db` file (and an `fsync` of any new blob file first), see `fsync`.
+//! Everything at or below `durable_seq` is then on the device past its cache,
+//! so it survives a crash of the process, of the kernel and a power cut, on a
+//! filesystem and device that honour `fdatasync` (not over a disk that lies
+//! about its write cache, and see `fsync` for sled's own blob gap).
 //!
 //! Group commit: `commit` sends a waiter to the flusher and awaits a oneshot.
 //! The flusher takes every waiter queued so far, reads the last applied seq,
@@ -22,22 +37,29 @@
 //!
 //! Deadlock safety: the append mutex is never held across an await or while
 //! talking to the flusher, and the flusher takes no lock of ours; it shares
-//! only atomics (`Progress`) with the handles. It does not hold the handle's
+//! only atomics and a set-once cell (`Progress`) with the handles, and the
+//! hold of `Faults`, which `append` never touches. It does not hold the handle's
 //! `Inner` either, so dropping the last handle closes its channel, the thread
 //! ends, and the drop joins it (which also releases sled's lock on the dir).
 
 use crate::Error;
 use crate::codec::{
     self, DELEGATIONS, EVENTS, JOBS, LEDGER, META, META_EPOCH, META_FORMAT, META_SEQ, RECORD_TREES,
-    RUNS, STEERING,
+    RUNS, SANDBOXES, STEERING,
 };
-use crate::record::{DelegationRecord, JobRecord, LedgerRecord, Record, RunRecord, SteerRecord};
+use crate::faults::Faults;
+use crate::fsync::DiskSync;
+use crate::record::{
+    DelegationRecord, JobRecord, LedgerRecord, Record, RunRecord, SandboxRecord, SandboxState,
+    SteerRecord,
+};
+use crate::verify::{self, VerifyReport};
 use arbor_protocol::{Event, JobId, ParentRef, RunId};
 use sled::Transactional;
 use sled::transaction::{ConflictableTransactionError, TransactionError};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, mpsc};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, mpsc};
 use std::thread;
 use tokio::sync::oneshot;
 
@@ -71,6 +93,7 @@ struct Inner {
     /// The last seq handed out, held for the whole of an append (invariant 1).
     last_seq: Mutex<u64>,
     progress: Arc<Progress>,
+    faults: Arc<Faults>,
     /// `None` only while dropping.
     waiters: Option<mpsc::Sender<Waiter>>,
     flusher: Mutex<Option<thread::JoinHandle<()>>>,
@@ -83,30 +106,41 @@ struct Trees {
     delegations: sled::Tree,
     steering: sled::Tree,
     events: sled::Tree,
+    sandboxes: sled::Tree,
     meta: sled::Tree,
 }
 
-/// What the handles and the flusher share: numbers only.
+/// What the handles and the flusher share: numbers, and the first failure.
 struct Progress {
     /// The last seq applied to sled (visible to reads).
     applied: AtomicU64,
     /// The last seq covered by a completed flush.
     durable: AtomicU64,
     flushes: AtomicU64,
+    /// `fdatasync`s of sled's `db` file by the flusher.
+    syncs: AtomicU64,
+    /// The first write or flush that failed; set once, never cleared.
+    failure: OnceLock<String>,
 }
 
 /// A commit waiting for a flush that covers `seq`.
 struct Waiter {
     seq: u64,
-    reply: oneshot::Sender<Result<(), sled::Error>>,
+    reply: oneshot::Sender<Result<(), Error>>,
+}
+
+/// What the flusher thread takes over when it starts.
+struct Unstarted {
+    queue: mpsc::Receiver<Waiter>,
+    disk: DiskSync,
 }
 
 impl Journal {
     /// Opens (creating) the sled db at `dir`, checks or writes the format
     /// version, bumps the boot epoch and starts the flusher.
     pub fn open(dir: &Path) -> Result<Journal, Error> {
-        let (journal, waiters) = Self::open_without_flusher(dir)?;
-        journal.start_flusher(waiters)?;
+        let (journal, unstarted) = Self::open_without_flusher(dir)?;
+        journal.start_flusher(unstarted)?;
         Ok(journal)
     }
 
@@ -119,6 +153,10 @@ impl Journal {
     /// the last one (each record takes one seq). Reads see them at once; they
     /// are not durable until a flush covers them (see `commit`). An empty
     /// list applies nothing and returns the last seq handed out.
+    ///
+    /// Refused whole, with nothing written: a record of another boot's epoch
+    /// (`StaleEpoch`, `FutureEpoch`), and every append once the journal has
+    /// failed (`Failed`). A write that fails marks the journal failed.
     pub fn append(&self, records: Vec<Record>) -> Result<u64, Error> {
         let inner = &*self.inner;
         // A panic while holding the lock cannot leave the counter half-updated:
@@ -127,8 +165,15 @@ impl Journal {
             .last_seq
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        if let Some(first) = inner.progress.failure.get() {
+            return Err(Error::Failed(first.clone()));
+        }
         if records.is_empty() {
             return Ok(*last_seq);
+        }
+        check_epochs(&records, inner.epoch)?;
+        if inner.faults.writes_fail() {
+            return Err(inner.progress.fail("a write", Error::Injected("write")));
         }
 
         // Encode everything before touching sled, so a record that cannot be
@@ -164,7 +209,7 @@ impl Journal {
                 Ok::<_, ConflictableTransactionError<()>>(())
             })
             .map_err(|e| match e {
-                TransactionError::Storage(e) => Error::Sled(e),
+                TransactionError::Storage(e) => inner.progress.fail("a write", Error::Sled(e)),
                 // The closure never aborts.
                 TransactionError::Abort(()) => unreachable!("journal append aborted"),
             })?;
@@ -205,6 +250,24 @@ impl Journal {
         self.inner.progress.flushes.load(Ordering::Acquire)
     }
 
+    /// How many times the flusher has `fdatasync`ed sled's `db` file: once
+    /// after each sled flush that succeeded (the sync at open not counted).
+    pub fn sync_count(&self) -> u64 {
+        self.inner.progress.syncs.load(Ordering::Acquire)
+    }
+
+    /// The faults a test can inject into this journal; all off unless a test
+    /// switches them on.
+    pub fn faults(&self) -> &Faults {
+        &self.inner.faults
+    }
+
+    /// The first write or flush that failed, if one has: from then on the
+    /// journal refuses every append with `Error::Failed` carrying this.
+    pub fn failed(&self) -> Option<String> {
+        self.inner.progress.failure.get().cloned()
+    }
+
     /// Every run, in key order.
     pub fn runs(&self) -> Result<Vec<RunRecord>, Error> {
         read_prefix(&self.inner.trees.runs, RUNS, &[], codec::decode_bincode)
@@ -217,6 +280,11 @@ impl Journal {
             &codec::run_key(id),
             codec::decode_bincode,
         )
+    }
+
+    /// Every step and job of every run, by run and then by id.
+    pub fn all_jobs(&self) -> Result<Vec<JobRecord>, Error> {
+        read_prefix(&self.inner.trees.jobs, JOBS, &[], codec::decode_bincode)
     }
 
     /// The run's steps and jobs, in id (that is, creation) order.
@@ -278,6 +346,31 @@ impl Journal {
         )
     }
 
+    /// The job's sandbox process groups, by pgid, whatever their state.
+    pub fn sandboxes(&self, job: JobId) -> Result<Vec<SandboxRecord>, Error> {
+        read_prefix(
+            &self.inner.trees.sandboxes,
+            SANDBOXES,
+            job.0.as_bytes(),
+            codec::decode_bincode,
+        )
+    }
+
+    /// Every sandbox process group still `Live`, of every job: what recovery
+    /// must kill (I-30), if `same_process` says it is still the one recorded.
+    pub fn live_sandboxes(&self) -> Result<Vec<SandboxRecord>, Error> {
+        let all = read_prefix(
+            &self.inner.trees.sandboxes,
+            SANDBOXES,
+            &[],
+            codec::decode_bincode::<SandboxRecord>,
+        )?;
+        Ok(all
+            .into_iter()
+            .filter(|sandbox| sandbox.state == SandboxState::Live)
+            .collect())
+    }
+
     /// Decodes every record of every tree (and checks each `meta` entry),
     /// listing what does not decode instead of skipping it. Fails only if sled
     /// cannot be read at all.
@@ -310,10 +403,42 @@ impl Journal {
         Ok(report)
     }
 
+    /// `scan`, and then the accounts: each one's ledger must balance (see
+    /// `verify.rs` for the rules). Ledger entries that do not decode are in
+    /// `undecodable` and left out of their account's totals. Fails only if
+    /// sled cannot be read at all.
+    pub fn verify(&self) -> Result<VerifyReport, Error> {
+        let scan = self.scan()?;
+        // Valid ledger keys start with their owner, so an account's entries
+        // are contiguous and in journal order.
+        let mut accounts: Vec<(ParentRef, Vec<LedgerRecord>)> = Vec::new();
+        for entry in self.inner.trees.ledger.iter() {
+            let (key, value) = entry?;
+            if codec::check_entry(LEDGER, &key, &value).is_err() {
+                continue; // listed by `scan`
+            }
+            let Ok(record) = codec::decode_bincode::<LedgerRecord>(&value) else {
+                continue;
+            };
+            match accounts.last_mut() {
+                Some((owner, entries)) if *owner == record.owner => entries.push(record),
+                _ => accounts.push((record.owner, vec![record])),
+            }
+        }
+        Ok(VerifyReport {
+            records: scan.records,
+            undecodable: scan.undecodable,
+            accounts: accounts.len() as u64,
+            breaches: verify::account_breaches(&accounts),
+        })
+    }
+
     /// Everything `open` does except starting the flusher, so a test can queue
     /// commits first and watch one flush serve them all.
-    fn open_without_flusher(dir: &Path) -> Result<(Journal, mpsc::Receiver<Waiter>), Error> {
+    fn open_without_flusher(dir: &Path) -> Result<(Journal, Unstarted), Error> {
         let db = open_db(dir)?;
+        // sled has opened the dir: its files exist and any snapshot is written.
+        let mut disk = DiskSync::open(dir)?;
         let trees = Trees::open(&db)?;
         let meta = &trees.meta;
 
@@ -341,6 +466,7 @@ impl Journal {
         // Durable before any record is stamped with it: two boots must never
         // share an epoch, or recovery could not tell their records apart.
         db.flush()?;
+        disk.after_flush()?;
         tracing::debug!(dir = %dir.display(), epoch, seq, "journal opened");
 
         // Whatever was on disk at open is durable by definition.
@@ -348,6 +474,8 @@ impl Journal {
             applied: AtomicU64::new(seq),
             durable: AtomicU64::new(seq),
             flushes: AtomicU64::new(0),
+            syncs: AtomicU64::new(0),
+            failure: OnceLock::new(),
         });
         let (waiters, queue) = mpsc::channel();
         let inner = Inner {
@@ -356,6 +484,7 @@ impl Journal {
             epoch,
             last_seq: Mutex::new(seq),
             progress,
+            faults: Arc::new(Faults::default()),
             waiters: Some(waiters),
             flusher: Mutex::new(None),
         };
@@ -363,16 +492,18 @@ impl Journal {
             Journal {
                 inner: Arc::new(inner),
             },
-            queue,
+            Unstarted { queue, disk },
         ))
     }
 
-    fn start_flusher(&self, queue: mpsc::Receiver<Waiter>) -> Result<(), Error> {
+    fn start_flusher(&self, unstarted: Unstarted) -> Result<(), Error> {
         let db = self.inner.db.clone();
         let progress = Arc::clone(&self.inner.progress);
+        let faults = Arc::clone(&self.inner.faults);
+        let Unstarted { queue, disk } = unstarted;
         let handle = thread::Builder::new()
             .name("arbor-journal-flusher".into())
-            .spawn(move || run_flusher(&db, &progress, queue))
+            .spawn(move || run_flusher(&db, disk, &progress, &faults, queue))
             // Failing to spawn a thread is an OS resource fault; sled's Io
             // variant is the closest home for it.
             .map_err(|e| Error::Sled(sled::Error::Io(e)))?;
@@ -394,8 +525,7 @@ impl Journal {
             .send(Waiter { seq, reply })
             .map_err(|_| Error::Closed)?;
         match done.await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(Error::Sled(e)),
+            Ok(result) => result,
             // The flusher died with our waiter in hand.
             Err(_) => Err(Error::Closed),
         }
@@ -413,6 +543,8 @@ impl std::fmt::Debug for Journal {
             )
             .field("durable_seq", &self.durable_seq())
             .field("flush_count", &self.flush_count())
+            .field("sync_count", &self.sync_count())
+            .field("failed", &self.failed())
             .finish()
     }
 }
@@ -420,7 +552,10 @@ impl std::fmt::Debug for Journal {
 impl Drop for Inner {
     fn drop(&mut self) {
         // Closing the channel ends the flusher's loop. No waiter can be queued:
-        // each one is sent by a handle that keeps this `Inner` alive.
+        // each one is sent by a handle that keeps this `Inner` alive. A
+        // flusher parked on a held flush is woken for good first, or the join
+        // would wait forever.
+        self.faults.close();
         drop(self.waiters.take());
         let handle = self
             .flusher
@@ -444,6 +579,7 @@ impl Trees {
             delegations: db.open_tree(DELEGATIONS)?,
             steering: db.open_tree(STEERING)?,
             events: db.open_tree(EVENTS)?,
+            sandboxes: db.open_tree(SANDBOXES)?,
             meta: db.open_tree(META)?,
         })
     }
@@ -456,6 +592,7 @@ impl Trees {
             DELEGATIONS => &self.delegations,
             STEERING => &self.steering,
             EVENTS => &self.events,
+            SANDBOXES => &self.sandboxes,
             META => &self.meta,
             other => unreachable!("no journal tree {other:?}"),
         }
@@ -491,7 +628,32 @@ fn encode(record: &Record, seq: u64) -> Result<(&'static str, Vec<u8>, Vec<u8>),
             codec::event_key(event.run, event.seq),
             codec::encode_event(event)?,
         ),
+        Record::Sandbox(sandbox) => (
+            SANDBOXES,
+            codec::sandbox_key(sandbox.job, sandbox.pgid),
+            codec::encode_bincode(sandbox)?,
+        ),
     })
+}
+
+/// I-41: every record must carry this boot's epoch. The first one that does
+/// not fails the whole append.
+fn check_epochs(records: &[Record], current: u64) -> Result<(), Error> {
+    for record_epoch in records.iter().filter_map(Record::epoch) {
+        if record_epoch < current {
+            return Err(Error::StaleEpoch {
+                record_epoch,
+                current,
+            });
+        }
+        if record_epoch > current {
+            return Err(Error::FutureEpoch {
+                record_epoch,
+                current,
+            });
+        }
+    }
+    Ok(())
 }
 
 fn read_prefix<T>(
@@ -519,9 +681,15 @@ fn read_one<T>(
         .transpose()
 }
 
-/// The flusher's loop: one flush per batch of queued waiters, until every
-/// handle is gone.
-fn run_flusher(db: &sled::Db, progress: &Progress, queue: mpsc::Receiver<Waiter>) {
+/// The flusher's loop: one flush (and sync) per batch of queued waiters,
+/// until every handle is gone.
+fn run_flusher(
+    db: &sled::Db,
+    mut disk: DiskSync,
+    progress: &Progress,
+    faults: &Faults,
+    queue: mpsc::Receiver<Waiter>,
+) {
     while let Ok(first) = queue.recv() {
         let mut waiters = vec![first];
         waiters.extend(queue.try_iter());
@@ -529,7 +697,7 @@ fn run_flusher(db: &sled::Db, progress: &Progress, queue: mpsc::Receiver<Waiter>
         // A waiter already covered (the flush that served its neighbours read
         // its seq as applied) needs no new flush.
         let durable = progress.durable.load(Ordering::Acquire);
-        let (covered, pending): (Vec<_>, Vec<_>) =
+        let (covered, mut pending): (Vec<_>, Vec<_>) =
             waiters.into_iter().partition(|w| w.seq <= durable);
         for waiter in covered {
             let _ = waiter.reply.send(Ok(()));
@@ -538,15 +706,20 @@ fn run_flusher(db: &sled::Db, progress: &Progress, queue: mpsc::Receiver<Waiter>
             continue;
         }
 
+        if !faults.wait_while_held() {
+            // The journal is being dropped: nobody awaits these any more.
+            continue;
+        }
+        // Commits queued while the flush was held ride on this one.
+        pending.extend(queue.try_iter());
+
         // Read before flushing: every append that published this seq has
         // finished its transaction, so this flush covers it. Each waiter was
         // sent after its own append, so the target covers every one of them.
         let target = progress.applied.load(Ordering::Acquire);
         debug_assert!(pending.iter().all(|w| w.seq <= target));
-        let flushed = db.flush();
-        progress.flushes.fetch_add(1, Ordering::AcqRel);
-        match flushed {
-            Ok(_) => {
+        match flush_and_sync(db, &mut disk, progress, faults) {
+            Ok(()) => {
                 progress.durable.fetch_max(target, Ordering::AcqRel);
                 for waiter in pending {
                     // A commit whose caller went away no longer needs an answer.
@@ -554,12 +727,43 @@ fn run_flusher(db: &sled::Db, progress: &Progress, queue: mpsc::Receiver<Waiter>
                 }
             }
             Err(e) => {
-                tracing::error!(error = %e, "journal flush failed");
                 for waiter in pending {
                     let _ = waiter.reply.send(Err(e.clone()));
                 }
             }
         }
+    }
+}
+
+/// One flush: sled's, then the syncs sled leaves out. Any failure marks the
+/// journal failed; once failed, nothing more is flushed or acknowledged.
+fn flush_and_sync(
+    db: &sled::Db,
+    disk: &mut DiskSync,
+    progress: &Progress,
+    faults: &Faults,
+) -> Result<(), Error> {
+    if let Some(first) = progress.failure.get() {
+        return Err(Error::Failed(first.clone()));
+    }
+    if faults.flushes_fail() {
+        return Err(progress.fail("a flush", Error::Injected("flush")));
+    }
+    let flushed = db.flush();
+    progress.flushes.fetch_add(1, Ordering::AcqRel);
+    flushed.map_err(|e| progress.fail("a flush", Error::Sled(e)))?;
+    let synced = disk.after_flush();
+    progress.syncs.fetch_add(1, Ordering::AcqRel);
+    synced.map_err(|e| progress.fail("a flush", e))
+}
+
+impl Progress {
+    /// Remembers `error` as the journal's failure if it is the first, and
+    /// hands it back for the caller to return.
+    fn fail(&self, what: &str, error: Error) -> Error {
+        tracing::error!(error = %error, "journal: {what} failed; the journal takes no more writes");
+        let _ = self.failure.set(format!("{what} failed: {error}"));
+        error
     }
 }
 
@@ -607,7 +811,7 @@ mod tests {
     #[tokio::test]
     async fn commits_queued_before_the_flusher_starts_share_one_flush() {
         let dir = tempfile::tempdir().unwrap();
-        let (journal, queue) = Journal::open_without_flusher(dir.path()).unwrap();
+        let (journal, unstarted) = Journal::open_without_flusher(dir.path()).unwrap();
         let job = JobId::new();
 
         // First poll of each commit appends and queues its waiter, then parks.
@@ -620,7 +824,7 @@ mod tests {
         }
         assert_eq!(journal.durable_seq(), 0);
 
-        journal.start_flusher(queue).unwrap();
+        journal.start_flusher(unstarted).unwrap();
         for (n, commit) in commits.into_iter().enumerate() {
             assert_eq!(commit.await.unwrap(), n as u64 + 1);
         }

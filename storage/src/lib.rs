@@ -14,6 +14,7 @@
 //! | `delegations` | parent job uuid ++ delegation key (utf-8)                     | `DelegationRecord` |
 //! | `steering`    | job uuid ++ message id u64 BE                                | `SteerRecord`    |
 //! | `events`      | run uuid ++ event seq u64 BE                                 | `Event`          |
+//! | `sandboxes`   | job uuid ++ pgid (i32 as u32 bits, BE)                       | `SandboxRecord`  |
 //! | `meta`        | `format` (u32 BE), `epoch` (u64 BE), `seq` (u64 BE)          | bare integers    |
 //!
 //! Ids are uuid v7, so every prefix scan returns records in creation order.
@@ -24,21 +25,50 @@
 //!
 //! # Invariants
 //! 1. A value with an unknown version byte is undecodable: reads fail on it and
-//!    `scan` lists it by tree and key; nothing is skipped silently.
+//!    `scan` (and `verify`) list it by tree and key; nothing is skipped silently
+//!    (I-35).
 //! 2. The journal seq is monotonic across the journal's whole life, reopens
 //!    included; seq order is apply order.
 //! 3. A record is durable once `durable_seq` reaches its seq; `commit` waits for
-//!    that (I-29), `append` does not.
+//!    that (I-29), `append` does not. Durable means sled flushed it *and* its
+//!    `db` file was `fdatasync`ed (new blob files `fsync`ed first): sled 0.34's
+//!    own flush only issues `sync_file_range`, which leaves it in the device's
+//!    cache (see `fsync.rs`). So an acknowledged record survives power loss.
 //! 4. Each open bumps the boot epoch by one, durably, before returning.
+//! 5. Every record but an event carries the epoch of the boot that wrote it,
+//!    and `append` refuses, whole and writing nothing, any batch with a record
+//!    of another epoch: earlier (a late write from before a restart, I-41) or
+//!    later (impossible, so a bug).
+//! 6. The first failed write or flush stops the journal: every append after it
+//!    fails with `Error::Failed` naming that failure, and no later flush
+//!    acknowledges anything, until the journal is reopened.
+//! 7. A sandbox record names a process group by pgid *and* its leader's start
+//!    time and boot id; recovery kills only a group that matches all three
+//!    (`same_process`, I-30).
+//! 8. Every account in the ledger balances: spent + held <= grant; a closed
+//!    account holds nothing and its `Close` claims what its ledger adds up to;
+//!    a parent's `Release` charges what the child's own account spent.
+//!    `verify` reports each breach by account.
+//!
+//! # Testing
+//! `Journal::faults` injects a failed write, a failed flush, or a held flush
+//! (a crash between write and flush: applied, never acknowledged).
 
 mod codec;
 mod error;
+mod faults;
+mod fsync;
 mod journal;
+mod proc_start;
 mod record;
+mod verify;
 
 pub use error::Error;
+pub use faults::Faults;
 pub use journal::{Journal, ScanReport, Undecodable, open_db};
+pub use proc_start::{process_start, same_process};
 pub use record::{
     DelegationRecord, JobRecord, LedgerOp, LedgerRecord, LedgerTotals, Record, RunRecord,
-    SteerRecord, SteerState, ledger_totals,
+    SandboxRecord, SandboxState, SteerRecord, SteerState, ledger_totals,
 };
+pub use verify::VerifyReport;

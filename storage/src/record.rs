@@ -4,13 +4,17 @@
 //! Where a record lives and how its bytes look is `codec`'s business.
 //!
 //! Invariants:
-//! 1. Runs, jobs, delegations and steering messages are *states*: writing one
+//! 1. Runs, jobs, delegations, steering messages and sandboxes are *states*: writing one
 //!    again under the same key replaces it, so the journal holds the latest.
 //! 2. Ledger entries and events are *history*: each write adds one, nothing
 //!    rewrites them, and replaying them in key order gives back the account
 //!    or the run tree.
-//! 3. Every record carries the boot `epoch` that wrote it, so recovery can tell
-//!    what the previous life of the node left behind (I-30).
+//! 3. Every record but an event carries the boot `epoch` that wrote it, so
+//!    recovery can tell what the previous life of the node left behind
+//!    (I-30), and the journal refuses a write stamped with another boot's
+//!    epoch (I-41).
+//! 4. Sandbox records are states too: one per process group, `Live` until
+//!    the group is known to have ended.
 
 use arbor_protocol::{ErrorClass, Event, JobId, NodeKind, ParentRef, RunId, Status, TaskStatus};
 use serde::{Deserialize, Serialize};
@@ -25,6 +29,23 @@ pub enum Record {
     Delegation(DelegationRecord),
     Steer(SteerRecord),
     Event(Event),
+    Sandbox(SandboxRecord),
+}
+
+impl Record {
+    /// The boot epoch the record was written in; `None` for events, which
+    /// carry no epoch (their run's records do).
+    pub fn epoch(&self) -> Option<u64> {
+        match self {
+            Record::Run(run) => Some(run.epoch),
+            Record::Job(job) => Some(job.epoch),
+            Record::Ledger(entry) => Some(entry.epoch),
+            Record::Delegation(delegation) => Some(delegation.epoch),
+            Record::Steer(steer) => Some(steer.epoch),
+            Record::Event(_) => None,
+            Record::Sandbox(sandbox) => Some(sandbox.epoch),
+        }
+    }
 }
 
 /// The latest state of one run.
@@ -117,6 +138,34 @@ pub enum SteerState {
     Queued,
     Delivered,
     Discarded,
+}
+
+/// One process group a job's sandbox started, so that recovery can kill what
+/// the previous boot left running (I-30). A pgid alone is never enough to
+/// kill: pids are reused, so recovery kills a group only if its leader still
+/// has this start time in this boot (`same_process`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SandboxRecord {
+    pub run: RunId,
+    pub job: JobId,
+    /// The process group id, which is also its leader's pid.
+    pub pgid: i32,
+    /// The leader's start time: field 22 of `/proc/<pid>/stat`, in clock
+    /// ticks since boot.
+    pub start_ticks: u64,
+    /// `/proc/sys/kernel/random/boot_id` when the group started, so that no
+    /// process of a later boot ever matches.
+    pub boot_id: String,
+    pub state: SandboxState,
+    pub epoch: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SandboxState {
+    /// Started and not known to have ended: recovery must kill it.
+    Live,
+    /// Killed or exited; nothing left to do.
+    Ended,
 }
 
 /// Conservation of one account recomputed from its ledger.

@@ -6,7 +6,7 @@ use arbor_protocol::{
 };
 use arbor_storage::{
     DelegationRecord, Error, JobRecord, Journal, LedgerOp, LedgerRecord, LedgerTotals, Record,
-    RunRecord, SteerRecord, SteerState, ledger_totals,
+    RunRecord, SandboxRecord, SandboxState, SteerRecord, SteerState, ledger_totals,
 };
 use std::sync::Arc;
 
@@ -123,6 +123,7 @@ async fn every_record_kind_round_trips() {
             EventKind::RunStarted {
                 flow: "review".into(),
                 budget_tokens: 10_000,
+                spec: arbor_protocol::RunSpec::single("review", "x", 10_000),
             },
         ),
         event(
@@ -145,11 +146,21 @@ async fn every_record_kind_round_trips() {
         ),
     ];
 
+    let sandbox = SandboxRecord {
+        run,
+        job: step,
+        pgid: 31_337,
+        start_ticks: 8_675_309,
+        boot_id: "0b5e5f1e-1d2c-4d8e-9f00-5a5a5a5a5a5a".into(),
+        state: SandboxState::Live,
+        epoch: 1,
+    };
     let mut records = vec![
         Record::Run(run_record(run, Status::Running)),
         Record::Job(job.clone()),
         Record::Delegation(delegation.clone()),
         Record::Steer(steer.clone()),
+        Record::Sandbox(sandbox.clone()),
     ];
     records.extend(entries.iter().cloned().map(Record::Ledger));
     records.extend(events.iter().cloned().map(Record::Event));
@@ -164,30 +175,40 @@ async fn every_record_kind_round_trips() {
         vec![run_record(run, Status::Running)]
     );
     assert_eq!(journal.job(run, step).unwrap(), Some(job.clone()));
-    assert_eq!(journal.jobs(run).unwrap(), vec![job]);
+    assert_eq!(journal.jobs(run).unwrap(), vec![job.clone()]);
+    assert_eq!(journal.all_jobs().unwrap(), vec![job]);
+    assert_eq!(journal.sandboxes(step).unwrap(), vec![sandbox.clone()]);
+    assert_eq!(journal.live_sandboxes().unwrap(), vec![sandbox.clone()]);
     assert_eq!(journal.ledger(run_account).unwrap(), entries);
     assert_eq!(journal.delegations(step).unwrap(), vec![delegation]);
     assert_eq!(journal.steering(step).unwrap(), vec![steer.clone()]);
     assert_eq!(journal.events(run).unwrap(), events);
     assert_eq!(journal.job(run, child).unwrap(), None);
     assert_eq!(journal.run(RunId::new()).unwrap(), None);
-    assert_eq!(journal.scan().unwrap().records, 4 + 6 + 2);
+    assert_eq!(journal.scan().unwrap().records, 5 + 6 + 2);
 
     // States are replaced under their key; history only grows.
     let delivered = SteerRecord {
         state: SteerState::Delivered,
         ..steer
     };
+    let ended = SandboxRecord {
+        state: SandboxState::Ended,
+        ..sandbox
+    };
     journal
         .commit(vec![
             Record::Run(run_record(run, Status::Done)),
             Record::Steer(delivered.clone()),
             Record::Ledger(ledger(run_account, LedgerOp::Close { spent: 1_354 })),
+            Record::Sandbox(ended.clone()),
         ])
         .await
         .unwrap();
     assert_eq!(journal.run(run).unwrap().unwrap().status, Status::Done);
     assert_eq!(journal.steering(step).unwrap(), vec![delivered]);
+    assert_eq!(journal.sandboxes(step).unwrap(), vec![ended]);
+    assert!(journal.live_sandboxes().unwrap().is_empty());
     assert_eq!(journal.ledger(run_account).unwrap().len(), 7);
 }
 
@@ -244,13 +265,12 @@ async fn reopening_keeps_records_bumps_the_epoch_and_continues_the_seq() {
         journal.run(run).unwrap(),
         Some(run_record(run, Status::Running))
     );
-    let next = journal
-        .commit(vec![Record::Ledger(ledger(
-            owner,
-            LedgerOp::Close { spent: 0 },
-        ))])
-        .await
-        .unwrap();
+    // Records of this boot carry its epoch (an epoch-1 record is refused now).
+    let close = LedgerRecord {
+        epoch: journal.epoch(),
+        ..ledger(owner, LedgerOp::Close { spent: 0 })
+    };
+    let next = journal.commit(vec![Record::Ledger(close)]).await.unwrap();
     assert_eq!(next, first + 1);
     // Had the seq restarted, this entry would have overwritten the Open.
     assert_eq!(

@@ -43,6 +43,7 @@ pub struct TestNode {
     node: EmbeddedNode,
     dir: tempfile::TempDir,
     pub workspace: Workspace,
+    models: Arc<dyn ModelFactory>,
 }
 
 impl TestNode {
@@ -62,18 +63,70 @@ impl TestNode {
         agents: &[(&str, &str)],
         models: Arc<dyn ModelFactory>,
     ) -> Self {
+        Self::start_workspace(arbor_toml, agents, &[], models).await
+    }
+
+    /// Starts a node on a whole workspace: arbor.toml, agents and flows (name, TOML text).
+    pub async fn start_workspace(
+        arbor_toml: Option<&str>,
+        agents: &[(&str, &str)],
+        flows: &[(&str, &str)],
+        models: Arc<dyn ModelFactory>,
+    ) -> Self {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let workspace =
-            Workspace::from_texts(dir.path().join("workspace"), arbor_toml, agents, &[])
+            Workspace::from_texts(dir.path().join("workspace"), arbor_toml, agents, flows)
                 .unwrap_or_else(|e| panic!("the test workspace does not load: {e}"));
-        let node = EmbeddedNode::start_with(&workspace, &dir.path().join("data"), models)
+        let node = EmbeddedNode::start_with(&workspace, &dir.path().join("data"), models.clone())
             .await
             .expect("the node starts");
         Self {
             node,
             dir,
             workspace,
+            models,
         }
+    }
+
+    /// Drops the node the way a crash would (every actor killed at once, no
+    /// stop handlers, nothing journaled on the way out), then starts a new
+    /// node on the same journal: recovery runs before anything else.
+    pub async fn crash_and_restart(self) -> Self {
+        let Self {
+            node,
+            dir,
+            workspace,
+            models,
+        } = self;
+        node.crash().await;
+        let node = EmbeddedNode::start_with(&workspace, &dir.path().join("data"), models.clone())
+            .await
+            .expect("the node restarts on the same journal");
+        Self {
+            node,
+            dir,
+            workspace,
+            models,
+        }
+    }
+
+    /// Crashes the node and keeps its data: the returned folder holds
+    /// `data/journal` and `data/work` for the test to inspect.
+    pub async fn crash(self) -> tempfile::TempDir {
+        self.node.crash().await;
+        self.dir
+    }
+
+    /// Runs flow `name` with its own budget.
+    pub async fn run_flow(&self, name: &str) -> RunId {
+        let spec = self
+            .workspace
+            .flow_run(name, None)
+            .unwrap_or_else(|e| panic!("{e}"));
+        self.node
+            .start_run(spec)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
     }
 
     pub fn node(&self) -> &EmbeddedNode {

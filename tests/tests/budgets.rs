@@ -29,6 +29,7 @@ async fn lone_account(dir: &std::path::Path, grant: u64) -> (ActorRefAccount, Jo
             grant,
             wind_down: 0.8,
             meter: SpentMeter::default(),
+            resume_spent: None,
         },
     )
     .await

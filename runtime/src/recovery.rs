@@ -1,0 +1,433 @@
+//! Recovery on boot: before anything new starts, the journal of the node's
+//! previous life is made true again.
+//!
+//! Order (each step journaled, each visible in the run's events and tree):
+//! 1. Scan every record; undecodable ones are reported by key (I-35).
+//! 2. Kill every sandbox process group still recorded live whose leader is
+//!    the same process (process group, start time and boot id; never a pid
+//!    alone), and mark it ended (I-30).
+//! 3. For each run that was not finished: every step or job still pending or
+//!    running is failed, class `interrupted`, deepest first; each account is
+//!    settled at its journaled spend, its open call holds released
+//!    uncharged, and its parent's hold released (I-31). Holds for children
+//!    that never got a record (a crash between the grant and the delegation)
+//!    are released at 0.
+//! 4. Each run is resumed at step granularity when its steps' retry policy
+//!    allows, or ended (I-34).
+//! 5. Conservation is checked for every account (I-14).
+//!
+//! Invariant: recovery charges nothing twice. A hold is released only while
+//! it is open in its parent's ledger, so running recovery again changes nothing.
+
+use arbor_actors::EventBus;
+use arbor_actors::run::Resume;
+use arbor_protocol::{
+    ErrorClass, EventKind, JobId, NodeKind, ParentRef, ResultEnvelope, RunId, RunSpec, Status,
+};
+use arbor_storage::{
+    JobRecord, Journal, LedgerOp, LedgerRecord, Record, RunRecord, SandboxRecord, SandboxState,
+    Undecodable, ledger_totals,
+};
+use std::collections::{BTreeMap, HashMap};
+
+/// What recovery found and did.
+#[derive(Clone, Debug, Default)]
+pub struct RecoveryReport {
+    pub epoch: u64,
+    pub undecodable: Vec<Undecodable>,
+    /// Process groups killed (their leaders' pids).
+    pub processes_killed: Vec<i32>,
+    pub jobs_failed: Vec<JobId>,
+    pub grants_released: u32,
+    pub runs: Vec<RunRecovery>,
+    /// Accounts that do not add up after recovery (I-14); empty when all is well.
+    pub breaches: Vec<String>,
+}
+
+#[derive(Clone, Debug)]
+pub struct RunRecovery {
+    pub run: RunId,
+    pub outcome: RunOutcome,
+}
+
+#[derive(Clone, Debug)]
+pub enum RunOutcome {
+    /// To be resumed by the node, with its spec.
+    Resume { spec: RunSpec, resume: Resume },
+    /// Ended by recovery: it cannot go on.
+    Ended {
+        status: Status,
+        class: Option<ErrorClass>,
+        reason: String,
+    },
+}
+
+/// The reason every interrupted step and job gets (I-30).
+pub const INTERRUPTED: &str = "interrupted: node restarted";
+
+pub async fn recover(
+    journal: &Journal,
+    events: &EventBus,
+) -> Result<RecoveryReport, arbor_storage::Error> {
+    let epoch = journal.epoch();
+    let mut report = RecoveryReport {
+        epoch,
+        ..Default::default()
+    };
+    report.undecodable = journal.scan()?.undecodable;
+    let mut killed_by_job: HashMap<JobId, u32> = HashMap::new();
+    for sandbox in journal.live_sandboxes()? {
+        if kill_if_same(&sandbox) {
+            report.processes_killed.push(sandbox.pgid);
+            *killed_by_job.entry(sandbox.job).or_default() += 1;
+        }
+        journal.append(vec![Record::Sandbox(SandboxRecord {
+            state: SandboxState::Ended,
+            epoch,
+            ..sandbox
+        })])?;
+    }
+    for run in journal.runs()? {
+        if run.status.is_terminal() {
+            continue;
+        }
+        let outcome = recover_run(journal, events, &run, &killed_by_job, &mut report)?;
+        report.runs.push(RunRecovery {
+            run: run.id,
+            outcome,
+        });
+    }
+    journal.flush().await?;
+    report.breaches = journal.verify()?.breaches;
+    Ok(report)
+}
+
+fn kill_if_same(sandbox: &SandboxRecord) -> bool {
+    if !arbor_storage::same_process(sandbox.pgid, sandbox.start_ticks, &sandbox.boot_id) {
+        return false;
+    }
+    use nix::sys::signal::{Signal, killpg};
+    killpg(nix::unistd::Pid::from_raw(sandbox.pgid), Signal::SIGKILL).is_ok()
+}
+
+/// Open holds by child, and tokens held for calls that never settled.
+fn open_holds(entries: &[LedgerRecord]) -> (BTreeMap<JobId, u64>, u64) {
+    let mut holds = BTreeMap::new();
+    let mut calls: i128 = 0;
+    for entry in entries {
+        match &entry.op {
+            LedgerOp::Hold { child, tokens } => {
+                holds.insert(*child, *tokens);
+            }
+            LedgerOp::Release { child, .. } => {
+                holds.remove(child);
+            }
+            LedgerOp::CallReserve { tokens } => calls += *tokens as i128,
+            LedgerOp::CallSettle { reserved, .. } => calls -= *reserved as i128,
+            _ => {}
+        }
+    }
+    (holds, calls.max(0) as u64)
+}
+
+fn ledger(epoch: u64, owner: ParentRef, op: LedgerOp) -> Record {
+    Record::Ledger(LedgerRecord { owner, op, epoch })
+}
+
+/// Settles one account's open holds: children with no record at 0, calls
+/// uncharged. Returns how many holds it released.
+fn release_orphans(
+    journal: &Journal,
+    epoch: u64,
+    owner: ParentRef,
+    known: &HashMap<JobId, JobRecord>,
+) -> Result<u32, arbor_storage::Error> {
+    let (holds, calls) = open_holds(&journal.ledger(owner)?);
+    let mut records = vec![];
+    for (child, granted) in holds {
+        if !known.contains_key(&child) {
+            records.push(ledger(
+                epoch,
+                owner,
+                LedgerOp::Release {
+                    child,
+                    granted,
+                    spent: 0,
+                },
+            ));
+        }
+    }
+    if calls > 0 {
+        records.push(ledger(
+            epoch,
+            owner,
+            LedgerOp::CallSettle {
+                reserved: calls,
+                spent: 0,
+            },
+        ));
+    }
+    let released = records.len() as u32;
+    journal.append(records)?;
+    Ok(released)
+}
+
+fn publish_account(
+    journal: &Journal,
+    events: &EventBus,
+    run: RunId,
+    owner: ParentRef,
+) -> Result<u64, arbor_storage::Error> {
+    let totals = ledger_totals(&journal.ledger(owner)?);
+    events.emit(
+        run,
+        EventKind::AccountChanged {
+            owner,
+            grant: totals.grant,
+            spent: totals.spent,
+            held: totals.held,
+        },
+    );
+    Ok(totals.spent)
+}
+
+fn recover_run(
+    journal: &Journal,
+    events: &EventBus,
+    run: &RunRecord,
+    killed_by_job: &HashMap<JobId, u32>,
+    report: &mut RecoveryReport,
+) -> Result<RunOutcome, arbor_storage::Error> {
+    let epoch = journal.epoch();
+    let history = journal.events(run.id)?;
+    events.load_run(run.id, &history);
+    let spec = history.iter().find_map(|e| match &e.kind {
+        EventKind::RunStarted { spec, .. } => Some(spec.clone()),
+        _ => None,
+    });
+    let jobs: HashMap<JobId, JobRecord> = journal
+        .jobs(run.id)?
+        .into_iter()
+        .map(|j| (j.id, j))
+        .collect();
+    let mut interrupted: Vec<&JobRecord> =
+        jobs.values().filter(|j| !j.status.is_terminal()).collect();
+    // Deepest first: a parent is settled after its children, so its spent includes theirs.
+    interrupted.sort_by_key(|j| std::cmp::Reverse(j.depth));
+    let mut failed = 0;
+    let mut released = 0;
+    let mut processes = 0;
+    for job in interrupted {
+        let owner = ParentRef::Job(job.id);
+        released += release_orphans(journal, epoch, owner, &jobs)?;
+        let spent = ledger_totals(&journal.ledger(owner)?).spent;
+        let mut records = vec![ledger(epoch, owner, LedgerOp::Close { spent })];
+        let (parent_holds, _) = open_holds(&journal.ledger(job.parent)?);
+        if let Some(granted) = parent_holds.get(&job.id) {
+            records.push(ledger(
+                epoch,
+                job.parent,
+                LedgerOp::Release {
+                    child: job.id,
+                    granted: *granted,
+                    spent,
+                },
+            ));
+            released += 1;
+        }
+        records.push(Record::Job(JobRecord {
+            status: Status::Failed,
+            task_status: Some(arbor_protocol::TaskStatus::Failed),
+            error_class: Some(ErrorClass::Interrupted),
+            reason: Some(INTERRUPTED.into()),
+            output_json: "null".into(),
+            tokens_spent: spent,
+            epoch,
+            ..job.clone()
+        }));
+        journal.append(records)?;
+        publish_account(journal, events, run.id, owner)?;
+        publish_account(journal, events, run.id, job.parent)?;
+        events.emit(
+            run.id,
+            EventKind::NodeFinished {
+                id: job.id,
+                status: Status::Failed,
+                task_status: Some(arbor_protocol::TaskStatus::Failed),
+                error_class: Some(ErrorClass::Interrupted),
+                reason: Some(INTERRUPTED.into()),
+                propagated: false,
+                output: serde_json::Value::Null,
+                error: Some(INTERRUPTED.into()),
+                limitations: vec![],
+                artifacts: vec![],
+                turns: 0,
+                tokens_spent: spent,
+            },
+        );
+        report.jobs_failed.push(job.id);
+        processes += killed_by_job.get(&job.id).copied().unwrap_or(0);
+        failed += 1;
+    }
+    released += release_orphans(journal, epoch, ParentRef::Run(run.id), &jobs)?;
+    let run_spent = publish_account(journal, events, run.id, ParentRef::Run(run.id))?;
+    report.grants_released += released;
+    events.emit(
+        run.id,
+        EventKind::Recovered {
+            epoch,
+            jobs_failed: failed,
+            processes_killed: processes,
+            grants_released: released,
+        },
+    );
+    // Re-read: the steps' records now say how each ended.
+    let jobs = journal.jobs(run.id)?;
+    let outcome = match spec {
+        None => RunOutcome::Ended {
+            status: Status::Failed,
+            class: Some(ErrorClass::Interrupted),
+            reason: "interrupted: its spec was not journaled, so it cannot resume".into(),
+        },
+        Some(spec) => plan_resume(spec, &jobs, run_spent),
+    };
+    if let RunOutcome::Ended {
+        status,
+        class,
+        reason,
+    } = &outcome
+    {
+        let output = serde_json::Value::Null;
+        journal.append(vec![Record::Run(RunRecord {
+            status: *status,
+            error_class: *class,
+            reason: Some(reason.clone()),
+            output_json: output.to_string(),
+            epoch,
+            ..run.clone()
+        })])?;
+        events.emit(
+            run.id,
+            EventKind::RunFinished {
+                status: *status,
+                error_class: *class,
+                reason: Some(reason.clone()),
+                output,
+            },
+        );
+    }
+    Ok(outcome)
+}
+
+/// I-34: where the run picks up, or why it cannot. Pure.
+pub fn plan_resume(spec: RunSpec, jobs: &[JobRecord], spent: u64) -> RunOutcome {
+    let latest = |label: &str| {
+        jobs.iter()
+            .filter(|j| j.kind == NodeKind::Step && j.label.as_deref() == Some(label))
+            .max_by_key(|j| j.attempt)
+    };
+    let spawned = jobs
+        .iter()
+        .filter(|j| j.kind == NodeKind::Job && j.error_class != Some(ErrorClass::Start))
+        .count() as u64;
+    let attempts: HashMap<String, u32> = jobs
+        .iter()
+        .filter(|j| j.kind == NodeKind::Step)
+        .filter_map(|j| j.label.clone().map(|l| (l, j.attempt)))
+        .fold(HashMap::new(), |mut m, (l, a)| {
+            let e = m.entry(l).or_insert(0);
+            *e = (*e).max(a);
+            m
+        });
+    let labels = spec.step_labels();
+    let mut previous = vec![];
+    for (g, (group, labels)) in spec.groups.iter().zip(&labels).enumerate() {
+        let mut kept = vec![];
+        let mut all_done = true;
+        for (step, label) in group.steps.iter().zip(labels) {
+            match latest(label) {
+                Some(job) if job.status == Status::Done => kept.push(envelope_of(job)),
+                Some(job)
+                    if job.error_class == Some(ErrorClass::Interrupted)
+                        || job.status == Status::Pending
+                        || job.status == Status::Running =>
+                {
+                    all_done = false;
+                    if job.attempt > step.retries() {
+                        return RunOutcome::Ended {
+                            status: Status::Failed,
+                            class: Some(ErrorClass::Interrupted),
+                            reason: format!(
+                                "step {label} was interrupted by a restart and its retries ({}) are used up",
+                                step.retries()
+                            ),
+                        };
+                    }
+                }
+                Some(job) => {
+                    return RunOutcome::Ended {
+                        status: Status::Failed,
+                        class: job.error_class.or(Some(ErrorClass::Task)),
+                        reason: format!(
+                            "step {label} {} before the restart: {}",
+                            job.status,
+                            job.reason.clone().unwrap_or_default()
+                        ),
+                    };
+                }
+                None => all_done = false,
+            }
+        }
+        if all_done {
+            // Like a running run, the next group sees the last finished group's results.
+            previous = kept
+                .iter()
+                .map(|e| (e.label.clone().unwrap_or_default(), e.output.clone()))
+                .collect();
+            continue;
+        }
+        return RunOutcome::Resume {
+            spec: spec.clone(),
+            resume: Resume {
+                group: g,
+                previous,
+                kept,
+                attempts,
+                spent,
+                spawned,
+            },
+        };
+    }
+    // Every group had finished: only the run's own end was lost.
+    RunOutcome::Resume {
+        resume: Resume {
+            group: spec.groups.len(),
+            previous,
+            kept: vec![],
+            attempts,
+            spent,
+            spawned,
+        },
+        spec,
+    }
+}
+
+fn envelope_of(job: &JobRecord) -> ResultEnvelope {
+    ResultEnvelope {
+        job: job.id,
+        label: job.label.clone(),
+        attempt: job.attempt,
+        agent: job.agent.clone(),
+        status: job.status,
+        task_status: job.task_status,
+        output: serde_json::from_str(&job.output_json).unwrap_or(serde_json::Value::Null),
+        error: job.reason.clone(),
+        error_class: job.error_class,
+        limitations: vec![],
+        artifacts: vec![],
+        tokens_spent: job.tokens_spent,
+        usd_micros_spent: 0,
+        turns: 0,
+        workdir: job.workdir.clone(),
+    }
+}

@@ -1,0 +1,167 @@
+//! Fault injection, for tests: make the journal's writes or flushes fail, or
+//! hold its flushes back, to show what the node does when its disk does.
+//!
+//! Every journal has one `Faults` (`Journal::faults`), all off. Switching a
+//! fault on affects the next append or the next flush; nothing in flight.
+//!
+//! - `fail_writes`: `append` returns `Error::Injected("write")` and writes nothing.
+//! - `fail_flushes`: the flusher fails its waiting commits with
+//!   `Error::Injected("flush")` and `durable_seq` does not move.
+//! - `hold_flushes`: the flusher parks before flushing, so commits wait and
+//!   `durable_seq` does not move; releasing the hold lets them complete. This
+//!   is "a crash between write and flush": the append is applied and readable,
+//!   and never acknowledged.
+//!
+//! An injected failure counts as a real one: the journal remembers it and
+//! refuses every later append (`Journal::failed`).
+//!
+//! Deadlock safety: the hold's mutex is taken by the flusher thread and by
+//! whoever switches or watches the hold, never by `append` and never across
+//! an await. The flusher waits on the condvar, never spins, and dropping the
+//! journal releases it (`close`) before joining the thread.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+/// The journal's injectable faults; see the module docs.
+#[derive(Debug, Default)]
+pub struct Faults {
+    fail_writes: AtomicBool,
+    fail_flushes: AtomicBool,
+    hold: Mutex<Hold>,
+    /// Signalled whenever `hold` changes, in either direction.
+    hold_changed: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct Hold {
+    held: bool,
+    /// The journal is being dropped: the flusher must not park any more.
+    closing: bool,
+    /// The flusher is parked on the hold with commits waiting.
+    flusher_parked: bool,
+}
+
+impl Faults {
+    /// While on, every `append` (and so every `commit`) fails with
+    /// `Error::Injected("write")` and writes nothing.
+    pub fn fail_writes(&self, on: bool) {
+        self.fail_writes.store(on, Ordering::Release);
+    }
+
+    /// While on, every flush fails its waiting commits with
+    /// `Error::Injected("flush")` instead of flushing.
+    pub fn fail_flushes(&self, on: bool) {
+        self.fail_flushes.store(on, Ordering::Release);
+    }
+
+    /// While on, the flusher does not flush: commits wait and `durable_seq`
+    /// stays put. Switching it off lets the waiting commits complete.
+    pub fn hold_flushes(&self, on: bool) {
+        self.lock().held = on;
+        self.hold_changed.notify_all();
+    }
+
+    /// Blocks until the flusher is parked on the hold with at least one commit
+    /// waiting, or `limit` passes; says which. The limit is a safety net for a
+    /// test that got it wrong, not a way to wait: a parked flusher is signalled.
+    pub fn wait_until_flush_held(&self, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        let mut hold = self.lock();
+        while !hold.flusher_parked {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            hold = self
+                .hold_changed
+                .wait_timeout(hold, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+        true
+    }
+
+    pub(crate) fn writes_fail(&self) -> bool {
+        self.fail_writes.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn flushes_fail(&self) -> bool {
+        self.fail_flushes.load(Ordering::Acquire)
+    }
+
+    /// The flusher, about to flush: parks while flushes are held. Returns
+    /// `false` if the journal is closing, so the flusher must not flush now.
+    pub(crate) fn wait_while_held(&self) -> bool {
+        let mut hold = self.lock();
+        if hold.held && !hold.closing {
+            hold.flusher_parked = true;
+            self.hold_changed.notify_all();
+            while hold.held && !hold.closing {
+                hold = self
+                    .hold_changed
+                    .wait(hold)
+                    .unwrap_or_else(PoisonError::into_inner);
+            }
+            hold.flusher_parked = false;
+        }
+        !hold.closing
+    }
+
+    /// The journal is being dropped: wakes a parked flusher for good.
+    pub(crate) fn close(&self) {
+        self.lock().closing = true;
+        self.hold_changed.notify_all();
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Hold> {
+        self.hold.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::thread;
+
+    #[test]
+    fn all_faults_start_off() {
+        let faults = Faults::default();
+        assert!(!faults.writes_fail());
+        assert!(!faults.flushes_fail());
+        assert!(faults.wait_while_held());
+        assert!(!faults.wait_until_flush_held(Duration::ZERO));
+    }
+
+    #[test]
+    fn a_held_flusher_parks_until_released() {
+        let faults = Arc::new(Faults::default());
+        faults.hold_flushes(true);
+        let flusher = {
+            let faults = Arc::clone(&faults);
+            thread::spawn(move || faults.wait_while_held())
+        };
+        assert!(faults.wait_until_flush_held(Duration::from_secs(30)));
+        assert!(!flusher.is_finished());
+        faults.hold_flushes(false);
+        assert!(flusher.join().unwrap(), "released, not closing: flush");
+        assert!(!faults.wait_until_flush_held(Duration::ZERO));
+    }
+
+    #[test]
+    fn closing_wakes_a_held_flusher_and_tells_it_not_to_flush() {
+        let faults = Arc::new(Faults::default());
+        faults.hold_flushes(true);
+        let flusher = {
+            let faults = Arc::clone(&faults);
+            thread::spawn(move || faults.wait_while_held())
+        };
+        assert!(faults.wait_until_flush_held(Duration::from_secs(30)));
+        faults.close();
+        assert!(!flusher.join().unwrap());
+        // Once closing, a hold never parks again.
+        assert!(!faults.wait_while_held());
+    }
+}

@@ -1,0 +1,286 @@
+//! Recovery: a node killed at any moment comes back knowing what died, what it
+//! spent and what it owes (I-05 across restarts, I-30 to I-35, I-41).
+
+use arbor_protocol::{ErrorClass, EventKind, ParentRef, Status};
+use arbor_runtime::RunOutcome;
+use arbor_testkit::{TestNode, agent_md};
+use std::sync::Arc;
+
+const SLOW: &str = "description: slow\nscript:\n  - usage: {input: 30, output: 12}\n    call: {tool: collect, args: {}}\n  - say: working\n    delay: 1h";
+
+fn boss(children: &str) -> String {
+    agent_md(&format!(
+        "subagents: [slow, quick]\nscript:\n  - call: {{tool: delegate, args: {{wait: false, jobs: [{children}]}}}}\n  - call: {{tool: collect, args: {{}}}}\n  - call: {{tool: submit_output, args: {{output: done}}}}"
+    ))
+}
+
+fn flow(retries: u32) -> String {
+    format!(
+        "budget = {{ tokens = 100000 }}\n[[group]]\nsteps = [{{ agent = \"boss\", instruction = \"go\", retries = {retries} }}]\n"
+    )
+}
+
+async fn node_with(boss_md: &str, flow_toml: &str, config: Option<&str>) -> TestNode {
+    let quick = agent_md(
+        "description: quick\nscript:\n  - call: {tool: submit_output, args: {output: ok}}",
+    );
+    TestNode::start_workspace(
+        config,
+        &[
+            ("boss", boss_md),
+            ("slow", &agent_md(SLOW)),
+            ("quick", &quick),
+        ],
+        &[("work", flow_toml)],
+        Arc::new(arbor_runtime::DefaultModels),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn inv_30_a_restart_fails_every_orphan_and_releases_its_holds() {
+    let node = node_with(
+        &boss("{agent: slow, request: a, label: a}, {agent: slow, request: b, label: b}"),
+        &flow(0),
+        None,
+    )
+    .await;
+    let run = node.run_flow("work").await;
+    node.wait_until(run, |t| {
+        ["a", "b"].iter().all(|l| {
+            t.find(l)
+                .and_then(|id| t.node(id))
+                .is_some_and(|n| n.account.spent == 42)
+        })
+    })
+    .await;
+
+    let node = node.crash_and_restart().await;
+
+    let report = node.node().recovery();
+    assert_eq!(report.jobs_failed.len(), 3, "the step and its two jobs");
+    assert!(report.breaches.is_empty(), "{:?}", report.breaches);
+    let tree = node.wait_run(run).await;
+    for (_, job) in tree.nodes() {
+        assert_eq!(job.status, Status::Failed);
+        assert_eq!(job.error_class, Some(ErrorClass::Interrupted));
+        assert_eq!(job.reason.as_deref(), Some("interrupted: node restarted"));
+        assert_eq!(job.account.held, 0);
+    }
+    // The step may not run again (retries = 0): the run fails, class interrupted.
+    assert_eq!(tree.run_status(), Status::Failed);
+    assert_eq!(tree.root().error_class, Some(ErrorClass::Interrupted));
+    assert!(
+        node.events(run)
+            .iter()
+            .any(|e| matches!(e.kind, EventKind::Recovered { jobs_failed: 3, .. }))
+    );
+    node.assert_conserved(run);
+}
+
+#[tokio::test]
+async fn inv_31_budgets_reconcile_at_journaled_spend_and_nothing_is_charged_twice() {
+    let node = node_with(&boss("{agent: slow, request: a, label: a}"), &flow(0), None).await;
+    let run = node.run_flow("work").await;
+    node.wait_until(run, |t| {
+        t.find("a")
+            .and_then(|id| t.node(id))
+            .is_some_and(|n| n.account.spent == 42)
+    })
+    .await;
+    let node = node.crash_and_restart().await;
+    let tree = node.wait_run(run).await;
+    let a = tree.node(tree.find("a").unwrap()).unwrap().clone();
+    let boss = tree.node(tree.find("boss").unwrap()).unwrap().clone();
+    assert_eq!(a.account.spent, 42, "settled at what it had journaled");
+    assert!(boss.account.spent >= 42, "the parent's spent includes it");
+    assert_eq!(tree.root().account.spent, boss.account.spent);
+    assert_eq!((boss.account.held, tree.root().account.held), (0, 0));
+    node.assert_conserved(run);
+
+    // A second restart finds nothing left to do and charges nothing again.
+    let before = node.ledger(ParentRef::Run(run)).len();
+    let node = node.crash_and_restart().await;
+    assert!(node.node().recovery().jobs_failed.is_empty());
+    assert_eq!(
+        node.ledger(ParentRef::Run(run)).len(),
+        before,
+        "{:#?}",
+        node.ledger(ParentRef::Run(run))
+    );
+    assert_eq!(node.tree(run).root().account.spent, boss.account.spent);
+    node.assert_conserved(run);
+}
+
+#[tokio::test]
+async fn inv_34_a_run_resumes_at_step_granularity() {
+    let first = agent_md(
+        "description: first\nscript:\n  - call: {tool: submit_output, args: {output: FIRST}}",
+    );
+    let second = agent_md(
+        "description: second\nscript:\n  - say: thinking\n    delay: 300ms\n    call: {tool: submit_output, args: {output: SECOND}}",
+    );
+    let flow = "budget = { tokens = 100000 }\n[[group]]\nsteps = [{ agent = \"first\", instruction = \"one\" }]\n[[group]]\nsteps = [{ agent = \"second\", instruction = \"two\" }]\n";
+    let node = TestNode::start_workspace(
+        None,
+        &[("first", &first), ("second", &second)],
+        &[("two", flow)],
+        Arc::new(arbor_runtime::DefaultModels),
+    )
+    .await;
+    let run = node.run_flow("two").await;
+    node.wait_status(run, "second", Status::Running).await;
+
+    let node = node.crash_and_restart().await;
+
+    assert!(matches!(
+        node.node().recovery().runs[0].outcome,
+        RunOutcome::Resume { ref resume, .. } if resume.group == 1
+    ));
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Done);
+    assert_eq!(tree.root().output, "SECOND");
+    let attempts = |label: &str| {
+        let mut a: Vec<(u32, Status)> = tree
+            .nodes()
+            .filter(|(_, n)| n.label.as_deref() == Some(label))
+            .map(|(_, n)| (n.attempt, n.status))
+            .collect();
+        a.sort_by_key(|x| x.0);
+        a
+    };
+    assert_eq!(
+        attempts("first"),
+        [(1, Status::Done)],
+        "a finished step keeps its result"
+    );
+    assert_eq!(
+        attempts("second"),
+        [(1, Status::Failed), (2, Status::Done)],
+        "an interrupted one runs again"
+    );
+    node.assert_conserved(run);
+}
+
+#[tokio::test]
+async fn inv_05_the_spawn_count_survives_a_restart() {
+    let node = node_with(
+        &boss("{agent: slow, request: a, label: a}, {agent: slow, request: b, label: b}"),
+        &flow(1),
+        Some("[limits]\nspawn_cap = 3"),
+    )
+    .await;
+    let run = node.run_flow("work").await;
+    node.wait_until(run, |t| ["a", "b"].iter().all(|l| t.find(l).is_some()))
+        .await;
+    let node = node.crash_and_restart().await;
+    // The resumed step asks for two more; one is left under the cap.
+    let refused = node
+        .wait_event(
+            run,
+            |e| matches!(e, EventKind::ToolCalled { tool, ok: false, .. } if tool == "delegate"),
+        )
+        .await;
+    let EventKind::ToolCalled { detail, .. } = refused.kind else {
+        unreachable!()
+    };
+    assert!(
+        detail.contains("run spawn cap: 2 spawned + 2 asked > 3"),
+        "{detail}"
+    );
+    node.stop_run(run).await;
+    node.wait_run(run).await;
+}
+
+#[tokio::test]
+async fn inv_35_an_undecodable_record_is_reported_by_key_never_skipped() {
+    let quick = agent_md("script:\n  - call: {tool: submit_output, args: {output: ok}}");
+    let node = TestNode::start(&[("solo", &quick)]).await;
+    let run = node.run_agent("solo", "go").await;
+    node.wait_run(run).await;
+    let step = node.tree(run).find("solo").unwrap();
+    let dir = node.crash().await;
+    let data = dir.path().join("data");
+
+    // Corrupt the step's record behind the journal's back.
+    let key = [run.0.as_bytes().as_slice(), step.0.as_bytes()].concat();
+    {
+        let db = arbor_storage::open_db(&data.join("journal")).unwrap();
+        let jobs = db.open_tree("jobs").unwrap();
+        let mut value = jobs.get(&key).unwrap().unwrap().to_vec();
+        value[0] = 77;
+        jobs.insert(&key, value).unwrap();
+        db.flush().unwrap();
+    }
+    let journal = arbor_storage::Journal::open(&data.join("journal")).unwrap();
+    let report = journal.scan().unwrap();
+    let hex: String = key.iter().map(|b| format!("{b:02x}")).collect();
+    assert!(
+        report
+            .undecodable
+            .iter()
+            .any(|u| u.tree == "jobs" && u.key_hex == hex),
+        "{:?}",
+        report.undecodable
+    );
+    assert!(!journal.verify().unwrap().is_clean());
+}
+
+#[tokio::test]
+async fn inv_41_each_start_is_a_new_epoch_and_a_late_write_from_an_earlier_one_is_refused() {
+    let node = node_with(&boss("{agent: slow, request: a, label: a}"), &flow(0), None).await;
+    let first = node.journal().epoch();
+    let run = node.run_flow("work").await;
+    node.wait_for(run, "a").await;
+    let stale = node
+        .journal()
+        .job(run, node.tree(run).find("a").unwrap())
+        .unwrap()
+        .unwrap();
+    let node = node.crash_and_restart().await;
+    assert_eq!(node.journal().epoch(), first + 1);
+    // The job's last word from before the crash arrives late: refused, nothing changes.
+    let late = arbor_storage::JobRecord {
+        status: Status::Done,
+        output_json: "\"late\"".into(),
+        ..stale.clone()
+    };
+    assert!(matches!(
+        node.journal()
+            .append(vec![arbor_storage::Record::Job(late)]),
+        Err(arbor_storage::Error::StaleEpoch { .. })
+    ));
+    let now = node.journal().job(run, stale.id).unwrap().unwrap();
+    assert_eq!(now.error_class, Some(ErrorClass::Interrupted));
+}
+
+#[tokio::test]
+async fn a_journal_that_cannot_write_takes_no_new_work_and_loses_nothing_acknowledged() {
+    let quick = agent_md("script:\n  - call: {tool: submit_output, args: {output: ok}}");
+    let node = TestNode::start(&[("solo", &quick)]).await;
+    let done = node.run_agent("solo", "first").await;
+    node.wait_run(done).await;
+    let acknowledged = node.journal().durable_seq();
+
+    node.journal().faults().fail_writes(true);
+    let spec = node.workspace.agent_run("solo", "second", None).unwrap();
+    let refused = node
+        .node()
+        .start_run(spec.clone())
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(refused.contains("journal"), "{refused}");
+    // Once failed it stays failed, even with the fault lifted: it says why.
+    node.journal().faults().fail_writes(false);
+    let refused = node.node().start_run(spec).await.unwrap_err().to_string();
+    assert!(refused.contains("the journal has failed"), "{refused}");
+
+    let dir = node.crash().await;
+    let journal = arbor_storage::Journal::open(&dir.path().join("data/journal")).unwrap();
+    assert!(
+        journal.applied_seq() >= acknowledged,
+        "every acknowledged record is there"
+    );
+    assert_eq!(journal.run(done).unwrap().unwrap().status, Status::Done);
+}
