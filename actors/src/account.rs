@@ -127,7 +127,16 @@ impl Actor for Account {
     ) -> Result<Self::State, ActorProcessingErr> {
         let resumed = args.resume_spent.is_some();
         let state = AccountState::new(args);
-        if resumed {
+        // A resumed account was opened before the restart, unless the crash
+        // came between the run's record and its account's: then open it now.
+        let opened = resumed
+            && state
+                .ctx
+                .journal
+                .ledger(state.owner)?
+                .iter()
+                .any(|r| matches!(r.op, LedgerOp::Open { .. }));
+        if opened {
             return Ok(state);
         }
         state

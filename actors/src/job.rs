@@ -266,6 +266,7 @@ impl Actor for Job {
                 grant_tokens: start.grant,
                 workdir: start.workdir.display().to_string(),
                 record_seq: start.record_seq,
+                request: start.brief.request.clone(),
             },
         );
         let offered = start

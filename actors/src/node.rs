@@ -21,6 +21,8 @@ pub struct NodeArgs {
 pub enum NodeMsg {
     StartRun {
         spec: RunSpec,
+        /// Attempts already made by step label (a continued job's next attempt).
+        attempts: std::collections::HashMap<String, u32>,
         reply: RpcReplyPort<Result<RunId, String>>,
     },
     /// Resumes a run recovery found interrupted (I-34).
@@ -81,8 +83,12 @@ impl Actor for Node {
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         match message {
-            NodeMsg::StartRun { spec, reply } => {
-                let result = state.start_run(&myself, spec).await;
+            NodeMsg::StartRun {
+                spec,
+                attempts,
+                reply,
+            } => {
+                let result = state.start_run(&myself, spec, attempts).await;
                 let _ = reply.send(result);
             }
             NodeMsg::ResumeRun {
@@ -91,7 +97,9 @@ impl Actor for Node {
                 resume,
                 reply,
             } => {
-                let result = state.spawn_run(&myself, id, spec, Some(resume)).await;
+                let result = state
+                    .spawn_run(&myself, id, spec, Some(resume), Default::default())
+                    .await;
                 let _ = reply.send(result);
             }
             NodeMsg::StopRun { run, reason, reply } => {
@@ -224,6 +232,7 @@ impl NodeState {
         &mut self,
         myself: &ActorRef<NodeMsg>,
         spec: RunSpec,
+        attempts: std::collections::HashMap<String, u32>,
     ) -> Result<RunId, String> {
         if self.closing {
             return Err("the node is shutting down; no new run starts".into());
@@ -247,7 +256,8 @@ impl NodeState {
                 return Err(format!("unknown agent {:?}", step.agent));
             }
         }
-        self.spawn_run(myself, RunId::new(), spec, None).await
+        self.spawn_run(myself, RunId::new(), spec, None, attempts)
+            .await
     }
 
     async fn spawn_run(
@@ -256,12 +266,14 @@ impl NodeState {
         id: RunId,
         spec: RunSpec,
         resume: Option<crate::run::Resume>,
+        attempts: std::collections::HashMap<String, u32>,
     ) -> Result<RunId, String> {
         let args = RunArgs {
             ctx: self.ctx.clone(),
             id,
             spec: spec.clone(),
             resume,
+            attempts,
         };
         let (actor, _) = Actor::spawn_linked(
             Some(format!("arbor-run-{id}")),

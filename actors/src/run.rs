@@ -30,6 +30,9 @@ pub struct RunArgs {
     pub spec: RunSpec,
     /// Set when a restart resumes an interrupted run (I-34).
     pub resume: Option<Resume>,
+    /// Attempts already made, by step label, for a new run that continues
+    /// an interrupted job (I-33): its step is the next attempt.
+    pub attempts: std::collections::HashMap<String, u32>,
 }
 
 /// Where an interrupted run picks up, as recovery read it from the journal.
@@ -152,7 +155,11 @@ impl Actor for Run {
                 resume.spawned,
             )),
             labels,
-            attempts: resume.attempts,
+            attempts: if resume_given {
+                resume.attempts
+            } else {
+                args.attempts
+            },
             ctx,
             id: args.id,
             spec: args.spec,

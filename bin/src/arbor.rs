@@ -3,15 +3,17 @@
 //! Exit codes: 0 the run completed; 1 it failed or was stopped; 2 bad usage or
 //! bad input, with a one-line reason on stderr.
 
+mod journal;
 mod render;
 
 use anyhow::Context;
 use arbor_protocol::{RunSpec, Status};
-use arbor_runtime::{EmbeddedNode, Workspace};
+use arbor_runtime::{DefaultModels, EmbeddedNode, Workspace};
 use clap::{Args, Parser, Subcommand};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 #[derive(Parser)]
 #[command(name = "arbor", version, about = "Run and inspect trees of AI agents")]
@@ -23,7 +25,49 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run a flow (or one agent) of the workspace DIR on an embedded node.
+    /// On a data dir a crash left behind, it first recovers, and resumes the
+    /// interrupted run of the same flow instead of starting a new one.
     Run(RunArgs),
+    /// Continue a job a restart interrupted, as its next attempt.
+    Continue(ContinueArgs),
+    /// Check or read a node's journal.
+    #[command(subcommand)]
+    Journal(JournalCommand),
+}
+
+#[derive(Args)]
+struct ContinueArgs {
+    /// The interrupted step's or job's id.
+    job: String,
+    /// The node's data dir (holds `journal/`).
+    #[arg(long)]
+    data_dir: PathBuf,
+    /// The workspace the job's agent comes from (default: the data dir's parent).
+    #[arg(long)]
+    workspace: Option<PathBuf>,
+    /// Print the continuation's tree as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Subcommand)]
+enum JournalCommand {
+    /// Decode every record and check every account's conservation; exit 1
+    /// and list what is wrong if anything is.
+    Verify {
+        #[arg(long)]
+        data_dir: PathBuf,
+    },
+    /// Print runs, their steps and jobs, and their ledger entries.
+    Inspect {
+        #[arg(long)]
+        data_dir: PathBuf,
+        /// Only this run, with its jobs and ledger.
+        #[arg(long)]
+        run: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Args)]
@@ -76,6 +120,13 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Command::Run(args) => run(args).await,
+            Command::Continue(args) => continue_job(args).await,
+            Command::Journal(JournalCommand::Verify { data_dir }) => journal::verify(&data_dir),
+            Command::Journal(JournalCommand::Inspect {
+                data_dir,
+                run,
+                json,
+            }) => journal::inspect(&data_dir, run.as_deref(), json),
         }
     });
     match result {
@@ -133,17 +184,86 @@ async fn run(args: RunArgs) -> Result<ExitCode, Failure> {
         .data_dir
         .clone()
         .unwrap_or_else(|| args.dir.join(".arbor"));
-    let node = EmbeddedNode::start(&workspace, &data_dir)
+    let flow = spec.flow.clone();
+    let node = EmbeddedNode::start_resuming(&workspace, &data_dir, Arc::new(DefaultModels), |s| {
+        s.flow == flow
+    })
+    .await
+    .map_err(|e| bad(format!("{}: {e}", data_dir.display())))?;
+    report_recovery(&node);
+    // A crash left this flow's run unfinished: it was resumed; follow it.
+    let run = match node.resumed().last() {
+        Some((id, _)) => {
+            eprintln!("arbor: resuming run {id}, interrupted by a restart");
+            *id
+        }
+        None => node.start_run(spec).await.map_err(bad)?,
+    };
+    follow(node, run, args.json).await
+}
+
+fn report_recovery(node: &EmbeddedNode) {
+    let r = node.recovery();
+    if !r.jobs_failed.is_empty() || !r.processes_killed.is_empty() {
+        eprintln!(
+            "arbor: recovered from a crash: {} jobs failed as interrupted, {} process groups killed, {} grants released",
+            r.jobs_failed.len(),
+            r.processes_killed.len(),
+            r.grants_released
+        );
+    }
+    for u in &r.undecodable {
+        eprintln!(
+            "arbor: undecodable record in {} at {}: {}",
+            u.tree, u.key_hex, u.error
+        );
+    }
+    for b in &r.breaches {
+        eprintln!("arbor: conservation breach: {b}");
+    }
+}
+
+async fn continue_job(args: ContinueArgs) -> Result<ExitCode, Failure> {
+    let job = args
+        .job
+        .parse()
+        .map_err(|_| bad(format!("{:?} is not a job id", args.job)))?;
+    let dir = match args.workspace {
+        Some(dir) => dir,
+        None => args
+            .data_dir
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .map(|p| p.to_path_buf())
+            .unwrap_or_else(|| PathBuf::from(".")),
+    };
+    let workspace = Workspace::load(&dir).map_err(bad)?;
+    // Interrupted runs stay as recovery left them: only the job is continued.
+    let node =
+        EmbeddedNode::start_resuming(&workspace, &args.data_dir, Arc::new(DefaultModels), |_| {
+            false
+        })
         .await
-        .map_err(|e| bad(format!("{}: {e}", data_dir.display())))?;
-    let run = node.start_run(spec).await.map_err(bad)?;
-    let live = !args.json && std::io::stdout().is_terminal();
+        .map_err(|e| bad(format!("{}: {e}", args.data_dir.display())))?;
+    report_recovery(&node);
+    let run = node.continue_job(job).await.map_err(bad)?;
+    eprintln!("arbor: continuing {job} as run {run}");
+    follow(node, run, args.json).await
+}
+
+/// Shows the run until it ends, prints its tree, shuts the node down.
+async fn follow(
+    node: EmbeddedNode,
+    run: arbor_protocol::RunId,
+    json: bool,
+) -> Result<ExitCode, Failure> {
+    let live = !json && std::io::stdout().is_terminal();
     let mut view = render::Progress::new(live, run);
     let mut changes = node.events().changes();
     let mut interrupted = false;
     let tree = loop {
         let tree = node.tree(run);
-        if !args.json {
+        if !json {
             view.show(&tree);
         }
         if tree.run_status().is_terminal() {
@@ -168,7 +288,7 @@ async fn run(args: RunArgs) -> Result<ExitCode, Failure> {
         }
     };
     let root = tree.root();
-    if args.json {
+    if json {
         let doc = serde_json::json!({ "run": root });
         println!(
             "{}",

@@ -81,6 +81,9 @@ pub enum EventKind {
         /// The journal seq of its admission record (job record and delegation),
         /// committed before it started (I-29).
         record_seq: u64,
+        /// What it was asked, so that an interrupted job can be continued (I-33).
+        #[serde(default)]
+        request: String,
     },
     NodeRunning {
         id: JobId,

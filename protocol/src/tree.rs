@@ -425,6 +425,7 @@ mod tests {
             grant_tokens: grant,
             workdir: format!("/w/{run}"),
             record_seq: 1,
+            request: "x".into(),
         }
     }
 

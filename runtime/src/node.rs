@@ -23,6 +23,9 @@ pub enum Error {
     Refused(String),
 }
 
+/// The delegation key under which a job's continuation is recorded (I-33).
+pub const CONTINUE_KEY: &str = "continue";
+
 /// How long `shutdown` waits for runs to stop by themselves.
 pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -48,6 +51,17 @@ impl EmbeddedNode {
         data_dir: &Path,
         models: Arc<dyn ModelFactory>,
     ) -> Result<Self, Error> {
+        Self::start_resuming(workspace, data_dir, models, |_| true).await
+    }
+
+    /// As `start_with`, resuming only the interrupted runs `resume` picks; the
+    /// others stay interrupted (recovered, not resumed) for a later start.
+    pub async fn start_resuming(
+        workspace: &Workspace,
+        data_dir: &Path,
+        models: Arc<dyn ModelFactory>,
+        resume: impl Fn(&RunSpec) -> bool,
+    ) -> Result<Self, Error> {
         std::fs::create_dir_all(data_dir)
             .map_err(|e| Error::Start(format!("{}: {e}", data_dir.display())))?;
         let journal = Journal::open(&data_dir.join("journal"))?;
@@ -71,7 +85,10 @@ impl EmbeddedNode {
             .map_err(|e| Error::Start(format!("the node could not start: {e}")))?;
         let mut resumed = vec![];
         for run in &recovery.runs {
-            if let RunOutcome::Resume { spec, resume } = &run.outcome {
+            if let RunOutcome::Resume { spec, resume: plan } = &run.outcome
+                && resume(spec)
+            {
+                let resume = plan;
                 let (id, spec, resume) = (run.run, spec.clone(), resume.clone());
                 let again = spec.clone();
                 ractor::call!(node, |reply| NodeMsg::ResumeRun {
@@ -93,6 +110,84 @@ impl EmbeddedNode {
             recovery,
             resumed,
         })
+    }
+
+    /// Continues a job a restart interrupted (I-33): a new run whose one step
+    /// is the job's next attempt, on the job's request and grant. Explicit
+    /// and idempotent: a second call returns the run the first one started.
+    pub async fn continue_job(&self, job: JobId) -> Result<RunId, Error> {
+        let journal = &self.ctx.journal;
+        let record = journal
+            .all_jobs()?
+            .into_iter()
+            .find(|j| j.id == job)
+            .ok_or_else(|| Error::Refused(format!("no step or job {job} in this journal")))?;
+        if record.error_class != Some(arbor_protocol::ErrorClass::Interrupted) {
+            return Err(Error::Refused(format!(
+                "{job} is {}{}; only a job a restart interrupted can be continued",
+                record.status,
+                record
+                    .error_class
+                    .map(|c| format!(" ({c})"))
+                    .unwrap_or_default()
+            )));
+        }
+        if let Some(done) = journal
+            .delegations(job)?
+            .into_iter()
+            .find(|d| d.key == CONTINUE_KEY)
+        {
+            return done.digest.parse().map_err(|_| {
+                Error::Refused(format!("{job}: its continuation record is unreadable"))
+            });
+        }
+        let request = journal
+            .events(record.run)?
+            .into_iter()
+            .find_map(|e| match e.kind {
+                arbor_protocol::EventKind::NodeSpawned { id, request, .. } if id == job => {
+                    Some(request)
+                }
+                _ => None,
+            })
+            .filter(|r| !r.is_empty())
+            .ok_or_else(|| Error::Refused(format!("{job}: its request was not journaled")))?;
+        let label = record.label.clone().unwrap_or_else(|| record.agent.clone());
+        let spec = RunSpec {
+            flow: format!("continue:{job}"),
+            groups: vec![arbor_protocol::FlowGroup {
+                steps: vec![arbor_protocol::StepSpec {
+                    agent: record.agent.clone(),
+                    instruction: format!(
+                        "{request}\n\n(An earlier attempt was interrupted when the node restarted.)"
+                    ),
+                    label: Some(label.clone()),
+                    retries: Some(0),
+                }],
+            }],
+            budget_tokens: record.grant_tokens,
+            timeout: None,
+        };
+        let attempts = std::collections::HashMap::from([(label, record.attempt)]);
+        let run = ractor::call!(self.node, |reply| NodeMsg::StartRun {
+            spec,
+            attempts,
+            reply
+        })
+        .map_err(|e| Error::Start(e.to_string()))?
+        .map_err(Error::Refused)?;
+        journal
+            .commit(vec![arbor_storage::Record::Delegation(
+                arbor_storage::DelegationRecord {
+                    parent: job,
+                    key: CONTINUE_KEY.into(),
+                    digest: run.to_string(),
+                    children: vec![],
+                    epoch: journal.epoch(),
+                },
+            )])
+            .await?;
+        Ok(run)
     }
 
     /// What recovery found and did when this node started.
@@ -132,9 +227,13 @@ impl EmbeddedNode {
     }
 
     pub async fn start_run(&self, spec: RunSpec) -> Result<RunId, Error> {
-        ractor::call!(self.node, |reply| NodeMsg::StartRun { spec, reply })
-            .map_err(|e| Error::Start(e.to_string()))?
-            .map_err(Error::Refused)
+        ractor::call!(self.node, |reply| NodeMsg::StartRun {
+            spec,
+            attempts: Default::default(),
+            reply
+        })
+        .map_err(|e| Error::Start(e.to_string()))?
+        .map_err(Error::Refused)
     }
 
     pub async fn stop_run(&self, run: RunId, reason: &str) -> Result<(), Error> {

@@ -102,12 +102,15 @@ pub async fn recover(
     Ok(report)
 }
 
+/// Kills what is left of a recorded process group: its leader if it is
+/// still the same process, and every member that outlived it.
 fn kill_if_same(sandbox: &SandboxRecord) -> bool {
-    if !arbor_storage::same_process(sandbox.pgid, sandbox.start_ticks, &sandbox.boot_id) {
-        return false;
+    use nix::sys::signal::{Signal, kill};
+    let members = arbor_storage::group_members(sandbox.pgid, sandbox.start_ticks, &sandbox.boot_id);
+    for pid in &members {
+        let _ = kill(nix::unistd::Pid::from_raw(*pid), Signal::SIGKILL);
     }
-    use nix::sys::signal::{Signal, killpg};
-    killpg(nix::unistd::Pid::from_raw(sandbox.pgid), Signal::SIGKILL).is_ok()
+    !members.is_empty()
 }
 
 /// Open holds by child, and tokens held for calls that never settled.

@@ -66,7 +66,7 @@ mod verify;
 pub use error::Error;
 pub use faults::Faults;
 pub use journal::{Journal, ScanReport, Undecodable, open_db};
-pub use proc_start::{process_start, same_process};
+pub use proc_start::{group_members, process_start, same_process};
 pub use record::{
     DelegationRecord, JobRecord, LedgerOp, LedgerRecord, LedgerTotals, Record, RunRecord,
     SandboxRecord, SandboxState, SteerRecord, SteerState, ledger_totals,

@@ -48,6 +48,51 @@ pub fn same_process(record_pgid: i32, start_ticks: u64, boot_id: &str) -> bool {
     }
 }
 
+/// The live (not zombie) processes of the group a sandbox recorded, whether
+/// or not its leader is still there:
+/// - a different boot: none;
+/// - the leader (pid = pgid) is running with another start time: the pgid
+///   belongs to someone else now: none;
+/// - otherwise every non-zombie process whose group is `pgid` and that
+///   started no earlier than the leader. The kernel does not hand out a pid
+///   still used as a process group id, so while any member of our group
+///   lives, the pgid cannot name a stranger's group.
+pub fn group_members(pgid: i32, start_ticks: u64, boot: &str) -> Vec<i32> {
+    if pgid <= 1 || boot_id().as_deref() != Some(boot) {
+        return vec![];
+    }
+    if let Some((leader_ticks, _)) = process_start(pgid)
+        && leader_ticks != start_ticks
+    {
+        return vec![];
+    }
+    let Ok(entries) = fs::read_dir("/proc") else {
+        return vec![];
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|stat| group_fields(&stat))
+                .is_some_and(|(state, group, start)| {
+                    state != 'Z' && group == pgid && start >= start_ticks
+                })
+        })
+        .collect()
+}
+
+/// (state, pgrp, starttime) of a `/proc/<pid>/stat` line: fields 3, 5 and 22.
+fn group_fields(stat: &str) -> Option<(char, i32, u64)> {
+    let (_, after_comm) = stat.rsplit_once(')')?;
+    let fields: Vec<&str> = after_comm.split_ascii_whitespace().collect();
+    let state = fields.first()?.chars().next()?;
+    let group = fields.get(5 - 3)?.parse().ok()?;
+    let start = fields.get(22 - 3)?.parse().ok()?;
+    Some((state, group, start))
+}
+
 /// The kernel's id for this boot, trimmed.
 fn boot_id() -> Option<String> {
     let id = fs::read_to_string(BOOT_ID_PATH).ok()?;

@@ -1,0 +1,141 @@
+//! `arbor journal verify` and `arbor journal inspect`: a node's journal read
+//! without starting the node.
+
+use crate::{Failure, bad};
+use arbor_protocol::{ParentRef, RunId};
+use arbor_storage::{Journal, ledger_totals};
+use std::path::Path;
+use std::process::ExitCode;
+
+fn open(data_dir: &Path) -> Result<Journal, Failure> {
+    let dir = data_dir.join("journal");
+    if !dir.is_dir() {
+        return Err(bad(format!("{}: no journal here", data_dir.display())));
+    }
+    Journal::open(&dir).map_err(|e| bad(format!("{}: {e}", dir.display())))
+}
+
+pub fn verify(data_dir: &Path) -> Result<ExitCode, Failure> {
+    let journal = open(data_dir)?;
+    let report = journal
+        .verify()
+        .map_err(|e| Failure::Other(anyhow::anyhow!("reading the journal: {e}")))?;
+    for u in &report.undecodable {
+        println!(
+            "undecodable: tree {} key {}: {}",
+            u.tree, u.key_hex, u.error
+        );
+    }
+    for b in &report.breaches {
+        println!("breach: {b}");
+    }
+    println!(
+        "{} records, {} accounts: {}",
+        report.records,
+        report.accounts,
+        if report.is_clean() {
+            "ok".to_string()
+        } else {
+            format!(
+                "{} undecodable, {} breaches",
+                report.undecodable.len(),
+                report.breaches.len()
+            )
+        }
+    );
+    Ok(if report.is_clean() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+pub fn inspect(data_dir: &Path, run: Option<&str>, json: bool) -> Result<ExitCode, Failure> {
+    let journal = open(data_dir)?;
+    let read =
+        |e: arbor_storage::Error| Failure::Other(anyhow::anyhow!("reading the journal: {e}"));
+    let runs = match run {
+        Some(id) => {
+            let id: RunId = id
+                .parse()
+                .map_err(|_| bad(format!("{id:?} is not a run id")))?;
+            vec![
+                journal
+                    .run(id)
+                    .map_err(read)?
+                    .ok_or_else(|| bad(format!("no run {id} in this journal")))?,
+            ]
+        }
+        None => journal.runs().map_err(read)?,
+    };
+    let mut docs = vec![];
+    for r in &runs {
+        let jobs = journal.jobs(r.id).map_err(read)?;
+        let mut owners = vec![ParentRef::Run(r.id)];
+        owners.extend(jobs.iter().map(|j| ParentRef::Job(j.id)));
+        let mut ledgers = vec![];
+        for owner in owners {
+            let entries = journal.ledger(owner).map_err(read)?;
+            let totals = ledger_totals(&entries);
+            ledgers.push((owner, entries, totals));
+        }
+        if json {
+            docs.push(serde_json::json!({
+                "run": r,
+                "jobs": jobs,
+                "ledger": ledgers.iter().filter(|_| run.is_some()).map(|(owner, entries, t)| serde_json::json!({
+                    "owner": owner, "grant": t.grant, "spent": t.spent, "held": t.held, "entries": entries,
+                })).collect::<Vec<_>>(),
+            }));
+            continue;
+        }
+        println!(
+            "run {} [{}] flow {} budget {} epoch {}{}",
+            r.id,
+            r.status,
+            r.flow,
+            r.budget_tokens,
+            r.epoch,
+            r.reason
+                .as_ref()
+                .map(|x| format!(" — {x}"))
+                .unwrap_or_default()
+        );
+        for j in &jobs {
+            println!(
+                "  {}{} {} ({}) [{}] attempt {} grant {} spent {}{}",
+                "  ".repeat(j.depth as usize),
+                j.kind.as_str(),
+                j.label.clone().unwrap_or_default(),
+                j.agent,
+                j.status,
+                j.attempt,
+                j.grant_tokens,
+                j.tokens_spent,
+                j.reason
+                    .as_ref()
+                    .map(|x| format!(" — {x}"))
+                    .unwrap_or_default()
+            );
+        }
+        if run.is_some() {
+            println!("  ledger:");
+            for (owner, entries, t) in &ledgers {
+                println!(
+                    "    {owner:?}: grant {} spent {} held {}",
+                    t.grant, t.spent, t.held
+                );
+                for e in entries {
+                    println!("      epoch {} {:?}", e.epoch, e.op);
+                }
+            }
+        }
+    }
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({ "runs": docs })).unwrap_or_default()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,380 @@
+//! The crash driver: runs a delegating workload with real sandbox processes
+//! in a child process (`arbor run`), kills it with SIGKILL at seeded random
+//! moments, restarts on the same data dir, and checks after each restart:
+//!
+//! - no job left running;
+//! - no sandbox process alive, and none recorded live;
+//! - conservation for every account (I-14), and nothing undecodable (I-35);
+//! - every record seen durable before a crash is still there after it;
+//! - one spawn per delegation key; no child released (charged) twice;
+//! - no late output: a job failed as interrupted stays so, output null.
+//!
+//! ```text
+//! crash-driver [--points N] [--seed S] [--arbor PATH] [--max-delay-ms MS]
+//! ```
+//! It prints the seed first, so a failure replays with `--seed`, and ends
+//! with one summary line of what it checked. Exit 1 on any violation.
+
+use arbor_protocol::{ErrorClass, JobId, ParentRef, RunId, Status};
+use arbor_runtime::{DefaultModels, EmbeddedNode, Workspace};
+use arbor_storage::{JobRecord, Journal, LedgerOp, ledger_totals};
+use arbor_testkit::Seeded;
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::process::Command;
+
+/// Crash points that share one data dir.
+const POINTS_PER_JOURNAL: u64 = 25;
+
+struct Options {
+    points: u64,
+    seed: u64,
+    arbor: PathBuf,
+    max_delay_ms: u64,
+}
+
+fn options() -> Result<Options, String> {
+    let mut points = 200;
+    let mut seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(1);
+    let mut arbor = std::env::current_exe()
+        .map_err(|e| e.to_string())?
+        .with_file_name("arbor");
+    let mut max_delay_ms = 400;
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        let mut value = || args.next().ok_or_else(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--points" => points = value()?.parse().map_err(|e| format!("--points: {e}"))?,
+            "--seed" => seed = value()?.parse().map_err(|e| format!("--seed: {e}"))?,
+            "--arbor" => arbor = PathBuf::from(value()?),
+            "--max-delay-ms" => {
+                max_delay_ms = value()?
+                    .parse()
+                    .map_err(|e| format!("--max-delay-ms: {e}"))?
+            }
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    if !arbor.is_file() {
+        return Err(format!(
+            "no arbor binary at {} (build it with `cargo build -p arbor-bin`, or give --arbor)",
+            arbor.display()
+        ));
+    }
+    Ok(Options {
+        points,
+        seed,
+        arbor,
+        max_delay_ms,
+    })
+}
+
+/// The workload: a planner fans out to three workers that run real commands
+/// (one leaves a background process behind), then a writer. Its step may be
+/// resumed as often as it is interrupted.
+fn write_workspace(dir: &Path) -> std::io::Result<()> {
+    let agent = |name: &str, text: &str| -> std::io::Result<()> {
+        std::fs::create_dir_all(dir.join("agents").join(name))?;
+        std::fs::write(dir.join("agents").join(name).join("agent.md"), text)
+    };
+    agent(
+        "planner",
+        "---\ntools: [exec, write_file]\nsubagents: [worker, writer]\nmax_turns: 10\nscript:\n  - call: {tool: delegate, args: {jobs: [{agent: worker, request: a, label: a}, {agent: worker, request: b, label: b}, {agent: worker, request: c, label: c}]}}\n  - call: {tool: delegate, args: {jobs: [{agent: writer, request: w, label: w}]}}\n  - call: {tool: submit_output, args: {output: planned}}\n---\nplan\n",
+    )?;
+    agent(
+        "worker",
+        "---\ndescription: works with real processes\ntools: [exec, write_file]\nscript:\n  - usage: {input: 20, output: 5}\n    call: {tool: exec, args: {command: \"sleep 5 >/dev/null 2>&1 & sleep 0.05; echo started\"}}\n  - usage: {input: 20, output: 5}\n    call: {tool: exec, args: {command: \"sleep 0.1; echo done > out.txt\"}}\n  - call: {tool: submit_output, args: {output: worked}}\n---\nwork\n",
+    )?;
+    agent(
+        "writer",
+        "---\ndescription: writes\ntools: [write_file]\nscript:\n  - delay: 30ms\n    call: {tool: write_file, args: {path: r.md, content: report}}\n  - call: {tool: submit_output, args: {output: written}}\n---\nwrite\n",
+    )?;
+    std::fs::create_dir_all(dir.join("flows"))?;
+    std::fs::write(
+        dir.join("flows/crash.toml"),
+        "budget = { tokens = 100000000 }\n[[group]]\nsteps = [{ agent = \"planner\", instruction = \"go\", retries = 100000 }]\n",
+    )
+}
+
+#[derive(Default)]
+struct Tally {
+    crash_points: u64,
+    recoveries: u64,
+    runs_finished: u64,
+    jobs_failed: u64,
+    processes_killed: u64,
+    accounts_checked: u64,
+    records_checked: u64,
+    violations: Vec<String>,
+}
+
+/// What was durable after the last check: it must all still be there.
+#[derive(Default)]
+struct Seen {
+    terminal_jobs: HashMap<JobId, JobRecord>,
+    ledger_lengths: HashMap<ParentRef, usize>,
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> std::process::ExitCode {
+    let options = match options() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("crash-driver: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    println!(
+        "crash-driver: seed {} ({} crash points)",
+        options.seed, options.points
+    );
+    let mut rng = Seeded::new(options.seed);
+    let temp = tempfile::tempdir().expect("a temporary directory");
+    let ws_dir = temp.path().join("ws");
+    write_workspace(&ws_dir).expect("the workspace is written");
+    let workspace = Workspace::load(&ws_dir).expect("the workspace loads");
+    let mut tally = Tally::default();
+    let mut seen = Seen::default();
+    let started = Instant::now();
+
+    let mut point = 0;
+    // Until `points` real crashes, each a SIGKILL of a node mid-flight.
+    while tally.crash_points < options.points && point < options.points * 3 {
+        point += 1;
+        // A fresh data dir every so often keeps each check's full read of
+        // the journal short; within one, crashes pile up on each other.
+        let data = temp
+            .path()
+            .join(format!("data-{}", (point - 1) / POINTS_PER_JOURNAL));
+        if (point - 1) % POINTS_PER_JOURNAL == 0 {
+            seen = Seen::default();
+        }
+        let delay = rng.between(0, options.max_delay_ms);
+        let mut child = Command::new(&options.arbor)
+            .args([
+                "run",
+                ws_dir.to_str().unwrap(),
+                "--flow",
+                "crash",
+                "--json",
+                "--data-dir",
+            ])
+            .arg(&data)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("arbor starts");
+        // The crash moment: the run ends first, or the node is killed mid-flight.
+        match tokio::time::timeout(Duration::from_millis(delay), child.wait()).await {
+            Ok(_) => tally.runs_finished += 1,
+            Err(_) => {
+                let _ = child.start_kill(); // SIGKILL
+                let _ = child.wait().await;
+                tally.crash_points += 1;
+            }
+        }
+        // Restart on the same data dir: recovery, without resuming (the next
+        // point's `arbor run` resumes), then the checks.
+        let node =
+            match EmbeddedNode::start_resuming(&workspace, &data, Arc::new(DefaultModels), |_| {
+                false
+            })
+            .await
+            {
+                Ok(node) => node,
+                Err(e) => {
+                    tally.violations.push(format!(
+                        "point {point} (delay {delay} ms): restart failed: {e}"
+                    ));
+                    break;
+                }
+            };
+        tally.recoveries += 1;
+        tally.jobs_failed += node.recovery().jobs_failed.len() as u64;
+        tally.processes_killed += node.recovery().processes_killed.len() as u64;
+        for b in &node.recovery().breaches {
+            tally
+                .violations
+                .push(format!("point {point}: recovery breach: {b}"));
+        }
+        let journal = node.journal().clone();
+        check(&journal, point, delay, &mut seen, &mut tally);
+        if node.shutdown().await.is_err() {
+            tally
+                .violations
+                .push(format!("point {point}: the node did not shut down cleanly"));
+        }
+        if !tally.violations.is_empty() {
+            break;
+        }
+    }
+    println!(
+        "crash-driver: seed {} | {} crash points, {} runs finished between them, {} recoveries | {} jobs failed as interrupted, {} process groups killed | {} accounts and {} records checked | {} violations | {:.1}s",
+        options.seed,
+        tally.crash_points,
+        tally.runs_finished,
+        tally.recoveries,
+        tally.jobs_failed,
+        tally.processes_killed,
+        tally.accounts_checked,
+        tally.records_checked,
+        tally.violations.len(),
+        started.elapsed().as_secs_f64()
+    );
+    for v in &tally.violations {
+        println!("violation: {v}");
+    }
+    if tally.violations.is_empty() {
+        std::process::ExitCode::SUCCESS
+    } else {
+        println!(
+            "replay with: crash-driver --seed {} --points {}",
+            options.seed, options.points
+        );
+        std::process::ExitCode::from(1)
+    }
+}
+
+fn check(journal: &Journal, point: u64, delay: u64, seen: &mut Seen, tally: &mut Tally) {
+    let mut fail = |what: String| {
+        tally
+            .violations
+            .push(format!("point {point} (delay {delay} ms): {what}"))
+    };
+    let report = match journal.verify() {
+        Ok(r) => r,
+        Err(e) => return fail(format!("the journal cannot be read: {e}")),
+    };
+    for u in &report.undecodable {
+        fail(format!(
+            "undecodable record in {} at {}: {}",
+            u.tree, u.key_hex, u.error
+        ));
+    }
+    for b in &report.breaches {
+        fail(format!("conservation: {b}"));
+    }
+    let accounts = report.accounts;
+    let records = report.records;
+    // No sandbox process alive, none recorded live.
+    match journal.live_sandboxes() {
+        Ok(live) => {
+            for s in live {
+                fail(format!(
+                    "process group {} of job {} still recorded live",
+                    s.pgid, s.job
+                ));
+            }
+        }
+        Err(e) => fail(format!("sandboxes unreadable: {e}")),
+    }
+    let jobs = match journal.all_jobs() {
+        Ok(j) => j,
+        Err(e) => return fail(format!("jobs unreadable: {e}")),
+    };
+    let runs: Vec<RunId> = journal
+        .runs()
+        .map(|r| r.into_iter().map(|r| r.id).collect())
+        .unwrap_or_default();
+    for job in &jobs {
+        if !job.status.is_terminal() {
+            fail(format!(
+                "job {} ({}) left {}",
+                job.id, job.agent, job.status
+            ));
+        }
+        if let Ok(groups) = journal.sandboxes(job.id) {
+            for g in groups {
+                // I-17: a killed process is gone within 2 s.
+                let deadline = Instant::now() + Duration::from_secs(2);
+                let mut alive = arbor_storage::group_members(g.pgid, g.start_ticks, &g.boot_id);
+                while !alive.is_empty() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(10));
+                    alive = arbor_storage::group_members(g.pgid, g.start_ticks, &g.boot_id);
+                }
+                if !alive.is_empty() {
+                    fail(format!(
+                        "process group {} of ended job {} is alive: {alive:?}",
+                        g.pgid, job.id
+                    ));
+                }
+            }
+        }
+        // No late output: interrupted stays interrupted, with nothing to show.
+        if let Some(before) = seen.terminal_jobs.get(&job.id)
+            && before != job
+        {
+            fail(format!(
+                "job {} changed after it ended: {:?} -> {:?}",
+                job.id, before.status, job.status
+            ));
+        }
+        if job.error_class == Some(ErrorClass::Interrupted) && job.output_json != "null" {
+            fail(format!(
+                "interrupted job {} has output {}",
+                job.id, job.output_json
+            ));
+        }
+        let owner = ParentRef::Job(job.id);
+        let totals = journal.ledger(owner).map(|l| ledger_totals(&l));
+        if let Ok(t) = totals
+            && t.held != 0
+        {
+            fail(format!("ended job {} still holds {}", job.id, t.held));
+        }
+    }
+    // One spawn per delegation key; no child charged twice.
+    let mut spawned: HashSet<JobId> = HashSet::new();
+    let mut released: HashMap<ParentRef, HashSet<JobId>> = HashMap::new();
+    let mut owners: Vec<ParentRef> = runs.iter().map(|r| ParentRef::Run(*r)).collect();
+    owners.extend(jobs.iter().map(|j| ParentRef::Job(j.id)));
+    for owner in &owners {
+        if let ParentRef::Job(parent) = owner
+            && let Ok(delegations) = journal.delegations(*parent)
+        {
+            for d in delegations {
+                for child in d.children {
+                    if !spawned.insert(child) {
+                        fail(format!("job {child} spawned by two delegations"));
+                    }
+                }
+            }
+        }
+        let ledger = journal.ledger(*owner).unwrap_or_default();
+        for entry in &ledger {
+            if let LedgerOp::Release { child, .. } = entry.op
+                && !released.entry(*owner).or_default().insert(child)
+            {
+                fail(format!("{owner:?} released (charged) {child} twice"));
+            }
+        }
+        // Durable before, durable after: a ledger never shrinks.
+        let before = seen.ledger_lengths.get(owner).copied().unwrap_or(0);
+        if ledger.len() < before {
+            fail(format!(
+                "{owner:?}: ledger shrank from {before} to {} entries",
+                ledger.len()
+            ));
+        }
+        seen.ledger_lengths.insert(*owner, ledger.len());
+    }
+    for (id, before) in &seen.terminal_jobs {
+        if !jobs.iter().any(|j| j.id == *id) {
+            fail(format!("job {id} ({:?}) vanished", before.status));
+        }
+    }
+    for job in jobs {
+        if job.status.is_terminal() && job.status != Status::Pending {
+            seen.terminal_jobs.insert(job.id, job);
+        }
+    }
+    tally.accounts_checked += accounts;
+    tally.records_checked += records;
+}
