@@ -886,6 +886,21 @@ impl JobState {
                 cap: limits.running_children,
             });
         }
+        // I-32: the same key and request again returns the jobs it started.
+        let key = match &args.key {
+            Some(k) if k.trim().is_empty() || k.len() > 200 => {
+                return Err(Refusal::BadArguments {
+                    tool: "delegate".into(),
+                    message: "key must be 1 to 200 characters".into(),
+                });
+            }
+            Some(k) => k.clone(),
+            None => format!("{}:{call_id}", self.lineage.id),
+        };
+        let digest = delegation_digest(&args);
+        if let Some(existing) = self.existing_delegation(&key, &digest)? {
+            return Ok(existing);
+        }
         let group = self.children.groups.len();
         let mut planned = Vec::with_capacity(args.jobs.len());
         for (i, job) in args.jobs.iter().enumerate() {
@@ -894,7 +909,7 @@ impl JobState {
         }
         self.run_ctx.count_spawns(planned.len() as u64)?;
         tracing::debug!(run = %self.lineage.run, job = %self.lineage.id, children = planned.len(), "delegation admitted by the caps");
-        let result = self.admit(myself, planned, call_id).await;
+        let result = self.admit(myself, planned, &key, &digest).await;
         match result {
             Ok(handles) => {
                 self.children.groups.push(FanOut {
@@ -907,6 +922,42 @@ impl JobState {
                 Err(refusal)
             }
         }
+    }
+
+    /// The handles of a delegation already made under `key`, if its request
+    /// was the same; a conflict if it was not; None if the key is new.
+    fn existing_delegation(
+        &self,
+        key: &str,
+        digest: &str,
+    ) -> Result<Option<Vec<ChildHandle>>, Refusal> {
+        let records =
+            self.ctx
+                .journal
+                .delegations(self.lineage.id)
+                .map_err(|e| Refusal::Invalid {
+                    message: format!("the journal could not be read: {e}"),
+                })?;
+        let Some(record) = records.into_iter().find(|d| d.key == key) else {
+            return Ok(None);
+        };
+        if record.digest != digest {
+            return Err(Refusal::KeyConflict {
+                key: key.to_string(),
+            });
+        }
+        let handles = record
+            .children
+            .iter()
+            .filter_map(|id| self.children.by_id.get(id))
+            .map(|c| ChildHandle {
+                label: c.label.clone(),
+                id: c.id,
+                agent: c.agent.clone(),
+                grant_tokens: c.grant,
+            })
+            .collect();
+        Ok(Some(handles))
     }
 
     /// Checks one job of a delegate call and resolves it; pure but for lookups.
@@ -1011,7 +1062,8 @@ impl JobState {
         &mut self,
         myself: &ActorRef<JobMsg>,
         planned: Vec<PlannedChild>,
-        call_id: &str,
+        key: &str,
+        digest: &str,
     ) -> Result<Vec<ChildHandle>, (Refusal, u64)> {
         let total = planned.len() as u64;
         let asks: Vec<GrantAsk> = planned
@@ -1044,8 +1096,8 @@ impl JobState {
         let epoch = self.ctx.journal.epoch();
         let mut records = vec![Record::Delegation(DelegationRecord {
             parent: self.lineage.id,
-            key: format!("{}:{call_id}", self.lineage.id),
-            digest: String::new(),
+            key: key.to_string(),
+            digest: digest.to_string(),
             children: planned.iter().map(|p| p.id).collect(),
             epoch,
         })];
@@ -1589,6 +1641,34 @@ pub(crate) async fn settle_record(
         },
     );
     Ok(())
+}
+
+/// The digest of a delegate call's canonical request (I-32): its JSON with
+/// sorted keys, without the key itself, hashed with SHA-256.
+pub fn delegation_digest(args: &DelegateArgs) -> String {
+    use sha2::{Digest, Sha256};
+    let mut canonical = serde_json::to_value(args).unwrap_or_default();
+    if let Some(map) = canonical.as_object_mut() {
+        map.remove("key");
+    }
+    let bytes = Sha256::digest(sorted(canonical).to_string().as_bytes());
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The value with every object's keys in sorted order, whatever order they
+/// came in: equal requests serialize equally.
+fn sorted(value: serde_json::Value) -> serde_json::Value {
+    match value {
+        serde_json::Value::Object(map) => {
+            let mut entries: Vec<_> = map.into_iter().collect();
+            entries.sort_by(|a, b| a.0.cmp(&b.0));
+            serde_json::Value::Object(entries.into_iter().map(|(k, v)| (k, sorted(v))).collect())
+        }
+        serde_json::Value::Array(items) => {
+            serde_json::Value::Array(items.into_iter().map(sorted).collect())
+        }
+        other => other,
+    }
 }
 
 /// Checks an output against a JSON Schema; the error names the first violation.

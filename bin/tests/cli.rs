@@ -256,3 +256,59 @@ fn the_contract_copies_match_the_shared_originals_when_present() {
         );
     }
 }
+
+#[test]
+fn journal_verify_passes_a_clean_journal_and_catches_one_edited_to_break_conservation() {
+    let data = tempfile::tempdir().unwrap();
+    let data_dir = data.path().to_str().unwrap();
+    let example = repo().join("examples/research");
+    let out = arbor(&[
+        "run",
+        example.to_str().unwrap(),
+        "--json",
+        "--data-dir",
+        data_dir,
+    ]);
+    assert_eq!(out.status.code(), Some(0));
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+
+    let verify = arbor(&["journal", "verify", "--data-dir", data_dir]);
+    let text = String::from_utf8_lossy(&verify.stdout);
+    assert_eq!(verify.status.code(), Some(0), "{text}");
+    assert!(text.contains(": ok"), "{text}");
+
+    // Edit the journal: charge the writer's account far past its grant.
+    let writer: arbor_protocol::JobId = find(&doc["run"], "writer").unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    {
+        let journal = arbor_storage::Journal::open(&data.path().join("journal")).unwrap();
+        let epoch = journal.epoch();
+        journal
+            .append(vec![arbor_storage::Record::Ledger(
+                arbor_storage::LedgerRecord {
+                    owner: arbor_protocol::ParentRef::Job(writer),
+                    op: arbor_storage::LedgerOp::CallSettle {
+                        reserved: 0,
+                        spent: 1_000_000_000,
+                    },
+                    epoch,
+                },
+            )])
+            .unwrap();
+    }
+    let verify = arbor(&["journal", "verify", "--data-dir", data_dir]);
+    let text = String::from_utf8_lossy(&verify.stdout);
+    assert_eq!(verify.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("breach") && text.contains(&writer.to_string()),
+        "{text}"
+    );
+
+    let inspect = arbor(&["journal", "inspect", "--data-dir", data_dir, "--json"]);
+    assert_eq!(inspect.status.code(), Some(0));
+    let doc: serde_json::Value = serde_json::from_slice(&inspect.stdout).unwrap();
+    assert_eq!(doc["runs"].as_array().unwrap().len(), 1);
+}

@@ -32,6 +32,10 @@ pub enum Refusal {
     UnknownChild { child: String, known: String },
     #[error("child {child} has already ended ({status}); the message was not queued")]
     ChildEnded { child: String, status: String },
+    #[error(
+        "delegation key {key:?} was already used for a different request (conflict); nothing changed"
+    )]
+    KeyConflict { key: String },
     #[error("this job is stopping; nothing new starts under it")]
     Stopping,
     #[error("{message}")]

@@ -118,6 +118,10 @@ pub enum OnFailure {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DelegateArgs {
+    /// A durable key for this delegation (I-32). Without one, the key is the
+    /// parent's id and the tool call's id. The same key with the same request
+    /// returns the jobs it started; with another request it is a conflict.
+    pub key: Option<String>,
     pub jobs: Vec<JobArgs>,
     #[serde(default = "yes")]
     pub wait: bool,

@@ -284,3 +284,108 @@ async fn a_journal_that_cannot_write_takes_no_new_work_and_loses_nothing_acknowl
     );
     assert_eq!(journal.run(done).unwrap().unwrap().status, Status::Done);
 }
+
+#[tokio::test]
+async fn inv_32_the_same_key_and_request_return_the_existing_job_and_another_request_conflicts() {
+    let call = "{tool: delegate, args: {key: survey, wait: false, jobs: [{agent: quick, request: count, label: q}]}}";
+    let other = "{tool: delegate, args: {key: survey, wait: false, jobs: [{agent: quick, request: recount, label: r}]}}";
+    let boss = agent_md(&format!(
+        "subagents: [quick]\nscript:\n  - call: {call}\n  - call: {call}\n  - call: {other}\n  - call: {{tool: collect, args: {{}}}}\n  - call: {{tool: submit_output, args: {{output: done}}}}"
+    ));
+    let quick = agent_md(
+        "description: quick\nscript:\n  - call: {tool: submit_output, args: {output: ok}}",
+    );
+    let node = TestNode::start(&[("boss", &boss), ("quick", &quick)]).await;
+    let run = node.run_agent("boss", "go").await;
+    let tree = node.wait_run(run).await;
+    let boss_id = tree.find("boss").unwrap();
+
+    // One job, one hold: the repeat spawned and charged nothing.
+    assert_eq!(tree.children_of(boss_id).len(), 1);
+    let holds = node
+        .ledger(ParentRef::Job(boss_id))
+        .iter()
+        .filter(|r| matches!(r.op, arbor_storage::LedgerOp::Hold { .. }))
+        .count();
+    assert_eq!(holds, 1);
+    let calls: Vec<(bool, String)> = node
+        .events(run)
+        .into_iter()
+        .filter_map(|e| match e.kind {
+            EventKind::ToolCalled {
+                tool, ok, detail, ..
+            } if tool == "delegate" => Some((ok, detail)),
+            _ => None,
+        })
+        .collect();
+    let q = tree.find("q").unwrap().to_string();
+    assert!(calls[0].0 && calls[0].1.contains(&q));
+    assert!(
+        calls[1].0 && calls[1].1.contains(&q),
+        "the same job came back: {:?}",
+        calls[1]
+    );
+    assert!(
+        !calls[2].0 && calls[2].1.contains("conflict"),
+        "{:?}",
+        calls[2]
+    );
+    assert_eq!(node.journal().delegations(boss_id).unwrap().len(), 1);
+    node.assert_conserved(run);
+}
+
+#[tokio::test]
+async fn inv_33_an_interrupted_job_stays_failed_until_continued_as_a_new_attempt() {
+    let node = node_with(
+        &boss("{agent: slow, request: dig deeper, label: a}"),
+        &flow(0),
+        None,
+    )
+    .await;
+    let run = node.run_flow("work").await;
+    let a = node.wait_for(run, "a").await;
+    node.wait_status(run, "a", Status::Running).await;
+    let node = node.crash_and_restart().await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(
+        tree.node(a).unwrap().error_class,
+        Some(ErrorClass::Interrupted)
+    );
+    // Nothing resumes it by itself: a second restart leaves it failed.
+    let node = node.crash_and_restart().await;
+    assert_eq!(
+        node.journal().job(run, a).unwrap().unwrap().status,
+        Status::Failed
+    );
+
+    let continued = node.node().continue_job(a).await.unwrap();
+    assert_eq!(
+        node.node().continue_job(a).await.unwrap(),
+        continued,
+        "continuing twice starts one attempt"
+    );
+    let step = node.wait_status(continued, "a", Status::Running).await;
+    assert_eq!(step.attempt, 2, "the next attempt under the same key");
+    let requests: Vec<String> = node
+        .events(continued)
+        .into_iter()
+        .filter_map(|e| match e.kind {
+            EventKind::NodeSpawned { request, .. } => Some(request),
+            _ => None,
+        })
+        .collect();
+    assert!(requests[0].starts_with("dig deeper"), "{requests:?}");
+    // A job that was not interrupted cannot be continued.
+    node.stop_run(continued).await;
+    node.wait_run(continued).await;
+    let refused = node
+        .node()
+        .continue_job(step.id.parse().unwrap())
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        refused.contains("only a job a restart interrupted"),
+        "{refused}"
+    );
+}
