@@ -52,4 +52,7 @@ pub enum Error {
     /// failure.
     #[error("the journal stopped taking writes after a failure: {0}")]
     Failed(String),
+    /// The journal was opened to be read only.
+    #[error("the journal was opened read-only; nothing can be written")]
+    ReadOnly,
 }

@@ -94,6 +94,8 @@ struct Inner {
     last_seq: Mutex<u64>,
     progress: Arc<Progress>,
     faults: Arc<Faults>,
+    /// Opened with `open_read_only`: every write is refused.
+    read_only: bool,
     /// `None` only while dropping.
     waiters: Option<mpsc::Sender<Waiter>>,
     flusher: Mutex<Option<thread::JoinHandle<()>>>,
@@ -165,6 +167,9 @@ impl Journal {
             .last_seq
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        if inner.read_only {
+            return Err(Error::ReadOnly);
+        }
         if let Some(first) = inner.progress.failure.get() {
             return Err(Error::Failed(first.clone()));
         }
@@ -436,6 +441,23 @@ impl Journal {
     /// Everything `open` does except starting the flusher, so a test can queue
     /// commits first and watch one flush serve them all.
     fn open_without_flusher(dir: &Path) -> Result<(Journal, Unstarted), Error> {
+        Self::open_inner(dir, false)
+    }
+
+    /// Opens the journal to read it: no new epoch, no flusher, and every
+    /// write refused (`Error::ReadOnly`). For `arbor journal verify` and
+    /// `inspect`, which must change nothing.
+    pub fn open_read_only(dir: &Path) -> Result<Journal, Error> {
+        if !dir.join("db").is_file() {
+            return Err(Error::Sled(sled::Error::Io(std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!("no journal in {}", dir.display()),
+            ))));
+        }
+        Ok(Self::open_inner(dir, true)?.0)
+    }
+
+    fn open_inner(dir: &Path, read_only: bool) -> Result<(Journal, Unstarted), Error> {
         let db = open_db(dir)?;
         // sled has opened the dir: its files exist and any snapshot is written.
         let mut disk = DiskSync::open(dir)?;
@@ -450,23 +472,33 @@ impl Journal {
                     return Err(Error::FormatVersion { found, supported });
                 }
             }
-            None => {
+            None if !read_only => {
                 meta.insert(META_FORMAT, &supported.to_be_bytes())?;
             }
+            None => {}
         }
-        let epoch = match meta.get(META_EPOCH)? {
-            Some(previous) => codec::meta_u64(META_EPOCH, &previous)? + 1,
-            None => 1,
+        let stored_epoch = match meta.get(META_EPOCH)? {
+            Some(previous) => codec::meta_u64(META_EPOCH, &previous)?,
+            None => 0,
         };
-        meta.insert(META_EPOCH, &epoch.to_be_bytes())?;
+        let epoch = if read_only {
+            stored_epoch
+        } else {
+            stored_epoch + 1
+        };
+        if !read_only {
+            meta.insert(META_EPOCH, &epoch.to_be_bytes())?;
+        }
         let seq = match meta.get(META_SEQ)? {
             Some(seq) => codec::meta_u64(META_SEQ, &seq)?,
             None => 0,
         };
         // Durable before any record is stamped with it: two boots must never
         // share an epoch, or recovery could not tell their records apart.
-        db.flush()?;
-        disk.after_flush()?;
+        if !read_only {
+            db.flush()?;
+            disk.after_flush()?;
+        }
         tracing::debug!(dir = %dir.display(), epoch, seq, "journal opened");
 
         // Whatever was on disk at open is durable by definition.
@@ -485,6 +517,7 @@ impl Journal {
             last_seq: Mutex::new(seq),
             progress,
             faults: Arc::new(Faults::default()),
+            read_only,
             waiters: Some(waiters),
             flusher: Mutex::new(None),
         };

@@ -476,3 +476,24 @@ async fn an_undecodable_record_makes_verify_unclean() {
     assert_eq!(report.undecodable[0].tree, "steering");
     assert!(report.breaches.is_empty());
 }
+
+#[tokio::test]
+async fn a_read_only_open_changes_nothing_not_even_the_epoch() {
+    let dir = tempfile::tempdir().unwrap();
+    let journal = arbor_storage::Journal::open(dir.path()).unwrap();
+    let epoch = journal.epoch();
+    let seq = journal.applied_seq();
+    drop(journal);
+    let reader = arbor_storage::Journal::open_read_only(dir.path()).unwrap();
+    assert_eq!((reader.epoch(), reader.applied_seq()), (epoch, seq));
+    assert!(matches!(
+        reader.append(vec![]),
+        Err(arbor_storage::Error::ReadOnly)
+    ));
+    drop(reader);
+    assert_eq!(
+        arbor_storage::Journal::open(dir.path()).unwrap().epoch(),
+        epoch + 1
+    );
+    assert!(arbor_storage::Journal::open_read_only(&dir.path().join("nothing")).is_err());
+}
