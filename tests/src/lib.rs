@@ -245,6 +245,22 @@ impl TestNode {
         self.journal().events(run).expect("events decode")
     }
 
+    /// The error texts of the run's failed calls to `tool`, in order.
+    pub fn failed_calls(&self, run: RunId, tool: &str) -> Vec<String> {
+        self.events(run)
+            .into_iter()
+            .filter_map(|e| match e.kind {
+                EventKind::ToolCalled {
+                    tool: t,
+                    ok: false,
+                    detail,
+                    ..
+                } if t == tool => Some(detail),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Runs `f` on every later event, synchronously at emission.
     pub fn observe(&self, f: impl Fn(&Event) + Send + Sync + 'static) {
         self.node.events().observe(Arc::new(f));

@@ -221,16 +221,10 @@ async fn inv_08_one_call_grants_at_most_its_fraction_and_an_over_ask_is_refused_
     );
     assert_eq!(grant("s2"), grant("s1"));
     assert!(tree.find("greedy").is_none());
-    let refused = node.events(run).into_iter().find_map(|e| match e.kind {
-        EventKind::ToolCalled {
-            tool,
-            ok: false,
-            detail,
-            ..
-        } if tool == "delegate" => Some(detail),
-        _ => None,
-    });
-    let refused = refused.expect("the over-ask is an error result");
+    let refused = node
+        .failed_calls(run, "delegate")
+        .pop()
+        .expect("the over-ask is an error result");
     assert!(
         refused.contains("one delegate call may grant at most"),
         "{refused}"
@@ -255,19 +249,7 @@ async fn inv_09_zero_never_means_unlimited() {
         let run = node.run_agent("boss", "go").await;
         let tree = node.wait_run(run).await;
         assert_eq!(tree.nodes().count(), 1, "{budget}: nothing spawned");
-        let detail = node
-            .events(run)
-            .into_iter()
-            .find_map(|e| match e.kind {
-                EventKind::ToolCalled {
-                    tool,
-                    ok: false,
-                    detail,
-                    ..
-                } if tool == "delegate" => Some(detail),
-                _ => None,
-            })
-            .unwrap();
+        let detail = node.failed_calls(run, "delegate").remove(0);
         assert!(detail.contains(says), "{budget}: {detail}");
     }
     // A share that rounds down to zero is refused, never granted as 0.

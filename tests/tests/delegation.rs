@@ -73,10 +73,10 @@ async fn inv_02_lineage_is_set_by_the_spawner_not_by_a_request_or_a_definition()
     let tree = node.wait_run(run).await;
 
     // The request that tried to set depth and run was refused whole.
-    let refused = node.events(run).into_iter().any(|e| {
-        matches!(&e.kind, EventKind::ToolCalled { tool, ok: false, detail, .. }
-            if tool == "delegate" && detail.contains("unknown field `depth`"))
-    });
+    let refused = node
+        .failed_calls(run, "delegate")
+        .iter()
+        .any(|d| d.contains("unknown field `depth`"));
     assert!(refused, "a job that names its own depth is refused");
     assert!(tree.find("a").is_none());
 
@@ -157,19 +157,7 @@ async fn inv_04_over_cap_fan_out_is_refused_whole_and_at_once() {
         .map(|c| tree.node(*c).unwrap().label.clone().unwrap())
         .collect();
     assert_eq!(labels, ["one", "two"]);
-    let refusals: Vec<String> = node
-        .events(run)
-        .into_iter()
-        .filter_map(|e| match e.kind {
-            EventKind::ToolCalled {
-                tool,
-                ok: false,
-                detail,
-                ..
-            } if tool == "delegate" => Some(detail),
-            _ => None,
-        })
-        .collect();
+    let refusals: Vec<String> = node.failed_calls(run, "delegate");
     assert_eq!(refusals.len(), 2, "{refusals:?}");
     assert!(refusals[0].contains("fan-out cap: 3 children in one call, at most 2"));
     assert!(refusals[1].contains("running children cap"));
@@ -210,10 +198,10 @@ async fn inv_05_the_spawn_cap_counts_retries_and_never_refunds() {
         tree.find("g").is_none(),
         "the cap was spent: finished children gave nothing back"
     );
-    let refused = node.events(run).into_iter().any(|e| {
-        matches!(&e.kind, EventKind::ToolCalled { tool, ok: false, detail, .. }
-            if tool == "delegate" && detail.contains("run spawn cap: 3 spawned + 1 asked > 3"))
-    });
+    let refused = node
+        .failed_calls(run, "delegate")
+        .iter()
+        .any(|d| d.contains("run spawn cap: 3 spawned + 1 asked > 3"));
     assert!(refused);
 }
 
@@ -243,19 +231,7 @@ async fn inv_06_a_refused_or_failed_spawn_leaves_nothing_behind() {
         tree.children_of(boss_id).is_empty(),
         "no node in the tree for either"
     );
-    let details: Vec<String> = node
-        .events(run)
-        .into_iter()
-        .filter_map(|e| match e.kind {
-            EventKind::ToolCalled {
-                tool,
-                ok: false,
-                detail,
-                ..
-            } if tool == "delegate" => Some(detail),
-            _ => None,
-        })
-        .collect();
+    let details: Vec<String> = node.failed_calls(run, "delegate");
     assert!(details[0].contains("budget"), "{details:?}");
     assert!(details[1].contains("could not start"), "{details:?}");
     // No held budget, no workdir, and no running record: the failed start is

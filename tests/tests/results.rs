@@ -2,7 +2,7 @@
 //! retries (I-23), and artifacts the runtime saw (I-24).
 
 use arbor_actors::model::Message;
-use arbor_protocol::{ErrorClass, EventKind, Status, TaskStatus};
+use arbor_protocol::{ErrorClass, Status, TaskStatus};
 use arbor_testkit::{RecordingModels, TestNode, agent_md};
 
 const LEAF: &str = "description: leaf\nscript:\n  - call: {tool: submit_output, args: {output: {answer: 42}, limitations: [none really]}}";
@@ -196,19 +196,7 @@ async fn inv_23_no_retry_after_budget_exhausted_and_malformed_retries_are_refuse
     let node = TestNode::start(&[("boss", &boss), ("broke", &broke)]).await;
     let run = node.run_agent("boss", "go").await;
     let tree = node.wait_run(run).await;
-    let refusals: Vec<String> = node
-        .events(run)
-        .into_iter()
-        .filter_map(|e| match e.kind {
-            EventKind::ToolCalled {
-                tool,
-                ok: false,
-                detail,
-                ..
-            } if tool == "delegate" => Some(detail),
-            _ => None,
-        })
-        .collect();
+    let refusals: Vec<String> = node.failed_calls(run, "delegate");
     assert!(
         refusals[0].contains("retries must be 0 to 2, got -1"),
         "{refusals:?}"

@@ -79,15 +79,7 @@ async fn inv_20_messages_are_delivered_in_order_at_the_next_turn_and_refused_aft
         ]
     );
 
-    let late = node.events(run).into_iter().find_map(|e| match e.kind {
-        EventKind::ToolCalled {
-            tool,
-            ok: false,
-            detail,
-            ..
-        } if tool == "send_message" => Some(detail),
-        _ => None,
-    });
+    let late = node.failed_calls(run, "send_message").pop();
     assert!(late.unwrap().contains("has already ended (done)"));
     let records = node.journal().steering(l).unwrap();
     assert_eq!(
