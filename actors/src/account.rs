@@ -1,8 +1,8 @@
 //! Account: one per run, step and job. Every token spent below it is reserved here first.
 //!
 //! Parent: the run, step or job it pays for (spawned linked to it).
-//! Journals: every hold, release and call reservation before it replies (I-29);
-//! call settlements are appended and ride the next group commit.
+//! Journals: every hold, release, call reservation and call settlement before
+//! it replies (I-29), so a crash loses no charge (I-31).
 //!
 //! Invariants:
 //! 1. grant == spent + held + available, available >= 0 (I-14). `available` is
@@ -209,7 +209,8 @@ impl Actor for Account {
                     state.ctx.events.emit(state.run, event);
                 }
                 state
-                    .journal(LedgerOp::CallSettle { reserved, spent }, false)
+                    // Durable: a charge lost in a crash would be settled at 0 (I-31).
+                    .journal(LedgerOp::CallSettle { reserved, spent }, true)
                     .await?;
                 state.publish();
                 let _ = reply.send(());

@@ -43,6 +43,8 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 pub const DEFAULT_MAX_TURNS: u32 = 50;
 /// How long one `exec` may run when the call does not say.
 pub const DEFAULT_EXEC_TIMEOUT: Duration = Duration::from_secs(120);
+/// Delegation keys that start with this are the node's own (a continued job's).
+pub const RESERVED_KEY_PREFIX: &str = "arbor:";
 /// The most retries a job may ask for (I-23).
 pub const MAX_RETRIES: u32 = 2;
 
@@ -888,10 +890,14 @@ impl JobState {
         }
         // I-32: the same key and request again returns the jobs it started.
         let key = match &args.key {
-            Some(k) if k.trim().is_empty() || k.len() > 200 => {
+            Some(k)
+                if k.trim().is_empty() || k.len() > 200 || k.starts_with(RESERVED_KEY_PREFIX) =>
+            {
                 return Err(Refusal::BadArguments {
                     tool: "delegate".into(),
-                    message: "key must be 1 to 200 characters".into(),
+                    message: format!(
+                        "key must be 1 to 200 characters and not start with {RESERVED_KEY_PREFIX:?}"
+                    ),
                 });
             }
             Some(k) => k.clone(),

@@ -184,9 +184,11 @@ async fn run(args: RunArgs) -> Result<ExitCode, Failure> {
         .data_dir
         .clone()
         .unwrap_or_else(|| args.dir.join(".arbor"));
-    let flow = spec.flow.clone();
+    // Resume only the very same run: same flow, same steps and instructions
+    // (an `--agent` run with a new `--input` is a new run).
+    let wanted = spec.clone();
     let node = EmbeddedNode::start_resuming(&workspace, &data_dir, Arc::new(DefaultModels), |s| {
-        s.flow == flow
+        s.flow == wanted.flow && s.groups == wanted.groups
     })
     .await
     .map_err(|e| bad(format!("{}: {e}", data_dir.display())))?;

@@ -24,7 +24,7 @@ pub enum Error {
 }
 
 /// The delegation key under which a job's continuation is recorded (I-33).
-pub const CONTINUE_KEY: &str = "continue";
+pub const CONTINUE_KEY: &str = "arbor:continue";
 
 /// How long `shutdown` waits for runs to stop by themselves.
 pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);

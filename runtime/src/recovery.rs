@@ -3,9 +3,10 @@
 //!
 //! Order (each step journaled, each visible in the run's events and tree):
 //! 1. Scan every record; undecodable ones are reported by key (I-35).
-//! 2. Kill every sandbox process group still recorded live whose leader is
-//!    the same process (process group, start time and boot id; never a pid
-//!    alone), and mark it ended (I-30).
+//! 2. Kill what is left of every sandbox process group still recorded live:
+//!    the processes of that group in the same boot, started no earlier than
+//!    its leader, unless the pgid's leader is now another process (never a
+//!    pid alone; `group_members`); then mark it ended (I-30).
 //! 3. For each run that was not finished: every step or job still pending or
 //!    running is failed, class `interrupted`, deepest first; each account is
 //!    settled at its journaled spend, its open call holds released
@@ -301,14 +302,21 @@ fn recover_run(
     } = &outcome
     {
         let output = serde_json::Value::Null;
-        journal.append(vec![Record::Run(RunRecord {
-            status: *status,
-            error_class: *class,
-            reason: Some(reason.clone()),
-            output_json: output.to_string(),
-            epoch,
-            ..run.clone()
-        })])?;
+        journal.append(vec![
+            ledger(
+                epoch,
+                ParentRef::Run(run.id),
+                LedgerOp::Close { spent: run_spent },
+            ),
+            Record::Run(RunRecord {
+                status: *status,
+                error_class: *class,
+                reason: Some(reason.clone()),
+                output_json: output.to_string(),
+                epoch,
+                ..run.clone()
+            }),
+        ])?;
         events.emit(
             run.id,
             EventKind::RunFinished {

@@ -43,8 +43,9 @@
 //!    fails with `Error::Failed` naming that failure, and no later flush
 //!    acknowledges anything, until the journal is reopened.
 //! 7. A sandbox record names a process group by pgid *and* its leader's start
-//!    time and boot id; recovery kills only a group that matches all three
-//!    (`same_process`, I-30).
+//!    time and boot id; recovery kills only processes of that group in the
+//!    same boot, and none if the pgid's leader now is another process
+//!    (`group_members`, I-30).
 //! 8. Every account in the ledger balances: spent + held <= grant; a closed
 //!    account holds nothing and its `Close` claims what its ledger adds up to;
 //!    a parent's `Release` charges what the child's own account spent.
