@@ -2,7 +2,9 @@
 //! previous life is made true again.
 //!
 //! Order (each step journaled, each visible in the run's events and tree):
-//! 1. Scan every record; undecodable ones are reported by key (I-35).
+//! 1. Every record is read back at the end (`verify`); undecodable ones are
+//!    reported by key (I-35). One that recovery itself needs fails it, naming
+//!    the key.
 //! 2. Kill what is left of every sandbox process group still recorded live:
 //!    the processes of that group in the same boot, started no earlier than
 //!    its leader, unless the pgid's leader is now another process (never a
@@ -75,7 +77,6 @@ pub async fn recover(
         epoch,
         ..Default::default()
     };
-    report.undecodable = journal.scan()?.undecodable;
     let mut killed_by_job: HashMap<JobId, u32> = HashMap::new();
     for sandbox in journal.live_sandboxes()? {
         if kill_if_same(&sandbox) {
@@ -99,7 +100,11 @@ pub async fn recover(
         });
     }
     journal.flush().await?;
-    report.breaches = journal.verify()?.breaches;
+    // One full read at the end serves both checks: undecodable records are
+    // reported by key (I-35), and every account must add up (I-14).
+    let verified = journal.verify()?;
+    report.undecodable = verified.undecodable;
+    report.breaches = verified.breaches;
     Ok(report)
 }
 
