@@ -12,6 +12,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::{broadcast, watch};
 
 const BROADCAST_CAPACITY: usize = 65_536;
+/// Trees of finished runs kept in memory; past this, one is dropped and
+/// folded again from the journal if it is asked for.
+const FINISHED_TREES_KEPT: usize = 1024;
 
 /// A cheap, cloneable handle to the node's event bus.
 #[derive(Clone)]
@@ -77,6 +80,15 @@ impl EventBus {
                 .entry(run)
                 .or_insert_with(|| Tree::new(run))
                 .apply(&event);
+            if state.trees.len() > FINISHED_TREES_KEPT
+                && let Some(finished) = state
+                    .trees
+                    .iter()
+                    .find(|(id, t)| **id != run && t.run_status().is_terminal())
+                    .map(|(id, _)| *id)
+            {
+                state.trees.remove(&finished);
+            }
             // Journaled under the lock so the journal's order is the emission order.
             if let Err(error) = self
                 .inner

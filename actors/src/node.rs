@@ -21,6 +21,8 @@ pub struct NodeArgs {
 pub enum NodeMsg {
     StartRun {
         spec: RunSpec,
+        /// The run's id when the caller must journal it first (a continuation).
+        id: Option<RunId>,
         /// Attempts already made by step label (a continued job's next attempt).
         attempts: std::collections::HashMap<String, u32>,
         reply: RpcReplyPort<Result<RunId, String>>,
@@ -85,10 +87,11 @@ impl Actor for Node {
         match message {
             NodeMsg::StartRun {
                 spec,
+                id,
                 attempts,
                 reply,
             } => {
-                let result = state.start_run(&myself, spec, attempts).await;
+                let result = state.start_run(&myself, spec, id, attempts).await;
                 let _ = reply.send(result);
             }
             NodeMsg::ResumeRun {
@@ -232,6 +235,7 @@ impl NodeState {
         &mut self,
         myself: &ActorRef<NodeMsg>,
         spec: RunSpec,
+        id: Option<RunId>,
         attempts: std::collections::HashMap<String, u32>,
     ) -> Result<RunId, String> {
         if self.closing {
@@ -256,7 +260,7 @@ impl NodeState {
                 return Err(format!("unknown agent {:?}", step.agent));
             }
         }
-        self.spawn_run(myself, RunId::new(), spec, None, attempts)
+        self.spawn_run(myself, id.unwrap_or_default(), spec, None, attempts)
             .await
     }
 

@@ -132,14 +132,18 @@ impl EmbeddedNode {
                     .unwrap_or_default()
             )));
         }
-        if let Some(done) = journal
+        // A continuation already started is returned, not started again. One
+        // recorded whose run never started (its start failed, or a crash came
+        // between the record and the run) may be started afresh.
+        let recorded = journal
             .delegations(job)?
             .into_iter()
             .find(|d| d.key == CONTINUE_KEY)
+            .and_then(|d| d.digest.parse::<RunId>().ok());
+        if let Some(run) = recorded
+            && journal.run(run)?.is_some()
         {
-            return done.digest.parse().map_err(|_| {
-                Error::Refused(format!("{job}: its continuation record is unreadable"))
-            });
+            return Ok(run);
         }
         let request = journal
             .events(record.run)?
@@ -169,24 +173,31 @@ impl EmbeddedNode {
             timeout: None,
         };
         let attempts = std::collections::HashMap::from([(label, record.attempt)]);
-        let run = ractor::call!(self.node, |reply| NodeMsg::StartRun {
+        // Recorded before the run starts (I-29): a crash in between leaves a
+        // record naming a run that never started, never two runs.
+        let run = RunId::new();
+        let record = |digest: String| {
+            arbor_storage::Record::Delegation(arbor_storage::DelegationRecord {
+                parent: job,
+                key: CONTINUE_KEY.into(),
+                digest,
+                children: vec![],
+                epoch: journal.epoch(),
+            })
+        };
+        journal.commit(vec![record(run.to_string())]).await?;
+        let started = ractor::call!(self.node, |reply| NodeMsg::StartRun {
             spec,
+            id: Some(run),
             attempts,
             reply
         })
-        .map_err(|e| Error::Start(e.to_string()))?
-        .map_err(Error::Refused)?;
-        journal
-            .commit(vec![arbor_storage::Record::Delegation(
-                arbor_storage::DelegationRecord {
-                    parent: job,
-                    key: CONTINUE_KEY.into(),
-                    digest: run.to_string(),
-                    children: vec![],
-                    epoch: journal.epoch(),
-                },
-            )])
-            .await?;
+        .map_err(|e| Error::Start(e.to_string()))
+        .and_then(|r| r.map_err(Error::Refused));
+        if let Err(e) = started {
+            journal.commit(vec![record(String::new())]).await?;
+            return Err(e);
+        }
         Ok(run)
     }
 
@@ -229,6 +240,7 @@ impl EmbeddedNode {
     pub async fn start_run(&self, spec: RunSpec) -> Result<RunId, Error> {
         ractor::call!(self.node, |reply| NodeMsg::StartRun {
             spec,
+            id: None,
             attempts: Default::default(),
             reply
         })
