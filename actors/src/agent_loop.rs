@@ -217,7 +217,7 @@ pub async fn run(args: LoopArgs) -> LoopOutcome {
         }
         for call in reply.calls {
             let tool = call.tool.clone();
-            let result = AssertUnwindSafe(call_tool(&args, turn, &call))
+            let result = AssertUnwindSafe(call_tool(&args, &call))
                 .catch_unwind()
                 .await
                 .unwrap_or_else(|panic| {
@@ -376,11 +376,7 @@ fn parse<T: DeserializeOwned>(tool: ToolName, args: &serde_json::Value) -> Resul
     })
 }
 
-fn refusal_text(r: Refusal) -> String {
-    r.to_string()
-}
-
-async fn call_tool(args: &LoopArgs, turn: u32, call: &ToolCall) -> Step {
+async fn call_tool(args: &LoopArgs, call: &ToolCall) -> Step {
     let Ok(tool) = call.tool.parse::<ToolName>() else {
         return Step::Result(Err(format!("unknown tool {:?}", call.tool)));
     };
@@ -467,7 +463,6 @@ async fn call_tool(args: &LoopArgs, turn: u32, call: &ToolCall) -> Step {
             Err(e) => Err(e),
         },
     };
-    let _ = turn;
     Step::Result(result)
 }
 
@@ -519,7 +514,7 @@ async fn actor_call<T: Send + 'static>(
 ) -> Result<T, String> {
     match job.call(msg, None).await {
         Ok(ractor::rpc::CallResult::Success(Ok(v))) => Ok(v),
-        Ok(ractor::rpc::CallResult::Success(Err(refusal))) => Err(refusal_text(refusal)),
+        Ok(ractor::rpc::CallResult::Success(Err(refusal))) => Err(refusal.to_string()),
         Ok(_) => Err("the job did not answer".into()),
         Err(e) => Err(format!("the job actor is gone: {e}")),
     }

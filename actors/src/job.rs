@@ -673,9 +673,8 @@ impl JobState {
         let Some(finish) = self.finish.clone() else {
             return Ok(());
         };
-        if !self.children.all_settled()
-            || self.loop_task.is_some() && finish.status != Status::Stopped
-        {
+        // Every path into `finish` has already ended the loop.
+        if !self.children.all_settled() {
             return Ok(());
         }
         self.abort_loop();

@@ -260,7 +260,7 @@ async fn follow(
     json: bool,
 ) -> Result<ExitCode, Failure> {
     let live = !json && std::io::stdout().is_terminal();
-    let mut view = render::Progress::new(live, run);
+    let mut view = render::Progress::new(live);
     let mut changes = node.events().changes();
     let mut interrupted = false;
     let tree = loop {

@@ -1,7 +1,7 @@
 //! How a run looks on a terminal: the live tree redrawn in place, or plain
 //! lines (one per change of status) when stdout is not a terminal.
 
-use arbor_protocol::{NodeKind, RunId, Status, Tree, TreeNode};
+use arbor_protocol::{NodeKind, Status, Tree, TreeNode};
 use std::collections::HashMap;
 use std::io::Write;
 
@@ -10,16 +10,14 @@ pub struct Progress {
     drawn_lines: usize,
     /// What each node's status was when last printed, for plain mode.
     seen: HashMap<String, Status>,
-    _run: RunId,
 }
 
 impl Progress {
-    pub fn new(live: bool, run: RunId) -> Self {
+    pub fn new(live: bool) -> Self {
         Self {
             live,
             drawn_lines: 0,
             seen: HashMap::new(),
-            _run: run,
         }
     }
 

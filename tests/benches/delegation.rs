@@ -36,6 +36,12 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+// Each bench binary uses part of it.
+#[allow(dead_code)]
+#[path = "support/shared.rs"]
+mod shared;
+use shared::Cpu;
+
 /// How long one measured run may take before the benchmark gives up.
 const RUN_LIMIT: Duration = Duration::from_secs(300);
 
@@ -210,17 +216,9 @@ impl FanOutReport {
 }
 
 fn main() {
-    // `cargo bench` passes `--bench` (and a filter, if given); `cargo test
-    // --all-targets` runs this binary without it, and gets the smoke run, as
-    // criterion does. Anything else on the command line is ignored.
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let quick = args.iter().any(|a| a == "--quick") || !args.iter().any(|a| a == "--bench");
+    let quick = shared::quick();
     let sizes = if quick { Sizes::QUICK } else { Sizes::DEFAULT };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("a tokio runtime");
-    let workers = runtime.metrics().num_workers();
+    let (runtime, workers) = shared::runtime();
     runtime.block_on(run(sizes, quick, workers));
 }
 
@@ -707,39 +705,13 @@ async fn fan_out(shape: FanOutShape) -> FanOutReport {
     }
 }
 
-/// CPU time this process has used, user and system, on every thread: the
-/// tokio workers, the journal's flusher and sled's own I/O threads.
-#[derive(Clone, Copy, Debug, Default)]
-struct Cpu {
-    user: Duration,
-    system: Duration,
+/// Per-operation figures of the shared process CPU clock.
+trait PerOp {
+    fn per_op_us(self, ops: usize) -> (f64, f64);
+    fn json(self, ops: usize) -> serde_json::Value;
 }
 
-impl Cpu {
-    fn now() -> Cpu {
-        let mut usage = std::mem::MaybeUninit::<libc::rusage>::uninit();
-        // SAFETY: getrusage writes a whole rusage to the pointer it is given,
-        // which points at one; it is read only if the call succeeded.
-        let usage = unsafe {
-            assert_eq!(libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()), 0);
-            usage.assume_init()
-        };
-        let of = |t: libc::timeval| {
-            Duration::from_secs(t.tv_sec as u64) + Duration::from_micros(t.tv_usec as u64)
-        };
-        Cpu {
-            user: of(usage.ru_utime),
-            system: of(usage.ru_stime),
-        }
-    }
-
-    fn since(self, before: Cpu) -> Cpu {
-        Cpu {
-            user: self.user - before.user,
-            system: self.system - before.system,
-        }
-    }
-
+impl PerOp for Cpu {
     /// Microseconds per operation: (user, system).
     fn per_op_us(self, ops: usize) -> (f64, f64) {
         let per = |d: Duration| d.as_secs_f64() * 1e6 / ops as f64;

@@ -59,6 +59,12 @@ use std::io::Write;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+// Each bench binary uses part of it.
+#[allow(dead_code)]
+#[path = "support/shared.rs"]
+mod shared;
+use shared::Cpu;
+
 /// Records handed to one `Journal::append` while a journal is built.
 const BUILD_BATCH: usize = 20_000;
 
@@ -136,17 +142,9 @@ impl Sizes {
 }
 
 fn main() {
-    // `cargo bench` passes `--bench` (and a filter, if given); `cargo test
-    // --all-targets` runs this binary without it, and gets the smoke run, as
-    // criterion does. Anything else on the command line is ignored.
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let quick = args.iter().any(|a| a == "--quick") || !args.iter().any(|a| a == "--bench");
+    let quick = shared::quick();
     let sizes = if quick { Sizes::QUICK } else { Sizes::DEFAULT };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("a tokio runtime");
-    let workers = runtime.metrics().num_workers();
+    let (runtime, workers) = shared::runtime();
     runtime.block_on(run(sizes, quick, workers));
 }
 
@@ -705,19 +703,18 @@ impl<'a> Writer<'a> {
         status: Status,
         tokens_spent: u64,
     ) -> Record {
-        let step = matches!(parent, ParentRef::Run(_));
-        let agent = if step { STEP_AGENT } else { "leaf" };
+        let who = Who::of(run, id, parent);
         Record::Job(JobRecord {
             id,
             run,
             parent,
-            kind: if step { NodeKind::Step } else { NodeKind::Job },
-            agent: agent.into(),
-            label: step.then(|| STEP_AGENT.to_string()),
-            depth: if step { 0 } else { 1 },
+            kind: who.kind,
+            agent: who.agent.into(),
+            label: who.label,
+            depth: who.depth,
             attempt: 1,
-            grant_tokens: if step { RUN_GRANT } else { CHILD_GRANT },
-            workdir: format!("/var/lib/arbor/work/{run}/{agent}/{id}"),
+            grant_tokens: who.grant,
+            workdir: who.workdir,
             status,
             task_status: (status == Status::Done).then_some(TaskStatus::Completed),
             error_class: None,
@@ -788,20 +785,19 @@ impl<'a> Writer<'a> {
     }
 
     fn spawned(&mut self, run: RunId, id: JobId, parent: ParentRef) {
-        let step = matches!(parent, ParentRef::Run(_));
-        let agent = if step { STEP_AGENT } else { "leaf" };
+        let who = Who::of(run, id, parent);
         self.event(
             run,
             EventKind::NodeSpawned {
                 id,
                 parent,
-                kind: if step { NodeKind::Step } else { NodeKind::Job },
-                agent: agent.into(),
-                label: step.then(|| STEP_AGENT.to_string()),
-                depth: if step { 0 } else { 1 },
+                kind: who.kind,
+                agent: who.agent.into(),
+                label: who.label,
+                depth: who.depth,
                 attempt: 1,
-                grant_tokens: if step { RUN_GRANT } else { CHILD_GRANT },
-                workdir: format!("/var/lib/arbor/work/{run}/{agent}/{id}"),
+                grant_tokens: who.grant,
+                workdir: who.workdir,
                 record_seq: self.written,
                 request: "go".into(),
             },
@@ -1474,22 +1470,37 @@ fn dir_bytes(dir: &Path) -> u64 {
         .sum()
 }
 
+/// What a synthetic step or job is, from who its parent is: a step under
+/// the run, a leaf job under a step. Its record and its spawn event agree.
+struct Who {
+    kind: NodeKind,
+    agent: &'static str,
+    label: Option<String>,
+    depth: u32,
+    grant: u64,
+    workdir: String,
+}
+
+impl Who {
+    fn of(run: RunId, id: JobId, parent: ParentRef) -> Who {
+        let step = matches!(parent, ParentRef::Run(_));
+        let agent = if step { STEP_AGENT } else { "leaf" };
+        Who {
+            kind: if step { NodeKind::Step } else { NodeKind::Job },
+            agent,
+            label: step.then(|| STEP_AGENT.to_string()),
+            depth: if step { 0 } else { 1 },
+            grant: if step { RUN_GRANT } else { CHILD_GRANT },
+            workdir: format!("work/{run}/{agent}/{id}"),
+        }
+    }
+}
+
 // ---- figures -----------------------------------------------------------------
 
-/// CPU time this process has used, user and system, on every thread: tokio's
-/// workers, the journal's flusher and sled's own threads.
+/// CPU time this process has used, user and system together.
 fn cpu_now() -> Duration {
-    let mut usage = std::mem::MaybeUninit::<libc::rusage>::uninit();
-    // SAFETY: getrusage writes a whole rusage to the pointer it is given,
-    // which points at one; it is read only if the call succeeded.
-    let usage = unsafe {
-        assert_eq!(libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()), 0);
-        usage.assume_init()
-    };
-    let of = |t: libc::timeval| {
-        Duration::from_secs(t.tv_sec as u64) + Duration::from_micros(t.tv_usec as u64)
-    };
-    of(usage.ru_utime) + of(usage.ru_stime)
+    Cpu::now().total()
 }
 
 fn size_name(records: u64) -> String {
