@@ -88,6 +88,8 @@ pub struct Undecodable {
 
 struct Inner {
     db: sled::Db,
+    /// arbor's lock on the directory, held while the journal is open.
+    _dir_lock: std::fs::File,
     trees: Trees,
     epoch: u64,
     /// The last seq handed out, held for the whole of an append (invariant 1).
@@ -458,7 +460,7 @@ impl Journal {
     }
 
     fn open_inner(dir: &Path, read_only: bool) -> Result<(Journal, Unstarted), Error> {
-        let db = open_db(dir)?;
+        let (dir_lock, db) = open_locked(dir)?;
         // sled has opened the dir: its files exist and any snapshot is written.
         let mut disk = DiskSync::open(dir)?;
         let trees = Trees::open(&db)?;
@@ -512,6 +514,7 @@ impl Journal {
         let (waiters, queue) = mpsc::channel();
         let inner = Inner {
             db,
+            _dir_lock: dir_lock,
             trees,
             epoch,
             last_seq: Mutex::new(seq),
@@ -800,12 +803,62 @@ impl Progress {
     }
 }
 
-/// Opens the sled database, waiting a little for its file lock. sled's own
-/// background threads hold the database for a moment after the last handle
-/// is dropped, so a reopen in the same process (a restart in a test, a node
-/// restarted in place) can find the lock still held.
+/// How often, and how long apart, an open tries a lock another handle holds.
+/// sled's own background threads hold the database for a moment after the
+/// last handle is dropped, so a reopen in the same process (a restart in a
+/// test, a node restarted in place) can find a lock still held.
+const LOCK_ATTEMPTS: u32 = 100;
+const LOCK_PAUSE: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// Opens the sled database. See `open_locked`; the directory lock is
+/// released on return (sled's own lock on its `db` file remains).
 pub fn open_db(dir: &Path) -> Result<sled::Db, Error> {
-    const ATTEMPTS: u32 = 100;
+    open_locked(dir).map(|(_lock, db)| db)
+}
+
+/// Takes arbor's lock on the directory, clears what a crash left half
+/// written, and opens sled, waiting a little for either lock.
+///
+/// sled 0.34 writes a snapshot at every open as `snap.<lsn>.generating`,
+/// then renames it; a process killed in between leaves the `.generating`
+/// file, and the next open reads it as the newest snapshot and fails with
+/// "Read corrupted data" (sled issue 1527). A finished snapshot is always
+/// renamed, so a `.generating` file is never one: with the directory locked
+/// (no other arbor process is writing it), it is removed before sled looks.
+pub(crate) fn open_locked(dir: &Path) -> Result<(std::fs::File, sled::Db), Error> {
+    let io = |e: std::io::Error| Error::Sled(sled::Error::Io(e));
+    std::fs::create_dir_all(dir).map_err(io)?;
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.join(DIR_LOCK))
+        .map_err(io)?;
+    let mut attempt = 0;
+    loop {
+        match lock.try_lock() {
+            Ok(()) => break,
+            Err(std::fs::TryLockError::WouldBlock) if attempt + 1 < LOCK_ATTEMPTS => {
+                attempt += 1;
+                std::thread::sleep(LOCK_PAUSE);
+            }
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(io(std::io::Error::new(
+                    std::io::ErrorKind::WouldBlock,
+                    format!("{} is in use by another process", dir.display()),
+                )));
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(io(e)),
+        }
+    }
+    for entry in std::fs::read_dir(dir).map_err(io)?.flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with("snap.") && name.ends_with(".generating") {
+            tracing::warn!(file = %name, "removing a snapshot a crash left half written");
+            std::fs::remove_file(entry.path()).map_err(io)?;
+        }
+    }
     let mut attempt = 0;
     loop {
         match sled::Config::new().path(dir).open() {
@@ -814,15 +867,18 @@ pub fn open_db(dir: &Path) -> Result<sled::Db, Error> {
                     || e.to_string().contains("could not acquire lock") =>
             {
                 attempt += 1;
-                if attempt >= ATTEMPTS {
+                if attempt >= LOCK_ATTEMPTS {
                     return Err(sled::Error::Io(e).into());
                 }
-                std::thread::sleep(std::time::Duration::from_millis(20));
+                std::thread::sleep(LOCK_PAUSE);
             }
-            other => return Ok(other?),
+            other => return Ok((lock, other?)),
         }
     }
 }
+
+/// The file arbor locks for as long as a journal is open on the directory.
+const DIR_LOCK: &str = "arbor.lock";
 
 #[cfg(test)]
 mod tests {

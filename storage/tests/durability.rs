@@ -497,3 +497,33 @@ async fn a_read_only_open_changes_nothing_not_even_the_epoch() {
     );
     assert!(arbor_storage::Journal::open_read_only(&dir.path().join("nothing")).is_err());
 }
+
+#[tokio::test]
+async fn a_snapshot_a_crash_left_half_written_does_not_stop_the_next_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = RunId::new();
+    {
+        let journal = arbor_storage::Journal::open(dir.path()).unwrap();
+        let epoch = journal.epoch();
+        journal
+            .commit(vec![arbor_storage::Record::Ledger(
+                arbor_storage::LedgerRecord {
+                    owner: ParentRef::Run(run),
+                    op: arbor_storage::LedgerOp::Open { grant: 7 },
+                    epoch,
+                },
+            )])
+            .await
+            .unwrap();
+    }
+    // What a SIGKILL during sled's snapshot write leaves: sled 0.34 would pick
+    // it as the newest snapshot and refuse to open ("Read corrupted data").
+    std::fs::write(dir.path().join("snap.FFFFFFFFFFFFFFFF.generating"), b"torn").unwrap();
+    let journal = arbor_storage::Journal::open(dir.path()).unwrap();
+    assert_eq!(
+        journal.ledger(ParentRef::Run(run)).unwrap().len(),
+        1,
+        "nothing acknowledged was lost"
+    );
+    assert!(!dir.path().join("snap.FFFFFFFFFFFFFFFF.generating").exists());
+}
