@@ -15,20 +15,23 @@
 use crate::account::{AccountMsg, CallHold};
 use crate::context::NodeContext;
 use crate::job::JobMsg;
-use crate::model::{Message, Model, ModelError, ModelRequest, ToolCall};
+use crate::model::{
+    CallMeter, Message, Model, ModelError, ModelInfo, ModelReply, ModelRequest, ToolCall,
+};
 use crate::sandbox::SandboxMsg;
 use arbor_protocol::tools::parse_duration_arg;
 use arbor_protocol::{
-    AgentDef, CollectArgs, DelegateArgs, ErrorClass, EventKind, ExecArgs, JobId, ReadFileArgs,
+    AgentDef, CallFacts, CollectArgs, DelegateArgs, ErrorClass, EventKind, ExecArgs, JobId, ReadFileArgs,
     Refusal, RunId, SendMessageArgs, StopChildArgs, SubmitOutputArgs, TaskStatus, ToolName,
-    WriteFileArgs,
+    Usage, WriteFileArgs,
 };
 use futures::FutureExt;
+use tracing::Instrument;
 use ractor::{ActorRef, RpcReplyPort};
 use serde::de::DeserializeOwned;
 use std::collections::BTreeMap;
 use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use tokio_util::sync::CancellationToken;
 
 /// The notice a model request carries once spend has crossed the wind-down share.
@@ -47,6 +50,8 @@ pub struct LoopArgs {
     pub request: String,
     pub max_turns: u32,
     pub cancel: CancellationToken,
+    /// Shared with the job, which settles a call its abort cut short.
+    pub in_flight: InFlightSlot,
 }
 
 /// How the loop ended.
@@ -125,23 +130,9 @@ pub async fn run(args: LoopArgs) -> LoopOutcome {
                 );
             }
         }
-        let mut request = ModelRequest {
-            agent: args.agent.name.clone(),
-            system: args.agent.prompt.clone(),
-            messages: history.clone(),
-            tools: tools.clone(),
-            max_output_tokens: args.ctx.limits.max_output_tokens,
-            wind_down: None,
-            turn,
-        };
-        let input_estimate = args.model.count_input(&request);
-        let hold: CallHold = match ractor::call!(args.account, |reply| AccountMsg::ReserveCall {
-            input_estimate,
-            max_output_limit: args.ctx.limits.max_output_tokens,
-            reply,
-        }) {
-            Ok(Ok(hold)) => hold,
-            Ok(Err(refusal)) => {
+        let reply = match call_model(&args, &history, &tools, turn).await {
+            Ok(reply) => reply,
+            Err(CallEnd::Budget(refusal)) => {
                 return ended_without_answer(
                     LoopEnd::BudgetExhausted,
                     last_text,
@@ -149,48 +140,8 @@ pub async fn run(args: LoopArgs) -> LoopOutcome {
                     refusal.to_string(),
                 );
             }
-            Err(_) => {
-                return LoopOutcome::failed(ErrorClass::Start, "the account is gone".into(), turn);
-            }
+            Err(CallEnd::Failed(outcome)) => return outcome,
         };
-        request.max_output_tokens = hold.max_output;
-        if hold.wind_down {
-            request.wind_down = Some(WIND_DOWN_NOTICE.to_string());
-        }
-        let answer = tokio::select! {
-            answer = AssertUnwindSafe(args.model.complete(request)).catch_unwind() => answer,
-            _ = args.cancel.cancelled() => {
-                // The call's hold is released with the account; nothing came back to charge.
-                settle(&args, hold.reserved, 0).await;
-                return LoopOutcome::failed(ErrorClass::Start, "stopped".into(), turn);
-            }
-        };
-        let reply = match answer {
-            Ok(Ok(reply)) => reply,
-            Ok(Err(ModelError { class, message })) => {
-                settle(&args, hold.reserved, 0).await;
-                return LoopOutcome::failed(class, format!("model call failed: {message}"), turn);
-            }
-            Err(panic) => {
-                settle(&args, hold.reserved, 0).await;
-                return LoopOutcome::failed(
-                    ErrorClass::Panicked,
-                    format!("the model adapter panicked: {}", panic_message(&panic)),
-                    turn,
-                );
-            }
-        };
-        let spent = reply.usage.total();
-        let called = EventKind::ModelCalled {
-            id: args.id,
-            turn,
-            reserved: hold.reserved,
-            input_tokens: reply.usage.input_tokens,
-            output_tokens: reply.usage.output_tokens,
-            truncated: reply.truncated,
-            wind_down: hold.wind_down,
-        };
-        settle_with(&args, hold.reserved, spent, Some(called)).await;
         turn += 1;
         if let Some(text) = reply.text.as_ref().filter(|t| !t.trim().is_empty()) {
             last_text = Some(text.clone());
@@ -271,6 +222,249 @@ pub async fn run(args: LoopArgs) -> LoopOutcome {
     }
 }
 
+/// A model call in flight: what was reserved for it and what its adapter
+/// has learned so far. Whoever takes it from the job's slot settles it,
+/// exactly once: the loop when the call returns or is cancelled, the job
+/// when it aborted the loop mid-call.
+pub struct InFlight {
+    pub reserved: u64,
+    pub input_reserved: u64,
+    pub max_output: u64,
+    pub wind_down: bool,
+    pub turn: u32,
+    pub retries: u32,
+    pub started: std::time::Instant,
+    pub meter: CallMeter,
+    pub info: ModelInfo,
+}
+
+/// The job's handle on its loop's call in flight.
+pub type InFlightSlot = Arc<Mutex<Option<InFlight>>>;
+
+/// Takes the call in flight, if the other side has not already.
+pub fn take_in_flight(slot: &InFlightSlot) -> Option<InFlight> {
+    slot.lock().unwrap_or_else(|e| e.into_inner()).take()
+}
+
+/// Settles a call that was cut short (stopped, failed, or its adapter
+/// panicked): nothing of its answer is kept, and it is charged what it may
+/// have cost (`CallMeter::charge_when_cut`), with one `ModelCalled` event.
+pub async fn settle_cut(account: &ActorRef<AccountMsg>, id: JobId, call: InFlight, outcome: &str) {
+    let usage = call
+        .meter
+        .charge_when_cut(call.input_reserved, call.max_output);
+    let estimated = usage.total() > 0;
+    let event = model_called(id, &call, usage, false, estimated, outcome);
+    let _ = ractor::call!(account, |reply| AccountMsg::SettleCall {
+        reserved: call.reserved,
+        spent: usage.total(),
+        event: Some(event),
+        reply
+    });
+}
+
+fn model_called(
+    id: JobId,
+    call: &InFlight,
+    usage: Usage,
+    truncated: bool,
+    usage_estimated: bool,
+    outcome: &str,
+) -> EventKind {
+    let usd_micros = call
+        .info
+        .price
+        .map_or(0, |p| p.micros(usage.input_tokens, usage.output_tokens));
+    EventKind::ModelCalled {
+        id,
+        turn: call.turn,
+        reserved: call.reserved,
+        input_tokens: usage.input_tokens,
+        output_tokens: usage.output_tokens,
+        truncated,
+        wind_down: call.wind_down,
+        call: CallFacts {
+            provider: call.info.provider.clone(),
+            model: call.info.model.clone(),
+            usd_micros,
+            latency_ms: call.started.elapsed().as_millis() as u64,
+            retries: call.retries,
+            outcome: outcome.to_string(),
+            usage_estimated,
+        },
+    }
+}
+
+enum CallEnd {
+    /// The account cannot cover the next call (I-13).
+    Budget(Refusal),
+    /// The call failed for good, or the job is stopping.
+    Failed(LoopOutcome),
+}
+
+/// One model call of turn `turn`: reserved at its worst case (I-11), sent,
+/// settled on the reported usage; a transient failure is retried after a
+/// backoff, each attempt reserved and settled on its own.
+async fn call_model(
+    args: &LoopArgs,
+    history: &[Message],
+    tools: &[ToolName],
+    turn: u32,
+) -> Result<ModelReply, CallEnd> {
+    let info = args.model.info();
+    let max_output_limit = info
+        .max_output_tokens
+        .map_or(args.ctx.limits.max_output_tokens, |m| {
+            m.min(args.ctx.limits.max_output_tokens)
+        });
+    let mut retries = 0;
+    loop {
+        let meter = CallMeter::default();
+        let mut request = ModelRequest {
+            agent: args.agent.name.clone(),
+            system: args.agent.prompt.clone(),
+            messages: history.to_vec(),
+            tools: tools.to_vec(),
+            max_output_tokens: max_output_limit,
+            // Counted with the notice, so the bound holds whether it is sent or not.
+            wind_down: Some(WIND_DOWN_NOTICE.to_string()),
+            turn,
+            meter: meter.clone(),
+        };
+        let input_estimate = args.model.count_input(&request);
+        let hold: CallHold = match ractor::call!(args.account, |reply| AccountMsg::ReserveCall {
+            input_estimate,
+            max_output_limit,
+            reply,
+        }) {
+            Ok(Ok(hold)) => hold,
+            Ok(Err(refusal)) => return Err(CallEnd::Budget(refusal)),
+            Err(_) => {
+                return Err(CallEnd::Failed(LoopOutcome::failed(
+                    ErrorClass::Start,
+                    "the account is gone".into(),
+                    turn,
+                )));
+            }
+        };
+        request.max_output_tokens = hold.max_output;
+        if !hold.wind_down {
+            request.wind_down = None;
+        }
+        put_in_flight(
+            &args.in_flight,
+            InFlight {
+                reserved: hold.reserved,
+                input_reserved: input_estimate,
+                max_output: hold.max_output,
+                wind_down: hold.wind_down,
+                turn,
+                retries,
+                started: std::time::Instant::now(),
+                meter,
+                info: info.clone(),
+            },
+        );
+        let span = tracing::info_span!(
+            "chat",
+            otel.name = %format!("chat {}", info.model),
+            gen_ai.operation.name = "chat",
+            gen_ai.system = %info.provider,
+            gen_ai.request.model = %info.model,
+            gen_ai.request.max_tokens = hold.max_output,
+            gen_ai.usage.input_tokens = tracing::field::Empty,
+            gen_ai.usage.output_tokens = tracing::field::Empty,
+            error.type = tracing::field::Empty,
+            run = %args.run,
+            job = %args.id,
+        );
+        let answer = tokio::select! {
+            answer = AssertUnwindSafe(args.model.complete(request)).catch_unwind().instrument(span.clone()) => answer,
+            _ = args.cancel.cancelled() => {
+                if let Some(call) = take_in_flight(&args.in_flight) {
+                    settle_cut(&args.account, args.id, call, "stopped").await;
+                }
+                return Err(CallEnd::Failed(LoopOutcome::failed(ErrorClass::Start, "stopped".into(), turn)));
+            }
+        };
+        let Some(call) = take_in_flight(&args.in_flight) else {
+            // The job took the call: it is stopping and settled it.
+            return Err(CallEnd::Failed(LoopOutcome::failed(
+                ErrorClass::Start,
+                "stopped".into(),
+                turn,
+            )));
+        };
+        let error = match answer {
+            Ok(Ok(reply)) => {
+                let (usage, estimated) = match reply.usage {
+                    Some(usage) => (usage, false),
+                    // No usage reported: charged the reservation, marked so.
+                    None => (
+                        Usage {
+                            input_tokens: call.input_reserved,
+                            output_tokens: call.max_output,
+                        },
+                        true,
+                    ),
+                };
+                span.record("gen_ai.usage.input_tokens", usage.input_tokens);
+                span.record("gen_ai.usage.output_tokens", usage.output_tokens);
+                if usage.total() > call.reserved {
+                    args.ctx.events.emit(
+                        args.run,
+                        EventKind::BudgetOverrun {
+                            id: args.id,
+                            turn,
+                            reserved: call.reserved,
+                            reported: usage.total(),
+                        },
+                    );
+                }
+                let event = model_called(args.id, &call, usage, reply.truncated, estimated, "ok");
+                settle_with(args, call.reserved, usage.total(), Some(event)).await;
+                return Ok(reply);
+            }
+            Ok(Err(error)) => error,
+            Err(panic) => ModelError::new(
+                ErrorClass::Panicked,
+                format!("the model adapter panicked: {}", panic_message(&panic)),
+            ),
+        };
+        span.record("error.type", error.class.as_str());
+        settle_cut(&args.account, args.id, call, error.class.as_str()).await;
+        let policy = info.retry;
+        if !error.class.is_transient() || retries >= policy.max_retries {
+            let message = if retries > 0 {
+                format!("model call failed after {} attempts: {}", retries + 1, error.message)
+            } else {
+                format!("model call failed: {}", error.message)
+            };
+            return Err(CallEnd::Failed(LoopOutcome::failed(error.class, message, turn)));
+        }
+        let pause = policy.backoff(retries, error.retry_after, fastrand::f64());
+        tracing::warn!(
+            run = %args.run,
+            job = %args.id,
+            class = %error.class,
+            retry = retries + 1,
+            pause_ms = pause.as_millis() as u64,
+            "model call failed transiently; retrying"
+        );
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            _ = args.cancel.cancelled() => {
+                return Err(CallEnd::Failed(LoopOutcome::failed(ErrorClass::Start, "stopped".into(), turn)));
+            }
+        }
+        retries += 1;
+    }
+}
+
+fn put_in_flight(slot: &InFlightSlot, call: InFlight) {
+    *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(call);
+}
+
 /// I-22: the task status a loop's end earns, lowered by the machine checks.
 /// Pure: every rule is a row in the unit table below.
 pub fn grade(
@@ -341,10 +535,6 @@ fn ended_without_answer(
         turns,
         produced,
     }
-}
-
-async fn settle(args: &LoopArgs, reserved: u64, spent: u64) {
-    settle_with(args, reserved, spent, None).await
 }
 
 async fn settle_with(args: &LoopArgs, reserved: u64, spent: u64, event: Option<EventKind>) {

@@ -292,6 +292,7 @@ impl Actor for Job {
             sandbox,
             model: Some(model),
             loop_task: None,
+            in_flight: Default::default(),
             children: Children::default(),
             steering: VecDeque::new(),
             next_message_id: 1,
@@ -521,6 +522,8 @@ pub struct JobState {
     sandbox: ActorRef<SandboxMsg>,
     model: Option<Arc<dyn crate::model::Model>>,
     loop_task: Option<AbortOnDrop>,
+    /// The loop's model call in flight, settled here if an abort cuts it short.
+    in_flight: agent_loop::InFlightSlot,
     children: Children,
     steering: VecDeque<(u64, String)>,
     next_message_id: u64,
@@ -555,6 +558,7 @@ impl JobState {
             request: self.brief.request.clone(),
             max_turns: self.brief.max_turns,
             cancel: self.cancel.clone(),
+            in_flight: self.in_flight.clone(),
         };
         let handle = tokio::spawn(async move {
             let outcome = match AssertUnwindSafe(agent_loop::run(args)).catch_unwind().await {
@@ -678,6 +682,11 @@ impl JobState {
             return Ok(());
         }
         self.abort_loop();
+        // A call the abort cut short is charged what it may have cost (I-16:
+        // its answer is dropped, its spend is not).
+        if let Some(call) = agent_loop::take_in_flight(&self.in_flight) {
+            agent_loop::settle_cut(&self.account, self.lineage.id, call, "stopped").await;
+        }
         let artifacts = ractor::call!(self.sandbox, |reply| SandboxMsg::Artifacts { reply })
             .unwrap_or_default();
         let _ = ractor::call!(self.sandbox, |reply| SandboxMsg::KillAll { reply });

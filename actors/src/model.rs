@@ -1,9 +1,21 @@
-//! What the agent loop asks of a model. Adapters (the scripted model, an
-//! OpenAI-compatible client) live in `arbor-runtime`; the loop knows only this.
+//! What the agent loop asks of a model. Adapters (the scripted model, the
+//! OpenAI and Anthropic clients) live in `arbor-runtime`; the loop knows only this.
+//!
+//! Invariants an adapter keeps:
+//! 1. `count_input` never counts fewer tokens than the provider will (I-11).
+//!    An HTTP adapter counts the request body's bytes, which no byte-level BPE
+//!    tokenizer can exceed.
+//! 2. `complete` makes at most one request. Retries are the loop's, so each
+//!    attempt is reserved before it is sent.
+//! 3. What the adapter learns while a call is in flight (that it was sent,
+//!    usage the provider reported, bytes streamed) goes into the request's
+//!    `CallMeter`, so a call that is stopped half-way is still charged.
 
 use arbor_protocol::{AgentDef, ErrorClass, ToolName, Usage};
 use futures::future::BoxFuture;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
 
 /// One request: the history so far and what the model may do with it.
 #[derive(Clone, Debug)]
@@ -18,6 +30,8 @@ pub struct ModelRequest {
     pub wind_down: Option<String>,
     /// 0 for the first call of a job.
     pub turn: u32,
+    /// Filled by the adapter while the call is in flight.
+    pub meter: CallMeter,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -61,7 +75,9 @@ pub struct ToolCall {
 pub struct ModelReply {
     pub text: Option<String>,
     pub calls: Vec<ToolCall>,
-    pub usage: Usage,
+    /// What the provider reported it counted; None when it reported nothing
+    /// (the loop then charges the call's whole reservation).
+    pub usage: Option<Usage>,
     /// Output was cut at `max_output_tokens`.
     pub truncated: bool,
 }
@@ -71,19 +87,183 @@ pub struct ModelReply {
 pub struct ModelError {
     pub class: ErrorClass,
     pub message: String,
+    /// The provider asked to wait this long before the next attempt (Retry-After).
+    pub retry_after: Option<Duration>,
 }
 
-/// A model an agent talks to. `count_input` is the prompt estimate that the
+impl ModelError {
+    pub fn new(class: ErrorClass, message: impl Into<String>) -> Self {
+        Self {
+            class,
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+}
+
+/// Prices in pico-dollars per token, so that a price such as $0.075 per
+/// million tokens is a whole number (75,000). Micro-dollars come from them by
+/// rounding up, per call.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Price {
+    pub input_picos_per_token: u64,
+    pub output_picos_per_token: u64,
+}
+
+impl Price {
+    /// The cost of a call in micro-dollars, rounded up: never under-charged.
+    pub fn micros(&self, input_tokens: u64, output_tokens: u64) -> u64 {
+        let picos = u128::from(input_tokens) * u128::from(self.input_picos_per_token)
+            + u128::from(output_tokens) * u128::from(self.output_picos_per_token);
+        u64::try_from(picos.div_ceil(1_000_000)).unwrap_or(u64::MAX)
+    }
+}
+
+/// How the loop retries a call that failed transiently (rate limit, overload,
+/// a server error, a timeout).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Attempts after the first; 0 never retries.
+    pub max_retries: u32,
+    /// The first backoff; each later one doubles, with full jitter.
+    pub base: Duration,
+    /// No backoff is longer, and a Retry-After longer than this is cut to it.
+    pub cap: Duration,
+}
+
+impl RetryPolicy {
+    pub const NONE: RetryPolicy = RetryPolicy {
+        max_retries: 0,
+        base: Duration::ZERO,
+        cap: Duration::ZERO,
+    };
+
+    /// The pause before retry number `retry` (0 for the first retry):
+    /// the provider's Retry-After when it gave one, else exponential with
+    /// full jitter (`jitter` in [0, 1)), never above `cap`.
+    pub fn backoff(&self, retry: u32, retry_after: Option<Duration>, jitter: f64) -> Duration {
+        if let Some(wait) = retry_after {
+            return wait.min(self.cap);
+        }
+        let exp = self
+            .base
+            .saturating_mul(2u32.saturating_pow(retry.min(16)))
+            .min(self.cap);
+        exp.mul_f64(jitter.clamp(0.0, 1.0))
+    }
+}
+
+/// Who a model is, for events, traces and the budget rules.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelInfo {
+    /// The provider's name in arbor.toml, or `scripted`.
+    pub provider: String,
+    /// The model as the provider calls it.
+    pub model: String,
+    /// The most output tokens one call may ask for.
+    pub max_output_tokens: Option<u64>,
+    /// The model's context window in tokens, if it has one to respect.
+    pub context_window: Option<u64>,
+    /// None: no price is configured (a usd ceiling cannot be kept on it).
+    pub price: Option<Price>,
+    pub retry: RetryPolicy,
+}
+
+impl ModelInfo {
+    pub fn scripted() -> Self {
+        Self {
+            provider: "scripted".into(),
+            model: "scripted".into(),
+            max_output_tokens: None,
+            context_window: None,
+            // The scripted model costs nothing.
+            price: Some(Price::default()),
+            retry: RetryPolicy::NONE,
+        }
+    }
+}
+
+/// A model an agent talks to. `count_input` is the prompt bound that the
 /// loop reserves before sending (I-11): it must not under-count.
 pub trait Model: Send + Sync {
     fn count_input(&self, request: &ModelRequest) -> u64;
     fn complete(&self, request: ModelRequest)
     -> BoxFuture<'static, Result<ModelReply, ModelError>>;
+    fn info(&self) -> ModelInfo {
+        ModelInfo::scripted()
+    }
 }
 
 /// Picks the model for an agent.
 pub trait ModelFactory: Send + Sync {
     fn model_for(&self, agent: &AgentDef) -> Result<Arc<dyn Model>, String>;
+}
+
+/// What an adapter learned of one call while it was in flight, shared with
+/// the loop so that a call stopped half-way is charged what it cost (I-16:
+/// nothing of its answer is kept, but its spend is).
+#[derive(Clone, Debug, Default)]
+pub struct CallMeter(Arc<MeterInner>);
+
+#[derive(Debug, Default)]
+struct MeterInner {
+    sent: AtomicBool,
+    usage_reported: AtomicBool,
+    input_tokens: AtomicU64,
+    output_tokens: AtomicU64,
+    streamed_bytes: AtomicU64,
+}
+
+impl CallMeter {
+    /// The request left for the provider: from now on it may be billed.
+    pub fn mark_sent(&self) {
+        self.0.sent.store(true, Ordering::Release);
+    }
+
+    /// The provider answered with an error status before generating
+    /// anything: such a request is not billed.
+    pub fn mark_refused(&self) {
+        self.0.sent.store(false, Ordering::Release);
+    }
+
+    /// Usage the provider reported so far (a stream's first or last event).
+    pub fn report_usage(&self, input_tokens: Option<u64>, output_tokens: Option<u64>) {
+        if let Some(input) = input_tokens {
+            self.0.input_tokens.fetch_max(input, Ordering::AcqRel);
+        }
+        if let Some(output) = output_tokens {
+            self.0.output_tokens.fetch_max(output, Ordering::AcqRel);
+        }
+        self.0.usage_reported.store(true, Ordering::Release);
+    }
+
+    /// Bytes of answer streamed so far.
+    pub fn add_streamed(&self, bytes: u64) {
+        self.0.streamed_bytes.fetch_add(bytes, Ordering::AcqRel);
+    }
+
+    /// What a call cut short is charged, never less than it may have cost:
+    /// nothing if no request was sent; if the provider reported usage, that
+    /// plus the streamed output (one token per byte at most, and no more
+    /// than the call's max output); otherwise its whole reservation.
+    pub fn charge_when_cut(&self, input_reserved: u64, max_output: u64) -> Usage {
+        let m = &self.0;
+        if !m.sent.load(Ordering::Acquire) {
+            return Usage::default();
+        }
+        if !m.usage_reported.load(Ordering::Acquire) {
+            return Usage {
+                input_tokens: input_reserved,
+                output_tokens: max_output,
+            };
+        }
+        let input = m.input_tokens.load(Ordering::Acquire);
+        let streamed = m.streamed_bytes.load(Ordering::Acquire).min(max_output);
+        Usage {
+            input_tokens: if input == 0 { input_reserved } else { input },
+            output_tokens: m.output_tokens.load(Ordering::Acquire).max(streamed),
+        }
+    }
 }
 
 /// A prompt-size estimate for adapters without a tokenizer: one token per
@@ -96,4 +276,70 @@ pub fn estimate_tokens(request: &ModelRequest) -> u64 {
             .map(Message::text_len)
             .sum::<usize>();
     (bytes as u64).div_ceil(3) + 4 * (request.messages.len() as u64 + 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prices_round_up_to_the_next_micro_dollar() {
+        // $0.15 and $0.60 per million tokens.
+        let price = Price {
+            input_picos_per_token: 150_000,
+            output_picos_per_token: 600_000,
+        };
+        assert_eq!(price.micros(1_000_000, 0), 150_000);
+        assert_eq!(price.micros(1, 0), 1, "a fraction of a micro-dollar is one");
+        assert_eq!(price.micros(10, 10), 8, "1.5 + 6 = 7.5, rounded up");
+        assert_eq!(price.micros(0, 0), 0);
+        assert_eq!(Price::default().micros(u64::MAX, u64::MAX), 0);
+    }
+
+    #[test]
+    fn a_cut_call_is_charged_what_it_may_have_cost() {
+        let meter = CallMeter::default();
+        assert_eq!(meter.charge_when_cut(100, 50), Usage::default(), "never sent");
+        meter.mark_sent();
+        assert_eq!(
+            meter.charge_when_cut(100, 50),
+            Usage {
+                input_tokens: 100,
+                output_tokens: 50
+            },
+            "sent, nothing reported: the reservation"
+        );
+        meter.report_usage(Some(80), Some(1));
+        meter.add_streamed(12);
+        assert_eq!(
+            meter.charge_when_cut(100, 50),
+            Usage {
+                input_tokens: 80,
+                output_tokens: 12
+            },
+            "reported input, streamed output"
+        );
+        meter.add_streamed(1000);
+        assert_eq!(meter.charge_when_cut(100, 50).output_tokens, 50);
+    }
+
+    #[test]
+    fn backoff_honours_retry_after_and_caps_and_doubles() {
+        let policy = RetryPolicy {
+            max_retries: 3,
+            base: Duration::from_millis(100),
+            cap: Duration::from_secs(2),
+        };
+        assert_eq!(
+            policy.backoff(0, Some(Duration::from_secs(1)), 0.5),
+            Duration::from_secs(1)
+        );
+        assert_eq!(
+            policy.backoff(0, Some(Duration::from_secs(60)), 0.5),
+            Duration::from_secs(2)
+        );
+        assert_eq!(policy.backoff(0, None, 0.999), Duration::from_micros(99_900));
+        assert_eq!(policy.backoff(3, None, 0.5), Duration::from_millis(400));
+        assert_eq!(policy.backoff(10, None, 0.5), Duration::from_secs(1));
+    }
 }

@@ -22,6 +22,25 @@ pub enum ParentRef {
     Job(JobId),
 }
 
+/// What a `ModelCalled` event says of the call beyond its tokens.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CallFacts {
+    /// The provider's name in arbor.toml, or `scripted`.
+    pub provider: String,
+    /// The model as the provider calls it.
+    pub model: String,
+    /// The charge in micro-dollars (0 for an unpriced model).
+    pub usd_micros: u64,
+    pub latency_ms: u64,
+    /// Attempts of this call before this one (they failed transiently).
+    pub retries: u32,
+    /// `ok`, `stopped`, or the error class of a failed attempt.
+    pub outcome: String,
+    /// The provider reported no usage: the call was charged its reservation.
+    pub usage_estimated: bool,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum NodeKind {
@@ -117,6 +136,8 @@ pub enum EventKind {
         spent: u64,
         grant: u64,
     },
+    /// One request to a model (every attempt of a retried call is one),
+    /// with what it was charged: `input_tokens + output_tokens` is the charge.
     ModelCalled {
         id: JobId,
         turn: u32,
@@ -125,6 +146,17 @@ pub enum EventKind {
         output_tokens: u64,
         truncated: bool,
         wind_down: bool,
+        /// Who answered, at what cost, how (a flat part of the event's JSON).
+        #[serde(flatten)]
+        call: CallFacts,
+    },
+    /// The provider reported more than the call had reserved; it was charged
+    /// what it reported (I-11 is then breached by `reported - reserved`).
+    BudgetOverrun {
+        id: JobId,
+        turn: u32,
+        reserved: u64,
+        reported: u64,
     },
     ToolCalled {
         id: JobId,
@@ -163,6 +195,7 @@ impl EventKind {
             | NodeRunning { id }
             | NodeFinished { id, .. }
             | ModelCalled { id, .. }
+            | BudgetOverrun { id, .. }
             | ToolCalled { id, .. }
             | Refused { id, .. }
             | SteerQueued { id, .. }

@@ -17,7 +17,7 @@ pub mod tree;
 mod duration_str;
 
 pub use agent::{AgentDef, ModelRef, Network, SandboxMode, ScriptCall, ScriptTurn, ScriptUsage};
-pub use event::{Event, EventKind, NodeKind, ParentRef};
+pub use event::{CallFacts, Event, EventKind, NodeKind, ParentRef};
 pub use ids::{JobId, RunId};
 pub use limits::Limits;
 pub use refusal::Refusal;

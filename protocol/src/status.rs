@@ -72,12 +72,26 @@ pub enum ErrorClass {
     BudgetExhausted,
     /// I-19: the wall-clock timeout fired.
     Timeout,
-    /// The model adapter failed.
+    /// The model adapter failed in a way no class below names.
     Model,
-    /// I-23: the provider's usage cap; never retried.
+    /// The provider said too many requests (429); retried with backoff.
+    ModelRateLimit,
+    /// The provider is overloaded (529, or 503); retried with backoff.
+    ModelOverloaded,
+    /// The provider failed (5xx), or the connection dropped; retried with backoff.
+    ModelServer,
+    /// No complete answer within the provider's timeout; retried with backoff.
+    ModelTimeout,
+    /// I-23: the provider's usage cap (insufficient quota); never retried.
     ModelUsageCap,
-    /// I-23: the provider refused our credentials; never retried.
+    /// I-23: the provider refused our credentials (401, 403); never retried.
     ModelAuth,
+    /// The provider refused the request as malformed (400, 404, 422).
+    ModelBadRequest,
+    /// The prompt does not fit the model's context window, even compacted.
+    ContextTooLong,
+    /// The provider's answer could not be understood (not JSON, a malformed chunk).
+    ModelProtocol,
     /// I-38: a panic was contained.
     Panicked,
     /// The agent's own work failed its checks or it declared failure.
@@ -97,13 +111,32 @@ impl ErrorClass {
         )
     }
 
+    /// A model call that failed this way may succeed if sent again after a
+    /// pause: the agent loop retries it, each attempt reserved anew.
+    pub fn is_transient(self) -> bool {
+        matches!(
+            self,
+            ErrorClass::ModelRateLimit
+                | ErrorClass::ModelOverloaded
+                | ErrorClass::ModelServer
+                | ErrorClass::ModelTimeout
+        )
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             ErrorClass::BudgetExhausted => "budget_exhausted",
             ErrorClass::Timeout => "timeout",
             ErrorClass::Model => "model",
+            ErrorClass::ModelRateLimit => "model_rate_limit",
+            ErrorClass::ModelOverloaded => "model_overloaded",
+            ErrorClass::ModelServer => "model_server",
+            ErrorClass::ModelTimeout => "model_timeout",
             ErrorClass::ModelUsageCap => "model_usage_cap",
             ErrorClass::ModelAuth => "model_auth",
+            ErrorClass::ModelBadRequest => "model_bad_request",
+            ErrorClass::ContextTooLong => "context_too_long",
+            ErrorClass::ModelProtocol => "model_protocol",
             ErrorClass::Panicked => "panicked",
             ErrorClass::Task => "task",
             ErrorClass::Interrupted => "interrupted",

@@ -467,6 +467,7 @@ mod tests {
             output_tokens: 10,
             truncated: false,
             wind_down: false,
+            call: Default::default(),
         };
         let good = [
             EventKind::RunStarted {

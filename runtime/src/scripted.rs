@@ -50,10 +50,10 @@ impl Model for ScriptedModel {
                 return Ok(ModelReply {
                     text: None,
                     calls: vec![],
-                    usage: Usage {
+                    usage: Some(Usage {
                         input_tokens: input,
                         output_tokens: 0,
-                    },
+                    }),
                     truncated: false,
                 });
             };
@@ -82,10 +82,10 @@ impl Model for ScriptedModel {
             Ok(ModelReply {
                 text: turn.say.clone(),
                 calls,
-                usage: Usage {
+                usage: Some(Usage {
                     input_tokens: input,
                     output_tokens: output,
-                },
+                }),
                 truncated: output < wanted,
             })
         })
@@ -123,6 +123,7 @@ mod tests {
             max_output_tokens: max_output,
             wind_down: None,
             turn,
+            meter: Default::default(),
         }
     }
 
@@ -141,13 +142,14 @@ mod tests {
             delay: None,
         }]);
         let reply = model.complete(request(0, 100)).await.unwrap();
-        assert_eq!(reply.usage.input_tokens, 10);
-        assert_eq!(reply.usage.output_tokens, 100);
+        let usage = reply.usage.unwrap();
+        assert_eq!(usage.input_tokens, 10);
+        assert_eq!(usage.output_tokens, 100);
         assert!(reply.truncated);
         assert_eq!(model.count_input(&request(0, 100)), 10);
         let reply = model.complete(request(0, 1000)).await.unwrap();
         assert!(!reply.truncated);
-        assert_eq!(reply.usage.output_tokens, 500);
+        assert_eq!(reply.usage.unwrap().output_tokens, 500);
     }
 
     #[tokio::test]

@@ -755,6 +755,7 @@ impl<'a> Writer<'a> {
                 output_tokens: 40,
                 truncated: false,
                 wind_down: false,
+                call: Default::default(),
             },
         );
     }
