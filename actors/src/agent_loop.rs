@@ -21,18 +21,18 @@ use crate::model::{
 use crate::sandbox::SandboxMsg;
 use arbor_protocol::tools::parse_duration_arg;
 use arbor_protocol::{
-    AgentDef, CallFacts, CollectArgs, DelegateArgs, ErrorClass, EventKind, ExecArgs, JobId, ReadFileArgs,
-    Refusal, RunId, SendMessageArgs, StopChildArgs, SubmitOutputArgs, TaskStatus, ToolName,
-    Usage, WriteFileArgs,
+    AgentDef, CallFacts, CollectArgs, DelegateArgs, ErrorClass, EventKind, ExecArgs, JobId,
+    ReadFileArgs, Refusal, RunId, SendMessageArgs, StopChildArgs, SubmitOutputArgs, TaskStatus,
+    ToolName, Usage, WriteFileArgs,
 };
 use futures::FutureExt;
-use tracing::Instrument;
 use ractor::{ActorRef, RpcReplyPort};
 use serde::de::DeserializeOwned;
 use std::collections::BTreeMap;
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 /// The notice a model request carries once spend has crossed the wind-down share.
 pub const WIND_DOWN_NOTICE: &str = "Budget notice: most of your budget is spent. Finish now: submit your best answer with submit_output, and list what is missing in limitations.";
@@ -436,11 +436,19 @@ async fn call_model(
         let policy = info.retry;
         if !error.class.is_transient() || retries >= policy.max_retries {
             let message = if retries > 0 {
-                format!("model call failed after {} attempts: {}", retries + 1, error.message)
+                format!(
+                    "model call failed after {} attempts: {}",
+                    retries + 1,
+                    error.message
+                )
             } else {
                 format!("model call failed: {}", error.message)
             };
-            return Err(CallEnd::Failed(LoopOutcome::failed(error.class, message, turn)));
+            return Err(CallEnd::Failed(LoopOutcome::failed(
+                error.class,
+                message,
+                turn,
+            )));
         }
         let pause = policy.backoff(retries, error.retry_after, fastrand::f64());
         tracing::warn!(

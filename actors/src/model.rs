@@ -197,6 +197,14 @@ pub trait Model: Send + Sync {
 /// Picks the model for an agent.
 pub trait ModelFactory: Send + Sync {
     fn model_for(&self, agent: &AgentDef) -> Result<Arc<dyn Model>, String>;
+
+    /// Checked for every agent a run can reach before the run starts, so a
+    /// run that could not get its models is refused whole (a provider's key
+    /// variable unset, say) rather than failing half-way.
+    fn preflight(&self, agent: &AgentDef) -> Result<(), String> {
+        let _ = agent;
+        Ok(())
+    }
 }
 
 /// What an adapter learned of one call while it was in flight, shared with
@@ -299,7 +307,11 @@ mod tests {
     #[test]
     fn a_cut_call_is_charged_what_it_may_have_cost() {
         let meter = CallMeter::default();
-        assert_eq!(meter.charge_when_cut(100, 50), Usage::default(), "never sent");
+        assert_eq!(
+            meter.charge_when_cut(100, 50),
+            Usage::default(),
+            "never sent"
+        );
         meter.mark_sent();
         assert_eq!(
             meter.charge_when_cut(100, 50),
@@ -338,7 +350,10 @@ mod tests {
             policy.backoff(0, Some(Duration::from_secs(60)), 0.5),
             Duration::from_secs(2)
         );
-        assert_eq!(policy.backoff(0, None, 0.999), Duration::from_micros(99_900));
+        assert_eq!(
+            policy.backoff(0, None, 0.999),
+            Duration::from_micros(99_900)
+        );
         assert_eq!(policy.backoff(3, None, 0.5), Duration::from_millis(400));
         assert_eq!(policy.backoff(10, None, 0.5), Duration::from_secs(1));
     }

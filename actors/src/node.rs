@@ -260,8 +260,34 @@ impl NodeState {
                 return Err(format!("unknown agent {:?}", step.agent));
             }
         }
+        // Every model the run can reach must be usable now (a provider's key
+        // set, say), so a run is refused whole rather than failing half-way.
+        for agent in self.reachable_agents(&spec) {
+            self.ctx.models.preflight(&agent)?;
+        }
         self.spawn_run(myself, id.unwrap_or_default(), spec, None, attempts)
             .await
+    }
+
+    /// The run's step agents and every sub-agent below them, once each.
+    fn reachable_agents(&self, spec: &RunSpec) -> Vec<Arc<arbor_protocol::AgentDef>> {
+        let mut seen = std::collections::BTreeSet::new();
+        let mut queue: Vec<String> = spec
+            .groups
+            .iter()
+            .flat_map(|g| g.steps.iter().map(|s| s.agent.clone()))
+            .collect();
+        let mut agents = vec![];
+        while let Some(name) = queue.pop() {
+            if !seen.insert(name.clone()) {
+                continue;
+            }
+            if let Some(agent) = self.ctx.agent(&name) {
+                queue.extend(agent.subagents.iter().cloned());
+                agents.push(agent);
+            }
+        }
+        agents
     }
 
     async fn spawn_run(

@@ -8,7 +8,7 @@ mod render;
 
 use anyhow::Context;
 use arbor_protocol::{RunSpec, Status};
-use arbor_runtime::{DefaultModels, EmbeddedNode, Workspace};
+use arbor_runtime::{EmbeddedNode, Models, Workspace};
 use clap::{Args, Parser, Subcommand};
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -187,9 +187,12 @@ async fn run(args: RunArgs) -> Result<ExitCode, Failure> {
     // Resume only the very same run: same flow, same steps and instructions
     // (an `--agent` run with a new `--input` is a new run).
     let wanted = spec.clone();
-    let node = EmbeddedNode::start_resuming(&workspace, &data_dir, Arc::new(DefaultModels), |s| {
-        s.flow == wanted.flow && s.groups == wanted.groups
-    })
+    let node = EmbeddedNode::start_resuming(
+        &workspace,
+        &data_dir,
+        Arc::new(Models::new(&workspace.config.providers)),
+        |s| s.flow == wanted.flow && s.groups == wanted.groups,
+    )
     .await
     .map_err(|e| bad(format!("{}: {e}", data_dir.display())))?;
     report_recovery(&node);
@@ -241,12 +244,14 @@ async fn continue_job(args: ContinueArgs) -> Result<ExitCode, Failure> {
     };
     let workspace = Workspace::load(&dir).map_err(bad)?;
     // Interrupted runs stay as recovery left them: only the job is continued.
-    let node =
-        EmbeddedNode::start_resuming(&workspace, &args.data_dir, Arc::new(DefaultModels), |_| {
-            false
-        })
-        .await
-        .map_err(|e| bad(format!("{}: {e}", args.data_dir.display())))?;
+    let node = EmbeddedNode::start_resuming(
+        &workspace,
+        &args.data_dir,
+        Arc::new(Models::new(&workspace.config.providers)),
+        |_| false,
+    )
+    .await
+    .map_err(|e| bad(format!("{}: {e}", args.data_dir.display())))?;
     report_recovery(&node);
     let run = node.continue_job(job).await.map_err(bad)?;
     eprintln!("arbor: continuing {job} as run {run}");

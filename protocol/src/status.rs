@@ -37,7 +37,19 @@ impl fmt::Display for Status {
 }
 
 /// I-22: what the work achieved, ordered best first. Machine checks can only lower it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+    schemars::JsonSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum TaskStatus {
     // Declared worst first so that `Ord` and `min` mean "the lower of".

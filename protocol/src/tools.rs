@@ -4,6 +4,7 @@
 //! passes `depth` or `run` in a job gets an error naming the field, so nothing
 //! in a request can reach lineage (I-02).
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
@@ -58,6 +59,57 @@ impl ToolName {
     }
 }
 
+impl ToolName {
+    /// What the model is told the tool does.
+    pub fn description(self) -> &'static str {
+        match self {
+            ToolName::Delegate => {
+                "Delegate jobs to your sub-agents. Each job names an agent and a request; with wait (the default) the call returns when every job has ended, with one result envelope each."
+            }
+            ToolName::Collect => {
+                "Wait for children started with wait=false, and get their result envelopes."
+            }
+            ToolName::StopChild => "Stop one of your children (by label or id), and all below it.",
+            ToolName::SendMessage => {
+                "Send a message to a running child; it reads it at its next turn."
+            }
+            ToolName::Exec => {
+                "Run a shell command in your workdir; returns exit code, stdout and stderr."
+            }
+            ToolName::ReadFile => "Read a file of your workdir (a relative path).",
+            ToolName::WriteFile => "Write a file in your workdir (a relative path).",
+            ToolName::SubmitOutput => {
+                "Submit your answer and end your work. Say task_status partial or blocked if it is not complete, and list what is missing in limitations."
+            }
+        }
+    }
+
+    /// The JSON Schema of the tool's arguments, generated from the argument
+    /// type itself, so what the model is told and what the loop accepts
+    /// cannot drift apart. Self-contained: no `$ref`, no `$schema`.
+    pub fn parameters(self) -> serde_json::Value {
+        let generator = schemars::generate::SchemaSettings::draft2020_12()
+            .with(|s| s.inline_subschemas = true)
+            .into_generator();
+        let schema = match self {
+            ToolName::Delegate => generator.into_root_schema_for::<DelegateArgs>(),
+            ToolName::Collect => generator.into_root_schema_for::<CollectArgs>(),
+            ToolName::StopChild => generator.into_root_schema_for::<StopChildArgs>(),
+            ToolName::SendMessage => generator.into_root_schema_for::<SendMessageArgs>(),
+            ToolName::Exec => generator.into_root_schema_for::<ExecArgs>(),
+            ToolName::ReadFile => generator.into_root_schema_for::<ReadFileArgs>(),
+            ToolName::WriteFile => generator.into_root_schema_for::<WriteFileArgs>(),
+            ToolName::SubmitOutput => generator.into_root_schema_for::<SubmitOutputArgs>(),
+        };
+        let mut value = schema.to_value();
+        if let Some(map) = value.as_object_mut() {
+            map.remove("$schema");
+            map.remove("title");
+        }
+        value
+    }
+}
+
 impl fmt::Display for ToolName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
@@ -76,7 +128,7 @@ impl FromStr for ToolName {
 
 /// A budget as a request or a front matter states it. Integers of tokens only:
 /// `usd` is parsed so that it can be refused with a reason, not ignored.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BudgetArg {
     pub tokens: Option<serde_json::Number>,
@@ -105,7 +157,7 @@ impl BudgetArg {
     }
 }
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum OnFailure {
     /// The other children finish.
@@ -115,7 +167,7 @@ pub enum OnFailure {
     CancelSiblings,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DelegateArgs {
     /// A durable key for this delegation (I-32). Without one, the key is the
@@ -135,7 +187,7 @@ fn yes() -> bool {
 }
 
 /// One job in a delegate call. Only `agent` and `request` are required.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct JobArgs {
     pub agent: String,
@@ -152,7 +204,7 @@ pub struct JobArgs {
     pub require_artifacts: Vec<String>,
 }
 
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CollectArgs {
     /// Labels or ids; empty means every child not yet collected.
@@ -161,40 +213,40 @@ pub struct CollectArgs {
     pub timeout: Option<String>,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct StopChildArgs {
     pub child: String,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SendMessageArgs {
     pub child: String,
     pub message: String,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ExecArgs {
     pub command: String,
     pub timeout: Option<String>,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReadFileArgs {
     pub path: String,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct WriteFileArgs {
     pub path: String,
     pub content: String,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SubmitOutputArgs {
     pub output: serde_json::Value,
@@ -217,5 +269,27 @@ pub fn parse_duration_arg(
             }
             Ok(Some(d))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_tool_schema_is_a_self_contained_object_that_refuses_unknown_fields() {
+        for tool in ToolName::ALL {
+            let schema = tool.parameters();
+            let text = schema.to_string();
+            assert_eq!(schema["type"], "object", "{tool}: {text}");
+            assert_eq!(schema["additionalProperties"], false, "{tool}: {text}");
+            assert!(!text.contains("$ref"), "{tool}: {text}");
+            assert!(!tool.description().is_empty());
+        }
+        let delegate = ToolName::Delegate.parameters();
+        assert_eq!(delegate["required"], serde_json::json!(["jobs"]));
+        let job = &delegate["properties"]["jobs"]["items"];
+        assert_eq!(job["additionalProperties"], false, "{job}");
+        assert!(job["required"].as_array().unwrap().len() == 2, "{job}");
     }
 }

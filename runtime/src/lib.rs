@@ -4,11 +4,13 @@
 //! Invariant: nothing here parses argv or prints; `arbor-bin` does that.
 
 pub mod node;
+pub mod providers;
 pub mod recovery;
 pub mod scripted;
 pub mod workspace;
 
 pub use node::{EmbeddedNode, Error};
+pub use providers::{Models, Provider, ProviderKind};
 pub use recovery::{RecoveryReport, RunOutcome};
 pub use scripted::{DefaultModels, ScriptedModel};
 pub use workspace::{Config, LoadError, Workspace};

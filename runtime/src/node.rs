@@ -3,8 +3,8 @@
 //!
 //! Layout of a data dir: `journal/` (sled) and `work/<run>/...` (workdirs).
 
+use crate::providers::Models;
 use crate::recovery::{self, RecoveryReport, RunOutcome};
-use crate::scripted::DefaultModels;
 use crate::workspace::Workspace;
 use arbor_actors::{EventBus, ModelFactory, Node, NodeArgs, NodeContext, NodeMsg};
 use arbor_protocol::{JobId, Refusal, RunId, RunSpec, Tree};
@@ -40,9 +40,11 @@ pub struct EmbeddedNode {
 }
 
 impl EmbeddedNode {
-    /// Opens the journal in `data_dir` and starts the actor tree with the scripted model.
+    /// Opens the journal in `data_dir` and starts the actor tree with the
+    /// workspace's models: the scripted one, and its providers'.
     pub async fn start(workspace: &Workspace, data_dir: &Path) -> Result<Self, Error> {
-        Self::start_with(workspace, data_dir, Arc::new(DefaultModels)).await
+        let models = Arc::new(Models::new(&workspace.config.providers));
+        Self::start_with(workspace, data_dir, models).await
     }
 
     /// As `start`, with the models an embedder (or a test) chooses.

@@ -1,7 +1,7 @@
 //! The workspace a user writes, read and checked before anything runs:
 //!
 //! ```text
-//! DIR/arbor.toml               optional: [limits], [budget]
+//! DIR/arbor.toml               optional: [limits], [budget], [providers.NAME]
 //! DIR/agents/NAME/agent.md     YAML front matter between `---` lines, then the system prompt
 //! DIR/flows/NAME.toml          optional: groups of steps, a budget, a timeout
 //! ```
@@ -21,6 +21,7 @@
 //! 5. Loading is deterministic: files are checked in name order, so the same
 //!    broken workspace always reports the same problem.
 
+use crate::providers::{Provider, ProviderFile, check_provider};
 use arbor_protocol::agent::{FrontMatter, ScriptCallSpec, ScriptTurnSpec};
 use arbor_protocol::tools::parse_duration_arg;
 use arbor_protocol::{
@@ -48,6 +49,8 @@ pub struct Config {
     pub limits: Limits,
     /// A run's budget when neither its flow nor the caller gives one.
     pub budget_tokens: u64,
+    /// `[providers.NAME]`: where agents that name `NAME/MODEL` get their model.
+    pub providers: BTreeMap<String, Provider>,
 }
 
 /// Why a workspace can't be used. Each message is one line naming the file.
@@ -81,6 +84,7 @@ impl Default for Config {
         Self {
             limits: Limits::default(),
             budget_tokens: DEFAULT_BUDGET_TOKENS,
+            providers: BTreeMap::new(),
         }
     }
 }
@@ -174,6 +178,7 @@ impl Workspace {
             }
         }
         check_subagents(&agent_defs)?;
+        check_models(&agent_defs, &config)?;
 
         let mut flow_specs = BTreeMap::new();
         for &(name, text) in sorted(flows) {
@@ -264,6 +269,8 @@ struct ConfigFile {
     limits: Limits,
     #[serde(default)]
     budget: BudgetArg,
+    #[serde(default)]
+    providers: BTreeMap<String, ProviderFile>,
 }
 
 fn parse_config(text: &str) -> Result<Config, LoadError> {
@@ -275,9 +282,15 @@ fn parse_config(text: &str) -> Result<Config, LoadError> {
         .tokens()
         .map_err(|m| invalid(path, m))?
         .unwrap_or(DEFAULT_BUDGET_TOKENS);
+    let mut providers = BTreeMap::new();
+    for (name, block) in file.providers {
+        let provider = check_provider(&name, block).map_err(|m| invalid(path, m))?;
+        providers.insert(name, provider);
+    }
     Ok(Config {
         limits: file.limits,
         budget_tokens,
+        providers,
     })
 }
 
@@ -338,6 +351,34 @@ fn check_subagents(agents: &BTreeMap<String, AgentDef>) -> Result<(), LoadError>
                     format!("`description` is required: {name} offers it as a sub-agent"),
                 ));
             }
+        }
+    }
+    Ok(())
+}
+
+/// Every agent that names `provider/model` names one arbor.toml configures.
+fn check_models(agents: &BTreeMap<String, AgentDef>, config: &Config) -> Result<(), LoadError> {
+    for (name, agent) in agents {
+        let ModelRef::Provider { provider, model } = &agent.model else {
+            continue;
+        };
+        let Some(p) = config.providers.get(provider) else {
+            return Err(invalid(
+                &agent_path(name),
+                format!(
+                    "model: `{provider}/{model}`: arbor.toml has no [providers.{provider}] (known: {})",
+                    known(config.providers.keys())
+                ),
+            ));
+        };
+        if !p.models.contains_key(model) {
+            return Err(invalid(
+                &agent_path(name),
+                format!(
+                    "model: `{provider}/{model}`: arbor.toml has no [providers.{provider}.models.{model}] (known: {})",
+                    known(p.models.keys())
+                ),
+            ));
         }
     }
     Ok(())
@@ -444,15 +485,23 @@ fn agent_from_front_matter(
     })
 }
 
+/// `scripted`, or `provider/model` (checked against arbor.toml by `check_models`).
 fn model_ref(model: Option<&str>) -> Result<ModelRef, String> {
     match model.map(str::trim) {
         None | Some("scripted") => Ok(ModelRef::Scripted),
-        Some(m) if m.contains('/') => Err(format!(
-            "model `{m}`: model providers are not configured in arbor.toml; use `scripted`"
-        )),
-        Some(m) => Err(format!(
-            "model `{m}` is not known: use `scripted` (or `provider/model` once providers are configured in arbor.toml)"
-        )),
+        Some(m) => match m.split_once('/') {
+            Some((provider, model))
+                if !provider.is_empty() && !model.is_empty() && !model.contains('/') =>
+            {
+                Ok(ModelRef::Provider {
+                    provider: provider.to_string(),
+                    model: model.to_string(),
+                })
+            }
+            _ => Err(format!(
+                "model: `{m}` is not known: use `scripted`, or `provider/model` with a provider of arbor.toml"
+            )),
+        },
     }
 }
 

@@ -316,14 +316,99 @@ fn a_usd_budget_is_refused_with_a_reason() {
     );
 }
 
+const PROVIDERS: &str = r#"
+[providers.local]
+kind = "openai"
+base_url = "http://127.0.0.1:8000/v1"
+api_key_env = "LOCAL_API_KEY"
+[providers.local.models.small]
+id = "gpt-4o-mini"
+context_window = 128000
+max_output_tokens = 4096
+"#;
+
+fn with_model(arbor_toml: Option<&str>, model: &str) -> Result<Workspace, LoadError> {
+    let agent = format!("---\nmodel: {model}\n---\nYou plan.\n");
+    Workspace::from_texts(
+        PathBuf::from("ws"),
+        arbor_toml,
+        &[("planner", agent.as_str())],
+        &[],
+    )
+}
+
 #[test]
-fn a_provider_model_is_refused_until_providers_exist() {
-    let message = front_matter_error("model: openai/gpt-4o\n");
+fn an_agent_names_a_provider_model_of_arbor_toml() {
+    let ws = with_model(Some(PROVIDERS), "local/small").unwrap();
+    assert_eq!(
+        ws.agents["planner"].model,
+        arbor_protocol::ModelRef::Provider {
+            provider: "local".into(),
+            model: "small".into()
+        }
+    );
+    let provider = &ws.config.providers["local"];
+    assert_eq!(provider.models["small"].id, "gpt-4o-mini");
+    assert_eq!(provider.api_key_env.as_deref(), Some("LOCAL_API_KEY"));
+}
+
+#[test]
+fn an_unknown_provider_or_model_names_the_agent_file_and_the_key() {
+    let message = with_model(Some(PROVIDERS), "cloud/small")
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        message,
+        "agents/planner/agent.md: model: `cloud/small`: arbor.toml has no [providers.cloud] (known: local)"
+    );
+    let message = with_model(Some(PROVIDERS), "local/large")
+        .unwrap_err()
+        .to_string();
     assert!(
-        message.ends_with("model providers are not configured in arbor.toml; use `scripted`"),
+        message.starts_with("agents/planner/agent.md: model: `local/large`"),
         "{message}"
     );
-    assert!(front_matter_error("model: gpt\n").contains("model `gpt` is not known"));
+    assert!(message.contains("(known: small)"), "{message}");
+    let message = with_model(None, "local/small").unwrap_err().to_string();
+    assert!(message.contains("(known: none)"), "{message}");
+    assert!(front_matter_error("model: gpt\n").contains("model: `gpt` is not known"));
+    assert!(front_matter_error("model: a/b/c\n").contains("is not known"));
+}
+
+#[test]
+fn a_malformed_provider_block_names_arbor_toml_and_the_key() {
+    let cases = [
+        (
+            PROVIDERS.replace("kind = \"openai\"", "kind = \"gemini\""),
+            "arbor.toml: unknown variant `gemini`",
+        ),
+        (
+            PROVIDERS.replace(
+                "max_output_tokens = 4096",
+                "max_output_tokens = 4096\ntemperature = 0.2",
+            ),
+            "arbor.toml: unknown key `temperature`",
+        ),
+        (
+            PROVIDERS.replace("id = \"gpt-4o-mini\"\n", ""),
+            "arbor.toml: missing field `id`",
+        ),
+        (
+            PROVIDERS.replace("http://127.0.0.1:8000/v1", "127.0.0.1:8000"),
+            "arbor.toml: providers.local.base_url",
+        ),
+        (
+            PROVIDERS.replace("context_window = 128000", "context_window = -5"),
+            "arbor.toml: providers.local.models.small.context_window: must be at least 1, got -5",
+        ),
+    ];
+    for (text, words) in cases {
+        let message = with_model(Some(&text), "local/small")
+            .unwrap_err()
+            .to_string();
+        assert!(message.starts_with(words), "{words:?}: {message}");
+        assert!(!message.contains('\n'), "not one line: {message}");
+    }
 }
 
 #[test]

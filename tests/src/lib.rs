@@ -22,7 +22,7 @@ use arbor_actors::model::{Model, ModelError, ModelFactory, ModelReply, ModelRequ
 use arbor_protocol::{
     AgentDef, Event, EventKind, JobId, NodeKind, ParentRef, Refusal, RunId, Tree, TreeNode,
 };
-use arbor_runtime::{DefaultModels, EmbeddedNode, Workspace};
+use arbor_runtime::{DefaultModels, EmbeddedNode, Models, Workspace};
 use arbor_storage::{Journal, LedgerRecord, ledger_totals};
 use futures::future::BoxFuture;
 use std::collections::HashMap;
@@ -49,12 +49,13 @@ pub struct TestNode {
 impl TestNode {
     /// Starts a node on these agents (name, agent.md text) with default limits.
     pub async fn start(agents: &[(&str, &str)]) -> Self {
-        Self::start_full(None, agents, Arc::new(DefaultModels)).await
+        Self::start_inner(None, agents, &[], None).await
     }
 
-    /// Starts a node with an arbor.toml text.
+    /// Starts a node with an arbor.toml text, and the models it configures
+    /// (the scripted one, and its `[providers]`).
     pub async fn start_with_config(arbor_toml: &str, agents: &[(&str, &str)]) -> Self {
-        Self::start_full(Some(arbor_toml), agents, Arc::new(DefaultModels)).await
+        Self::start_inner(Some(arbor_toml), agents, &[], None).await
     }
 
     /// Starts a node with the models a test chooses (a recorder, a panicking adapter).
@@ -73,10 +74,21 @@ impl TestNode {
         flows: &[(&str, &str)],
         models: Arc<dyn ModelFactory>,
     ) -> Self {
+        Self::start_inner(arbor_toml, agents, flows, Some(models)).await
+    }
+
+    /// `models` None: the workspace's own (`Models` of its arbor.toml).
+    async fn start_inner(
+        arbor_toml: Option<&str>,
+        agents: &[(&str, &str)],
+        flows: &[(&str, &str)],
+        models: Option<Arc<dyn ModelFactory>>,
+    ) -> Self {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let workspace =
             Workspace::from_texts(dir.path().join("workspace"), arbor_toml, agents, flows)
                 .unwrap_or_else(|e| panic!("the test workspace does not load: {e}"));
+        let models = models.unwrap_or_else(|| Arc::new(Models::new(&workspace.config.providers)));
         let node = EmbeddedNode::start_with(&workspace, &dir.path().join("data"), models.clone())
             .await
             .expect("the node starts");

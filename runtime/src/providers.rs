@@ -1,0 +1,495 @@
+//! Model providers: `[providers.NAME]` in arbor.toml, read and checked, and
+//! the `ModelFactory` that gives each agent its model (the scripted one, or
+//! an HTTP client of its provider).
+//!
+//! ```toml
+//! [providers.local]
+//! kind = "openai"                      # or "anthropic"
+//! base_url = "http://127.0.0.1:8000/v1"
+//! api_key_env = "LOCAL_API_KEY"        # the variable's name, never the key
+//! max_concurrent = 8                   # requests in flight to this provider
+//! timeout = "120s"                     # one attempt, answer streamed to the end
+//! [providers.local.models.small]
+//! id = "gpt-4o-mini"
+//! context_window = 128000
+//! max_output_tokens = 4096
+//! usd_per_mtok_input = 0.15
+//! usd_per_mtok_output = 0.60
+//! ```
+//!
+//! Invariants:
+//! 1. A provider that loads has a usable http(s) base URL, at least one
+//!    model, and positive limits; a price is both figures or neither.
+//! 2. The API key is read from the environment when a model is made and
+//!    lives only in `ApiKey`, whose `Debug` and `Display` print nothing of it.
+//!    It reaches the HTTP header and nothing else: no event, log line,
+//!    journal record or error message.
+
+mod anthropic;
+mod http;
+mod openai;
+
+pub use http::HttpModel;
+
+use crate::scripted::ScriptedModel;
+use arbor_actors::model::{Model, ModelFactory, Price, RetryPolicy};
+use arbor_protocol::{AgentDef, ModelRef};
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Requests in flight to one provider when arbor.toml does not say.
+pub const DEFAULT_MAX_CONCURRENT: u32 = 8;
+/// One attempt's limit when arbor.toml does not say.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
+/// Retries of a transiently failed call when arbor.toml does not say.
+pub const DEFAULT_MAX_RETRIES: u32 = 3;
+
+/// The two wire formats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProviderKind {
+    /// OpenAI's Chat Completions (also vLLM, Ollama, llama.cpp, LiteLLM, ...).
+    Openai,
+    /// Anthropic's Messages API.
+    Anthropic,
+}
+
+/// One `[providers.NAME]` block, checked.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Provider {
+    pub name: String,
+    pub kind: ProviderKind,
+    /// Without a trailing `/`. OpenAI's ends in `/v1` (the client appends
+    /// `/chat/completions`); Anthropic's is the host (it appends `/v1/messages`).
+    pub base_url: String,
+    /// The environment variable that holds the key; None sends no key (a local server).
+    pub api_key_env: Option<String>,
+    pub max_concurrent: u32,
+    pub timeout: Duration,
+    /// Ask for a streamed answer (SSE).
+    pub stream: bool,
+    pub retry: RetryPolicy,
+    pub models: BTreeMap<String, ProviderModel>,
+}
+
+/// One `[providers.NAME.models.MODEL]` block, checked.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProviderModel {
+    /// What the provider calls it.
+    pub id: String,
+    pub context_window: u64,
+    pub max_output_tokens: u64,
+    pub price: Option<Price>,
+}
+
+impl Provider {
+    /// The URL one request goes to.
+    pub fn endpoint(&self) -> String {
+        match self.kind {
+            ProviderKind::Openai => format!("{}/chat/completions", self.base_url),
+            ProviderKind::Anthropic => format!("{}/v1/messages", self.base_url),
+        }
+    }
+}
+
+/// The block as written.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ProviderFile {
+    kind: ProviderKind,
+    base_url: String,
+    api_key_env: Option<String>,
+    max_concurrent: Option<i64>,
+    timeout: Option<String>,
+    stream: Option<bool>,
+    max_retries: Option<i64>,
+    #[serde(default)]
+    models: BTreeMap<String, ModelFile>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ModelFile {
+    id: String,
+    context_window: i64,
+    max_output_tokens: i64,
+    usd_per_mtok_input: Option<f64>,
+    usd_per_mtok_output: Option<f64>,
+}
+
+/// Checks one block; the error names the key (`providers.NAME.KEY`).
+pub(crate) fn check_provider(name: &str, file: ProviderFile) -> Result<Provider, String> {
+    let key = |k: &str| format!("providers.{name}.{k}");
+    if !is_plain_name(name) {
+        return Err(format!(
+            "providers.{name}: a provider name must be lowercase letters, digits, `_` and `-`"
+        ));
+    }
+    let base_url = file.base_url.trim().trim_end_matches('/').to_string();
+    match reqwest::Url::parse(&base_url) {
+        Ok(url) if matches!(url.scheme(), "http" | "https") && url.has_host() => {}
+        Ok(_) => {
+            return Err(format!(
+                "{}: {base_url:?} must be an http or https URL",
+                key("base_url")
+            ));
+        }
+        Err(e) => {
+            return Err(format!(
+                "{}: {base_url:?} is not a URL: {e}",
+                key("base_url")
+            ));
+        }
+    }
+    if let Some(var) = &file.api_key_env {
+        let valid = !var.is_empty()
+            && var.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+            && !var.as_bytes()[0].is_ascii_digit();
+        if !valid {
+            return Err(format!(
+                "{}: {var:?} is not an environment variable name (give the variable's name, never the key)",
+                key("api_key_env")
+            ));
+        }
+    }
+    let max_concurrent = positive(file.max_concurrent, &key("max_concurrent"))?
+        .unwrap_or(u64::from(DEFAULT_MAX_CONCURRENT));
+    let max_concurrent = u32::try_from(max_concurrent)
+        .map_err(|_| format!("{}: at most {}", key("max_concurrent"), u32::MAX))?;
+    let timeout = match &file.timeout {
+        None => DEFAULT_TIMEOUT,
+        Some(text) => match humantime::parse_duration(text.trim()) {
+            Ok(d) if !d.is_zero() => d,
+            Ok(_) => return Err(format!("{}: must be more than 0", key("timeout"))),
+            Err(e) => return Err(format!("{}: bad duration {text:?}: {e}", key("timeout"))),
+        },
+    };
+    let max_retries = match file.max_retries {
+        None => DEFAULT_MAX_RETRIES,
+        Some(n) if (0..=10).contains(&n) => n as u32,
+        Some(n) => return Err(format!("{}: must be 0 to 10, got {n}", key("max_retries"))),
+    };
+    if file.models.is_empty() {
+        return Err(format!(
+            "providers.{name}: no models: add a [providers.{name}.models.NAME] block with its id"
+        ));
+    }
+    let mut models = BTreeMap::new();
+    for (model_name, model) in file.models {
+        let mkey = |k: &str| format!("providers.{name}.models.{model_name}.{k}");
+        if !is_plain_name(&model_name) {
+            return Err(format!(
+                "providers.{name}.models.{model_name}: a model name must be lowercase letters, digits, `_` and `-`"
+            ));
+        }
+        if model.id.trim().is_empty() {
+            return Err(format!("{}: must not be empty", mkey("id")));
+        }
+        let context_window =
+            positive(Some(model.context_window), &mkey("context_window"))?.unwrap_or_default();
+        let max_output_tokens =
+            positive(Some(model.max_output_tokens), &mkey("max_output_tokens"))?
+                .unwrap_or_default();
+        if max_output_tokens >= context_window {
+            return Err(format!(
+                "{}: {max_output_tokens} leaves no room for a prompt in a context window of {context_window}",
+                mkey("max_output_tokens")
+            ));
+        }
+        let price = match (model.usd_per_mtok_input, model.usd_per_mtok_output) {
+            (None, None) => None,
+            (Some(input), Some(output)) => Some(Price {
+                input_picos_per_token: picos_per_token(input, &mkey("usd_per_mtok_input"))?,
+                output_picos_per_token: picos_per_token(output, &mkey("usd_per_mtok_output"))?,
+            }),
+            (Some(_), None) => {
+                return Err(format!(
+                    "{}: missing; a price needs both figures",
+                    mkey("usd_per_mtok_output")
+                ));
+            }
+            (None, Some(_)) => {
+                return Err(format!(
+                    "{}: missing; a price needs both figures",
+                    mkey("usd_per_mtok_input")
+                ));
+            }
+        };
+        models.insert(
+            model_name,
+            ProviderModel {
+                id: model.id.trim().to_string(),
+                context_window,
+                max_output_tokens,
+                price,
+            },
+        );
+    }
+    Ok(Provider {
+        name: name.to_string(),
+        kind: file.kind,
+        base_url,
+        api_key_env: file.api_key_env,
+        max_concurrent,
+        timeout,
+        stream: file.stream.unwrap_or(true),
+        retry: RetryPolicy {
+            max_retries,
+            base: Duration::from_millis(500),
+            cap: Duration::from_secs(30),
+        },
+        models,
+    })
+}
+
+fn positive(value: Option<i64>, key: &str) -> Result<Option<u64>, String> {
+    match value {
+        None => Ok(None),
+        Some(n) if n >= 1 => Ok(Some(n as u64)),
+        Some(n) => Err(format!("{key}: must be at least 1, got {n}")),
+    }
+}
+
+/// Dollars per million tokens as pico-dollars per token (exactly: one
+/// dollar per million tokens is one micro-dollar per token).
+fn picos_per_token(usd_per_mtok: f64, key: &str) -> Result<u64, String> {
+    if !usd_per_mtok.is_finite() || usd_per_mtok < 0.0 {
+        return Err(format!(
+            "{key}: must be a price of 0 or more, got {usd_per_mtok}"
+        ));
+    }
+    if usd_per_mtok > 1_000_000.0 {
+        return Err(format!(
+            "{key}: {usd_per_mtok} dollars per million tokens is not a price"
+        ));
+    }
+    let picos = (usd_per_mtok * 1e6).round();
+    if (picos / 1e6 - usd_per_mtok).abs() > 1e-9 {
+        return Err(format!(
+            "{key}: {usd_per_mtok} has more than 6 decimal places"
+        ));
+    }
+    Ok(picos as u64)
+}
+
+fn is_plain_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
+}
+
+/// The key, as read from the environment. It prints as `***`.
+#[derive(Clone)]
+pub struct ApiKey(String);
+
+impl ApiKey {
+    pub(crate) fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ApiKey(***)")
+    }
+}
+
+/// The key of `provider`, or why there is none (naming the variable, never a value).
+pub fn api_key(provider: &Provider) -> Result<Option<ApiKey>, String> {
+    let Some(var) = &provider.api_key_env else {
+        return Ok(None);
+    };
+    match std::env::var(var) {
+        Ok(key) if !key.trim().is_empty() => Ok(Some(ApiKey(key.trim().to_string()))),
+        Ok(_) => Err(format!(
+            "provider {}: the environment variable {var} (api_key_env) is empty",
+            provider.name
+        )),
+        Err(_) => Err(format!(
+            "provider {}: the environment variable {var} (api_key_env) is not set",
+            provider.name
+        )),
+    }
+}
+
+/// Gives each agent its model: the scripted one, or an HTTP client of the
+/// provider it names. Clients (and their connection pools and concurrency
+/// limits) are made once per provider and shared by every job.
+pub struct Models {
+    providers: BTreeMap<String, Arc<http::ProviderClient>>,
+}
+
+impl Models {
+    pub fn new(providers: &BTreeMap<String, Provider>) -> Self {
+        Self {
+            providers: providers
+                .iter()
+                .map(|(name, p)| (name.clone(), Arc::new(http::ProviderClient::new(p.clone()))))
+                .collect(),
+        }
+    }
+
+    fn provider<'a>(
+        &'a self,
+        agent: &'a AgentDef,
+    ) -> Result<Option<(&'a Arc<http::ProviderClient>, &'a str)>, String> {
+        match &agent.model {
+            ModelRef::Scripted => Ok(None),
+            ModelRef::Provider { provider, model } => match self.providers.get(provider) {
+                Some(client) if client.config.models.contains_key(model) => {
+                    Ok(Some((client, model.as_str())))
+                }
+                _ => Err(format!(
+                    "agent {}: model {provider}/{model} is not configured in arbor.toml",
+                    agent.name
+                )),
+            },
+        }
+    }
+}
+
+impl ModelFactory for Models {
+    fn model_for(&self, agent: &AgentDef) -> Result<Arc<dyn Model>, String> {
+        match self.provider(agent)? {
+            None => Ok(Arc::new(ScriptedModel::new(agent.script.clone()))),
+            Some((client, model)) => {
+                let key = api_key(&client.config)?;
+                Ok(Arc::new(HttpModel::new(client.clone(), model, key)))
+            }
+        }
+    }
+
+    fn preflight(&self, agent: &AgentDef) -> Result<(), String> {
+        if let Some((client, _)) = self.provider(agent)? {
+            api_key(&client.config)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(text: &str) -> Result<Provider, String> {
+        let file: ProviderFile = toml::from_str(text).map_err(|e| e.message().to_string())?;
+        check_provider("local", file)
+    }
+
+    const GOOD: &str = r#"
+kind = "openai"
+base_url = "http://127.0.0.1:8000/v1/"
+api_key_env = "LOCAL_API_KEY"
+[models.small]
+id = "gpt-4o-mini"
+context_window = 128000
+max_output_tokens = 4096
+usd_per_mtok_input = 0.15
+usd_per_mtok_output = 0.6
+"#;
+
+    #[test]
+    fn a_good_block_loads_with_its_defaults() {
+        let p = load(GOOD).unwrap();
+        assert_eq!(p.base_url, "http://127.0.0.1:8000/v1");
+        assert_eq!(p.endpoint(), "http://127.0.0.1:8000/v1/chat/completions");
+        assert_eq!(p.max_concurrent, DEFAULT_MAX_CONCURRENT);
+        assert_eq!(p.timeout, DEFAULT_TIMEOUT);
+        assert!(p.stream);
+        let m = &p.models["small"];
+        assert_eq!(
+            m.price,
+            Some(Price {
+                input_picos_per_token: 150_000,
+                output_picos_per_token: 600_000
+            })
+        );
+    }
+
+    /// One bad block per row: (what is changed, words the error must say).
+    #[test]
+    fn each_bad_block_is_refused_naming_its_key() {
+        let cases = [
+            ("kind = \"openai\"", "kind = \"gemini\"", "gemini"),
+            (
+                "base_url = \"http://127.0.0.1:8000/v1/\"",
+                "base_url = \"ftp://x\"",
+                "providers.local.base_url",
+            ),
+            (
+                "base_url = \"http://127.0.0.1:8000/v1/\"",
+                "base_url = \"not a url\"",
+                "providers.local.base_url",
+            ),
+            (
+                "api_key_env = \"LOCAL_API_KEY\"",
+                "api_key_env = \"sk-live 123\"",
+                "providers.local.api_key_env",
+            ),
+            (
+                "api_key_env = \"LOCAL_API_KEY\"",
+                "api_key_env = \"K\"\nmax_concurrent = 0",
+                "providers.local.max_concurrent",
+            ),
+            (
+                "api_key_env = \"LOCAL_API_KEY\"",
+                "api_key_env = \"K\"\ntimeout = \"soon\"",
+                "providers.local.timeout",
+            ),
+            (
+                "api_key_env = \"LOCAL_API_KEY\"",
+                "api_key_env = \"K\"\ncolour = \"red\"",
+                "colour",
+            ),
+            (
+                "context_window = 128000",
+                "context_window = 0",
+                "providers.local.models.small.context_window",
+            ),
+            (
+                "max_output_tokens = 4096",
+                "max_output_tokens = 200000",
+                "providers.local.models.small.max_output_tokens",
+            ),
+            (
+                "usd_per_mtok_output = 0.6",
+                "",
+                "providers.local.models.small.usd_per_mtok_output",
+            ),
+            (
+                "usd_per_mtok_input = 0.15",
+                "usd_per_mtok_input = -1.0",
+                "providers.local.models.small.usd_per_mtok_input",
+            ),
+            (
+                "usd_per_mtok_input = 0.15",
+                "usd_per_mtok_input = 0.0000001",
+                "6 decimal places",
+            ),
+            (
+                "[models.small]",
+                "[models.Small]",
+                "providers.local.models.Small",
+            ),
+        ];
+        for (from, to, words) in cases {
+            assert!(GOOD.contains(from), "{from}");
+            let text = GOOD.replace(from, to);
+            match load(&text) {
+                Ok(_) => panic!("loaded: {text}"),
+                Err(e) => assert!(e.contains(words), "{words:?} not in {e:?}"),
+            }
+        }
+        let no_models = GOOD.split("[models.small]").next().unwrap();
+        assert!(load(no_models).unwrap_err().contains("no models"));
+    }
+
+    #[test]
+    fn the_key_never_prints() {
+        let key = ApiKey("sk-planted-secret".into());
+        assert!(!format!("{key:?}").contains("planted"));
+    }
+}

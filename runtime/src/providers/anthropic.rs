@@ -1,0 +1,380 @@
+//! Anthropic's Messages wire format: the request body (tool results as
+//! `tool_result` blocks, consecutive turns of one role merged, as the API
+//! requires), a whole answer, and a streamed one (usage from
+//! `message_start` and `message_delta`). Pure, like `openai`.
+
+use super::http::{error_in_stream, parse_json, protocol_error, system_prompt, tool_arguments};
+use arbor_actors::model::{CallMeter, Message, ModelError, ModelReply, ModelRequest, ToolCall};
+use arbor_protocol::Usage;
+use serde_json::{Value, json};
+
+/// The API version this client speaks (the `anthropic-version` header).
+pub const API_VERSION: &str = "2023-06-01";
+
+pub fn body(model_id: &str, request: &ModelRequest, stream: bool) -> Value {
+    let mut messages: Vec<Value> = vec![];
+    let mut push = |role: &str, block: Value| {
+        if let Some(last) = messages.last_mut()
+            && last["role"] == role
+            && let Some(blocks) = last["content"].as_array_mut()
+        {
+            blocks.push(block);
+            return;
+        }
+        messages.push(json!({"role": role, "content": [block]}));
+    };
+    for message in &request.messages {
+        match message {
+            Message::User(text) => push("user", json!({"type": "text", "text": text})),
+            Message::Assistant { text, calls } => {
+                if let Some(text) = text.as_ref().filter(|t| !t.is_empty()) {
+                    push("assistant", json!({"type": "text", "text": text}));
+                }
+                for call in calls {
+                    let input = if call.args.is_object() {
+                        call.args.clone()
+                    } else {
+                        json!({})
+                    };
+                    push(
+                        "assistant",
+                        json!({"type": "tool_use", "id": call.id, "name": call.tool, "input": input}),
+                    );
+                }
+            }
+            Message::ToolResult {
+                call_id,
+                content,
+                is_error,
+            } => push(
+                "user",
+                json!({"type": "tool_result", "tool_use_id": call_id, "content": content, "is_error": is_error}),
+            ),
+        }
+    }
+    let mut body = json!({
+        "model": model_id,
+        "system": system_prompt(request),
+        "messages": messages,
+        "max_tokens": request.max_output_tokens,
+    });
+    if !request.tools.is_empty() {
+        body["tools"] = request
+            .tools
+            .iter()
+            .map(|t| {
+                json!({
+                    "name": t.as_str(),
+                    "description": t.description(),
+                    "input_schema": t.parameters(),
+                })
+            })
+            .collect();
+    }
+    if stream {
+        body["stream"] = json!(true);
+    }
+    body
+}
+
+pub fn parse_reply(bytes: &[u8]) -> Result<ModelReply, ModelError> {
+    let value = parse_json(bytes)?;
+    let blocks = value
+        .get("content")
+        .and_then(Value::as_array)
+        .ok_or_else(|| protocol_error("the answer has no content"))?;
+    let mut text = String::new();
+    let mut calls = vec![];
+    for block in blocks {
+        match block.get("type").and_then(Value::as_str) {
+            Some("text") => text.push_str(block.get("text").and_then(Value::as_str).unwrap_or("")),
+            Some("tool_use") => calls.push(ToolCall {
+                id: block
+                    .get("id")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| protocol_error("a tool_use block has no id"))?
+                    .to_string(),
+                tool: block
+                    .get("name")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| protocol_error("a tool_use block has no name"))?
+                    .to_string(),
+                args: block.get("input").cloned().unwrap_or(Value::Null),
+            }),
+            _ => {}
+        }
+    }
+    let usage = value.get("usage").and_then(|u| {
+        Some(Usage {
+            input_tokens: input_tokens(u)?,
+            output_tokens: u.get("output_tokens")?.as_u64()?,
+        })
+    });
+    Ok(ModelReply {
+        text: (!text.is_empty()).then_some(text),
+        calls,
+        usage,
+        truncated: value.get("stop_reason").and_then(Value::as_str) == Some("max_tokens"),
+    })
+}
+
+/// Input tokens as billed: fresh ones plus those written to and read from the cache.
+fn input_tokens(usage: &Value) -> Option<u64> {
+    let fresh = usage.get("input_tokens")?.as_u64()?;
+    let cached = ["cache_creation_input_tokens", "cache_read_input_tokens"]
+        .iter()
+        .filter_map(|k| usage.get(*k).and_then(Value::as_u64))
+        .sum::<u64>();
+    Some(fresh + cached)
+}
+
+/// A streamed answer, event by event.
+#[derive(Default)]
+pub struct Stream {
+    text: String,
+    /// By block index: (id, name, partial json), for tool_use blocks.
+    calls: Vec<(usize, String, String, String)>,
+    input_tokens: Option<u64>,
+    output_tokens: Option<u64>,
+    stop_reason: Option<String>,
+    done: bool,
+}
+
+impl Stream {
+    /// Takes one SSE event's data (its `type` names the event). True at `message_stop`.
+    pub fn on_data(&mut self, data: &str, meter: &CallMeter) -> Result<bool, ModelError> {
+        let event = parse_json(data.as_bytes())?;
+        match event.get("type").and_then(Value::as_str).unwrap_or("") {
+            "message_start" => {
+                if let Some(u) = event.get("message").and_then(|m| m.get("usage")) {
+                    self.input_tokens = input_tokens(u);
+                    self.output_tokens = u.get("output_tokens").and_then(Value::as_u64);
+                    meter.report_usage(self.input_tokens, self.output_tokens);
+                }
+            }
+            "content_block_start" => {
+                let index = event.get("index").and_then(Value::as_u64).unwrap_or(0) as usize;
+                let block = event.get("content_block").cloned().unwrap_or(Value::Null);
+                match block.get("type").and_then(Value::as_str) {
+                    Some("text") => {
+                        let t = block.get("text").and_then(Value::as_str).unwrap_or("");
+                        self.text.push_str(t);
+                    }
+                    Some("tool_use") => self.calls.push((
+                        index,
+                        block
+                            .get("id")
+                            .and_then(Value::as_str)
+                            .unwrap_or("")
+                            .to_string(),
+                        block
+                            .get("name")
+                            .and_then(Value::as_str)
+                            .unwrap_or("")
+                            .to_string(),
+                        String::new(),
+                    )),
+                    _ => {}
+                }
+            }
+            "content_block_delta" => {
+                let index = event.get("index").and_then(Value::as_u64).unwrap_or(0) as usize;
+                let delta = event.get("delta").cloned().unwrap_or(Value::Null);
+                match delta.get("type").and_then(Value::as_str) {
+                    Some("text_delta") => {
+                        let t = delta.get("text").and_then(Value::as_str).unwrap_or("");
+                        meter.add_streamed(t.len() as u64);
+                        self.text.push_str(t);
+                    }
+                    Some("input_json_delta") => {
+                        let piece = delta
+                            .get("partial_json")
+                            .and_then(Value::as_str)
+                            .unwrap_or("");
+                        meter.add_streamed(piece.len() as u64);
+                        match self.calls.iter_mut().find(|c| c.0 == index) {
+                            Some(call) => call.3.push_str(piece),
+                            None => {
+                                return Err(protocol_error(
+                                    "input for a block that is not a tool_use",
+                                ));
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            "message_delta" => {
+                if let Some(reason) = event
+                    .get("delta")
+                    .and_then(|d| d.get("stop_reason"))
+                    .and_then(Value::as_str)
+                {
+                    self.stop_reason = Some(reason.to_string());
+                }
+                if let Some(u) = event.get("usage") {
+                    if let Some(output) = u.get("output_tokens").and_then(Value::as_u64) {
+                        self.output_tokens = Some(output);
+                    }
+                    if let Some(input) = input_tokens(u) {
+                        self.input_tokens = Some(self.input_tokens.unwrap_or(0).max(input));
+                    }
+                    meter.report_usage(self.input_tokens, self.output_tokens);
+                }
+            }
+            "message_stop" => {
+                self.done = true;
+                return Ok(true);
+            }
+            "error" => {
+                return Err(error_in_stream(event.get("error").unwrap_or(&Value::Null)));
+            }
+            _ => {} // ping, content_block_stop, and types added later
+        }
+        Ok(false)
+    }
+
+    pub fn finish(self) -> Result<ModelReply, ModelError> {
+        if !self.done {
+            return Err(super::http::dropped_mid_stream());
+        }
+        let usage = match (self.input_tokens, self.output_tokens) {
+            (Some(input_tokens), Some(output_tokens)) => Some(Usage {
+                input_tokens,
+                output_tokens,
+            }),
+            _ => None,
+        };
+        Ok(ModelReply {
+            text: (!self.text.is_empty()).then_some(self.text),
+            calls: self
+                .calls
+                .into_iter()
+                .map(|(_, id, tool, args)| ToolCall {
+                    id,
+                    tool,
+                    args: tool_arguments(&args),
+                })
+                .collect(),
+            usage,
+            truncated: self.stop_reason.as_deref() == Some("max_tokens"),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arbor_protocol::ToolName;
+
+    #[test]
+    fn tool_results_and_a_steer_after_them_share_one_user_turn() {
+        let request = ModelRequest {
+            agent: "a".into(),
+            system: "You are the planner.".into(),
+            messages: vec![
+                Message::User("go".into()),
+                Message::Assistant {
+                    text: Some("Two things.".into()),
+                    calls: vec![
+                        ToolCall {
+                            id: "toolu_1".into(),
+                            tool: "exec".into(),
+                            args: json!({"command": "ls"}),
+                        },
+                        ToolCall {
+                            id: "toolu_2".into(),
+                            tool: "read_file".into(),
+                            args: json!({"path": "a"}),
+                        },
+                    ],
+                },
+                Message::ToolResult {
+                    call_id: "toolu_1".into(),
+                    content: "a".into(),
+                    is_error: false,
+                },
+                Message::ToolResult {
+                    call_id: "toolu_2".into(),
+                    content: "no such file".into(),
+                    is_error: true,
+                },
+                Message::User("Message from your parent: hurry".into()),
+            ],
+            tools: vec![ToolName::Exec],
+            max_output_tokens: 50,
+            wind_down: None,
+            turn: 1,
+            meter: Default::default(),
+        };
+        let body = body("claude-x", &request, false);
+        assert_eq!(body["system"], "You are the planner.");
+        let messages = body["messages"].as_array().unwrap();
+        assert_eq!(messages.len(), 3, "{body}");
+        assert_eq!(messages[1]["content"][1]["type"], "tool_use");
+        let user = &messages[2]["content"];
+        assert_eq!(user[0]["type"], "tool_result");
+        assert_eq!(user[1]["is_error"], true);
+        assert_eq!(user[2]["type"], "text");
+        assert_eq!(body["tools"][0]["input_schema"]["type"], "object");
+        assert!(body.get("stream").is_none());
+    }
+
+    #[test]
+    fn a_whole_answer_counts_cached_input_as_input() {
+        let reply = parse_reply(
+            br#"{"id":"msg_1","type":"message","role":"assistant","content":[
+                {"type":"text","text":"Delegating."},
+                {"type":"tool_use","id":"toolu_a","name":"exec","input":{"command":"ls"}},
+                {"type":"tool_use","id":"toolu_b","name":"exec","input":{"command":"pwd"}}],
+                "stop_reason":"tool_use","usage":{"input_tokens":13,"cache_read_input_tokens":100,"output_tokens":6}}"#,
+        )
+        .unwrap();
+        assert_eq!(reply.calls.len(), 2);
+        assert_eq!(reply.text.as_deref(), Some("Delegating."));
+        assert_eq!(reply.usage.unwrap().input_tokens, 113);
+    }
+
+    #[test]
+    fn a_stream_reports_usage_from_start_and_delta() {
+        let meter = CallMeter::default();
+        let mut s = Stream::default();
+        let events = [
+            r#"{"type":"message_start","message":{"id":"m","usage":{"input_tokens":25,"output_tokens":1}}}"#,
+            r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#,
+            r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Hi"}}"#,
+            r#"{"type":"content_block_stop","index":0}"#,
+            r#"{"type":"content_block_start","index":1,"content_block":{"type":"tool_use","id":"toolu_1","name":"exec","input":{}}}"#,
+            r#"{"type":"content_block_delta","index":1,"delta":{"type":"input_json_delta","partial_json":"{\"command\": "}}"#,
+            r#"{"type":"content_block_delta","index":1,"delta":{"type":"input_json_delta","partial_json":"\"ls\"}"}}"#,
+            r#"{"type":"ping"}"#,
+            r#"{"type":"message_delta","delta":{"stop_reason":"tool_use"},"usage":{"output_tokens":15}}"#,
+        ];
+        for e in events {
+            assert!(!s.on_data(e, &meter).unwrap());
+        }
+        assert!(s.on_data(r#"{"type":"message_stop"}"#, &meter).unwrap());
+        let reply = s.finish().unwrap();
+        assert_eq!(reply.text.as_deref(), Some("Hi"));
+        assert_eq!(reply.calls[0].args, json!({"command": "ls"}));
+        assert_eq!(
+            reply.usage,
+            Some(Usage {
+                input_tokens: 25,
+                output_tokens: 15
+            })
+        );
+    }
+
+    #[test]
+    fn an_error_event_is_classified() {
+        let meter = CallMeter::default();
+        let e = Stream::default()
+            .on_data(
+                r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#,
+                &meter,
+            )
+            .unwrap_err();
+        assert_eq!(e.class, arbor_protocol::ErrorClass::ModelOverloaded);
+    }
+}

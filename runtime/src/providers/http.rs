@@ -1,0 +1,474 @@
+//! One provider's HTTP client and the `Model` its agents talk to: one
+//! request per `complete`, streamed or not, its failures classified from
+//! status and body. Retries are the agent loop's (each attempt reserved).
+//!
+//! Invariants:
+//! 1. `count_input` is the request body's length in bytes (built as it will
+//!    be sent, with the largest `max_tokens` and the wind-down notice), plus a
+//!    margin for what the provider's template adds. A byte-level BPE token is
+//!    at least one byte, so the provider cannot count more (I-11).
+//! 2. The key goes into one header and nowhere else; no error message here
+//!    quotes a request.
+//! 3. Reading is bounded: a body or stream past `MAX_ANSWER_BYTES` is an error.
+
+use super::{ApiKey, Provider, ProviderKind, ProviderModel, anthropic, openai};
+use arbor_actors::model::{Model, ModelError, ModelInfo, ModelReply, ModelRequest};
+use arbor_protocol::ErrorClass;
+use eventsource_stream::Eventsource;
+use futures::StreamExt;
+use futures::future::BoxFuture;
+use serde_json::Value;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Semaphore;
+
+/// The most bytes one answer may take, streamed or not.
+pub const MAX_ANSWER_BYTES: usize = 32 * 1024 * 1024;
+/// Tokens a provider may add around the body: per message (role markers)...
+const TEMPLATE_TOKENS_PER_MESSAGE: u64 = 8;
+/// ...and once, for the instructions that come with tools (Anthropic's is
+/// documented at about 350) and the start of the answer.
+const TEMPLATE_TOKENS_PER_CALL: u64 = 512;
+/// How much of an error body is kept in the message.
+const ERROR_BODY_CHARS: usize = 300;
+
+/// What every model of one provider shares: its config, its connection
+/// pool, and its limit of requests in flight.
+pub struct ProviderClient {
+    pub(crate) config: Provider,
+    client: reqwest::Client,
+    permits: Arc<Semaphore>,
+}
+
+impl ProviderClient {
+    pub fn new(config: Provider) -> Self {
+        let client = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(10).min(config.timeout))
+            .user_agent(concat!("arbor/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .unwrap_or_default();
+        Self {
+            permits: Arc::new(Semaphore::new(config.max_concurrent as usize)),
+            config,
+            client,
+        }
+    }
+}
+
+/// A provider's model as an agent's `Model`.
+pub struct HttpModel {
+    provider: Arc<ProviderClient>,
+    name: String,
+    model: ProviderModel,
+    key: Option<ApiKey>,
+}
+
+impl HttpModel {
+    pub(crate) fn new(provider: Arc<ProviderClient>, name: &str, key: Option<ApiKey>) -> Self {
+        let model = provider.config.models[name].clone();
+        Self {
+            provider,
+            name: name.to_string(),
+            model,
+            key,
+        }
+    }
+
+    fn body(&self, request: &ModelRequest) -> Value {
+        let stream = self.provider.config.stream;
+        match self.provider.config.kind {
+            ProviderKind::Openai => openai::body(&self.model.id, request, stream),
+            ProviderKind::Anthropic => anthropic::body(&self.model.id, request, stream),
+        }
+    }
+}
+
+impl Model for HttpModel {
+    fn count_input(&self, request: &ModelRequest) -> u64 {
+        // The largest max_tokens this model sends: the body can only be shorter.
+        let mut widest = request.clone();
+        widest.max_output_tokens = self.model.max_output_tokens.max(request.max_output_tokens);
+        let bytes = serde_json::to_vec(&self.body(&widest)).map_or(0, |b| b.len() as u64);
+        bytes
+            + TEMPLATE_TOKENS_PER_MESSAGE * (request.messages.len() as u64 + 1)
+            + TEMPLATE_TOKENS_PER_CALL
+    }
+
+    fn complete(
+        &self,
+        request: ModelRequest,
+    ) -> BoxFuture<'static, Result<ModelReply, ModelError>> {
+        let body = self.body(&request);
+        let provider = self.provider.clone();
+        let key = self.key.clone();
+        Box::pin(async move {
+            let _permit = provider
+                .permits
+                .clone()
+                .acquire_owned()
+                .await
+                .map_err(|_| ModelError::new(ErrorClass::Model, "the provider client closed"))?;
+            let timeout = provider.config.timeout;
+            match tokio::time::timeout(timeout, send(&provider, key.as_ref(), body, &request)).await
+            {
+                Ok(result) => result,
+                Err(_) => Err(ModelError::new(
+                    ErrorClass::ModelTimeout,
+                    format!(
+                        "provider {}: no complete answer within {}",
+                        provider.config.name,
+                        humantime::format_duration(timeout)
+                    ),
+                )),
+            }
+        })
+    }
+
+    fn info(&self) -> ModelInfo {
+        ModelInfo {
+            provider: self.provider.config.name.clone(),
+            model: self.model.id.clone(),
+            max_output_tokens: Some(self.model.max_output_tokens),
+            context_window: Some(self.model.context_window),
+            price: self.model.price,
+            retry: self.provider.config.retry,
+        }
+    }
+}
+
+impl std::fmt::Debug for HttpModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HttpModel({}/{})", self.provider.config.name, self.name)
+    }
+}
+
+async fn send(
+    provider: &ProviderClient,
+    key: Option<&ApiKey>,
+    body: Value,
+    request: &ModelRequest,
+) -> Result<ModelReply, ModelError> {
+    let config = &provider.config;
+    let mut http = provider
+        .client
+        .post(config.endpoint())
+        .header(reqwest::header::CONTENT_TYPE, "application/json");
+    match config.kind {
+        ProviderKind::Openai => {
+            if let Some(key) = key {
+                http = http.bearer_auth(key.expose());
+            }
+        }
+        ProviderKind::Anthropic => {
+            http = http.header("anthropic-version", anthropic::API_VERSION);
+            if let Some(key) = key {
+                http = http.header("x-api-key", key.expose());
+            }
+        }
+    }
+    let bytes = serde_json::to_vec(&body).unwrap_or_default();
+    let meter = &request.meter;
+    meter.mark_sent();
+    let response = http.body(bytes).send().await.map_err(|e| {
+        if e.is_connect() {
+            // Nothing reached the provider: nothing to bill.
+            meter.mark_refused();
+        }
+        transport_error(&config.name, &e)
+    })?;
+    let status = response.status();
+    if !status.is_success() {
+        meter.mark_refused();
+        let retry_after = retry_after(response.headers());
+        let text = read_bounded(response).await.unwrap_or_default();
+        let mut error = classify(status.as_u16(), &String::from_utf8_lossy(&text));
+        error.message = format!("provider {}: {}", config.name, error.message);
+        error.retry_after = retry_after;
+        return Err(error);
+    }
+    if !config.stream {
+        let text = read_bounded(response)
+            .await
+            .map_err(|e| transport_error(&config.name, &e))?;
+        return match config.kind {
+            ProviderKind::Openai => openai::parse_reply(&text, request.turn),
+            ProviderKind::Anthropic => anthropic::parse_reply(&text),
+        };
+    }
+    let mut events = response.bytes_stream().eventsource();
+    let mut seen = 0usize;
+    let mut openai_stream = openai::Stream::default();
+    let mut anthropic_stream = anthropic::Stream::default();
+    while let Some(event) = events.next().await {
+        let event = match event {
+            Ok(event) => event,
+            Err(eventsource_stream::EventStreamError::Transport(e)) => {
+                return Err(transport_error(&config.name, &e));
+            }
+            Err(e) => return Err(protocol_error(&format!("a malformed event stream: {e}"))),
+        };
+        seen += event.data.len();
+        if seen > MAX_ANSWER_BYTES {
+            return Err(protocol_error("the answer is larger than 32 MiB"));
+        }
+        if event.data.is_empty() {
+            continue;
+        }
+        let done = match config.kind {
+            ProviderKind::Openai => openai_stream.on_data(&event.data, meter)?,
+            ProviderKind::Anthropic => anthropic_stream.on_data(&event.data, meter)?,
+        };
+        if done {
+            break;
+        }
+    }
+    match config.kind {
+        ProviderKind::Openai => openai_stream.finish(request.turn),
+        ProviderKind::Anthropic => anthropic_stream.finish(),
+    }
+}
+
+async fn read_bounded(response: reqwest::Response) -> Result<Vec<u8>, reqwest::Error> {
+    let mut bytes = vec![];
+    let mut stream = response.bytes_stream();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk?;
+        if bytes.len() + chunk.len() > MAX_ANSWER_BYTES {
+            break;
+        }
+        bytes.extend_from_slice(&chunk);
+    }
+    Ok(bytes)
+}
+
+/// The class of a failed request, from its status and body (either
+/// format's error shape: `{"error": {"type", "code", "message"}}`).
+pub fn classify(status: u16, body: &str) -> ModelError {
+    let parsed: Option<Value> = serde_json::from_str(body).ok();
+    let error = parsed.as_ref().and_then(|v| v.get("error"));
+    let field = |k: &str| {
+        error
+            .and_then(|e| e.get(k))
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string()
+    };
+    let (kind, code, message) = (field("type"), field("code"), field("message"));
+    let lower = format!("{kind} {code} {message}").to_lowercase();
+    let context = code == "context_length_exceeded"
+        || lower.contains("context length")
+        || lower.contains("context window")
+        || lower.contains("prompt is too long")
+        || lower.contains("maximum context");
+    let quota = code == "insufficient_quota"
+        || kind == "insufficient_quota"
+        || lower.contains("credit balance")
+        || lower.contains("exceeded your current quota");
+    let class = match status {
+        401 | 403 => ErrorClass::ModelAuth,
+        402 => ErrorClass::ModelUsageCap,
+        429 if quota => ErrorClass::ModelUsageCap,
+        429 => ErrorClass::ModelRateLimit,
+        400 | 413 if context => ErrorClass::ContextTooLong,
+        413 => ErrorClass::ContextTooLong,
+        400 if quota => ErrorClass::ModelUsageCap,
+        408 => ErrorClass::ModelTimeout,
+        503 | 529 => ErrorClass::ModelOverloaded,
+        500..=599 if kind == "overloaded_error" => ErrorClass::ModelOverloaded,
+        500..=599 => ErrorClass::ModelServer,
+        _ => ErrorClass::ModelBadRequest,
+    };
+    let detail = if message.is_empty() {
+        clip(body.trim())
+    } else {
+        clip(&message)
+    };
+    ModelError::new(
+        class,
+        if detail.is_empty() {
+            format!("HTTP {status}")
+        } else {
+            format!("HTTP {status}: {detail}")
+        },
+    )
+}
+
+/// An `error` object that arrived inside a 200 stream.
+pub(crate) fn error_in_stream(error: &Value) -> ModelError {
+    let kind = error.get("type").and_then(Value::as_str).unwrap_or("");
+    let status = match kind {
+        "overloaded_error" => 529,
+        "rate_limit_error" => 429,
+        "authentication_error" => 401,
+        "permission_error" => 403,
+        "invalid_request_error" => 400,
+        "request_too_large" => 413,
+        _ => 500,
+    };
+    let body = serde_json::json!({ "error": error }).to_string();
+    let mut e = classify(status, &body);
+    e.message = format!("in the stream: {}", e.message);
+    e
+}
+
+pub(crate) fn dropped_mid_stream() -> ModelError {
+    ModelError::new(
+        ErrorClass::ModelServer,
+        "the stream ended before the answer was complete (connection dropped?)",
+    )
+}
+
+pub(crate) fn protocol_error(what: &str) -> ModelError {
+    ModelError::new(ErrorClass::ModelProtocol, what.to_string())
+}
+
+pub(crate) fn parse_json(bytes: &[u8]) -> Result<Value, ModelError> {
+    serde_json::from_slice(bytes).map_err(|e| {
+        protocol_error(&format!(
+            "the answer is not JSON ({e}): {}",
+            clip(&String::from_utf8_lossy(bytes))
+        ))
+    })
+}
+
+/// The system prompt as sent: the agent's, plus the request-local wind-down
+/// notice (I-12: it is never in the history).
+pub(crate) fn system_prompt(request: &ModelRequest) -> String {
+    match &request.wind_down {
+        Some(notice) => format!("{}\n\n{notice}", request.system),
+        None => request.system.clone(),
+    }
+}
+
+/// A tool call's arguments as the model wrote them: JSON when they parse,
+/// else the raw text, which the loop refuses as bad arguments the model sees.
+pub(crate) fn tool_arguments(text: &str) -> Value {
+    if text.trim().is_empty() {
+        return Value::Null;
+    }
+    serde_json::from_str(text).unwrap_or_else(|_| Value::String(text.to_string()))
+}
+
+fn transport_error(provider: &str, e: &reqwest::Error) -> ModelError {
+    let class = if e.is_timeout() {
+        ErrorClass::ModelTimeout
+    } else {
+        ErrorClass::ModelServer
+    };
+    // reqwest's message names the URL, never a header.
+    let mut message = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        message = format!("{message}: {s}");
+        source = s.source();
+    }
+    ModelError::new(class, format!("provider {provider}: {message}"))
+}
+
+/// `Retry-After` as seconds or an HTTP date; `retry-after-ms` when given.
+fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
+    if let Some(ms) = headers
+        .get("retry-after-ms")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|ms| ms.is_finite() && *ms >= 0.0)
+    {
+        return Some(Duration::from_secs_f64(ms / 1000.0));
+    }
+    let value = headers
+        .get(reqwest::header::RETRY_AFTER)?
+        .to_str()
+        .ok()?
+        .trim();
+    if let Ok(seconds) = value.parse::<f64>() {
+        return (seconds.is_finite() && seconds >= 0.0).then(|| Duration::from_secs_f64(seconds));
+    }
+    let at = httpdate::parse_http_date(value).ok()?;
+    Some(
+        at.duration_since(std::time::SystemTime::now())
+            .unwrap_or_default(),
+    )
+}
+
+fn clip(text: &str) -> String {
+    let one_line: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    match one_line.char_indices().nth(ERROR_BODY_CHARS) {
+        Some((end, _)) => format!("{}…", &one_line[..end]),
+        None => one_line,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(status: u16, body: &str, class: ErrorClass) {
+        assert_eq!(classify(status, body).class, class, "{status} {body}");
+    }
+
+    #[test]
+    fn failures_are_classified_from_status_and_body() {
+        use ErrorClass::*;
+        check(
+            401,
+            r#"{"error":{"type":"authentication_error","message":"invalid x-api-key"}}"#,
+            ModelAuth,
+        );
+        check(403, "", ModelAuth);
+        check(
+            429,
+            r#"{"error":{"message":"Rate limit reached","type":"requests","code":"rate_limit_exceeded"}}"#,
+            ModelRateLimit,
+        );
+        check(
+            429,
+            r#"{"error":{"message":"You exceeded your current quota","type":"insufficient_quota","code":"insufficient_quota"}}"#,
+            ModelUsageCap,
+        );
+        check(
+            400,
+            r#"{"error":{"message":"This model's maximum context length is 8192 tokens","type":"invalid_request_error","code":"context_length_exceeded"}}"#,
+            ContextTooLong,
+        );
+        check(
+            400,
+            r#"{"type":"error","error":{"type":"invalid_request_error","message":"prompt is too long: 210000 tokens > 200000 maximum"}}"#,
+            ContextTooLong,
+        );
+        check(
+            400,
+            r#"{"type":"error","error":{"type":"invalid_request_error","message":"Your credit balance is too low"}}"#,
+            ModelUsageCap,
+        );
+        check(
+            400,
+            r#"{"error":{"message":"Unrecognized request argument"}}"#,
+            ModelBadRequest,
+        );
+        check(404, "not found", ModelBadRequest);
+        check(
+            529,
+            r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#,
+            ModelOverloaded,
+        );
+        check(503, "", ModelOverloaded);
+        check(500, "<html>oops</html>", ModelServer);
+        check(502, "", ModelServer);
+        check(408, "", ModelTimeout);
+    }
+
+    #[test]
+    fn retry_after_is_read_as_seconds_or_milliseconds() {
+        let mut h = reqwest::header::HeaderMap::new();
+        h.insert("retry-after", "2".parse().unwrap());
+        assert_eq!(retry_after(&h), Some(Duration::from_secs(2)));
+        h.insert("retry-after-ms", "150".parse().unwrap());
+        assert_eq!(retry_after(&h), Some(Duration::from_millis(150)));
+        let mut h = reqwest::header::HeaderMap::new();
+        h.insert(
+            "retry-after",
+            "Wed, 21 Oct 2015 07:28:00 GMT".parse().unwrap(),
+        );
+        assert_eq!(retry_after(&h), Some(Duration::ZERO), "a date in the past");
+    }
+}
