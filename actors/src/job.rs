@@ -610,6 +610,9 @@ impl JobState {
         let artifacts = ractor::call!(self.sandbox, |reply| SandboxMsg::Artifacts { reply })
             .unwrap_or_default();
         let missing = missing_artifacts(&self.brief.require_artifacts, &artifacts);
+        // I-13, I-22: files it wrote are work it produced, as text is.
+        let mut outcome = outcome;
+        outcome.produced |= !artifacts.is_empty();
         let (task_status, notes) = agent_loop::grade(&outcome, schema_error.as_deref(), &missing);
         let mut limitations = outcome.limitations.clone();
         limitations.extend(notes.iter().cloned());

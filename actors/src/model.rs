@@ -220,6 +220,8 @@ struct MeterInner {
     input_tokens: AtomicU64,
     output_tokens: AtomicU64,
     streamed_bytes: AtomicU64,
+    /// Woken at each change, for whoever watches a call (a test).
+    changed: tokio::sync::Notify,
 }
 
 impl CallMeter {
@@ -243,11 +245,29 @@ impl CallMeter {
             self.0.output_tokens.fetch_max(output, Ordering::AcqRel);
         }
         self.0.usage_reported.store(true, Ordering::Release);
+        self.0.changed.notify_waiters();
     }
 
     /// Bytes of answer streamed so far.
     pub fn add_streamed(&self, bytes: u64) {
         self.0.streamed_bytes.fetch_add(bytes, Ordering::AcqRel);
+        self.0.changed.notify_waiters();
+    }
+
+    /// Bytes of answer streamed so far.
+    pub fn streamed_bytes(&self) -> u64 {
+        self.0.streamed_bytes.load(Ordering::Acquire)
+    }
+
+    /// Waits until at least `bytes` of answer have streamed.
+    pub async fn streamed_at_least(&self, bytes: u64) {
+        loop {
+            let changed = self.0.changed.notified();
+            if self.streamed_bytes() >= bytes {
+                return;
+            }
+            changed.await;
+        }
     }
 
     /// What a call cut short is charged, never less than it may have cost:

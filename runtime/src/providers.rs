@@ -29,7 +29,8 @@ mod anthropic;
 mod http;
 mod openai;
 
-pub use http::HttpModel;
+pub use anthropic::API_VERSION as ANTHROPIC_VERSION;
+pub use http::{HttpModel, classify};
 
 use crate::scripted::ScriptedModel;
 use arbor_actors::model::{Model, ModelFactory, Price, RetryPolicy};

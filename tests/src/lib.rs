@@ -18,7 +18,11 @@
 //! Every wait has a guard: past `WAIT_LIMIT` it panics with the tree, so a
 //! broken promise fails the test instead of hanging it.
 
-use arbor_actors::model::{Model, ModelError, ModelFactory, ModelReply, ModelRequest};
+pub mod mock_provider;
+
+use arbor_actors::model::{
+    CallMeter, Model, ModelError, ModelFactory, ModelInfo, ModelReply, ModelRequest,
+};
 use arbor_protocol::{
     AgentDef, Event, EventKind, JobId, NodeKind, ParentRef, Refusal, RunId, Tree, TreeNode,
 };
@@ -396,6 +400,91 @@ impl ModelFactory for RecordingModels {
             log: self.requests.clone(),
             panics: self.panicking.contains(&agent.name),
         }))
+    }
+}
+
+/// Wraps a factory and keeps the `CallMeter` of every request its models
+/// are sent, so a test can act at a known point of a call in flight (stop a
+/// job once its answer has started streaming, say).
+pub struct WatchedModels {
+    inner: Arc<dyn ModelFactory>,
+    meters: Arc<Mutex<Vec<(String, CallMeter)>>>,
+    sent: Arc<tokio::sync::Notify>,
+}
+
+impl WatchedModels {
+    pub fn new(inner: Arc<dyn ModelFactory>) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            meters: Default::default(),
+            sent: Default::default(),
+        })
+    }
+
+    /// The meter of the `n`th request (from 0) of `agent`, once it is sent.
+    pub async fn meter(&self, agent: &str, n: usize) -> CallMeter {
+        let deadline = tokio::time::Instant::now() + WAIT_LIMIT;
+        loop {
+            let sent = self.sent.notified();
+            let found = self
+                .meters
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|(a, _)| a == agent)
+                .nth(n)
+                .map(|(_, m)| m.clone());
+            if let Some(meter) = found {
+                return meter;
+            }
+            if tokio::time::timeout_at(deadline, sent).await.is_err() {
+                panic!("request {n} of {agent} never came");
+            }
+        }
+    }
+}
+
+struct Watched {
+    inner: Arc<dyn Model>,
+    agent: String,
+    meters: Arc<Mutex<Vec<(String, CallMeter)>>>,
+    sent: Arc<tokio::sync::Notify>,
+}
+
+impl Model for Watched {
+    fn count_input(&self, request: &ModelRequest) -> u64 {
+        self.inner.count_input(request)
+    }
+
+    fn complete(
+        &self,
+        request: ModelRequest,
+    ) -> BoxFuture<'static, Result<ModelReply, ModelError>> {
+        self.meters
+            .lock()
+            .unwrap()
+            .push((self.agent.clone(), request.meter.clone()));
+        self.sent.notify_waiters();
+        self.inner.complete(request)
+    }
+
+    fn info(&self) -> ModelInfo {
+        self.inner.info()
+    }
+}
+
+impl ModelFactory for WatchedModels {
+    fn model_for(&self, agent: &AgentDef) -> Result<Arc<dyn Model>, String> {
+        Ok(Arc::new(Watched {
+            inner: self.inner.model_for(agent)?,
+            agent: agent.name.clone(),
+            meters: self.meters.clone(),
+            sent: self.sent.clone(),
+        }))
+    }
+
+    fn preflight(&self, agent: &AgentDef) -> Result<(), String> {
+        self.inner.preflight(agent)
     }
 }
 

@@ -1,0 +1,655 @@
+//! Real models: both wire formats against a mock provider on loopback, and
+//! every budget, stop and retry rule on the usage a provider reports.
+
+use arbor_actors::agent_loop::WIND_DOWN_NOTICE;
+use arbor_protocol::{ErrorClass, Event, EventKind, RunId, Status, TaskStatus};
+use arbor_runtime::Models;
+use arbor_testkit::mock_provider::{Answer, Format, MockProvider, StreamEnd, anthropic, openai};
+use arbor_testkit::{TestNode, WatchedModels};
+use serde_json::json;
+use std::sync::Arc;
+
+const PLANNER: &str = "You are the planner.";
+const RESEARCHER: &str = "You are the researcher.";
+
+fn agent(front_matter: &str, prompt: &str) -> String {
+    format!("---\nmodel: mock/small\n{front_matter}\n---\n{prompt}\n")
+}
+
+fn planner() -> String {
+    agent(
+        "subagents: [researcher]\ntools: [read_file, write_file]\nmax_turns: 6",
+        &format!("{PLANNER} Delegate, then report."),
+    )
+}
+
+fn researcher(front_matter: &str) -> String {
+    agent(
+        &format!("description: finds facts\n{front_matter}"),
+        &format!("{RESEARCHER} Find one fact."),
+    )
+}
+
+async fn start(mock: &MockProvider, format: Format, extra: &str) -> TestNode {
+    let planner = planner();
+    let researcher = researcher("tools: [read_file, write_file]");
+    TestNode::start_with_config(
+        &mock.arbor_toml(format, extra),
+        &[("planner", &planner), ("researcher", &researcher)],
+    )
+    .await
+}
+
+fn model_calls(events: &[Event]) -> Vec<EventKind> {
+    events
+        .iter()
+        .filter(|e| matches!(e.kind, EventKind::ModelCalled { .. }))
+        .map(|e| e.kind.clone())
+        .collect()
+}
+
+fn charged(kind: &EventKind) -> u64 {
+    match kind {
+        EventKind::ModelCalled {
+            input_tokens,
+            output_tokens,
+            ..
+        } => input_tokens + output_tokens,
+        _ => 0,
+    }
+}
+
+fn outcome(kind: &EventKind) -> String {
+    match kind {
+        EventKind::ModelCalled { call, .. } => call.outcome.clone(),
+        _ => String::new(),
+    }
+}
+
+fn step<'a>(tree: &'a arbor_protocol::Tree, name: &str) -> &'a arbor_protocol::TreeNode {
+    tree.node(tree.find(name).unwrap_or_else(|| panic!("no {name}")))
+        .unwrap()
+}
+
+/// Two researchers delegated by two tool calls of one turn, collected, and
+/// a report: the whole tree over one format.
+async fn delegating_flow(format: Format, extra: &str) {
+    let mock = MockProvider::start().await;
+    let streamed = extra.is_empty();
+    let delegate = |label: &str| {
+        (
+            "delegate",
+            json!({"jobs": [{"agent": "researcher", "request": format!("Find {label}"), "label": label}], "wait": false}),
+        )
+    };
+    let submit = ("submit_output", json!({"output": "Report: A and B."}));
+    let answer = |text: &str, calls: &[(&str, serde_json::Value)], i: u64, o: u64| match (
+        format, streamed,
+    ) {
+        (Format::Openai, true) => openai::stream(text, calls, Some((i, o))),
+        (Format::Openai, false) if calls.is_empty() => openai::text(text, i, o),
+        (Format::Openai, false) => openai::tool_calls(calls, i, o),
+        (Format::Anthropic, true) => anthropic::stream(text, calls, i, o),
+        (Format::Anthropic, false) => anthropic::message(text, calls, i, o),
+    };
+    mock.push_for(
+        format,
+        PLANNER,
+        answer("", &[delegate("a"), delegate("b")], 300, 40),
+    );
+    mock.push_for(
+        format,
+        PLANNER,
+        answer("", &[("collect", json!({}))], 500, 10),
+    );
+    mock.push_for(format, PLANNER, answer("", &[submit], 900, 20));
+    mock.push_for(format, RESEARCHER, answer("A fact.", &[], 200, 5));
+    mock.push_for(format, RESEARCHER, answer("A fact.", &[], 210, 6));
+    let node = start(&mock, format, extra).await;
+    let run = node.run_agent("planner", "Write a report.").await;
+    let tree = node.wait_run(run).await;
+    let root = tree.root();
+    assert_eq!(root.status, Status::Done, "{root:#?}");
+    assert_eq!(root.output, json!("Report: A and B."));
+    for label in ["a", "b"] {
+        let job = step(&tree, label);
+        assert_eq!(job.status, Status::Done);
+        assert_eq!(job.output, json!("A fact."));
+    }
+    // Every token charged is one the provider reported.
+    let planner_step = step(&tree, "planner");
+    assert_eq!(
+        planner_step.account.spent,
+        300 + 40 + 500 + 10 + 900 + 20 + 205 + 216
+    );
+    node.assert_conserved(run);
+    // The second turn carried both tool results back, in the provider's shape.
+    let second = &mock.received_for(PLANNER)[1];
+    let text = second.body.to_string();
+    match format {
+        Format::Openai => {
+            let tools: Vec<_> = second.body["messages"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|m| m["role"] == "tool")
+                .collect();
+            assert_eq!(tools.len(), 2, "{text}");
+            assert_eq!(tools[1]["tool_call_id"], "call_mock_1");
+        }
+        Format::Anthropic => {
+            assert_eq!(
+                second.headers["anthropic-version"],
+                arbor_runtime::providers::ANTHROPIC_VERSION
+            );
+            let last = second.body["messages"].as_array().unwrap().last().unwrap();
+            assert_eq!(last["role"], "user");
+            assert_eq!(last["content"][1]["tool_use_id"], "toolu_mock_1", "{text}");
+        }
+    }
+    assert!(
+        text.contains("\"name\":\"delegate\""),
+        "tools offered: {text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_delegating_flow_completes_over_openai_whole_answers() {
+    delegating_flow(Format::Openai, "stream = false").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_delegating_flow_completes_over_openai_streams() {
+    delegating_flow(Format::Openai, "").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_delegating_flow_completes_over_anthropic_whole_answers() {
+    delegating_flow(Format::Anthropic, "stream = false").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_delegating_flow_completes_over_anthropic_streams() {
+    delegating_flow(Format::Anthropic, "").await;
+}
+
+/// One planner turn answered by `answer`, then a submit.
+async fn one_call(format: Format, extra: &str, answer: Answer) -> (TestNode, RunId, MockProvider) {
+    let mock = MockProvider::start().await;
+    mock.push_for(format, PLANNER, answer);
+    let submit = [("submit_output", json!({"output": "done"}))];
+    mock.push_for(
+        format,
+        PLANNER,
+        match format {
+            Format::Openai => openai::tool_calls(&submit, 10, 5),
+            Format::Anthropic => anthropic::message("", &submit, 10, 5),
+        },
+    );
+    let node = start(&mock, format, extra).await;
+    let run = node.run_agent("planner", "Go.").await;
+    node.wait_run(run).await;
+    (node, run, mock)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn inv_11_each_call_reserves_at_least_its_body_and_settles_on_reported_usage_both_ways() {
+    let read = [("collect", json!({}))];
+    // Below the estimate: charged exactly what was reported.
+    let (node, run, mock) = one_call(
+        Format::Openai,
+        "stream = false",
+        openai::tool_calls(&read, 17, 3),
+    )
+    .await;
+    let calls = model_calls(&node.events(run));
+    let EventKind::ModelCalled { reserved, .. } = &calls[0] else {
+        unreachable!()
+    };
+    let body_bytes = mock.received_for(PLANNER)[0].raw.len() as u64;
+    assert!(
+        *reserved >= body_bytes,
+        "reserved {reserved} < body {body_bytes} bytes"
+    );
+    assert_eq!(charged(&calls[0]), 20);
+    assert_eq!(step(&node.tree(run), "planner").account.spent, 20 + 15);
+    node.assert_conserved(run);
+
+    // Above the reservation: charged as reported, and the overrun is an event with both figures.
+    let (node, run, _mock) = one_call(
+        Format::Anthropic,
+        "stream = false",
+        anthropic::message("", &read, 90_000, 7),
+    )
+    .await;
+    let events = node.events(run);
+    let calls = model_calls(&events);
+    let EventKind::ModelCalled { reserved, .. } = calls[0].clone() else {
+        unreachable!()
+    };
+    assert_eq!(charged(&calls[0]), 90_007);
+    let overrun = events
+        .iter()
+        .find_map(|e| match &e.kind {
+            EventKind::BudgetOverrun {
+                reserved, reported, ..
+            } => Some((*reserved, *reported)),
+            _ => None,
+        })
+        .expect("a budget_overrun event");
+    assert_eq!(overrun, (reserved, 90_007));
+    assert_eq!(step(&node.tree(run), "planner").account.spent, 90_007 + 15);
+    node.assert_conserved(run);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn inv_11_a_stream_without_usage_is_charged_its_reservation_and_marked_estimated() {
+    let (node, run, _mock) = one_call(
+        Format::Openai,
+        "",
+        openai::stream("", &[("collect", json!({}))], None),
+    )
+    .await;
+    let calls = model_calls(&node.events(run));
+    let EventKind::ModelCalled { reserved, call, .. } = &calls[0] else {
+        unreachable!()
+    };
+    assert!(call.usage_estimated);
+    assert_eq!(charged(&calls[0]), *reserved);
+    node.assert_conserved(run);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn inv_12_past_the_wind_down_share_the_notice_rides_on_the_request_never_in_the_history() {
+    let mock = MockProvider::start().await;
+    let format = Format::Openai;
+    let read = [("read_file", json!({"path": "missing.txt"}))];
+    // 20,000 tokens; the first call reports 16,500: past 80%.
+    mock.push_for(format, PLANNER, openai::tool_calls(&read, 16_000, 500));
+    mock.push_for(format, PLANNER, openai::tool_calls(&read, 100, 5));
+    mock.push_for(
+        format,
+        PLANNER,
+        openai::tool_calls(&[("submit_output", json!({"output": "short"}))], 100, 5),
+    );
+    let lone = agent("tools: [read_file]", &format!("{PLANNER} Read."));
+    let node = TestNode::start_with_config(
+        &mock.arbor_toml(format, "stream = false"),
+        &[("planner", &lone)],
+    )
+    .await;
+    let run = node
+        .run_agent_with_budget("planner", "Go.", Some(20_000))
+        .await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.root().status, Status::Done, "{:#?}", tree.root());
+    let requests = mock.received_for(PLANNER);
+    assert_eq!(requests.len(), 3);
+    let system = |i: usize| {
+        requests[i].body["messages"][0]["content"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    assert!(!system(0).contains(WIND_DOWN_NOTICE));
+    assert!(system(1).ends_with(WIND_DOWN_NOTICE), "{}", system(1));
+    assert!(system(2).ends_with(WIND_DOWN_NOTICE));
+    for r in &requests {
+        let history = &r.body["messages"].as_array().unwrap()[1..];
+        assert!(
+            !serde_json::to_string(history)
+                .unwrap()
+                .contains("Budget notice"),
+            "the notice entered the history"
+        );
+    }
+    let wind_downs = node
+        .events(run)
+        .iter()
+        .filter(|e| {
+            matches!(
+                e.kind,
+                EventKind::WindDown {
+                    owner: arbor_protocol::ParentRef::Job(_),
+                    ..
+                }
+            )
+        })
+        .count();
+    assert_eq!(wind_downs, 1, "one event for the crossing");
+    node.assert_conserved(run);
+}
+
+/// The researcher, granted `budget` tokens, answers once with `first` and
+/// cannot pay for a second call; the planner then submits.
+async fn researcher_at_its_ceiling(first: Answer, budget: u64) -> (TestNode, RunId) {
+    let mock = MockProvider::start().await;
+    let format = Format::Anthropic;
+    let delegate = (
+        "delegate",
+        json!({"jobs": [{"agent": "researcher", "request": "Find it.", "label": "r", "budget": {"tokens": budget}}]}),
+    );
+    mock.push_for(
+        format,
+        PLANNER,
+        anthropic::message("", &[delegate], 100, 10),
+    );
+    mock.push_for(format, RESEARCHER, first);
+    mock.push_for(
+        format,
+        PLANNER,
+        anthropic::message("", &[("submit_output", json!({"output": "ok"}))], 100, 10),
+    );
+    let node = start(&mock, format, "stream = false").await;
+    let run = node.run_agent("planner", "Go.").await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.root().status, Status::Done, "the run goes on");
+    assert_eq!(mock.received_for(RESEARCHER).len(), 1);
+    node.assert_conserved(run);
+    (node, run)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn inv_13_a_job_at_its_ceiling_returns_partial_with_the_text_it_produced() {
+    // Reported below the estimate, but what is left cannot cover another call's bound.
+    let read = [("read_file", json!({"path": "notes.md"}))];
+    let (node, run) =
+        researcher_at_its_ceiling(anthropic::message("Half of it.", &read, 1_500, 500), 3_000)
+            .await;
+    let tree = node.tree(run);
+    let job = step(&tree, "r");
+    assert_eq!(job.status, Status::Done);
+    assert_eq!(job.task_status, Some(TaskStatus::Partial));
+    assert_eq!(job.error_class, Some(ErrorClass::BudgetExhausted));
+    assert_eq!(job.output, json!("Half of it."));
+    assert_eq!(job.account.spent, 2_000);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn inv_13_a_job_at_its_ceiling_whose_work_is_a_file_returns_partial() {
+    let write = [("write_file", json!({"path": "notes.md", "content": "half"}))];
+    let (node, run) =
+        researcher_at_its_ceiling(anthropic::message("", &write, 1_500, 500), 3_000).await;
+    let tree = node.tree(run);
+    let job = step(&tree, "r");
+    assert_eq!(job.task_status, Some(TaskStatus::Partial), "{job:#?}");
+    assert_eq!(job.artifacts, vec!["notes.md".to_string()]);
+}
+
+/// The researcher's first answer is `error`; it may be retried twice.
+async fn researcher_fails_with(error: Answer) -> (TestNode, RunId, MockProvider) {
+    let mock = MockProvider::start().await;
+    let format = Format::Openai;
+    let delegate = (
+        "delegate",
+        json!({"jobs": [{"agent": "researcher", "request": "Find it.", "label": "r", "retries": 2}]}),
+    );
+    mock.push_for(format, PLANNER, openai::tool_calls(&[delegate], 100, 10));
+    mock.push_for(format, RESEARCHER, error);
+    mock.push_for(format, RESEARCHER, openai::text("A fact.", 10, 3));
+    mock.push_for(
+        format,
+        PLANNER,
+        openai::tool_calls(&[("submit_output", json!({"output": "ok"}))], 100, 10),
+    );
+    let node = start(&mock, format, "stream = false\nmax_retries = 1").await;
+    let run = node.run_agent("planner", "Go.").await;
+    node.wait_run(run).await;
+    node.assert_conserved(run);
+    (node, run, mock)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn inv_23_a_usage_cap_and_an_auth_failure_are_never_retried() {
+    let cases = [
+        (
+            openai::error(
+                429,
+                "insufficient_quota",
+                "insufficient_quota",
+                "You exceeded your current quota",
+            ),
+            ErrorClass::ModelUsageCap,
+        ),
+        (
+            openai::error(
+                401,
+                "invalid_request_error",
+                "invalid_api_key",
+                "Incorrect API key provided",
+            ),
+            ErrorClass::ModelAuth,
+        ),
+        (
+            openai::error(403, "permission_error", "", "not allowed"),
+            ErrorClass::ModelAuth,
+        ),
+    ];
+    for (error, class) in cases {
+        let (node, run, mock) = researcher_fails_with(error).await;
+        let tree = node.tree(run);
+        let attempts: Vec<_> = tree
+            .nodes()
+            .filter(|(_, n)| n.label.as_deref() == Some("r"))
+            .collect();
+        assert_eq!(attempts.len(), 1, "{class}: no second attempt of the job");
+        assert_eq!(attempts[0].1.status, Status::Failed);
+        assert_eq!(attempts[0].1.error_class, Some(class));
+        assert_eq!(
+            mock.received_for(RESEARCHER).len(),
+            1,
+            "{class}: the loop did not retry either"
+        );
+        assert_eq!(
+            attempts[0].1.account.spent, 0,
+            "{class}: a refused request costs nothing"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rate_limit_is_retried_after_its_retry_after_and_each_attempt_is_one_event() {
+    let limited = openai::error(429, "requests", "rate_limit_exceeded", "Rate limit reached")
+        .with_header("retry-after-ms", "20");
+    let (node, run, mock) = researcher_fails_with(limited).await;
+    let tree = node.tree(run);
+    let job = step(&tree, "r");
+    assert_eq!(job.status, Status::Done);
+    assert_eq!(job.output, json!("A fact."));
+    assert_eq!(mock.received_for(RESEARCHER).len(), 2);
+    let calls: Vec<_> = model_calls(&node.events(run))
+        .into_iter()
+        .filter(|k| matches!(k, EventKind::ModelCalled { id, .. } if tree.node(*id).unwrap().label.as_deref() == Some("r")))
+        .collect();
+    assert_eq!(
+        calls.iter().map(outcome).collect::<Vec<_>>(),
+        ["model_rate_limit", "ok"]
+    );
+    let EventKind::ModelCalled { call, .. } = &calls[1] else {
+        unreachable!()
+    };
+    assert_eq!(call.retries, 1);
+    assert_eq!(call.provider, "mock");
+    assert_eq!(call.model, "mock-small");
+    assert_eq!(job.account.spent, 13, "the refused attempt cost nothing");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn overload_and_server_errors_are_retried_and_bounded() {
+    let (node, run, _) = researcher_fails_with(anthropic_shaped_overload()).await;
+    assert_eq!(step(&node.tree(run), "r").status, Status::Done);
+
+    // Two server errors with max_retries = 1: the call fails for good after
+    // its two attempts, and the job with it.
+    let mock = MockProvider::start().await;
+    let format = Format::Openai;
+    let delegate = (
+        "delegate",
+        json!({"jobs": [{"agent": "researcher", "request": "Find it.", "label": "r"}]}),
+    );
+    mock.push_for(format, PLANNER, openai::tool_calls(&[delegate], 100, 10));
+    mock.push_for(
+        format,
+        RESEARCHER,
+        Answer::json(500, json!({"error": {"message": "boom"}})),
+    );
+    mock.push_for(
+        format,
+        RESEARCHER,
+        Answer::json(502, json!({"error": {"message": "bad gateway"}})),
+    );
+    mock.push_for(
+        format,
+        PLANNER,
+        openai::tool_calls(&[("submit_output", json!({"output": "ok"}))], 100, 10),
+    );
+    let node = start(&mock, format, "stream = false\nmax_retries = 1").await;
+    let run = node.run_agent("planner", "Go.").await;
+    let tree = node.wait_run(run).await;
+    let job = step(&tree, "r");
+    assert_eq!(job.status, Status::Failed);
+    assert_eq!(job.error_class, Some(ErrorClass::ModelServer));
+    assert!(
+        job.error.as_deref().unwrap().contains("after 2 attempts"),
+        "{job:#?}"
+    );
+    node.assert_conserved(run);
+}
+
+fn anthropic_shaped_overload() -> Answer {
+    Answer::json(
+        529,
+        json!({"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}),
+    )
+}
+
+/// The step's one call is answered by `answer`, with no retries.
+async fn step_fails_with(format: Format, extra: &str, answer: Answer) -> arbor_protocol::TreeNode {
+    let mock = MockProvider::start().await;
+    mock.push_for(format, PLANNER, answer);
+    let node = start(&mock, format, &format!("{extra}\nmax_retries = 0")).await;
+    let run = node.run_agent("planner", "Go.").await;
+    let tree = node.wait_run(run).await;
+    node.assert_conserved(run);
+    assert_eq!(tree.root().status, Status::Failed);
+    step(&tree, "planner").clone()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_bad_answer_is_an_error_of_its_class_never_a_panic() {
+    let cases: Vec<(Format, &str, Answer, ErrorClass)> = vec![
+        (
+            Format::Openai,
+            "stream = false",
+            openai::error(
+                400,
+                "invalid_request_error",
+                "context_length_exceeded",
+                "This model's maximum context length is 8192 tokens",
+            ),
+            ErrorClass::ContextTooLong,
+        ),
+        (
+            Format::Openai,
+            "stream = false",
+            openai::error(
+                400,
+                "invalid_request_error",
+                "",
+                "Unrecognized request argument supplied: foo",
+            ),
+            ErrorClass::ModelBadRequest,
+        ),
+        (
+            Format::Openai,
+            "stream = false",
+            Answer::Body {
+                status: 200,
+                headers: vec![],
+                body: "<html>not json</html>".into(),
+            },
+            ErrorClass::ModelProtocol,
+        ),
+        (
+            Format::Openai,
+            "",
+            Answer::Stream {
+                events: vec!["data: {\"choices\": [{\"delta\": \n\n".into()],
+                end: StreamEnd::Close,
+            },
+            ErrorClass::ModelProtocol,
+        ),
+        (
+            Format::Anthropic,
+            "",
+            anthropic::partial_stream("Half an ans", 30, StreamEnd::Drop),
+            ErrorClass::ModelServer,
+        ),
+        (
+            Format::Anthropic,
+            "stream = false",
+            anthropic_shaped_overload(),
+            ErrorClass::ModelOverloaded,
+        ),
+    ];
+    for (format, extra, answer, class) in cases {
+        let planner = step_fails_with(format, extra, answer).await;
+        assert_eq!(planner.error_class, Some(class), "{planner:#?}");
+        assert!(planner.output.is_null());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn inv_16_a_stop_in_the_middle_of_a_streamed_answer_keeps_nothing_of_it_and_charges_what_streamed()
+ {
+    let mock = MockProvider::start().await;
+    let format = Format::Anthropic;
+    mock.push_for(
+        format,
+        PLANNER,
+        anthropic::partial_stream("Partial ans", 25, StreamEnd::Hang),
+    );
+    let planner = planner();
+    let researcher = researcher("");
+    let agents = [
+        ("planner", planner.as_str()),
+        ("researcher", researcher.as_str()),
+    ];
+    let workspace = arbor_runtime::Workspace::from_texts(
+        "ws".into(),
+        Some(&mock.arbor_toml(format, "")),
+        &agents,
+        &[],
+    )
+    .unwrap();
+    let watched = WatchedModels::new(Arc::new(Models::new(&workspace.config.providers)));
+    let node =
+        TestNode::start_full(Some(&mock.arbor_toml(format, "")), &agents, watched.clone()).await;
+    let run = node.run_agent("planner", "Go.").await;
+    let meter = watched.meter("planner", 0).await;
+    meter.streamed_at_least("Partial ans".len() as u64).await;
+    let job = node.wait_for(run, "planner").await;
+    node.stop_job(run, job).await;
+    let tree = node.wait_run(run).await;
+    let planner = step(&tree, "planner");
+    assert_eq!(planner.status, Status::Stopped);
+    assert!(
+        planner.output.is_null(),
+        "nothing of the answer reached the tree"
+    );
+    let events = node.events(run);
+    assert!(
+        !events
+            .iter()
+            .any(|e| matches!(e.kind, EventKind::ToolCalled { .. })),
+        "nothing of it was acted on"
+    );
+    let calls = model_calls(&events);
+    assert_eq!(calls.len(), 1);
+    assert_eq!(outcome(&calls[0]), "stopped");
+    // Input as message_start reported it, output as streamed (one token per byte at most).
+    assert_eq!(charged(&calls[0]), 25 + 11);
+    assert_eq!(planner.account.spent, 36);
+    assert_eq!(mock.received().len(), 1, "no call after the stop");
+    node.assert_conserved(run);
+}
