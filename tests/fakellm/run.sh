@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# A delegating flow against fakellm 0.3.5 (an independent fake provider from
+# PyPI), once over each wire format: examples/local-model with its base_url
+# pointed at fakellm (OpenAI, streamed), and tests/fakellm/anthropic
+# (Anthropic, streamed). Needs target/debug/arbor built; run from the repo.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+venv=target/fakellm-venv
+port=18999
+if [ ! -x "$venv/bin/fakellm" ]; then
+  if ! command -v python3 >/dev/null 2>&1; then
+    apt-get update -qq && apt-get install -y -qq python3 python3-venv >/dev/null
+  fi
+  if ! python3 -m venv "$venv" >/dev/null 2>&1; then
+    apt-get update -qq && apt-get install -y -qq python3-venv >/dev/null
+    python3 -m venv "$venv"
+  fi
+  "$venv/bin/pip" install -q fakellm==0.3.5
+fi
+
+"$venv/bin/fakellm" serve --host 127.0.0.1 --port "$port" \
+  --config tests/fakellm/rules.yaml >target/fakellm.log 2>&1 &
+pid=$!
+trap 'kill "$pid" 2>/dev/null || true' EXIT
+# Ready once its stats route answers (it has no health route).
+"$venv/bin/python" - "$port" <<'PY'
+import sys, time, urllib.request
+for _ in range(150):
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/_fakellm/stats", timeout=1)
+        sys.exit(0)
+    except Exception:
+        time.sleep(0.1)
+sys.exit("fakellm did not start")
+PY
+
+work=$(mktemp -d)
+trap 'kill "$pid" 2>/dev/null || true; rm -rf "$work"' EXIT
+cp -r examples/local-model "$work/openai"
+sed -i -e "s#^base_url = .*#base_url = \"http://127.0.0.1:$port/v1\"#" \
+  -e 's/^id = .*/id = "fake-small"/' "$work/openai/arbor.toml"
+
+for ws in "$work/openai" tests/fakellm/anthropic; do
+  out="$work/out.json"
+  if ! target/debug/arbor run "$ws" --json --data-dir "$work/data-$(basename "$ws")" >"$out"; then
+    echo "fakellm: the flow in $ws failed:" >&2
+    cat "$out" >&2
+    tail -n 20 target/fakellm.log >&2
+    exit 1
+  fi
+  "$venv/bin/python" - "$out" "$ws" <<'PY'
+import json, sys
+run = json.load(open(sys.argv[1]))["run"]
+planner = run["children"][0]
+researchers = planner["children"]
+assert run["status"] == "done", run
+assert run["output"] == "Report: tide pools hold anemones.", run["output"]
+assert len(researchers) == 1 and researchers[0]["output"] == "Tide pools hold anemones.", researchers
+assert run["account"]["held"] == 0 and run["account"]["spent"] > 0, run["account"]
+print(f"fakellm: {sys.argv[2]}: done, {run['account']['spent']} tokens, one delegation")
+PY
+done
