@@ -13,7 +13,8 @@
 //! 3. Zero is never a grant (I-09).
 
 use crate::context::NodeContext;
-use arbor_protocol::{EventKind, JobId, ParentRef, Refusal, RunId};
+use crate::model::Price;
+use arbor_protocol::{AccountView, Amount, EventKind, JobId, ParentRef, Refusal, RunId};
 use arbor_storage::{LedgerOp, LedgerRecord, Record};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::collections::BTreeMap;
@@ -27,25 +28,35 @@ pub struct AccountArgs {
     pub run: RunId,
     pub owner: ParentRef,
     pub grant: u64,
+    /// The grant in micro-dollars, if the account has a usd ceiling.
+    pub grant_usd: Option<u64>,
     /// I-12: the share of the grant after which model requests wind down.
     pub wind_down: f64,
     pub meter: SpentMeter,
     /// A resumed run's account: it was opened before the restart and had spent
     /// this much, all of it settled. Nothing new is journaled on open.
-    pub resume_spent: Option<u64>,
+    pub resume_spent: Option<Amount>,
 }
 
 /// The account's total spent, readable by the parent without a message, so a
 /// child whose actors died abnormally is still charged what it spent (I-10).
 #[derive(Clone, Debug, Default)]
-pub struct SpentMeter(Arc<AtomicU64>);
+pub struct SpentMeter(Arc<(AtomicU64, AtomicU64)>);
 
 impl SpentMeter {
+    /// Tokens.
     pub fn get(&self) -> u64 {
-        self.0.load(Ordering::Acquire)
+        self.0.0.load(Ordering::Acquire)
     }
-    fn set(&self, v: u64) {
-        self.0.store(v, Ordering::Release)
+    pub fn amount(&self) -> Amount {
+        Amount {
+            tokens: self.get(),
+            usd_micros: self.0.1.load(Ordering::Acquire),
+        }
+    }
+    fn set(&self, v: Amount) {
+        self.0.1.store(v.usd_micros, Ordering::Release);
+        self.0.0.store(v.tokens, Ordering::Release)
     }
 }
 
@@ -58,6 +69,16 @@ pub struct GrantAsk {
     pub asked: Option<u64>,
     /// The agent's front-matter budget: the most one of its jobs may be granted.
     pub agent_max: Option<u64>,
+    /// The same two, in micro-dollars.
+    pub asked_usd: Option<u64>,
+    pub agent_max_usd: Option<u64>,
+}
+
+/// One child's grant: tokens, and micro-dollars when it has a usd ceiling.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Grant {
+    pub tokens: u64,
+    pub usd: Option<u64>,
 }
 
 /// How a reservation divides the available budget.
@@ -73,6 +94,9 @@ pub enum Share {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CallHold {
     pub reserved: u64,
+    /// The call's worst-case cost in micro-dollars (0 on an unpriced model
+    /// when the account has no usd ceiling).
+    pub reserved_usd: u64,
     pub max_output: u64,
     /// I-12: spend had crossed the wind-down share when the call was reserved.
     pub wind_down: bool,
@@ -83,18 +107,20 @@ pub enum AccountMsg {
     Reserve {
         asks: Vec<GrantAsk>,
         share: Share,
-        reply: RpcReplyPort<Result<Vec<u64>, Refusal>>,
+        reply: RpcReplyPort<Result<Vec<Grant>, Refusal>>,
     },
     /// Hold the worst case of one model call before it is sent.
     ReserveCall {
         input_estimate: u64,
         max_output_limit: u64,
+        /// The model's price; None: unpriced (refused under a usd ceiling).
+        price: Option<Price>,
         reply: RpcReplyPort<Result<CallHold, Refusal>>,
     },
     /// The call came back: release its hold, charge what it used.
     SettleCall {
-        reserved: u64,
-        spent: u64,
+        reserved: Amount,
+        spent: Amount,
         /// The call's `ModelCalled` event, emitted with the charge so that no
         /// stop can land between them (the tree checks spent = its calls).
         event: Option<EventKind>,
@@ -103,16 +129,32 @@ pub enum AccountMsg {
     /// The child is done: charge what it spent, return the rest (I-10).
     Settle {
         child: JobId,
-        spent: u64,
+        spent: Amount,
         reply: RpcReplyPort<()>,
     },
     /// Final figures; the account takes no more reservations.
     Close {
-        reply: RpcReplyPort<arbor_protocol::AccountView>,
+        reply: RpcReplyPort<Closed>,
     },
     Snapshot {
-        reply: RpcReplyPort<arbor_protocol::AccountView>,
+        reply: RpcReplyPort<AccountView>,
     },
+}
+
+/// An account's final figures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Closed {
+    pub tokens: AccountView,
+    pub usd: Option<AccountView>,
+}
+
+impl Closed {
+    pub fn spent(&self) -> Amount {
+        Amount {
+            tokens: self.tokens.spent,
+            usd_micros: self.usd.map_or(0, |u| u.spent),
+        }
+    }
 }
 
 impl Actor for Account {
@@ -139,14 +181,13 @@ impl Actor for Account {
         if opened {
             return Ok(state);
         }
-        state
-            .journal(
-                LedgerOp::Open {
-                    grant: state.ledger.grant,
-                },
-                true,
-            )
-            .await?;
+        let mut ops = vec![LedgerOp::Open {
+            grant: state.ledger.grant,
+        }];
+        if let Some(grant) = state.ledger.grant_usd() {
+            ops.push(LedgerOp::in_usd(true, LedgerOp::Open { grant }));
+        }
+        state.journal_many(ops, true).await?;
         // No event here: the opening figures are in the owner's NodeSpawned
         // (or RunStarted), which the tree folds.
         Ok(state)
@@ -162,17 +203,26 @@ impl Actor for Account {
             AccountMsg::Reserve { asks, share, reply } => {
                 let result = state.ledger.plan_grants(&asks, share);
                 if let Ok(grants) = &result {
-                    let ops = asks
-                        .iter()
-                        .zip(grants)
-                        .map(|(a, g)| LedgerOp::Hold {
-                            child: a.child,
-                            tokens: *g,
-                        })
-                        .collect();
+                    let usd = state.ledger.usd.is_some();
+                    let mut ops = vec![];
+                    for (ask, grant) in asks.iter().zip(grants) {
+                        ops.push(LedgerOp::Hold {
+                            child: ask.child,
+                            tokens: grant.tokens,
+                        });
+                        if let (true, Some(micros)) = (usd, grant.usd) {
+                            ops.push(LedgerOp::in_usd(
+                                true,
+                                LedgerOp::Hold {
+                                    child: ask.child,
+                                    tokens: micros,
+                                },
+                            ));
+                        }
+                    }
                     state.journal_many(ops, true).await?;
                     for (ask, grant) in asks.iter().zip(grants) {
-                        state.ledger.held_children.insert(ask.child, *grant);
+                        state.ledger.hold_child(ask.child, *grant);
                     }
                     state.publish();
                 }
@@ -181,19 +231,22 @@ impl Actor for Account {
             AccountMsg::ReserveCall {
                 input_estimate,
                 max_output_limit,
+                price,
                 reply,
             } => {
-                let result = state.ledger.plan_call(input_estimate, max_output_limit);
+                let result = state
+                    .ledger
+                    .plan_call(input_estimate, max_output_limit, price);
                 if let Ok(hold) = &result {
-                    state
-                        .journal(
-                            LedgerOp::CallReserve {
-                                tokens: hold.reserved,
-                            },
-                            true,
-                        )
-                        .await?;
-                    state.ledger.held_calls += hold.reserved;
+                    let reserved = Amount {
+                        tokens: hold.reserved,
+                        usd_micros: hold.reserved_usd,
+                    };
+                    let ops = state
+                        .ledger
+                        .ops(reserved, |tokens| LedgerOp::CallReserve { tokens });
+                    state.journal_many(ops, true).await?;
+                    state.ledger.hold_call(reserved);
                     state.publish();
                 }
                 let _ = reply.send(result);
@@ -208,10 +261,11 @@ impl Actor for Account {
                 if let Some(event) = event {
                     state.ctx.events.emit(state.run, event);
                 }
-                state
-                    // Durable: a charge lost in a crash would be settled at 0 (I-31).
-                    .journal(LedgerOp::CallSettle { reserved, spent }, true)
-                    .await?;
+                let ops = state.ledger.ops_pair(reserved, spent, |reserved, spent| {
+                    LedgerOp::CallSettle { reserved, spent }
+                });
+                // Durable: a charge lost in a crash would be settled at 0 (I-31).
+                state.journal_many(ops, true).await?;
                 state.publish();
                 let _ = reply.send(());
             }
@@ -221,16 +275,15 @@ impl Actor for Account {
                 reply,
             } => {
                 if let Some(granted) = state.ledger.settle_child(child, spent) {
-                    state
-                        .journal(
-                            LedgerOp::Release {
+                    let ops =
+                        state
+                            .ledger
+                            .ops_pair(granted, spent, |granted, spent| LedgerOp::Release {
                                 child,
                                 granted,
                                 spent,
-                            },
-                            true,
-                        )
-                        .await?;
+                            });
+                    state.journal_many(ops, true).await?;
                     state.publish();
                 }
                 let _ = reply.send(());
@@ -239,30 +292,26 @@ impl Actor for Account {
                 // A call whose loop was stopped mid-flight never reported
                 // usage: its hold is released uncharged, so a closed account
                 // holds nothing.
-                let outstanding = state.ledger.held_calls;
-                if outstanding > 0 {
-                    state.ledger.settle_call(outstanding, 0);
-                    state
-                        .journal(
-                            LedgerOp::CallSettle {
-                                reserved: outstanding,
-                                spent: 0,
-                            },
-                            false,
-                        )
-                        .await?;
+                let outstanding = state.ledger.held_calls();
+                if outstanding != Amount::ZERO {
+                    state.ledger.settle_call(outstanding, Amount::ZERO);
+                    let ops =
+                        state
+                            .ledger
+                            .ops_pair(outstanding, Amount::ZERO, |reserved, spent| {
+                                LedgerOp::CallSettle { reserved, spent }
+                            });
+                    state.journal_many(ops, false).await?;
                     state.publish();
                 }
                 state.ledger.closed = true;
-                state
-                    .journal(
-                        LedgerOp::Close {
-                            spent: state.ledger.spent(),
-                        },
-                        true,
-                    )
-                    .await?;
-                let _ = reply.send(state.ledger.view());
+                let ops = state
+                    .ledger
+                    .ops(state.ledger.spent_amount(), |spent| LedgerOp::Close {
+                        spent,
+                    });
+                state.journal_many(ops, true).await?;
+                let _ = reply.send(state.ledger.closed_view());
             }
             AccountMsg::Snapshot { reply } => {
                 let _ = reply.send(state.ledger.view());
@@ -281,32 +330,21 @@ pub struct AccountState {
     meter: SpentMeter,
 }
 
-/// The account's arithmetic, pure so that every rule is unit-tested without actors.
-#[derive(Clone, Debug, Default)]
-pub struct Ledger {
-    pub grant: u64,
-    own_spent: u64,
-    children_spent: u64,
-    held_children: BTreeMap<JobId, u64>,
-    held_calls: u64,
-    wind_down_at: u64,
-    closed: bool,
-}
-
 impl AccountState {
     pub fn new(args: AccountArgs) -> Self {
         Self {
             ctx: args.ctx,
             run: args.run,
             owner: args.owner,
-            ledger: Ledger::resumed(args.grant, args.wind_down, args.resume_spent.unwrap_or(0)),
+            ledger: Ledger::resumed(
+                args.grant,
+                args.grant_usd,
+                args.wind_down,
+                args.resume_spent.unwrap_or_default(),
+            ),
             wind_down_emitted: false,
             meter: args.meter,
         }
-    }
-
-    async fn journal(&self, op: LedgerOp, durable: bool) -> Result<(), ActorProcessingErr> {
-        self.journal_many(vec![op], durable).await
     }
 
     async fn journal_many(
@@ -335,7 +373,7 @@ impl AccountState {
 
     /// Emits the figures after a change, and the wind-down crossing once.
     fn publish(&mut self) {
-        self.meter.set(self.ledger.spent());
+        self.meter.set(self.ledger.spent_amount());
         let view = self.ledger.view();
         self.ctx.events.emit(
             self.run,
@@ -344,9 +382,10 @@ impl AccountState {
                 grant: view.grant,
                 spent: view.spent,
                 held: view.held,
+                usd: self.ledger.usd_view(),
             },
         );
-        if !self.wind_down_emitted && view.spent >= self.ledger.wind_down_at && view.spent > 0 {
+        if !self.wind_down_emitted && self.ledger.past_wind_down() {
             self.wind_down_emitted = true;
             self.ctx.events.emit(
                 self.run,
@@ -360,64 +399,70 @@ impl AccountState {
     }
 }
 
-impl Ledger {
-    /// An account reopened after a restart: what it spent before is settled
-    /// spend of its (ended) children; nothing is held.
-    pub fn resumed(grant: u64, wind_down: f64, spent: u64) -> Self {
-        Self {
-            children_spent: spent,
-            ..Self::new(grant, wind_down)
-        }
-    }
+/// The account's arithmetic, pure so that every rule is unit-tested without
+/// actors. Two units, one rule book: tokens always, micro-dollars when the
+/// account has a usd grant.
+#[derive(Clone, Debug, Default)]
+pub struct Ledger {
+    pub grant: u64,
+    tokens: Purse,
+    usd: Option<Purse>,
+    closed: bool,
+}
 
-    pub fn new(grant: u64, wind_down: f64) -> Self {
+/// One unit's figures.
+#[derive(Clone, Debug, Default)]
+struct Purse {
+    grant: u64,
+    own_spent: u64,
+    children_spent: u64,
+    held_children: BTreeMap<JobId, u64>,
+    held_calls: u64,
+    wind_down_at: u64,
+}
+
+impl Purse {
+    fn new(grant: u64, wind_down: f64) -> Self {
         Self {
             grant,
             wind_down_at: ((grant as f64) * wind_down).ceil() as u64,
             ..Self::default()
         }
     }
-
-    pub fn spent(&self) -> u64 {
+    fn spent(&self) -> u64 {
         self.own_spent + self.children_spent
     }
-
-    pub fn held(&self) -> u64 {
+    fn held(&self) -> u64 {
         self.held_children.values().sum::<u64>() + self.held_calls
     }
-
-    /// grant - spent - held. Saturates: a provider that reports more than was
-    /// reserved is charged the truth, and then nothing more is available.
-    pub fn available(&self) -> u64 {
+    /// Saturates: a provider that reports more than was reserved is charged
+    /// the truth, and then nothing more is available.
+    fn available(&self) -> u64 {
         self.grant.saturating_sub(self.spent() + self.held())
     }
-
-    pub fn view(&self) -> arbor_protocol::AccountView {
-        arbor_protocol::AccountView {
+    fn view(&self) -> AccountView {
+        AccountView {
             grant: self.grant,
             spent: self.spent(),
             held: self.held(),
         }
     }
-
-    /// I-07, I-08, I-09: the grants for `asks`, measured against what is
-    /// available now, or why none can be made. Pure.
-    pub fn plan_grants(&self, asks: &[GrantAsk], share: Share) -> Result<Vec<u64>, Refusal> {
+    /// I-08, I-09 in one unit: the grants, or why none (in this unit's words).
+    fn plan(
+        &self,
+        asks: &[(Option<u64>, Option<u64>)],
+        share: Share,
+        unit: &str,
+        agents: &[&str],
+    ) -> Result<Vec<u64>, Refusal> {
         let refuse = |message: String| Err(Refusal::Budget { message });
-        if self.closed {
-            return refuse("the account is closed; nothing new can be granted".into());
-        }
-        if asks.is_empty() {
-            return Ok(vec![]);
-        }
         let available = self.available();
-        for ask in asks {
-            if let (Some(asked), Some(max)) = (ask.asked, ask.agent_max)
+        for ((asked, max), agent) in asks.iter().zip(agents) {
+            if let (Some(asked), Some(max)) = (asked, max)
                 && asked > max
             {
                 return refuse(format!(
-                    "a job of {} asks {asked} tokens, more than the {max} its agent may be granted",
-                    ask.agent
+                    "a job of {agent} asks {asked} {unit}, more than the {max} its agent may be granted"
                 ));
             }
         }
@@ -425,29 +470,28 @@ impl Ledger {
             Share::Fraction(f) => (((available as f64) * f).floor() as u64).min(available),
             Share::Even => available,
         };
-        let asked_total: u64 = asks.iter().filter_map(|a| a.asked).sum();
+        let asked_total: u64 = asks.iter().filter_map(|a| a.0).sum();
         if asked_total > cap {
             return refuse(match share {
                 Share::Fraction(f) => format!(
-                    "the jobs ask {asked_total} tokens together; one delegate call may grant at most {cap} ({f} of the {available} available)"
+                    "the jobs ask {asked_total} {unit} together; one delegate call may grant at most {cap} ({f} of the {available} available)"
                 ),
                 Share::Even => {
-                    format!("the steps ask {asked_total} tokens; {available} are available")
+                    format!("the steps ask {asked_total} {unit}; {available} are available")
                 }
             });
         }
-        let unasked = asks.iter().filter(|a| a.asked.is_none()).count() as u64;
+        let unasked = asks.iter().filter(|a| a.0.is_none()).count() as u64;
         let each = (cap - asked_total).checked_div(unasked).unwrap_or(0);
         let mut grants = Vec::with_capacity(asks.len());
-        for ask in asks {
-            let grant = match ask.asked {
-                Some(asked) => asked,
-                None => each.min(ask.agent_max.unwrap_or(u64::MAX)),
+        for ((asked, max), agent) in asks.iter().zip(agents) {
+            let grant = match asked {
+                Some(asked) => *asked,
+                None => each.min(max.unwrap_or(u64::MAX)),
             };
             if grant == 0 {
                 return refuse(format!(
-                    "a job of {} would be granted 0 tokens ({} left of the cap {cap} for {unasked} jobs without a budget); 0 never means unlimited",
-                    ask.agent,
+                    "a job of {agent} would be granted 0 {unit} ({} left of the cap {cap} for {unasked} jobs without a budget); 0 never means unlimited",
                     cap - asked_total
                 ));
             }
@@ -456,40 +500,222 @@ impl Ledger {
         debug_assert!(grants.iter().sum::<u64>() <= available);
         Ok(grants)
     }
+}
+
+impl Ledger {
+    /// An account reopened after a restart: what it spent before is settled
+    /// spend of its (ended) children; nothing is held.
+    pub fn resumed(grant: u64, grant_usd: Option<u64>, wind_down: f64, spent: Amount) -> Self {
+        let mut ledger = Self::with_usd(grant, grant_usd, wind_down);
+        ledger.tokens.children_spent = spent.tokens;
+        if let Some(usd) = &mut ledger.usd {
+            usd.children_spent = spent.usd_micros;
+        }
+        ledger
+    }
+
+    pub fn new(grant: u64, wind_down: f64) -> Self {
+        Self::with_usd(grant, None, wind_down)
+    }
+
+    pub fn with_usd(grant: u64, grant_usd: Option<u64>, wind_down: f64) -> Self {
+        Self {
+            grant,
+            tokens: Purse::new(grant, wind_down),
+            usd: grant_usd.map(|g| Purse::new(g, wind_down)),
+            closed: false,
+        }
+    }
+
+    pub fn grant_usd(&self) -> Option<u64> {
+        self.usd.as_ref().map(|u| u.grant)
+    }
+
+    pub fn spent(&self) -> u64 {
+        self.tokens.spent()
+    }
+
+    pub fn held(&self) -> u64 {
+        self.tokens.held()
+    }
+
+    /// Tokens: grant - spent - held.
+    pub fn available(&self) -> u64 {
+        self.tokens.available()
+    }
+
+    pub fn spent_amount(&self) -> Amount {
+        Amount {
+            tokens: self.tokens.spent(),
+            usd_micros: self.usd.as_ref().map_or(0, Purse::spent),
+        }
+    }
+
+    fn held_calls(&self) -> Amount {
+        Amount {
+            tokens: self.tokens.held_calls,
+            usd_micros: self.usd.as_ref().map_or(0, |u| u.held_calls),
+        }
+    }
+
+    pub fn view(&self) -> AccountView {
+        self.tokens.view()
+    }
+
+    pub fn usd_view(&self) -> Option<AccountView> {
+        self.usd.as_ref().map(Purse::view)
+    }
+
+    fn closed_view(&self) -> Closed {
+        Closed {
+            tokens: self.view(),
+            usd: self.usd_view(),
+        }
+    }
+
+    /// I-12: spend crossed the wind-down share of either grant.
+    pub fn past_wind_down(&self) -> bool {
+        let crossed = |p: &Purse| p.spent() >= p.wind_down_at && p.spent() > 0;
+        crossed(&self.tokens) || self.usd.as_ref().is_some_and(crossed)
+    }
+
+    /// The ledger entries of one change, in both units where the account has them.
+    fn ops(&self, amount: Amount, op: impl Fn(u64) -> LedgerOp) -> Vec<LedgerOp> {
+        let mut ops = vec![op(amount.tokens)];
+        if self.usd.is_some() {
+            ops.push(LedgerOp::in_usd(true, op(amount.usd_micros)));
+        }
+        ops
+    }
+
+    fn ops_pair(&self, a: Amount, b: Amount, op: impl Fn(u64, u64) -> LedgerOp) -> Vec<LedgerOp> {
+        let mut ops = vec![op(a.tokens, b.tokens)];
+        if self.usd.is_some() {
+            ops.push(LedgerOp::in_usd(true, op(a.usd_micros, b.usd_micros)));
+        }
+        ops
+    }
+
+    /// I-07, I-08, I-09: the grants for `asks`, measured against what is
+    /// available now, or why none can be made, in both units. Pure.
+    pub fn plan_grants(&self, asks: &[GrantAsk], share: Share) -> Result<Vec<Grant>, Refusal> {
+        if self.closed {
+            return Err(Refusal::Budget {
+                message: "the account is closed; nothing new can be granted".into(),
+            });
+        }
+        if asks.is_empty() {
+            return Ok(vec![]);
+        }
+        let agents: Vec<&str> = asks.iter().map(|a| a.agent.as_str()).collect();
+        let token_asks: Vec<_> = asks.iter().map(|a| (a.asked, a.agent_max)).collect();
+        let tokens = self.tokens.plan(&token_asks, share, "tokens", &agents)?;
+        let usd: Vec<Option<u64>> = match &self.usd {
+            Some(purse) => {
+                let usd_asks: Vec<_> = asks
+                    .iter()
+                    .map(|a| (a.asked_usd, a.agent_max_usd))
+                    .collect();
+                purse
+                    .plan(&usd_asks, share, "micro-dollars", &agents)?
+                    .into_iter()
+                    .map(Some)
+                    .collect()
+            }
+            // No usd ceiling here: a child has one only if it is asked for
+            // or its agent sets one; nothing is held for it in this unit.
+            None => asks
+                .iter()
+                .map(|a| a.asked_usd.or(a.agent_max_usd))
+                .collect(),
+        };
+        Ok(tokens
+            .into_iter()
+            .zip(usd)
+            .map(|(tokens, usd)| Grant { tokens, usd })
+            .collect())
+    }
+
+    fn hold_child(&mut self, child: JobId, grant: Grant) {
+        self.tokens.held_children.insert(child, grant.tokens);
+        if let (Some(purse), Some(micros)) = (&mut self.usd, grant.usd) {
+            purse.held_children.insert(child, micros);
+        }
+    }
+
+    fn hold_call(&mut self, reserved: Amount) {
+        self.tokens.held_calls += reserved.tokens;
+        if let Some(purse) = &mut self.usd {
+            purse.held_calls += reserved.usd_micros;
+        }
+    }
 
     /// I-11: the worst case of the next model call, or `budget_exhausted`.
+    /// Under a usd ceiling the output is cut further, to what the price lets
+    /// the remaining micro-dollars cover.
     pub fn plan_call(
         &self,
         input_estimate: u64,
         max_output_limit: u64,
+        price: Option<Price>,
     ) -> Result<CallHold, Refusal> {
+        let exhausted = |message: String| Err(Refusal::Budget { message });
         let available = self.available();
         if self.closed || available <= input_estimate {
-            return Err(Refusal::Budget {
-                message: format!(
-                    "budget exhausted: the next model call needs more than {input_estimate} tokens and {available} are available"
-                ),
-            });
+            return exhausted(format!(
+                "budget exhausted: the next model call needs more than {input_estimate} tokens and {available} are available"
+            ));
         }
-        let max_output = max_output_limit.min(available - input_estimate);
+        let mut max_output = max_output_limit.min(available - input_estimate);
+        if let Some(purse) = &self.usd {
+            let Some(price) = price else {
+                return exhausted(
+                    "this model has no price, and the account has a usd ceiling it could not keep"
+                        .into(),
+                );
+            };
+            let available_usd = purse.available();
+            let input_cost = price.micros(input_estimate, 0);
+            if input_cost >= available_usd {
+                return exhausted(format!(
+                    "budget exhausted: the next model call's prompt may cost {input_cost} micro-dollars and {available_usd} are available"
+                ));
+            }
+            max_output = max_output.min(price.max_output_within(input_estimate, available_usd));
+            if max_output == 0 {
+                return exhausted(format!(
+                    "budget exhausted: {available_usd} micro-dollars cannot pay for one output token"
+                ));
+            }
+        }
         Ok(CallHold {
             reserved: input_estimate + max_output,
+            reserved_usd: price.map_or(0, |p| p.micros(input_estimate, max_output)),
             max_output,
-            wind_down: self.spent() >= self.wind_down_at,
+            wind_down: self.past_wind_down(),
         })
     }
 
-    pub fn settle_call(&mut self, reserved: u64, spent: u64) {
-        self.held_calls = self.held_calls.saturating_sub(reserved);
-        self.own_spent += spent;
+    pub fn settle_call(&mut self, reserved: Amount, spent: Amount) {
+        self.tokens.held_calls = self.tokens.held_calls.saturating_sub(reserved.tokens);
+        self.tokens.own_spent += spent.tokens;
+        if let Some(purse) = &mut self.usd {
+            purse.held_calls = purse.held_calls.saturating_sub(reserved.usd_micros);
+            purse.own_spent += spent.usd_micros;
+        }
     }
 
     /// Returns the grant that was held for `child`, or None if it was not held
     /// (settled already: a second settle must not charge twice).
-    pub fn settle_child(&mut self, child: JobId, spent: u64) -> Option<u64> {
-        let granted = self.held_children.remove(&child)?;
-        self.children_spent += spent;
-        Some(granted)
+    pub fn settle_child(&mut self, child: JobId, spent: Amount) -> Option<Amount> {
+        let tokens = self.tokens.held_children.remove(&child)?;
+        self.tokens.children_spent += spent.tokens;
+        let mut usd_micros = 0;
+        if let Some(purse) = &mut self.usd {
+            usd_micros = purse.held_children.remove(&child).unwrap_or(0);
+            purse.children_spent += spent.usd_micros;
+        }
+        Some(Amount { tokens, usd_micros })
     }
 }
 
@@ -503,6 +729,8 @@ mod tests {
             agent: "a".into(),
             asked,
             agent_max,
+            asked_usd: None,
+            agent_max_usd: None,
         }
     }
 
@@ -510,11 +738,21 @@ mod tests {
     fn check(case: (u64, u64, Vec<GrantAsk>, Share), expected: Result<Vec<u64>, &str>) {
         let (grant, spent, asks, share) = case;
         let mut ledger = Ledger::new(grant, 0.8);
-        ledger.settle_call(0, spent);
+        ledger.settle_call(Amount::ZERO, tokens(spent));
         match (ledger.plan_grants(&asks, share), expected) {
-            (Ok(got), Ok(want)) => assert_eq!(got, want),
+            (Ok(got), Ok(want)) => {
+                assert_eq!(got.iter().map(|g| g.tokens).collect::<Vec<_>>(), want);
+                assert!(got.iter().all(|g| g.usd.is_none()));
+            }
             (Err(got), Err(words)) => assert!(got.to_string().contains(words), "{got}"),
             (got, want) => panic!("got {got:?}, want {want:?}"),
+        }
+    }
+
+    fn tokens(n: u64) -> Amount {
+        Amount {
+            tokens: n,
+            usd_micros: 0,
         }
     }
 
@@ -585,18 +823,18 @@ mod tests {
     #[test]
     fn inv_11_a_call_reserves_its_worst_case_or_is_refused() {
         let mut ledger = Ledger::new(1000, 0.8);
-        let hold = ledger.plan_call(300, 4096).unwrap();
+        let hold = ledger.plan_call(300, 4096, None).unwrap();
         assert_eq!(
             (hold.reserved, hold.max_output),
             (1000, 700),
             "output cut to what is left"
         );
-        ledger.held_calls += hold.reserved;
+        ledger.hold_call(tokens(hold.reserved));
         assert!(
-            ledger.plan_call(1, 10).is_err(),
+            ledger.plan_call(1, 10, None).is_err(),
             "nothing left while the call is out"
         );
-        ledger.settle_call(hold.reserved, 400);
+        ledger.settle_call(tokens(hold.reserved), tokens(400));
         assert_eq!(
             ledger.view(),
             arbor_protocol::AccountView {
@@ -606,7 +844,7 @@ mod tests {
             }
         );
         assert!(
-            ledger.plan_call(600, 10).is_err(),
+            ledger.plan_call(600, 10, None).is_err(),
             "a prompt that cannot fit is budget_exhausted"
         );
     }
@@ -615,18 +853,122 @@ mod tests {
     fn inv_10_settling_charges_spent_once_and_frees_the_rest() {
         let mut ledger = Ledger::new(1000, 0.8);
         let child = JobId::new();
-        ledger.held_children.insert(child, 400);
+        ledger.hold_child(
+            child,
+            Grant {
+                tokens: 400,
+                usd: None,
+            },
+        );
         assert_eq!(ledger.available(), 600);
-        assert_eq!(ledger.settle_child(child, 150), Some(400));
+        assert_eq!(ledger.settle_child(child, tokens(150)), Some(tokens(400)));
         assert_eq!(
             (ledger.spent(), ledger.held(), ledger.available()),
             (150, 0, 850)
         );
         assert_eq!(
-            ledger.settle_child(child, 150),
+            ledger.settle_child(child, tokens(150)),
             None,
             "a second settle charges nothing"
         );
         assert_eq!(ledger.spent(), 150);
+    }
+}
+
+#[cfg(test)]
+mod usd_tests {
+    use super::*;
+
+    /// $0.15 and $0.60 per million tokens: 0.15 and 0.6 micro-dollars a token.
+    const PRICE: Price = Price {
+        input_picos_per_token: 150_000,
+        output_picos_per_token: 600_000,
+    };
+
+    fn ask(asked_usd: Option<u64>, agent_max_usd: Option<u64>) -> GrantAsk {
+        GrantAsk {
+            child: JobId::new(),
+            agent: "a".into(),
+            asked: None,
+            agent_max: None,
+            asked_usd,
+            agent_max_usd,
+        }
+    }
+
+    #[test]
+    fn inv_08_micro_dollars_follow_the_same_fraction_rule_as_tokens() {
+        let ledger = Ledger::with_usd(1_000_000, Some(500_000), 0.8);
+        let half = Share::Fraction(0.5);
+        let grants = ledger
+            .plan_grants(&[ask(None, None), ask(Some(50_000), None)], half)
+            .unwrap();
+        assert_eq!(grants[0].usd, Some(200_000));
+        assert_eq!(grants[1].usd, Some(50_000));
+        let refused = ledger
+            .plan_grants(&[ask(Some(250_001), None)], half)
+            .unwrap_err();
+        assert!(refused.to_string().contains("at most 250000"), "{refused}");
+        let refused = ledger
+            .plan_grants(&[ask(Some(10), Some(5))], half)
+            .unwrap_err();
+        assert!(refused.to_string().contains("more than the 5"), "{refused}");
+        // Without a usd ceiling, a child has one only if asked or its agent says.
+        let plain = Ledger::new(1000, 0.8);
+        let grants = plain
+            .plan_grants(&[ask(None, None), ask(None, Some(7))], half)
+            .unwrap();
+        assert_eq!((grants[0].usd, grants[1].usd), (None, Some(7)));
+    }
+
+    #[test]
+    fn inv_11_under_a_usd_ceiling_a_call_reserves_its_worst_cost_and_output_is_cut_to_it() {
+        // 1,000 micro-dollars; a prompt of 2,000 tokens costs 300 of them.
+        let mut ledger = Ledger::with_usd(1_000_000, Some(1_000), 0.8);
+        let hold = ledger.plan_call(2_000, 4_096, Some(PRICE)).unwrap();
+        // (1,000 - 300) / 0.6 = 1,166 output tokens.
+        assert_eq!(hold.max_output, 1_166);
+        assert_eq!(hold.reserved_usd, PRICE.micros(2_000, 1_166));
+        assert!(hold.reserved_usd <= 1_000);
+        ledger.hold_call(Amount {
+            tokens: hold.reserved,
+            usd_micros: hold.reserved_usd,
+        });
+        ledger.settle_call(
+            Amount {
+                tokens: hold.reserved,
+                usd_micros: hold.reserved_usd,
+            },
+            Amount {
+                tokens: 2_500,
+                usd_micros: PRICE.micros(2_000, 500),
+            },
+        );
+        assert_eq!(ledger.usd_view().unwrap().spent, 600);
+        assert_eq!(ledger.usd_view().unwrap().held, 0);
+        let refused = ledger.plan_call(3_000, 10, Some(PRICE)).unwrap_err();
+        assert!(refused.to_string().contains("micro-dollars"), "{refused}");
+        assert!(
+            ledger.plan_call(10, 10, None).is_err(),
+            "an unpriced model under a usd ceiling"
+        );
+        assert!(
+            Ledger::new(1000, 0.8).plan_call(10, 10, None).is_ok(),
+            "without a ceiling, no price is needed"
+        );
+    }
+
+    #[test]
+    fn wind_down_crosses_on_either_unit() {
+        let mut ledger = Ledger::with_usd(1_000_000, Some(100), 0.8);
+        assert!(!ledger.past_wind_down());
+        ledger.settle_call(
+            Amount::ZERO,
+            Amount {
+                tokens: 10,
+                usd_micros: 80,
+            },
+        );
+        assert!(ledger.past_wind_down());
     }
 }

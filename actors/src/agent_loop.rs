@@ -21,7 +21,7 @@ use crate::model::{
 use crate::sandbox::SandboxMsg;
 use arbor_protocol::tools::parse_duration_arg;
 use arbor_protocol::{
-    AgentDef, CallFacts, CollectArgs, DelegateArgs, ErrorClass, EventKind, ExecArgs, JobId,
+    AgentDef, Amount, CallFacts, CollectArgs, DelegateArgs, ErrorClass, EventKind, ExecArgs, JobId,
     ReadFileArgs, Refusal, RunId, SendMessageArgs, StopChildArgs, SubmitOutputArgs, TaskStatus,
     ToolName, Usage, WriteFileArgs,
 };
@@ -228,6 +228,7 @@ pub async fn run(args: LoopArgs) -> LoopOutcome {
 /// when it aborted the loop mid-call.
 pub struct InFlight {
     pub reserved: u64,
+    pub reserved_usd: u64,
     pub input_reserved: u64,
     pub max_output: u64,
     pub wind_down: bool,
@@ -256,11 +257,31 @@ pub async fn settle_cut(account: &ActorRef<AccountMsg>, id: JobId, call: InFligh
     let estimated = usage.total() > 0;
     let event = model_called(id, &call, usage, false, estimated, outcome);
     let _ = ractor::call!(account, |reply| AccountMsg::SettleCall {
-        reserved: call.reserved,
-        spent: usage.total(),
+        reserved: call.reserved_amount(),
+        spent: call.cost(usage),
         event: Some(event),
         reply
     });
+}
+
+impl InFlight {
+    fn reserved_amount(&self) -> Amount {
+        Amount {
+            tokens: self.reserved,
+            usd_micros: self.reserved_usd,
+        }
+    }
+
+    /// What `usage` costs, in both units.
+    fn cost(&self, usage: Usage) -> Amount {
+        Amount {
+            tokens: usage.total(),
+            usd_micros: self
+                .info
+                .price
+                .map_or(0, |p| p.micros(usage.input_tokens, usage.output_tokens)),
+        }
+    }
 }
 
 fn model_called(
@@ -271,10 +292,7 @@ fn model_called(
     usage_estimated: bool,
     outcome: &str,
 ) -> EventKind {
-    let usd_micros = call
-        .info
-        .price
-        .map_or(0, |p| p.micros(usage.input_tokens, usage.output_tokens));
+    let usd_micros = call.cost(usage).usd_micros;
     EventKind::ModelCalled {
         id,
         turn: call.turn,
@@ -335,6 +353,7 @@ async fn call_model(
         let hold: CallHold = match ractor::call!(args.account, |reply| AccountMsg::ReserveCall {
             input_estimate,
             max_output_limit,
+            price: info.price,
             reply,
         }) {
             Ok(Ok(hold)) => hold,
@@ -355,6 +374,7 @@ async fn call_model(
             &args.in_flight,
             InFlight {
                 reserved: hold.reserved,
+                reserved_usd: hold.reserved_usd,
                 input_reserved: input_estimate,
                 max_output: hold.max_output,
                 wind_down: hold.wind_down,
@@ -422,7 +442,7 @@ async fn call_model(
                     );
                 }
                 let event = model_called(args.id, &call, usage, reply.truncated, estimated, "ok");
-                settle_with(args, call.reserved, usage.total(), Some(event)).await;
+                settle_with(args, call.reserved_amount(), call.cost(usage), Some(event)).await;
                 return Ok(reply);
             }
             Ok(Err(error)) => error,
@@ -545,7 +565,7 @@ fn ended_without_answer(
     }
 }
 
-async fn settle_with(args: &LoopArgs, reserved: u64, spent: u64, event: Option<EventKind>) {
+async fn settle_with(args: &LoopArgs, reserved: Amount, spent: Amount, event: Option<EventKind>) {
     let _ = ractor::call!(args.account, |reply| AccountMsg::SettleCall {
         reserved,
         spent,

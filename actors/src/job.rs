@@ -18,7 +18,7 @@
 //! 2. A job that ends stops its running children first (I-18).
 //! 3. A refused delegate call changes nothing (I-04, I-06).
 
-use crate::account::{Account, AccountArgs, AccountMsg, GrantAsk, Share, SpentMeter};
+use crate::account::{Account, AccountArgs, AccountMsg, Grant, GrantAsk, Share, SpentMeter};
 use crate::agent_loop::{self, LoopArgs, LoopEnd, LoopOutcome};
 use crate::context::{NodeContext, RunContext};
 use crate::policy::Policy;
@@ -26,8 +26,8 @@ use crate::run::RunMsg;
 use crate::sandbox::{Sandbox, SandboxArgs, SandboxMsg};
 use arbor_protocol::tools::parse_duration_arg;
 use arbor_protocol::{
-    AgentDef, DelegateArgs, ErrorClass, EventKind, JobId, NodeKind, OnFailure, ParentRef, Refusal,
-    ResultEnvelope, RunId, SandboxMode, Status, TaskStatus, ToolName,
+    AgentDef, Amount, DelegateArgs, ErrorClass, EventKind, JobId, NodeKind, OnFailure, ParentRef,
+    Refusal, ResultEnvelope, RunId, SandboxMode, Status, TaskStatus, ToolName,
 };
 use arbor_storage::{DelegationRecord, JobRecord, Record, SteerRecord, SteerState};
 use futures::FutureExt;
@@ -99,7 +99,7 @@ pub struct JobStart {
     pub agent: Arc<AgentDef>,
     pub brief: Brief,
     pub policy: Policy,
-    pub grant: u64,
+    pub grant: Grant,
     pub workdir: PathBuf,
     pub parent: ParentHandle,
     /// A child of the parent's token: a stop anywhere above cancels in-flight work here at once.
@@ -123,6 +123,8 @@ pub struct ChildHandle {
     pub id: JobId,
     pub agent: String,
     pub grant_tokens: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grant_usd_micros: Option<u64>,
 }
 
 pub enum JobMsg {
@@ -209,7 +211,8 @@ impl Actor for Job {
                     ctx: ctx.clone(),
                     run: lineage.run,
                     owner: ParentRef::Job(lineage.id),
-                    grant: start.grant,
+                    grant: start.grant.tokens,
+                    grant_usd: start.grant.usd,
                     wind_down: ctx.limits.wind_down,
                     meter: start.meter.clone(),
                     resume_spent: None,
@@ -265,7 +268,8 @@ impl Actor for Job {
                 label: lineage.label.clone(),
                 depth: lineage.depth,
                 attempt: lineage.attempt,
-                grant_tokens: start.grant,
+                grant_tokens: start.grant.tokens,
+                grant_usd_micros: start.grant.usd,
                 workdir: start.workdir.display().to_string(),
                 record_seq: start.record_seq,
                 request: start.brief.request.clone(),
@@ -319,7 +323,7 @@ impl Actor for Job {
             agent = %state.agent.name,
             depth = state.lineage.depth,
             attempt = state.lineage.attempt,
-            grant = state.grant,
+            grant = state.grant.tokens,
             "job started"
         );
         if let Some(timeout) = state.brief.timeout {
@@ -510,7 +514,7 @@ pub struct JobState {
     brief: Brief,
     policy: Policy,
     offered: BTreeMap<ToolName, Result<(), String>>,
-    grant: u64,
+    grant: Grant,
     workdir: PathBuf,
     parent: ParentHandle,
     cancel: CancellationToken,
@@ -694,8 +698,8 @@ impl JobState {
             .unwrap_or_default();
         let _ = ractor::call!(self.sandbox, |reply| SandboxMsg::KillAll { reply });
         let spent = match ractor::call!(self.account, |reply| AccountMsg::Close { reply }) {
-            Ok(view) => view.spent,
-            Err(_) => self.meter.get(),
+            Ok(closed) => closed.spent(),
+            Err(_) => self.meter.amount(),
         };
         let envelope = ResultEnvelope {
             job: self.lineage.id,
@@ -712,8 +716,8 @@ impl JobState {
             error_class: finish.error_class,
             limitations: finish.limitations.clone(),
             artifacts,
-            tokens_spent: spent,
-            usd_micros_spent: 0,
+            tokens_spent: spent.tokens,
+            usd_micros_spent: spent.usd_micros,
             turns: finish.turns.max(self.turns),
             workdir: self.workdir.display().to_string(),
         };
@@ -743,7 +747,7 @@ impl JobState {
             label: self.lineage.label.clone(),
             depth: self.lineage.depth,
             attempt: self.lineage.attempt,
-            grant_tokens: self.grant,
+            grant_tokens: self.grant.tokens,
             workdir: self.workdir.display().to_string(),
             status,
             task_status: None,
@@ -971,7 +975,8 @@ impl JobState {
                 label: c.label.clone(),
                 id: c.id,
                 agent: c.agent.clone(),
-                grant_tokens: c.grant,
+                grant_tokens: c.grant.tokens,
+                grant_usd_micros: c.grant.usd,
             })
             .collect();
         Ok(Some(handles))
@@ -1017,11 +1022,15 @@ impl JobState {
         if self.children.latest.contains_key(&label) || planned.iter().any(|p| p.label == label) {
             return Err(Refusal::DuplicateLabel { label });
         }
-        let asked = match &job.budget {
-            Some(b) => b.tokens().map_err(|message| Refusal::Budget {
-                message: format!("jobs[{index}]: {message}"),
-            })?,
-            None => None,
+        let budget_refused = |message: String| Refusal::Budget {
+            message: format!("jobs[{index}]: {message}"),
+        };
+        let (asked, asked_usd) = match &job.budget {
+            Some(b) => (
+                b.tokens().map_err(budget_refused)?,
+                b.usd_micros().map_err(budget_refused)?,
+            ),
+            None => (None, None),
         };
         let max_turns = match job.max_turns {
             Some(n) if !(1..=10_000).contains(&n) => {
@@ -1058,6 +1067,7 @@ impl JobState {
             id: JobId::new(),
             label,
             asked,
+            asked_usd,
             brief: Brief {
                 request: job.request.clone(),
                 max_turns,
@@ -1090,6 +1100,8 @@ impl JobState {
                 agent: p.agent.name.clone(),
                 asked: p.asked,
                 agent_max: p.agent.budget_tokens,
+                asked_usd: p.asked_usd,
+                agent_max_usd: p.agent.budget_usd_micros,
             })
             .collect();
         let share = Share::Fraction(self.ctx.limits.grant_fraction);
@@ -1131,7 +1143,7 @@ impl JobState {
                 for (plan, _) in planned.iter().zip(&grants) {
                     let _ = ractor::call!(self.account, |reply| AccountMsg::Settle {
                         child: plan.id,
-                        spent: 0,
+                        spent: Amount::ZERO,
                         reply
                     });
                 }
@@ -1164,7 +1176,7 @@ impl JobState {
         Ok(handles)
     }
 
-    fn child_record(&self, plan: &PlannedChild, grant: u64, status: Status) -> JobRecord {
+    fn child_record(&self, plan: &PlannedChild, grant: Grant, status: Status) -> JobRecord {
         JobRecord {
             id: plan.id,
             run: self.lineage.run,
@@ -1174,7 +1186,7 @@ impl JobState {
             label: Some(plan.label.clone()),
             depth: self.lineage.depth + 1,
             attempt: plan.attempt,
-            grant_tokens: grant,
+            grant_tokens: grant.tokens,
             workdir: self.child_workdir(plan).display().to_string(),
             status,
             task_status: None,
@@ -1206,7 +1218,7 @@ impl JobState {
         &mut self,
         myself: &ActorRef<JobMsg>,
         plan: &PlannedChild,
-        grant: u64,
+        grant: Grant,
         record_seq: u64,
     ) -> Result<ChildHandle, String> {
         let meter = SpentMeter::default();
@@ -1254,14 +1266,15 @@ impl JobState {
                     label: plan.label.clone(),
                     id: plan.id,
                     agent: plan.agent.name.clone(),
-                    grant_tokens: grant,
+                    grant_tokens: grant.tokens,
+                    grant_usd_micros: grant.usd,
                 })
             }
             Err(e) => {
                 let why = format!("{} could not start: {e}", plan.label);
                 let _ = ractor::call!(self.account, |reply| AccountMsg::Settle {
                     child: plan.id,
-                    spent: 0,
+                    spent: Amount::ZERO,
                     reply
                 });
                 let mut record = self.child_record(plan, grant, Status::Failed);
@@ -1398,7 +1411,7 @@ impl JobState {
                 limitations: vec![],
                 artifacts: vec![],
                 tokens_spent: entry.meter.get(),
-                usd_micros_spent: 0,
+                usd_micros_spent: entry.meter.amount().usd_micros,
                 turns: 0,
                 workdir: String::new(),
             });
@@ -1424,7 +1437,7 @@ impl JobState {
         let envelope = final_envelope(&entry.stop_reason, report.envelope);
         let _ = ractor::call!(self.account, |reply| AccountMsg::Settle {
             child: entry.id,
-            spent: envelope.tokens_spent,
+            spent: envelope.spent(),
             reply
         });
         settle_record(
@@ -1435,7 +1448,7 @@ impl JobState {
             NodeKind::Job,
             self.lineage.depth + 1,
             &envelope,
-            entry.grant,
+            entry.grant.tokens,
             entry.stop_reason.as_ref().is_some_and(|r| r.1),
         )
         .await?;
@@ -1455,6 +1468,7 @@ impl JobState {
             plan.attempt += 1;
             plan.retries = entry.retries_left - 1;
             plan.asked = None;
+            plan.asked_usd = None;
             plan.brief.request = format!(
                 "{}\n\nA previous attempt failed: {}{}",
                 entry.plan.brief.request,
@@ -1501,14 +1515,17 @@ impl JobState {
         &mut self,
         myself: &ActorRef<JobMsg>,
         plan: PlannedChild,
-        previous_grant: u64,
+        previous_grant: Grant,
     ) -> Result<(), Refusal> {
         self.run_ctx.count_spawns(1)?;
+        // A retry may be granted at most what the attempt before it was.
         let asks = vec![GrantAsk {
             child: plan.id,
             agent: plan.agent.name.clone(),
             asked: None,
-            agent_max: Some(previous_grant),
+            agent_max: Some(previous_grant.tokens),
+            asked_usd: None,
+            agent_max_usd: previous_grant.usd,
         }];
         let share = Share::Fraction(self.ctx.limits.grant_fraction);
         let grant = match ractor::call!(self.account, |reply| AccountMsg::Reserve {
@@ -1534,7 +1551,7 @@ impl JobState {
             Err(e) => {
                 let _ = ractor::call!(self.account, |reply| AccountMsg::Settle {
                     child: plan.id,
-                    spent: 0,
+                    spent: Amount::ZERO,
                     reply
                 });
                 self.run_ctx.uncount_spawns(1);
@@ -1580,7 +1597,7 @@ pub(crate) fn dead_envelope(
     attempt: u32,
     agent: &str,
     error: &str,
-    tokens_spent: u64,
+    spent: Amount,
 ) -> ResultEnvelope {
     ResultEnvelope {
         job: id,
@@ -1594,8 +1611,8 @@ pub(crate) fn dead_envelope(
         error_class: Some(ErrorClass::Panicked),
         limitations: vec![],
         artifacts: vec![],
-        tokens_spent,
-        usd_micros_spent: 0,
+        tokens_spent: spent.tokens,
+        usd_micros_spent: spent.usd_micros,
         turns: 0,
         workdir: String::new(),
     }
@@ -1655,6 +1672,7 @@ pub(crate) async fn settle_record(
             artifacts: envelope.artifacts.clone(),
             turns: envelope.turns,
             tokens_spent: envelope.tokens_spent,
+            usd_micros_spent: envelope.usd_micros_spent,
         },
     );
     Ok(())
@@ -1716,6 +1734,7 @@ struct PlannedChild {
     id: JobId,
     label: String,
     asked: Option<u64>,
+    asked_usd: Option<u64>,
     brief: Brief,
     policy: Policy,
     agent: Arc<AgentDef>,
@@ -1739,7 +1758,7 @@ struct ChildEntry {
     agent: String,
     attempt: u32,
     actor: ActorRef<JobMsg>,
-    grant: u64,
+    grant: Grant,
     meter: SpentMeter,
     state: ChildState,
     stop_reason: Option<(String, bool)>,
@@ -1934,7 +1953,7 @@ impl Children {
                 entry.attempt,
                 &entry.agent,
                 &format!("the job's actor {why} before it reported"),
-                entry.meter.get(),
+                entry.meter.amount(),
             ),
         })
     }

@@ -117,6 +117,18 @@ impl Price {
             + u128::from(output_tokens) * u128::from(self.output_picos_per_token);
         u64::try_from(picos.div_ceil(1_000_000)).unwrap_or(u64::MAX)
     }
+
+    /// The most output tokens a call with this input can have and still
+    /// cost at most `micros`.
+    pub fn max_output_within(&self, input_tokens: u64, micros: u64) -> u64 {
+        let budget = u128::from(micros) * 1_000_000;
+        let input = u128::from(input_tokens) * u128::from(self.input_picos_per_token);
+        if self.output_picos_per_token == 0 {
+            return if input <= budget { u64::MAX } else { 0 };
+        }
+        let left = budget.saturating_sub(input);
+        u64::try_from(left / u128::from(self.output_picos_per_token)).unwrap_or(u64::MAX)
+    }
 }
 
 /// How the loop retries a call that failed transiently (rate limit, overload,

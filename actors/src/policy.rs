@@ -96,6 +96,7 @@ mod tests {
             network: Network::None,
             secrets: vec![],
             budget_tokens: None,
+            budget_usd_micros: None,
             max_turns: None,
             timeout: None,
             script: vec![],

@@ -9,7 +9,7 @@
 //! 2. The run ends only after every step settled; its spent is theirs (I-14).
 //! 3. A stopped or timed-out run stops every step first (I-15, I-18).
 
-use crate::account::{Account, AccountArgs, AccountMsg, GrantAsk, Share, SpentMeter};
+use crate::account::{Account, AccountArgs, AccountMsg, Grant, GrantAsk, Share, SpentMeter};
 use crate::context::{NodeContext, RunContext};
 use crate::job::{self, Brief, ChildReport, Job, JobMsg, JobStart, Lineage, ParentHandle};
 use crate::policy::Policy;
@@ -47,7 +47,7 @@ pub struct Resume {
     /// Attempts so far, by step label: a step run again gets the next one.
     pub attempts: std::collections::HashMap<String, u32>,
     /// What the run's account had spent, settled by recovery.
-    pub spent: u64,
+    pub spent: arbor_protocol::Amount,
     /// Spawns the run had counted (I-05: never reset by a restart).
     pub spawned: u64,
 }
@@ -110,6 +110,7 @@ impl Actor for Run {
                 EventKind::RunStarted {
                     flow: args.spec.flow.clone(),
                     budget_tokens: args.spec.budget_tokens,
+                    budget_usd_micros: args.spec.budget_usd_micros,
                     spec: args.spec.clone(),
                 },
             );
@@ -123,6 +124,7 @@ impl Actor for Run {
                 run: args.id,
                 owner: ParentRef::Run(args.id),
                 grant: args.spec.budget_tokens,
+                grant_usd: args.spec.budget_usd_micros,
                 wind_down: ctx.limits.wind_down,
                 meter: meter.clone(),
                 resume_spent: resume_given.then_some(resume.spent),
@@ -141,7 +143,10 @@ impl Actor for Run {
                     label: kept.label.clone().unwrap_or_default(),
                     agent: kept.agent.clone(),
                     actor: None,
-                    grant: 0,
+                    grant: Grant {
+                        tokens: 0,
+                        usd: None,
+                    },
                     meter: SpentMeter::default(),
                     stop_reason: None,
                     envelope: Some(kept.clone()),
@@ -270,7 +275,7 @@ struct StepEntry {
     agent: String,
     /// None for a step a resumed run kept from before the restart.
     actor: Option<ActorRef<JobMsg>>,
-    grant: u64,
+    grant: Grant,
     meter: SpentMeter,
     stop_reason: Option<(String, bool)>,
     envelope: Option<ResultEnvelope>,
@@ -342,6 +347,8 @@ impl RunState {
                 agent: agent.name.clone(),
                 asked: None,
                 agent_max: agent.budget_tokens,
+                asked_usd: None,
+                agent_max_usd: agent.budget_usd_micros,
             })
             .collect();
         let grants = match ractor::call!(self.account, |reply| AccountMsg::Reserve {
@@ -378,7 +385,7 @@ impl RunState {
                     label: Some(label.clone()),
                     depth: 0,
                     attempt: *attempt,
-                    grant_tokens: *grant,
+                    grant_tokens: grant.tokens,
                     workdir: self.step_workdir(label, *attempt).display().to_string(),
                     status: Status::Pending,
                     task_status: None,
@@ -396,7 +403,7 @@ impl RunState {
                 for (id, ..) in &planned {
                     let _ = ractor::call!(self.account, |reply| AccountMsg::Settle {
                         child: *id,
-                        spent: 0,
+                        spent: arbor_protocol::Amount::ZERO,
                         reply
                     });
                 }
@@ -459,7 +466,7 @@ impl RunState {
                 Err(e) => {
                     let _ = ractor::call!(self.account, |reply| AccountMsg::Settle {
                         child: id,
-                        spent: 0,
+                        spent: arbor_protocol::Amount::ZERO,
                         reply
                     });
                     self.begin_finish(
@@ -484,7 +491,7 @@ impl RunState {
                 1,
                 &step.agent,
                 &format!("the step's actor {why} before it reported"),
-                step.meter.get(),
+                step.meter.amount(),
             ),
         })
     }
@@ -564,7 +571,7 @@ impl RunState {
         let envelope = job::final_envelope(&step.stop_reason, report.envelope);
         let _ = ractor::call!(self.account, |reply| AccountMsg::Settle {
             child: step.id,
-            spent: envelope.tokens_spent,
+            spent: envelope.spent(),
             reply
         });
         let propagated = step.stop_reason.as_ref().is_some_and(|r| r.1);
@@ -576,7 +583,7 @@ impl RunState {
             NodeKind::Step,
             0,
             &envelope,
-            step.grant,
+            step.grant.tokens,
             propagated,
         )
         .await?;
@@ -647,7 +654,7 @@ impl RunState {
         }
         let finish = self.finish.take().expect("checked above");
         let view = ractor::call!(self.account, |reply| AccountMsg::Close { reply }).ok();
-        let _ = view.map(|v| v.spent).unwrap_or(self.meter.get());
+        let _ = view.map(|v| v.spent()).unwrap_or(self.meter.amount());
         let record = RunRecord {
             id: self.id,
             flow: self.spec.flow.clone(),

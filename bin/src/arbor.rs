@@ -86,6 +86,10 @@ struct RunArgs {
     /// The run's budget in tokens (overrides the flow and arbor.toml).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     budget_tokens: Option<u64>,
+    /// The run's ceiling in dollars, e.g. 0.50 (overrides the flow and
+    /// arbor.toml); every model it reaches needs a price.
+    #[arg(long, value_parser = parse_usd)]
+    budget_usd: Option<u64>,
     /// Print one JSON document (the run's tree) on stdout and nothing else there.
     #[arg(long)]
     json: bool,
@@ -153,6 +157,21 @@ impl From<anyhow::Error> for Failure {
     }
 }
 
+/// `--budget-usd`: dollars, as whole micro-dollars (I-09: more than 0).
+fn parse_usd(text: &str) -> Result<u64, String> {
+    let usd: f64 = text
+        .trim()
+        .trim_start_matches('$')
+        .parse()
+        .map_err(|_| format!("{text:?} is not an amount of dollars"))?;
+    arbor_protocol::BudgetArg {
+        tokens: None,
+        usd: Some(usd),
+    }
+    .usd_micros()
+    .map(|m| m.unwrap_or_default())
+}
+
 fn bad(reason: impl std::fmt::Display) -> Failure {
     Failure::Bad(BadInput(reason.to_string()))
 }
@@ -179,6 +198,10 @@ async fn run(args: RunArgs) -> Result<ExitCode, Failure> {
                 )));
             }
         },
+    };
+    let spec = match args.budget_usd {
+        Some(micros) => workspace.with_usd_ceiling(spec, micros).map_err(bad)?,
+        None => spec,
     };
     let data_dir = args
         .data_dir

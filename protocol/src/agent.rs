@@ -24,6 +24,9 @@ pub struct AgentDef {
     pub secrets: Vec<String>,
     /// The most one job of this agent may be granted, in tokens.
     pub budget_tokens: Option<u64>,
+    /// ... and in micro-dollars.
+    #[serde(default)]
+    pub budget_usd_micros: Option<u64>,
     pub max_turns: Option<u32>,
     pub timeout: Option<Duration>,
     pub script: Vec<ScriptTurn>,

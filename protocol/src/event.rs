@@ -65,6 +65,8 @@ pub enum EventKind {
     RunStarted {
         flow: String,
         budget_tokens: u64,
+        #[serde(default)]
+        budget_usd_micros: Option<u64>,
         /// The whole spec, so a restart can resume the run (I-34).
         spec: crate::RunSpec,
     },
@@ -96,6 +98,8 @@ pub enum EventKind {
         depth: u32,
         attempt: u32,
         grant_tokens: u64,
+        #[serde(default)]
+        grant_usd_micros: Option<u64>,
         workdir: String,
         /// The journal seq of its admission record (job record and delegation),
         /// committed before it started (I-29).
@@ -122,6 +126,8 @@ pub enum EventKind {
         artifacts: Vec<String>,
         turns: u32,
         tokens_spent: u64,
+        #[serde(default)]
+        usd_micros_spent: u64,
     },
     /// An account's figures after a change; `available = grant - spent - held`.
     AccountChanged {
@@ -129,6 +135,9 @@ pub enum EventKind {
         grant: u64,
         spent: u64,
         held: u64,
+        /// The same figures in micro-dollars, for an account with a usd grant.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        usd: Option<crate::AccountView>,
     },
     /// I-12: spend crossed the wind-down share of the grant; emitted once.
     WindDown {

@@ -21,7 +21,7 @@ pub use event::{CallFacts, Event, EventKind, NodeKind, ParentRef};
 pub use ids::{JobId, RunId};
 pub use limits::Limits;
 pub use refusal::Refusal;
-pub use result::{ResultEnvelope, Usage};
+pub use result::{Amount, ResultEnvelope, Usage};
 pub use spec::{FlowGroup, FlowSpec, RunSpec, StepSpec};
 pub use status::{ErrorClass, Status, TaskStatus};
 pub use tools::{

@@ -10,6 +10,29 @@ pub struct Usage {
     pub output_tokens: u64,
 }
 
+/// What an account spent or holds, in both units.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Amount {
+    pub tokens: u64,
+    pub usd_micros: u64,
+}
+
+impl Amount {
+    pub const ZERO: Amount = Amount {
+        tokens: 0,
+        usd_micros: 0,
+    };
+}
+
+impl ResultEnvelope {
+    pub fn spent(&self) -> Amount {
+        Amount {
+            tokens: self.tokens_spent,
+            usd_micros: self.usd_micros_spent,
+        }
+    }
+}
+
 impl Usage {
     pub fn total(&self) -> u64 {
         self.input_tokens + self.output_tokens
@@ -34,7 +57,8 @@ pub struct ResultEnvelope {
     pub artifacts: Vec<String>,
     /// Tokens spent by the job and every settled descendant.
     pub tokens_spent: u64,
-    /// Micro-dollars; 0 until prices are configured.
+    /// Micro-dollars spent by the job and every settled descendant, at the
+    /// prices of arbor.toml (0 on unpriced and scripted models).
     pub usd_micros_spent: u64,
     pub turns: u32,
     pub workdir: String,

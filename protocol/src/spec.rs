@@ -11,6 +11,10 @@ pub struct RunSpec {
     pub groups: Vec<FlowGroup>,
     /// The run's root grant in tokens (I-09: never 0, never "unlimited" by accident).
     pub budget_tokens: u64,
+    /// Its ceiling in micro-dollars, if it has one: every account below then
+    /// has a usd grant too, and every call reserves its worst-case cost.
+    #[serde(default)]
+    pub budget_usd_micros: Option<u64>,
     pub timeout: Option<Duration>,
 }
 
@@ -56,6 +60,7 @@ impl RunSpec {
                 }],
             }],
             budget_tokens,
+            budget_usd_micros: None,
             timeout: None,
         }
     }
@@ -123,6 +128,7 @@ mod tests {
                 },
             ],
             budget_tokens: 1,
+            budget_usd_micros: None,
             timeout: None,
         };
         assert_eq!(

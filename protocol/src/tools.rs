@@ -126,8 +126,7 @@ impl FromStr for ToolName {
     }
 }
 
-/// A budget as a request or a front matter states it. Integers of tokens only:
-/// `usd` is parsed so that it can be refused with a reason, not ignored.
+/// A budget: a whole number of tokens, dollars (metered in micro-dollars), or both.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BudgetArg {
@@ -136,14 +135,30 @@ pub struct BudgetArg {
 }
 
 impl BudgetArg {
+    /// I-09: dollars as a positive whole number of micro-dollars, or a reason why not.
+    pub fn usd_micros(&self) -> Result<Option<u64>, String> {
+        let Some(usd) = self.usd else {
+            return Ok(None);
+        };
+        if !usd.is_finite() || usd <= 0.0 {
+            return Err(format!(
+                "budget.usd must be more than 0 dollars, got {usd} (0 never means unlimited)"
+            ));
+        }
+        if usd > 1e9 {
+            return Err(format!("budget.usd {usd} is not a budget"));
+        }
+        let micros = (usd * 1e6).round();
+        if micros < 1.0 {
+            return Err(format!(
+                "budget.usd {usd} is less than one micro-dollar (0 never means unlimited)"
+            ));
+        }
+        Ok(Some(micros as u64))
+    }
+
     /// I-09: a positive whole number of tokens, or a reason why not.
     pub fn tokens(&self) -> Result<Option<u64>, String> {
-        if self.usd.is_some() {
-            return Err(
-                "budget.usd is not metered by this node yet (no prices are configured): give budget.tokens"
-                    .into(),
-            );
-        }
         match &self.tokens {
             None => Ok(None),
             Some(n) => match n.as_u64() {

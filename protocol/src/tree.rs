@@ -24,6 +24,9 @@ pub struct TreeNode {
     pub depth: u32,
     pub attempt: u32,
     pub account: AccountView,
+    /// The same figures in micro-dollars, when the run has a usd ceiling.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usd: Option<AccountView>,
     pub output: serde_json::Value,
     pub error: Option<String>,
     pub limitations: Vec<String>,
@@ -57,6 +60,8 @@ struct Entry {
     children: Vec<JobId>,
     /// Tokens its own model calls spent, to check that spent = own + settled children.
     own_spent: u64,
+    /// Micro-dollars its own model calls cost.
+    own_usd: u64,
     events: u64,
 }
 
@@ -67,6 +72,7 @@ pub struct Tree {
     root: TreeNode,
     root_children: Vec<JobId>,
     root_own_spent: u64,
+    root_own_usd: u64,
     entries: HashMap<JobId, Entry>,
     /// Every event applied, as the run's bounded timeline would keep them.
     timeline_len: u64,
@@ -88,6 +94,7 @@ impl Tree {
                 depth: 0,
                 attempt: 1,
                 account: AccountView::default(),
+                usd: None,
                 output: serde_json::Value::Null,
                 error: None,
                 limitations: vec![],
@@ -99,6 +106,7 @@ impl Tree {
             },
             root_children: vec![],
             root_own_spent: 0,
+            root_own_usd: 0,
             entries: HashMap::new(),
             timeline_len: 0,
         }
@@ -127,9 +135,18 @@ impl Tree {
             self.timeline_len += 1;
         }
         match &event.kind {
-            EventKind::RunStarted { budget_tokens, .. } => {
+            EventKind::RunStarted {
+                budget_tokens,
+                budget_usd_micros,
+                ..
+            } => {
                 self.root.status = Status::Running;
                 self.root.account.grant = *budget_tokens;
+                self.root.usd = budget_usd_micros.map(|grant| AccountView {
+                    grant,
+                    spent: 0,
+                    held: 0,
+                });
             }
             EventKind::RunResumed { .. } => {
                 self.root.status = Status::Running;
@@ -159,6 +176,7 @@ impl Tree {
                 depth,
                 attempt,
                 grant_tokens,
+                grant_usd_micros,
                 workdir,
                 ..
             } => {
@@ -187,6 +205,11 @@ impl Tree {
                     spent: 0,
                     held: 0,
                 };
+                node.usd = grant_usd_micros.map(|grant| AccountView {
+                    grant,
+                    spent: 0,
+                    held: 0,
+                });
                 node.output = serde_json::Value::Null;
                 node.error_class = None;
                 node.reason = None;
@@ -200,6 +223,7 @@ impl Tree {
                         parent: parent_job,
                         children: vec![],
                         own_spent: 0,
+                        own_usd: 0,
                         events: 1,
                     },
                 );
@@ -242,18 +266,21 @@ impl Tree {
                 grant,
                 spent,
                 held,
+                usd,
             } => {
                 let view = AccountView {
                     grant: *grant,
                     spent: *spent,
                     held: *held,
                 };
-                match owner {
-                    ParentRef::Run(_) => self.root.account = view,
-                    ParentRef::Job(id) => {
-                        if let Some(e) = self.entries.get_mut(id) {
-                            e.node.account = view;
-                        }
+                let node = match owner {
+                    ParentRef::Run(_) => Some(&mut self.root),
+                    ParentRef::Job(id) => self.entries.get_mut(id).map(|e| &mut e.node),
+                };
+                if let Some(node) = node {
+                    node.account = view;
+                    if usd.is_some() {
+                        node.usd = *usd;
                     }
                 }
             }
@@ -261,10 +288,12 @@ impl Tree {
                 id,
                 input_tokens,
                 output_tokens,
+                call,
                 ..
             } => {
                 if let Some(e) = self.entries.get_mut(id) {
                     e.own_spent += input_tokens + output_tokens;
+                    e.own_usd += call.usd_micros;
                 }
             }
             _ => {}
@@ -334,63 +363,71 @@ impl Tree {
     /// of every settled child. Returns every breach, described.
     pub fn check_conservation(&self) -> Result<(), Vec<String>> {
         let mut breaches = vec![];
-        let mut ended_holding = vec![];
-        let mut check = |name: String, acct: AccountView, own: Option<u64>, kids: &[JobId]| {
-            if acct.available() < 0 {
-                breaches.push(format!(
-                    "{name}: spent {} + held {} exceed grant {}",
-                    acct.spent, acct.held, acct.grant
-                ));
+        // Tokens, then micro-dollars where a node has them: the same rules.
+        for usd in [false, true] {
+            let view = |n: &TreeNode| if usd { n.usd } else { Some(n.account) };
+            let unit = if usd { "usd " } else { "" };
+            let mut check = |name: String, acct: AccountView, own: u64, kids: &[JobId]| {
+                if acct.available() < 0 {
+                    breaches.push(format!(
+                        "{unit}{name}: spent {} + held {} exceed grant {}",
+                        acct.spent, acct.held, acct.grant
+                    ));
+                }
+                let kids: Vec<&Entry> = kids.iter().filter_map(|k| self.entries.get(k)).collect();
+                let settled: u64 = kids
+                    .iter()
+                    .filter(|k| k.node.status.is_terminal())
+                    .filter_map(|k| view(&k.node))
+                    .map(|v| v.spent)
+                    .sum();
+                let running_grants: u64 = kids
+                    .iter()
+                    .filter(|k| !k.node.status.is_terminal())
+                    .filter_map(|k| view(&k.node))
+                    .map(|v| v.grant)
+                    .sum();
+                if acct.spent != own + settled {
+                    breaches.push(format!(
+                        "{unit}{name}: spent {} != own {} + settled children {}",
+                        acct.spent, own, settled
+                    ));
+                }
+                if acct.held < running_grants {
+                    breaches.push(format!(
+                        "{unit}{name}: held {} < grants of running children {}",
+                        acct.held, running_grants
+                    ));
+                }
+            };
+            if let Some(acct) = view(&self.root) {
+                let own = if usd {
+                    self.root_own_usd
+                } else {
+                    self.root_own_spent
+                };
+                check(format!("run {}", self.run), acct, own, &self.root_children);
             }
-            let settled: u64 = kids
-                .iter()
-                .filter_map(|k| self.entries.get(k))
-                .filter(|k| k.node.status.is_terminal())
-                .map(|k| k.node.account.spent)
-                .sum();
-            let running_grants: u64 = kids
-                .iter()
-                .filter_map(|k| self.entries.get(k))
-                .filter(|k| !k.node.status.is_terminal())
-                .map(|k| k.node.account.grant)
-                .sum();
-            if let Some(own) = own
-                && acct.spent != own + settled
-            {
-                breaches.push(format!(
-                    "{name}: spent {} != own {} + settled children {}",
-                    acct.spent, own, settled
-                ));
+            let mut ended_holding = vec![];
+            for (id, e) in &self.entries {
+                let Some(acct) = view(&e.node) else { continue };
+                if e.node.status.is_terminal() && acct.held != 0 {
+                    ended_holding.push(format!(
+                        "{unit}{} {id} ended but still holds {}",
+                        e.node.kind.as_str(),
+                        acct.held
+                    ));
+                }
+                let own = if usd { e.own_usd } else { e.own_spent };
+                check(
+                    format!("{} {}", e.node.kind.as_str(), id),
+                    acct,
+                    own,
+                    &e.children,
+                );
             }
-            if acct.held < running_grants {
-                breaches.push(format!(
-                    "{name}: held {} < grants of running children {}",
-                    acct.held, running_grants
-                ));
-            }
-        };
-        check(
-            format!("run {}", self.run),
-            self.root.account,
-            Some(self.root_own_spent),
-            &self.root_children,
-        );
-        for (id, e) in &self.entries {
-            if e.node.status.is_terminal() && e.node.account.held != 0 {
-                ended_holding.push(format!(
-                    "{} {id} ended but still holds {}",
-                    e.node.kind.as_str(),
-                    e.node.account.held
-                ));
-            }
-            check(
-                format!("{} {}", e.node.kind.as_str(), id),
-                e.node.account,
-                Some(e.own_spent),
-                &e.children,
-            );
+            breaches.extend(ended_holding);
         }
-        breaches.extend(ended_holding);
         if breaches.is_empty() {
             Ok(())
         } else {
@@ -415,6 +452,7 @@ mod tests {
 
     fn spawned(run: RunId, id: JobId, parent: ParentRef, grant: u64) -> EventKind {
         EventKind::NodeSpawned {
+            grant_usd_micros: None,
             id,
             parent,
             kind: NodeKind::Step,
@@ -431,6 +469,7 @@ mod tests {
 
     fn finished(id: JobId, spent: u64) -> EventKind {
         EventKind::NodeFinished {
+            usd_micros_spent: 0,
             id,
             status: Status::Done,
             task_status: Some(TaskStatus::Completed),
@@ -448,6 +487,7 @@ mod tests {
 
     fn account(owner: ParentRef, grant: u64, spent: u64, held: u64) -> EventKind {
         EventKind::AccountChanged {
+            usd: None,
             owner,
             grant,
             spent,
@@ -471,6 +511,7 @@ mod tests {
         };
         let good = [
             EventKind::RunStarted {
+                budget_usd_micros: None,
                 flow: "f".into(),
                 budget_tokens: 100,
                 spec: crate::RunSpec::single("a", "x", 100),

@@ -160,6 +160,7 @@ impl EmbeddedNode {
             .ok_or_else(|| Error::Refused(format!("{job}: its request was not journaled")))?;
         let label = record.label.clone().unwrap_or_else(|| record.agent.clone());
         let spec = RunSpec {
+            budget_usd_micros: None,
             flow: format!("continue:{job}"),
             groups: vec![arbor_protocol::FlowGroup {
                 steps: vec![arbor_protocol::StepSpec {

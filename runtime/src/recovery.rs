@@ -25,11 +25,12 @@
 use arbor_actors::EventBus;
 use arbor_actors::run::Resume;
 use arbor_protocol::{
-    ErrorClass, EventKind, JobId, NodeKind, ParentRef, ResultEnvelope, RunId, RunSpec, Status,
+    Amount, ErrorClass, EventKind, JobId, NodeKind, ParentRef, ResultEnvelope, RunId, RunSpec,
+    Status,
 };
 use arbor_storage::{
     JobRecord, Journal, LedgerOp, LedgerRecord, Record, RunRecord, SandboxRecord, SandboxState,
-    Undecodable, ledger_totals,
+    Undecodable, ledger_of, ledger_totals, usd_totals,
 };
 use std::collections::{BTreeMap, HashMap};
 
@@ -143,40 +144,48 @@ fn ledger(epoch: u64, owner: ParentRef, op: LedgerOp) -> Record {
     Record::Ledger(LedgerRecord { owner, op, epoch })
 }
 
+/// The ledgers an account has: tokens, and micro-dollars if it was opened with them.
+fn units(entries: &[LedgerRecord]) -> Vec<bool> {
+    if usd_totals(entries).is_some() {
+        vec![false, true]
+    } else {
+        vec![false]
+    }
+}
+
 /// Settles one account's open holds: children with no record at 0, calls
-/// uncharged. Returns how many holds it released.
+/// uncharged, in each of its ledgers. Returns how many holds it released
+/// (counted once for both units).
 fn release_orphans(
     journal: &Journal,
     epoch: u64,
     owner: ParentRef,
     known: &HashMap<JobId, JobRecord>,
 ) -> Result<u32, arbor_storage::Error> {
-    let (holds, calls) = open_holds(&journal.ledger(owner)?);
+    let entries = journal.ledger(owner)?;
     let mut records = vec![];
-    for (child, granted) in holds {
-        if !known.contains_key(&child) {
-            records.push(ledger(
-                epoch,
-                owner,
-                LedgerOp::Release {
+    let mut released = 0;
+    for usd in units(&entries) {
+        let (holds, calls) = open_holds(&ledger_of(&entries, usd));
+        let op = |op| ledger(epoch, owner, LedgerOp::in_usd(usd, op));
+        for (child, granted) in holds {
+            if !known.contains_key(&child) {
+                records.push(op(LedgerOp::Release {
                     child,
                     granted,
                     spent: 0,
-                },
-            ));
+                }));
+                released += u32::from(!usd);
+            }
         }
-    }
-    if calls > 0 {
-        records.push(ledger(
-            epoch,
-            owner,
-            LedgerOp::CallSettle {
+        if calls > 0 {
+            records.push(op(LedgerOp::CallSettle {
                 reserved: calls,
                 spent: 0,
-            },
-        ));
+            }));
+            released += u32::from(!usd);
+        }
     }
-    let released = records.len() as u32;
     journal.append(records)?;
     Ok(released)
 }
@@ -186,8 +195,10 @@ fn publish_account(
     events: &EventBus,
     run: RunId,
     owner: ParentRef,
-) -> Result<u64, arbor_storage::Error> {
-    let totals = ledger_totals(&journal.ledger(owner)?);
+) -> Result<Amount, arbor_storage::Error> {
+    let entries = journal.ledger(owner)?;
+    let totals = ledger_totals(&entries);
+    let usd = usd_totals(&entries);
     events.emit(
         run,
         EventKind::AccountChanged {
@@ -195,9 +206,17 @@ fn publish_account(
             grant: totals.grant,
             spent: totals.spent,
             held: totals.held,
+            usd: usd.map(|u| arbor_protocol::AccountView {
+                grant: u.grant,
+                spent: u.spent,
+                held: u.held,
+            }),
         },
     );
-    Ok(totals.spent)
+    Ok(Amount {
+        tokens: totals.spent,
+        usd_micros: usd.map_or(0, |u| u.spent),
+    })
 }
 
 fn recover_run(
@@ -229,20 +248,38 @@ fn recover_run(
     for job in interrupted {
         let owner = ParentRef::Job(job.id);
         released += release_orphans(journal, epoch, owner, &jobs)?;
-        let spent = ledger_totals(&journal.ledger(owner)?).spent;
-        let mut records = vec![ledger(epoch, owner, LedgerOp::Close { spent })];
-        let (parent_holds, _) = open_holds(&journal.ledger(job.parent)?);
-        if let Some(granted) = parent_holds.get(&job.id) {
+        let entries = journal.ledger(owner)?;
+        let parent_entries = journal.ledger(job.parent)?;
+        let mut records = vec![];
+        let mut spent = Amount::ZERO;
+        for usd in units(&entries) {
+            let unit_spent = ledger_totals(&ledger_of(&entries, usd)).spent;
+            if usd {
+                spent.usd_micros = unit_spent;
+            } else {
+                spent.tokens = unit_spent;
+            }
             records.push(ledger(
                 epoch,
-                job.parent,
-                LedgerOp::Release {
-                    child: job.id,
-                    granted: *granted,
-                    spent,
-                },
+                owner,
+                LedgerOp::in_usd(usd, LedgerOp::Close { spent: unit_spent }),
             ));
-            released += 1;
+            let (parent_holds, _) = open_holds(&ledger_of(&parent_entries, usd));
+            if let Some(granted) = parent_holds.get(&job.id) {
+                records.push(ledger(
+                    epoch,
+                    job.parent,
+                    LedgerOp::in_usd(
+                        usd,
+                        LedgerOp::Release {
+                            child: job.id,
+                            granted: *granted,
+                            spent: unit_spent,
+                        },
+                    ),
+                ));
+                released += u32::from(!usd);
+            }
         }
         records.push(Record::Job(JobRecord {
             status: Status::Failed,
@@ -250,7 +287,7 @@ fn recover_run(
             error_class: Some(ErrorClass::Interrupted),
             reason: Some(INTERRUPTED.into()),
             output_json: "null".into(),
-            tokens_spent: spent,
+            tokens_spent: spent.tokens,
             epoch,
             ..job.clone()
         }));
@@ -271,7 +308,8 @@ fn recover_run(
                 limitations: vec![],
                 artifacts: vec![],
                 turns: 0,
-                tokens_spent: spent,
+                tokens_spent: spent.tokens,
+                usd_micros_spent: spent.usd_micros,
             },
         );
         report.jobs_failed.push(job.id);
@@ -307,21 +345,31 @@ fn recover_run(
     } = &outcome
     {
         let output = serde_json::Value::Null;
-        journal.append(vec![
-            ledger(
-                epoch,
-                ParentRef::Run(run.id),
-                LedgerOp::Close { spent: run_spent },
-            ),
-            Record::Run(RunRecord {
-                status: *status,
-                error_class: *class,
-                reason: Some(reason.clone()),
-                output_json: output.to_string(),
-                epoch,
-                ..run.clone()
-            }),
-        ])?;
+        let run_entries = journal.ledger(ParentRef::Run(run.id))?;
+        let mut records: Vec<Record> = units(&run_entries)
+            .into_iter()
+            .map(|usd| {
+                let spent = if usd {
+                    run_spent.usd_micros
+                } else {
+                    run_spent.tokens
+                };
+                ledger(
+                    epoch,
+                    ParentRef::Run(run.id),
+                    LedgerOp::in_usd(usd, LedgerOp::Close { spent }),
+                )
+            })
+            .collect();
+        records.push(Record::Run(RunRecord {
+            status: *status,
+            error_class: *class,
+            reason: Some(reason.clone()),
+            output_json: output.to_string(),
+            epoch,
+            ..run.clone()
+        }));
+        journal.append(records)?;
         events.emit(
             run.id,
             EventKind::RunFinished {
@@ -336,7 +384,7 @@ fn recover_run(
 }
 
 /// I-34: where the run picks up, or why it cannot. Pure.
-pub fn plan_resume(spec: RunSpec, jobs: &[JobRecord], spent: u64) -> RunOutcome {
+pub fn plan_resume(spec: RunSpec, jobs: &[JobRecord], spent: Amount) -> RunOutcome {
     let latest = |label: &str| {
         jobs.iter()
             .filter(|j| j.kind == NodeKind::Step && j.label.as_deref() == Some(label))

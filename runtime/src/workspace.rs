@@ -15,8 +15,8 @@
 //! 1. Every agent named anywhere (a `subagents` entry, a flow step) exists.
 //! 2. Every agent offered as a sub-agent has a non-empty description: the model
 //!    picks sub-agents by it.
-//! 3. Every budget is a positive whole number of tokens (I-09), and `usd` is
-//!    refused rather than ignored.
+//! 3. Every budget is a positive whole number of tokens, or of micro-dollars
+//!    (I-09), and a usd ceiling covers only models with a price.
 //! 4. Agent and flow names are `[a-z0-9_-]+`, and an agent's `name:` equals its folder.
 //! 5. Loading is deterministic: files are checked in name order, so the same
 //!    broken workspace always reports the same problem.
@@ -49,6 +49,8 @@ pub struct Config {
     pub limits: Limits,
     /// A run's budget when neither its flow nor the caller gives one.
     pub budget_tokens: u64,
+    /// A run's usd ceiling, in micro-dollars, when neither its flow nor the caller gives one.
+    pub budget_usd_micros: Option<u64>,
     /// `[providers.NAME]`: where agents that name `NAME/MODEL` get their model.
     pub providers: BTreeMap<String, Provider>,
 }
@@ -75,8 +77,11 @@ pub enum LoadError {
     UnknownFlow { name: String, known: String },
     #[error("agents/{name}/agent.md: no such agent (known: {known})")]
     UnknownAgent { name: String, known: String },
-    #[error("budget override: must be at least 1 token (0 never means unlimited)")]
+    #[error("budget override: must be more than 0 (0 never means unlimited)")]
     ZeroBudgetOverride,
+    /// A run this workspace cannot keep its promises on.
+    #[error("{message}")]
+    Refused { message: String },
 }
 
 impl Default for Config {
@@ -84,6 +89,7 @@ impl Default for Config {
         Self {
             limits: Limits::default(),
             budget_tokens: DEFAULT_BUDGET_TOKENS,
+            budget_usd_micros: None,
             providers: BTreeMap::new(),
         }
     }
@@ -179,6 +185,7 @@ impl Workspace {
         }
         check_subagents(&agent_defs)?;
         check_models(&agent_defs, &config)?;
+        check_agent_prices(&agent_defs, &config)?;
 
         let mut flow_specs = BTreeMap::new();
         for &(name, text) in sorted(flows) {
@@ -189,12 +196,77 @@ impl Workspace {
             }
         }
 
-        Ok(Workspace {
+        let workspace = Workspace {
             root,
             config,
             agents: agent_defs,
             flows: flow_specs,
-        })
+        };
+        // A usd ceiling written in a file is checked now, against every model it covers.
+        if workspace.config.budget_usd_micros.is_some() {
+            let all: Vec<&str> = workspace.agents.keys().map(String::as_str).collect();
+            workspace
+                .check_prices(&all)
+                .map_err(|m| invalid(Path::new("arbor.toml"), format!("budget.usd: {m}")))?;
+        }
+        for (name, flow) in &workspace.flows {
+            if flow.budget.as_ref().is_some_and(|b| b.usd.is_some()) {
+                let steps: Vec<&str> = flow
+                    .groups
+                    .iter()
+                    .flat_map(|g| g.steps.iter().map(|s| s.agent.as_str()))
+                    .collect();
+                workspace
+                    .check_prices(&steps)
+                    .map_err(|m| invalid(&flow_path(name), format!("budget.usd: {m}")))?;
+            }
+        }
+        Ok(workspace)
+    }
+
+    /// A usd ceiling over these agents can be kept: every model they and
+    /// their sub-agents (transitively) use has a price. The scripted model
+    /// costs nothing.
+    pub fn check_prices(&self, agents: &[&str]) -> Result<(), String> {
+        let mut seen = std::collections::BTreeSet::new();
+        let mut queue: Vec<String> = agents.iter().map(|a| a.to_string()).collect();
+        while let Some(name) = queue.pop() {
+            if !seen.insert(name.clone()) {
+                continue;
+            }
+            let Some(agent) = self.agents.get(&name) else {
+                continue;
+            };
+            if let Some(model) = unpriced(agent, &self.config) {
+                return Err(format!(
+                    "agent {name} uses {model}, which has no price in arbor.toml \
+                     (usd_per_mtok_input, usd_per_mtok_output), so a usd ceiling could not be kept"
+                ));
+            }
+            queue.extend(agent.subagents.iter().cloned());
+        }
+        Ok(())
+    }
+
+    /// Puts a usd ceiling (micro-dollars, from `--budget-usd`) on a run,
+    /// checked: every model it can reach has a price.
+    pub fn with_usd_ceiling(
+        &self,
+        mut spec: RunSpec,
+        usd_micros: u64,
+    ) -> Result<RunSpec, LoadError> {
+        if usd_micros == 0 {
+            return Err(LoadError::ZeroBudgetOverride);
+        }
+        let steps: Vec<&str> = spec
+            .groups
+            .iter()
+            .flat_map(|g| g.steps.iter().map(|s| s.agent.as_str()))
+            .collect();
+        self.check_prices(&steps)
+            .map_err(|message| LoadError::Refused { message })?;
+        spec.budget_usd_micros = Some(usd_micros);
+        Ok(spec)
     }
 
     /// The RunSpec of flow NAME. Budget: `budget_override` (from --budget-tokens)
@@ -208,9 +280,17 @@ impl Workspace {
         let path = flow_path(name);
         let flow_tokens = budget_tokens(flow.budget.as_ref()).map_err(|m| invalid(&path, m))?;
         let budget_tokens = self.run_budget(budget_override, flow_tokens)?;
+        let flow_usd = flow
+            .budget
+            .as_ref()
+            .map(BudgetArg::usd_micros)
+            .transpose()
+            .map_err(|m| invalid(&path, m))?
+            .flatten();
         let timeout = parse_duration_arg("timeout", flow.timeout.as_deref())
             .map_err(|m| invalid(&path, m))?;
         Ok(RunSpec {
+            budget_usd_micros: flow_usd.or(self.config.budget_usd_micros),
             flow: name.to_string(),
             groups: flow.groups.clone(),
             budget_tokens,
@@ -233,7 +313,9 @@ impl Workspace {
             });
         }
         let budget_tokens = self.run_budget(budget_override, None)?;
-        Ok(RunSpec::single(agent, input, budget_tokens))
+        let mut spec = RunSpec::single(agent, input, budget_tokens);
+        spec.budget_usd_micros = self.config.budget_usd_micros;
+        Ok(spec)
     }
 
     fn run_budget(
@@ -282,6 +364,7 @@ fn parse_config(text: &str) -> Result<Config, LoadError> {
         .tokens()
         .map_err(|m| invalid(path, m))?
         .unwrap_or(DEFAULT_BUDGET_TOKENS);
+    let budget_usd_micros = file.budget.usd_micros().map_err(|m| invalid(path, m))?;
     let mut providers = BTreeMap::new();
     for (name, block) in file.providers {
         let provider = check_provider(&name, block).map_err(|m| invalid(path, m))?;
@@ -290,6 +373,7 @@ fn parse_config(text: &str) -> Result<Config, LoadError> {
     Ok(Config {
         limits: file.limits,
         budget_tokens,
+        budget_usd_micros,
         providers,
     })
 }
@@ -303,6 +387,9 @@ fn parse_flow(
     check_name("flow", name).map_err(|m| invalid(path, m))?;
     let flow: FlowSpec = toml::from_str(text).map_err(|e| invalid(path, toml_error(text, &e)))?;
     budget_tokens(flow.budget.as_ref()).map_err(|m| invalid(path, m))?;
+    if let Some(budget) = &flow.budget {
+        budget.usd_micros().map_err(|m| invalid(path, m))?;
+    }
     parse_duration_arg("timeout", flow.timeout.as_deref()).map_err(|m| invalid(path, m))?;
     if flow.groups.is_empty() {
         return Err(invalid(
@@ -377,6 +464,39 @@ fn check_models(agents: &BTreeMap<String, AgentDef>, config: &Config) -> Result<
                 format!(
                     "model: `{provider}/{model}`: arbor.toml has no [providers.{provider}.models.{model}] (known: {})",
                     known(p.models.keys())
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The provider model `agent` uses when it has no price, as `provider/model`.
+fn unpriced(agent: &AgentDef, config: &Config) -> Option<String> {
+    let ModelRef::Provider { provider, model } = &agent.model else {
+        return None;
+    };
+    let priced = config
+        .providers
+        .get(provider)
+        .and_then(|p| p.models.get(model))
+        .is_some_and(|m| m.price.is_some());
+    (!priced).then(|| format!("{provider}/{model}"))
+}
+
+/// An agent's own `budget.usd` needs a price on its model.
+fn check_agent_prices(
+    agents: &BTreeMap<String, AgentDef>,
+    config: &Config,
+) -> Result<(), LoadError> {
+    for (name, agent) in agents {
+        if agent.budget_usd_micros.is_some()
+            && let Some(model) = unpriced(agent, config)
+        {
+            return Err(invalid(
+                &agent_path(name),
+                format!(
+                    "budget.usd: model {model} has no price in arbor.toml (usd_per_mtok_input, usd_per_mtok_output), so a usd ceiling could not be kept"
                 ),
             ));
         }
@@ -478,6 +598,11 @@ fn agent_from_front_matter(
         network: network.unwrap_or_default(),
         secrets,
         budget_tokens: budget_tokens(budget.as_ref())?,
+        budget_usd_micros: budget
+            .as_ref()
+            .map(BudgetArg::usd_micros)
+            .transpose()?
+            .flatten(),
         max_turns,
         timeout: parse_duration_arg("timeout", timeout.as_deref())?,
         script,

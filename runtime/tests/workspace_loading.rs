@@ -99,6 +99,7 @@ fn a_full_workspace_loads_with_every_field_mapped() {
     assert_eq!(ws.config.limits.fan_out, 16);
     assert_eq!(ws.config.budget_tokens, 777);
     let planner = AgentDef {
+        budget_usd_micros: None,
         name: "planner".into(),
         description: Some("Splits a question into parts".into()),
         model: ModelRef::Scripted,
@@ -305,15 +306,6 @@ fn zero_negative_and_fractional_budgets_are_refused_everywhere() {
             "{config}"
         );
     }
-}
-
-#[test]
-fn a_usd_budget_is_refused_with_a_reason() {
-    let message = front_matter_error("budget: { usd: 2.5 }\n");
-    assert!(
-        message.starts_with("agents/planner/agent.md: budget.usd is not metered"),
-        "{message}"
-    );
 }
 
 const PROVIDERS: &str = r#"
@@ -533,5 +525,104 @@ fn secrets_are_refused_until_they_can_be_delivered_sealed() {
     assert!(
         err.contains("agents/solo/agent.md") && err.contains("API_KEY"),
         "{err}"
+    );
+}
+
+#[test]
+fn usd_budgets_load_as_micro_dollars_everywhere_they_are_written() {
+    let agent = "---\nbudget: { usd: 2.5 }\n---\nYou plan.\n";
+    let flow = "budget = { usd = 0.25 }\n[[group]]\nsteps = [{ agent = \"planner\", instruction = \"go\" }]\n";
+    let ws = Workspace::from_texts(
+        PathBuf::from("ws"),
+        Some("[budget]\nusd = 0.5\n"),
+        &[("planner", agent)],
+        &[("f", flow)],
+    )
+    .unwrap();
+    assert_eq!(ws.agents["planner"].budget_usd_micros, Some(2_500_000));
+    assert_eq!(ws.config.budget_usd_micros, Some(500_000));
+    assert_eq!(
+        ws.flow_run("f", None).unwrap().budget_usd_micros,
+        Some(250_000)
+    );
+    assert_eq!(
+        ws.agent_run("planner", "x", None)
+            .unwrap()
+            .budget_usd_micros,
+        Some(500_000)
+    );
+    let spec = ws.agent_run("planner", "x", None).unwrap();
+    assert_eq!(
+        ws.with_usd_ceiling(spec, 7).unwrap().budget_usd_micros,
+        Some(7)
+    );
+}
+
+#[test]
+fn zero_negative_and_not_a_number_dollars_are_refused() {
+    for usd in ["0", "-1.5", ".nan", ".inf", "0.0000001", "nan"] {
+        let message = front_matter_error(&format!("budget: {{ usd: {usd} }}\n"));
+        assert!(message.contains("usd"), "{usd}: {message}");
+    }
+    let error = Workspace::from_texts(
+        PathBuf::from("ws"),
+        Some("[budget]\nusd = nan\n"),
+        &[("a", "---\n---\nx\n")],
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        error.starts_with("arbor.toml: budget.usd must be more than 0"),
+        "{error}"
+    );
+}
+
+#[test]
+fn a_usd_ceiling_over_a_model_with_no_price_is_refused_at_load() {
+    let agent = "---\nmodel: local/small\nbudget: { usd: 1 }\n---\nYou plan.\n";
+    let message = Workspace::from_texts(
+        PathBuf::from("ws"),
+        Some(PROVIDERS),
+        &[("planner", agent)],
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        message.starts_with("agents/planner/agent.md: budget.usd: model local/small has no price"),
+        "{message}"
+    );
+    // The run's ceiling in arbor.toml covers every agent, sub-agents included.
+    let planner = "---\nsubagents: [helper]\n---\nYou plan.\n";
+    let helper = "---\nmodel: local/small\ndescription: helps\n---\nYou help.\n";
+    let toml = format!("[budget]\nusd = 0.5\n{PROVIDERS}");
+    let message = Workspace::from_texts(
+        PathBuf::from("ws"),
+        Some(&toml),
+        &[("planner", planner), ("helper", helper)],
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        message.starts_with(
+            "arbor.toml: budget.usd: agent helper uses local/small, which has no price"
+        ),
+        "{message}"
+    );
+    // --budget-usd on a run that reaches it.
+    let ws = Workspace::from_texts(
+        PathBuf::from("ws"),
+        Some(PROVIDERS),
+        &[("planner", planner), ("helper", helper)],
+        &[],
+    )
+    .unwrap();
+    let spec = ws.agent_run("planner", "x", None).unwrap();
+    let message = ws.with_usd_ceiling(spec, 1_000).unwrap_err().to_string();
+    assert!(
+        message.contains("agent helper uses local/small, which has no price"),
+        "{message}"
     );
 }

@@ -110,6 +110,49 @@ pub enum LedgerOp {
     CallSettle { reserved: u64, spent: u64 },
     /// The account closed with this final spent.
     Close { spent: u64 },
+    /// The same operation in micro-dollars. An account has this second
+    /// ledger only when it was opened with a usd grant (`Usd(Open)`), and
+    /// every change to it is written in the same batch as its tokens' change.
+    /// (A variant added last, so records written before it still decode.)
+    Usd(Box<LedgerOp>),
+}
+
+impl LedgerOp {
+    /// Wraps `op` as a micro-dollar operation when `usd`.
+    pub fn in_usd(usd: bool, op: LedgerOp) -> LedgerOp {
+        if usd { LedgerOp::Usd(Box::new(op)) } else { op }
+    }
+
+    /// This operation as one of the chosen ledger (tokens, or micro-dollars), if it is one.
+    pub fn of(&self, usd: bool) -> Option<&LedgerOp> {
+        match (self, usd) {
+            (LedgerOp::Usd(inner), true) => Some(inner),
+            (LedgerOp::Usd(_), false) | (_, true) => None,
+            (op, false) => Some(op),
+        }
+    }
+}
+
+/// One account's entries of the chosen ledger, unwrapped.
+pub fn ledger_of(entries: &[LedgerRecord], usd: bool) -> Vec<LedgerRecord> {
+    entries
+        .iter()
+        .filter_map(|e| {
+            e.op.of(usd).map(|op| LedgerRecord {
+                owner: e.owner,
+                op: op.clone(),
+                epoch: e.epoch,
+            })
+        })
+        .collect()
+}
+
+/// The micro-dollar totals of an account, if it has that ledger.
+pub fn usd_totals(entries: &[LedgerRecord]) -> Option<LedgerTotals> {
+    let usd = ledger_of(entries, true);
+    usd.iter()
+        .any(|e| matches!(e.op, LedgerOp::Open { .. }))
+        .then(|| ledger_totals(&usd))
 }
 
 /// A delegate call's outcome, so that a repeated call (same `key`, same
@@ -179,7 +222,8 @@ pub struct LedgerTotals {
     pub held: u64,
 }
 
-/// Folds one account's entries, in journal order, into its totals.
+/// Folds one account's entries, in journal order, into its totals (of
+/// tokens: its micro-dollar entries are `usd_totals`').
 ///
 /// `Close` changes nothing here: its `spent` is the account's own claim, which
 /// a caller checks against the recomputed `spent`. Arithmetic saturates rather
@@ -209,7 +253,7 @@ pub fn ledger_totals(entries: &[LedgerRecord]) -> LedgerTotals {
                 calls_reserved = calls_reserved.saturating_sub(reserved);
                 totals.spent = totals.spent.saturating_add(spent);
             }
-            LedgerOp::Close { .. } => {}
+            LedgerOp::Close { .. } | LedgerOp::Usd(_) => {}
         }
     }
     totals.held = holds
@@ -237,6 +281,33 @@ mod tests {
 
     fn totals(grant: u64, spent: u64, held: u64) -> LedgerTotals {
         LedgerTotals { grant, spent, held }
+    }
+
+    #[test]
+    fn micro_dollars_are_a_second_ledger_beside_the_tokens() {
+        let child = JobId::new();
+        let usd = |op| LedgerOp::in_usd(true, op);
+        let entries: Vec<_> = vec![
+            LedgerOp::Open { grant: 1000 },
+            usd(LedgerOp::Open { grant: 500_000 }),
+            LedgerOp::Hold { child, tokens: 400 },
+            usd(LedgerOp::Hold {
+                child,
+                tokens: 200_000,
+            }),
+            LedgerOp::CallReserve { tokens: 100 },
+            usd(LedgerOp::CallReserve { tokens: 90 }),
+        ]
+        .into_iter()
+        .map(entry)
+        .collect();
+        assert_eq!(ledger_totals(&entries), totals(1000, 0, 500));
+        assert_eq!(usd_totals(&entries), Some(totals(500_000, 0, 200_090)));
+        assert_eq!(
+            usd_totals(&entries[..1]),
+            None,
+            "no usd ledger without its Open"
+        );
     }
 
     #[test]

@@ -11,7 +11,7 @@
 //!    account adds up to, when the child's ledger is in the journal.
 
 use crate::Undecodable;
-use crate::record::{LedgerOp, LedgerRecord, LedgerTotals, ledger_totals};
+use crate::record::{LedgerOp, LedgerRecord, LedgerTotals, ledger_of, ledger_totals, usd_totals};
 use arbor_protocol::{JobId, ParentRef};
 use std::collections::HashMap;
 
@@ -38,14 +38,26 @@ impl VerifyReport {
 /// Checks every account against the rules in the module docs. `accounts` is
 /// each owner's decodable entries in journal order; the breaches come in the
 /// order of `accounts`, each account's in the order of the rules.
+/// Every breach of either ledger: tokens, then micro-dollars (named `usd`).
 pub(crate) fn account_breaches(accounts: &[(ParentRef, Vec<LedgerRecord>)]) -> Vec<String> {
+    let mut breaches = dimension_breaches(accounts, "");
+    let usd: Vec<(ParentRef, Vec<LedgerRecord>)> = accounts
+        .iter()
+        .filter(|(_, entries)| usd_totals(entries).is_some())
+        .map(|(owner, entries)| (*owner, ledger_of(entries, true)))
+        .collect();
+    breaches.extend(dimension_breaches(&usd, "usd "));
+    breaches
+}
+
+fn dimension_breaches(accounts: &[(ParentRef, Vec<LedgerRecord>)], unit: &str) -> Vec<String> {
     let totals: HashMap<ParentRef, LedgerTotals> = accounts
         .iter()
         .map(|(owner, entries)| (*owner, ledger_totals(entries)))
         .collect();
     let mut breaches = Vec::new();
     for (owner, entries) in accounts {
-        let name = owner_name(*owner);
+        let name = format!("{unit}{}", owner_name(*owner));
         let LedgerTotals { grant, spent, held } = totals[owner];
         if spent.saturating_add(held) > grant {
             breaches.push(format!(
@@ -53,8 +65,8 @@ pub(crate) fn account_breaches(accounts: &[(ParentRef, Vec<LedgerRecord>)]) -> V
                 spent.saturating_add(held)
             ));
         }
-        let closes = entries.iter().filter_map(|entry| match entry.op {
-            LedgerOp::Close { spent } => Some(spent),
+        let closes = entries.iter().filter_map(|entry| match &entry.op {
+            LedgerOp::Close { spent } => Some(*spent),
             _ => None,
         });
         let mut closed = false;
@@ -67,12 +79,13 @@ pub(crate) fn account_breaches(accounts: &[(ParentRef, Vec<LedgerRecord>)]) -> V
             }
         }
         if closed && held != 0 {
-            breaches.push(format!("{name}: closed with {held} tokens still held"));
+            breaches.push(format!("{name}: closed with {held} still held"));
         }
         for entry in entries {
-            let LedgerOp::Release { child, spent, .. } = entry.op else {
+            let LedgerOp::Release { child, spent, .. } = &entry.op else {
                 continue;
             };
+            let (child, spent) = (*child, *spent);
             if let Some(child_totals) = totals.get(&ParentRef::Job(child))
                 && child_totals.spent != spent
             {
@@ -206,7 +219,7 @@ mod tests {
             )],
             &[
                 "Close says spent 25, its ledger adds up to 20",
-                "closed with 10 tokens still held",
+                "closed with 10 still held",
             ],
         );
     }

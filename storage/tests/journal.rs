@@ -121,6 +121,7 @@ async fn every_record_kind_round_trips() {
             run,
             1,
             EventKind::RunStarted {
+                budget_usd_micros: None,
                 flow: "review".into(),
                 budget_tokens: 10_000,
                 spec: arbor_protocol::RunSpec::single("review", "x", 10_000),
@@ -130,6 +131,7 @@ async fn every_record_kind_round_trips() {
             run,
             2,
             EventKind::NodeFinished {
+                usd_micros_spent: 0,
                 id: step,
                 status: Status::Done,
                 task_status: Some(TaskStatus::Completed),

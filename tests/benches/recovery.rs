@@ -777,6 +777,7 @@ impl<'a> Writer<'a> {
         self.event(
             run,
             EventKind::AccountChanged {
+                usd: None,
                 owner,
                 grant,
                 spent,
@@ -790,6 +791,7 @@ impl<'a> Writer<'a> {
         self.event(
             run,
             EventKind::NodeSpawned {
+                grant_usd_micros: None,
                 id,
                 parent,
                 kind: who.kind,
@@ -809,6 +811,7 @@ impl<'a> Writer<'a> {
         self.event(
             run,
             EventKind::NodeFinished {
+                usd_micros_spent: 0,
                 id,
                 status: Status::Done,
                 task_status: Some(TaskStatus::Completed),
@@ -835,6 +838,7 @@ impl<'a> Writer<'a> {
         self.event(
             run,
             EventKind::RunStarted {
+                budget_usd_micros: None,
                 flow: spec.flow.clone(),
                 budget_tokens: RUN_GRANT,
                 spec,

@@ -293,16 +293,30 @@ impl TestNode {
         if let Err(breaches) = tree.check_conservation() {
             panic!("conservation broken:\n{}", breaches.join("\n"));
         }
-        let mut owners = vec![(ParentRef::Run(run), tree.root().account)];
-        owners.extend(tree.nodes().map(|(id, n)| (ParentRef::Job(id), n.account)));
-        for (owner, view) in owners {
-            let totals = ledger_totals(&self.ledger(owner));
+        let root = tree.root();
+        let mut owners = vec![(ParentRef::Run(run), root.account, root.usd)];
+        owners.extend(
+            tree.nodes()
+                .map(|(id, n)| (ParentRef::Job(id), n.account, n.usd)),
+        );
+        for (owner, view, usd) in owners {
+            let entries = self.ledger(owner);
+            let totals = ledger_totals(&entries);
             assert_eq!(
                 (totals.grant, totals.spent, totals.held),
                 (view.grant, view.spent, view.held),
                 "the journal's ledger of {owner:?} disagrees with the tree"
             );
+            let usd_totals =
+                arbor_storage::usd_totals(&entries).map(|t| (t.grant, t.spent, t.held));
+            assert_eq!(
+                usd_totals,
+                usd.map(|u| (u.grant, u.spent, u.held)),
+                "the journal's micro-dollars of {owner:?} disagree with the tree"
+            );
         }
+        let report = self.journal().verify().expect("the journal reads");
+        assert!(report.breaches.is_empty(), "verify: {:#?}", report.breaches);
     }
 
     /// A job's workdir, from its spawn event.

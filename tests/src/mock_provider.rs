@@ -223,7 +223,8 @@ async fn answer(
     headers: HeaderMap,
     raw: Bytes,
 ) -> Response {
-    let body = serde_json::from_slice(&raw).unwrap_or(Value::Null);
+    let body: Value = serde_json::from_slice(&raw).unwrap_or(Value::Null);
+    let max_tokens = body.get("max_tokens").and_then(Value::as_u64);
     let next = {
         let mut s = shared.lock().unwrap();
         let queue = match format {
@@ -255,6 +256,8 @@ async fn answer(
             headers,
             body,
         }) => {
+            // Like a provider, never more output than the request allowed.
+            let body = cap_output(&body, max_tokens);
             let mut response = Response::builder()
                 .status(StatusCode::from_u16(status).unwrap_or(StatusCode::OK))
                 .header("content-type", "application/json");
@@ -285,6 +288,23 @@ async fn answer(
                 .unwrap()
         }
     }
+}
+
+fn cap_output(body: &str, max_tokens: Option<u64>) -> String {
+    let (Some(max), Ok(mut value)) = (max_tokens, serde_json::from_str::<Value>(body)) else {
+        return body.to_string();
+    };
+    let Some(usage) = value.get_mut("usage") else {
+        return body.to_string();
+    };
+    for key in ["completion_tokens", "output_tokens"] {
+        if let Some(n) = usage.get(key).and_then(Value::as_u64)
+            && n > max
+        {
+            usage[key] = json!(max);
+        }
+    }
+    value.to_string()
 }
 
 fn contains(raw: &[u8], marker: &str) -> bool {

@@ -23,6 +23,7 @@ async fn lone_account(dir: &std::path::Path, grant: u64) -> (ActorRefAccount, Jo
         None,
         Account,
         AccountArgs {
+            grant_usd: None,
             ctx,
             run,
             owner: ParentRef::Run(run),
@@ -52,6 +53,8 @@ async fn inv_07_concurrent_reservations_never_overgrant() {
         for _ in 0..callers {
             let asks: Vec<GrantAsk> = (0..rng.between(1, 4))
                 .map(|_| GrantAsk {
+                    agent_max_usd: None,
+                    asked_usd: None,
                     child: JobId::new(),
                     agent: "a".into(),
                     asked: rng
@@ -73,7 +76,12 @@ async fn inv_07_concurrent_reservations_never_overgrant() {
                     reply
                 })
                 .unwrap();
-                result.map(|grants| children.into_iter().zip(grants).collect::<Vec<_>>())
+                result.map(|grants| {
+                    children
+                        .into_iter()
+                        .zip(grants.into_iter().map(|g| g.tokens))
+                        .collect::<Vec<_>>()
+                })
             }));
         }
         let mut granted = vec![];
@@ -101,7 +109,10 @@ async fn inv_07_concurrent_reservations_never_overgrant() {
             settles.push(tokio::spawn(async move {
                 ractor::call!(account, |reply| AccountMsg::Settle {
                     child,
-                    spent,
+                    spent: arbor_protocol::Amount {
+                        tokens: spent,
+                        usd_micros: 0,
+                    },
                     reply
                 })
                 .unwrap()
@@ -163,6 +174,7 @@ async fn inv_07_no_account_ever_shows_more_than_its_grant_in_a_seeded_fan_out() 
                 grant,
                 spent,
                 held,
+                ..
             } = &e.kind
                 && spent + held > *grant
             {
@@ -237,7 +249,9 @@ async fn inv_09_zero_never_means_unlimited() {
         ("{tokens: 0}", "at least 1"),
         ("{tokens: -5}", "positive whole number"),
         ("{tokens: 1.5}", "positive whole number"),
-        ("{usd: 2.0}", "budget.usd"),
+        ("{usd: 0}", "budget.usd must be more than 0"),
+        ("{usd: -1.5}", "budget.usd must be more than 0"),
+        ("{usd: 0.0000001}", "less than one micro-dollar"),
     ] {
         let boss = agent_md(&format!(
             "subagents: [leaf]\nscript:\n  - call: {{tool: delegate, args: {{jobs: [{{agent: leaf, request: a, budget: {budget}}}]}}}}\n  - call: {{tool: submit_output, args: {{output: done}}}}"

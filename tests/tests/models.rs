@@ -653,3 +653,130 @@ async fn inv_16_a_stop_in_the_middle_of_a_streamed_answer_keeps_nothing_of_it_an
     assert_eq!(mock.received().len(), 1, "no call after the stop");
     node.assert_conserved(run);
 }
+
+/// A node whose mock model costs `input` and `output` dollars per million tokens.
+async fn priced(mock: &MockProvider, format: Format, input: f64, output: f64) -> TestNode {
+    let toml = mock.arbor_toml(format, "stream = false").replace(
+        "max_output_tokens = 1024\n",
+        &format!("max_output_tokens = 1024\nusd_per_mtok_input = {input}\nusd_per_mtok_output = {output}\n"),
+    );
+    let planner = planner();
+    let researcher = researcher("tools: [read_file, write_file]");
+    TestNode::start_with_config(&toml, &[("planner", &planner), ("researcher", &researcher)]).await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_usd_budgeted_run_charges_exact_micro_dollars_at_every_level() {
+    let mock = MockProvider::start().await;
+    let format = Format::Openai;
+    let delegate = (
+        "delegate",
+        json!({"jobs": [{"agent": "researcher", "request": "Find it.", "label": "r"}]}),
+    );
+    mock.push_for(format, PLANNER, openai::tool_calls(&[delegate], 100, 10));
+    mock.push_for(format, RESEARCHER, openai::text("A fact.", 200, 20));
+    mock.push_for(
+        format,
+        PLANNER,
+        openai::tool_calls(&[("submit_output", json!({"output": "ok"}))], 300, 30),
+    );
+    // $3 and $15 per million tokens: 3 and 15 micro-dollars a token.
+    let node = priced(&mock, format, 3.0, 15.0).await;
+    let spec = node.workspace.agent_run("planner", "Go.", None).unwrap();
+    let spec = node.workspace.with_usd_ceiling(spec, 1_000_000).unwrap();
+    let run = node.node().start_run(spec).await.unwrap();
+    let tree = node.wait_run(run).await;
+    let root = tree.root();
+    assert_eq!(root.status, Status::Done, "{root:#?}");
+    let cost = |i: u64, o: u64| i * 3 + o * 15;
+    let researcher_cost = cost(200, 20);
+    let total = cost(100, 10) + researcher_cost + cost(300, 30);
+    assert_eq!(
+        root.usd.unwrap(),
+        arbor_protocol::AccountView {
+            grant: 1_000_000,
+            spent: total,
+            held: 0
+        }
+    );
+    let r = step(&tree, "r");
+    assert_eq!(r.usd.unwrap().spent, researcher_cost);
+    assert!(
+        r.usd.unwrap().grant > 0,
+        "the job got a usd grant of its own"
+    );
+    let per_call: Vec<u64> = model_calls(&node.events(run))
+        .iter()
+        .map(|k| match k {
+            EventKind::ModelCalled { call, .. } => call.usd_micros,
+            _ => 0,
+        })
+        .collect();
+    assert_eq!(per_call.iter().sum::<u64>(), total);
+    let finished = node
+        .events(run)
+        .into_iter()
+        .find_map(|e| match e.kind {
+            EventKind::NodeFinished {
+                id,
+                usd_micros_spent,
+                ..
+            } if tree.node(id).unwrap().label.as_deref() == Some("r") => Some(usd_micros_spent),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(
+        finished, researcher_cost,
+        "the envelope carries its micro-dollars"
+    );
+    node.assert_conserved(run);
+    let document = serde_json::to_value(&root).unwrap();
+    assert_eq!(document["usd"]["spent"], total);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn inv_11_a_usd_ceiling_is_never_passed_the_output_is_cut_to_what_it_can_pay() {
+    let mock = MockProvider::start().await;
+    let format = Format::Anthropic;
+    let read = [("read_file", json!({"path": "a.txt"}))];
+    // Each answer would be 1,000 output tokens; the provider stops at max_tokens.
+    for _ in 0..4 {
+        mock.push_for(format, PLANNER, anthropic::message("", &read, 1_000, 1_000));
+    }
+    // 0.5 and 10 micro-dollars a token, 5,000 micro-dollars in all.
+    let node = priced(&mock, format, 0.5, 10.0).await;
+    let seen = Arc::new(std::sync::Mutex::new(vec![]));
+    let record = seen.clone();
+    node.observe(move |e| {
+        if let EventKind::AccountChanged { usd: Some(usd), .. } = &e.kind {
+            record.lock().unwrap().push(*usd);
+        }
+    });
+    let spec = node.workspace.agent_run("planner", "Go.", None).unwrap();
+    let spec = node.workspace.with_usd_ceiling(spec, 5_000).unwrap();
+    let run = node.node().start_run(spec).await.unwrap();
+    let tree = node.wait_run(run).await;
+    let planner = step(&tree, "planner");
+    assert_eq!(planner.status, Status::Failed);
+    assert_eq!(planner.error_class, Some(ErrorClass::BudgetExhausted));
+    let requests = mock.received_for(PLANNER);
+    let max_tokens = requests[0].body["max_tokens"].as_u64().unwrap();
+    assert!(
+        max_tokens < 1_000,
+        "output cut to what the micro-dollars pay for: {max_tokens}"
+    );
+    let spent = tree.root().usd.unwrap().spent;
+    assert_eq!(
+        spent,
+        500 + max_tokens * 10,
+        "charged exactly: 1,000 in at 0.5, the output at 10"
+    );
+    assert!(spent <= 5_000);
+    for usd in seen.lock().unwrap().iter() {
+        assert!(
+            usd.spent + usd.held <= usd.grant,
+            "passed the ceiling: {usd:?}"
+        );
+    }
+    node.assert_conserved(run);
+}
