@@ -139,3 +139,88 @@ async fn an_unset_key_variable_refuses_the_run_naming_the_variable() {
     );
     assert!(mock.received().is_empty(), "nothing was sent");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn budget_usd_puts_micro_dollars_in_the_run_document_and_it_is_valid() {
+    let mock = MockProvider::start().await;
+    mock.push_for(
+        Format::Openai,
+        "You are the planner.",
+        openai::tool_calls(
+            &[("submit_output", json!({"output": "Report."}))],
+            1_000,
+            100,
+        ),
+    );
+    let ws = tempfile::tempdir().unwrap();
+    let data = tempfile::tempdir().unwrap();
+    workspace(ws.path(), &mock);
+    std::fs::write(
+        ws.path().join("arbor.toml"),
+        std::fs::read_to_string(ws.path().join("arbor.toml"))
+            .unwrap()
+            .replace("api_key_env", "stream = false\napi_key_env"),
+    )
+    .unwrap();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_arbor"))
+        .args([
+            "run",
+            ws.path().to_str().unwrap(),
+            "--agent",
+            "planner",
+            "--input",
+            "Report.",
+        ])
+        .args([
+            "--json",
+            "--budget-usd",
+            "0.50",
+            "--data-dir",
+            data.path().to_str().unwrap(),
+        ])
+        .env(KEY_VAR, PLANTED)
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // $0.15 and $0.60 per million tokens: 1,000 in and 100 out is 150 + 60.
+    assert_eq!(
+        doc["run"]["usd"],
+        json!({"grant": 500_000, "spent": 210, "held": 0})
+    );
+    assert_eq!(doc["run"]["children"][0]["usd"]["spent"], 210);
+    let schema_text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/contract/run-output.schema.json"),
+    )
+    .unwrap();
+    let schema = jsonschema::validator_for(&serde_json::from_str(&schema_text).unwrap()).unwrap();
+    let errors: Vec<String> = schema.iter_errors(&doc).map(|e| e.to_string()).collect();
+    assert!(errors.is_empty(), "{errors:?}");
+
+    for bad in ["0", "-1", "abc", "nan"] {
+        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_arbor"))
+            .args([
+                "run",
+                ws.path().to_str().unwrap(),
+                "--agent",
+                "planner",
+                "--input",
+                "x",
+            ])
+            .arg(format!("--budget-usd={bad}"))
+            .args(["--data-dir", data.path().to_str().unwrap()])
+            .output()
+            .await
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "--budget-usd {bad}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("--budget-usd"),
+            "--budget-usd {bad}"
+        );
+    }
+}

@@ -389,3 +389,38 @@ async fn inv_33_an_interrupted_job_stays_failed_until_continued_as_a_new_attempt
         "{refused}"
     );
 }
+
+#[tokio::test]
+async fn inv_31_micro_dollar_holds_reconcile_too() {
+    let flow = "budget = { tokens = 100000, usd = 1.0 }\n[[group]]\nsteps = [{ agent = \"boss\", instruction = \"go\", retries = 0 }]\n";
+    let node = node_with(
+        &boss("{agent: slow, request: a, label: a, budget: {usd: 0.25}}"),
+        flow,
+        None,
+    )
+    .await;
+    let run = node.run_flow("work").await;
+    let tree = node
+        .wait_until(run, |t| {
+            t.find("a")
+                .and_then(|id| t.node(id))
+                .is_some_and(|n| n.account.spent == 42)
+        })
+        .await;
+    let a = tree.node(tree.find("a").unwrap()).unwrap().clone();
+    assert_eq!(a.usd.unwrap().grant, 250_000, "it asked for a quarter");
+    let boss_usd = tree.node(tree.find("boss").unwrap()).unwrap().usd.unwrap();
+    assert!(
+        boss_usd.held >= 250_000,
+        "the grant is held in its parent's micro-dollars"
+    );
+
+    let node = node.crash_and_restart().await;
+    let tree = node.wait_run(run).await;
+    for (_, n) in tree.nodes() {
+        let usd = n.usd.expect("every account of the run has micro-dollars");
+        assert_eq!(usd.held, 0, "{:?} still holds {usd:?}", n.label);
+    }
+    assert_eq!(tree.root().usd.unwrap().held, 0);
+    node.assert_conserved(run);
+}
