@@ -130,17 +130,36 @@ pub async fn run(args: LoopArgs) -> LoopOutcome {
                 );
             }
         }
-        let reply = match call_model(&args, &history, &tools, turn).await {
-            Ok(reply) => reply,
-            Err(CallEnd::Budget(refusal)) => {
-                return ended_without_answer(
-                    LoopEnd::BudgetExhausted,
-                    last_text,
-                    turn,
-                    refusal.to_string(),
-                );
+        // The prompt is measured before each call, and compacted if it would
+        // not fit; a provider that still says it is too long gets one more
+        // try, compacted harder.
+        let mut harder = false;
+        let reply = loop {
+            let fitted = fit_context(&args, &mut history, &tools, turn, harder).await;
+            let called = match fitted {
+                Ok(()) => call_model(&args, &args.agent.prompt, &history, &tools, turn).await,
+                Err(end) => Err(end),
+            };
+            match called {
+                Ok(reply) => break reply,
+                Err(CallEnd::Failed(outcome))
+                    if !harder
+                        && outcome.error.as_ref().map(|e| e.0)
+                            == Some(ErrorClass::ContextTooLong)
+                        && args.model.info().context_window.is_some() =>
+                {
+                    harder = true;
+                }
+                Err(CallEnd::Budget(refusal)) => {
+                    return ended_without_answer(
+                        LoopEnd::BudgetExhausted,
+                        last_text,
+                        turn,
+                        refusal.to_string(),
+                    );
+                }
+                Err(CallEnd::Failed(outcome)) => return outcome,
             }
-            Err(CallEnd::Failed(outcome)) => return outcome,
         };
         turn += 1;
         if let Some(text) = reply.text.as_ref().filter(|t| !t.trim().is_empty()) {
@@ -323,8 +342,99 @@ enum CallEnd {
 /// One model call of turn `turn`: reserved at its worst case (I-11), sent,
 /// settled on the reported usage; a transient failure is retried after a
 /// backoff, each attempt reserved and settled on its own.
+/// The system prompt of the call that summarizes old turns (compaction step 2).
+pub const SUMMARY_PROMPT: &str = "Summarize this conversation of an agent at work for the agent itself, so it can go on without it: what it was asked, what it did and found (names, numbers, paths, results), what failed, and what is left to do. Be brief and exact.";
+
+/// The output room a prompt must leave in the context window.
+const MIN_OUTPUT_ROOM: u64 = 1024;
+
+/// Compaction (see `compaction`): the history made to fit the model's
+/// context window before a call, or the job ends with `context_too_long`.
+/// `harder`: the provider refused a prompt this judged to fit, so aim for
+/// half the window.
+async fn fit_context(
+    args: &LoopArgs,
+    history: &mut Vec<Message>,
+    tools: &[ToolName],
+    turn: u32,
+    harder: bool,
+) -> Result<(), CallEnd> {
+    let info = args.model.info();
+    let Some(window) = info.context_window else {
+        return Ok(());
+    };
+    let room = info
+        .max_output_tokens
+        .unwrap_or(MIN_OUTPUT_ROOM)
+        .min(MIN_OUTPUT_ROOM);
+    let target = if harder { window / 2 } else { window };
+    let estimate = |messages: &[Message]| {
+        args.model.estimate_prompt(&ModelRequest {
+            agent: args.agent.name.clone(),
+            system: args.agent.prompt.clone(),
+            messages: messages.to_vec(),
+            tools: tools.to_vec(),
+            max_output_tokens: room,
+            wind_down: Some(WIND_DOWN_NOTICE.to_string()),
+            turn,
+            meter: CallMeter::default(),
+        })
+    };
+    let fits = |messages: &[Message]| estimate(messages) + room <= target;
+    if fits(history) {
+        return Ok(());
+    }
+    let before = estimate(history);
+    let elided = crate::compaction::elide_tool_results(history, fits);
+    let mut summarized = 0;
+    if !fits(history)
+        && let Some(span) = crate::compaction::summary_span(history, crate::compaction::KEEP_TURNS)
+    {
+        let mut text = crate::compaction::transcript(&history[span.clone()]);
+        // The summary's own prompt must fit too: keep the transcript's end.
+        let limit = (target.saturating_sub(room) as usize).saturating_mul(2);
+        if text.len() > limit {
+            let mut start = text.len() - limit;
+            while !text.is_char_boundary(start) {
+                start += 1;
+            }
+            text = text[start..].to_string();
+        }
+        let reply = call_model(args, SUMMARY_PROMPT, &[Message::User(text)], &[], turn).await?;
+        let summary = reply.text.unwrap_or_default();
+        summarized = span.len() as u32;
+        crate::compaction::apply_summary(history, span, &summary);
+    }
+    let after = estimate(history);
+    args.ctx.events.emit(
+        args.run,
+        EventKind::ContextCompacted {
+            id: args.id,
+            turn,
+            tool_results_elided: elided,
+            messages_summarized: summarized,
+            estimate_before: before,
+            estimate_after: after,
+        },
+    );
+    if fits(history) {
+        Ok(())
+    } else {
+        Err(CallEnd::Failed(LoopOutcome::failed(
+            ErrorClass::ContextTooLong,
+            format!(
+                "the prompt needs about {after} tokens, compacted, and {} leaves room for {}",
+                info.model,
+                target.saturating_sub(room)
+            ),
+            turn,
+        )))
+    }
+}
+
 async fn call_model(
     args: &LoopArgs,
+    system: &str,
     history: &[Message],
     tools: &[ToolName],
     turn: u32,
@@ -340,7 +450,7 @@ async fn call_model(
         let meter = CallMeter::default();
         let mut request = ModelRequest {
             agent: args.agent.name.clone(),
-            system: args.agent.prompt.clone(),
+            system: system.to_string(),
             messages: history.to_vec(),
             tools: tools.to_vec(),
             max_output_tokens: max_output_limit,

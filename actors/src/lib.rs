@@ -6,6 +6,7 @@
 
 pub mod account;
 pub mod agent_loop;
+pub mod compaction;
 pub mod context;
 pub mod events;
 pub mod job;

@@ -204,6 +204,11 @@ pub trait Model: Send + Sync {
     fn info(&self) -> ModelInfo {
         ModelInfo::scripted()
     }
+    /// A realistic size of the prompt in tokens, to keep it within the
+    /// context window (`count_input` is the bound that is reserved).
+    fn estimate_prompt(&self, request: &ModelRequest) -> u64 {
+        estimate_tokens(request)
+    }
 }
 
 /// Picks the model for an agent.

@@ -159,6 +159,18 @@ pub enum EventKind {
         #[serde(flatten)]
         call: CallFacts,
     },
+    /// The history was compacted to fit the model's context window.
+    ContextCompacted {
+        id: JobId,
+        turn: u32,
+        /// Tool results replaced by a line that says how long they were.
+        tool_results_elided: u32,
+        /// Messages replaced by a summary the model wrote (0: none).
+        messages_summarized: u32,
+        /// The prompt's estimate in tokens, before and after.
+        estimate_before: u64,
+        estimate_after: u64,
+    },
     /// The provider reported more than the call had reserved; it was charged
     /// what it reported (I-11 is then breached by `reported - reserved`).
     BudgetOverrun {
@@ -205,6 +217,7 @@ impl EventKind {
             | NodeFinished { id, .. }
             | ModelCalled { id, .. }
             | BudgetOverrun { id, .. }
+            | ContextCompacted { id, .. }
             | ToolCalled { id, .. }
             | Refused { id, .. }
             | SteerQueued { id, .. }

@@ -524,8 +524,10 @@ fn anthropic_shaped_overload() -> Answer {
 }
 
 /// The step's one call is answered by `answer`, with no retries.
+/// (The same answer twice: a prompt refused as too long is tried once more, compacted.)
 async fn step_fails_with(format: Format, extra: &str, answer: Answer) -> arbor_protocol::TreeNode {
     let mock = MockProvider::start().await;
+    mock.push_for(format, PLANNER, answer.clone());
     mock.push_for(format, PLANNER, answer);
     let node = start(&mock, format, &format!("{extra}\nmax_retries = 0")).await;
     let run = node.run_agent("planner", "Go.").await;
@@ -778,5 +780,142 @@ async fn inv_11_a_usd_ceiling_is_never_passed_the_output_is_cut_to_what_it_can_p
             "passed the ceiling: {usd:?}"
         );
     }
+    node.assert_conserved(run);
+}
+
+const WRITER: &str = "You are the writer.";
+
+/// One agent on a model with a 3,000-token window.
+async fn small_window(mock: &MockProvider, tools: &str) -> TestNode {
+    let toml = mock
+        .arbor_toml(Format::Openai, "stream = false\nmax_retries = 0")
+        .replace("context_window = 8192", "context_window = 3000");
+    let writer = agent(&format!("tools: [{tools}]"), &format!("{WRITER} Write."));
+    TestNode::start_with_config(&toml, &[("writer", &writer)]).await
+}
+
+fn compactions(events: &[Event]) -> Vec<(u32, u32)> {
+    events
+        .iter()
+        .filter_map(|e| match e.kind {
+            EventKind::ContextCompacted {
+                tool_results_elided,
+                messages_summarized,
+                estimate_before,
+                estimate_after,
+                ..
+            } => {
+                assert!(estimate_after < estimate_before);
+                Some((tool_results_elided, messages_summarized))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_prompt_that_would_not_fit_has_its_oldest_tool_results_elided_first() {
+    let mock = MockProvider::start().await;
+    let big = (
+        "exec",
+        json!({"command": "head -c 9000 /dev/zero | tr '\\0' a"}),
+    );
+    mock.push_for(Format::Openai, WRITER, openai::tool_calls(&[big], 500, 20));
+    mock.push_for(
+        Format::Openai,
+        WRITER,
+        openai::tool_calls(&[("submit_output", json!({"output": "done"}))], 700, 10),
+    );
+    let node = small_window(&mock, "exec").await;
+    let run = node.run_agent("writer", "Go.").await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.root().status, Status::Done, "{:#?}", tree.root());
+    let second = &mock.received_for(WRITER)[1];
+    let text = second.body.to_string();
+    assert!(!text.contains("aaaaaaaaaa"), "the big result was sent");
+    assert!(
+        text.contains("elided to fit the context window: "),
+        "{text}"
+    );
+    assert_eq!(compactions(&node.events(run)), vec![(1, 0)]);
+    node.assert_conserved(run);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn when_eliding_is_not_enough_old_turns_become_a_summary_made_by_a_metered_call() {
+    let mock = MockProvider::start().await;
+    for (i, name) in ["a", "b", "c", "d"].iter().enumerate() {
+        let write = (
+            "write_file",
+            json!({"path": format!("{name}.txt"), "content": name.repeat(1500)}),
+        );
+        mock.push_for(
+            Format::Openai,
+            WRITER,
+            openai::tool_calls(&[write], 600 + i as u64, 30),
+        );
+    }
+    mock.push_for(
+        Format::Openai,
+        WRITER,
+        openai::tool_calls(
+            &[("submit_output", json!({"output": "four files"}))],
+            900,
+            10,
+        ),
+    );
+    for _ in 0..4 {
+        mock.push_for(
+            Format::Openai,
+            "Summarize this conversation",
+            openai::text("Wrote the first files.", 400, 12),
+        );
+    }
+    let node = small_window(&mock, "write_file").await;
+    let run = node.run_agent("writer", "Write four files.").await;
+    let tree = node.wait_run(run).await;
+    let root = tree.root();
+    assert_eq!(root.status, Status::Done, "{root:#?}");
+    let summaries = mock.received_for("Summarize this conversation");
+    assert!(!summaries.is_empty(), "a summary was asked for");
+    assert!(
+        summaries[0].body["tools"].is_null(),
+        "a summary call offers no tools"
+    );
+    let compacted = compactions(&node.events(run));
+    assert!(
+        compacted.iter().any(|(_, summarized)| *summarized > 0),
+        "{compacted:?}"
+    );
+    let last = mock.received_for(WRITER).pop().unwrap().body.to_string();
+    assert!(
+        last.contains("Summary of the earlier part of this conversation"),
+        "{last}"
+    );
+    assert!(last.contains("Write four files."), "the request is kept");
+    // The summary calls are metered like any other: spent is every call's usage.
+    let calls = model_calls(&node.events(run));
+    assert_eq!(calls.len(), 5 + summaries.len());
+    assert_eq!(
+        step(&tree, "writer").account.spent,
+        calls.iter().map(charged).sum::<u64>()
+    );
+    node.assert_conserved(run);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_that_cannot_fit_ends_the_job_with_context_too_long_and_sends_nothing() {
+    let mock = MockProvider::start().await;
+    let node = small_window(&mock, "exec").await;
+    let run = node.run_agent("writer", &"word ".repeat(3000)).await;
+    let tree = node.wait_run(run).await;
+    let writer = step(&tree, "writer");
+    assert_eq!(
+        writer.error_class,
+        Some(ErrorClass::ContextTooLong),
+        "{writer:#?}"
+    );
+    assert!(mock.received().is_empty());
+    assert_eq!(writer.account.spent, 0);
     node.assert_conserved(run);
 }

@@ -124,6 +124,12 @@ impl Model for HttpModel {
         })
     }
 
+    fn estimate_prompt(&self, request: &ModelRequest) -> u64 {
+        // About four bytes a token in English; three is generous.
+        let bytes = serde_json::to_vec(&self.body(request)).map_or(0, |b| b.len() as u64);
+        bytes.div_ceil(3) + TEMPLATE_TOKENS_PER_MESSAGE * (request.messages.len() as u64 + 1)
+    }
+
     fn info(&self) -> ModelInfo {
         ModelInfo {
             provider: self.provider.config.name.clone(),
