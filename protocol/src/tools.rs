@@ -87,7 +87,20 @@ impl ToolName {
     /// The JSON Schema of the tool's arguments, generated from the argument
     /// type itself, so what the model is told and what the loop accepts
     /// cannot drift apart. Self-contained: no `$ref`, no `$schema`.
-    pub fn parameters(self) -> serde_json::Value {
+    /// Generated once per tool and process (every request body carries them).
+    pub fn parameters(self) -> &'static serde_json::Value {
+        static SCHEMAS: std::sync::OnceLock<Vec<serde_json::Value>> = std::sync::OnceLock::new();
+        let schemas = SCHEMAS.get_or_init(|| {
+            ToolName::ALL
+                .iter()
+                .map(|t| t.generate_parameters())
+                .collect()
+        });
+        let index = ToolName::ALL.iter().position(|t| *t == self).unwrap_or(0);
+        &schemas[index]
+    }
+
+    fn generate_parameters(self) -> serde_json::Value {
         let generator = schemars::generate::SchemaSettings::draft2020_12()
             .with(|s| s.inline_subschemas = true)
             .into_generator();

@@ -308,8 +308,7 @@ fn cap_output(body: &str, max_tokens: Option<u64>) -> String {
 }
 
 fn contains(raw: &[u8], marker: &str) -> bool {
-    raw.windows(marker.len().max(1))
-        .any(|w| w == marker.as_bytes())
+    std::str::from_utf8(raw).is_ok_and(|text| text.contains(marker))
 }
 
 fn sse(event: Option<&str>, data: &Value) -> String {

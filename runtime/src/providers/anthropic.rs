@@ -11,7 +11,8 @@ use serde_json::{Value, json};
 /// The API version this client speaks (the `anthropic-version` header).
 pub const API_VERSION: &str = "2023-06-01";
 
-pub fn body(model_id: &str, request: &ModelRequest, stream: bool) -> Value {
+/// `max_tokens`: what the body asks for (the call's reserved output).
+pub fn body(model_id: &str, request: &ModelRequest, max_tokens: u64, stream: bool) -> Value {
     let mut messages: Vec<Value> = vec![];
     let mut push = |role: &str, block: Value| {
         if let Some(last) = messages.last_mut()
@@ -56,7 +57,7 @@ pub fn body(model_id: &str, request: &ModelRequest, stream: bool) -> Value {
         "model": model_id,
         "system": system_prompt(request),
         "messages": messages,
-        "max_tokens": request.max_output_tokens,
+        "max_tokens": max_tokens,
     });
     if !request.tools.is_empty() {
         body["tools"] = request
@@ -66,7 +67,7 @@ pub fn body(model_id: &str, request: &ModelRequest, stream: bool) -> Value {
                 json!({
                     "name": t.as_str(),
                     "description": t.description(),
-                    "input_schema": t.parameters(),
+                    "input_schema": t.parameters().clone(),
                 })
             })
             .collect();
@@ -307,7 +308,7 @@ mod tests {
             turn: 1,
             meter: Default::default(),
         };
-        let body = body("claude-x", &request, false);
+        let body = body("claude-x", &request, 50, false);
         assert_eq!(body["system"], "You are the planner.");
         let messages = body["messages"].as_array().unwrap();
         assert_eq!(messages.len(), 3, "{body}");

@@ -74,11 +74,13 @@ impl HttpModel {
         }
     }
 
-    fn body(&self, request: &ModelRequest) -> Value {
+    fn body(&self, request: &ModelRequest, max_tokens: u64) -> Value {
         let stream = self.provider.config.stream;
         match self.provider.config.kind {
-            ProviderKind::Openai => openai::body(&self.model.id, request, stream),
-            ProviderKind::Anthropic => anthropic::body(&self.model.id, request, stream),
+            ProviderKind::Openai => openai::body(&self.model.id, request, max_tokens, stream),
+            ProviderKind::Anthropic => {
+                anthropic::body(&self.model.id, request, max_tokens, stream)
+            }
         }
     }
 }
@@ -86,9 +88,8 @@ impl HttpModel {
 impl Model for HttpModel {
     fn count_input(&self, request: &ModelRequest) -> u64 {
         // The largest max_tokens this model sends: the body can only be shorter.
-        let mut widest = request.clone();
-        widest.max_output_tokens = self.model.max_output_tokens.max(request.max_output_tokens);
-        let bytes = serde_json::to_vec(&self.body(&widest)).map_or(0, |b| b.len() as u64);
+        let widest = self.model.max_output_tokens.max(request.max_output_tokens);
+        let bytes = json_len(&self.body(request, widest));
         bytes
             + TEMPLATE_TOKENS_PER_MESSAGE * (request.messages.len() as u64 + 1)
             + TEMPLATE_TOKENS_PER_CALL
@@ -98,7 +99,7 @@ impl Model for HttpModel {
         &self,
         request: ModelRequest,
     ) -> BoxFuture<'static, Result<ModelReply, ModelError>> {
-        let body = self.body(&request);
+        let body = self.body(&request, request.max_output_tokens);
         let provider = self.provider.clone();
         let key = self.key.clone();
         Box::pin(async move {
@@ -126,7 +127,7 @@ impl Model for HttpModel {
 
     fn estimate_prompt(&self, request: &ModelRequest) -> u64 {
         // About four bytes a token in English; three is generous.
-        let bytes = serde_json::to_vec(&self.body(request)).map_or(0, |b| b.len() as u64);
+        let bytes = json_len(&self.body(request, request.max_output_tokens));
         bytes.div_ceil(3) + TEMPLATE_TOKENS_PER_MESSAGE * (request.messages.len() as u64 + 1)
     }
 
@@ -394,6 +395,24 @@ fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
         at.duration_since(std::time::SystemTime::now())
             .unwrap_or_default(),
     )
+}
+
+/// The length of a value's JSON, as `serde_json::to_vec` would write it,
+/// without building the bytes.
+fn json_len(value: &Value) -> u64 {
+    struct Count(u64);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len() as u64;
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    let _ = serde_json::to_writer(&mut count, value);
+    count.0
 }
 
 fn clip(text: &str) -> String {

@@ -8,7 +8,8 @@ use arbor_protocol::Usage;
 use serde_json::{Value, json};
 
 /// The request body. `max_tokens` is the call's reserved output.
-pub fn body(model_id: &str, request: &ModelRequest, stream: bool) -> Value {
+/// `max_tokens`: what the body asks for (the call's reserved output).
+pub fn body(model_id: &str, request: &ModelRequest, max_tokens: u64, stream: bool) -> Value {
     let mut messages = vec![json!({"role": "system", "content": system_prompt(request)})];
     for message in &request.messages {
         messages.push(match message {
@@ -43,7 +44,7 @@ pub fn body(model_id: &str, request: &ModelRequest, stream: bool) -> Value {
     let mut body = json!({
         "model": model_id,
         "messages": messages,
-        "max_tokens": request.max_output_tokens,
+        "max_tokens": max_tokens,
     });
     if !request.tools.is_empty() {
         body["tools"] = request
@@ -55,7 +56,7 @@ pub fn body(model_id: &str, request: &ModelRequest, stream: bool) -> Value {
                     "function": {
                         "name": t.as_str(),
                         "description": t.description(),
-                        "parameters": t.parameters(),
+                        "parameters": t.parameters().clone(),
                     },
                 })
             })
@@ -261,7 +262,7 @@ mod tests {
 
     #[test]
     fn the_body_carries_the_system_prompt_tools_history_and_max_tokens() {
-        let body = body("gpt-x", &request(), true);
+        let body = body("gpt-x", &request(), 77, true);
         assert_eq!(body["model"], "gpt-x");
         assert_eq!(body["max_tokens"], 77);
         assert_eq!(body["stream_options"]["include_usage"], true);
