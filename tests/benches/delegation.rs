@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 #[allow(dead_code)]
 #[path = "support/shared.rs"]
 mod shared;
-use shared::Cpu;
+use shared::{Cpu, Latency, round};
 
 /// How long one measured run may take before the benchmark gives up.
 const RUN_LIMIT: Duration = Duration::from_secs(300);
@@ -103,44 +103,6 @@ impl Sizes {
             runs: 1,
         },
     };
-}
-
-/// Latency figures of one series, in microseconds.
-#[derive(Clone, Copy, Debug)]
-struct Latency {
-    samples: usize,
-    mean_us: f64,
-    p50_us: f64,
-    p99_us: f64,
-}
-
-impl Latency {
-    fn of(samples: &[Duration]) -> Latency {
-        assert!(!samples.is_empty(), "a series with no samples");
-        let mut sorted = samples.to_vec();
-        sorted.sort();
-        let micros = |d: Duration| d.as_secs_f64() * 1e6;
-        // Nearest rank: the smallest sample with at least p% of them at or below it.
-        let rank = |p: f64| {
-            let index = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-            micros(sorted[index.clamp(1, sorted.len()) - 1])
-        };
-        Latency {
-            samples: sorted.len(),
-            mean_us: sorted.iter().map(|d| micros(*d)).sum::<f64>() / sorted.len() as f64,
-            p50_us: rank(50.0),
-            p99_us: rank(99.0),
-        }
-    }
-
-    fn json(&self) -> serde_json::Value {
-        serde_json::json!({
-            "n": self.samples,
-            "mean_us": round(self.mean_us),
-            "p50_us": round(self.p50_us),
-            "p99_us": round(self.p99_us),
-        })
-    }
 }
 
 /// What the delegate run measured.
@@ -241,16 +203,8 @@ async fn run(sizes: Sizes, quick: bool, workers: usize) {
     let p50_ratio = delegate.call.p50_us / baseline.p50_us;
 
     println!();
-    println!(
-        "{:<48} {:>6} {:>11} {:>11} {:>11}",
-        "latency", "n", "mean µs", "p50 µs", "p99 µs"
-    );
-    let row = |name: &str, l: &Latency| {
-        println!(
-            "{name:<48} {:>6} {:>11.1} {:>11.1} {:>11.1}",
-            l.samples, l.mean_us, l.p50_us, l.p99_us
-        );
-    };
+    Latency::print_header(48);
+    let row = |name: &str, l: &Latency| l.print_row(name, 48);
     row("ractor: spawn, call, stop, wait (baseline)", &baseline);
     row("journal: commit one ledger record", &commit);
     row("arbor: delegate call, wait = true", &delegate.call);
@@ -722,8 +676,4 @@ impl PerOp for Cpu {
         let (user, system) = self.per_op_us(ops);
         serde_json::json!({ "user_us": round(user), "system_us": round(system) })
     }
-}
-
-fn round(x: f64) -> f64 {
-    (x * 10.0).round() / 10.0
 }

@@ -14,6 +14,8 @@
 //! It is timed between consecutive `ModelCalled` events, by an observer that
 //! runs in the emitting task.
 
+// Each bench binary uses part of it.
+#[allow(dead_code)]
 #[path = "support/shared.rs"]
 mod shared;
 
@@ -21,6 +23,7 @@ use arbor_protocol::EventKind;
 use arbor_testkit::mock_provider::{Format, MockProvider, openai};
 use arbor_testkit::{TestNode, agent_md};
 use serde_json::json;
+use shared::Latency;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -38,27 +41,6 @@ impl Sizes {
         baseline: 50,
         turns: 20,
     };
-}
-
-struct Latency {
-    samples: usize,
-    mean_us: f64,
-    p50_us: f64,
-    p99_us: f64,
-}
-
-impl Latency {
-    fn of(samples: &[Duration]) -> Latency {
-        let mut us: Vec<f64> = samples.iter().map(|d| d.as_secs_f64() * 1e6).collect();
-        us.sort_by(f64::total_cmp);
-        let at = |q: f64| us[((us.len() - 1) as f64 * q).round() as usize];
-        Latency {
-            samples: us.len(),
-            mean_us: us.iter().sum::<f64>() / us.len() as f64,
-            p50_us: at(0.5),
-            p99_us: at(0.99),
-        }
-    }
 }
 
 fn main() {
@@ -154,16 +136,8 @@ async fn run(sizes: Sizes, quick: bool, workers: usize) {
     let turn = Latency::of(&turns);
 
     println!();
-    println!(
-        "{:<52} {:>6} {:>11} {:>11} {:>11}",
-        "latency", "n", "mean µs", "p50 µs", "p99 µs"
-    );
-    let row = |name: &str, l: &Latency| {
-        println!(
-            "{name:<52} {:>6} {:>11.1} {:>11.1} {:>11.1}",
-            l.samples, l.mean_us, l.p50_us, l.p99_us
-        );
-    };
+    Latency::print_header(52);
+    let row = |name: &str, l: &Latency| l.print_row(name, 52);
     row("reqwest: POST the same body, parse JSON (baseline)", &bare);
     row("arbor: one agent turn (reserve, call, settle, tool)", &turn);
     println!();

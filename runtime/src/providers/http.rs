@@ -78,9 +78,7 @@ impl HttpModel {
         let stream = self.provider.config.stream;
         match self.provider.config.kind {
             ProviderKind::Openai => openai::body(&self.model.id, request, max_tokens, stream),
-            ProviderKind::Anthropic => {
-                anthropic::body(&self.model.id, request, max_tokens, stream)
-            }
+            ProviderKind::Anthropic => anthropic::body(&self.model.id, request, max_tokens, stream),
         }
     }
 }

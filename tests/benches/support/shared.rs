@@ -1,5 +1,6 @@
-//! What both benchmark binaries share: how a run picks its sizes, the
-//! runtime it runs on, and the process CPU clock.
+//! What the benchmark binaries share: how a run picks its sizes, the
+//! runtime it runs on, the process CPU clock, and latency figures. Each
+//! binary uses part of it (and allows the rest unused where it declares the module).
 
 use std::time::Duration;
 
@@ -57,4 +58,62 @@ impl Cpu {
     pub fn total(self) -> Duration {
         self.user + self.system
     }
+}
+
+/// Latency figures of one series, in microseconds.
+#[derive(Clone, Copy, Debug)]
+pub struct Latency {
+    pub samples: usize,
+    pub mean_us: f64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+}
+
+impl Latency {
+    pub fn of(samples: &[Duration]) -> Latency {
+        assert!(!samples.is_empty(), "a series with no samples");
+        let mut sorted = samples.to_vec();
+        sorted.sort();
+        let micros = |d: Duration| d.as_secs_f64() * 1e6;
+        // Nearest rank: the smallest sample with at least p% of them at or below it.
+        let rank = |p: f64| {
+            let index = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+            micros(sorted[index.clamp(1, sorted.len()) - 1])
+        };
+        Latency {
+            samples: sorted.len(),
+            mean_us: sorted.iter().map(|d| micros(*d)).sum::<f64>() / sorted.len() as f64,
+            p50_us: rank(50.0),
+            p99_us: rank(99.0),
+        }
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "n": self.samples,
+            "mean_us": round(self.mean_us),
+            "p50_us": round(self.p50_us),
+            "p99_us": round(self.p99_us),
+        })
+    }
+
+    /// The header of a table of `print_row`s with names `width` wide.
+    pub fn print_header(width: usize) {
+        println!(
+            "{:<width$} {:>6} {:>11} {:>11} {:>11}",
+            "latency", "n", "mean µs", "p50 µs", "p99 µs"
+        );
+    }
+
+    pub fn print_row(&self, name: &str, width: usize) {
+        println!(
+            "{name:<width$} {:>6} {:>11.1} {:>11.1} {:>11.1}",
+            self.samples, self.mean_us, self.p50_us, self.p99_us
+        );
+    }
+}
+
+/// One decimal place, for the summary lines.
+pub fn round(x: f64) -> f64 {
+    (x * 10.0).round() / 10.0
 }
