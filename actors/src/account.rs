@@ -146,14 +146,13 @@ pub enum AccountMsg {
 pub struct Closed {
     pub tokens: AccountView,
     pub usd: Option<AccountView>,
+    /// What it spent, in both units (micro-dollars metered even without a ceiling).
+    pub spent: Amount,
 }
 
 impl Closed {
     pub fn spent(&self) -> Amount {
-        Amount {
-            tokens: self.tokens.spent,
-            usd_micros: self.usd.map_or(0, |u| u.spent),
-        }
+        self.spent
     }
 }
 
@@ -407,6 +406,9 @@ pub struct Ledger {
     pub grant: u64,
     tokens: Purse,
     usd: Option<Purse>,
+    /// Micro-dollars spent by an account without a usd ceiling: metered for
+    /// its envelope, not held or journaled (there is no ceiling to keep).
+    usd_metered: u64,
     closed: bool,
 }
 
@@ -508,8 +510,9 @@ impl Ledger {
     pub fn resumed(grant: u64, grant_usd: Option<u64>, wind_down: f64, spent: Amount) -> Self {
         let mut ledger = Self::with_usd(grant, grant_usd, wind_down);
         ledger.tokens.children_spent = spent.tokens;
-        if let Some(usd) = &mut ledger.usd {
-            usd.children_spent = spent.usd_micros;
+        match &mut ledger.usd {
+            Some(usd) => usd.children_spent = spent.usd_micros,
+            None => ledger.usd_metered = spent.usd_micros,
         }
         ledger
     }
@@ -523,6 +526,7 @@ impl Ledger {
             grant,
             tokens: Purse::new(grant, wind_down),
             usd: grant_usd.map(|g| Purse::new(g, wind_down)),
+            usd_metered: 0,
             closed: false,
         }
     }
@@ -547,7 +551,7 @@ impl Ledger {
     pub fn spent_amount(&self) -> Amount {
         Amount {
             tokens: self.tokens.spent(),
-            usd_micros: self.usd.as_ref().map_or(0, Purse::spent),
+            usd_micros: self.usd.as_ref().map_or(self.usd_metered, Purse::spent),
         }
     }
 
@@ -570,6 +574,7 @@ impl Ledger {
         Closed {
             tokens: self.view(),
             usd: self.usd_view(),
+            spent: self.spent_amount(),
         }
     }
 
@@ -699,9 +704,12 @@ impl Ledger {
     pub fn settle_call(&mut self, reserved: Amount, spent: Amount) {
         self.tokens.held_calls = self.tokens.held_calls.saturating_sub(reserved.tokens);
         self.tokens.own_spent += spent.tokens;
-        if let Some(purse) = &mut self.usd {
-            purse.held_calls = purse.held_calls.saturating_sub(reserved.usd_micros);
-            purse.own_spent += spent.usd_micros;
+        match &mut self.usd {
+            Some(purse) => {
+                purse.held_calls = purse.held_calls.saturating_sub(reserved.usd_micros);
+                purse.own_spent += spent.usd_micros;
+            }
+            None => self.usd_metered += spent.usd_micros,
         }
     }
 
@@ -711,9 +719,12 @@ impl Ledger {
         let tokens = self.tokens.held_children.remove(&child)?;
         self.tokens.children_spent += spent.tokens;
         let mut usd_micros = 0;
-        if let Some(purse) = &mut self.usd {
-            usd_micros = purse.held_children.remove(&child).unwrap_or(0);
-            purse.children_spent += spent.usd_micros;
+        match &mut self.usd {
+            Some(purse) => {
+                usd_micros = purse.held_children.remove(&child).unwrap_or(0);
+                purse.children_spent += spent.usd_micros;
+            }
+            None => self.usd_metered += spent.usd_micros,
         }
         Some(Amount { tokens, usd_micros })
     }
@@ -956,6 +967,33 @@ mod usd_tests {
             Ledger::new(1000, 0.8).plan_call(10, 10, None).is_ok(),
             "without a ceiling, no price is needed"
         );
+    }
+
+    #[test]
+    fn without_a_ceiling_micro_dollars_are_metered_for_the_envelope() {
+        let mut ledger = Ledger::new(1000, 0.8);
+        let cost = |usd_micros| Amount {
+            tokens: 10,
+            usd_micros,
+        };
+        ledger.settle_call(Amount::ZERO, cost(7));
+        let child = JobId::new();
+        ledger.hold_child(
+            child,
+            Grant {
+                tokens: 100,
+                usd: None,
+            },
+        );
+        ledger.settle_child(child, cost(5));
+        assert_eq!(
+            ledger.spent_amount(),
+            Amount {
+                tokens: 20,
+                usd_micros: 12
+            }
+        );
+        assert_eq!(ledger.usd_view(), None, "nothing held or shown: no ceiling");
     }
 
     #[test]

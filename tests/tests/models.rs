@@ -919,3 +919,42 @@ async fn a_request_that_cannot_fit_ends_the_job_with_context_too_long_and_sends_
     assert_eq!(writer.account.spent, 0);
     node.assert_conserved(run);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn without_a_ceiling_costs_are_still_metered_in_events_and_envelopes() {
+    let mock = MockProvider::start().await;
+    let format = Format::Openai;
+    let delegate = (
+        "delegate",
+        json!({"jobs": [{"agent": "researcher", "request": "Find it.", "label": "r"}]}),
+    );
+    mock.push_for(format, PLANNER, openai::tool_calls(&[delegate], 100, 10));
+    mock.push_for(format, RESEARCHER, openai::text("A fact.", 200, 20));
+    mock.push_for(
+        format,
+        PLANNER,
+        openai::tool_calls(&[("submit_output", json!({"output": "ok"}))], 300, 30),
+    );
+    let node = priced(&mock, format, 3.0, 15.0).await;
+    let run = node.run_agent("planner", "Go.").await;
+    let tree = node.wait_run(run).await;
+    assert!(tree.root().usd.is_none(), "no ceiling, no usd figures");
+    let spent: std::collections::HashMap<Option<String>, u64> = node
+        .events(run)
+        .into_iter()
+        .filter_map(|e| match e.kind {
+            EventKind::NodeFinished {
+                id,
+                usd_micros_spent,
+                ..
+            } => Some((tree.node(id).unwrap().label.clone(), usd_micros_spent)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(spent[&Some("r".to_string())], 200 * 3 + 20 * 15);
+    assert_eq!(
+        spent[&Some("planner".to_string())],
+        100 * 3 + 10 * 15 + 900 + 300 * 3 + 30 * 15
+    );
+    node.assert_conserved(run);
+}
