@@ -3,7 +3,7 @@
 
 use crate::{Failure, bad};
 use arbor_protocol::{ParentRef, RunId};
-use arbor_storage::{Journal, ledger_totals};
+use arbor_storage::{Journal, ledger_totals, usd_totals};
 use std::path::Path;
 use std::process::ExitCode;
 
@@ -78,14 +78,17 @@ pub fn inspect(data_dir: &Path, run: Option<&str>, json: bool) -> Result<ExitCod
         for owner in owners {
             let entries = journal.ledger(owner).map_err(read)?;
             let totals = ledger_totals(&entries);
-            ledgers.push((owner, entries, totals));
+            let usd = usd_totals(&entries);
+            ledgers.push((owner, entries, totals, usd));
         }
         if json {
             docs.push(serde_json::json!({
                 "run": r,
                 "jobs": jobs,
-                "ledger": ledgers.iter().filter(|_| run.is_some()).map(|(owner, entries, t)| serde_json::json!({
-                    "owner": owner, "grant": t.grant, "spent": t.spent, "held": t.held, "entries": entries,
+                "ledger": ledgers.iter().filter(|_| run.is_some()).map(|(owner, entries, t, usd)| serde_json::json!({
+                    "owner": owner, "grant": t.grant, "spent": t.spent, "held": t.held,
+                    "usd": usd.map(|u| serde_json::json!({"grant": u.grant, "spent": u.spent, "held": u.held})),
+                    "entries": entries,
                 })).collect::<Vec<_>>(),
             }));
             continue;
@@ -102,9 +105,20 @@ pub fn inspect(data_dir: &Path, run: Option<&str>, json: bool) -> Result<ExitCod
                 .map(|x| format!(" — {x}"))
                 .unwrap_or_default()
         );
+        let usd_of = |owner: ParentRef| {
+            ledgers
+                .iter()
+                .find(|l| l.0 == owner)
+                .and_then(|l| l.3)
+                .map(|u| format!(" usd {} of {} micro-dollars", u.spent, u.grant))
+                .unwrap_or_default()
+        };
+        if let Some(usd) = Some(usd_of(ParentRef::Run(r.id))).filter(|u| !u.is_empty()) {
+            println!("  run account:{usd}");
+        }
         for j in &jobs {
             println!(
-                "  {}{} {} ({}) [{}] attempt {} grant {} spent {}{}",
+                "  {}{} {} ({}) [{}] attempt {} grant {} spent {}{}{}",
                 "  ".repeat(j.depth as usize),
                 j.kind.as_str(),
                 j.label.clone().unwrap_or_default(),
@@ -113,6 +127,7 @@ pub fn inspect(data_dir: &Path, run: Option<&str>, json: bool) -> Result<ExitCod
                 j.attempt,
                 j.grant_tokens,
                 j.tokens_spent,
+                usd_of(ParentRef::Job(j.id)),
                 j.reason
                     .as_ref()
                     .map(|x| format!(" — {x}"))
@@ -121,10 +136,17 @@ pub fn inspect(data_dir: &Path, run: Option<&str>, json: bool) -> Result<ExitCod
         }
         if run.is_some() {
             println!("  ledger:");
-            for (owner, entries, t) in &ledgers {
+            for (owner, entries, t, usd) in &ledgers {
                 println!(
-                    "    {owner:?}: grant {} spent {} held {}",
-                    t.grant, t.spent, t.held
+                    "    {owner:?}: grant {} spent {} held {}{}",
+                    t.grant,
+                    t.spent,
+                    t.held,
+                    usd.map(|u| format!(
+                        "; usd grant {} spent {} held {}",
+                        u.grant, u.spent, u.held
+                    ))
+                    .unwrap_or_default()
                 );
                 for e in entries {
                     println!("      epoch {} {:?}", e.epoch, e.op);
