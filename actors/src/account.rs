@@ -115,6 +115,8 @@ pub enum AccountMsg {
         max_output_limit: u64,
         /// The model's price; None: unpriced (refused under a usd ceiling).
         price: Option<Price>,
+        /// The request goes to a provider that bills what it receives.
+        billed: bool,
         reply: RpcReplyPort<Result<CallHold, Refusal>>,
     },
     /// The call came back: release its hold, charge what it used.
@@ -231,6 +233,7 @@ impl Actor for Account {
                 input_estimate,
                 max_output_limit,
                 price,
+                billed,
                 reply,
             } => {
                 let result = state
@@ -241,9 +244,13 @@ impl Actor for Account {
                         tokens: hold.reserved,
                         usd_micros: hold.reserved_usd,
                     };
-                    let ops = state
-                        .ledger
-                        .ops(reserved, |tokens| LedgerOp::CallReserve { tokens });
+                    let ops = state.ledger.ops(reserved, |tokens| {
+                        if billed {
+                            LedgerOp::BilledCallReserve { tokens }
+                        } else {
+                            LedgerOp::CallReserve { tokens }
+                        }
+                    });
                     state.journal_many(ops, true).await?;
                     state.ledger.hold_call(reserved);
                     state.publish();

@@ -464,6 +464,7 @@ async fn call_model(
             input_estimate,
             max_output_limit,
             price: info.price,
+            billed: info.billed,
             reply,
         }) {
             Ok(Ok(hold)) => hold,

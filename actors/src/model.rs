@@ -179,6 +179,9 @@ pub struct ModelInfo {
     /// None: no price is configured (a usd ceiling cannot be kept on it).
     pub price: Option<Price>,
     pub retry: RetryPolicy,
+    /// Its provider bills what it receives, so a call a crash cut short is
+    /// charged in full at recovery (the scripted model bills nothing).
+    pub billed: bool,
 }
 
 impl ModelInfo {
@@ -191,6 +194,7 @@ impl ModelInfo {
             // The scripted model costs nothing.
             price: Some(Price::default()),
             retry: RetryPolicy::NONE,
+            billed: false,
         }
     }
 }

@@ -122,8 +122,18 @@ fn kill_if_same(sandbox: &SandboxRecord) -> bool {
 
 /// Open holds by child, and tokens held for calls that never settled.
 fn open_holds(entries: &[LedgerRecord]) -> (BTreeMap<JobId, u64>, u64) {
+    let (holds, billed, unbilled) = open_calls(entries);
+    (holds, billed + unbilled)
+}
+
+/// Open holds by child, and what is held for calls that never settled, in
+/// two parts: calls to a billing provider (recovery charges them in full:
+/// they may have cost that) and the rest (released at 0).
+fn open_calls(entries: &[LedgerRecord]) -> (BTreeMap<JobId, u64>, u64, u64) {
     let mut holds = BTreeMap::new();
-    let mut calls: i128 = 0;
+    // Reservations in order; a settle releases the oldest open one (an
+    // account has one loop, so one call in flight at a time).
+    let mut calls: std::collections::VecDeque<(u64, bool)> = Default::default();
     for entry in entries {
         match &entry.op {
             LedgerOp::Hold { child, tokens } => {
@@ -132,12 +142,28 @@ fn open_holds(entries: &[LedgerRecord]) -> (BTreeMap<JobId, u64>, u64) {
             LedgerOp::Release { child, .. } => {
                 holds.remove(child);
             }
-            LedgerOp::CallReserve { tokens } => calls += *tokens as i128,
-            LedgerOp::CallSettle { reserved, .. } => calls -= *reserved as i128,
+            LedgerOp::CallReserve { tokens } => calls.push_back((*tokens, false)),
+            LedgerOp::BilledCallReserve { tokens } => calls.push_back((*tokens, true)),
+            LedgerOp::CallSettle { reserved, .. } => {
+                let mut left = *reserved;
+                while left > 0 {
+                    let Some(front) = calls.front_mut() else {
+                        break;
+                    };
+                    let taken = front.0.min(left);
+                    front.0 -= taken;
+                    left -= taken;
+                    if front.0 == 0 {
+                        calls.pop_front();
+                    }
+                }
+            }
             _ => {}
         }
     }
-    (holds, calls.max(0) as u64)
+    let billed = calls.iter().filter(|c| c.1).map(|c| c.0).sum();
+    let unbilled = calls.iter().filter(|c| !c.1).map(|c| c.0).sum();
+    (holds, billed, unbilled)
 }
 
 fn ledger(epoch: u64, owner: ParentRef, op: LedgerOp) -> Record {
@@ -158,6 +184,8 @@ fn units(entries: &[LedgerRecord]) -> Vec<bool> {
 /// (counted once for both units).
 fn release_orphans(
     journal: &Journal,
+    events: &EventBus,
+    run: RunId,
     epoch: u64,
     owner: ParentRef,
     known: &HashMap<JobId, JobRecord>,
@@ -165,8 +193,10 @@ fn release_orphans(
     let entries = journal.ledger(owner)?;
     let mut records = vec![];
     let mut released = 0;
+    let mut charged = Amount::ZERO;
     for usd in units(&entries) {
-        let (holds, calls) = open_holds(&ledger_of(&entries, usd));
+        let (holds, billed, unbilled) = open_calls(&ledger_of(&entries, usd));
+        let calls = billed + unbilled;
         let op = |op| ledger(epoch, owner, LedgerOp::in_usd(usd, op));
         for (child, granted) in holds {
             if !known.contains_key(&child) {
@@ -179,14 +209,42 @@ fn release_orphans(
             }
         }
         if calls > 0 {
+            // A request a billing provider may have received is charged its
+            // reservation; one that bills nothing (scripted) is released at 0.
             records.push(op(LedgerOp::CallSettle {
                 reserved: calls,
-                spent: 0,
+                spent: billed,
             }));
             released += u32::from(!usd);
+            if usd {
+                charged.usd_micros = billed;
+            } else {
+                charged.tokens = billed;
+            }
         }
     }
     journal.append(records)?;
+    // The charge is a model call's, so the tree sees it as one.
+    if let (ParentRef::Job(id), true) = (owner, charged.tokens > 0) {
+        events.emit(
+            run,
+            EventKind::ModelCalled {
+                id,
+                turn: 0,
+                reserved: charged.tokens,
+                input_tokens: charged.tokens,
+                output_tokens: 0,
+                truncated: false,
+                wind_down: false,
+                call: arbor_protocol::CallFacts {
+                    usd_micros: charged.usd_micros,
+                    outcome: "interrupted".into(),
+                    usage_estimated: true,
+                    ..Default::default()
+                },
+            },
+        );
+    }
     Ok(released)
 }
 
@@ -247,7 +305,7 @@ fn recover_run(
     let mut processes = 0;
     for job in interrupted {
         let owner = ParentRef::Job(job.id);
-        released += release_orphans(journal, epoch, owner, &jobs)?;
+        released += release_orphans(journal, events, run.id, epoch, owner, &jobs)?;
         let entries = journal.ledger(owner)?;
         let parent_entries = journal.ledger(job.parent)?;
         let mut records = vec![];
@@ -316,7 +374,14 @@ fn recover_run(
         processes += killed_by_job.get(&job.id).copied().unwrap_or(0);
         failed += 1;
     }
-    released += release_orphans(journal, epoch, ParentRef::Run(run.id), &jobs)?;
+    released += release_orphans(
+        journal,
+        events,
+        run.id,
+        epoch,
+        ParentRef::Run(run.id),
+        &jobs,
+    )?;
     let run_spent = publish_account(journal, events, run.id, ParentRef::Run(run.id))?;
     report.grants_released += released;
     events.emit(

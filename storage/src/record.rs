@@ -115,6 +115,11 @@ pub enum LedgerOp {
     /// every change to it is written in the same batch as its tokens' change.
     /// (A variant added last, so records written before it still decode.)
     Usd(Box<LedgerOp>),
+    /// A model call's worst case held, for a request to a provider that
+    /// bills what it receives: if a crash leaves it open, recovery charges it
+    /// in full (its usage is unknown, and may have been billed). Folds like
+    /// `CallReserve`. (Added after `Usd`, so older records still decode.)
+    BilledCallReserve { tokens: u64 },
 }
 
 impl LedgerOp {
@@ -246,7 +251,7 @@ pub fn ledger_totals(entries: &[LedgerRecord]) -> LedgerTotals {
                 holds.remove(&child);
                 totals.spent = totals.spent.saturating_add(spent);
             }
-            LedgerOp::CallReserve { tokens } => {
+            LedgerOp::CallReserve { tokens } | LedgerOp::BilledCallReserve { tokens } => {
                 calls_reserved = calls_reserved.saturating_add(tokens);
             }
             LedgerOp::CallSettle { reserved, spent } => {

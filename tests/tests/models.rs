@@ -958,3 +958,63 @@ async fn without_a_ceiling_costs_are_still_metered_in_events_and_envelopes() {
     );
     node.assert_conserved(run);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn inv_31_a_call_to_a_provider_in_flight_at_a_crash_is_charged_its_reservation() {
+    let mock = MockProvider::start().await;
+    let format = Format::Anthropic;
+    mock.push_for(
+        format,
+        PLANNER,
+        anthropic::partial_stream("Half an ans", 25, StreamEnd::Hang),
+    );
+    // The step's next attempt, after the restart.
+    mock.push_for(
+        format,
+        PLANNER,
+        anthropic::stream("", &[("submit_output", json!({"output": "again"}))], 40, 5),
+    );
+    let toml = mock.arbor_toml(format, "max_retries = 0");
+    let planner = planner();
+    let researcher = researcher("");
+    let agents = [
+        ("planner", planner.as_str()),
+        ("researcher", researcher.as_str()),
+    ];
+    let workspace =
+        arbor_runtime::Workspace::from_texts("ws".into(), Some(&toml), &agents, &[]).unwrap();
+    let watched = WatchedModels::new(Arc::new(Models::new(&workspace.config.providers)));
+    let node = TestNode::start_full(Some(&toml), &agents, watched.clone()).await;
+    let run = node.run_agent("planner", "Go.").await;
+    watched
+        .meter("planner", 0)
+        .await
+        .streamed_at_least(11)
+        .await;
+    let first = node.wait_for(run, "planner").await;
+    let reserved = node
+        .ledger(arbor_protocol::ParentRef::Job(first))
+        .iter()
+        .find_map(|e| match e.op {
+            arbor_storage::LedgerOp::BilledCallReserve { tokens } => Some(tokens),
+            _ => None,
+        })
+        .expect("a provider call's reservation is marked as billed");
+
+    let node = node.crash_and_restart().await;
+    let tree = node.wait_run(run).await;
+    let interrupted = tree.node(first).unwrap();
+    assert_eq!(interrupted.error_class, Some(ErrorClass::Interrupted));
+    assert_eq!(
+        interrupted.account.spent, reserved,
+        "charged what it may have cost"
+    );
+    assert_eq!(
+        tree.root().status,
+        Status::Done,
+        "resumed as a new attempt: {:#?}",
+        tree.root()
+    );
+    assert_eq!(tree.root().account.spent, reserved + 45);
+    node.assert_conserved(run);
+}

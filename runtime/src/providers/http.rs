@@ -137,6 +137,7 @@ impl Model for HttpModel {
             context_window: Some(self.model.context_window),
             price: self.model.price,
             retry: self.provider.config.retry,
+            billed: true,
         }
     }
 }
