@@ -1001,6 +1001,9 @@ async fn inv_31_a_call_to_a_provider_in_flight_at_a_crash_is_charged_its_reserva
         })
         .expect("a provider call's reservation is marked as billed");
 
+    // As a SIGKILL would: nothing more reaches the journal (the loop, seeing
+    // its actors go, would otherwise settle the call it was in).
+    node.journal().faults().fail_writes(true);
     let node = node.crash_and_restart().await;
     let tree = node.wait_run(run).await;
     let interrupted = tree.node(first).unwrap();
