@@ -601,6 +601,22 @@ async fn every_bad_answer_is_an_error_of_its_class_never_a_panic() {
     }
 }
 
+/// The planner and a researcher on the workspace's own models, watched, so a
+/// test can act once a call's answer has started streaming.
+async fn watched_node(arbor_toml: &str) -> (TestNode, Arc<WatchedModels>) {
+    let planner = planner();
+    let researcher = researcher("");
+    let agents = [
+        ("planner", planner.as_str()),
+        ("researcher", researcher.as_str()),
+    ];
+    let workspace =
+        arbor_runtime::Workspace::from_texts("ws".into(), Some(arbor_toml), &agents, &[]).unwrap();
+    let watched = WatchedModels::new(Arc::new(Models::new(&workspace.config.providers)));
+    let node = TestNode::start_full(Some(arbor_toml), &agents, watched.clone()).await;
+    (node, watched)
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn inv_16_a_stop_in_the_middle_of_a_streamed_answer_keeps_nothing_of_it_and_charges_what_streamed()
  {
@@ -611,22 +627,7 @@ async fn inv_16_a_stop_in_the_middle_of_a_streamed_answer_keeps_nothing_of_it_an
         PLANNER,
         anthropic::partial_stream("Partial ans", 25, StreamEnd::Hang),
     );
-    let planner = planner();
-    let researcher = researcher("");
-    let agents = [
-        ("planner", planner.as_str()),
-        ("researcher", researcher.as_str()),
-    ];
-    let workspace = arbor_runtime::Workspace::from_texts(
-        "ws".into(),
-        Some(&mock.arbor_toml(format, "")),
-        &agents,
-        &[],
-    )
-    .unwrap();
-    let watched = WatchedModels::new(Arc::new(Models::new(&workspace.config.providers)));
-    let node =
-        TestNode::start_full(Some(&mock.arbor_toml(format, "")), &agents, watched.clone()).await;
+    let (node, watched) = watched_node(&mock.arbor_toml(format, "")).await;
     let run = node.run_agent("planner", "Go.").await;
     let meter = watched.meter("planner", 0).await;
     meter.streamed_at_least("Partial ans".len() as u64).await;
@@ -667,8 +668,10 @@ async fn priced(mock: &MockProvider, format: Format, input: f64, output: f64) ->
     TestNode::start_with_config(&toml, &[("planner", &planner), ("researcher", &researcher)]).await
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_usd_budgeted_run_charges_exact_micro_dollars_at_every_level() {
+/// A planner delegating one researcher, on a model at $3 and $15 per million
+/// tokens (3 and 15 micro-dollars a token): 100 in and 10 out, then the
+/// researcher's 200 and 20, then 300 and 30.
+async fn priced_delegation() -> (MockProvider, TestNode) {
     let mock = MockProvider::start().await;
     let format = Format::Openai;
     let delegate = (
@@ -682,8 +685,13 @@ async fn a_usd_budgeted_run_charges_exact_micro_dollars_at_every_level() {
         PLANNER,
         openai::tool_calls(&[("submit_output", json!({"output": "ok"}))], 300, 30),
     );
-    // $3 and $15 per million tokens: 3 and 15 micro-dollars a token.
     let node = priced(&mock, format, 3.0, 15.0).await;
+    (mock, node)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_usd_budgeted_run_charges_exact_micro_dollars_at_every_level() {
+    let (_mock, node) = priced_delegation().await;
     let spec = node.workspace.agent_run("planner", "Go.", None).unwrap();
     let spec = node.workspace.with_usd_ceiling(spec, 1_000_000).unwrap();
     let run = node.node().start_run(spec).await.unwrap();
@@ -922,20 +930,7 @@ async fn a_request_that_cannot_fit_ends_the_job_with_context_too_long_and_sends_
 
 #[tokio::test(flavor = "multi_thread")]
 async fn without_a_ceiling_costs_are_still_metered_in_events_and_envelopes() {
-    let mock = MockProvider::start().await;
-    let format = Format::Openai;
-    let delegate = (
-        "delegate",
-        json!({"jobs": [{"agent": "researcher", "request": "Find it.", "label": "r"}]}),
-    );
-    mock.push_for(format, PLANNER, openai::tool_calls(&[delegate], 100, 10));
-    mock.push_for(format, RESEARCHER, openai::text("A fact.", 200, 20));
-    mock.push_for(
-        format,
-        PLANNER,
-        openai::tool_calls(&[("submit_output", json!({"output": "ok"}))], 300, 30),
-    );
-    let node = priced(&mock, format, 3.0, 15.0).await;
+    let (_mock, node) = priced_delegation().await;
     let run = node.run_agent("planner", "Go.").await;
     let tree = node.wait_run(run).await;
     assert!(tree.root().usd.is_none(), "no ceiling, no usd figures");
@@ -974,17 +969,7 @@ async fn inv_31_a_call_to_a_provider_in_flight_at_a_crash_is_charged_its_reserva
         PLANNER,
         anthropic::stream("", &[("submit_output", json!({"output": "again"}))], 40, 5),
     );
-    let toml = mock.arbor_toml(format, "max_retries = 0");
-    let planner = planner();
-    let researcher = researcher("");
-    let agents = [
-        ("planner", planner.as_str()),
-        ("researcher", researcher.as_str()),
-    ];
-    let workspace =
-        arbor_runtime::Workspace::from_texts("ws".into(), Some(&toml), &agents, &[]).unwrap();
-    let watched = WatchedModels::new(Arc::new(Models::new(&workspace.config.providers)));
-    let node = TestNode::start_full(Some(&toml), &agents, watched.clone()).await;
+    let (node, watched) = watched_node(&mock.arbor_toml(format, "max_retries = 0")).await;
     let run = node.run_agent("planner", "Go.").await;
     watched
         .meter("planner", 0)
