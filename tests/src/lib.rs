@@ -346,22 +346,38 @@ impl TestNode {
     }
 }
 
-/// Wraps the scripted models and records every request each agent's model got.
-#[derive(Default)]
+/// Wraps a factory (the scripted models by default) and records every
+/// request each agent's model got, in order. A request carries its
+/// `CallMeter`, so a test can also act at a known point of a call in flight
+/// (`meter`: stop a job once its answer has started streaming, say).
 pub struct RecordingModels {
+    inner: Arc<dyn ModelFactory>,
     requests: Arc<Mutex<HashMap<String, Vec<ModelRequest>>>>,
+    sent: Arc<tokio::sync::Notify>,
     /// Agents whose model panics when called (I-38).
     pub panicking: Vec<String>,
 }
 
 impl RecordingModels {
     pub fn new() -> Arc<Self> {
-        Arc::new(Self::default())
+        Self::wrapping(Arc::new(DefaultModels))
+    }
+
+    /// Records what `inner`'s models are sent (a workspace's `Models`, say).
+    pub fn wrapping(inner: Arc<dyn ModelFactory>) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            requests: Default::default(),
+            sent: Default::default(),
+            panicking: vec![],
+        })
     }
 
     pub fn panicking_for(agents: &[&str]) -> Arc<Self> {
         Arc::new(Self {
+            inner: Arc::new(DefaultModels),
             requests: Default::default(),
+            sent: Default::default(),
             panicking: agents.iter().map(|s| s.to_string()).collect(),
         })
     }
@@ -375,12 +391,27 @@ impl RecordingModels {
             .cloned()
             .unwrap_or_default()
     }
+
+    /// The meter of the `n`th request (from 0) of `agent`, once it is sent.
+    pub async fn meter(&self, agent: &str, n: usize) -> CallMeter {
+        let deadline = tokio::time::Instant::now() + WAIT_LIMIT;
+        loop {
+            let sent = self.sent.notified();
+            if let Some(request) = self.requests(agent).get(n) {
+                return request.meter.clone();
+            }
+            if tokio::time::timeout_at(deadline, sent).await.is_err() {
+                panic!("request {n} of {agent} never came");
+            }
+        }
+    }
 }
 
 struct Recording {
     inner: Arc<dyn Model>,
     agent: String,
     log: Arc<Mutex<HashMap<String, Vec<ModelRequest>>>>,
+    sent: Arc<tokio::sync::Notify>,
     panics: bool,
 }
 
@@ -402,82 +433,6 @@ impl Model for Recording {
             .entry(self.agent.clone())
             .or_default()
             .push(request.clone());
-        self.inner.complete(request)
-    }
-}
-
-impl ModelFactory for RecordingModels {
-    fn model_for(&self, agent: &AgentDef) -> Result<Arc<dyn Model>, String> {
-        Ok(Arc::new(Recording {
-            inner: DefaultModels.model_for(agent)?,
-            agent: agent.name.clone(),
-            log: self.requests.clone(),
-            panics: self.panicking.contains(&agent.name),
-        }))
-    }
-}
-
-/// Wraps a factory and keeps the `CallMeter` of every request its models
-/// are sent, so a test can act at a known point of a call in flight (stop a
-/// job once its answer has started streaming, say).
-pub struct WatchedModels {
-    inner: Arc<dyn ModelFactory>,
-    meters: Arc<Mutex<Vec<(String, CallMeter)>>>,
-    sent: Arc<tokio::sync::Notify>,
-}
-
-impl WatchedModels {
-    pub fn new(inner: Arc<dyn ModelFactory>) -> Arc<Self> {
-        Arc::new(Self {
-            inner,
-            meters: Default::default(),
-            sent: Default::default(),
-        })
-    }
-
-    /// The meter of the `n`th request (from 0) of `agent`, once it is sent.
-    pub async fn meter(&self, agent: &str, n: usize) -> CallMeter {
-        let deadline = tokio::time::Instant::now() + WAIT_LIMIT;
-        loop {
-            let sent = self.sent.notified();
-            let found = self
-                .meters
-                .lock()
-                .unwrap()
-                .iter()
-                .filter(|(a, _)| a == agent)
-                .nth(n)
-                .map(|(_, m)| m.clone());
-            if let Some(meter) = found {
-                return meter;
-            }
-            if tokio::time::timeout_at(deadline, sent).await.is_err() {
-                panic!("request {n} of {agent} never came");
-            }
-        }
-    }
-}
-
-struct Watched {
-    inner: Arc<dyn Model>,
-    agent: String,
-    meters: Arc<Mutex<Vec<(String, CallMeter)>>>,
-    sent: Arc<tokio::sync::Notify>,
-}
-
-impl Model for Watched {
-    fn count_input(&self, request: &ModelRequest) -> u64 {
-        self.inner.count_input(request)
-    }
-
-    fn complete(
-        &self,
-        request: ModelRequest,
-    ) -> BoxFuture<'static, Result<ModelReply, ModelError>> {
-        self.meters
-            .lock()
-            .unwrap()
-            .push((self.agent.clone(), request.meter.clone()));
         self.sent.notify_waiters();
         self.inner.complete(request)
     }
@@ -485,15 +440,20 @@ impl Model for Watched {
     fn info(&self) -> ModelInfo {
         self.inner.info()
     }
+
+    fn estimate_prompt(&self, request: &ModelRequest) -> u64 {
+        self.inner.estimate_prompt(request)
+    }
 }
 
-impl ModelFactory for WatchedModels {
+impl ModelFactory for RecordingModels {
     fn model_for(&self, agent: &AgentDef) -> Result<Arc<dyn Model>, String> {
-        Ok(Arc::new(Watched {
+        Ok(Arc::new(Recording {
             inner: self.inner.model_for(agent)?,
             agent: agent.name.clone(),
-            meters: self.meters.clone(),
+            log: self.requests.clone(),
             sent: self.sent.clone(),
+            panics: self.panicking.contains(&agent.name),
         }))
     }
 

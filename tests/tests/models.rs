@@ -5,7 +5,7 @@ use arbor_actors::agent_loop::WIND_DOWN_NOTICE;
 use arbor_protocol::{ErrorClass, Event, EventKind, RunId, Status, TaskStatus};
 use arbor_runtime::Models;
 use arbor_testkit::mock_provider::{Answer, Format, MockProvider, StreamEnd, anthropic, openai};
-use arbor_testkit::{TestNode, WatchedModels};
+use arbor_testkit::{RecordingModels, TestNode};
 use serde_json::json;
 use std::sync::Arc;
 
@@ -603,7 +603,7 @@ async fn every_bad_answer_is_an_error_of_its_class_never_a_panic() {
 
 /// The planner and a researcher on the workspace's own models, watched, so a
 /// test can act once a call's answer has started streaming.
-async fn watched_node(arbor_toml: &str) -> (TestNode, Arc<WatchedModels>) {
+async fn watched_node(arbor_toml: &str) -> (TestNode, Arc<RecordingModels>) {
     let planner = planner();
     let researcher = researcher("");
     let agents = [
@@ -612,7 +612,7 @@ async fn watched_node(arbor_toml: &str) -> (TestNode, Arc<WatchedModels>) {
     ];
     let workspace =
         arbor_runtime::Workspace::from_texts("ws".into(), Some(arbor_toml), &agents, &[]).unwrap();
-    let watched = WatchedModels::new(Arc::new(Models::new(&workspace.config.providers)));
+    let watched = RecordingModels::wrapping(Arc::new(Models::new(&workspace.config.providers)));
     let node = TestNode::start_full(Some(arbor_toml), &agents, watched.clone()).await;
     (node, watched)
 }
