@@ -31,7 +31,9 @@ fn workspace(dir: &Path, mock: &MockProvider) {
     }
 }
 
-async fn arbor(dir: &Path, data: &Path, key: Option<&str>) -> std::process::Output {
+/// `arbor run DIR --agent planner --input Report. --json --data-dir DATA`
+/// plus `extra`, with trace logs on and the key variable set to `key` (or unset).
+async fn arbor(dir: &Path, data: &Path, key: Option<&str>, extra: &[&str]) -> std::process::Output {
     let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_arbor"));
     command
         .args([
@@ -43,6 +45,7 @@ async fn arbor(dir: &Path, data: &Path, key: Option<&str>) -> std::process::Outp
             "Report.",
         ])
         .args(["--json", "--data-dir", data.to_str().unwrap()])
+        .args(extra)
         .env("ARBOR_LOG", "trace")
         .env_remove(KEY_VAR);
     if let Some(key) = key {
@@ -97,7 +100,7 @@ async fn the_key_reaches_the_header_and_no_output() {
     let ws = tempfile::tempdir().unwrap();
     let data = tempfile::tempdir().unwrap();
     workspace(ws.path(), &mock);
-    let out = arbor(ws.path(), data.path(), Some(PLANTED)).await;
+    let out = arbor(ws.path(), data.path(), Some(PLANTED), &[]).await;
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}\n{stdout}");
@@ -128,7 +131,7 @@ async fn an_unset_key_variable_refuses_the_run_naming_the_variable() {
     let ws = tempfile::tempdir().unwrap();
     let data = tempfile::tempdir().unwrap();
     workspace(ws.path(), &mock);
-    let out = arbor(ws.path(), data.path(), None).await;
+    let out = arbor(ws.path(), data.path(), None, &[]).await;
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(
@@ -162,26 +165,13 @@ async fn budget_usd_puts_micro_dollars_in_the_run_document_and_it_is_valid() {
             .replace("api_key_env", "stream = false\napi_key_env"),
     )
     .unwrap();
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_arbor"))
-        .args([
-            "run",
-            ws.path().to_str().unwrap(),
-            "--agent",
-            "planner",
-            "--input",
-            "Report.",
-        ])
-        .args([
-            "--json",
-            "--budget-usd",
-            "0.50",
-            "--data-dir",
-            data.path().to_str().unwrap(),
-        ])
-        .env(KEY_VAR, PLANTED)
-        .output()
-        .await
-        .unwrap();
+    let out = arbor(
+        ws.path(),
+        data.path(),
+        Some(PLANTED),
+        &["--budget-usd", "0.50"],
+    )
+    .await;
     assert!(
         out.status.success(),
         "{}",
@@ -203,20 +193,8 @@ async fn budget_usd_puts_micro_dollars_in_the_run_document_and_it_is_valid() {
     assert!(errors.is_empty(), "{errors:?}");
 
     for bad in ["0", "-1", "abc", "nan"] {
-        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_arbor"))
-            .args([
-                "run",
-                ws.path().to_str().unwrap(),
-                "--agent",
-                "planner",
-                "--input",
-                "x",
-            ])
-            .arg(format!("--budget-usd={bad}"))
-            .args(["--data-dir", data.path().to_str().unwrap()])
-            .output()
-            .await
-            .unwrap();
+        let flag = format!("--budget-usd={bad}");
+        let out = arbor(ws.path(), data.path(), Some(PLANTED), &[flag.as_str()]).await;
         assert_eq!(out.status.code(), Some(2), "--budget-usd {bad}");
         assert!(
             String::from_utf8_lossy(&out.stderr).contains("--budget-usd"),
