@@ -265,6 +265,12 @@ impl NodeState {
         for agent in self.reachable_agents(&spec) {
             self.ctx.models.preflight(&agent)?;
         }
+        // An id chosen (and journaled) by the caller starts at most once.
+        if let Some(id) = id
+            && (self.runs.contains_key(&id) || matches!(self.ctx.journal.run(id), Ok(Some(_))))
+        {
+            return Err(format!("run {id} was already started"));
+        }
         self.spawn_run(myself, id.unwrap_or_default(), spec, None, attempts)
             .await
     }

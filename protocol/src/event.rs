@@ -4,7 +4,7 @@
 use crate::{ErrorClass, JobId, Refusal, RunId, Status, TaskStatus};
 use serde::{Deserialize, Serialize};
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Event {
     /// Node-wide order of emission.
     pub seq: u64,
@@ -15,7 +15,7 @@ pub struct Event {
 }
 
 /// Who an account or a child belongs to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ParentRef {
     Run(RunId),
@@ -23,7 +23,7 @@ pub enum ParentRef {
 }
 
 /// What a `ModelCalled` event says of the call beyond its tokens.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default)]
 pub struct CallFacts {
     /// The provider's name in arbor.toml, or `scripted`.
@@ -41,7 +41,7 @@ pub struct CallFacts {
     pub usage_estimated: bool,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum NodeKind {
     Run,
@@ -59,7 +59,7 @@ impl NodeKind {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum EventKind {
     RunStarted {

@@ -3,7 +3,9 @@
 
 use serde::{Deserialize, Serialize};
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[derive(
+    Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema, thiserror::Error,
+)]
 #[serde(tag = "refusal", rename_all = "snake_case")]
 pub enum Refusal {
     #[error("tool {tool} is not offered to this agent{why}")]

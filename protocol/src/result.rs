@@ -4,14 +4,18 @@ use crate::{ErrorClass, JobId, Status, TaskStatus};
 use serde::{Deserialize, Serialize};
 
 /// Tokens spent by model calls (input + output).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 pub struct Usage {
     pub input_tokens: u64,
     pub output_tokens: u64,
 }
 
 /// What an account spent or holds, in both units.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 pub struct Amount {
     pub tokens: u64,
     pub usd_micros: u64,
@@ -40,7 +44,7 @@ impl Usage {
 }
 
 /// What a parent's `collect` returns for one child, and what a run reports for a step.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct ResultEnvelope {
     pub job: JobId,
     pub label: Option<String>,

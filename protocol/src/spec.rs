@@ -4,7 +4,7 @@ use serde::{Deserialize, Serialize};
 use std::time::Duration;
 
 /// A run: a flow plus its budget, all resolved (defaults applied).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct RunSpec {
     /// The flow's name, or `agent:NAME` for a single-agent run.
     pub flow: String,
@@ -67,7 +67,7 @@ impl RunSpec {
 }
 
 /// A flow file as written (`flows/NAME.toml`).
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct FlowSpec {
     pub budget: Option<crate::BudgetArg>,
@@ -77,13 +77,13 @@ pub struct FlowSpec {
 }
 
 /// Groups run in order; the steps of a group run in parallel.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct FlowGroup {
     pub steps: Vec<StepSpec>,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct StepSpec {
     pub agent: String,

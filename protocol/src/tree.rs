@@ -11,7 +11,7 @@ use std::collections::HashMap;
 pub const EVENTS_PER_JOB: u64 = 200;
 
 /// One node of `arbor run --json` (shared/contract/run-output.schema.json).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct TreeNode {
     pub id: String,
     pub kind: NodeKind,
@@ -40,7 +40,9 @@ pub struct TreeNode {
 
 /// Tokens: granted to the node, spent by it and its settled descendants, held
 /// for running children and in-flight model calls.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 pub struct AccountView {
     pub grant: u64,
     pub spent: u64,

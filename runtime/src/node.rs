@@ -241,9 +241,15 @@ impl EmbeddedNode {
     }
 
     pub async fn start_run(&self, spec: RunSpec) -> Result<RunId, Error> {
+        self.start_run_as(None, spec).await
+    }
+
+    /// As `start_run`, under an id the caller chose and journaled first (a
+    /// queued submission): a second start of the same id is refused.
+    pub async fn start_run_as(&self, id: Option<RunId>, spec: RunSpec) -> Result<RunId, Error> {
         ractor::call!(self.node, |reply| NodeMsg::StartRun {
             spec,
-            id: None,
+            id,
             attempts: Default::default(),
             reply
         })

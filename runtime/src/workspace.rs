@@ -53,6 +53,9 @@ pub struct Config {
     pub budget_usd_micros: Option<u64>,
     /// `[providers.NAME]`: where agents that name `NAME/MODEL` get their model.
     pub providers: BTreeMap<String, Provider>,
+    /// `[service]`, as written: arbord's settings, which arbord checks
+    /// (an embedded node has no use for them).
+    pub service: toml::Table,
 }
 
 /// Why a workspace can't be used. Each message is one line naming the file.
@@ -91,6 +94,7 @@ impl Default for Config {
             budget_tokens: DEFAULT_BUDGET_TOKENS,
             budget_usd_micros: None,
             providers: BTreeMap::new(),
+            service: toml::Table::new(),
         }
     }
 }
@@ -353,6 +357,8 @@ struct ConfigFile {
     budget: BudgetArg,
     #[serde(default)]
     providers: BTreeMap<String, ProviderFile>,
+    #[serde(default)]
+    service: toml::Table,
 }
 
 fn parse_config(text: &str) -> Result<Config, LoadError> {
@@ -375,6 +381,7 @@ fn parse_config(text: &str) -> Result<Config, LoadError> {
         budget_tokens,
         budget_usd_micros,
         providers,
+        service: file.service,
     })
 }
 

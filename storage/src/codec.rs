@@ -14,6 +14,7 @@
 use crate::Error;
 use crate::record::{
     DelegationRecord, JobRecord, LedgerRecord, RunRecord, SandboxRecord, SteerRecord,
+    SubmissionRecord,
 };
 use arbor_protocol::{Event, JobId, ParentRef, RunId};
 use serde::Serialize;
@@ -29,11 +30,20 @@ pub(crate) const DELEGATIONS: &str = "delegations";
 pub(crate) const STEERING: &str = "steering";
 pub(crate) const EVENTS: &str = "events";
 pub(crate) const SANDBOXES: &str = "sandboxes";
+pub(crate) const SUBMISSIONS: &str = "submissions";
 pub(crate) const META: &str = "meta";
 
 /// The trees that hold records, in the order `scan` walks them.
-pub(crate) const RECORD_TREES: [&str; 7] =
-    [RUNS, JOBS, LEDGER, DELEGATIONS, STEERING, EVENTS, SANDBOXES];
+pub(crate) const RECORD_TREES: [&str; 8] = [
+    RUNS,
+    JOBS,
+    LEDGER,
+    DELEGATIONS,
+    STEERING,
+    EVENTS,
+    SANDBOXES,
+    SUBMISSIONS,
+];
 
 /// Meta keys. Meta values are bare big-endian integers with no version byte:
 /// `format` must be readable whatever the record format is.
@@ -176,6 +186,7 @@ pub(crate) fn check_entry(tree: &str, key: &[u8], value: &[u8]) -> Result<(), St
             let sandbox = decode_bincode::<SandboxRecord>(value)?;
             sandbox_key(sandbox.job, sandbox.pgid)
         }
+        SUBMISSIONS => run_key(decode_bincode::<SubmissionRecord>(value)?.run),
         other => return Err(format!("no record type for tree {other:?}")),
     };
     if expected != key {

@@ -45,13 +45,13 @@
 use crate::Error;
 use crate::codec::{
     self, DELEGATIONS, EVENTS, JOBS, LEDGER, META, META_EPOCH, META_FORMAT, META_SEQ, RECORD_TREES,
-    RUNS, SANDBOXES, STEERING,
+    RUNS, SANDBOXES, STEERING, SUBMISSIONS,
 };
 use crate::faults::Faults;
 use crate::fsync::DiskSync;
 use crate::record::{
     DelegationRecord, JobRecord, LedgerRecord, Record, RunRecord, SandboxRecord, SandboxState,
-    SteerRecord,
+    SteerRecord, SubmissionRecord,
 };
 use crate::verify::{self, VerifyReport};
 use arbor_protocol::{Event, JobId, ParentRef, RunId};
@@ -101,7 +101,10 @@ struct Inner {
     /// `None` only while dropping.
     waiters: Option<mpsc::Sender<Waiter>>,
     flusher: Mutex<Option<thread::JoinHandle<()>>>,
+    commit_observer: OnceLock<CommitObserver>,
 }
+
+type CommitObserver = Box<dyn Fn(std::time::Duration) + Send + Sync>;
 
 struct Trees {
     runs: sled::Tree,
@@ -111,6 +114,7 @@ struct Trees {
     steering: sled::Tree,
     events: sled::Tree,
     sandboxes: sled::Tree,
+    submissions: sled::Tree,
     meta: sled::Tree,
 }
 
@@ -230,9 +234,20 @@ impl Journal {
     /// `append`, then wait until a flush covers the records (I-29: the journal
     /// is written before anything acts on it). Concurrent commits share flushes.
     pub async fn commit(&self, records: Vec<Record>) -> Result<u64, Error> {
+        let began = std::time::Instant::now();
         let seq = self.append(records)?;
         self.wait_durable(seq).await?;
+        if let Some(observe) = self.inner.commit_observer.get() {
+            observe(began.elapsed());
+        }
         Ok(seq)
+    }
+
+    /// Calls `observe` with the latency of every successful commit from now
+    /// on (append to durable), for the service's metrics. Set once; a second
+    /// observer is refused (`false`).
+    pub fn on_commit(&self, observe: impl Fn(std::time::Duration) + Send + Sync + 'static) -> bool {
+        self.inner.commit_observer.set(Box::new(observe)).is_ok()
     }
 
     /// Highest seq applied (readable, not necessarily durable). It never goes
@@ -376,6 +391,28 @@ impl Journal {
             .into_iter()
             .filter(|sandbox| sandbox.state == SandboxState::Live)
             .collect())
+    }
+
+    /// Every run submitted to the service, in arrival order.
+    pub fn submissions(&self) -> Result<Vec<SubmissionRecord>, Error> {
+        let mut all = read_prefix(
+            &self.inner.trees.submissions,
+            SUBMISSIONS,
+            &[],
+            codec::decode_bincode::<SubmissionRecord>,
+        )?;
+        all.sort_by_key(|s| s.order);
+        Ok(all)
+    }
+
+    /// The submission of `run`, if the service queued it.
+    pub fn submission(&self, run: RunId) -> Result<Option<SubmissionRecord>, Error> {
+        read_one(
+            &self.inner.trees.submissions,
+            SUBMISSIONS,
+            &codec::run_key(run),
+            codec::decode_bincode,
+        )
     }
 
     /// Decodes every record of every tree (and checks each `meta` entry),
@@ -523,6 +560,7 @@ impl Journal {
             read_only,
             waiters: Some(waiters),
             flusher: Mutex::new(None),
+            commit_observer: OnceLock::new(),
         };
         Ok((
             Journal {
@@ -616,6 +654,7 @@ impl Trees {
             steering: db.open_tree(STEERING)?,
             events: db.open_tree(EVENTS)?,
             sandboxes: db.open_tree(SANDBOXES)?,
+            submissions: db.open_tree(SUBMISSIONS)?,
             meta: db.open_tree(META)?,
         })
     }
@@ -629,6 +668,7 @@ impl Trees {
             STEERING => &self.steering,
             EVENTS => &self.events,
             SANDBOXES => &self.sandboxes,
+            SUBMISSIONS => &self.submissions,
             META => &self.meta,
             other => unreachable!("no journal tree {other:?}"),
         }
@@ -668,6 +708,11 @@ fn encode(record: &Record, seq: u64) -> Result<(&'static str, Vec<u8>, Vec<u8>),
             SANDBOXES,
             codec::sandbox_key(sandbox.job, sandbox.pgid),
             codec::encode_bincode(sandbox)?,
+        ),
+        Record::Submission(submission) => (
+            SUBMISSIONS,
+            codec::run_key(submission.run),
+            codec::encode_bincode(submission)?,
         ),
     })
 }

@@ -70,6 +70,7 @@ pub use journal::{Journal, ScanReport, Undecodable, open_db};
 pub use proc_start::{group_members, process_start, same_process};
 pub use record::{
     DelegationRecord, JobRecord, LedgerOp, LedgerRecord, LedgerTotals, Record, RunRecord,
-    SandboxRecord, SandboxState, SteerRecord, SteerState, ledger_of, ledger_totals, usd_totals,
+    SandboxRecord, SandboxState, SteerRecord, SteerState, SubmissionRecord, SubmissionState,
+    ledger_of, ledger_totals, usd_totals,
 };
 pub use verify::VerifyReport;
