@@ -316,6 +316,11 @@ impl Tree {
         node
     }
 
+    /// One step or job with its descendants, as `root` would show it.
+    pub fn subtree(&self, id: JobId) -> Option<TreeNode> {
+        self.entries.contains_key(&id).then(|| self.build(id))
+    }
+
     pub fn node(&self, id: JobId) -> Option<&TreeNode> {
         self.entries.get(&id).map(|e| &e.node)
     }

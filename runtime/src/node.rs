@@ -33,7 +33,8 @@ pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(1
 pub struct EmbeddedNode {
     ctx: Arc<NodeContext>,
     node: ActorRef<NodeMsg>,
-    join: Option<tokio::task::JoinHandle<()>>,
+    /// The Node actor's task, taken by whoever ends the node first.
+    join: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
     data_dir: PathBuf,
     recovery: RecoveryReport,
     resumed: Vec<(RunId, RunSpec)>,
@@ -107,7 +108,7 @@ impl EmbeddedNode {
         Ok(Self {
             ctx,
             node,
-            join: Some(join),
+            join: std::sync::Mutex::new(Some(join)),
             data_dir: data_dir.to_path_buf(),
             recovery,
             resumed,
@@ -217,11 +218,20 @@ impl EmbeddedNode {
     /// Stops the node the way a crash would: every actor killed at once, no
     /// stop handlers, nothing journaled on the way out. Processes the
     /// sandboxes started are killed as their state is dropped.
-    pub async fn crash(mut self) {
+    pub async fn crash(self) {
         self.node.kill();
-        if let Some(join) = self.join.take() {
+        if let Some(join) = self.take_join() {
             let _ = join.await;
         }
+    }
+
+    fn take_join(&self) -> Option<tokio::task::JoinHandle<()>> {
+        self.join.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+
+    /// The root of the actor tree, to walk the supervision tree.
+    pub fn root_actor(&self) -> ractor::ActorCell {
+        self.node.get_cell()
     }
 
     pub fn data_dir(&self) -> &Path {
@@ -314,7 +324,18 @@ impl EmbeddedNode {
     /// every process killed, every account settled and journaled), then the
     /// node, and flushes the journal. A run that does not end within
     /// `SHUTDOWN_GRACE` is killed: what it did not journal, recovery will.
-    pub async fn shutdown(mut self) -> Result<(), Error> {
+    pub async fn shutdown(self) -> Result<(), Error> {
+        self.close().await
+    }
+
+    /// `shutdown` through a shared handle (the service holds the node in an
+    /// `Arc`). Afterwards the node takes no more runs; a second call only
+    /// flushes the journal again.
+    pub async fn close(&self) -> Result<(), Error> {
+        let Some(join) = self.take_join() else {
+            self.ctx.journal.flush().await?;
+            return Ok(());
+        };
         let stopped = self.node.call(
             |reply| NodeMsg::StopAll {
                 reason: "the node is shutting down".into(),
@@ -327,9 +348,7 @@ impl EmbeddedNode {
         }
         self.node.stop_children(Some("node shutdown".into()));
         self.node.stop(Some("node shutdown".into()));
-        if let Some(join) = self.join.take() {
-            let _ = join.await;
-        }
+        let _ = join.await;
         self.ctx.journal.flush().await?;
         Ok(())
     }

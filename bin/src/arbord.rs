@@ -1,0 +1,159 @@
+//! `arbord`: one arbor node as a service, behind an HTTP JSON API.
+//!
+//! Exit codes: 0 after a clean drain (SIGTERM or SIGINT); 1 when the node
+//! could not start or serve; 2 bad usage or bad settings.
+
+use arbor_runtime::Workspace;
+use arbor_service::{Flags, Service, config};
+use clap::{Parser, Subcommand, ValueEnum};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "arbord",
+    version,
+    about = "Serve one arbor node over HTTP (127.0.0.1:7878 by default)"
+)]
+struct Cli {
+    /// The workspace: arbor.toml (with its [service] settings), agents/, flows/.
+    #[arg(long, default_value = ".")]
+    workspace: PathBuf,
+    /// Where the journal, the workdirs and the API token live (default: WORKSPACE/.arbor).
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// The address and port to listen on (default 127.0.0.1:7878).
+    #[arg(long)]
+    listen: Option<String>,
+    /// How log lines on stderr look.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Print the API's OpenAPI document and exit.
+    Openapi,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_env("ARBOR_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Json => logs.json().init(),
+        LogFormat::Text => logs.with_ansi(std::io::stderr().is_terminal()).init(),
+    }
+    if let Some(Command::Openapi) = cli.command {
+        match serde_json::to_string_pretty(&Service::openapi()) {
+            Ok(text) => {
+                println!("{text}");
+                return ExitCode::SUCCESS;
+            }
+            Err(e) => {
+                eprintln!("arbord: {e}");
+                return ExitCode::from(1);
+            }
+        }
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("arbord: could not start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    runtime.block_on(serve(cli))
+}
+
+async fn serve(cli: Cli) -> ExitCode {
+    let workspace = match Workspace::load(&cli.workspace) {
+        Ok(ws) => ws,
+        Err(e) => {
+            eprintln!("arbord: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let settings = config::resolve(
+        &workspace.config.service,
+        std::env::vars(),
+        Flags {
+            listen: cli.listen,
+            data_dir: cli.data_dir,
+        },
+        cli.workspace.join(".arbor"),
+    );
+    let settings = match settings {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("arbord: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let listener = match tokio::net::TcpListener::bind(settings.listen).await {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("arbord: cannot listen on {}: {e}", settings.listen);
+            return ExitCode::from(1);
+        }
+    };
+    let address = listener.local_addr().unwrap_or(settings.listen);
+    let service = match Service::start(workspace, settings).await {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("arbord: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    if !address.ip().is_loopback() {
+        let banner = "!".repeat(72);
+        eprintln!(
+            "{banner}\narbord: listening on {address}, which is NOT loopback: anyone who can reach \
+             this address and has the token can run agents here.\n{banner}"
+        );
+        tracing::warn!(%address, "listening beyond loopback");
+    }
+    eprintln!(
+        "arbord: listening on http://{address} (token in {})",
+        service.token_path().display()
+    );
+    let stop = async {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::error!(%e, "cannot watch for SIGTERM");
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM: draining"),
+            _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: draining"),
+        }
+    };
+    match service.serve(listener, stop).await {
+        Ok(()) => {
+            eprintln!("arbord: stopped cleanly");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("arbord: {e}");
+            ExitCode::from(1)
+        }
+    }
+}

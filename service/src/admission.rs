@@ -1,0 +1,341 @@
+//! The admission queue: at most `max_running_runs` runs at once; the rest
+//! wait, in arrival order, as `SubmissionRecord`s in the journal, so a
+//! restart finds them again. Idempotency keys live in the same records.
+//!
+//! Invariants:
+//! 1. A submission is committed before it is acknowledged: a 201 means the
+//!    run will start, after any restart.
+//! 2. A run gets its id at submission, and the node refuses to start an id
+//!    twice, so a crash between starting a run and marking its submission
+//!    `Started` never starts it again: at boot, a queued submission whose
+//!    run has a `RunRecord` is marked started.
+//! 3. One lock covers checking a key and committing its submission, so two
+//!    requests with the same key make one run.
+
+use arbor_protocol::{ErrorClass, EventKind, RunId, RunSpec, Status};
+use arbor_runtime::EmbeddedNode;
+use arbor_storage::{Record, RunRecord, SubmissionRecord, SubmissionState};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+use tokio::sync::{Mutex, Notify};
+
+/// What a submission came to.
+pub enum Submitted {
+    /// A new run, queued.
+    New(RunId),
+    /// The same key and body as an earlier request: its run.
+    Replayed(RunId),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    #[error("idempotency key {0:?} was used for another request body; nothing changed")]
+    KeyConflict(String),
+    #[error("the queue is full ({0} runs waiting); try again later")]
+    QueueFull(usize),
+    #[error("the node is shutting down and takes no new runs")]
+    Closed,
+    #[error(transparent)]
+    Journal(#[from] arbor_storage::Error),
+}
+
+/// Where a submitted run is, for the API.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Place {
+    /// Waiting; `position` 0 starts next.
+    Queued { position: usize },
+    /// Handed to the node (running or ended): the tree is the truth.
+    Started,
+    /// Stopped before it started.
+    Cancelled,
+}
+
+pub struct Admission {
+    node: Arc<EmbeddedNode>,
+    max_running: usize,
+    max_queued: usize,
+    state: Mutex<State>,
+    wake: Notify,
+}
+
+struct State {
+    queue: VecDeque<SubmissionRecord>,
+    running: HashSet<RunId>,
+    /// Every idempotency key ever used: (digest, run).
+    keys: HashMap<String, (String, RunId)>,
+    next_order: u64,
+    closed: bool,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+impl Admission {
+    /// Reads the journal's submissions (invariant 2) and counts the runs the
+    /// node resumed as running.
+    pub fn open(
+        node: Arc<EmbeddedNode>,
+        max_running: usize,
+        max_queued: usize,
+    ) -> Result<Arc<Self>, arbor_storage::Error> {
+        let journal = node.journal();
+        let mut queue = VecDeque::new();
+        let mut keys = HashMap::new();
+        let mut next_order = 0;
+        let mut started_late = vec![];
+        for mut sub in journal.submissions()? {
+            next_order = next_order.max(sub.order + 1);
+            if let Some(key) = &sub.idempotency_key {
+                keys.insert(key.clone(), (sub.digest.clone(), sub.run));
+            }
+            if sub.state == SubmissionState::Queued {
+                if journal.run(sub.run)?.is_some() {
+                    sub.state = SubmissionState::Started;
+                    sub.epoch = journal.epoch();
+                    started_late.push(Record::Submission(sub));
+                } else {
+                    queue.push_back(sub);
+                }
+            }
+        }
+        journal.append(started_late)?;
+        let running = node.resumed().iter().map(|(id, _)| *id).collect();
+        Ok(Arc::new(Self {
+            node,
+            max_running,
+            max_queued,
+            state: Mutex::new(State {
+                queue,
+                running,
+                keys,
+                next_order,
+                closed: false,
+            }),
+            wake: Notify::new(),
+        }))
+    }
+
+    /// Queues a run (invariants 1 and 3).
+    pub async fn submit(
+        &self,
+        spec: &RunSpec,
+        key: Option<String>,
+        digest: String,
+    ) -> Result<Submitted, SubmitError> {
+        let mut state = self.state.lock().await;
+        if let Some(key) = &key
+            && let Some((seen, run)) = state.keys.get(key)
+        {
+            return if *seen == digest {
+                Ok(Submitted::Replayed(*run))
+            } else {
+                Err(SubmitError::KeyConflict(key.clone()))
+            };
+        }
+        if state.closed {
+            return Err(SubmitError::Closed);
+        }
+        if state.queue.len() >= self.max_queued {
+            return Err(SubmitError::QueueFull(state.queue.len()));
+        }
+        let journal = self.node.journal();
+        let sub = SubmissionRecord {
+            run: RunId::new(),
+            order: state.next_order,
+            spec_json: serde_json::to_string(spec).unwrap_or_default(),
+            idempotency_key: key.clone(),
+            digest: digest.clone(),
+            submitted_ms: now_ms(),
+            state: SubmissionState::Queued,
+            epoch: journal.epoch(),
+        };
+        journal
+            .commit(vec![Record::Submission(sub.clone())])
+            .await?;
+        state.next_order += 1;
+        let run = sub.run;
+        if let Some(key) = key {
+            state.keys.insert(key, (digest, run));
+        }
+        state.queue.push_back(sub);
+        drop(state);
+        self.wake.notify_one();
+        Ok(Submitted::New(run))
+    }
+
+    /// Where `run` is, if the service knows it as a submission.
+    pub async fn place(&self, run: RunId) -> Option<Place> {
+        let state = self.state.lock().await;
+        if let Some(position) = state.queue.iter().position(|s| s.run == run) {
+            return Some(Place::Queued { position });
+        }
+        drop(state);
+        match self.node.journal().submission(run).ok().flatten()?.state {
+            SubmissionState::Queued | SubmissionState::Started => Some(Place::Started),
+            SubmissionState::Cancelled { .. } => Some(Place::Cancelled),
+        }
+    }
+
+    /// The runs waiting, in order.
+    pub async fn queued(&self) -> Vec<SubmissionRecord> {
+        self.state.lock().await.queue.iter().cloned().collect()
+    }
+
+    pub async fn counts(&self) -> (usize, usize) {
+        let state = self.state.lock().await;
+        (state.queue.len(), state.running.len())
+    }
+
+    /// Takes a queued run out of the queue: it ends stopped, never started.
+    /// `false` if it was not queued (it started meanwhile, or never was).
+    pub async fn cancel(&self, run: RunId, reason: &str) -> Result<bool, arbor_storage::Error> {
+        let mut state = self.state.lock().await;
+        let Some(at) = state.queue.iter().position(|s| s.run == run) else {
+            return Ok(false);
+        };
+        let mut sub = state.queue.remove(at).expect("position is in the queue");
+        drop(state);
+        sub.state = SubmissionState::Cancelled {
+            reason: reason.to_string(),
+        };
+        self.end_unstarted(sub, Status::Stopped, None, reason)
+            .await?;
+        Ok(true)
+    }
+
+    /// Takes no more submissions and starts nothing more; what is queued
+    /// stays queued in the journal for the next start.
+    pub async fn close(&self) {
+        self.state.lock().await.closed = true;
+        self.wake.notify_one();
+    }
+
+    pub async fn is_closed(&self) -> bool {
+        self.state.lock().await.closed
+    }
+
+    /// The runs started by the queue (or resumed at boot) and not yet ended.
+    pub async fn running(&self) -> Vec<RunId> {
+        self.state.lock().await.running.iter().copied().collect()
+    }
+
+    /// Starts queued runs while there is room, until closed. Wakes on a
+    /// submission and on every event (a run that ends frees a slot).
+    pub async fn pump(self: Arc<Self>) {
+        let mut changes = self.node.events().changes();
+        loop {
+            if !self.admit_ready().await {
+                return;
+            }
+            tokio::select! {
+                _ = self.wake.notified() => {}
+                changed = changes.changed() => if changed.is_err() { return },
+            }
+        }
+    }
+
+    /// One round of admission; `false` once closed.
+    async fn admit_ready(&self) -> bool {
+        loop {
+            let next = {
+                let mut state = self.state.lock().await;
+                if state.closed {
+                    return false;
+                }
+                let events = self.node.events();
+                state.running.retain(|run| {
+                    !events.with_tree(*run, |t| t.is_some_and(|t| t.run_status().is_terminal()))
+                });
+                if state.running.len() >= self.max_running {
+                    return true;
+                }
+                let Some(sub) = state.queue.pop_front() else {
+                    return true;
+                };
+                state.running.insert(sub.run);
+                sub
+            };
+            self.start(next).await;
+        }
+    }
+
+    async fn start(&self, mut sub: SubmissionRecord) {
+        let journal = self.node.journal();
+        let spec: Result<RunSpec, _> = serde_json::from_str(&sub.spec_json);
+        let started = match spec {
+            Ok(spec) => self
+                .node
+                .start_run_as(Some(sub.run), spec)
+                .await
+                .map_err(|e| e.to_string()),
+            Err(e) => Err(format!("its journaled spec does not decode: {e}")),
+        };
+        match started {
+            Ok(_) => {
+                sub.state = SubmissionState::Started;
+                sub.epoch = journal.epoch();
+                if let Err(error) = journal.append(vec![Record::Submission(sub)]) {
+                    // The RunRecord exists: the next boot marks it started (invariant 2).
+                    tracing::warn!(%error, "could not mark a submission started");
+                }
+            }
+            Err(reason) => {
+                self.state.lock().await.running.remove(&sub.run);
+                tracing::warn!(run = %sub.run, %reason, "a queued run could not start");
+                sub.state = SubmissionState::Cancelled {
+                    reason: reason.clone(),
+                };
+                let reason = format!("it could not start: {reason}");
+                if let Err(error) = self
+                    .end_unstarted(sub, Status::Failed, Some(ErrorClass::Start), &reason)
+                    .await
+                {
+                    tracing::error!(%error, "could not journal a run that failed to start");
+                }
+            }
+        }
+    }
+
+    /// Ends a run that never started: its submission, a terminal
+    /// `RunRecord`, and a `RunFinished` event, so that every reader (the
+    /// run document, the list, the event stream) sees it end.
+    async fn end_unstarted(
+        &self,
+        mut sub: SubmissionRecord,
+        status: Status,
+        error_class: Option<ErrorClass>,
+        reason: &str,
+    ) -> Result<(), arbor_storage::Error> {
+        let journal = self.node.journal();
+        let spec: Option<RunSpec> = serde_json::from_str(&sub.spec_json).ok();
+        sub.epoch = journal.epoch();
+        let record = RunRecord {
+            id: sub.run,
+            flow: spec.as_ref().map(|s| s.flow.clone()).unwrap_or_default(),
+            budget_tokens: spec.as_ref().map(|s| s.budget_tokens).unwrap_or_default(),
+            status,
+            error_class,
+            reason: Some(reason.to_string()),
+            output_json: "null".into(),
+            epoch: journal.epoch(),
+        };
+        journal
+            .commit(vec![Record::Submission(sub.clone()), Record::Run(record)])
+            .await?;
+        self.node.events().emit(
+            sub.run,
+            EventKind::RunFinished {
+                status,
+                error_class,
+                reason: Some(reason.to_string()),
+                output: serde_json::Value::Null,
+            },
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,164 @@
+//! The API's request and response bodies. Their JSON Schemas, generated
+//! from these types, are what `/v1/openapi.json` says.
+
+use arbor_protocol::{BudgetArg, ErrorClass, Event, JobId, RunId, Status, TreeNode};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// `POST /v1/runs`: a flow, or one agent on an input.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SubmitRun {
+    /// A flow of the workspace (flows/NAME.toml). Give this, or `agent` and `input`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flow: Option<String>,
+    /// One agent of the workspace, run on `input`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<String>,
+    /// The instruction for `agent`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input: Option<String>,
+    /// Overrides the flow's (or arbor.toml's) budget: whole tokens, and
+    /// dollars as a number (metered in micro-dollars). Never 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<BudgetArg>,
+}
+
+/// Where to find a run.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct RunLinks {
+    #[serde(rename = "self")]
+    pub this: String,
+    pub events: String,
+    pub stop: String,
+}
+
+impl RunLinks {
+    pub fn of(run: RunId) -> Self {
+        Self {
+            this: format!("/v1/runs/{run}"),
+            events: format!("/v1/runs/{run}/events"),
+            stop: format!("/v1/runs/{run}/stop"),
+        }
+    }
+}
+
+/// The answer to a submission.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct RunCreated {
+    pub id: RunId,
+    pub status: Status,
+    /// True when an earlier request with the same `Idempotency-Key` and body
+    /// made this run; nothing new was queued.
+    pub replayed: bool,
+    pub links: RunLinks,
+}
+
+/// `GET /v1/runs/{id}`: the same document `arbor run --json` prints
+/// (docs/contract/run-output.schema.json).
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct RunDocument {
+    pub run: TreeNode,
+}
+
+/// One line of `GET /v1/runs`.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct RunSummary {
+    pub id: RunId,
+    pub flow: String,
+    pub status: Status,
+    pub error_class: Option<ErrorClass>,
+    pub reason: Option<String>,
+    pub budget_tokens: u64,
+    /// Its place in the queue (0 starts next), while it waits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_position: Option<usize>,
+}
+
+/// `GET /v1/runs`, newest first.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct RunList {
+    pub runs: Vec<RunSummary>,
+    /// Pass as `after` for the next page; absent on the last one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next: Option<RunId>,
+}
+
+/// The filter and page of `GET /v1/runs`.
+#[derive(Clone, Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RunQuery {
+    /// Only runs in this status.
+    pub status: Option<Status>,
+    /// At most this many (1 to 500; default 50).
+    #[schemars(range(min = 1, max = 500))]
+    pub limit: Option<u32>,
+    /// Runs older than this one (the `next` of the previous page).
+    pub after: Option<RunId>,
+}
+
+/// `GET /v1/jobs/{id}`: a step or job and everything below it.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct JobDocument {
+    /// The run it belongs to.
+    pub run: RunId,
+    pub job: TreeNode,
+}
+
+/// `POST /v1/jobs/{id}/messages`: steer a running step or job (I-20).
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SteerMessage {
+    /// Delivered at the job's next turn boundary, in order.
+    #[schemars(length(min = 1))]
+    pub text: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct SteerQueued {
+    pub job: JobId,
+    /// The message's number among this job's messages.
+    pub message_id: u64,
+}
+
+/// What a stop was asked of.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct StopAccepted {
+    pub id: String,
+    /// `stopping` (it ends soon, stopped) or `stopped` (it had not started).
+    pub state: String,
+}
+
+/// `POST /v1/jobs/{id}/continue`: the run that carries the next attempt.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct Continued {
+    pub job: JobId,
+    pub run: RunId,
+    pub links: RunLinks,
+}
+
+/// `/healthz` and `/readyz`.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct Health {
+    /// `ok`, or why not (`draining`, `journal failed`).
+    pub status: String,
+}
+
+/// One event of `GET /v1/runs/{id}/events` (docs/contract/event.schema.json):
+/// the `data:` of each SSE message; its `id:` is `index`.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct StreamEvent {
+    /// 1 for the run's first event, then 2, 3, ...: what `Last-Event-ID` names.
+    pub index: u64,
+    #[serde(flatten)]
+    pub event: Event,
+}
+
+/// A path's id, as text: checked by the handler, so that a malformed id is
+/// a clear 400 in the API's own error shape.
+#[derive(Clone, Debug, Deserialize, JsonSchema)]
+pub struct IdPath {
+    /// A run's or job's id (a UUID).
+    #[schemars(extend("format" = "uuid"))]
+    pub id: String,
+}

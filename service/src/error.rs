@@ -1,0 +1,137 @@
+//! Every refusal the API makes: `{"error": {"code", "message"}}` with the
+//! status that says what kind of refusal it is (I-36).
+
+use aide::generate::GenContext;
+use aide::openapi::{MediaType, Operation, Response, SchemaObject};
+use aide::operation::OperationOutput;
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// The body of every error response.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct ErrorDetail {
+    /// A stable word for programs: `bad_request`, `unauthorized`,
+    /// `not_found`, `conflict`, `too_large`, `unsupported_media_type`,
+    /// `refused`, `queue_full`, `unavailable`, `internal`.
+    pub code: String,
+    /// What was wrong, in words, for people.
+    pub message: String,
+}
+
+/// An error on its way out: a status, a code and a message.
+#[derive(Clone, Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+    /// Malformed: not JSON, the wrong shape or types, a bad id.
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "bad_request", message)
+    }
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNAUTHORIZED, "unauthorized", message)
+    }
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, "not_found", message)
+    }
+    /// The thing exists but is in a state that does not allow this; or an
+    /// idempotency key reused with another body.
+    pub fn conflict(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::CONFLICT, "conflict", message)
+    }
+    pub fn too_large(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::PAYLOAD_TOO_LARGE, "too_large", message)
+    }
+    pub fn unsupported_media_type(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            message,
+        )
+    }
+    /// Well formed, and refused: an unknown flow or agent, a budget out of
+    /// range, a cap exceeded.
+    pub fn refused(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNPROCESSABLE_ENTITY, "refused", message)
+    }
+    pub fn queue_full(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::TOO_MANY_REQUESTS, "queue_full", message)
+    }
+    /// The node is shutting down, or its journal has failed.
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", message)
+    }
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
+    }
+}
+
+impl From<arbor_storage::Error> for ApiError {
+    fn from(e: arbor_storage::Error) -> Self {
+        // A journal that cannot be read or written is the node's trouble,
+        // not the client's; it is said as unavailable, never as a 500 that
+        // looks like a bug.
+        ApiError::unavailable(format!("journal: {e}"))
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> axum::response::Response {
+        let body = ErrorBody {
+            error: ErrorDetail {
+                code: self.code.to_string(),
+                message: self.message,
+            },
+        };
+        let mut response = (self.status, axum::Json(body)).into_response();
+        if self.status == StatusCode::UNAUTHORIZED {
+            response.headers_mut().insert(
+                axum::http::header::WWW_AUTHENTICATE,
+                axum::http::HeaderValue::from_static("Bearer"),
+            );
+        }
+        response
+    }
+}
+
+/// Documented per route (`docs::errors`), not inferred.
+impl OperationOutput for ApiError {
+    type Inner = ErrorBody;
+
+    fn operation_response(ctx: &mut GenContext, _operation: &mut Operation) -> Option<Response> {
+        Some(Response {
+            description: "An error: `{\"error\": {\"code\", \"message\"}}`".into(),
+            content: [(
+                "application/json".to_string(),
+                MediaType {
+                    schema: Some(SchemaObject {
+                        json_schema: ctx.schema.subschema_for::<ErrorBody>(),
+                        example: None,
+                        external_docs: None,
+                    }),
+                    ..Default::default()
+                },
+            )]
+            .into_iter()
+            .collect(),
+            ..Default::default()
+        })
+    }
+}

@@ -1,0 +1,198 @@
+//! arbord's service: one embedded node behind an HTTP JSON API.
+//!
+//! `Service::start` opens the node (recovery first), the admission queue and
+//! the token; `Service::router` is the API (`routes.rs`); `Service::serve`
+//! answers on a listener until told to stop, then drains (I-40): it takes no
+//! more work, lets running runs go on for `drain`, stops the rest, journals
+//! a consistent state, and returns.
+//!
+//! Invariant: nothing here decides what a run does. Every run, step and job
+//! is the node's; the service only admits, reads and asks.
+
+pub mod admission;
+pub mod api;
+pub mod auth;
+pub mod config;
+pub mod error;
+pub mod extract;
+pub mod metrics;
+mod routes;
+pub mod sse;
+pub mod status;
+
+pub use config::{Flags, ServiceConfig};
+pub use error::{ApiError, ErrorBody};
+
+use admission::Admission;
+use arbor_actors::ModelFactory;
+use arbor_runtime::{EmbeddedNode, Models, Workspace};
+use auth::Token;
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use tokio_util::sync::CancellationToken;
+
+/// Why the service did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("{0}")]
+    Node(#[from] arbor_runtime::Error),
+    #[error("{0}")]
+    Token(String),
+    #[error("journal: {0}")]
+    Journal(#[from] arbor_storage::Error),
+}
+
+/// A started service: the node, its queue and its token.
+#[derive(Clone)]
+pub struct Service {
+    shared: Arc<Shared>,
+}
+
+pub(crate) struct Shared {
+    pub node: Arc<EmbeddedNode>,
+    pub workspace: Workspace,
+    pub config: ServiceConfig,
+    pub token: Token,
+    pub token_path: PathBuf,
+    pub admission: Arc<Admission>,
+    pub metrics: Arc<metrics::Metrics>,
+    /// False from the start of a drain.
+    pub accepting: AtomicBool,
+    /// Cancelled when the drain is done: event streams end, the server stops.
+    pub stopped: CancellationToken,
+    pub started: Instant,
+    pub started_at_ms: u64,
+}
+
+impl Service {
+    /// Starts the node on `config.data_dir` with the workspace's models.
+    pub async fn start(workspace: Workspace, config: ServiceConfig) -> Result<Self, StartError> {
+        let models = Arc::new(Models::new(&workspace.config.providers));
+        Self::start_with(workspace, config, models).await
+    }
+
+    /// As `start`, with the models a test (or an embedder) chooses.
+    pub async fn start_with(
+        workspace: Workspace,
+        config: ServiceConfig,
+        models: Arc<dyn ModelFactory>,
+    ) -> Result<Self, StartError> {
+        std::fs::create_dir_all(&config.data_dir)
+            .map_err(|e| StartError::Token(format!("{}: {e}", config.data_dir.display())))?;
+        let (token, token_path) =
+            Token::load_or_create(&config.data_dir).map_err(StartError::Token)?;
+        // Interrupted runs are resumed (I-34) and count against the limit.
+        let node = Arc::new(EmbeddedNode::start_with(&workspace, &config.data_dir, models).await?);
+        let metrics = metrics::Metrics::new();
+        {
+            let metrics = metrics.clone();
+            node.events().observe(Arc::new(move |e| metrics.observe(e)));
+        }
+        {
+            let metrics = metrics.clone();
+            node.journal()
+                .on_commit(move |latency| metrics.observe_commit(latency));
+        }
+        let admission = Admission::open(
+            node.clone(),
+            config.max_running_runs,
+            config.max_queued_runs,
+        )?;
+        tokio::spawn(admission.clone().pump());
+        let started_at_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        Ok(Self {
+            shared: Arc::new(Shared {
+                node,
+                workspace,
+                config,
+                token,
+                token_path,
+                admission,
+                metrics,
+                accepting: AtomicBool::new(true),
+                stopped: CancellationToken::new(),
+                started: Instant::now(),
+                started_at_ms,
+            }),
+        })
+    }
+
+    /// The API, with the OpenAPI document it serves built from the same routes.
+    pub fn router(&self) -> axum::Router {
+        routes::router(self.shared.clone())
+    }
+
+    /// The OpenAPI document, as `/v1/openapi.json` serves it.
+    pub fn openapi() -> serde_json::Value {
+        routes::openapi_document()
+    }
+
+    pub fn token(&self) -> &str {
+        self.shared.token.as_str()
+    }
+
+    pub fn token_path(&self) -> &std::path::Path {
+        &self.shared.token_path
+    }
+
+    pub fn node(&self) -> &EmbeddedNode {
+        &self.shared.node
+    }
+
+    pub fn config(&self) -> &ServiceConfig {
+        &self.shared.config
+    }
+
+    /// Serves on `listener` until `stop` resolves, then drains (I-40) and
+    /// returns once the journal is flushed.
+    pub async fn serve(
+        self,
+        listener: tokio::net::TcpListener,
+        stop: impl Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
+        let stopped = self.shared.stopped.clone();
+        let server = axum::serve(listener, self.router())
+            .with_graceful_shutdown(stopped.clone().cancelled_owned());
+        let server = tokio::spawn(async move { server.await });
+        stop.await;
+        self.drain().await;
+        match server.await {
+            Ok(result) => result,
+            Err(e) => Err(std::io::Error::other(e)),
+        }
+    }
+
+    /// Stops taking work, gives running runs `drain` to end by themselves,
+    /// stops the rest (each subtree stopped, processes killed, accounts
+    /// settled and journaled), flushes the journal, and ends every event
+    /// stream. Queued runs stay queued for the next start.
+    pub async fn drain(&self) {
+        let shared = &self.shared;
+        if !shared.accepting.swap(false, Ordering::SeqCst) {
+            return;
+        }
+        tracing::info!("draining: no new work is taken");
+        shared.admission.close().await;
+        let running = shared.admission.running().await;
+        if !shared.config.drain.is_zero() && !running.is_empty() {
+            tracing::info!(runs = running.len(), drain = ?shared.config.drain, "letting running runs finish");
+            let all_ended = async {
+                for run in &running {
+                    shared.node.wait_run(*run).await;
+                }
+            };
+            let _ = tokio::time::timeout(shared.config.drain, all_ended).await;
+        }
+        if let Err(error) = shared.node.close().await {
+            tracing::error!(%error, "the node did not close cleanly");
+        }
+        shared.stopped.cancel();
+        tracing::info!("drained: the journal is flushed");
+    }
+}

@@ -1,0 +1,844 @@
+//! The routes, their handlers and their documentation. The OpenAPI document
+//! is generated from these same declarations (aide, from the types' JSON
+//! Schemas), so it cannot drift from what is served.
+
+use crate::Shared;
+use crate::admission::{SubmitError, Submitted};
+use crate::api::*;
+use crate::error::ApiError;
+use crate::extract::{JsonBody, Path, Query};
+use crate::status::*;
+use aide::axum::ApiRouter;
+use aide::axum::routing::{get_with, post_with};
+use aide::openapi::OpenApi;
+use aide::transform::TransformOperation;
+use arbor_protocol::{JobId, RunId, RunSpec, Status, Tree};
+use arbor_runtime::LoadError;
+use axum::Json;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response, sse};
+use sha2::Digest;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+type S = State<Arc<Shared>>;
+type Reply = Result<Response, ApiError>;
+
+/// Documents the error statuses a route can answer with.
+macro_rules! errors {
+    ($op:expr $(, $code:literal)*) => {{
+        let op = $op;
+        $( let op = op.response_with::<$code, ApiError, _>(|r| r.description(describe($code))); )*
+        op
+    }};
+}
+
+fn describe(code: u16) -> &'static str {
+    match code {
+        400 => "Malformed: not JSON, the wrong shape or types, a bad id or header",
+        401 => "No bearer token, or the wrong one (I-37)",
+        404 => "No such run or job",
+        409 => "Not in a state that allows this; or an Idempotency-Key reused with another body",
+        413 => "The body is larger than the node accepts",
+        415 => "The body is not sent as application/json",
+        422 => "Refused: an unknown flow or agent, a budget out of range, a cap exceeded",
+        429 => "The queue is full",
+        503 => "The node is shutting down, or its journal has failed",
+        _ => "An error",
+    }
+}
+
+pub(crate) fn router(shared: Arc<Shared>) -> axum::Router {
+    let mut api = OpenApi::default();
+    let app = api_router(shared.clone()).finish_api_with(&mut api, document_info);
+    let api = Arc::new(serde_json::to_value(&api).unwrap_or_default());
+    app.route(
+        "/v1/openapi.json",
+        axum::routing::get(move || {
+            let api = api.clone();
+            async move { Json((*api).clone()) }
+        })
+        .layer(axum::middleware::from_fn_with_state(
+            shared.token.clone(),
+            crate::auth::require_token,
+        )),
+    )
+    .layer(axum::extract::DefaultBodyLimit::max(
+        shared.config.max_body_bytes,
+    ))
+    .fallback(|| async { ApiError::not_found("no such route") })
+}
+
+/// The document alone, for `arbord openapi` and the tests.
+pub(crate) fn openapi_document() -> serde_json::Value {
+    let mut api = OpenApi::default();
+    // Handlers never run here; the state only has to exist as a type.
+    let _ = api_router_docs().finish_api_with(&mut api, document_info);
+    serde_json::to_value(&api).unwrap_or_default()
+}
+
+fn document_info(api: aide::transform::TransformOpenApi) -> aide::transform::TransformOpenApi {
+    api.title("arbord")
+        .version(env!("CARGO_PKG_VERSION"))
+        .description(
+            "One arbor node: submit runs, watch them, stop and steer their jobs. \
+             Every route but /healthz and /readyz needs `Authorization: Bearer TOKEN` \
+             (the data dir's `token` file). Errors are `{\"error\": {\"code\", \"message\"}}`.",
+        )
+        .security_scheme(
+            "token",
+            aide::openapi::SecurityScheme::Http {
+                scheme: "bearer".into(),
+                bearer_format: None,
+                description: Some("The node's token, from <data dir>/token".into()),
+                extensions: Default::default(),
+            },
+        )
+}
+
+fn api_router(shared: Arc<Shared>) -> ApiRouter {
+    let token = shared.token.clone();
+    let protected = protected_routes().route_layer(axum::middleware::from_fn_with_state(
+        token,
+        crate::auth::require_token,
+    ));
+    protected.merge(public_routes()).with_state(shared)
+}
+
+/// The same routes, for the document only.
+fn api_router_docs() -> ApiRouter<Arc<Shared>> {
+    protected_routes().merge(public_routes())
+}
+
+fn secured(op: TransformOperation) -> TransformOperation {
+    errors!(op.security_requirement("token"), 401)
+}
+
+fn protected_routes() -> ApiRouter<Arc<Shared>> {
+    ApiRouter::new()
+        .api_route(
+            "/v1/runs",
+            post_with(submit_run, |op| {
+                errors!(
+                    secured(op)
+                        .id("submitRun")
+                        .summary("Submit a run: a flow, or one agent on an input")
+                        .description(
+                            "Queued, then started when fewer than max_running_runs run. \
+                             With an Idempotency-Key header, the same key and body give the \
+                             same run (200); the same key with another body is a 409.",
+                        )
+                        .parameter_untyped("Idempotency-Key", |p| {
+                            p.description("Makes a retry safe: 1 to 255 visible ASCII characters")
+                        })
+                        .response::<201, Json<RunCreated>>()
+                        .response_with::<200, Json<RunCreated>, _>(|r| {
+                            r.description("A replay: this key and body made this run before")
+                        }),
+                    400,
+                    409,
+                    413,
+                    415,
+                    422,
+                    429,
+                    503
+                )
+            })
+            .get_with(list_runs, |op| {
+                errors!(
+                    secured(op)
+                        .id("listRuns")
+                        .summary("Runs, newest first, by status, paged")
+                        .response::<200, Json<RunList>>(),
+                    400,
+                    503
+                )
+            }),
+        )
+        .api_route(
+            "/v1/runs/{id}",
+            get_with(get_run, |op| {
+                errors!(
+                    secured(op)
+                        .id("getRun")
+                        .summary("A run's tree: the document `arbor run --json` prints")
+                        .response::<200, Json<RunDocument>>(),
+                    400,
+                    404,
+                    503
+                )
+            }),
+        )
+        .api_route(
+            "/v1/runs/{id}/stop",
+            post_with(stop_run, |op| {
+                errors!(
+                    secured(op)
+                        .id("stopRun")
+                        .summary("Stop a run and its whole tree (a queued run never starts)")
+                        .response::<202, Json<StopAccepted>>(),
+                    400,
+                    404,
+                    409,
+                    503
+                )
+            }),
+        )
+        .api_route(
+            "/v1/runs/{id}/events",
+            get_with(run_events, |op| {
+                errors!(
+                    secured(op)
+                        .id("runEvents")
+                        .summary("The run's events as Server-Sent Events")
+                        .description(
+                            "Each message's id is the event's place in the run (1, 2, ...); \
+                             reconnect with Last-Event-ID to go on from there. The data is a \
+                             StreamEvent (docs/contract/event.schema.json). Keep-alive comments \
+                             every 15 s; the stream ends after the run's run_finished.",
+                        )
+                        .parameter_untyped("Last-Event-ID", |p| {
+                            p.description("The id of the last event seen")
+                        })
+                        .response_with::<200, String, _>(|r| {
+                            r.description("text/event-stream of StreamEvent").with(|mut r| {
+                                r.inner().content = [(
+                                    "text/event-stream".to_string(),
+                                    aide::openapi::MediaType::default(),
+                                )]
+                                .into_iter()
+                                .collect();
+                                r
+                            })
+                        }),
+                    400,
+                    404,
+                    503
+                )
+            }),
+        )
+        .api_route(
+            "/v1/jobs/{id}",
+            get_with(get_job, |op| {
+                errors!(
+                    secured(op)
+                        .id("getJob")
+                        .summary("A step or job and everything below it")
+                        .response::<200, Json<JobDocument>>(),
+                    400,
+                    404,
+                    503
+                )
+            }),
+        )
+        .api_route(
+            "/v1/jobs/{id}/stop",
+            post_with(stop_job, |op| {
+                errors!(
+                    secured(op)
+                        .id("stopJob")
+                        .summary("Stop one step or job and its subtree; its parent goes on")
+                        .response::<202, Json<StopAccepted>>(),
+                    400,
+                    404,
+                    409,
+                    503
+                )
+            }),
+        )
+        .api_route(
+            "/v1/jobs/{id}/messages",
+            post_with(steer_job, |op| {
+                errors!(
+                    secured(op)
+                        .id("steerJob")
+                        .summary("Send a running step or job a message (steer)")
+                        .response::<202, Json<SteerQueued>>(),
+                    400,
+                    404,
+                    409,
+                    413,
+                    415,
+                    422,
+                    503
+                )
+            }),
+        )
+        .api_route(
+            "/v1/jobs/{id}/continue",
+            post_with(continue_job, |op| {
+                errors!(
+                    secured(op)
+                        .id("continueJob")
+                        .summary("Continue a job a restart interrupted, as its next attempt (I-33)")
+                        .response::<201, Json<Continued>>(),
+                    400,
+                    404,
+                    409,
+                    503
+                )
+            }),
+        )
+        .api_route(
+            "/v1/status",
+            get_with(node_status, |op| {
+                errors!(
+                    secured(op)
+                        .id("status")
+                        .summary("The node: live runs and their accounts, actors, sandboxes, queue, journal, last recovery")
+                        .response::<200, Json<NodeStatus>>(),
+                    503
+                )
+            }),
+        )
+        .api_route(
+            "/metrics",
+            get_with(metrics, |op| {
+                errors!(
+                    secured(op)
+                        .id("metrics")
+                        .summary("Prometheus (OpenMetrics text) metrics; labels never name a run or job")
+                        .response_with::<200, String, _>(|r| {
+                            r.description("OpenMetrics text").with(|mut r| {
+                                r.inner().content = [(
+                                    "application/openmetrics-text".to_string(),
+                                    aide::openapi::MediaType::default(),
+                                )]
+                                .into_iter()
+                                .collect();
+                                r
+                            })
+                        }),
+                    503
+                )
+            }),
+        )
+}
+
+fn public_routes() -> ApiRouter<Arc<Shared>> {
+    ApiRouter::new()
+        .api_route(
+            "/healthz",
+            get_with(healthz, |op| {
+                op.id("healthz")
+                    .summary("The process answers (no token needed)")
+                    .response::<200, Json<Health>>()
+            }),
+        )
+        .api_route(
+            "/readyz",
+            get_with(readyz, |op| {
+                op.id("readyz")
+                    .summary(
+                        "The node takes work: not draining, journal writable (no token needed)",
+                    )
+                    .response::<200, Json<Health>>()
+                    .response_with::<503, Json<Health>, _>(|r| {
+                        r.description("Draining, or the journal has failed")
+                    })
+            }),
+        )
+}
+
+// ---- helpers ----
+
+fn parse_run(id: &str) -> Result<RunId, ApiError> {
+    id.parse()
+        .map_err(|_| ApiError::bad_request(format!("{id:?} is not a run id (a UUID)")))
+}
+
+fn parse_job(id: &str) -> Result<JobId, ApiError> {
+    id.parse()
+        .map_err(|_| ApiError::bad_request(format!("{id:?} is not a job id (a UUID)")))
+}
+
+fn accepting(shared: &Shared) -> Result<(), ApiError> {
+    if !shared.accepting.load(Ordering::SeqCst) {
+        return Err(ApiError::unavailable(
+            "the node is shutting down and takes no new work",
+        ));
+    }
+    if let Some(failure) = shared.node.journal().failed() {
+        return Err(ApiError::unavailable(format!(
+            "the journal has failed ({failure}); the node takes no new work"
+        )));
+    }
+    Ok(())
+}
+
+/// The run's tree now: from its events, or, for a run that waits in the
+/// queue, a bare pending root. `None`: no such run.
+async fn run_tree(shared: &Shared, run: RunId) -> Result<Option<Tree>, ApiError> {
+    if let Some(tree) = shared.node.events().tree(run) {
+        return Ok(Some(tree));
+    }
+    if shared.admission.place(run).await.is_some() || shared.node.journal().run(run)?.is_some() {
+        return Ok(Some(Tree::new(run)));
+    }
+    Ok(None)
+}
+
+/// The run a step or job belongs to, and its tree.
+fn job_tree(shared: &Shared, job: JobId) -> Result<(RunId, Tree), ApiError> {
+    let events = shared.node.events();
+    let run = match events.find_job(job) {
+        Some((run, _)) => run,
+        None => shared
+            .node
+            .journal()
+            .all_jobs()?
+            .into_iter()
+            .find(|j| j.id == job)
+            .map(|j| j.run)
+            .ok_or_else(|| ApiError::not_found(format!("no step or job {job}")))?,
+    };
+    let tree = events
+        .tree(run)
+        .filter(|t| t.node(job).is_some())
+        .ok_or_else(|| ApiError::not_found(format!("no step or job {job}")))?;
+    Ok((run, tree))
+}
+
+fn json(status: StatusCode, body: impl serde::Serialize) -> Response {
+    (status, Json(body)).into_response()
+}
+
+// ---- runs ----
+
+fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let Some(value) = headers.get("idempotency-key") else {
+        return Ok(None);
+    };
+    let key = value
+        .to_str()
+        .ok()
+        .filter(|k| !k.is_empty() && k.len() <= 255 && k.bytes().all(|b| b.is_ascii_graphic()))
+        .ok_or_else(|| {
+            ApiError::bad_request("Idempotency-Key must be 1 to 255 visible ASCII characters")
+        })?;
+    Ok(Some(key.to_string()))
+}
+
+/// The request as a `RunSpec`, every I-36 check made; nothing changes here.
+fn resolve(shared: &Shared, body: &SubmitRun) -> Result<RunSpec, ApiError> {
+    let ws = &shared.workspace;
+    let cfg = &shared.config;
+    let budget = body.budget.clone().unwrap_or_default();
+    let tokens = budget.tokens().map_err(ApiError::refused)?;
+    let usd = budget.usd_micros().map_err(ApiError::refused)?;
+    let load = |e: LoadError| ApiError::refused(e.to_string());
+    let spec = match (&body.flow, &body.agent, &body.input) {
+        (Some(flow), None, None) => ws.flow_run(flow, tokens).map_err(load)?,
+        (None, Some(agent), Some(input)) => {
+            if input.trim().is_empty() {
+                return Err(ApiError::refused(
+                    "`input` is empty: say what the agent should do",
+                ));
+            }
+            if input.len() > cfg.max_input_bytes {
+                return Err(ApiError::refused(format!(
+                    "`input` is {} bytes; this node takes at most {} (max_input_bytes)",
+                    input.len(),
+                    cfg.max_input_bytes
+                )));
+            }
+            ws.agent_run(agent, input, tokens).map_err(load)?
+        }
+        (None, Some(_), None) => {
+            return Err(ApiError::bad_request("`agent` needs an `input`"));
+        }
+        (None, None, Some(_)) => {
+            return Err(ApiError::bad_request("`input` needs an `agent`"));
+        }
+        _ => {
+            return Err(ApiError::bad_request(
+                "give `flow`, or `agent` and `input` (not both)",
+            ));
+        }
+    };
+    if spec.budget_tokens > cfg.max_run_tokens {
+        return Err(ApiError::refused(format!(
+            "a budget of {} tokens is more than this node allows one run (max_run_tokens {})",
+            spec.budget_tokens, cfg.max_run_tokens
+        )));
+    }
+    let spec = match usd {
+        Some(micros) if micros > cfg.max_run_usd_micros => {
+            return Err(ApiError::refused(format!(
+                "a ceiling of {micros} micro-dollars is more than this node allows one run (max_run_usd)"
+            )));
+        }
+        Some(micros) => ws.with_usd_ceiling(spec, micros).map_err(load)?,
+        None => spec,
+    };
+    Ok(spec)
+}
+
+async fn submit_run(
+    State(shared): S,
+    headers: HeaderMap,
+    JsonBody(body): JsonBody<SubmitRun>,
+) -> Reply {
+    let key = idempotency_key(&headers)?;
+    let spec = resolve(&shared, &body)?;
+    let digest = {
+        let canonical = serde_json::to_vec(&body).unwrap_or_default();
+        let hash = sha2::Sha256::digest(&canonical);
+        hash.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    };
+    // A replay is answered even while draining: it changes nothing.
+    if key.is_none() {
+        accepting(&shared)?;
+    }
+    let submitted = shared
+        .admission
+        .submit(&spec, key, digest)
+        .await
+        .map_err(|e| match e {
+            SubmitError::KeyConflict(_) => ApiError::conflict(e.to_string()),
+            SubmitError::QueueFull(_) => ApiError::queue_full(e.to_string()),
+            SubmitError::Closed => ApiError::unavailable(e.to_string()),
+            SubmitError::Journal(e) => ApiError::from(e),
+        })?;
+    let (run, status, replayed) = match submitted {
+        Submitted::New(run) => (run, StatusCode::CREATED, false),
+        Submitted::Replayed(run) => (run, StatusCode::OK, true),
+    };
+    let run_status = run_tree(&shared, run)
+        .await?
+        .map(|t| t.run_status())
+        .unwrap_or(Status::Pending);
+    let mut response = json(
+        status,
+        RunCreated {
+            id: run,
+            status: run_status,
+            replayed,
+            links: RunLinks::of(run),
+        },
+    );
+    if let Ok(location) = HeaderValue::from_str(&format!("/v1/runs/{run}")) {
+        response.headers_mut().insert(header::LOCATION, location);
+    }
+    Ok(response)
+}
+
+async fn list_runs(State(shared): S, Query(query): Query<RunQuery>) -> Reply {
+    let limit = query.limit.unwrap_or(50);
+    if !(1..=500).contains(&limit) {
+        return Err(ApiError::bad_request("limit must be 1 to 500"));
+    }
+    let queued = shared.admission.queued().await;
+    let mut all: Vec<RunSummary> = queued
+        .iter()
+        .enumerate()
+        .map(|(position, sub)| {
+            let spec: Option<RunSpec> = serde_json::from_str(&sub.spec_json).ok();
+            RunSummary {
+                id: sub.run,
+                flow: spec.as_ref().map(|s| s.flow.clone()).unwrap_or_default(),
+                status: Status::Pending,
+                error_class: None,
+                reason: None,
+                budget_tokens: spec.map(|s| s.budget_tokens).unwrap_or_default(),
+                queue_position: Some(position),
+            }
+        })
+        .collect();
+    all.extend(
+        shared
+            .node
+            .journal()
+            .runs()?
+            .into_iter()
+            .map(|r| RunSummary {
+                id: r.id,
+                flow: r.flow,
+                status: r.status,
+                error_class: r.error_class,
+                reason: r.reason,
+                budget_tokens: r.budget_tokens,
+                queue_position: None,
+            }),
+    );
+    // Ids are uuid v7: newest first is id order, reversed.
+    all.sort_by(|a, b| b.id.cmp(&a.id));
+    let mut page: Vec<RunSummary> = all
+        .into_iter()
+        .filter(|r| query.status.is_none_or(|s| r.status == s))
+        .filter(|r| query.after.is_none_or(|after| r.id < after))
+        .take(limit as usize + 1)
+        .collect();
+    let next = (page.len() > limit as usize).then(|| {
+        page.truncate(limit as usize);
+        page.last().map(|r| r.id)
+    });
+    Ok(json(
+        StatusCode::OK,
+        RunList {
+            runs: page,
+            next: next.flatten(),
+        },
+    ))
+}
+
+async fn get_run(State(shared): S, Path(path): Path<IdPath>) -> Reply {
+    let run = parse_run(&path.id)?;
+    let tree = run_tree(&shared, run)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("no run {run}")))?;
+    Ok(json(StatusCode::OK, RunDocument { run: tree.root() }))
+}
+
+async fn stop_run(State(shared): S, Path(path): Path<IdPath>) -> Reply {
+    let run = parse_run(&path.id)?;
+    let reason = "stopped by an operator (API)";
+    if shared.admission.cancel(run, reason).await? {
+        return Ok(json(
+            StatusCode::ACCEPTED,
+            StopAccepted {
+                id: run.to_string(),
+                state: "stopped".into(),
+            },
+        ));
+    }
+    let tree = run_tree(&shared, run)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("no run {run}")))?;
+    let status = tree.run_status();
+    if status.is_terminal() {
+        return Err(ApiError::conflict(format!(
+            "run {run} has already ended ({status})"
+        )));
+    }
+    shared
+        .node
+        .stop_run(run, reason)
+        .await
+        .map_err(|e| ApiError::conflict(e.to_string()))?;
+    Ok(json(
+        StatusCode::ACCEPTED,
+        StopAccepted {
+            id: run.to_string(),
+            state: "stopping".into(),
+        },
+    ))
+}
+
+async fn run_events(State(shared): S, Path(path): Path<IdPath>, headers: HeaderMap) -> Reply {
+    let run = parse_run(&path.id)?;
+    let after = match headers.get("last-event-id") {
+        None => 0,
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .ok_or_else(|| {
+                ApiError::bad_request("Last-Event-ID must be the id of an event: a whole number")
+            })?,
+    };
+    if run_tree(&shared, run).await?.is_none() {
+        return Err(ApiError::not_found(format!("no run {run}")));
+    }
+    let stream = crate::sse::stream(crate::sse::Source {
+        bus: shared.node.events().clone(),
+        journal: shared.node.journal().clone(),
+        run,
+        after,
+        buffer: shared.config.sse_buffer,
+        stall: shared.config.sse_stall,
+        shutdown: shared.stopped.clone(),
+    });
+    Ok(sse::Sse::new(stream)
+        .keep_alive(
+            sse::KeepAlive::new()
+                .interval(Duration::from_secs(15))
+                .text("keep-alive"),
+        )
+        .into_response())
+}
+
+// ---- jobs ----
+
+async fn get_job(State(shared): S, Path(path): Path<IdPath>) -> Reply {
+    let job = parse_job(&path.id)?;
+    let (run, tree) = job_tree(&shared, job)?;
+    let node = tree
+        .subtree(job)
+        .ok_or_else(|| ApiError::not_found(format!("no step or job {job}")))?;
+    Ok(json(StatusCode::OK, JobDocument { run, job: node }))
+}
+
+async fn stop_job(State(shared): S, Path(path): Path<IdPath>) -> Reply {
+    let job = parse_job(&path.id)?;
+    let (run, tree) = job_tree(&shared, job)?;
+    let status = tree.node(job).map(|n| n.status).unwrap_or(Status::Done);
+    if status.is_terminal() {
+        return Err(ApiError::conflict(format!(
+            "{job} has already ended ({status})"
+        )));
+    }
+    shared
+        .node
+        .stop_job(run, job, "stopped by an operator (API)")
+        .await
+        .map_err(|e| ApiError::conflict(e.to_string()))?;
+    Ok(json(
+        StatusCode::ACCEPTED,
+        StopAccepted {
+            id: job.to_string(),
+            state: "stopping".into(),
+        },
+    ))
+}
+
+async fn steer_job(
+    State(shared): S,
+    Path(path): Path<IdPath>,
+    JsonBody(body): JsonBody<SteerMessage>,
+) -> Reply {
+    let job = parse_job(&path.id)?;
+    if body.text.trim().is_empty() {
+        return Err(ApiError::refused("`text` is empty"));
+    }
+    if body.text.len() > shared.config.max_input_bytes {
+        return Err(ApiError::refused(format!(
+            "the message is {} bytes; this node takes at most {} (max_input_bytes)",
+            body.text.len(),
+            shared.config.max_input_bytes
+        )));
+    }
+    let (_, tree) = job_tree(&shared, job)?;
+    if let Some(status) = tree.node(job).map(|n| n.status)
+        && status.is_terminal()
+    {
+        return Err(ApiError::conflict(format!(
+            "{job} has already ended ({status}); the message was not queued"
+        )));
+    }
+    let message_id = shared
+        .node
+        .steer(job, &body.text)
+        .await
+        .map_err(|refusal| ApiError::conflict(refusal.to_string()))?;
+    Ok(json(StatusCode::ACCEPTED, SteerQueued { job, message_id }))
+}
+
+async fn continue_job(State(shared): S, Path(path): Path<IdPath>) -> Reply {
+    let job = parse_job(&path.id)?;
+    job_tree(&shared, job)?;
+    accepting(&shared)?;
+    let run = shared
+        .node
+        .continue_job(job)
+        .await
+        .map_err(|e| ApiError::conflict(e.to_string()))?;
+    Ok(json(
+        StatusCode::CREATED,
+        Continued {
+            job,
+            run,
+            links: RunLinks::of(run),
+        },
+    ))
+}
+
+// ---- node ----
+
+async fn node_status(State(shared): S) -> Reply {
+    let node = &shared.node;
+    let journal = node.journal();
+    let (queued, running) = shared.admission.counts().await;
+    let mut runs: Vec<arbor_protocol::TreeNode> = vec![];
+    for sub in shared.admission.queued().await {
+        runs.push(Tree::new(sub.run).root());
+    }
+    for record in journal.runs()? {
+        if !record.status.is_terminal()
+            && let Some(tree) = node.events().tree(record.id)
+            && !tree.run_status().is_terminal()
+        {
+            runs.push(tree.root());
+        }
+    }
+    let recovery = node.recovery();
+    let status = NodeStatus {
+        node: NodeInfo {
+            version: env!("CARGO_PKG_VERSION").into(),
+            epoch: journal.epoch(),
+            started_at_ms: shared.started_at_ms,
+            uptime_ms: shared.started.elapsed().as_millis() as u64,
+            accepting: shared.accepting.load(Ordering::SeqCst),
+        },
+        admission: AdmissionInfo {
+            max_running_runs: shared.config.max_running_runs,
+            running,
+            queued,
+        },
+        journal: JournalInfo {
+            applied_seq: journal.applied_seq(),
+            durable_seq: journal.durable_seq(),
+            flushes: journal.flush_count(),
+            fsyncs: journal.sync_count(),
+            failed: journal.failed(),
+        },
+        recovery: RecoveryInfo {
+            epoch: recovery.epoch,
+            jobs_failed: recovery.jobs_failed.clone(),
+            processes_killed: recovery.processes_killed.clone(),
+            grants_released: recovery.grants_released,
+            runs_resumed: node.resumed().iter().map(|(id, _)| *id).collect(),
+            undecodable: recovery.undecodable.len(),
+            breaches: recovery.breaches.clone(),
+        },
+        runs,
+        actors: actor_tree(&node.root_actor()),
+        sandboxes: journal
+            .live_sandboxes()?
+            .into_iter()
+            .map(|s| SandboxView {
+                run: s.run,
+                job: s.job,
+                pgid: s.pgid,
+            })
+            .collect(),
+    };
+    Ok(json(StatusCode::OK, status))
+}
+
+async fn metrics(State(shared): S) -> Reply {
+    let (queued, _) = shared.admission.counts().await;
+    let text = shared
+        .metrics
+        .render(shared.node.journal(), queued)
+        .map_err(|e| ApiError::unavailable(format!("metrics: {e}")))?;
+    Ok((
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)],
+        text,
+    )
+        .into_response())
+}
+
+async fn healthz() -> Json<Health> {
+    Json(Health {
+        status: "ok".into(),
+    })
+}
+
+async fn readyz(State(shared): S) -> Response {
+    match accepting(&shared) {
+        Ok(()) => json(
+            StatusCode::OK,
+            Health {
+                status: "ok".into(),
+            },
+        ),
+        Err(e) => json(
+            StatusCode::SERVICE_UNAVAILABLE,
+            Health { status: e.message },
+        ),
+    }
+}

@@ -1,0 +1,116 @@
+//! `GET /v1/runs/{id}/events`: a run's events as Server-Sent Events.
+//!
+//! Each message's `id:` is the event's place in the run (1, 2, 3, ...), so a
+//! client that reconnects with `Last-Event-ID: N` gets event N+1 onwards and
+//! misses nothing. The stream ends after the run's `run_finished`.
+//!
+//! Invariant: a client's buffer is bounded (`sse_buffer`). A client that
+//! leaves it full for `sse_stall` is dropped, never buffered without bound;
+//! it may reconnect from where it was. The node's broadcast is bounded too:
+//! a producer that lags behind it reads the rest from the journal, where
+//! every event is before it is broadcast.
+
+use crate::api::StreamEvent;
+use arbor_actors::EventBus;
+use arbor_protocol::{Event, EventKind, RunId};
+use arbor_storage::Journal;
+use axum::response::sse;
+use futures::Stream;
+use std::convert::Infallible;
+use std::time::Duration;
+use tokio::sync::{broadcast, mpsc};
+use tokio_util::sync::CancellationToken;
+
+pub struct Source {
+    pub bus: EventBus,
+    pub journal: Journal,
+    pub run: RunId,
+    /// Events up to this index were seen already (`Last-Event-ID`).
+    pub after: u64,
+    pub buffer: usize,
+    pub stall: Duration,
+    pub shutdown: CancellationToken,
+}
+
+/// The stream an SSE response sends; its producer is a task of its own.
+pub fn stream(source: Source) -> impl Stream<Item = Result<sse::Event, Infallible>> {
+    let (tx, rx) = mpsc::channel(source.buffer);
+    tokio::spawn(produce(source, tx));
+    futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|event| (Ok(event), rx))
+    })
+}
+
+fn message(index: u64, event: Event) -> sse::Event {
+    let data = serde_json::to_string(&StreamEvent { index, event }).unwrap_or_default();
+    sse::Event::default().id(index.to_string()).data(data)
+}
+
+/// Sends from the journal, then live; on lag, from the journal again.
+async fn produce(source: Source, tx: mpsc::Sender<sse::Event>) {
+    let mut live = source.bus.subscribe();
+    let mut index = 0u64;
+    let mut last_seq = 0u64;
+    loop {
+        let history = match source.journal.events(source.run) {
+            Ok(history) => history,
+            Err(error) => {
+                tracing::warn!(%error, "an event stream could not read the journal");
+                return;
+            }
+        };
+        let fresh: Vec<Event> = history.into_iter().filter(|e| e.seq > last_seq).collect();
+        for event in fresh {
+            match forward(&source, &tx, &mut index, &mut last_seq, event).await {
+                Next::Go => {}
+                Next::End => return,
+            }
+        }
+        loop {
+            let got = tokio::select! {
+                _ = source.shutdown.cancelled() => return,
+                _ = tx.closed() => return,
+                got = live.recv() => got,
+            };
+            match got {
+                Ok(event) if event.run == source.run && event.seq > last_seq => {
+                    match forward(&source, &tx, &mut index, &mut last_seq, event).await {
+                        Next::Go => {}
+                        Next::End => return,
+                    }
+                }
+                Ok(_) => {}
+                Err(broadcast::error::RecvError::Lagged(_)) => break,
+                Err(broadcast::error::RecvError::Closed) => return,
+            }
+        }
+    }
+}
+
+enum Next {
+    Go,
+    End,
+}
+
+async fn forward(
+    source: &Source,
+    tx: &mpsc::Sender<sse::Event>,
+    index: &mut u64,
+    last_seq: &mut u64,
+    event: Event,
+) -> Next {
+    *index += 1;
+    *last_seq = event.seq;
+    let end = matches!(event.kind, EventKind::RunFinished { .. });
+    if *index > source.after {
+        match tx.send_timeout(message(*index, event), source.stall).await {
+            Ok(()) => {}
+            Err(mpsc::error::SendTimeoutError::Timeout(_)) => {
+                tracing::info!(run = %source.run, index = *index, "dropped a slow event-stream client");
+                return Next::End;
+            }
+            Err(mpsc::error::SendTimeoutError::Closed(_)) => return Next::End,
+        }
+    }
+    if end { Next::End } else { Next::Go }
+}
