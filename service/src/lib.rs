@@ -133,6 +133,17 @@ impl Service {
         routes::openapi_document()
     }
 
+    /// The JSON Schema of one event-stream message's data
+    /// (docs/contract/event.schema.json is this, committed).
+    pub fn event_schema() -> serde_json::Value {
+        let mut schema =
+            serde_json::to_value(schemars::schema_for!(api::StreamEvent)).unwrap_or_default();
+        if let Some(object) = schema.as_object_mut() {
+            object.insert("$id".into(), "arbor/event".into());
+        }
+        schema
+    }
+
     pub fn token(&self) -> &str {
         self.shared.token.as_str()
     }

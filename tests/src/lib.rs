@@ -19,6 +19,7 @@
 //! broken promise fails the test instead of hanging it.
 
 pub mod mock_provider;
+pub mod service;
 
 use arbor_actors::model::{
     CallMeter, Model, ModelError, ModelFactory, ModelInfo, ModelReply, ModelRequest,

@@ -1,0 +1,254 @@
+//! arbord in-process on a loopback port, for tests over real HTTP: a
+//! `Service` on a temporary data dir, served by axum on 127.0.0.1:0, and a
+//! reqwest client that carries its token.
+
+use crate::WAIT_LIMIT;
+use arbor_protocol::{RunId, Status};
+use arbor_runtime::Workspace;
+use arbor_service::{Flags, Service, config};
+use futures::StreamExt;
+use std::path::{Path, PathBuf};
+
+/// A workspace as texts: arbor.toml, agents (name, agent.md) and flows (name, TOML).
+#[derive(Clone, Default)]
+pub struct Texts {
+    pub arbor_toml: Option<String>,
+    pub agents: Vec<(String, String)>,
+    pub flows: Vec<(String, String)>,
+}
+
+impl Texts {
+    pub fn new(agents: &[(&str, &str)], flows: &[(&str, &str)]) -> Self {
+        Self {
+            arbor_toml: None,
+            agents: agents
+                .iter()
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .collect(),
+            flows: flows
+                .iter()
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .collect(),
+        }
+    }
+
+    pub fn with_config(mut self, arbor_toml: &str) -> Self {
+        self.arbor_toml = Some(arbor_toml.to_string());
+        self
+    }
+
+    fn workspace(&self, dir: &Path) -> Workspace {
+        let agents: Vec<(&str, &str)> = self
+            .agents
+            .iter()
+            .map(|(a, b)| (a.as_str(), b.as_str()))
+            .collect();
+        let flows: Vec<(&str, &str)> = self
+            .flows
+            .iter()
+            .map(|(a, b)| (a.as_str(), b.as_str()))
+            .collect();
+        Workspace::from_texts(
+            dir.to_path_buf(),
+            self.arbor_toml.as_deref(),
+            &agents,
+            &flows,
+        )
+        .unwrap_or_else(|e| panic!("the test workspace does not load: {e}"))
+    }
+}
+
+/// A served node and a client for it.
+pub struct TestService {
+    pub url: String,
+    pub token: String,
+    pub client: reqwest::Client,
+    pub service: Service,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    serving: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+    dir: Option<tempfile::TempDir>,
+    texts: Texts,
+}
+
+impl TestService {
+    pub async fn start(texts: Texts) -> Self {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        Self::start_in(dir, texts).await
+    }
+
+    /// Starts on `dir/data` (a restart, when a service ran there before).
+    pub async fn start_in(dir: tempfile::TempDir, texts: Texts) -> Self {
+        let workspace = texts.workspace(&dir.path().join("workspace"));
+        let settings = config::resolve(
+            &workspace.config.service,
+            Vec::<(String, String)>::new(),
+            Flags {
+                listen: Some("127.0.0.1:0".into()),
+                data_dir: Some(dir.path().join("data")),
+            },
+            PathBuf::new(),
+        )
+        .unwrap_or_else(|e| panic!("the service settings: {e}"));
+        let listener = tokio::net::TcpListener::bind(settings.listen)
+            .await
+            .expect("a loopback port");
+        let url = format!("http://{}", listener.local_addr().expect("an address"));
+        let service = Service::start(workspace, settings)
+            .await
+            .unwrap_or_else(|e| panic!("the service starts: {e}"));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let serving = tokio::spawn(service.clone().serve(listener, async {
+            let _ = stopped.await;
+        }));
+        Self {
+            url,
+            token: service.token().to_string(),
+            client: reqwest::Client::new(),
+            service,
+            stop: Some(stop),
+            serving: Some(serving),
+            dir: Some(dir),
+            texts,
+        }
+    }
+
+    pub fn data_dir(&self) -> PathBuf {
+        self.dir.as_ref().expect("the dir").path().join("data")
+    }
+
+    pub fn get(&self, path: &str) -> reqwest::RequestBuilder {
+        self.client
+            .get(format!("{}{path}", self.url))
+            .bearer_auth(&self.token)
+    }
+
+    pub fn post(&self, path: &str) -> reqwest::RequestBuilder {
+        self.client
+            .post(format!("{}{path}", self.url))
+            .bearer_auth(&self.token)
+    }
+
+    /// POSTs JSON and returns the status and the body as JSON.
+    pub async fn post_json(&self, path: &str, body: serde_json::Value) -> (u16, serde_json::Value) {
+        let response = self
+            .post(path)
+            .json(&body)
+            .send()
+            .await
+            .expect("a response");
+        read(response).await
+    }
+
+    pub async fn get_json(&self, path: &str) -> (u16, serde_json::Value) {
+        let response = self.get(path).send().await.expect("a response");
+        read(response).await
+    }
+
+    /// Submits and returns the new run's id (fails the test unless 201).
+    pub async fn submit(&self, body: serde_json::Value) -> RunId {
+        let (status, reply) = self.post_json("/v1/runs", body).await;
+        assert_eq!(status, 201, "{reply}");
+        reply["id"]
+            .as_str()
+            .expect("an id")
+            .parse()
+            .expect("a run id")
+    }
+
+    /// Follows the run's event stream from `after` until it ends; returns
+    /// each message's `id:` and parsed `data:`.
+    pub async fn events(&self, run: RunId, after: Option<u64>) -> Vec<(u64, serde_json::Value)> {
+        self.events_until(run, after, |_| false).await
+    }
+
+    /// As `events`, stopping early at the first event `stop` accepts.
+    pub async fn events_until(
+        &self,
+        run: RunId,
+        after: Option<u64>,
+        mut stop: impl FnMut(&serde_json::Value) -> bool,
+    ) -> Vec<(u64, serde_json::Value)> {
+        let mut request = self.get(&format!("/v1/runs/{run}/events"));
+        if let Some(after) = after {
+            request = request.header("Last-Event-ID", after.to_string());
+        }
+        let follow = async {
+            let response = request.send().await.expect("a response");
+            assert_eq!(response.status(), 200);
+            let mut stream = eventsource_stream::EventStream::new(response.bytes_stream());
+            let mut seen = vec![];
+            while let Some(event) = stream.next().await {
+                let event = event.expect("a well-formed event stream");
+                let data: serde_json::Value =
+                    serde_json::from_str(&event.data).expect("each data is JSON");
+                let id = event.id.parse().expect("each id is a number");
+                let done = stop(&data);
+                seen.push((id, data));
+                if done {
+                    break;
+                }
+            }
+            seen
+        };
+        tokio::time::timeout(WAIT_LIMIT, follow)
+            .await
+            .unwrap_or_else(|_| panic!("the event stream of {run} did not end"))
+    }
+
+    /// Waits for the run to end (over its event stream) and returns its document.
+    pub async fn wait_run(&self, run: RunId) -> serde_json::Value {
+        self.events(run, None).await;
+        let (status, doc) = self.get_json(&format!("/v1/runs/{run}")).await;
+        assert_eq!(status, 200, "{doc}");
+        doc
+    }
+
+    /// Waits until a step or job of the run is running; returns its id.
+    pub async fn wait_running(&self, run: RunId) -> String {
+        let seen = self
+            .events_until(run, None, |e| e["kind"]["type"] == "node_running")
+            .await;
+        let last = seen.last().expect("an event");
+        assert_eq!(
+            last.1["kind"]["type"], "node_running",
+            "the run ended first"
+        );
+        last.1["kind"]["id"].as_str().expect("an id").to_string()
+    }
+
+    /// Drains the service as SIGTERM would (I-40) and returns its dir, to
+    /// start again on.
+    pub async fn stop(mut self) -> tempfile::TempDir {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(serving) = self.serving.take() {
+            tokio::time::timeout(WAIT_LIMIT, serving)
+                .await
+                .expect("the drain ends")
+                .expect("the server task")
+                .expect("the server");
+        }
+        self.dir.take().expect("the dir")
+    }
+
+    /// Drains, then starts again on the same data dir and workspace.
+    pub async fn restart(self) -> Self {
+        let texts = self.texts.clone();
+        let dir = self.stop().await;
+        Self::start_in(dir, texts).await
+    }
+}
+
+async fn read(response: reqwest::Response) -> (u16, serde_json::Value) {
+    let status = response.status().as_u16();
+    let text = response.text().await.expect("a body");
+    let body = serde_json::from_str(&text)
+        .unwrap_or_else(|_| panic!("a {status} whose body is not JSON: {text:?}"));
+    (status, body)
+}
+
+/// The status of a run document's root.
+pub fn status_of(doc: &serde_json::Value) -> Status {
+    serde_json::from_value(doc["run"]["status"].clone()).expect("a status")
+}

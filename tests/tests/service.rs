@@ -1,0 +1,915 @@
+//! arbord over real HTTP on loopback: every route, every bad input of I-36,
+//! the token of I-37, the event stream and its resume, the admission queue
+//! across a restart, and the drain of I-40 (in-process; the process-level
+//! SIGTERM and SIGKILL are in bin/tests/arbord.rs).
+
+use arbor_protocol::Status;
+use arbor_service::Service;
+use arbor_testkit::agent_md;
+use arbor_testkit::service::{TestService, Texts, status_of};
+use serde_json::json;
+use std::path::Path;
+
+fn quick() -> String {
+    agent_md(
+        "description: answers at once\nscript:\n  - call: {tool: submit_output, args: {output: hi, task_status: completed}}",
+    )
+}
+
+/// Blocks in a command until it is stopped.
+fn slow() -> String {
+    agent_md(
+        "description: blocks\ntools: [exec]\nscript:\n  - call: {tool: exec, args: {command: \"exec sleep 300\"}}\n  - call: {tool: submit_output, args: {output: late}}",
+    )
+}
+
+fn texts() -> Texts {
+    Texts::new(
+        &[("quick", &quick()), ("slow", &slow())],
+        &[(
+            "hello",
+            "[[group]]\nsteps = [{ agent = \"quick\", instruction = \"say hi\" }]\n",
+        )],
+    )
+}
+
+fn schema(name: &str) -> jsonschema::Validator {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../docs/contract")
+        .join(name);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{name}: {e}"));
+    jsonschema::validator_for(&serde_json::from_str(&text).unwrap()).unwrap()
+}
+
+fn assert_valid(validator: &jsonschema::Validator, doc: &serde_json::Value) {
+    let errors: Vec<String> = validator.iter_errors(doc).map(|e| e.to_string()).collect();
+    assert!(errors.is_empty(), "{errors:?} in {doc}");
+}
+
+#[tokio::test]
+async fn a_submitted_flow_runs_and_reads_back_as_the_run_document() {
+    let svc = TestService::start(texts()).await;
+    let response = svc
+        .post("/v1/runs")
+        .json(&json!({"flow": "hello"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 201);
+    let location = response.headers()["location"].to_str().unwrap().to_string();
+    let created: serde_json::Value = response.json().await.unwrap();
+    let run: arbor_protocol::RunId = created["id"].as_str().unwrap().parse().unwrap();
+    assert_eq!(location, format!("/v1/runs/{run}"));
+    assert_eq!(created["links"]["events"], format!("/v1/runs/{run}/events"));
+    assert_eq!(created["replayed"], false);
+
+    let doc = svc.wait_run(run).await;
+    assert_eq!(status_of(&doc), Status::Done);
+    assert_eq!(doc["run"]["children"][0]["output"], "hi");
+    assert_valid(&schema("run-output.schema.json"), &doc);
+
+    // The list has it, filtered and paged.
+    let other = svc
+        .submit(json!({"agent": "quick", "input": "again", "budget": {"tokens": 5000}}))
+        .await;
+    svc.wait_run(other).await;
+    let (_, list) = svc.get_json("/v1/runs?status=done").await;
+    let ids: Vec<&str> = list["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, [other.to_string(), run.to_string()], "newest first");
+    assert_eq!(list["runs"][0]["budget_tokens"], 5000);
+    let (_, page) = svc.get_json("/v1/runs?limit=1").await;
+    assert_eq!(page["runs"].as_array().unwrap().len(), 1);
+    let next = page["next"].as_str().expect("a next page");
+    let (_, rest) = svc
+        .get_json(&format!("/v1/runs?limit=1&after={next}"))
+        .await;
+    assert_eq!(rest["runs"][0]["id"], run.to_string());
+    assert!(rest.get("next").is_none(), "{rest}");
+    let (_, none) = svc.get_json("/v1/runs?status=failed").await;
+    assert_eq!(none["runs"], json!([]));
+
+    // A step reads back as a job, with its run.
+    let step = doc["run"]["children"][0]["id"].as_str().unwrap();
+    let (status, job) = svc.get_json(&format!("/v1/jobs/{step}")).await;
+    assert_eq!(status, 200, "{job}");
+    assert_eq!(job["run"], run.to_string());
+    assert_eq!(job["job"]["status"], "done");
+    svc.stop().await;
+}
+
+#[tokio::test]
+async fn inv_36_bad_input_gets_a_clear_4xx_and_changes_nothing() {
+    let svc = TestService::start(texts().with_config("[service]\nmax_body_bytes = 4096\n")).await;
+    let unknown = arbor_protocol::RunId::new();
+    // (method, path, body, content type, expected status, words the message has)
+    let cases: Vec<(&str, String, String, &str, u16, &str)> = vec![
+        (
+            "POST",
+            "/v1/runs".into(),
+            "{not json".into(),
+            "application/json",
+            400,
+            "not what this route takes",
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"flow": 3}"#.into(),
+            "application/json",
+            400,
+            "invalid type",
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"flow": "hello", "depth": 9}"#.into(),
+            "application/json",
+            400,
+            "unknown field",
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"flow": "hello"}"#.into(),
+            "text/plain",
+            415,
+            "application/json",
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            format!(r#"{{"agent": "quick", "input": "{}"}}"#, "y".repeat(5000)),
+            "application/json",
+            413,
+            "larger",
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"flow": "nope"}"#.into(),
+            "application/json",
+            422,
+            "no such flow",
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"agent": "nobody", "input": "x"}"#.into(),
+            "application/json",
+            422,
+            "no such agent",
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"agent": "quick"}"#.into(),
+            "application/json",
+            400,
+            "needs an `input`",
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"input": "x"}"#.into(),
+            "application/json",
+            400,
+            "needs an `agent`",
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"flow": "hello", "agent": "quick", "input": "x"}"#.into(),
+            "application/json",
+            400,
+            "not both",
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            "{}".into(),
+            "application/json",
+            400,
+            "give `flow`",
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"agent": "quick", "input": "  "}"#.into(),
+            "application/json",
+            422,
+            "empty",
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"flow": "hello", "budget": {"tokens": -5}}"#.into(),
+            "application/json",
+            422,
+            "positive whole number",
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"flow": "hello", "budget": {"tokens": 0}}"#.into(),
+            "application/json",
+            422,
+            "0 never means unlimited",
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"flow": "hello", "budget": {"tokens": 2.5}}"#.into(),
+            "application/json",
+            422,
+            "positive whole number",
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"flow": "hello", "budget": {"tokens": 1e30}}"#.into(),
+            "application/json",
+            422,
+            "positive whole number",
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"flow": "hello", "budget": {"tokens": 18446744073709551615}}"#.into(),
+            "application/json",
+            422,
+            "max_run_tokens",
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"flow": "hello", "budget": {"usd": NaN}}"#.into(),
+            "application/json",
+            400,
+            "not what this route takes",
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"flow": "hello", "budget": {"usd": -1}}"#.into(),
+            "application/json",
+            422,
+            "more than 0",
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"flow": "hello", "budget": {"usd": 0}}"#.into(),
+            "application/json",
+            422,
+            "more than 0",
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"flow": "hello", "budget": {"usd": 1e300}}"#.into(),
+            "application/json",
+            422,
+            "not a budget",
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"flow": "hello", "budget": {"usd": 5000}}"#.into(),
+            "application/json",
+            422,
+            "max_run_usd",
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"flow": "hello", "budget": {"tokens": 10, "cents": 1}}"#.into(),
+            "application/json",
+            400,
+            "unknown field",
+        ),
+        (
+            "GET",
+            format!("/v1/runs/{unknown}"),
+            String::new(),
+            "",
+            404,
+            "no run",
+        ),
+        (
+            "GET",
+            "/v1/runs/not-an-id".into(),
+            String::new(),
+            "",
+            400,
+            "not a run id",
+        ),
+        (
+            "GET",
+            "/v1/runs?limit=0".into(),
+            String::new(),
+            "",
+            400,
+            "limit",
+        ),
+        (
+            "GET",
+            "/v1/runs?status=sleeping".into(),
+            String::new(),
+            "",
+            400,
+            "bad query",
+        ),
+        (
+            "GET",
+            "/v1/runs?after=yesterday".into(),
+            String::new(),
+            "",
+            400,
+            "bad query",
+        ),
+        (
+            "GET",
+            "/v1/runs?colour=red".into(),
+            String::new(),
+            "",
+            400,
+            "unknown field",
+        ),
+        (
+            "POST",
+            format!("/v1/runs/{unknown}/stop"),
+            String::new(),
+            "",
+            404,
+            "no run",
+        ),
+        (
+            "GET",
+            format!("/v1/runs/{unknown}/events"),
+            String::new(),
+            "",
+            404,
+            "no run",
+        ),
+        (
+            "GET",
+            format!("/v1/jobs/{unknown}"),
+            String::new(),
+            "",
+            404,
+            "no step or job",
+        ),
+        (
+            "GET",
+            "/v1/jobs/42".into(),
+            String::new(),
+            "",
+            400,
+            "not a job id",
+        ),
+        (
+            "POST",
+            format!("/v1/jobs/{unknown}/stop"),
+            String::new(),
+            "",
+            404,
+            "no step or job",
+        ),
+        (
+            "POST",
+            format!("/v1/jobs/{unknown}/continue"),
+            String::new(),
+            "",
+            404,
+            "no step or job",
+        ),
+        (
+            "POST",
+            format!("/v1/jobs/{unknown}/messages"),
+            r#"{"text": "hi"}"#.into(),
+            "application/json",
+            404,
+            "no step or job",
+        ),
+        (
+            "POST",
+            format!("/v1/jobs/{unknown}/messages"),
+            r#"{"words": "hi"}"#.into(),
+            "application/json",
+            400,
+            "unknown field",
+        ),
+        (
+            "POST",
+            format!("/v1/jobs/{unknown}/messages"),
+            r#"{"text": ""}"#.into(),
+            "application/json",
+            422,
+            "empty",
+        ),
+        (
+            "GET",
+            "/v1/nowhere".into(),
+            String::new(),
+            "",
+            404,
+            "no such route",
+        ),
+    ];
+    for (method, path, body, content_type, want, words) in &cases {
+        let mut request = match *method {
+            "POST" => svc.post(path),
+            _ => svc.get(path),
+        };
+        if !content_type.is_empty() {
+            request = request.header("content-type", *content_type);
+        }
+        let response = request.body(body.clone()).send().await.unwrap();
+        let status = response.status().as_u16();
+        let text = response.text().await.unwrap();
+        let reply: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|_| {
+            panic!("{method} {path}: {status} with a body that is not JSON: {text}")
+        });
+        assert_eq!(status, *want, "{method} {path} {body:.80}: {reply}");
+        let message = reply["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains(words),
+            "{method} {path} {body:.80}: {message:?} should say {words:?}"
+        );
+        assert!(reply["error"]["code"].is_string(), "{reply}");
+    }
+    // A bad idempotency key.
+    let response = svc
+        .post("/v1/runs")
+        .header("Idempotency-Key", "a key with spaces")
+        .json(&json!({"flow": "hello"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 400);
+
+    // Nothing of it was queued, started or journaled.
+    let (_, list) = svc.get_json("/v1/runs").await;
+    assert_eq!(list["runs"], json!([]), "{list}");
+    assert!(
+        svc.service
+            .node()
+            .journal()
+            .submissions()
+            .unwrap()
+            .is_empty()
+    );
+    assert!(svc.service.node().journal().runs().unwrap().is_empty());
+    svc.stop().await;
+}
+
+#[tokio::test]
+async fn inv_36_an_input_over_the_cap_is_refused() {
+    let svc = TestService::start(texts().with_config("[service]\nmax_input_bytes = 100\n")).await;
+    let (status, reply) = svc
+        .post_json(
+            "/v1/runs",
+            json!({"agent": "quick", "input": "z".repeat(101)}),
+        )
+        .await;
+    assert_eq!(status, 422, "{reply}");
+    assert!(
+        reply["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("max_input_bytes")
+    );
+    assert!(
+        svc.service
+            .node()
+            .journal()
+            .submissions()
+            .unwrap()
+            .is_empty()
+    );
+    svc.stop().await;
+}
+
+#[tokio::test]
+async fn inv_36_a_reused_idempotency_key_with_another_body_is_a_conflict_that_changes_nothing() {
+    let svc = TestService::start(texts()).await;
+    let send = |body: serde_json::Value| {
+        svc.post("/v1/runs")
+            .header("Idempotency-Key", "order-17")
+            .json(&body)
+            .send()
+    };
+    let first = send(json!({"flow": "hello"})).await.unwrap();
+    assert_eq!(first.status(), 201);
+    let first: serde_json::Value = first.json().await.unwrap();
+    let again = send(json!({"flow": "hello"})).await.unwrap();
+    assert_eq!(again.status(), 200, "a retry is answered, not queued again");
+    let again: serde_json::Value = again.json().await.unwrap();
+    assert_eq!(again["id"], first["id"]);
+    assert_eq!(again["replayed"], true);
+    let other = send(json!({"agent": "quick", "input": "other"}))
+        .await
+        .unwrap();
+    assert_eq!(other.status(), 409);
+    let other: serde_json::Value = other.json().await.unwrap();
+    assert_eq!(other["error"]["code"], "conflict");
+    assert_eq!(svc.service.node().journal().submissions().unwrap().len(), 1);
+    // The key outlives a restart.
+    let svc = svc.restart().await;
+    let again = svc
+        .post("/v1/runs")
+        .header("Idempotency-Key", "order-17")
+        .json(&json!({"flow": "hello"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(again.status(), 200);
+    let again: serde_json::Value = again.json().await.unwrap();
+    assert_eq!(again["id"], first["id"]);
+    svc.stop().await;
+}
+
+#[tokio::test]
+async fn inv_37_every_route_but_the_health_checks_refuses_a_missing_or_wrong_token() {
+    let svc = TestService::start(texts()).await;
+    let id = arbor_protocol::RunId::new();
+    let routes = [
+        ("POST", "/v1/runs".to_string()),
+        ("GET", "/v1/runs".to_string()),
+        ("GET", format!("/v1/runs/{id}")),
+        ("POST", format!("/v1/runs/{id}/stop")),
+        ("GET", format!("/v1/runs/{id}/events")),
+        ("GET", format!("/v1/jobs/{id}")),
+        ("POST", format!("/v1/jobs/{id}/stop")),
+        ("POST", format!("/v1/jobs/{id}/messages")),
+        ("POST", format!("/v1/jobs/{id}/continue")),
+        ("GET", "/v1/status".to_string()),
+        ("GET", "/metrics".to_string()),
+        ("GET", "/v1/openapi.json".to_string()),
+    ];
+    let wrong = format!("{}0", &svc.token[..svc.token.len() - 1]);
+    for (method, path) in &routes {
+        for token in [None, Some(wrong.as_str()), Some(""), Some("Bearer")] {
+            let url = format!("{}{path}", svc.url);
+            let mut request = match *method {
+                "POST" => svc.client.post(&url),
+                _ => svc.client.get(&url),
+            };
+            if let Some(token) = token {
+                request = request.header("authorization", format!("Bearer {token}"));
+            }
+            let response = request
+                .header("content-type", "application/json")
+                .body(r#"{"flow": "hello"}"#)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(response.status(), 401, "{method} {path} with {token:?}");
+            assert_eq!(response.headers()["www-authenticate"], "Bearer");
+            let body: serde_json::Value = response.json().await.unwrap();
+            assert_eq!(body["error"]["code"], "unauthorized");
+        }
+    }
+    // Basic auth with the right token is not a bearer token either.
+    let response = svc
+        .client
+        .get(format!("{}/v1/status", svc.url))
+        .basic_auth("arbor", Some(&svc.token))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 401);
+    for path in ["/healthz", "/readyz"] {
+        let response = svc
+            .client
+            .get(format!("{}{path}", svc.url))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200, "{path}");
+    }
+    // Nothing was submitted by any of it.
+    assert!(
+        svc.service
+            .node()
+            .journal()
+            .submissions()
+            .unwrap()
+            .is_empty()
+    );
+    svc.stop().await;
+}
+
+#[tokio::test]
+async fn the_event_stream_resumes_after_the_last_event_id_and_ends_with_the_run() {
+    let svc = TestService::start(texts()).await;
+    let run = svc.submit(json!({"flow": "hello"})).await;
+    let all = svc.events(run, None).await;
+    assert!(all.len() > 3, "{all:?}");
+    let ids: Vec<u64> = all.iter().map(|(id, _)| *id).collect();
+    assert_eq!(
+        ids,
+        (1..=all.len() as u64).collect::<Vec<_>>(),
+        "ids count the run's events"
+    );
+    assert_eq!(all.last().unwrap().1["kind"]["type"], "run_finished");
+    assert_eq!(all[0].1["kind"]["type"], "run_started");
+    let validator = schema("event.schema.json");
+    for (id, data) in &all {
+        assert_eq!(data["index"], *id);
+        assert_eq!(data["run"], run.to_string());
+        assert_valid(&validator, data);
+    }
+    // Resumed from the third: exactly the rest, the same events.
+    let rest = svc.events(run, Some(3)).await;
+    assert_eq!(rest, all[3..].to_vec());
+    // Resumed from the end: nothing more, and the stream still ends.
+    let none = svc.events(run, Some(all.len() as u64)).await;
+    assert!(none.is_empty(), "{none:?}");
+    // A Last-Event-ID that is not a number is refused.
+    let response = svc
+        .get(&format!("/v1/runs/{run}/events"))
+        .header("Last-Event-ID", "yesterday")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 400);
+    svc.stop().await;
+}
+
+#[test]
+fn the_event_schema_in_docs_contract_is_the_one_the_types_generate() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/contract/event.schema.json");
+    let generated = serde_json::to_string_pretty(&Service::event_schema()).unwrap() + "\n";
+    if std::env::var_os("BLESS").is_some() {
+        std::fs::write(&path, &generated).unwrap();
+    }
+    let committed = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        committed == generated,
+        "docs/contract/event.schema.json is not what the types generate; \
+         run `BLESS=1 cargo test -p arbor-tests --test service the_event_schema` and commit it"
+    );
+}
+
+#[tokio::test]
+async fn stop_steer_and_read_a_running_step_over_http() {
+    let svc = TestService::start(texts()).await;
+    let run = svc.submit(json!({"agent": "slow", "input": "wait"})).await;
+    let step = svc.wait_running(run).await;
+
+    let (status, job) = svc.get_json(&format!("/v1/jobs/{step}")).await;
+    assert_eq!(status, 200, "{job}");
+    assert_eq!(job["job"]["status"], "running");
+    let (status, queued) = svc
+        .post_json(
+            &format!("/v1/jobs/{step}/messages"),
+            json!({"text": "hurry up"}),
+        )
+        .await;
+    assert_eq!(status, 202, "{queued}");
+    assert_eq!(queued["job"], step);
+    assert!(queued["message_id"].is_u64());
+
+    let (status, stopping) = svc
+        .post_json(&format!("/v1/jobs/{step}/stop"), json!({}))
+        .await;
+    assert_eq!(status, 202, "{stopping}");
+    let doc = svc.wait_run(run).await;
+    assert_eq!(doc["run"]["children"][0]["status"], "stopped");
+    let events = svc.events(run, None).await;
+    assert!(
+        events
+            .iter()
+            .any(|(_, e)| e["kind"]["type"] == "steer_queued"),
+        "the message was queued as an event"
+    );
+    // Ended: a second stop, a message, and a continue are conflicts.
+    let (status, _) = svc
+        .post_json(&format!("/v1/jobs/{step}/stop"), json!({}))
+        .await;
+    assert_eq!(status, 409);
+    let (status, _) = svc
+        .post_json(
+            &format!("/v1/jobs/{step}/messages"),
+            json!({"text": "late"}),
+        )
+        .await;
+    assert_eq!(status, 409);
+    let (status, reply) = svc
+        .post_json(&format!("/v1/jobs/{step}/continue"), json!({}))
+        .await;
+    assert_eq!(status, 409, "only an interrupted job continues: {reply}");
+    let (status, _) = svc
+        .post_json(&format!("/v1/runs/{run}/stop"), json!({}))
+        .await;
+    assert_eq!(status, 409);
+
+    // A run stopped as a whole ends stopped.
+    let run = svc.submit(json!({"agent": "slow", "input": "wait"})).await;
+    svc.wait_running(run).await;
+    let (status, stopping) = svc
+        .post_json(&format!("/v1/runs/{run}/stop"), json!({}))
+        .await;
+    assert_eq!(status, 202, "{stopping}");
+    assert_eq!(stopping["state"], "stopping");
+    let doc = svc.wait_run(run).await;
+    assert_eq!(status_of(&doc), Status::Stopped);
+    svc.stop().await;
+}
+
+#[tokio::test]
+async fn the_admission_queue_runs_in_order_and_survives_a_restart() {
+    let svc = TestService::start(texts().with_config("[service]\nmax_running_runs = 1\n")).await;
+    let blocker = svc
+        .submit(json!({"agent": "slow", "input": "hold the slot"}))
+        .await;
+    svc.wait_running(blocker).await;
+    let first = svc.submit(json!({"agent": "quick", "input": "one"})).await;
+    let second = svc.submit(json!({"agent": "quick", "input": "two"})).await;
+    let (_, doc) = svc.get_json(&format!("/v1/runs/{first}")).await;
+    assert_eq!(status_of(&doc), Status::Pending);
+    let (_, list) = svc.get_json("/v1/runs?status=pending").await;
+    let positions: Vec<(String, u64)> = list["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["id"].as_str().unwrap().to_string(),
+                r["queue_position"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        positions,
+        [(second.to_string(), 1), (first.to_string(), 0)],
+        "newest first, each with its place"
+    );
+    let (_, status) = svc.get_json("/v1/status").await;
+    assert_eq!(status["admission"]["queued"], 2);
+    assert_eq!(status["admission"]["running"], 1);
+
+    // A drain stops the running run and leaves the queue in the journal.
+    let svc = svc.restart().await;
+    let (_, doc) = svc.get_json(&format!("/v1/runs/{blocker}")).await;
+    assert_eq!(status_of(&doc), Status::Stopped, "{doc}");
+    svc.wait_run(first).await;
+    let doc = svc.wait_run(second).await;
+    assert_eq!(status_of(&doc), Status::Done);
+    // In order: the second started only after the first had ended.
+    let ended_first = svc
+        .events(first, None)
+        .await
+        .last()
+        .map(|(_, e)| e["seq"].as_u64().unwrap())
+        .unwrap();
+    let started_second = svc.events(second, None).await[0].1["seq"].as_u64().unwrap();
+    assert!(
+        ended_first < started_second,
+        "{ended_first} < {started_second}"
+    );
+    svc.stop().await;
+}
+
+#[tokio::test]
+async fn a_queued_run_that_is_stopped_never_starts() {
+    let svc = TestService::start(texts().with_config("[service]\nmax_running_runs = 1\n")).await;
+    let blocker = svc.submit(json!({"agent": "slow", "input": "hold"})).await;
+    svc.wait_running(blocker).await;
+    let waiting = svc.submit(json!({"flow": "hello"})).await;
+    let (status, reply) = svc
+        .post_json(&format!("/v1/runs/{waiting}/stop"), json!({}))
+        .await;
+    assert_eq!(status, 202, "{reply}");
+    assert_eq!(reply["state"], "stopped");
+    let doc = svc.wait_run(waiting).await;
+    assert_eq!(status_of(&doc), Status::Stopped);
+    assert!(doc["run"]["children"].as_array().unwrap().is_empty());
+    svc.post_json(&format!("/v1/runs/{blocker}/stop"), json!({}))
+        .await;
+    svc.wait_run(blocker).await;
+    // The slot is free, and the stopped run still did not start.
+    let after = svc.submit(json!({"flow": "hello"})).await;
+    svc.wait_run(after).await;
+    let (_, doc) = svc.get_json(&format!("/v1/runs/{waiting}")).await;
+    assert!(
+        doc["run"]["children"].as_array().unwrap().is_empty(),
+        "{doc}"
+    );
+    svc.stop().await;
+}
+
+#[tokio::test]
+async fn inv_40_a_drain_refuses_new_work_and_leaves_a_consistent_journal() {
+    let svc = TestService::start(texts()).await;
+    let run = svc.submit(json!({"agent": "slow", "input": "wait"})).await;
+    svc.wait_running(run).await;
+    let probe = svc.client.clone();
+    let url = svc.url.clone();
+    let service = svc.service.clone();
+    let draining = tokio::spawn(async move { service.drain().await });
+    draining.await.unwrap();
+    let ready = probe.get(format!("{url}/readyz")).send().await;
+    // The server may already be gone; if it answers, it says it is not ready.
+    if let Ok(response) = ready {
+        assert_eq!(response.status(), 503);
+    }
+    let dir = svc.stop().await;
+    let journal = arbor_storage::Journal::open_read_only(&dir.path().join("data/journal")).unwrap();
+    let report = journal.verify().unwrap();
+    assert!(report.is_clean(), "{report:?}");
+    let record = journal.run(run).unwrap().unwrap();
+    assert_eq!(record.status, Status::Stopped);
+    drop(journal);
+    // The next start has nothing to recover: the drain left nothing running.
+    let svc = TestService::start_in(dir, texts()).await;
+    let (_, status) = svc.get_json("/v1/status").await;
+    assert_eq!(status["recovery"]["jobs_failed"], json!([]), "{status}");
+    assert_eq!(status["node"]["epoch"], 2);
+    svc.stop().await;
+}
+
+#[tokio::test]
+async fn status_metrics_and_the_openapi_document_describe_the_node() {
+    let svc = TestService::start(texts()).await;
+    let run = svc.submit(json!({"agent": "slow", "input": "wait"})).await;
+    let step = svc.wait_running(run).await;
+    let (status, node) = svc.get_json("/v1/status").await;
+    assert_eq!(status, 200);
+    assert_eq!(node["node"]["accepting"], true);
+    let live = &node["runs"][0];
+    assert_eq!(live["id"], run.to_string());
+    assert_eq!(live["children"][0]["id"], step);
+    assert!(live["children"][0]["account"]["grant"].as_u64().unwrap() > 0);
+    let names = node["actors"].to_string();
+    assert!(names.contains(&format!("arbor-run-{run}")), "{names}");
+    assert!(names.contains(&format!("arbor-job-{step}")), "{names}");
+    assert_eq!(node["sandboxes"][0]["job"], step, "{node}");
+
+    let response = svc.get("/metrics").send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert!(
+        response.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("application/openmetrics-text")
+    );
+    let text = response.text().await.unwrap();
+    for needle in [
+        "arbor_runs{status=\"running\"} 1",
+        "arbor_running_jobs 1",
+        "arbor_model_calls_total{provider=\"scripted\",outcome=\"ok\"}",
+        "arbor_journal_commit_seconds_bucket",
+        "arbor_journal_fsyncs_total",
+        "arbor_tokens_spent_total",
+    ] {
+        assert!(text.contains(needle), "{needle} in\n{text}");
+    }
+    assert!(
+        !text.contains(&run.to_string()) && !text.contains(&step),
+        "no ids in labels"
+    );
+
+    let (status, api) = svc.get_json("/v1/openapi.json").await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        api,
+        Service::openapi(),
+        "the served document is the generated one"
+    );
+    for path in [
+        "/v1/runs",
+        "/v1/runs/{id}",
+        "/v1/runs/{id}/stop",
+        "/v1/runs/{id}/events",
+        "/v1/jobs/{id}",
+        "/v1/jobs/{id}/stop",
+        "/v1/jobs/{id}/messages",
+        "/v1/jobs/{id}/continue",
+        "/v1/status",
+        "/metrics",
+        "/healthz",
+        "/readyz",
+    ] {
+        let item = &api["paths"][path];
+        assert!(item.is_object(), "{path} is documented");
+        for (_, op) in item.as_object().unwrap() {
+            let protected = !path.ends_with("z");
+            assert_eq!(
+                op["responses"].get("401").is_some(),
+                protected,
+                "{path}: 401 documented exactly where a token is needed"
+            );
+        }
+    }
+    svc.post_json(&format!("/v1/runs/{run}/stop"), json!({}))
+        .await;
+    svc.wait_run(run).await;
+    svc.stop().await;
+}
