@@ -35,6 +35,12 @@ pub struct TreeNode {
     pub workdir: Option<String>,
     pub turns: u32,
     pub events_elided: u64,
+    /// When it was admitted (a run: started), in ms since the Unix epoch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at_ms: Option<u64>,
+    /// When it ended, in ms since the Unix epoch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_at_ms: Option<u64>,
     pub children: Vec<TreeNode>,
 }
 
@@ -104,6 +110,8 @@ impl Tree {
                 workdir: None,
                 turns: 0,
                 events_elided: 0,
+                started_at_ms: None,
+                ended_at_ms: None,
                 children: vec![],
             },
             root_children: vec![],
@@ -143,6 +151,7 @@ impl Tree {
                 ..
             } => {
                 self.root.status = Status::Running;
+                self.root.started_at_ms.get_or_insert(event.at_ms);
                 self.root.account.grant = *budget_tokens;
                 self.root.usd = budget_usd_micros.map(|grant| AccountView {
                     grant,
@@ -161,6 +170,7 @@ impl Tree {
                 output,
             } => {
                 self.root.status = *status;
+                self.root.ended_at_ms = Some(event.at_ms);
                 self.root.error_class = *error_class;
                 self.root.reason = reason.clone();
                 self.root.output = output.clone();
@@ -200,6 +210,8 @@ impl Tree {
                 node.agent = Some(agent.clone());
                 node.label = label.clone();
                 node.status = Status::Pending;
+                node.started_at_ms = Some(event.at_ms);
+                node.ended_at_ms = None;
                 node.depth = *depth;
                 node.attempt = *attempt;
                 node.account = AccountView {
@@ -253,6 +265,7 @@ impl Tree {
                 if let Some(e) = self.entries.get_mut(id) {
                     let n = &mut e.node;
                     n.status = *status;
+                    n.ended_at_ms = Some(event.at_ms);
                     n.task_status = *task_status;
                     n.error_class = *error_class;
                     n.reason = reason.clone();

@@ -8,15 +8,22 @@ use serde::{Deserialize, Serialize};
 /// `POST /v1/runs`: a flow, or one agent on an input.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(extend("oneOf" = [
+    {"required": ["flow"], "not": {"anyOf": [{"required": ["agent"]}, {"required": ["input"]}]}},
+    {"required": ["agent", "input"], "not": {"required": ["flow"]}}
+]))]
 pub struct SubmitRun {
     /// A flow of the workspace (flows/NAME.toml). Give this, or `agent` and `input`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "String", length(min = 1))]
     pub flow: Option<String>,
     /// One agent of the workspace, run on `input`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "String", length(min = 1))]
     pub agent: Option<String>,
-    /// The instruction for `agent`.
+    /// The instruction for `agent`: not empty, not only blanks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "String", regex(pattern = r"\S"))]
     pub input: Option<String>,
     /// Overrides the flow's (or arbor.toml's) budget: whole tokens, and
     /// dollars as a number (metered in micro-dollars). Never 0.
@@ -152,6 +159,15 @@ pub struct StreamEvent {
     pub index: u64,
     #[serde(flatten)]
     pub event: Event,
+}
+
+/// The options of `GET /v1/runs/{id}/events`.
+#[derive(Clone, Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EventsQuery {
+    /// `false`: send the events so far and end, without waiting for more
+    /// (default `true`: follow until the run ends).
+    pub follow: Option<bool>,
 }
 
 /// A path's id, as text: checked by the handler, so that a malformed id is

@@ -112,6 +112,31 @@ fn api_router_docs() -> ApiRouter<Arc<Shared>> {
     protected_routes().merge(public_routes())
 }
 
+/// Says where an id for other operations comes from (for clients, and for
+/// a fuzzer that follows links from one call to the next).
+fn linked<'t, T>(
+    mut r: aide::transform::TransformResponse<'t, T>,
+    id_from: &str,
+    operations: &[&str],
+) -> aide::transform::TransformResponse<'t, T> {
+    for operation in operations {
+        r.inner().links.insert(
+            (*operation).to_string(),
+            aide::openapi::ReferenceOr::Item(aide::openapi::Link {
+                description: None,
+                operation: aide::openapi::LinkOperation::OperationId((*operation).to_string()),
+                request_body: None,
+                parameters: [("id".to_string(), serde_json::Value::from(id_from))]
+                    .into_iter()
+                    .collect(),
+                server: None,
+                extensions: Default::default(),
+            }),
+        );
+    }
+    r
+}
+
 fn secured(op: TransformOperation) -> TransformOperation {
     errors!(op.security_requirement("token"), 401)
 }
@@ -133,7 +158,13 @@ fn protected_routes() -> ApiRouter<Arc<Shared>> {
                         .parameter_untyped("Idempotency-Key", |p| {
                             p.description("Makes a retry safe: 1 to 255 visible ASCII characters")
                         })
-                        .response::<201, Json<RunCreated>>()
+                        .response_with::<201, Json<RunCreated>, _>(|r| {
+                            linked(
+                                r.description("Queued"),
+                                "$response.body#/id",
+                                &["getRun", "stopRun", "runEvents"],
+                            )
+                        })
                         .response_with::<200, Json<RunCreated>, _>(|r| {
                             r.description("A replay: this key and body made this run before")
                         }),
@@ -164,7 +195,13 @@ fn protected_routes() -> ApiRouter<Arc<Shared>> {
                     secured(op)
                         .id("getRun")
                         .summary("A run's tree: the document `arbor run --json` prints")
-                        .response::<200, Json<RunDocument>>(),
+                        .response_with::<200, Json<RunDocument>, _>(|r| {
+                            linked(
+                                r.description("The run's tree"),
+                                "$response.body#/run/children/0/id",
+                                &["getJob", "stopJob", "steerJob", "continueJob"],
+                            )
+                        }),
                     400,
                     404,
                     503
@@ -647,6 +684,7 @@ async fn run_events(State(shared): S, Path(path): Path<IdPath>, headers: HeaderM
         journal: shared.node.journal().clone(),
         run,
         after,
+        follow: query.follow.unwrap_or(true),
         buffer: shared.config.sse_buffer,
         stall: shared.config.sse_stall,
         shutdown: shared.stopped.clone(),

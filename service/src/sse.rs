@@ -27,6 +27,8 @@ pub struct Source {
     pub run: RunId,
     /// Events up to this index were seen already (`Last-Event-ID`).
     pub after: u64,
+    /// False: the events so far, then the end.
+    pub follow: bool,
     pub buffer: usize,
     pub stall: Duration,
     pub shutdown: CancellationToken,
@@ -65,6 +67,9 @@ async fn produce(source: Source, tx: mpsc::Sender<sse::Event>) {
                 Next::Go => {}
                 Next::End => return,
             }
+        }
+        if !source.follow {
+            return;
         }
         loop {
             let got = tokio::select! {
