@@ -664,7 +664,12 @@ async fn stop_run(State(shared): S, Path(path): Path<IdPath>) -> Reply {
     ))
 }
 
-async fn run_events(State(shared): S, Path(path): Path<IdPath>, headers: HeaderMap) -> Reply {
+async fn run_events(
+    State(shared): S,
+    Path(path): Path<IdPath>,
+    Query(query): Query<EventsQuery>,
+    headers: HeaderMap,
+) -> Reply {
     let run = parse_run(&path.id)?;
     let after = match headers.get("last-event-id") {
         None => 0,
