@@ -1,8 +1,9 @@
 //! The event bus: every state change is emitted here once (I-39), journaled,
 //! folded into the run's live `Tree`, and broadcast to watchers.
 //!
-//! Invariant: emission never blocks and never fails the emitter; a watcher that
+//! Invariants: emission never blocks and never fails the emitter; a watcher that
 //! lags loses broadcast events, never the tree (which is folded under the lock).
+//! Journal order, fold order and broadcast order are all seq order.
 
 use arbor_protocol::{Event, EventKind, RunId, Tree};
 use arbor_storage::{Journal, Record};
@@ -97,6 +98,9 @@ impl EventBus {
             {
                 tracing::error!(%error, "could not journal an event");
             }
+            // Broadcast under the lock too, so watchers receive events in seq
+            // order: one that skips what it has seen by seq loses nothing.
+            let _ = self.inner.live.send(event.clone());
             event
         };
         let observers = self
@@ -108,7 +112,6 @@ impl EventBus {
         for observer in observers {
             observer(&event);
         }
-        let _ = self.inner.live.send(event);
         self.inner.version.send_modify(|v| *v += 1);
     }
 
@@ -175,5 +178,45 @@ impl EventBus {
             state.trees.insert(run, tree);
         }
         f(state.trees.get(&run))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Emitters on several threads at once: a watcher still receives every
+    /// event in seq order (the event stream skips by seq, so an event
+    /// broadcast out of order would be lost to it).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn watchers_receive_events_in_seq_order_from_concurrent_emitters() {
+        let dir = tempfile::tempdir().unwrap();
+        let bus = EventBus::new(Journal::open(dir.path()).unwrap());
+        let mut watcher = bus.subscribe();
+        let run = RunId::new();
+        let emitters: Vec<_> = (0..4)
+            .map(|_| {
+                let bus = bus.clone();
+                tokio::spawn(async move {
+                    for _ in 0..500 {
+                        bus.emit(
+                            run,
+                            EventKind::NodeRunning {
+                                id: arbor_protocol::JobId::new(),
+                            },
+                        );
+                    }
+                })
+            })
+            .collect();
+        for emitter in emitters {
+            emitter.await.unwrap();
+        }
+        let mut last = 0;
+        for _ in 0..2000 {
+            let event = watcher.recv().await.unwrap();
+            assert!(event.seq > last, "{} after {last}", event.seq);
+            last = event.seq;
+        }
     }
 }

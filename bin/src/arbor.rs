@@ -1,8 +1,13 @@
-//! `arbor`: the command line. `arbor run DIR` runs a flow on an embedded node.
+//! `arbor`: the command line. `arbor run DIR` runs a flow on an embedded
+//! node; `status`, `runs`, `show`, `watch`, `submit`, `stop`, `steer`,
+//! `continue` and `events` talk to arbord (`client.rs`).
 //!
-//! Exit codes: 0 the run completed; 1 it failed or was stopped; 2 bad usage or
-//! bad input, with a one-line reason on stderr.
+//! Exit codes: 0 ok (a run it ran or waited for is done); 1 a run failed or
+//! was stopped, or the service refused as a conflict; 2 bad usage or bad
+//! input, with a one-line reason on stderr; 3 no such run or job; 4 arbord
+//! unreachable or shutting down; 5 the token was refused.
 
+mod client;
 mod journal;
 mod render;
 
@@ -20,6 +25,8 @@ use std::sync::Arc;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    #[command(flatten)]
+    conn: client::Conn,
 }
 
 #[derive(Subcommand)]
@@ -28,20 +35,41 @@ enum Command {
     /// On a data dir a crash left behind, it first recovers, and resumes the
     /// interrupted run of the same flow instead of starting a new one.
     Run(RunArgs),
-    /// Continue a job a restart interrupted, as its next attempt.
+    /// Continue a job a restart interrupted, as its next attempt: on arbord,
+    /// or with --data-dir on an embedded node.
     Continue(ContinueArgs),
     /// Check or read a node's journal.
     #[command(subcommand)]
     Journal(JournalCommand),
+    /// arbord's tree: every run running or queued, its steps and jobs, their accounts.
+    Status(client::StatusArgs),
+    /// Runs arbord knows, newest first.
+    Runs(client::RunsArgs),
+    /// One run's tree and output.
+    Show { run: String },
+    /// Follow a run live until it ends (exit 0 done, 1 failed or stopped).
+    Watch { run: String },
+    /// Submit a run to arbord; prints its id.
+    Submit(client::SubmitArgs),
+    /// Stop a run (its whole tree) or one step or job (its subtree).
+    Stop { id: String },
+    /// Send a running step or job a message.
+    Steer { job: String, message: String },
+    /// A run's events; with --follow, until it ends.
+    Events {
+        run: String,
+        #[arg(long)]
+        follow: bool,
+    },
 }
 
 #[derive(Args)]
 struct ContinueArgs {
     /// The interrupted step's or job's id.
     job: String,
-    /// The node's data dir (holds `journal/`).
+    /// An embedded node's data dir (holds `journal/`); without it, arbord continues the job.
     #[arg(long)]
-    data_dir: PathBuf,
+    data_dir: Option<PathBuf>,
     /// The workspace the job's agent comes from (default: the data dir's parent).
     #[arg(long)]
     workspace: Option<PathBuf>,
@@ -121,10 +149,32 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    let conn = cli.conn.clone();
     let result = runtime.block_on(async {
         match cli.command {
             Command::Run(args) => run(args).await,
-            Command::Continue(args) => continue_job(args).await,
+            Command::Continue(args) if args.data_dir.is_some() => continue_job(args).await,
+            Command::Continue(args) => {
+                with_client(&conn, |c| Box::pin(client::continue_job(c, &args.job))).await
+            }
+            Command::Status(args) => {
+                with_client(&conn, |c| Box::pin(client::status(c, args))).await
+            }
+            Command::Runs(args) => with_client(&conn, |c| Box::pin(client::runs(c, args))).await,
+            Command::Show { run } => with_client(&conn, |c| Box::pin(client::show(c, &run))).await,
+            Command::Watch { run } => {
+                with_client(&conn, |c| Box::pin(client::watch(c, &run))).await
+            }
+            Command::Submit(args) => {
+                with_client(&conn, |c| Box::pin(client::submit(c, args))).await
+            }
+            Command::Stop { id } => with_client(&conn, |c| Box::pin(client::stop(c, &id))).await,
+            Command::Steer { job, message } => {
+                with_client(&conn, |c| Box::pin(client::steer(c, &job, &message))).await
+            }
+            Command::Events { run, follow } => {
+                with_client(&conn, |c| Box::pin(client::events(c, &run, follow))).await
+            }
             Command::Journal(JournalCommand::Verify { data_dir }) => journal::verify(&data_dir),
             Command::Journal(JournalCommand::Inspect {
                 data_dir,
@@ -143,12 +193,32 @@ fn main() -> ExitCode {
             eprintln!("arbor: {e:#}");
             ExitCode::from(1)
         }
+        Err(Failure::Client(f)) => {
+            eprintln!("arbor: {}", f.message);
+            ExitCode::from(f.code)
+        }
     }
 }
 
 enum Failure {
     Bad(BadInput),
     Other(anyhow::Error),
+    /// A status-CLI command, with its own exit code.
+    Client(client::Failed),
+}
+
+/// Runs one status-CLI command with a client for arbord.
+async fn with_client<'a>(
+    conn: &client::Conn,
+    command: impl FnOnce(
+        &'a client::Client,
+    )
+        -> std::pin::Pin<Box<dyn std::future::Future<Output = client::Outcome> + 'a>>,
+) -> Result<ExitCode, Failure> {
+    let client = client::Client::new(conn).map_err(Failure::Client)?;
+    // Leaked for the command's lifetime: one client per process.
+    let client: &'a client::Client = Box::leak(Box::new(client));
+    command(client).await.map_err(Failure::Client)
 }
 
 impl From<anyhow::Error> for Failure {
@@ -256,10 +326,10 @@ async fn continue_job(args: ContinueArgs) -> Result<ExitCode, Failure> {
         .job
         .parse()
         .map_err(|_| bad(format!("{:?} is not a job id", args.job)))?;
+    let data_dir = args.data_dir.clone().unwrap_or_default();
     let dir = match args.workspace {
         Some(dir) => dir,
-        None => args
-            .data_dir
+        None => data_dir
             .parent()
             .filter(|p| !p.as_os_str().is_empty())
             .map(|p| p.to_path_buf())
@@ -269,12 +339,12 @@ async fn continue_job(args: ContinueArgs) -> Result<ExitCode, Failure> {
     // Interrupted runs stay as recovery left them: only the job is continued.
     let node = EmbeddedNode::start_resuming(
         &workspace,
-        &args.data_dir,
+        &data_dir,
         Arc::new(Models::new(&workspace.config.providers)),
         |_| false,
     )
     .await
-    .map_err(|e| bad(format!("{}: {e}", args.data_dir.display())))?;
+    .map_err(|e| bad(format!("{}: {e}", data_dir.display())))?;
     report_recovery(&node);
     let run = node.continue_job(job).await.map_err(bad)?;
     eprintln!("arbor: continuing {job} as run {run}");

@@ -1,0 +1,785 @@
+//! The status CLI: `arbor status`, `runs`, `show`, `watch`, `submit`, `stop`,
+//! `steer`, `continue`, `events`, all over arbord's HTTP API.
+//!
+//! Where to: `--url` or `ARBOR_URL` (default http://127.0.0.1:7878). The
+//! token: `--token` or `ARBOR_TOKEN`, else the file `ARBOR_TOKEN_FILE`
+//! names, else `.arbor/token` under the current directory (where arbord
+//! keeps it for a workspace started there).
+//!
+//! Data goes to stdout, in `-o text` (tables and trees), `json` (one
+//! document) or `jsonl` (one JSON value a line); diagnostics go to stderr.
+
+use crate::render;
+use anyhow::Context;
+use arbor_protocol::{Event, NodeKind, RunId, Status, Tree, TreeNode};
+use arbor_service::api::{RunCreated, RunDocument, RunList, StreamEvent};
+use arbor_service::status::NodeStatus;
+use clap::{Args, ValueEnum};
+use comfy_table::{Cell, Color, ContentArrangement, Table, presets};
+use futures::StreamExt;
+use std::io::IsTerminal;
+use std::process::ExitCode;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+pub const DEFAULT_URL: &str = "http://127.0.0.1:7878";
+
+/// Exit codes: each one pinned by a test (bin/tests/status_cli.rs).
+pub mod exit {
+    /// The command did what it was asked; a run it shows or waits for is done.
+    pub const OK: u8 = 0;
+    /// A run it shows or waits for failed or was stopped; or the service
+    /// refused what was asked as a conflict (it has ended, say).
+    pub const RUN_FAILED: u8 = 1;
+    /// Bad usage, or input the service refused (400, 413, 415, 422).
+    pub const USAGE: u8 = 2;
+    /// No such run or job (404).
+    pub const NOT_FOUND: u8 = 3;
+    /// The service could not be reached, or is shutting down (503).
+    pub const UNREACHABLE: u8 = 4;
+    /// The service refused the token (401).
+    pub const UNAUTHORIZED: u8 = 5;
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    #[default]
+    Text,
+    Json,
+    Jsonl,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum ColorWhen {
+    #[default]
+    Auto,
+    Always,
+    Never,
+}
+
+/// What every client command takes.
+#[derive(Args, Clone, Debug)]
+pub struct Conn {
+    /// arbord's address (default: $ARBOR_URL, else http://127.0.0.1:7878).
+    #[arg(long, global = true)]
+    pub url: Option<String>,
+    /// The API token (default: $ARBOR_TOKEN, else the file $ARBOR_TOKEN_FILE, else ./.arbor/token).
+    #[arg(long, global = true)]
+    pub token: Option<String>,
+    /// How data is printed on stdout.
+    #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Text, global = true)]
+    pub output: Output,
+    /// Colour in text output (NO_COLOR is honoured under auto).
+    #[arg(long, value_enum, default_value_t = ColorWhen::Auto, global = true)]
+    pub color: ColorWhen,
+}
+
+/// A failure with its exit code, said on stderr.
+pub struct Failed {
+    pub code: u8,
+    pub message: String,
+}
+
+impl Failed {
+    fn new(code: u8, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+impl From<anyhow::Error> for Failed {
+    fn from(e: anyhow::Error) -> Self {
+        Failed::new(exit::RUN_FAILED, format!("{e:#}"))
+    }
+}
+
+pub type Outcome = Result<ExitCode, Failed>;
+
+pub struct Client {
+    http: reqwest::Client,
+    base: String,
+    token: Option<String>,
+    pub output: Output,
+    colour: bool,
+}
+
+impl Client {
+    pub fn new(conn: &Conn) -> Result<Self, Failed> {
+        let base = conn
+            .url
+            .clone()
+            .or_else(|| std::env::var("ARBOR_URL").ok())
+            .unwrap_or_else(|| DEFAULT_URL.to_string());
+        let base = base.trim_end_matches('/').to_string();
+        if reqwest::Url::parse(&base).is_err() {
+            return Err(Failed::new(
+                exit::USAGE,
+                format!("{base:?} is not a URL, e.g. http://127.0.0.1:7878"),
+            ));
+        }
+        let token = conn
+            .token
+            .clone()
+            .or_else(|| std::env::var("ARBOR_TOKEN").ok())
+            .or_else(|| {
+                let file = std::env::var("ARBOR_TOKEN_FILE")
+                    .map(std::path::PathBuf::from)
+                    .unwrap_or_else(|_| std::path::PathBuf::from(".arbor/token"));
+                std::fs::read_to_string(file)
+                    .ok()
+                    .map(|t| t.trim().to_string())
+            });
+        let colour = match conn.color {
+            ColorWhen::Always => true,
+            ColorWhen::Never => false,
+            ColorWhen::Auto => {
+                std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+                    && std::io::stdout().is_terminal()
+            }
+        };
+        anstream::ColorChoice::write_global(if colour {
+            anstream::ColorChoice::Always
+        } else {
+            anstream::ColorChoice::Never
+        });
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(5))
+            .build()
+            .map_err(|e| Failed::new(exit::USAGE, e.to_string()))?;
+        Ok(Self {
+            http,
+            base,
+            token,
+            output: conn.output,
+            colour,
+        })
+    }
+
+    fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        let request = self.http.request(method, format!("{}{path}", self.base));
+        match &self.token {
+            Some(token) => request.bearer_auth(token),
+            None => request,
+        }
+    }
+
+    /// Sends, and turns every kind of failure into its exit code.
+    async fn send(&self, request: reqwest::RequestBuilder) -> Result<reqwest::Response, Failed> {
+        let response = request.send().await.map_err(|e| {
+            Failed::new(
+                exit::UNREACHABLE,
+                format!("cannot reach arbord at {}: {}", self.base, root_cause(&e)),
+            )
+        })?;
+        let status = response.status();
+        if status.is_success() {
+            return Ok(response);
+        }
+        let text = response.text().await.unwrap_or_default();
+        let message = serde_json::from_str::<serde_json::Value>(&text)
+            .ok()
+            .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
+            .unwrap_or(text);
+        let code = match status.as_u16() {
+            401 => {
+                return Err(Failed::new(
+                    exit::UNAUTHORIZED,
+                    format!(
+                        "{message} (give --token, set ARBOR_TOKEN, or run from the workspace whose .arbor/token it is)"
+                    ),
+                ));
+            }
+            404 => exit::NOT_FOUND,
+            409 => exit::RUN_FAILED,
+            503 => exit::UNREACHABLE,
+            400..=499 => exit::USAGE,
+            _ => exit::UNREACHABLE,
+        };
+        Err(Failed::new(code, message))
+    }
+
+    async fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T, Failed> {
+        let response = self.send(self.request(reqwest::Method::GET, path)).await?;
+        response
+            .json()
+            .await
+            .map_err(|e| Failed::new(exit::UNREACHABLE, format!("a reply that is not JSON: {e}")))
+    }
+
+    async fn post(
+        &self,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> Result<serde_json::Value, Failed> {
+        let mut request = self.request(reqwest::Method::POST, path);
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let response = self.send(request).await?;
+        response
+            .json()
+            .await
+            .map_err(|e| Failed::new(exit::UNREACHABLE, format!("a reply that is not JSON: {e}")))
+    }
+
+    fn print_json(&self, value: &impl serde::Serialize) -> Result<(), Failed> {
+        let text = match self.output {
+            Output::Jsonl => serde_json::to_string(value),
+            _ => serde_json::to_string_pretty(value),
+        }
+        .map_err(|e| Failed::new(exit::RUN_FAILED, e.to_string()))?;
+        println!("{text}");
+        Ok(())
+    }
+}
+
+fn root_cause(e: &dyn std::error::Error) -> String {
+    let mut cause = e;
+    while let Some(next) = cause.source() {
+        cause = next;
+    }
+    cause.to_string()
+}
+
+fn parse_run(text: &str) -> Result<RunId, Failed> {
+    text.parse()
+        .map_err(|_| Failed::new(exit::USAGE, format!("{text:?} is not a run id (a UUID)")))
+}
+
+fn run_exit(status: Status) -> ExitCode {
+    match status {
+        Status::Done | Status::Pending | Status::Running => ExitCode::from(exit::OK),
+        Status::Failed | Status::Stopped => ExitCode::from(exit::RUN_FAILED),
+    }
+}
+
+// ---- status and the tree table ----
+
+#[derive(Args, Clone, Debug)]
+pub struct StatusArgs {
+    /// Show nodes in this status, but not what is below them.
+    #[arg(long, value_enum)]
+    pub fold: Option<FoldWhat>,
+    /// Show the tree down to this many levels below each run.
+    #[arg(long)]
+    pub depth: Option<u32>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum FoldWhat {
+    Done,
+    Failed,
+    Stopped,
+    Ended,
+}
+
+impl FoldWhat {
+    fn folds(self, status: Status) -> bool {
+        match self {
+            FoldWhat::Done => status == Status::Done,
+            FoldWhat::Failed => status == Status::Failed,
+            FoldWhat::Stopped => status == Status::Stopped,
+            FoldWhat::Ended => status.is_terminal(),
+        }
+    }
+}
+
+pub async fn status(client: &Client, args: StatusArgs) -> Outcome {
+    let status: NodeStatus = client.get("/v1/status").await?;
+    if client.output != Output::Text {
+        client.print_json(&status)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let n = &status.node;
+    anstream::println!(
+        "arbord {} · epoch {} · up {} · {} running, {} queued (max {}) · journal seq {} ({} fsyncs){}",
+        n.version,
+        n.epoch,
+        humantime::format_duration(Duration::from_secs(n.uptime_ms / 1000)),
+        status.admission.running,
+        status.admission.queued,
+        status.admission.max_running_runs,
+        status.journal.durable_seq,
+        status.journal.fsyncs,
+        if n.accepting { "" } else { " · DRAINING" }
+    );
+    let r = &status.recovery;
+    if !r.jobs_failed.is_empty() || !r.runs_resumed.is_empty() || !r.processes_killed.is_empty() {
+        anstream::println!(
+            "last recovery: {} jobs failed as interrupted, {} runs resumed, {} process groups killed, {} grants released",
+            r.jobs_failed.len(),
+            r.runs_resumed.len(),
+            r.processes_killed.len(),
+            r.grants_released
+        );
+    }
+    if status.runs.is_empty() {
+        anstream::println!("no runs are running or queued");
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("{}", tree_table(client, &status.runs, &args));
+    Ok(ExitCode::SUCCESS)
+}
+
+fn icon(status: Status) -> &'static str {
+    match status {
+        Status::Pending => "◌",
+        Status::Running => "▶",
+        Status::Done => "✔",
+        Status::Failed => "✖",
+        Status::Stopped => "■",
+    }
+}
+
+fn colour_of(status: Status) -> Color {
+    match status {
+        Status::Pending => Color::Grey,
+        Status::Running => Color::Cyan,
+        Status::Done => Color::Green,
+        Status::Failed => Color::Red,
+        Status::Stopped => Color::Yellow,
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn age(node: &TreeNode) -> String {
+    let Some(start) = node.started_at_ms else {
+        return "-".into();
+    };
+    let end = node.ended_at_ms.unwrap_or_else(now_ms);
+    let secs = end.saturating_sub(start) / 1000;
+    humantime::format_duration(Duration::from_secs(secs)).to_string()
+}
+
+fn usd(micros: u64) -> String {
+    format!("${}.{:06}", micros / 1_000_000, micros % 1_000_000)
+}
+
+/// The runs as one table, a row a node, the first column drawn as a tree.
+pub fn tree_table(client: &Client, runs: &[TreeNode], args: &StatusArgs) -> Table {
+    let mut table = Table::new();
+    table
+        .load_style(presets::NOTHING)
+        .set_content_arrangement(ContentArrangement::Disabled)
+        .set_header(vec![
+            "TREE", "KIND", "AGENT", "STATUS", "DEPTH", "SPENT", "HELD", "GRANTED", "COST", "AGE",
+            "REASON",
+        ]);
+    if client.colour {
+        table.enforce_styling();
+    } else {
+        table.force_no_tty();
+    }
+    for run in runs {
+        add_rows(&mut table, run, "", "", 0, args);
+    }
+    table
+}
+
+fn add_rows(
+    table: &mut Table,
+    node: &TreeNode,
+    lead: &str,
+    branch: &str,
+    level: u32,
+    args: &StatusArgs,
+) {
+    let name = match node.kind {
+        NodeKind::Run => node.id.clone(),
+        _ => node.label.clone().unwrap_or_else(|| node.id.clone()),
+    };
+    let status = match node.task_status {
+        Some(ts) if node.status == Status::Done => format!("{} ({ts})", node.status),
+        _ => node.status.to_string(),
+    };
+    let cost = node.usd.map(|u| usd(u.spent)).unwrap_or_else(|| "-".into());
+    table.add_row(vec![
+        Cell::new(format!("{lead}{branch}{} {name}", icon(node.status))).fg(colour_of(node.status)),
+        Cell::new(node.kind.as_str()),
+        Cell::new(node.agent.clone().unwrap_or_else(|| "-".into())),
+        Cell::new(status).fg(colour_of(node.status)),
+        Cell::new(node.depth),
+        Cell::new(node.account.spent),
+        Cell::new(node.account.held),
+        Cell::new(node.account.grant),
+        Cell::new(cost),
+        Cell::new(age(node)),
+        Cell::new(node.reason.clone().unwrap_or_default()),
+    ]);
+    if args.fold.is_some_and(|f| f.folds(node.status)) && !node.children.is_empty() {
+        return;
+    }
+    if args.depth.is_some_and(|d| level >= d) {
+        return;
+    }
+    let below = match branch {
+        "├─ " => format!("{lead}│  "),
+        "└─ " => format!("{lead}   "),
+        _ => lead.to_string(),
+    };
+    let n = node.children.len();
+    for (i, child) in node.children.iter().enumerate() {
+        let branch = if i + 1 == n { "└─ " } else { "├─ " };
+        add_rows(table, child, &below, branch, level + 1, args);
+    }
+}
+
+// ---- runs, show ----
+
+#[derive(Args, Clone, Debug)]
+pub struct RunsArgs {
+    /// Only runs in this status: pending, running, done, failed, stopped.
+    #[arg(long)]
+    pub status: Option<String>,
+    /// At most this many (1 to 500).
+    #[arg(long, default_value_t = 50)]
+    pub limit: u32,
+}
+
+pub async fn runs(client: &Client, args: RunsArgs) -> Outcome {
+    let mut path = format!("/v1/runs?limit={}", args.limit);
+    if let Some(status) = &args.status {
+        path.push_str(&format!("&status={status}"));
+    }
+    let list: RunList = client.get(&path).await?;
+    match client.output {
+        Output::Json => client.print_json(&list)?,
+        Output::Jsonl => {
+            for run in &list.runs {
+                client.print_json(run)?;
+            }
+        }
+        Output::Text => {
+            let mut table = Table::new();
+            table
+                .load_style(presets::NOTHING)
+                .set_content_arrangement(ContentArrangement::Disabled)
+                .set_header(vec!["RUN", "FLOW", "STATUS", "BUDGET", "REASON"]);
+            if client.colour {
+                table.enforce_styling();
+            } else {
+                table.force_no_tty();
+            }
+            for run in &list.runs {
+                let status = match run.queue_position {
+                    Some(p) => format!("{} (queue #{})", run.status, p + 1),
+                    None => run.status.to_string(),
+                };
+                table.add_row(vec![
+                    Cell::new(run.id),
+                    Cell::new(&run.flow),
+                    Cell::new(status).fg(colour_of(run.status)),
+                    Cell::new(run.budget_tokens),
+                    Cell::new(run.reason.clone().unwrap_or_default()),
+                ]);
+            }
+            println!("{table}");
+            if let Some(next) = list.next {
+                anstream::eprintln!("(more: --limit, or the API's after={next})");
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn show(client: &Client, run: &str) -> Outcome {
+    let run = parse_run(run)?;
+    let doc: RunDocument = client.get(&format!("/v1/runs/{run}")).await?;
+    if client.output != Output::Text {
+        client.print_json(&doc)?;
+    } else {
+        println!(
+            "{}",
+            tree_table(
+                client,
+                std::slice::from_ref(&doc.run),
+                &StatusArgs {
+                    fold: None,
+                    depth: None
+                }
+            )
+        );
+        show_output(&doc.run);
+    }
+    Ok(run_exit(doc.run.status))
+}
+
+fn show_output(root: &TreeNode) {
+    match &root.output {
+        serde_json::Value::Null => {}
+        serde_json::Value::String(s) => println!("\noutput:\n{s}"),
+        other => println!(
+            "\noutput:\n{}",
+            serde_json::to_string_pretty(other).unwrap_or_default()
+        ),
+    }
+}
+
+// ---- submit, stop, steer, continue ----
+
+#[derive(Args, Clone, Debug)]
+pub struct SubmitArgs {
+    /// The flow to run (flows/NAME.toml of arbord's workspace).
+    #[arg(long, conflicts_with_all = ["agent", "input"], required_unless_present = "agent")]
+    pub flow: Option<String>,
+    /// Run one agent on --input instead of a flow.
+    #[arg(long, requires = "input")]
+    pub agent: Option<String>,
+    /// The instruction for --agent.
+    #[arg(long, requires = "agent")]
+    pub input: Option<String>,
+    /// The run's budget in tokens.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub budget_tokens: Option<u64>,
+    /// The run's ceiling in dollars, e.g. 0.50.
+    #[arg(long)]
+    pub budget_usd: Option<f64>,
+    /// Makes a retry of this submission safe: the same key gives the same run.
+    #[arg(long)]
+    pub idempotency_key: Option<String>,
+    /// Then follow it, as `arbor watch` does.
+    #[arg(long)]
+    pub watch: bool,
+}
+
+pub async fn submit(client: &Client, args: SubmitArgs) -> Outcome {
+    let mut body = serde_json::Map::new();
+    if let Some(flow) = &args.flow {
+        body.insert("flow".into(), flow.clone().into());
+    }
+    if let (Some(agent), Some(input)) = (&args.agent, &args.input) {
+        body.insert("agent".into(), agent.clone().into());
+        body.insert("input".into(), input.clone().into());
+    }
+    let mut budget = serde_json::Map::new();
+    if let Some(tokens) = args.budget_tokens {
+        budget.insert("tokens".into(), tokens.into());
+    }
+    if let Some(usd) = args.budget_usd {
+        budget.insert("usd".into(), usd.into());
+    }
+    if !budget.is_empty() {
+        body.insert("budget".into(), budget.into());
+    }
+    let mut request = client
+        .request(reqwest::Method::POST, "/v1/runs")
+        .json(&serde_json::Value::Object(body));
+    if let Some(key) = &args.idempotency_key {
+        request = request.header("Idempotency-Key", key);
+    }
+    let created: RunCreated =
+        client.send(request).await?.json().await.map_err(|e| {
+            Failed::new(exit::UNREACHABLE, format!("a reply that is not JSON: {e}"))
+        })?;
+    if client.output != Output::Text {
+        client.print_json(&created)?;
+    } else {
+        println!("{}", created.id);
+        if created.replayed {
+            anstream::eprintln!(
+                "arbor: this key made run {} before; nothing new was queued",
+                created.id
+            );
+        }
+    }
+    if args.watch {
+        return watch(client, &created.id.to_string()).await;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `arbor stop ID`: a run if it is one, else a step or job.
+pub async fn stop(client: &Client, id: &str) -> Outcome {
+    if id.parse::<RunId>().is_err() {
+        return Err(Failed::new(
+            exit::USAGE,
+            format!("{id:?} is not a run or job id (a UUID)"),
+        ));
+    }
+    let reply = match client.post(&format!("/v1/runs/{id}/stop"), None).await {
+        Err(f) if f.code == exit::NOT_FOUND => {
+            client.post(&format!("/v1/jobs/{id}/stop"), None).await?
+        }
+        other => other?,
+    };
+    if client.output != Output::Text {
+        client.print_json(&reply)?;
+    } else {
+        println!("{id}: {}", reply["state"].as_str().unwrap_or("stopping"));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn steer(client: &Client, job: &str, message: &str) -> Outcome {
+    let reply = client
+        .post(
+            &format!("/v1/jobs/{job}/messages"),
+            Some(serde_json::json!({ "text": message })),
+        )
+        .await?;
+    if client.output != Output::Text {
+        client.print_json(&reply)?;
+    } else {
+        println!("{job}: message {} queued", reply["message_id"]);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn continue_job(client: &Client, job: &str) -> Outcome {
+    let reply = client
+        .post(&format!("/v1/jobs/{job}/continue"), None)
+        .await?;
+    if client.output != Output::Text {
+        client.print_json(&reply)?;
+    } else {
+        println!("{}", reply["run"].as_str().unwrap_or_default());
+        anstream::eprintln!(
+            "arbor: {job} continues as run {}",
+            reply["run"].as_str().unwrap_or_default()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+// ---- events, watch ----
+
+/// Reads the run's event stream, calling `each` for every event, resuming
+/// from the last id if the connection drops. Ends when the stream does.
+async fn follow_events(
+    client: &Client,
+    run: RunId,
+    follow: bool,
+    mut each: impl FnMut(&StreamEvent) -> Result<(), Failed>,
+) -> Result<(), Failed> {
+    let mut last: u64 = 0;
+    let mut reconnects = 0;
+    loop {
+        let mut request = client.request(
+            reqwest::Method::GET,
+            &format!("/v1/runs/{run}/events?follow={follow}"),
+        );
+        if last > 0 {
+            request = request.header("Last-Event-ID", last.to_string());
+        }
+        let response = client.send(request).await?;
+        let mut stream = eventsource_stream::EventStream::new(response.bytes_stream());
+        let mut ended = false;
+        let mut broken = false;
+        while let Some(message) = stream.next().await {
+            let Ok(message) = message else {
+                broken = true;
+                break;
+            };
+            let event: StreamEvent = serde_json::from_str(&message.data)
+                .with_context(|| format!("event {}: not an arbor event", message.id))?;
+            last = event.index;
+            ended = matches!(
+                event.event.kind,
+                arbor_protocol::EventKind::RunFinished { .. }
+            );
+            each(&event)?;
+        }
+        if ended || !follow {
+            return Ok(());
+        }
+        // The stream ended early (the service dropped a slow reader, or
+        // restarted): go on from the last event seen.
+        reconnects += 1;
+        if reconnects > 20 {
+            return Err(Failed::new(
+                exit::UNREACHABLE,
+                format!(
+                    "the event stream of {run} kept breaking{}",
+                    if broken { "" } else { " off" }
+                ),
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(200 * reconnects)).await;
+    }
+}
+
+fn event_line(event: &Event) -> String {
+    let kind = serde_json::to_value(&event.kind).unwrap_or_default();
+    let name = kind["type"].as_str().unwrap_or("event").to_string();
+    let who = kind["id"]
+        .as_str()
+        .map(|s| format!(" {s}"))
+        .unwrap_or_default();
+    let detail = match &event.kind {
+        arbor_protocol::EventKind::NodeFinished { status, reason, .. } => {
+            format!(
+                " {status}{}",
+                reason
+                    .as_ref()
+                    .map(|r| format!(": {r}"))
+                    .unwrap_or_default()
+            )
+        }
+        arbor_protocol::EventKind::RunFinished { status, reason, .. } => {
+            format!(
+                " {status}{}",
+                reason
+                    .as_ref()
+                    .map(|r| format!(": {r}"))
+                    .unwrap_or_default()
+            )
+        }
+        arbor_protocol::EventKind::ToolCalled { tool, ok, .. } => {
+            format!(" {tool} {}", if *ok { "ok" } else { "refused or failed" })
+        }
+        _ => String::new(),
+    };
+    format!("{name}{who}{detail}")
+}
+
+pub async fn events(client: &Client, run: &str, follow: bool) -> Outcome {
+    let run = parse_run(run)?;
+    let mut all = vec![];
+    let output = client.output;
+    follow_events(client, run, follow, |e| {
+        match output {
+            Output::Json => all.push(e.clone()),
+            Output::Jsonl => client.print_json(e)?,
+            Output::Text => anstream::println!("{:>5}  {}", e.index, event_line(&e.event)),
+        }
+        Ok(())
+    })
+    .await?;
+    if output == Output::Json {
+        client.print_json(&all)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Follows the run's events, folding them into its tree: redrawn in place
+/// on a terminal, one line per change otherwise. Exits by how it ended.
+pub async fn watch(client: &Client, run: &str) -> Outcome {
+    let run = parse_run(run)?;
+    let mut tree = Tree::new(run);
+    let live = client.output == Output::Text && std::io::stdout().is_terminal();
+    let mut view = render::Progress::new(live);
+    let output = client.output;
+    follow_events(client, run, true, |e| {
+        tree.apply(&e.event);
+        match output {
+            Output::Text => view.show(&tree),
+            Output::Jsonl => client.print_json(e)?,
+            Output::Json => {}
+        }
+        Ok(())
+    })
+    .await?;
+    match output {
+        Output::Text => view.finish(&tree),
+        Output::Json => client.print_json(&serde_json::json!({ "run": tree.root() }))?,
+        Output::Jsonl => {}
+    }
+    Ok(run_exit(tree.run_status()))
+}
