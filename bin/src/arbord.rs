@@ -123,8 +123,8 @@ async fn serve(cli: Cli) -> ExitCode {
     if !address.ip().is_loopback() {
         let banner = "!".repeat(72);
         eprintln!(
-            "{banner}\narbord: listening on {address}, which is NOT loopback: anyone who can reach \
-             this address and has the token can run agents here.\n{banner}"
+            "{banner}\narbord: WARNING: bound to {address}, which is NOT loopback: anyone who can \
+             reach this address and has the token can run agents here.\n{banner}"
         );
         tracing::warn!(%address, "listening beyond loopback");
     }

@@ -601,7 +601,7 @@ async fn list_runs(State(shared): S, Query(query): Query<RunQuery>) -> Reply {
             }),
     );
     // Ids are uuid v7: newest first is id order, reversed.
-    all.sort_by(|a, b| b.id.cmp(&a.id));
+    all.sort_by_key(|r| std::cmp::Reverse(r.id));
     let mut page: Vec<RunSummary> = all
         .into_iter()
         .filter(|r| query.status.is_none_or(|s| r.status == s))

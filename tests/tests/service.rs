@@ -840,7 +840,18 @@ async fn status_metrics_and_the_openapi_document_describe_the_node() {
     let svc = TestService::start(texts()).await;
     let run = svc.submit(json!({"agent": "slow", "input": "wait"})).await;
     let step = svc.wait_running(run).await;
-    let (status, node) = svc.get_json("/v1/status").await;
+    // No event says a command started: ask until the sandbox has one.
+    let (status, node) = tokio::time::timeout(arbor_testkit::WAIT_LIMIT, async {
+        loop {
+            let (status, node) = svc.get_json("/v1/status").await;
+            if status != 200 || node["sandboxes"][0].is_object() {
+                return (status, node);
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the step's command starts");
     assert_eq!(status, 200);
     assert_eq!(node["node"]["accepting"], true);
     let live = &node["runs"][0];

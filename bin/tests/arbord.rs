@@ -1,0 +1,506 @@
+//! arbord as a process, driven by the `arbor` status CLI over loopback:
+//! SIGTERM then restart (I-40), SIGKILL mid-run then restart (I-30 to I-34),
+//! the CLI's exit codes, and the same run document as `arbor run --json`.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// How long any wait here may take before the test fails.
+const LIMIT: Duration = Duration::from_secs(30);
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+const QUICK: &str = "---\ndescription: answers at once\nscript:\n  - call: {tool: submit_output, args: {output: hi, task_status: completed}}\n---\nYou answer.\n";
+const SLOW: &str = "---\ndescription: blocks\ntools: [exec]\nscript:\n  - call: {tool: exec, args: {command: \"exec sleep 300\"}}\n  - call: {tool: submit_output, args: {output: late}}\n---\nYou wait.\n";
+
+/// A workspace on disk: the quick and slow agents, a flow, `[service]` settings.
+fn workspace(service: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, text) in [("quick", QUICK), ("slow", SLOW)] {
+        std::fs::create_dir_all(dir.path().join("agents").join(name)).unwrap();
+        std::fs::write(dir.path().join("agents").join(name).join("agent.md"), text).unwrap();
+    }
+    std::fs::create_dir_all(dir.path().join("flows")).unwrap();
+    std::fs::write(
+        dir.path().join("flows/hello.toml"),
+        "[[group]]\nsteps = [{ agent = \"quick\", instruction = \"say hi\" }]\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("arbor.toml"),
+        format!("[service]\n{service}"),
+    )
+    .unwrap();
+    dir
+}
+
+/// A running arbord, and where it listens.
+struct Arbord {
+    child: Child,
+    url: String,
+    data_dir: PathBuf,
+    stderr: mpsc::Receiver<String>,
+    /// What it said on stderr up to where it listens.
+    early: Vec<String>,
+}
+
+impl Arbord {
+    fn start(workspace: &Path, data_dir: &Path) -> Arbord {
+        Self::start_with(workspace, data_dir, &["--listen", "127.0.0.1:0"])
+    }
+
+    fn start_with(workspace: &Path, data_dir: &Path, extra: &[&str]) -> Arbord {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_arbord"))
+            .arg("--workspace")
+            .arg(workspace)
+            .arg("--data-dir")
+            .arg(data_dir)
+            .args(extra)
+            .env_remove("ARBOR_LOG")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("arbord starts");
+        let (tx, stderr) = mpsc::channel();
+        let pipe = child.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let mut early = vec![];
+        let url = loop {
+            let line = stderr
+                .recv_timeout(LIMIT)
+                .expect("arbord says where it listens");
+            if let Some(rest) = line.strip_prefix("arbord: listening on ") {
+                break rest.split_whitespace().next().unwrap().to_string();
+            }
+            early.push(line);
+        };
+        Arbord {
+            child,
+            url,
+            data_dir: data_dir.to_path_buf(),
+            stderr,
+            early,
+        }
+    }
+
+    fn token(&self) -> String {
+        std::fs::read_to_string(self.data_dir.join("token")).unwrap()
+    }
+
+    /// `arbor ARGS` against this arbord.
+    fn arbor(&self, args: &[&str]) -> Output {
+        Command::new(env!("CARGO_BIN_EXE_arbor"))
+            .args(args)
+            .env("ARBOR_URL", &self.url)
+            .env("ARBOR_TOKEN", self.token())
+            .env("NO_COLOR", "1")
+            .output()
+            .expect("arbor runs")
+    }
+
+    fn json(&self, args: &[&str]) -> serde_json::Value {
+        let mut all = args.to_vec();
+        all.extend(["-o", "json"]);
+        let out = self.arbor(&all);
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!(
+                "arbor {args:?}: not JSON ({e}): {}\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })
+    }
+
+    fn submit(&self, args: &[&str]) -> String {
+        let mut all = vec!["submit"];
+        all.extend_from_slice(args);
+        let out = self.arbor(&all);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap().trim().to_string()
+    }
+
+    /// Follows the run's events (the CLI's own `events --follow`) until
+    /// a step or job is running; returns its id.
+    fn wait_running(&self, run: &str) -> String {
+        self.wait_running_except(run, &[])
+    }
+
+    /// As `wait_running`, for a step or job that is none of `seen`.
+    fn wait_running_except(&self, run: &str, seen: &[&str]) -> String {
+        let mut follower = Command::new(env!("CARGO_BIN_EXE_arbor"))
+            .args(["events", run, "--follow", "-o", "jsonl"])
+            .env("ARBOR_URL", &self.url)
+            .env("ARBOR_TOKEN", self.token())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (tx, rx) = mpsc::channel();
+        let pipe = follower.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let id = loop {
+            let line = rx.recv_timeout(LIMIT).expect("a step starts running");
+            let event: serde_json::Value = serde_json::from_str(&line).unwrap();
+            if event["kind"]["type"] == "node_running"
+                && !seen.contains(&event["kind"]["id"].as_str().unwrap())
+            {
+                break event["kind"]["id"].as_str().unwrap().to_string();
+            }
+        };
+        let _ = follower.kill();
+        let _ = follower.wait();
+        id
+    }
+
+    fn signal(&self, signal: nix::sys::signal::Signal) {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), signal).unwrap();
+    }
+
+    /// Waits for arbord to exit; returns its exit code (None: killed by a signal).
+    fn wait(mut self) -> Option<i32> {
+        let deadline = std::time::Instant::now() + LIMIT;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.code();
+            }
+            assert!(std::time::Instant::now() < deadline, "arbord did not exit");
+            // Polling a child's exit; nothing here waits on a state of arbor's.
+            let _ = self.stderr.recv_timeout(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Arbord {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn code(out: &Output) -> i32 {
+    out.status.code().expect("an exit code")
+}
+
+#[test]
+fn inv_40_sigterm_stops_running_runs_keeps_the_queue_and_exits_0_and_the_next_start_recovers() {
+    let ws = workspace("max_running_runs = 1\n");
+    let data = tempfile::tempdir().unwrap();
+    let arbord = Arbord::start(ws.path(), data.path());
+    let running = arbord.submit(&["--agent", "slow", "--input", "wait"]);
+    let step = arbord.wait_running(&running);
+    let queued = arbord.submit(&["--flow", "hello"]);
+    arbord.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(arbord.wait(), Some(0), "a drain exits 0");
+
+    // The journal is consistent before anything reads it again.
+    let verify = Command::new(env!("CARGO_BIN_EXE_arbor"))
+        .args(["journal", "verify", "--data-dir"])
+        .arg(data.path())
+        .output()
+        .unwrap();
+    assert_eq!(
+        code(&verify),
+        0,
+        "{}",
+        String::from_utf8_lossy(&verify.stdout)
+    );
+
+    let arbord = Arbord::start(ws.path(), data.path());
+    let status = arbord.json(&["status"]);
+    assert_eq!(
+        status["recovery"]["jobs_failed"],
+        serde_json::json!([]),
+        "nothing was left running"
+    );
+    let doc = arbord.json(&["show", &running]);
+    assert_eq!(doc["run"]["status"], "stopped");
+    assert_eq!(doc["run"]["children"][0]["id"], step);
+    assert!(
+        doc["run"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("shutting down"),
+        "{doc}"
+    );
+    // The queued run survived the restart and runs now.
+    let watched = arbord.arbor(&["watch", &queued]);
+    assert_eq!(
+        code(&watched),
+        0,
+        "{}",
+        String::from_utf8_lossy(&watched.stderr)
+    );
+    assert_eq!(arbord.json(&["show", &queued])["run"]["status"], "done");
+    arbord.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(arbord.wait(), Some(0));
+}
+
+#[test]
+fn sigkill_mid_run_then_restart_fails_the_interrupted_step_kills_its_processes_and_resumes_the_run()
+{
+    let ws = workspace("");
+    let data = tempfile::tempdir().unwrap();
+    let arbord = Arbord::start(ws.path(), data.path());
+    let run = arbord.submit(&["--agent", "slow", "--input", "wait"]);
+    let step = arbord.wait_running(&run);
+    // No event says a command started: ask the node until its sandbox has one.
+    let deadline = std::time::Instant::now() + LIMIT;
+    let pgid = loop {
+        let status = arbord.json(&["status"]);
+        if let Some(pgid) = status["sandboxes"][0]["pgid"].as_i64() {
+            break pgid;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the step's command never started"
+        );
+    };
+    arbord.signal(nix::sys::signal::Signal::SIGKILL);
+    assert_eq!(arbord.wait(), None, "killed");
+
+    let arbord = Arbord::start(ws.path(), data.path());
+    let status = arbord.json(&["status"]);
+    let recovery = &status["recovery"];
+    assert_eq!(
+        recovery["jobs_failed"],
+        serde_json::json!([step]),
+        "I-30: {recovery}"
+    );
+    // The sandbox's processes die with arbord (a parent-death signal), or
+    // recovery kills them: either way none is left.
+    let killed = recovery["processes_killed"].as_array().unwrap();
+    assert!(
+        killed.is_empty() || killed == &[serde_json::json!(pgid)],
+        "I-30: {recovery}"
+    );
+    assert_eq!(
+        recovery["runs_resumed"],
+        serde_json::json!([run]),
+        "I-34: {recovery}"
+    );
+    assert!(
+        recovery["breaches"].as_array().unwrap().is_empty(),
+        "I-31: {recovery}"
+    );
+    assert!(
+        !Path::new(&format!("/proc/{pgid}")).exists()
+            || std::fs::read_to_string(format!("/proc/{pgid}/stat"))
+                .map(|s| s.contains(") Z "))
+                .unwrap_or(true),
+        "the old sandbox process is gone"
+    );
+    // The run goes on with the step's next attempt.
+    let again = arbord.wait_running_except(&run, &[&step]);
+    assert_ne!(again, step);
+    let doc = arbord.json(&["show", &run]);
+    assert_eq!(doc["run"]["status"], "running");
+    let stop = arbord.arbor(&["stop", &run]);
+    assert_eq!(code(&stop), 0, "{}", String::from_utf8_lossy(&stop.stderr));
+    assert_eq!(
+        code(&arbord.arbor(&["watch", &run])),
+        1,
+        "a stopped run exits 1"
+    );
+    // The interrupted attempt can be continued explicitly (I-33).
+    let continued = arbord.arbor(&["continue", &step]);
+    assert_eq!(
+        code(&continued),
+        0,
+        "{}",
+        String::from_utf8_lossy(&continued.stderr)
+    );
+    let new_run = String::from_utf8(continued.stdout)
+        .unwrap()
+        .trim()
+        .to_string();
+    assert_ne!(new_run, run);
+    arbord.wait_running(&new_run);
+    arbord.arbor(&["stop", &new_run]);
+    assert_eq!(code(&arbord.arbor(&["watch", &new_run])), 1);
+    arbord.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(arbord.wait(), Some(0));
+}
+
+#[test]
+fn the_status_cli_exit_codes() {
+    let ws = workspace("");
+    let data = tempfile::tempdir().unwrap();
+    let arbord = Arbord::start(ws.path(), data.path());
+    // 0: ok, and a run that is done.
+    let done = arbord.submit(&["--flow", "hello"]);
+    assert_eq!(code(&arbord.arbor(&["watch", &done])), 0);
+    assert_eq!(code(&arbord.arbor(&["show", &done])), 0);
+    assert_eq!(code(&arbord.arbor(&["status"])), 0);
+    assert_eq!(code(&arbord.arbor(&["runs"])), 0);
+    // 1: a run that failed or was stopped.
+    let stopped = arbord.submit(&["--agent", "slow", "--input", "wait"]);
+    arbord.wait_running(&stopped);
+    assert_eq!(code(&arbord.arbor(&["stop", &stopped])), 0);
+    assert_eq!(code(&arbord.arbor(&["watch", &stopped])), 1);
+    assert_eq!(code(&arbord.arbor(&["show", &stopped])), 1);
+    // 2: bad usage, and input the service refuses.
+    assert_eq!(code(&arbord.arbor(&["show"])), 2);
+    assert_eq!(code(&arbord.arbor(&["show", "not-a-uuid"])), 2);
+    assert_eq!(code(&arbord.arbor(&["-o", "yaml", "status"])), 2);
+    let refused = arbord.arbor(&["submit", "--flow", "nope"]);
+    assert_eq!(code(&refused), 2);
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("no such flow"));
+    // 3: not found.
+    let unknown = "01a00000-0000-7000-8000-000000000000";
+    assert_eq!(code(&arbord.arbor(&["show", unknown])), 3);
+    assert_eq!(code(&arbord.arbor(&["stop", unknown])), 3);
+    assert_eq!(code(&arbord.arbor(&["steer", unknown, "hi"])), 3);
+    // 4: unreachable.
+    let far = Command::new(env!("CARGO_BIN_EXE_arbor"))
+        .args(["status", "--url", "http://127.0.0.1:9"])
+        .env("ARBOR_TOKEN", "x")
+        .output()
+        .unwrap();
+    assert_eq!(code(&far), 4, "{}", String::from_utf8_lossy(&far.stderr));
+    // 5: the token refused.
+    let wrong = Command::new(env!("CARGO_BIN_EXE_arbor"))
+        .args(["status", "--url", &arbord.url, "--token", "wrong"])
+        .output()
+        .unwrap();
+    assert_eq!(code(&wrong), 5);
+    // Data on stdout, diagnostics on stderr.
+    let json = arbord.arbor(&["runs", "-o", "json"]);
+    let list: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(list["runs"].as_array().unwrap().len(), 2);
+    let lines = arbord.arbor(&["events", &done, "-o", "jsonl"]);
+    let text = String::from_utf8(lines.stdout).unwrap();
+    assert!(
+        text.lines()
+            .all(|l| serde_json::from_str::<serde_json::Value>(l).is_ok())
+    );
+    assert!(text.lines().last().unwrap().contains("run_finished"));
+    let table = String::from_utf8(arbord.arbor(&["show", &done]).stdout).unwrap();
+    assert!(table.contains("└─ ✔ quick"), "{table}");
+    assert!(
+        !table.contains('\u{1b}'),
+        "NO_COLOR: no escapes in {table:?}"
+    );
+    let coloured = arbord.arbor(&["show", &done, "--color", "always"]);
+    assert!(String::from_utf8_lossy(&coloured.stdout).contains('\u{1b}'));
+}
+
+#[test]
+fn the_run_document_over_http_is_the_document_arbor_run_json_prints() {
+    let example = repo().join("examples/research");
+    let embedded_data = tempfile::tempdir().unwrap();
+    let embedded = Command::new(env!("CARGO_BIN_EXE_arbor"))
+        .args(["run", example.to_str().unwrap(), "--json", "--data-dir"])
+        .arg(embedded_data.path())
+        .output()
+        .unwrap();
+    let embedded: serde_json::Value = serde_json::from_slice(&embedded.stdout).unwrap();
+    let data = tempfile::tempdir().unwrap();
+    let arbord = Arbord::start(&example, data.path());
+    let run = arbord.submit(&["--flow", "research"]);
+    arbord.arbor(&["watch", &run]);
+    let served = arbord.json(&["show", &run]);
+    let text =
+        std::fs::read_to_string(repo().join("docs/contract/run-output.schema.json")).unwrap();
+    let validator = jsonschema::validator_for(&serde_json::from_str(&text).unwrap()).unwrap();
+    for doc in [&embedded, &served] {
+        let errors: Vec<String> = validator.iter_errors(doc).map(|e| e.to_string()).collect();
+        assert!(errors.is_empty(), "{errors:?}");
+    }
+    assert_eq!(
+        shape(&embedded),
+        shape(&served),
+        "the same run, the same document"
+    );
+}
+
+/// The document without what differs between two runs of the same flow:
+/// ids, times and paths.
+fn shape(doc: &serde_json::Value) -> serde_json::Value {
+    match doc {
+        serde_json::Value::Object(map) => map
+            .iter()
+            .filter(|(k, _)| {
+                !matches!(
+                    k.as_str(),
+                    "id" | "workdir" | "started_at_ms" | "ended_at_ms"
+                )
+            })
+            .map(|(k, v)| (k.clone(), shape(v)))
+            .collect(),
+        serde_json::Value::Array(items) => items.iter().map(shape).collect(),
+        other => other.clone(),
+    }
+}
+
+#[test]
+fn arbord_refuses_bad_settings_and_a_readable_token_file() {
+    let run = |ws: &Path, data: &Path, envs: &[(&str, &str)]| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_arbord"));
+        command
+            .arg("--workspace")
+            .arg(ws)
+            .arg("--data-dir")
+            .arg(data)
+            .args(["--listen", "127.0.0.1:0"]);
+        for (k, v) in envs {
+            command.env(k, v);
+        }
+        command.output().unwrap()
+    };
+    let data = tempfile::tempdir().unwrap();
+    let ws = workspace("max_runs = 3\n");
+    let out = run(ws.path(), data.path(), &[]);
+    assert_eq!(code(&out), 2);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("max_runs"));
+    let ws = workspace("");
+    let out = run(ws.path(), data.path(), &[("ARBOR_MAX_RUNING_RUNS", "3")]);
+    assert_eq!(code(&out), 2);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("ARBOR_MAX_RUNING_RUNS"));
+    let out = run(ws.path(), data.path(), &[("ARBOR_MAX_RUNNING_RUNS", "0")]);
+    assert_eq!(code(&out), 2);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("0 never means unlimited"));
+    // I-37: a token file others may read is refused.
+    std::fs::write(data.path().join("token"), "x".repeat(64)).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(
+        data.path().join("token"),
+        std::fs::Permissions::from_mode(0o644),
+    )
+    .unwrap();
+    let out = run(ws.path(), data.path(), &[]);
+    assert_eq!(code(&out), 1);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("0600"));
+}
+
+#[test]
+fn listening_beyond_loopback_is_said_loudly() {
+    let ws = workspace("");
+    let data = tempfile::tempdir().unwrap();
+    let arbord = Arbord::start_with(ws.path(), data.path(), &["--listen", "0.0.0.0:0"]);
+    arbord.signal(nix::sys::signal::Signal::SIGTERM);
+    let mut said = arbord.early.clone();
+    while let Ok(line) = arbord.stderr.recv_timeout(LIMIT) {
+        said.push(line);
+        if said.iter().any(|l| l.contains("stopped cleanly")) {
+            break;
+        }
+    }
+    let said = said.join("\n");
+    assert!(said.contains("NOT loopback"), "{said}");
+}
