@@ -178,10 +178,7 @@ pub fn resolve(
     flags: Flags,
     default_data_dir: PathBuf,
 ) -> Result<ServiceConfig, String> {
-    let file: Layer = service_table
-        .clone()
-        .try_into()
-        .map_err(|e: toml::de::Error| format!("arbor.toml [service]: {}", e.message()))?;
+    let file = layer_of(service_table, "arbor.toml [service]")?;
     let env = env_layer(env)?;
     let flags = Layer {
         listen: flags.listen,
@@ -228,9 +225,19 @@ fn env_layer(env: impl IntoIterator<Item = (String, String)>) -> Result<Layer, S
         };
         table.insert(key, typed);
     }
-    table
-        .try_into()
-        .map_err(|e: toml::de::Error| format!("ARBOR_* environment: {}", e.message()))
+    layer_of(&table, "ARBOR_* environment")
+}
+
+/// One key at a time, so that an error names the key it is about.
+fn layer_of(table: &toml::Table, source: &str) -> Result<Layer, String> {
+    let mut layer = Layer::default();
+    for (key, value) in table {
+        let one: Layer = toml::Table::from_iter([(key.clone(), value.clone())])
+            .try_into()
+            .map_err(|e: toml::de::Error| format!("{source}: `{key}`: {}", e.message()))?;
+        layer = one.over(layer);
+    }
+    Ok(layer)
 }
 
 #[cfg(test)]
