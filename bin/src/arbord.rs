@@ -98,13 +98,18 @@ async fn serve(cli: Cli) -> ExitCode {
         },
         cli.workspace.join(".arbor"),
     );
-    let settings = match settings {
+    let mut settings = match settings {
         Ok(s) => s,
         Err(e) => {
             eprintln!("arbord: {e}");
             return ExitCode::from(2);
         }
     };
+    // Absolute, so that the workdirs a run document names mean the same to
+    // a client in any directory.
+    if let Ok(dir) = std::path::absolute(&settings.data_dir) {
+        settings.data_dir = dir;
+    }
     let listener = match tokio::net::TcpListener::bind(settings.listen).await {
         Ok(l) => l,
         Err(e) => {

@@ -183,12 +183,15 @@ impl Client {
             .unwrap_or(text);
         let code = match status.as_u16() {
             401 => {
-                return Err(Failed::new(
-                    exit::UNAUTHORIZED,
-                    format!(
-                        "{message} (give --token, set ARBOR_TOKEN, or run from the workspace whose .arbor/token it is)"
-                    ),
-                ));
+                let why = match &self.token {
+                    None => {
+                        "no token was found: give --token, set ARBOR_TOKEN or ARBOR_TOKEN_FILE, \
+                             or run from the workspace arbord serves (it reads ./.arbor/token)"
+                            .to_string()
+                    }
+                    Some(_) => format!("arbord refused the token: {message}"),
+                };
+                return Err(Failed::new(exit::UNAUTHORIZED, why));
             }
             404 => exit::NOT_FOUND,
             409 => exit::RUN_FAILED,

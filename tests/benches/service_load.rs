@@ -58,7 +58,10 @@ fn load() -> Load {
     let default = if quick { (4, 2, 1) } else { (50, 8, 60) };
     let number = |name: &str, default: u64| {
         arg(name)
-            .map(|v| v.parse().unwrap_or_else(|_| panic!("{name} {v}: not a number")))
+            .map(|v| {
+                v.parse()
+                    .unwrap_or_else(|_| panic!("{name} {v}: not a number"))
+            })
             .unwrap_or(default)
     };
     Load {
@@ -121,7 +124,11 @@ impl Follow {
     /// True at the run's end.
     fn see(&mut self, kind: &EventKind) -> bool {
         match kind {
-            EventKind::NodeSpawned { id, kind: NodeKind::Job, .. } => {
+            EventKind::NodeSpawned {
+                id,
+                kind: NodeKind::Job,
+                ..
+            } => {
                 self.jobs.insert(*id);
             }
             EventKind::NodeRunning { id } if self.jobs.contains(id) => {
@@ -159,7 +166,9 @@ async fn drive_http(load: Load, dir: &std::path::Path) -> (Samples, Duration) {
         dir.join("data"),
     )
     .unwrap();
-    let listener = tokio::net::TcpListener::bind(settings.listen).await.unwrap();
+    let listener = tokio::net::TcpListener::bind(settings.listen)
+        .await
+        .unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let service = Service::start(ws, settings).await.unwrap();
     let token = service.token().to_string();
@@ -240,7 +249,10 @@ async fn check_http(client: &reqwest::Client, url: &str, token: &str, service: &
             .await
             .unwrap();
         for run in page["runs"].as_array().unwrap() {
-            listed.push((run["id"].as_str().unwrap().to_string(), run["status"].as_str().unwrap().to_string()));
+            listed.push((
+                run["id"].as_str().unwrap().to_string(),
+                run["status"].as_str().unwrap().to_string(),
+            ));
         }
         match page["next"].as_str() {
             Some(next) => after = Some(next.to_string()),
@@ -249,11 +261,25 @@ async fn check_http(client: &reqwest::Client, url: &str, token: &str, service: &
     }
     let journal = service.node().journal();
     let records = journal.runs().unwrap();
-    assert_eq!(listed.len(), records.len(), "the API lists every journaled run");
+    assert_eq!(
+        listed.len(),
+        records.len(),
+        "the API lists every journaled run"
+    );
     for (id, status) in &listed {
-        let record = records.iter().find(|r| r.id.to_string() == *id).expect("journaled");
-        assert_eq!(record.status.as_str(), status, "{id}: the journal and the API agree");
-        assert!(record.status.is_terminal(), "{id} is {status} after the load");
+        let record = records
+            .iter()
+            .find(|r| r.id.to_string() == *id)
+            .expect("journaled");
+        assert_eq!(
+            record.status.as_str(),
+            status,
+            "{id}: the journal and the API agree"
+        );
+        assert!(
+            record.status.is_terminal(),
+            "{id} is {status} after the load"
+        );
     }
     let report = journal.verify().unwrap();
     assert!(report.is_clean(), "{report:?}");
@@ -367,7 +393,16 @@ fn main() {
     }
     println!(
         "{:<9} {:>6} {:>7} {:>8} {:>8} {:>13} {:>13} {:>13} {:>13} {:>9}",
-        "mode", "runs", "jobs", "runs/s", "jobs/s", "1st job p50", "1st job p99", "end p50", "end p99", "peak MiB"
+        "mode",
+        "runs",
+        "jobs",
+        "runs/s",
+        "jobs/s",
+        "1st job p50",
+        "1st job p99",
+        "end p50",
+        "end p99",
+        "peak MiB"
     );
     let ms = |v: &serde_json::Value| format!("{:.1} ms", v.as_f64().unwrap() / 1000.0);
     for r in &results {
