@@ -46,7 +46,11 @@ enum Command {
     /// Runs arbord knows, newest first.
     Runs(client::RunsArgs),
     /// One run's tree and output.
-    Show { run: String },
+    Show {
+        run: String,
+        #[command(flatten)]
+        view: client::StatusArgs,
+    },
     /// Follow a run live until it ends (exit 0 done, 1 failed or stopped).
     Watch { run: String },
     /// Submit a run to arbord; prints its id.
@@ -161,7 +165,9 @@ fn main() -> ExitCode {
                 with_client(&conn, |c| Box::pin(client::status(c, args))).await
             }
             Command::Runs(args) => with_client(&conn, |c| Box::pin(client::runs(c, args))).await,
-            Command::Show { run } => with_client(&conn, |c| Box::pin(client::show(c, &run))).await,
+            Command::Show { run, view } => {
+                with_client(&conn, |c| Box::pin(client::show(c, &run, view))).await
+            }
             Command::Watch { run } => {
                 with_client(&conn, |c| Box::pin(client::watch(c, &run))).await
             }

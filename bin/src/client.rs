@@ -492,7 +492,7 @@ pub async fn runs(client: &Client, args: RunsArgs) -> Outcome {
     Ok(ExitCode::SUCCESS)
 }
 
-pub async fn show(client: &Client, run: &str) -> Outcome {
+pub async fn show(client: &Client, run: &str, view: StatusArgs) -> Outcome {
     let run = parse_run(run)?;
     let doc: RunDocument = client.get(&format!("/v1/runs/{run}")).await?;
     if client.output != Output::Text {
@@ -500,14 +500,7 @@ pub async fn show(client: &Client, run: &str) -> Outcome {
     } else {
         println!(
             "{}",
-            tree_table(
-                client,
-                std::slice::from_ref(&doc.run),
-                &StatusArgs {
-                    fold: None,
-                    depth: None
-                }
-            )
+            tree_table(client, std::slice::from_ref(&doc.run), &view)
         );
         show_output(&doc.run);
     }

@@ -119,3 +119,79 @@ async fn forward(
     }
     if end { Next::End } else { Next::Go }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::StreamExt;
+
+    fn source(bus: &EventBus, journal: &Journal, run: RunId) -> Source {
+        Source {
+            bus: bus.clone(),
+            journal: journal.clone(),
+            run,
+            after: 0,
+            follow: true,
+            buffer: 1,
+            stall: Duration::from_millis(200),
+            shutdown: CancellationToken::new(),
+        }
+    }
+
+    fn emit_three(bus: &EventBus, run: RunId) {
+        for _ in 0..3 {
+            bus.emit(
+                run,
+                EventKind::NodeRunning {
+                    id: arbor_protocol::JobId::new(),
+                },
+            );
+        }
+    }
+
+    /// A client that reads nothing while its buffer (1 event) is full for
+    /// longer than the stall is dropped: it gets what was buffered, then the
+    /// end, not every event held for it without bound.
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_stalls_is_dropped_not_buffered_without_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path()).unwrap();
+        let bus = EventBus::new(journal.clone());
+        let run = RunId::new();
+        let stream = stream(source(&bus, &journal, run));
+        emit_three(&bus, run);
+        // The client stalls well past the stall limit before it reads.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let got: Vec<_> = tokio::time::timeout(Duration::from_secs(30), stream.collect())
+            .await
+            .expect("the stalled client was dropped, so its stream ended");
+        assert_eq!(got.len(), 1, "only what fit in its buffer");
+    }
+
+    /// The same events, read as they come: every one arrives.
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_keeps_up_gets_every_event() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path()).unwrap();
+        let bus = EventBus::new(journal.clone());
+        let run = RunId::new();
+        let mut stream = Box::pin(stream(source(&bus, &journal, run)));
+        let mut got = 0;
+        emit_three(&bus, run);
+        while got < 3 {
+            stream.next().await.expect("an event");
+            got += 1;
+        }
+        bus.emit(
+            run,
+            EventKind::RunFinished {
+                status: arbor_protocol::Status::Done,
+                error_class: None,
+                reason: None,
+                output: serde_json::Value::Null,
+            },
+        );
+        assert!(stream.next().await.is_some(), "the end event");
+        assert!(stream.next().await.is_none(), "and then the end");
+    }
+}

@@ -924,3 +924,23 @@ async fn status_metrics_and_the_openapi_document_describe_the_node() {
     svc.wait_run(run).await;
     svc.stop().await;
 }
+
+#[tokio::test]
+async fn inv_36_a_full_queue_refuses_with_429_and_changes_nothing() {
+    let svc = TestService::start(
+        texts().with_config("[service]\nmax_running_runs = 1\nmax_queued_runs = 1\n"),
+    )
+    .await;
+    let blocker = svc.submit(json!({"agent": "slow", "input": "hold"})).await;
+    svc.wait_running(blocker).await;
+    let waiting = svc.submit(json!({"flow": "hello"})).await;
+    let (status, reply) = svc.post_json("/v1/runs", json!({"flow": "hello"})).await;
+    assert_eq!(status, 429, "{reply}");
+    assert_eq!(reply["error"]["code"], "queue_full");
+    assert_eq!(svc.service.node().journal().submissions().unwrap().len(), 2);
+    svc.post_json(&format!("/v1/runs/{blocker}/stop"), json!({}))
+        .await;
+    let doc = svc.wait_run(waiting).await;
+    assert_eq!(status_of(&doc), Status::Done);
+    svc.stop().await;
+}
