@@ -179,7 +179,7 @@ mod tests {
         let mut got = 0;
         emit_three(&bus, run);
         while got < 3 {
-            stream.next().await.expect("an event");
+            let _ = stream.next().await.expect("an event");
             got += 1;
         }
         bus.emit(
