@@ -82,6 +82,19 @@ fn main() -> ExitCode {
 }
 
 async fn serve(cli: Cli) -> ExitCode {
+    // Watched from the first moment: a SIGTERM that comes while the node
+    // starts is a drain once it has started, never the default kill.
+    use tokio::signal::unix::{SignalKind, signal};
+    let (mut term, mut int) = match (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) {
+        (Ok(term), Ok(int)) => (term, int),
+        (Err(e), _) | (_, Err(e)) => {
+            eprintln!("arbord: cannot watch for SIGTERM and SIGINT: {e}");
+            return ExitCode::from(1);
+        }
+    };
     let workspace = match Workspace::load(&cli.workspace) {
         Ok(ws) => ws,
         Err(e) => {
@@ -137,18 +150,10 @@ async fn serve(cli: Cli) -> ExitCode {
         "arbord: listening on http://{address} (token in {})",
         service.token_path().display()
     );
-    let stop = async {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::error!(%e, "cannot watch for SIGTERM");
-                    return;
-                }
-            };
+    let stop = async move {
         tokio::select! {
             _ = term.recv() => tracing::info!("SIGTERM: draining"),
-            _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: draining"),
+            _ = int.recv() => tracing::info!("SIGINT: draining"),
         }
     };
     match service.serve(listener, stop).await {

@@ -502,20 +502,9 @@ pub async fn show(client: &Client, run: &str, view: StatusArgs) -> Outcome {
             "{}",
             tree_table(client, std::slice::from_ref(&doc.run), &view)
         );
-        show_output(&doc.run);
+        render::print_output(&doc.run);
     }
     Ok(run_exit(doc.run.status))
-}
-
-fn show_output(root: &TreeNode) {
-    match &root.output {
-        serde_json::Value::Null => {}
-        serde_json::Value::String(s) => println!("\noutput:\n{s}"),
-        other => println!(
-            "\noutput:\n{}",
-            serde_json::to_string_pretty(other).unwrap_or_default()
-        ),
-    }
 }
 
 // ---- submit, stop, steer, continue ----
@@ -709,23 +698,10 @@ fn event_line(event: &Event) -> String {
         .map(|s| format!(" {s}"))
         .unwrap_or_default();
     let detail = match &event.kind {
-        arbor_protocol::EventKind::NodeFinished { status, reason, .. } => {
-            format!(
-                " {status}{}",
-                reason
-                    .as_ref()
-                    .map(|r| format!(": {r}"))
-                    .unwrap_or_default()
-            )
-        }
-        arbor_protocol::EventKind::RunFinished { status, reason, .. } => {
-            format!(
-                " {status}{}",
-                reason
-                    .as_ref()
-                    .map(|r| format!(": {r}"))
-                    .unwrap_or_default()
-            )
+        arbor_protocol::EventKind::NodeFinished { status, reason, .. }
+        | arbor_protocol::EventKind::RunFinished { status, reason, .. } => {
+            let reason = reason.as_ref().map(|r| format!(": {r}"));
+            format!(" {status}{}", reason.unwrap_or_default())
         }
         arbor_protocol::EventKind::ToolCalled { tool, ok, .. } => {
             format!(" {tool} {}", if *ok { "ok" } else { "refused or failed" })

@@ -58,14 +58,7 @@ impl Progress {
                 println!("{line}");
             }
         }
-        match &root.output {
-            serde_json::Value::Null => {}
-            serde_json::Value::String(s) => println!("\noutput:\n{s}"),
-            other => println!(
-                "\noutput:\n{}",
-                serde_json::to_string_pretty(other).unwrap_or_default()
-            ),
-        }
+        print_output(&root);
         if let Some(reason) = &root.reason {
             println!("reason: {reason}");
         }
@@ -77,6 +70,18 @@ impl Progress {
                 println!("  {path}");
             }
         }
+    }
+}
+
+/// The run's answer, after a blank line: text as it is, JSON pretty.
+pub fn print_output(root: &TreeNode) {
+    match &root.output {
+        serde_json::Value::Null => {}
+        serde_json::Value::String(s) => println!("\noutput:\n{s}"),
+        other => println!(
+            "\noutput:\n{}",
+            serde_json::to_string_pretty(other).unwrap_or_default()
+        ),
     }
 }
 

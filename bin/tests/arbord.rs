@@ -504,3 +504,37 @@ fn listening_beyond_loopback_is_said_loudly() {
     let said = said.join("\n");
     assert!(said.contains("NOT loopback"), "{said}");
 }
+
+#[test]
+fn log_format_json_makes_every_log_line_one_json_object() {
+    let ws = workspace("");
+    let data = tempfile::tempdir().unwrap();
+    let arbord = Arbord::start_with(
+        ws.path(),
+        data.path(),
+        &["--listen", "127.0.0.1:0", "--log-format", "json"],
+    );
+    arbord.signal(nix::sys::signal::Signal::SIGTERM);
+    let mut lines = arbord.early.clone();
+    while let Ok(line) = arbord.stderr.recv_timeout(LIMIT) {
+        let done = line.contains("stopped cleanly");
+        lines.push(line);
+        if done {
+            break;
+        }
+    }
+    // The two plain lines are arbord's own words to the operator; the rest are logs.
+    let logs: Vec<&String> = lines
+        .iter()
+        .filter(|l| !l.starts_with("arbord: "))
+        .collect();
+    assert!(logs.len() >= 3, "{lines:#?}");
+    for line in logs {
+        let log: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
+        assert!(
+            log["level"].is_string() && log["fields"].is_object(),
+            "{log}"
+        );
+    }
+}

@@ -56,7 +56,8 @@ pub struct Admission {
     max_running: usize,
     max_queued: usize,
     state: Mutex<State>,
-    wake: Notify,
+    /// Notified by a submission, a close, and every run's end.
+    wake: Arc<Notify>,
 }
 
 struct State {
@@ -105,6 +106,17 @@ impl Admission {
         }
         journal.append(started_late)?;
         let running = node.resumed().iter().map(|(id, _)| *id).collect();
+        // A run that ends frees a slot: the pump looks again only then, not
+        // at every event.
+        let wake = Arc::new(Notify::new());
+        {
+            let wake = wake.clone();
+            node.events().observe(Arc::new(move |event| {
+                if matches!(event.kind, EventKind::RunFinished { .. }) {
+                    wake.notify_one();
+                }
+            }));
+        }
         Ok(Arc::new(Self {
             node,
             max_running,
@@ -116,7 +128,7 @@ impl Admission {
                 next_order,
                 closed: false,
             }),
-            wake: Notify::new(),
+            wake,
         }))
     }
 
@@ -225,17 +237,11 @@ impl Admission {
     }
 
     /// Starts queued runs while there is room, until closed. Wakes on a
-    /// submission and on every event (a run that ends frees a slot).
+    /// submission and on a run's end (a `Notify` keeps one wake-up that
+    /// comes while it is busy, so none is lost).
     pub async fn pump(self: Arc<Self>) {
-        let mut changes = self.node.events().changes();
-        loop {
-            if !self.admit_ready().await {
-                return;
-            }
-            tokio::select! {
-                _ = self.wake.notified() => {}
-                changed = changes.changed() => if changed.is_err() { return },
-            }
+        while self.admit_ready().await {
+            self.wake.notified().await;
         }
     }
 

@@ -442,6 +442,16 @@ fn json(status: StatusCode, body: impl serde::Serialize) -> Response {
     (status, Json(body)).into_response()
 }
 
+fn stop_accepted(id: impl std::fmt::Display, state: &str) -> Response {
+    json(
+        StatusCode::ACCEPTED,
+        StopAccepted {
+            id: id.to_string(),
+            state: state.into(),
+        },
+    )
+}
+
 // ---- runs ----
 
 fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
@@ -633,13 +643,7 @@ async fn stop_run(State(shared): S, Path(path): Path<IdPath>) -> Reply {
     let run = parse_run(&path.id)?;
     let reason = "stopped by an operator (API)";
     if shared.admission.cancel(run, reason).await? {
-        return Ok(json(
-            StatusCode::ACCEPTED,
-            StopAccepted {
-                id: run.to_string(),
-                state: "stopped".into(),
-            },
-        ));
+        return Ok(stop_accepted(run, "stopped"));
     }
     let tree = run_tree(&shared, run)
         .await?
@@ -655,13 +659,7 @@ async fn stop_run(State(shared): S, Path(path): Path<IdPath>) -> Reply {
         .stop_run(run, reason)
         .await
         .map_err(|e| ApiError::conflict(e.to_string()))?;
-    Ok(json(
-        StatusCode::ACCEPTED,
-        StopAccepted {
-            id: run.to_string(),
-            state: "stopping".into(),
-        },
-    ))
+    Ok(stop_accepted(run, "stopping"))
 }
 
 async fn run_events(
@@ -728,13 +726,7 @@ async fn stop_job(State(shared): S, Path(path): Path<IdPath>) -> Reply {
         .stop_job(run, job, "stopped by an operator (API)")
         .await
         .map_err(|e| ApiError::conflict(e.to_string()))?;
-    Ok(json(
-        StatusCode::ACCEPTED,
-        StopAccepted {
-            id: job.to_string(),
-            state: "stopping".into(),
-        },
-    ))
+    Ok(stop_accepted(job, "stopping"))
 }
 
 async fn steer_job(

@@ -112,6 +112,15 @@ impl TestService {
         }
     }
 
+    /// What the journal's admission queue holds, in every state.
+    pub fn submissions(&self) -> Vec<arbor_storage::SubmissionRecord> {
+        self.service
+            .node()
+            .journal()
+            .submissions()
+            .expect("the journal reads")
+    }
+
     pub fn data_dir(&self) -> PathBuf {
         self.dir.as_ref().expect("the dir").path().join("data")
     }

@@ -456,14 +456,7 @@ async fn inv_36_bad_input_gets_a_clear_4xx_and_changes_nothing() {
     // Nothing of it was queued, started or journaled.
     let (_, list) = svc.get_json("/v1/runs").await;
     assert_eq!(list["runs"], json!([]), "{list}");
-    assert!(
-        svc.service
-            .node()
-            .journal()
-            .submissions()
-            .unwrap()
-            .is_empty()
-    );
+    assert!(svc.submissions().is_empty());
     assert!(svc.service.node().journal().runs().unwrap().is_empty());
     svc.stop().await;
 }
@@ -484,14 +477,7 @@ async fn inv_36_an_input_over_the_cap_is_refused() {
             .unwrap()
             .contains("max_input_bytes")
     );
-    assert!(
-        svc.service
-            .node()
-            .journal()
-            .submissions()
-            .unwrap()
-            .is_empty()
-    );
+    assert!(svc.submissions().is_empty());
     svc.stop().await;
 }
 
@@ -518,7 +504,7 @@ async fn inv_36_a_reused_idempotency_key_with_another_body_is_a_conflict_that_ch
     assert_eq!(other.status(), 409);
     let other: serde_json::Value = other.json().await.unwrap();
     assert_eq!(other["error"]["code"], "conflict");
-    assert_eq!(svc.service.node().journal().submissions().unwrap().len(), 1);
+    assert_eq!(svc.submissions().len(), 1);
     // The key outlives a restart.
     let svc = svc.restart().await;
     let again = svc
@@ -594,14 +580,7 @@ async fn inv_37_every_route_but_the_health_checks_refuses_a_missing_or_wrong_tok
         assert_eq!(response.status(), 200, "{path}");
     }
     // Nothing was submitted by any of it.
-    assert!(
-        svc.service
-            .node()
-            .journal()
-            .submissions()
-            .unwrap()
-            .is_empty()
-    );
+    assert!(svc.submissions().is_empty());
     svc.stop().await;
 }
 
@@ -937,7 +916,7 @@ async fn inv_36_a_full_queue_refuses_with_429_and_changes_nothing() {
     let (status, reply) = svc.post_json("/v1/runs", json!({"flow": "hello"})).await;
     assert_eq!(status, 429, "{reply}");
     assert_eq!(reply["error"]["code"], "queue_full");
-    assert_eq!(svc.service.node().journal().submissions().unwrap().len(), 2);
+    assert_eq!(svc.submissions().len(), 2);
     svc.post_json(&format!("/v1/runs/{blocker}/stop"), json!({}))
         .await;
     let doc = svc.wait_run(waiting).await;
