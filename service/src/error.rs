@@ -18,7 +18,7 @@ pub struct ErrorBody {
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
 pub struct ErrorDetail {
     /// A stable word for programs: `bad_request`, `unauthorized`,
-    /// `not_found`, `conflict`, `too_large`, `unsupported_media_type`,
+    /// `not_found`, `method_not_allowed`, `conflict`, `too_large`, `unsupported_media_type`,
     /// `refused`, `queue_full`, `unavailable`, `internal`.
     pub code: String,
     /// What was wrong, in words, for people.
@@ -53,6 +53,13 @@ impl ApiError {
     }
     /// The thing exists but is in a state that does not allow this; or an
     /// idempotency key reused with another body.
+    pub fn method_not_allowed(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method_not_allowed",
+            message,
+        )
+    }
     pub fn conflict(message: impl Into<String>) -> Self {
         Self::new(StatusCode::CONFLICT, "conflict", message)
     }

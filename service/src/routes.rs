@@ -69,6 +69,9 @@ pub(crate) fn router(shared: Arc<Shared>) -> axum::Router {
         shared.config.max_body_bytes,
     ))
     .fallback(|| async { ApiError::not_found("no such route") })
+    .method_not_allowed_fallback(|| async {
+        ApiError::method_not_allowed("this route does not take that method (see /v1/openapi.json)")
+    })
 }
 
 /// The document alone, for `arbord openapi` and the tests.

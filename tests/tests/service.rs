@@ -424,6 +424,10 @@ async fn inv_36_bad_input_gets_a_clear_4xx_and_changes_nothing() {
     for (method, path, body, content_type, want, words) in &cases {
         let mut request = match *method {
             "POST" => svc.post(path),
+            "DELETE" => svc
+                .client
+                .delete(format!("{}{path}", svc.url))
+                .bearer_auth(&svc.token),
             _ => svc.get(path),
         };
         if !content_type.is_empty() {
