@@ -653,7 +653,16 @@ async fn follow_events(
         if last > 0 {
             request = request.header("Last-Event-ID", last.to_string());
         }
-        let response = client.send(request).await?;
+        let response = match client.send(request).await {
+            Ok(response) => response,
+            // arbord is restarting under a watcher: try again, from the last event.
+            Err(f) if f.code == exit::UNREACHABLE && reconnects > 0 && reconnects <= 20 => {
+                reconnects += 1;
+                tokio::time::sleep(Duration::from_millis(200 * reconnects)).await;
+                continue;
+            }
+            Err(f) => return Err(f),
+        };
         let mut stream = eventsource_stream::EventStream::new(response.bytes_stream());
         let mut ended = false;
         let mut broken = false;

@@ -414,8 +414,27 @@ async fn run_tree(shared: &Shared, run: RunId) -> Result<Option<Tree>, ApiError>
     if let Some(tree) = shared.node.events().tree(run) {
         return Ok(Some(tree));
     }
-    if shared.admission.place(run).await.is_some() || shared.node.journal().run(run)?.is_some() {
+    if shared.admission.place(run).await.is_some() {
         return Ok(Some(Tree::new(run)));
+    }
+    // A run with a record and no events (they were not journaled): what
+    // its record says.
+    if let Some(record) = shared.node.journal().run(run)? {
+        let mut tree = Tree::new(run);
+        if record.status.is_terminal() {
+            tree.apply(&arbor_protocol::Event {
+                seq: 0,
+                run,
+                at_ms: 0,
+                kind: arbor_protocol::EventKind::RunFinished {
+                    status: record.status,
+                    error_class: record.error_class,
+                    reason: record.reason,
+                    output: serde_json::from_str(&record.output_json).unwrap_or_default(),
+                },
+            });
+        }
+        return Ok(Some(tree));
     }
     Ok(None)
 }
@@ -682,15 +701,18 @@ async fn run_events(
                 ApiError::bad_request("Last-Event-ID must be the id of an event: a whole number")
             })?,
     };
-    if run_tree(&shared, run).await?.is_none() {
+    let Some(tree) = run_tree(&shared, run).await? else {
         return Err(ApiError::not_found(format!("no run {run}")));
-    }
+    };
+    // An ended run's stream ends after its history, even one whose end
+    // event is not in the journal.
+    let follow = query.follow.unwrap_or(true) && !tree.run_status().is_terminal();
     let stream = crate::sse::stream(crate::sse::Source {
         bus: shared.node.events().clone(),
         journal: shared.node.journal().clone(),
         run,
         after,
-        follow: query.follow.unwrap_or(true),
+        follow,
         buffer: shared.config.sse_buffer,
         stall: shared.config.sse_stall,
         shutdown: shared.stopped.clone(),
