@@ -63,6 +63,9 @@ pub(crate) struct Shared {
     pub accepting: AtomicBool,
     /// Cancelled when the drain is done: event streams end, the server stops.
     pub stopped: CancellationToken,
+    /// The pump and every event stream's producer: each holds the journal,
+    /// so a drain waits for them all before it says the node is closed.
+    pub tasks: tokio_util::task::TaskTracker,
     pub started: Instant,
     pub started_at_ms: u64,
 }
@@ -101,7 +104,8 @@ impl Service {
             config.max_running_runs,
             config.max_queued_runs,
         )?;
-        tokio::spawn(admission.clone().pump());
+        let tasks = tokio_util::task::TaskTracker::new();
+        tasks.spawn(admission.clone().pump());
         let started_at_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
@@ -117,6 +121,7 @@ impl Service {
                 metrics,
                 accepting: AtomicBool::new(true),
                 stopped: CancellationToken::new(),
+                tasks,
                 started: Instant::now(),
                 started_at_ms,
             }),
@@ -204,6 +209,8 @@ impl Service {
             tracing::error!(%error, "the node did not close cleanly");
         }
         shared.stopped.cancel();
+        shared.tasks.close();
+        shared.tasks.wait().await;
         tracing::info!("drained: the journal is flushed");
     }
 }

@@ -716,6 +716,7 @@ async fn run_events(
         buffer: shared.config.sse_buffer,
         stall: shared.config.sse_stall,
         shutdown: shared.stopped.clone(),
+        tasks: shared.tasks.clone(),
     });
     Ok(sse::Sse::new(stream)
         .keep_alive(

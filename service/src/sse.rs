@@ -32,12 +32,15 @@ pub struct Source {
     pub buffer: usize,
     pub stall: Duration,
     pub shutdown: CancellationToken,
+    /// Where the producer task is tracked (the service waits for it on a drain).
+    pub tasks: tokio_util::task::TaskTracker,
 }
 
 /// The stream an SSE response sends; its producer is a task of its own.
 pub fn stream(source: Source) -> impl Stream<Item = Result<sse::Event, Infallible>> {
     let (tx, rx) = mpsc::channel(source.buffer);
-    tokio::spawn(produce(source, tx));
+    let tasks = source.tasks.clone();
+    tasks.spawn(produce(source, tx));
     futures::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|event| (Ok(event), rx))
     })
@@ -108,7 +111,11 @@ async fn forward(
     *last_seq = event.seq;
     let end = matches!(event.kind, EventKind::RunFinished { .. });
     if *index > source.after {
-        match tx.send_timeout(message(*index, event), source.stall).await {
+        let sent = tokio::select! {
+            sent = tx.send_timeout(message(*index, event), source.stall) => sent,
+            _ = source.shutdown.cancelled() => return Next::End,
+        };
+        match sent {
             Ok(()) => {}
             Err(mpsc::error::SendTimeoutError::Timeout(_)) => {
                 tracing::info!(run = %source.run, index = *index, "dropped a slow event-stream client");
@@ -135,6 +142,7 @@ mod tests {
             buffer: 1,
             stall: Duration::from_millis(200),
             shutdown: CancellationToken::new(),
+            tasks: tokio_util::task::TaskTracker::new(),
         }
     }
 
