@@ -542,7 +542,10 @@ async fn inv_37_every_route_but_the_health_checks_refuses_a_missing_or_wrong_tok
         ("GET", "/metrics".to_string()),
         ("GET", "/v1/openapi.json".to_string()),
     ];
-    let wrong = format!("{}0", &svc.token[..svc.token.len() - 1]);
+    // The real token with its last character changed.
+    let (head, last) = svc.token.split_at(svc.token.len() - 1);
+    let wrong = format!("{head}{}", if last == "0" { "1" } else { "0" });
+    assert_ne!(wrong, svc.token);
     for (method, path) in &routes {
         for token in [None, Some(wrong.as_str()), Some(""), Some("Bearer")] {
             let url = format!("{}{path}", svc.url);
