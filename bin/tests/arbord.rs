@@ -254,11 +254,12 @@ fn inv_40_sigterm_stops_running_runs_keeps_the_queue_and_exits_0_and_the_next_st
 #[test]
 fn sigkill_mid_run_then_restart_fails_the_interrupted_step_kills_its_processes_and_resumes_the_run()
 {
-    let ws = workspace("");
+    let ws = workspace("max_running_runs = 1\n");
     let data = tempfile::tempdir().unwrap();
     let arbord = Arbord::start(ws.path(), data.path());
     let run = arbord.submit(&["--agent", "slow", "--input", "wait"]);
     let step = arbord.wait_running(&run);
+    let queued = arbord.submit(&["--flow", "hello"]);
     // No event says a command started: ask the node until its sandbox has one.
     let deadline = std::time::Instant::now() + LIMIT;
     let pgid = loop {
@@ -310,12 +311,20 @@ fn sigkill_mid_run_then_restart_fails_the_interrupted_step_kills_its_processes_a
     assert_ne!(again, step);
     let doc = arbord.json(&["show", &run]);
     assert_eq!(doc["run"]["status"], "running");
+    // The queued run survived the crash, and waits: the resumed run holds the one slot.
+    assert_eq!(arbord.json(&["show", &queued])["run"]["status"], "pending");
+    assert_eq!(arbord.json(&["status"])["admission"]["queued"], 1);
     let stop = arbord.arbor(&["stop", &run]);
     assert_eq!(code(&stop), 0, "{}", String::from_utf8_lossy(&stop.stderr));
     assert_eq!(
         code(&arbord.arbor(&["watch", &run])),
         1,
         "a stopped run exits 1"
+    );
+    assert_eq!(
+        code(&arbord.arbor(&["watch", &queued])),
+        0,
+        "then the queued one runs"
     );
     // The interrupted attempt can be continued explicitly (I-33).
     let continued = arbord.arbor(&["continue", &step]);

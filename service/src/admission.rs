@@ -290,6 +290,13 @@ impl Admission {
                     tracing::warn!(%error, "could not mark a submission started");
                 }
             }
+            // Refused because it has a record: it did start (invariant 2);
+            // its record, not this refusal, is the truth.
+            Err(_) if matches!(journal.run(sub.run), Ok(Some(_))) => {
+                sub.state = SubmissionState::Started;
+                sub.epoch = journal.epoch();
+                let _ = journal.append(vec![Record::Submission(sub)]);
+            }
             Err(reason) => {
                 self.state.lock().await.running.remove(&sub.run);
                 tracing::warn!(run = %sub.run, %reason, "a queued run could not start");

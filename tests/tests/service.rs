@@ -930,3 +930,45 @@ async fn inv_36_a_full_queue_refuses_with_429_and_changes_nothing() {
     assert_eq!(status_of(&doc), Status::Done);
     svc.stop().await;
 }
+
+#[tokio::test]
+async fn a_submission_whose_run_had_started_before_a_crash_is_not_started_again() {
+    let svc = TestService::start(texts()).await;
+    let run = svc.submit(json!({"flow": "hello"})).await;
+    svc.wait_run(run).await;
+    let starts = |events: Vec<(u64, serde_json::Value)>| {
+        events
+            .iter()
+            .filter(|(_, e)| e["kind"]["type"] == "run_started")
+            .count()
+    };
+    assert_eq!(starts(svc.events(run, None).await), 1);
+    let dir = svc.stop().await;
+    // As a crash between starting the run and marking its submission
+    // started would leave it: queued, with the run's record already there.
+    {
+        let journal = arbor_storage::Journal::open(&dir.path().join("data/journal")).unwrap();
+        let mut sub = journal.submission(run).unwrap().expect("its submission");
+        assert_eq!(sub.state, arbor_storage::SubmissionState::Started);
+        sub.state = arbor_storage::SubmissionState::Queued;
+        sub.epoch = journal.epoch();
+        journal
+            .commit(vec![arbor_storage::Record::Submission(sub)])
+            .await
+            .unwrap();
+        assert!(journal.run(run).unwrap().is_some());
+    }
+    let svc = TestService::start_in(dir, texts()).await;
+    let (_, status) = svc.get_json("/v1/status").await;
+    assert_eq!(status["admission"]["queued"], 0, "{status}");
+    assert_eq!(
+        svc.submissions()[0].state,
+        arbor_storage::SubmissionState::Started,
+        "marked started at boot"
+    );
+    // A later run goes through, and the old one was not run again.
+    let later = svc.submit(json!({"flow": "hello"})).await;
+    svc.wait_run(later).await;
+    assert_eq!(starts(svc.events(run, None).await), 1, "started once, ever");
+    svc.stop().await;
+}
