@@ -41,6 +41,8 @@ enum Command {
     /// Check or read a node's journal.
     #[command(subcommand)]
     Journal(JournalCommand),
+    /// Lint a workspace: every problem in one pass (exit 1 if any is an error).
+    Check { dir: PathBuf },
     /// arbord's tree: every run running or queued, its steps and jobs, their accounts.
     Status(client::StatusArgs),
     /// Runs arbord knows, newest first.
@@ -161,6 +163,7 @@ fn main() -> ExitCode {
             Command::Continue(args) => {
                 with_client(&conn, |c| Box::pin(client::continue_job(c, &args.job))).await
             }
+            Command::Check { dir } => Ok(check(&dir, conn.output)),
             Command::Status(args) => {
                 with_client(&conn, |c| Box::pin(client::status(c, args))).await
             }
@@ -324,6 +327,43 @@ fn report_recovery(node: &EmbeddedNode) {
     }
     for b in &r.breaches {
         eprintln!("arbor: conservation breach: {b}");
+    }
+}
+
+/// `arbor check DIR`: findings on stdout, errors first; exit 1 on an error.
+fn check(dir: &std::path::Path, output: client::Output) -> ExitCode {
+    use arbor_runtime::check::Level;
+    let findings = arbor_runtime::check::check(dir);
+    let count = |level| findings.iter().filter(|f| f.level == level).count();
+    let (errors, warnings, info) = (
+        count(Level::Error),
+        count(Level::Warning),
+        count(Level::Info),
+    );
+    match output {
+        client::Output::Text => {
+            for f in &findings {
+                println!("{}: {}: {}", f.level.as_str(), f.file, f.message);
+            }
+            eprintln!("arbor check: {errors} errors, {warnings} warnings, {info} notes");
+        }
+        client::Output::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "findings": findings, "errors": errors, "warnings": warnings, "info": info
+            }))
+            .unwrap_or_default()
+        ),
+        client::Output::Jsonl => {
+            for f in &findings {
+                println!("{}", serde_json::to_string(f).unwrap_or_default());
+            }
+        }
+    }
+    if errors > 0 {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
     }
 }
 

@@ -312,3 +312,35 @@ fn journal_verify_passes_a_clean_journal_and_catches_one_edited_to_break_conserv
     let doc: serde_json::Value = serde_json::from_slice(&inspect.stdout).unwrap();
     assert_eq!(doc["runs"].as_array().unwrap().len(), 1);
 }
+
+#[test]
+fn arbor_check_is_clean_on_the_examples_and_lists_every_problem_of_a_broken_workspace() {
+    for example in ["research", "local-model"] {
+        let dir = repo().join("examples").join(example);
+        let out = arbor(&["check", dir.to_str().unwrap()]);
+        assert_eq!(out.status.code(), Some(0), "{example}");
+        assert!(
+            out.stdout.is_empty(),
+            "{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+    let dir = tempfile::tempdir().unwrap();
+    for (name, front) in [("a", "subagents: [b, zed]"), ("b", "tools: [exec]")] {
+        std::fs::create_dir_all(dir.path().join("agents").join(name)).unwrap();
+        std::fs::write(
+            dir.path().join("agents").join(name).join("agent.md"),
+            format!("---\n{front}\n---\nYou work.\n"),
+        )
+        .unwrap();
+    }
+    let out = arbor(&["check", dir.path().to_str().unwrap(), "-o", "json"]);
+    assert_eq!(out.status.code(), Some(1), "errors exit 1");
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(doc["errors"], 2, "{doc}");
+    assert_eq!(doc["warnings"], 1, "{doc}");
+    assert_eq!(doc["findings"][0]["level"], "error");
+    let out = arbor(&["check", "/nonexistent-workspace"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("not a directory"));
+}

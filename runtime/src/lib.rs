@@ -3,6 +3,7 @@
 //!
 //! Invariant: nothing here parses argv or prints; `arbor-bin` does that.
 
+pub mod check;
 pub mod node;
 pub mod providers;
 pub mod recovery;

@@ -1,0 +1,338 @@
+//! `arbor check DIR`: a workspace's problems, all of them, before anything runs.
+//!
+//! `Workspace::load` stops at the first problem, because a node must not
+//! start on a broken workspace. This reads every agent on its own and then
+//! looks across them, so one pass reports everything:
+//!
+//! - errors (a run would be refused, or would not do what the files say):
+//!   an agent file that does not parse (an unknown tool or key among them),
+//!   a sub-agent that is not an agent, a sub-agent without a description, a
+//!   cycle in `subagents`, a `sandbox: own` sub-agent that has sub-agents of
+//!   its own (it may not delegate, I-26), and anything else `Workspace::load`
+//!   refuses (arbor.toml, flows);
+//! - warnings: a shared-sandbox sub-agent that declares tools its parent
+//!   lacks or denies (they are dropped: allowlists intersect, I-25);
+//! - info: a `sandbox: own` sub-agent holding tools its parent lacks (it
+//!   keeps them, by I-26).
+
+use crate::workspace::{Workspace, parse_agent};
+use arbor_protocol::{AgentDef, SandboxMode};
+use serde::Serialize;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Level {
+    Error,
+    Warning,
+    Info,
+}
+
+impl Level {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Level::Error => "error",
+            Level::Warning => "warning",
+            Level::Info => "info",
+        }
+    }
+}
+
+/// One problem, in the file it is about.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Finding {
+    pub level: Level,
+    /// Relative to the workspace (`agents/NAME/agent.md`, `arbor.toml`, ...).
+    pub file: String,
+    pub message: String,
+}
+
+fn agent_file(name: &str) -> String {
+    format!("agents/{name}/agent.md")
+}
+
+/// Every finding of the workspace at `dir`, errors first, then by file.
+pub fn check(dir: &Path) -> Vec<Finding> {
+    let mut findings = vec![];
+    let mut agents = BTreeMap::new();
+    let mut unreadable = BTreeSet::new();
+    let agents_dir = dir.join("agents");
+    let mut folders: Vec<(String, PathBuf)> = std::fs::read_dir(&agents_dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().is_dir())
+        .map(|e| (e.file_name().to_string_lossy().into_owned(), e.path()))
+        .filter(|(name, _)| !name.starts_with('.'))
+        .collect();
+    folders.sort();
+    for (name, path) in folders {
+        let file = path.join("agent.md");
+        let parsed = std::fs::read_to_string(&file)
+            .map_err(|e| e.to_string())
+            .and_then(|text| {
+                parse_agent(&name, &text, Path::new(&agent_file(&name))).map_err(|e| e.to_string())
+            });
+        match parsed {
+            Ok(agent) => {
+                agents.insert(name, agent);
+            }
+            Err(message) => {
+                findings.push(Finding {
+                    level: Level::Error,
+                    file: agent_file(&name),
+                    message: message
+                        .strip_prefix(&format!("{}: ", agent_file(&name)))
+                        .unwrap_or(&message)
+                        .to_string(),
+                });
+                unreadable.insert(name);
+            }
+        }
+    }
+    across(&agents, &unreadable, &mut findings);
+    // What only the whole load sees (arbor.toml, flows, models), if the
+    // agents themselves were sound.
+    if findings.iter().all(|f| f.level != Level::Error)
+        && let Err(e) = Workspace::load(dir)
+    {
+        let text = e.to_string();
+        let (file, message) = match text.split_once(": ") {
+            Some((file, message)) if !file.contains(' ') => (file.to_string(), message.to_string()),
+            _ => (String::new(), text),
+        };
+        findings.push(Finding {
+            level: Level::Error,
+            file,
+            message,
+        });
+    }
+    findings.sort_by(|a, b| (a.level, &a.file).cmp(&(b.level, &b.file)));
+    findings
+}
+
+/// The checks that look from one agent to another.
+fn across(
+    agents: &BTreeMap<String, AgentDef>,
+    unreadable: &BTreeSet<String>,
+    findings: &mut Vec<Finding>,
+) {
+    let mut push = |level, name: &str, message: String| {
+        findings.push(Finding {
+            level,
+            file: agent_file(name),
+            message,
+        })
+    };
+    for (name, agent) in agents {
+        for sub in &agent.subagents {
+            if unreadable.contains(sub) {
+                continue;
+            }
+            let Some(child) = agents.get(sub) else {
+                push(
+                    Level::Error,
+                    name,
+                    format!("subagent `{sub}` is not an agent in agents/"),
+                );
+                continue;
+            };
+            if child
+                .description
+                .as_deref()
+                .is_none_or(|d| d.trim().is_empty())
+            {
+                push(
+                    Level::Error,
+                    sub,
+                    format!("`description` is required: {name} offers it as a sub-agent"),
+                );
+            }
+            let parent_tools: BTreeSet<&str> = agent
+                .tools
+                .iter()
+                .map(|t| t.as_str())
+                .filter(|t| !agent.deny.iter().any(|d| d == t))
+                .collect();
+            let beyond: Vec<&str> = child
+                .tools
+                .iter()
+                .map(|t| t.as_str())
+                .filter(|t| !parent_tools.contains(t))
+                .collect();
+            match child.sandbox {
+                SandboxMode::Own if !child.subagents.is_empty() => push(
+                    Level::Error,
+                    sub,
+                    format!(
+                        "`sandbox: own` and `subagents` together: as {name}'s sub-agent it may not delegate (I-26); drop one"
+                    ),
+                ),
+                _ => {}
+            }
+            if beyond.is_empty() {
+                continue;
+            }
+            match child.sandbox {
+                SandboxMode::Shared => push(
+                    Level::Warning,
+                    sub,
+                    format!(
+                        "declares {} but its parent {name} does not have {}: in {name}'s sandbox {} dropped",
+                        beyond.join(", "),
+                        if beyond.len() == 1 { "it" } else { "them" },
+                        if beyond.len() == 1 {
+                            "it is"
+                        } else {
+                            "they are"
+                        },
+                    ),
+                ),
+                SandboxMode::Own => push(
+                    Level::Info,
+                    sub,
+                    format!(
+                        "has {} that its parent {name} has not: it keeps them in its own sandbox (`sandbox: own`)",
+                        beyond.join(", ")
+                    ),
+                ),
+            }
+        }
+    }
+    for cycle in cycles(agents) {
+        push(
+            Level::Error,
+            &cycle[0],
+            format!(
+                "subagents form a cycle: {}; a job could delegate to itself until the depth cap",
+                cycle.join(" -> ")
+            ),
+        );
+    }
+}
+
+/// Each cycle of the `subagents` graph once, from its smallest name.
+fn cycles(agents: &BTreeMap<String, AgentDef>) -> Vec<Vec<String>> {
+    let mut found: BTreeSet<Vec<String>> = BTreeSet::new();
+    for start in agents.keys() {
+        // Depth-first from `start`, looking only for paths back to it
+        // through names larger than it, so each cycle is found once.
+        let mut stack: Vec<(String, Vec<String>)> = vec![(start.clone(), vec![start.clone()])];
+        while let Some((at, path)) = stack.pop() {
+            let Some(agent) = agents.get(&at) else {
+                continue;
+            };
+            for next in &agent.subagents {
+                if next == start {
+                    let mut cycle = path.clone();
+                    cycle.push(start.clone());
+                    found.insert(cycle);
+                } else if next > start && !path.contains(next) {
+                    let mut longer = path.clone();
+                    longer.push(next.clone());
+                    stack.push((next.clone(), longer));
+                }
+            }
+        }
+    }
+    found.into_iter().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn workspace(agents: &[(&str, &str)]) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, front) in agents {
+            let folder = dir.path().join("agents").join(name);
+            std::fs::create_dir_all(&folder).unwrap();
+            std::fs::write(
+                folder.join("agent.md"),
+                format!("---\n{front}\n---\nYou work.\n"),
+            )
+            .unwrap();
+        }
+        dir
+    }
+
+    fn said(findings: &[Finding]) -> Vec<(Level, String, String)> {
+        findings
+            .iter()
+            .map(|f| (f.level, f.file.clone(), f.message.clone()))
+            .collect()
+    }
+
+    #[test]
+    fn each_problem_is_reported_in_one_pass() {
+        let dir = workspace(&[
+            (
+                "boss",
+                "tools: [exec]\nsubagents: [helper, ghost, mute, loner, hand]",
+            ),
+            ("helper", "description: helps\ntools: [exec, write_file]"),
+            ("mute", "tools: [exec]"),
+            (
+                "loner",
+                "description: alone\nsandbox: own\ntools: [read_file]\nsubagents: [helper]",
+            ),
+            ("hand", "description: a hand\ntools: [teleport]"),
+            ("ping", "description: ping\nsubagents: [pong]"),
+            ("pong", "description: pong\nsubagents: [ping]"),
+        ]);
+        let findings = check(dir.path());
+        let all = said(&findings);
+        let has = |level: Level, file: &str, words: &str| {
+            assert!(
+                all.iter()
+                    .any(|(l, f, m)| *l == level && f == file && m.contains(words)),
+                "{level:?} {file} {words:?} in {all:#?}"
+            )
+        };
+        has(
+            Level::Error,
+            "agents/boss/agent.md",
+            "subagent `ghost` is not an agent",
+        );
+        has(
+            Level::Error,
+            "agents/mute/agent.md",
+            "`description` is required",
+        );
+        has(Level::Error, "agents/hand/agent.md", "teleport");
+        has(Level::Error, "agents/loner/agent.md", "may not delegate");
+        has(
+            Level::Error,
+            "agents/ping/agent.md",
+            "cycle: ping -> pong -> ping",
+        );
+        has(Level::Warning, "agents/helper/agent.md", "write_file");
+        has(Level::Info, "agents/loner/agent.md", "read_file");
+        assert_eq!(
+            all.iter().filter(|(_, _, m)| m.contains("cycle")).count(),
+            1,
+            "a cycle is said once"
+        );
+        assert_eq!(findings[0].level, Level::Error, "errors first");
+    }
+
+    #[test]
+    fn the_examples_are_clean() {
+        let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+        for example in ["research", "local-model"] {
+            let findings = check(&examples.join(example));
+            assert!(findings.is_empty(), "{example}: {findings:#?}");
+        }
+    }
+
+    #[test]
+    fn what_only_the_whole_load_sees_is_reported_too() {
+        let dir = workspace(&[("solo", "description: one")]);
+        std::fs::write(dir.path().join("arbor.toml"), "[limts]\n").unwrap();
+        let findings = check(dir.path());
+        assert_eq!(findings.len(), 1, "{findings:#?}");
+        assert_eq!(findings[0].file, "arbor.toml");
+        assert!(findings[0].message.contains("limts"), "{findings:#?}");
+    }
+}
