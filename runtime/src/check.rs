@@ -15,7 +15,7 @@
 //! - info: a `sandbox: own` sub-agent holding tools its parent lacks (it
 //!   keeps them, by I-26).
 
-use crate::workspace::{Workspace, parse_agent};
+use crate::workspace::{Workspace, own_sandbox_delegates, parse_agent};
 use arbor_protocol::{AgentDef, SandboxMode};
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
@@ -161,15 +161,8 @@ fn across(
                 .map(|t| t.as_str())
                 .filter(|t| !parent_tools.contains(t))
                 .collect();
-            match child.sandbox {
-                SandboxMode::Own if !child.subagents.is_empty() => push(
-                    Level::Error,
-                    sub,
-                    format!(
-                        "`sandbox: own` and `subagents` together: as {name}'s sub-agent it may not delegate (I-26); drop one"
-                    ),
-                ),
-                _ => {}
+            if let Some(message) = own_sandbox_delegates(name, child) {
+                push(Level::Error, sub, message);
             }
             if beyond.is_empty() {
                 continue;

@@ -25,7 +25,8 @@ use crate::providers::{Provider, ProviderFile, check_provider};
 use arbor_protocol::agent::{FrontMatter, ScriptCallSpec, ScriptTurnSpec};
 use arbor_protocol::tools::parse_duration_arg;
 use arbor_protocol::{
-    AgentDef, BudgetArg, FlowSpec, Limits, ModelRef, RunSpec, ScriptCall, ScriptTurn, ToolName,
+    AgentDef, BudgetArg, FlowSpec, Limits, ModelRef, RunSpec, SandboxMode, ScriptCall, ScriptTurn,
+    ToolName,
 };
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -445,9 +446,22 @@ fn check_subagents(agents: &BTreeMap<String, AgentDef>) -> Result<(), LoadError>
                     format!("`description` is required: {name} offers it as a sub-agent"),
                 ));
             }
+            if let Some(message) = own_sandbox_delegates(name, sub_agent) {
+                return Err(invalid(&agent_path(sub), message));
+            }
         }
     }
     Ok(())
+}
+
+/// I-26: a sub-agent in a sandbox of its own cannot delegate, so sub-agents
+/// of its own could never be reached: refused, not ignored.
+pub(crate) fn own_sandbox_delegates(parent: &str, sub: &AgentDef) -> Option<String> {
+    (sub.sandbox == SandboxMode::Own && !sub.subagents.is_empty()).then(|| {
+        format!(
+            "`sandbox: own` with `subagents`: as {parent}'s sub-agent it may not delegate (I-26); drop one"
+        )
+    })
 }
 
 /// Every agent that names `provider/model` names one arbor.toml configures.

@@ -265,6 +265,22 @@ fn a_sub_agent_needs_a_description() {
 }
 
 #[test]
+fn a_sub_agent_in_its_own_sandbox_that_would_delegate_is_refused() {
+    let message = agents_error(&[
+        ("planner", "---\nsubagents: [lead]\n---\n"),
+        (
+            "lead",
+            "---\ndescription: leads\nsandbox: own\nsubagents: [helper]\n---\n",
+        ),
+        ("helper", "---\ndescription: helps\n---\n"),
+    ]);
+    assert_eq!(
+        message,
+        "agents/lead/agent.md: `sandbox: own` with `subagents`: as planner's sub-agent it may not delegate (I-26); drop one"
+    );
+}
+
+#[test]
 fn an_unknown_subagent_is_refused() {
     let message = agents_error(&[("planner", "---\nsubagents: [ghost]\n---\n")]);
     assert_eq!(
