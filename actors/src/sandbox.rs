@@ -10,7 +10,9 @@
 //!    `KillAll`, `post_stop`, and the `Drop` of its state (which runs even when
 //!    ractor kills the actor and skips `post_stop`) all kill them (I-17).
 //! 2. Files are read and written only below the workdir: absolute paths, `..`
-//!    and symlinks that lead out are refused (I-28).
+//!    and symlinks are refused (I-28), by words first (`confine`) and then by
+//!    the kernel (`openat2` with RESOLVE_BENEATH and RESOLVE_NO_SYMLINKS), so
+//!    a symlink swapped in between the two is refused too.
 //! 3. Artifacts are what the runtime saw change in the workdir, never a claim (I-24).
 
 use arbor_storage::{SandboxRecord, SandboxState as GroupState};
@@ -160,7 +162,7 @@ impl Actor for Sandbox {
                 let present = state
                     .artifacts
                     .iter()
-                    .filter(|p| state.workdir.join(p).is_file())
+                    .filter(|p| is_file_beneath(&state.workdir, p))
                     .cloned()
                     .collect();
                 let _ = reply.send(present);
@@ -476,25 +478,107 @@ pub fn confine(workdir: &Path, path: &str) -> Result<PathBuf, String> {
     Ok(workdir.join(p))
 }
 
+/// How every file below a workdir is opened: resolved by the kernel beneath
+/// the workdir's descriptor, through no symlink and no magic link (openat2,
+/// Linux 5.6+). `confine` has already refused `..`, absolute paths and the
+/// symlinks it saw, with words; this closes the race in which a command
+/// swaps a directory for a symlink between that check and the open.
+fn open_beneath(
+    dir: &impl std::os::fd::AsFd,
+    path: &Path,
+    flags: nix::fcntl::OFlag,
+) -> Result<std::os::fd::OwnedFd, nix::Error> {
+    use nix::fcntl::{OFlag, OpenHow, ResolveFlag, openat2};
+    let mut how = OpenHow::new()
+        .flags(flags | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW)
+        .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS);
+    // openat2 refuses a mode without O_CREAT.
+    if flags.contains(OFlag::O_CREAT) {
+        how = how.mode(nix::sys::stat::Mode::from_bits_truncate(0o644));
+    }
+    openat2(dir, path, how)
+}
+
+fn open_workdir(workdir: &Path) -> Result<std::fs::File, String> {
+    std::fs::File::open(workdir).map_err(|e| format!("the workdir: {e}"))
+}
+
+/// Says why an open beneath the workdir failed, in the tool's words.
+fn beneath_error(path: &str, e: nix::Error) -> String {
+    match e {
+        nix::Error::EXDEV | nix::Error::ELOOP => {
+            format!("{path:?} leads out of the workdir (through a symlink or `..`): refused")
+        }
+        nix::Error::ENOSYS => {
+            "this kernel has no openat2 (Linux 5.6 or newer is needed): file tools are refused"
+                .into()
+        }
+        other => format!("{path}: {}", std::io::Error::from(other)),
+    }
+}
+
+/// Whether `path` is a regular file beneath the workdir, reached through no symlink.
+pub fn is_file_beneath(workdir: &Path, path: &str) -> bool {
+    let Ok(dir) = open_workdir(workdir) else {
+        return false;
+    };
+    open_beneath(&dir, Path::new(path), nix::fcntl::OFlag::O_PATH)
+        .map(std::fs::File::from)
+        .ok()
+        .and_then(|f| f.metadata().ok())
+        .is_some_and(|m| m.is_file())
+}
+
 pub fn read_confined(workdir: &Path, path: &str) -> Result<String, String> {
-    let full = confine(workdir, path)?;
-    let meta = std::fs::metadata(&full).map_err(|e| format!("{path}: {e}"))?;
+    confine(workdir, path)?;
+    let dir = open_workdir(workdir)?;
+    let file = open_beneath(&dir, Path::new(path), nix::fcntl::OFlag::O_RDONLY)
+        .map(std::fs::File::from)
+        .map_err(|e| beneath_error(path, e))?;
+    let meta = file.metadata().map_err(|e| format!("{path}: {e}"))?;
+    if !meta.is_file() {
+        return Err(format!("{path} is not a file"));
+    }
     if meta.len() > READ_LIMIT {
         return Err(format!(
             "{path} is {} bytes; read_file returns at most {READ_LIMIT}",
             meta.len()
         ));
     }
-    let bytes = std::fs::read(&full).map_err(|e| format!("{path}: {e}"))?;
+    let mut bytes = vec![];
+    std::io::Read::read_to_end(&mut std::io::Read::take(&file, READ_LIMIT), &mut bytes)
+        .map_err(|e| format!("{path}: {e}"))?;
     Ok(String::from_utf8_lossy(&bytes).into_owned())
 }
 
 pub fn write_confined(workdir: &Path, path: &str, content: &str) -> Result<(), String> {
-    let full = confine(workdir, path)?;
-    if let Some(parent) = full.parent() {
-        std::fs::create_dir_all(parent).map_err(|e| format!("{path}: {e}"))?;
+    use nix::fcntl::OFlag;
+    confine(workdir, path)?;
+    let rel = Path::new(path);
+    let name = rel
+        .file_name()
+        .ok_or_else(|| format!("{path:?} names no file"))?;
+    // Each directory on the way is made and then opened beneath the last.
+    let mut dir: std::os::fd::OwnedFd = open_workdir(workdir)?.into();
+    for part in rel.parent().into_iter().flat_map(|p| p.components()) {
+        let Component::Normal(part) = part else {
+            continue;
+        };
+        match nix::sys::stat::mkdirat(&dir, part, nix::sys::stat::Mode::from_bits_truncate(0o755)) {
+            Ok(()) | Err(nix::Error::EEXIST) => {}
+            Err(e) => return Err(beneath_error(path, e)),
+        }
+        dir = open_beneath(&dir, Path::new(part), OFlag::O_DIRECTORY | OFlag::O_RDONLY)
+            .map_err(|e| beneath_error(path, e))?;
     }
-    std::fs::write(&full, content).map_err(|e| format!("{path}: {e}"))
+    let file = open_beneath(
+        &dir,
+        Path::new(name),
+        OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_TRUNC,
+    )
+    .map(std::fs::File::from)
+    .map_err(|e| beneath_error(path, e))?;
+    std::io::Write::write_all(&mut &file, content.as_bytes()).map_err(|e| format!("{path}: {e}"))
 }
 
 #[cfg(test)]
@@ -516,6 +600,40 @@ mod tests {
         check("a/../../x", false);
         check("out/passwd", false);
         check("", false);
+    }
+
+    /// The kernel's half on its own: what `confine` would have refused by
+    /// words is refused by openat2 too, for a symlink made after any check.
+    #[test]
+    fn openat2_refuses_symlinks_and_dot_dot_by_itself() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        std::fs::create_dir(root.join("real")).unwrap();
+        std::fs::write(root.join("real/f.txt"), "x").unwrap();
+        std::os::unix::fs::symlink("/etc", root.join("out")).unwrap();
+        std::os::unix::fs::symlink(root.join("real/f.txt"), root.join("inner-link")).unwrap();
+        let fd = std::fs::File::open(root).unwrap();
+        let open = |p: &str| open_beneath(&fd, Path::new(p), nix::fcntl::OFlag::O_RDONLY);
+        assert!(open("real/f.txt").is_ok());
+        for p in [
+            "out/passwd",
+            "inner-link",
+            "../x",
+            "real/../../x",
+            "/etc/passwd",
+        ] {
+            let e = open(p).expect_err(p);
+            assert!(
+                matches!(e, nix::Error::EXDEV | nix::Error::ELOOP),
+                "{p}: {e}"
+            );
+        }
+        assert!(is_file_beneath(root, "real/f.txt"));
+        assert!(
+            !is_file_beneath(root, "inner-link"),
+            "a symlink is no file here"
+        );
+        assert!(!is_file_beneath(root, "real"), "nor a directory");
     }
 
     #[test]

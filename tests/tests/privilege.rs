@@ -38,3 +38,52 @@ async fn inv_25_a_child_cannot_widen_its_parents_tools_by_naming_them() {
     assert!(results[2].2.contains("missing.txt"), "{results:?}");
     assert!(!node.workdir(run, g).join("a.txt").exists());
 }
+
+/// The file tools stay beneath the workdir: `..`, absolute paths, and
+/// symlinks the job made itself (to a directory or a file outside) are all
+/// refused, for reading and for writing, and nothing outside is touched.
+#[tokio::test]
+async fn inv_28_file_tools_refuse_traversal_absolute_paths_and_symlinks_out() {
+    let outside = tempfile::tempdir().unwrap();
+    let target = outside.path().join("secret.txt");
+    std::fs::write(&target, "host data").unwrap();
+    let solo = agent_md(&format!(
+        "tools: [exec, read_file, write_file]\nscript:\n  - call: {{tool: exec, args: {{command: \"ln -s {dir} outdir && ln -s {file} link.txt\"}}}}\n  - call:\n      - {{tool: read_file, args: {{path: ../secret.txt}}}}\n      - {{tool: read_file, args: {{path: {file}}}}}\n      - {{tool: read_file, args: {{path: outdir/secret.txt}}}}\n      - {{tool: read_file, args: {{path: link.txt}}}}\n      - {{tool: write_file, args: {{path: outdir/planted.txt, content: x}}}}\n      - {{tool: write_file, args: {{path: link.txt, content: overwritten}}}}\n      - {{tool: write_file, args: {{path: ok/inside.txt, content: fine}}}}\n  - call: {{tool: submit_output, args: {{output: done}}}}",
+        dir = outside.path().display(),
+        file = target.display(),
+    ));
+    let node = TestNode::start(&[("solo", &solo)]).await;
+    let run = node.run_agent("solo", "go").await;
+    let tree = node.wait_run(run).await;
+    let reads = node.failed_calls(run, "read_file");
+    let writes = node.failed_calls(run, "write_file");
+    assert_eq!(reads.len(), 4, "{reads:#?}");
+    assert_eq!(writes.len(), 2, "{writes:#?}");
+    for detail in reads.iter().chain(&writes) {
+        assert!(
+            ["leaves the workdir", "absolute", "symlink"]
+                .iter()
+                .any(|w| detail.contains(w)),
+            "{detail}"
+        );
+        assert!(!detail.contains("host data"), "{detail}");
+    }
+    assert_eq!(std::fs::read_to_string(&target).unwrap(), "host data");
+    assert!(!outside.path().join("planted.txt").exists());
+    let step = tree.root().children[0].clone();
+    assert_eq!(step.artifacts, ["ok/inside.txt"], "the one write inside");
+}
+
+/// Written as a file, then replaced by a symlink to a host file: it is no
+/// artifact any more (an artifact is a regular file beneath the workdir).
+#[tokio::test]
+async fn inv_28_a_symlink_left_where_an_artifact_was_is_not_an_artifact() {
+    let solo = agent_md(
+        "tools: [exec, write_file]\nscript:\n  - call: {tool: write_file, args: {path: report.txt, content: draft}}\n  - call: {tool: exec, args: {command: \"rm report.txt && ln -s /etc/passwd report.txt && ln -s /etc/passwd extra.txt\"}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let node = TestNode::start(&[("solo", &solo)]).await;
+    let run = node.run_agent("solo", "go").await;
+    let tree = node.wait_run(run).await;
+    let step = tree.root().children[0].clone();
+    assert!(step.artifacts.is_empty(), "{:?}", step.artifacts);
+}
