@@ -145,6 +145,113 @@ mod tests {
         assert!(offered[&Delegate].is_err());
     }
 
+    mod chains {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// One link of a delegation chain: the child's definition and the
+        /// job's own `deny`.
+        #[derive(Clone, Debug)]
+        struct Link {
+            tools: Vec<ToolName>,
+            deny: Vec<String>,
+            own: bool,
+            job_deny: Vec<String>,
+        }
+
+        fn tool_names() -> impl Strategy<Value = Vec<String>> {
+            proptest::sample::subsequence(
+                ToolName::ALL
+                    .iter()
+                    .map(|t| t.as_str().to_string())
+                    .collect::<Vec<_>>(),
+                0..=4,
+            )
+        }
+
+        fn sandbox_tools() -> impl Strategy<Value = Vec<ToolName>> {
+            proptest::sample::subsequence(ToolName::SANDBOX.to_vec(), 0..=3)
+        }
+
+        fn link() -> impl Strategy<Value = Link> {
+            (
+                sandbox_tools(),
+                tool_names(),
+                proptest::bool::weighted(0.2),
+                tool_names(),
+            )
+                .prop_map(|(tools, deny, own, job_deny)| Link {
+                    tools,
+                    deny,
+                    own,
+                    job_deny,
+                })
+        }
+
+        fn def(link: &Link) -> AgentDef {
+            let deny: Vec<&str> = link.deny.iter().map(String::as_str).collect();
+            let mode = if link.own {
+                SandboxMode::Own
+            } else {
+                SandboxMode::Shared
+            };
+            agent(&link.tools, &deny, mode)
+        }
+
+        /// What a holder of `policy` may use, by name.
+        fn usable(policy: &Policy) -> BTreeSet<String> {
+            policy
+                .allowed
+                .iter()
+                .map(|t| t.as_str().to_string())
+                .filter(|t| !policy.denied.contains(t))
+                .collect()
+        }
+
+        proptest! {
+            /// I-25 over random chains: from a root, each link narrows by a
+            /// child definition and the job's own deny. Every descendant's
+            /// denies include every ancestor's; no descendant may use a tool an
+            /// ancestor denied, `sandbox: own` or not; and below a shared link
+            /// a descendant may use only what each ancestor above it (up to
+            /// the nearest `sandbox: own`) may. `offered` never offers a
+            /// denied tool.
+            #[test]
+            fn inv_25_no_chain_widens_a_descendant(root in link(), links in proptest::collection::vec(link(), 1..6)) {
+                let mut chain = vec![Policy::root(&def(&root))];
+                for l in &links {
+                    let next = chain.last().unwrap().narrow(&def(l), &l.job_deny);
+                    // The override and the definition's own denies both hold.
+                    for d in l.job_deny.iter().chain(&l.deny) {
+                        prop_assert!(next.denied.contains(d), "{d} dropped");
+                    }
+                    chain.push(next);
+                }
+                for (n, policy) in chain.iter().enumerate() {
+                    for (a, ancestor) in chain[..n].iter().enumerate() {
+                        prop_assert!(ancestor.denied.is_subset(&policy.denied));
+                        prop_assert!(usable(policy).is_disjoint(&ancestor.denied));
+                        // links[k] made chain[k + 1]: an own link between a and n resets the allowlist.
+                        let own_between = links[a..n].iter().any(|l| l.own);
+                        if !own_between {
+                            prop_assert!(
+                                usable(policy).is_subset(&usable(ancestor)),
+                                "{:?} widens {:?}", policy, ancestor
+                            );
+                        }
+                    }
+                    let holder = if n == 0 { def(&root) } else { def(&links[n - 1]) };
+                    let kind = if n == 0 { NodeKind::Step } else { NodeKind::Job };
+                    for (tool, verdict) in policy.offered(&holder, kind, n as u32, &Limits::default()) {
+                        if tool != ToolName::SubmitOutput && policy.denied.contains(tool.as_str()) {
+                            prop_assert!(verdict.is_err(), "{tool} offered though denied");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn inv_03_no_delegation_at_the_depth_cap() {
         let a = agent(&[], &[], SandboxMode::Shared);
