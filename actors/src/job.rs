@@ -232,6 +232,7 @@ impl Actor for Job {
                     workdir: start.workdir.clone(),
                     cancel: start.cancel.clone(),
                     exec_timeout: DEFAULT_EXEC_TIMEOUT,
+                    resources: start.agent.resources,
                 },
                 cell.clone(),
             )

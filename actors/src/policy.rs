@@ -101,6 +101,7 @@ mod tests {
             timeout: None,
             script: vec![],
             prompt: String::new(),
+            resources: Default::default(),
         }
     }
 

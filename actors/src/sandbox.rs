@@ -42,6 +42,8 @@ pub struct SandboxArgs {
     /// Cancelled when the job (or anything above it) stops: running commands are killed at once.
     pub cancel: CancellationToken,
     pub exec_timeout: Duration,
+    /// The rlimits of every command it runs.
+    pub resources: arbor_protocol::Resources,
 }
 
 pub enum SandboxMsg {
@@ -99,6 +101,7 @@ impl Actor for Sandbox {
             workdir: args.workdir,
             cancel: args.cancel,
             exec_timeout: args.exec_timeout,
+            resources: args.resources,
             groups: ProcessGroups::new(args.record),
             artifacts: BTreeSet::new(),
         })
@@ -132,6 +135,7 @@ impl Actor for Sandbox {
                     groups: state.groups.clone(),
                     cancel: state.cancel.clone(),
                     timeout: timeout.unwrap_or(state.exec_timeout),
+                    resources: state.resources,
                 };
                 tokio::spawn(async move {
                     let outcome = job.run(&command).await;
@@ -179,6 +183,7 @@ pub struct SandboxState {
     workdir: PathBuf,
     cancel: CancellationToken,
     exec_timeout: Duration,
+    resources: arbor_protocol::Resources,
     groups: ProcessGroups,
     artifacts: BTreeSet<String>,
 }
@@ -289,6 +294,7 @@ struct ExecJob {
     groups: ProcessGroups,
     cancel: CancellationToken,
     timeout: Duration,
+    resources: arbor_protocol::Resources,
 }
 
 impl ExecJob {
@@ -321,12 +327,17 @@ impl ExecJob {
             .stderr(Stdio::piped())
             .process_group(0)
             .kill_on_drop(true);
-        // SAFETY: set_pdeathsig is async-signal-safe (one prctl syscall) and
-        // touches no memory of the parent.
+        let limits = rlimits(&self.resources);
+        // SAFETY: set_pdeathsig and setrlimit are async-signal-safe (one
+        // syscall each); `limits` was built before the fork, so the child
+        // allocates nothing and touches no memory of the parent but its copy.
         unsafe {
-            cmd.pre_exec(|| {
-                nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
-                    .map_err(std::io::Error::from)
+            cmd.pre_exec(move || {
+                nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)?;
+                for (resource, limit) in &limits {
+                    nix::sys::resource::setrlimit(*resource, *limit, *limit)?;
+                }
+                Ok(())
             });
         }
         let mut child = match cmd.spawn() {
@@ -446,6 +457,22 @@ fn normalize(path: &str) -> String {
         .map(|c| c.as_os_str().to_string_lossy().into_owned())
         .collect::<Vec<_>>()
         .join("/")
+}
+
+/// The rlimits to set in a command's process before it execs (soft and hard
+/// alike, so it cannot raise them again).
+fn rlimits(r: &arbor_protocol::Resources) -> Vec<(nix::sys::resource::Resource, u64)> {
+    use nix::sys::resource::Resource;
+    [
+        (Resource::RLIMIT_AS, r.memory_bytes),
+        (Resource::RLIMIT_CPU, r.cpu_secs),
+        (Resource::RLIMIT_FSIZE, r.file_size_bytes),
+        (Resource::RLIMIT_NOFILE, r.open_files),
+        (Resource::RLIMIT_NPROC, r.processes),
+    ]
+    .into_iter()
+    .filter_map(|(resource, limit)| limit.map(|l| (resource, l)))
+    .collect()
 }
 
 /// Joins a model-given relative path to the workdir, refusing what could leave it.

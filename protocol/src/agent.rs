@@ -32,6 +32,41 @@ pub struct AgentDef {
     pub script: Vec<ScriptTurn>,
     /// The markdown body: the system prompt.
     pub prompt: String,
+    /// The rlimits of its commands: its `resources:` within the node's
+    /// `[sandbox]` defaults, resolved when the workspace loads.
+    #[serde(default)]
+    pub resources: Resources,
+}
+
+/// Limits on every process a sandbox runs (set with setrlimit before exec).
+/// `None`: not limited by arbor.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Resources {
+    /// Address space, bytes (RLIMIT_AS).
+    pub memory_bytes: Option<u64>,
+    /// CPU time, seconds (RLIMIT_CPU).
+    pub cpu_secs: Option<u64>,
+    /// The largest file a process may write, bytes (RLIMIT_FSIZE).
+    pub file_size_bytes: Option<u64>,
+    /// Open files (RLIMIT_NOFILE).
+    pub open_files: Option<u64>,
+    /// Processes (RLIMIT_NPROC; without a user namespace the kernel counts
+    /// every process of the node's user against it).
+    pub processes: Option<u64>,
+}
+
+/// `resources:` in agent.md, and `[sandbox]` in arbor.toml, as written.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResourcesSpec {
+    /// e.g. "512MiB"
+    pub memory: Option<String>,
+    /// e.g. "60s"
+    pub cpu: Option<String>,
+    /// e.g. "64MiB"
+    pub file_size: Option<String>,
+    pub open_files: Option<u64>,
+    pub processes: Option<u64>,
 }
 
 /// The front matter exactly as written. Unknown keys are an error.
@@ -56,6 +91,7 @@ pub struct FrontMatter {
     pub timeout: Option<String>,
     #[serde(default)]
     pub script: Vec<ScriptTurnSpec>,
+    pub resources: Option<ResourcesSpec>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

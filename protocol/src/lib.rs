@@ -16,7 +16,10 @@ pub mod tree;
 
 mod duration_str;
 
-pub use agent::{AgentDef, ModelRef, Network, SandboxMode, ScriptCall, ScriptTurn, ScriptUsage};
+pub use agent::{
+    AgentDef, ModelRef, Network, Resources, ResourcesSpec, SandboxMode, ScriptCall, ScriptTurn,
+    ScriptUsage,
+};
 pub use event::{CallFacts, Event, EventKind, NodeKind, ParentRef};
 pub use ids::{JobId, RunId};
 pub use limits::Limits;

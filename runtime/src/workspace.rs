@@ -25,8 +25,8 @@ use crate::providers::{Provider, ProviderFile, check_provider};
 use arbor_protocol::agent::{FrontMatter, ScriptCallSpec, ScriptTurnSpec};
 use arbor_protocol::tools::parse_duration_arg;
 use arbor_protocol::{
-    AgentDef, BudgetArg, FlowSpec, Limits, ModelRef, RunSpec, SandboxMode, ScriptCall, ScriptTurn,
-    ToolName,
+    AgentDef, BudgetArg, FlowSpec, Limits, ModelRef, Resources, ResourcesSpec, RunSpec,
+    SandboxMode, ScriptCall, ScriptTurn, ToolName,
 };
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -57,7 +57,21 @@ pub struct Config {
     /// `[service]`, as written: arbord's settings, which arbord checks
     /// (an embedded node has no use for them).
     pub service: toml::Table,
+    /// `[sandbox]`: the rlimits of every command, and the most an agent's
+    /// `resources:` may ask.
+    pub sandbox: Resources,
 }
+
+/// The node's sandbox limits when arbor.toml's `[sandbox]` does not say.
+/// Processes are not limited by default: without a user namespace the
+/// kernel counts every process of the node's user against RLIMIT_NPROC.
+pub const DEFAULT_SANDBOX: Resources = Resources {
+    memory_bytes: Some(4 << 30),
+    cpu_secs: Some(600),
+    file_size_bytes: Some(1 << 30),
+    open_files: Some(1024),
+    processes: None,
+};
 
 /// Why a workspace can't be used. Each message is one line naming the file.
 #[derive(Debug, thiserror::Error)]
@@ -96,6 +110,7 @@ impl Default for Config {
             budget_usd_micros: None,
             providers: BTreeMap::new(),
             service: toml::Table::new(),
+            sandbox: DEFAULT_SANDBOX,
         }
     }
 }
@@ -189,6 +204,7 @@ impl Workspace {
             }
         }
         check_subagents(&agent_defs)?;
+        check_resources(&mut agent_defs, &config)?;
         check_models(&agent_defs, &config)?;
         check_agent_prices(&agent_defs, &config)?;
 
@@ -360,6 +376,8 @@ struct ConfigFile {
     providers: BTreeMap<String, ProviderFile>,
     #[serde(default)]
     service: toml::Table,
+    #[serde(default)]
+    sandbox: ResourcesSpec,
 }
 
 fn parse_config(text: &str) -> Result<Config, LoadError> {
@@ -383,6 +401,9 @@ fn parse_config(text: &str) -> Result<Config, LoadError> {
         budget_usd_micros,
         providers,
         service: file.service,
+        sandbox: resources(&file.sandbox, "sandbox.")
+            .map(|r| over(r, DEFAULT_SANDBOX))
+            .map_err(|m| invalid(path, m))?,
     })
 }
 
@@ -575,6 +596,7 @@ fn agent_from_front_matter(
         max_turns,
         timeout,
         script,
+        resources: resources_spec,
     } = front_matter;
 
     // Fail closed: a secret this node cannot deliver sealed (I-27) is refused,
@@ -628,7 +650,101 @@ fn agent_from_front_matter(
         timeout: parse_duration_arg("timeout", timeout.as_deref())?,
         script,
         prompt: prompt.to_string(),
+        resources: resources_spec
+            .as_ref()
+            .map(|spec| resources(spec, "resources."))
+            .transpose()?
+            .unwrap_or_default(),
     })
+}
+
+/// `resources:` or `[sandbox]` as numbers, each checked: sizes like
+/// "512MiB", a cpu time of at least a second, counts of at least 1.
+fn resources(spec: &ResourcesSpec, prefix: &str) -> Result<Resources, String> {
+    let size = |key: &str, text: &Option<String>| -> Result<Option<u64>, String> {
+        let Some(text) = text else { return Ok(None) };
+        let bytes = text
+            .trim()
+            .parse::<bytesize::ByteSize>()
+            .map_err(|_| format!("{prefix}{key}: {text:?} is not a size such as \"512MiB\""))?
+            .as_u64();
+        if bytes == 0 {
+            return Err(format!(
+                "{prefix}{key}: must be more than 0 (0 never means unlimited)"
+            ));
+        }
+        Ok(Some(bytes))
+    };
+    let count = |key: &str, n: Option<u64>| match n {
+        Some(0) => Err(format!(
+            "{prefix}{key}: must be at least 1 (0 never means unlimited)"
+        )),
+        other => Ok(other),
+    };
+    let cpu_secs = match &spec.cpu {
+        None => None,
+        Some(text) => {
+            let d = humantime::parse_duration(text.trim())
+                .map_err(|_| format!("{prefix}cpu: {text:?} is not a duration such as \"60s\""))?;
+            if d < std::time::Duration::from_secs(1) {
+                return Err(format!(
+                    "{prefix}cpu: at least 1s (the kernel counts whole seconds)"
+                ));
+            }
+            Some(d.as_secs() + u64::from(d.subsec_nanos() > 0))
+        }
+    };
+    Ok(Resources {
+        memory_bytes: size("memory", &spec.memory)?,
+        cpu_secs,
+        file_size_bytes: size("file_size", &spec.file_size)?,
+        open_files: count("open_files", spec.open_files)?,
+        processes: count("processes", spec.processes)?,
+    })
+}
+
+/// Each limit of `mine`, else the one of `defaults`.
+fn over(mine: Resources, defaults: Resources) -> Resources {
+    Resources {
+        memory_bytes: mine.memory_bytes.or(defaults.memory_bytes),
+        cpu_secs: mine.cpu_secs.or(defaults.cpu_secs),
+        file_size_bytes: mine.file_size_bytes.or(defaults.file_size_bytes),
+        open_files: mine.open_files.or(defaults.open_files),
+        processes: mine.processes.or(defaults.processes),
+    }
+}
+
+/// Every agent's `resources:` within the node's `[sandbox]`, then resolved
+/// (what it does not say, the node's limit).
+fn check_resources(
+    agents: &mut BTreeMap<String, AgentDef>,
+    config: &Config,
+) -> Result<(), LoadError> {
+    let node = config.sandbox;
+    for (name, agent) in agents.iter_mut() {
+        let mine = agent.resources;
+        let checks = [
+            ("memory", mine.memory_bytes, node.memory_bytes),
+            ("cpu", mine.cpu_secs, node.cpu_secs),
+            ("file_size", mine.file_size_bytes, node.file_size_bytes),
+            ("open_files", mine.open_files, node.open_files),
+            ("processes", mine.processes, node.processes),
+        ];
+        for (key, asked, most) in checks {
+            if let (Some(asked), Some(most)) = (asked, most)
+                && asked > most
+            {
+                return Err(invalid(
+                    &agent_path(name),
+                    format!(
+                        "resources.{key}: {asked} is above the node's [sandbox] {key} ({most}); an agent may only narrow it"
+                    ),
+                ));
+            }
+        }
+        agent.resources = over(mine, node);
+    }
+    Ok(())
 }
 
 /// `scripted`, or `provider/model` (checked against arbor.toml by `check_models`).

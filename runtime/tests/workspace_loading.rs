@@ -144,6 +144,7 @@ fn a_full_workspace_loads_with_every_field_mapped() {
             },
         ],
         prompt: "You plan.".into(),
+        resources: arbor_runtime::workspace::DEFAULT_SANDBOX,
     };
     assert_eq!(ws.agents["planner"], planner);
 
@@ -640,5 +641,83 @@ fn a_usd_ceiling_over_a_model_with_no_price_is_refused_at_load() {
     assert!(
         message.contains("agent helper uses local/small, which has no price"),
         "{message}"
+    );
+}
+
+#[test]
+fn resources_narrow_the_nodes_sandbox_and_default_to_it() {
+    let ws = Workspace::from_texts(
+        PathBuf::from("ws"),
+        Some("[sandbox]\nmemory = \"1GiB\"\nprocesses = 100\n"),
+        &[
+            (
+                "tight",
+                "---\nresources: {memory: 512MiB, cpu: 30s, file_size: 1MiB, open_files: 64, processes: 50}\n---\n",
+            ),
+            ("loose", "---\n---\n"),
+        ],
+        &[],
+    )
+    .unwrap();
+    let tight = ws.agents["tight"].resources;
+    assert_eq!(tight.memory_bytes, Some(512 << 20));
+    assert_eq!(tight.cpu_secs, Some(30));
+    assert_eq!(tight.file_size_bytes, Some(1 << 20));
+    assert_eq!(tight.open_files, Some(64));
+    assert_eq!(tight.processes, Some(50));
+    let loose = ws.agents["loose"].resources;
+    assert_eq!(loose.memory_bytes, Some(1 << 30), "the node's [sandbox]");
+    assert_eq!(loose.processes, Some(100));
+    assert_eq!(
+        loose.cpu_secs,
+        arbor_runtime::workspace::DEFAULT_SANDBOX.cpu_secs,
+        "what [sandbox] leaves out, the built-in default"
+    );
+}
+
+#[test]
+fn bad_resources_are_refused_naming_the_file_and_the_key() {
+    for (front, words) in [
+        (
+            "resources: {open_files: 0}",
+            "resources.open_files: must be at least 1",
+        ),
+        ("resources: {processes: -3}", "processes"),
+        (
+            "resources: {memory: lots}",
+            "resources.memory: \"lots\" is not a size",
+        ),
+        (
+            "resources: {memory: 0B}",
+            "resources.memory: must be more than 0",
+        ),
+        ("resources: {cpu: 10ms}", "resources.cpu: at least 1s"),
+        (
+            "resources: {cpu: soon}",
+            "resources.cpu: \"soon\" is not a duration",
+        ),
+        ("resources: {gpu: 1}", "gpu"),
+        (
+            "resources: {memory: 64GiB}",
+            "resources.memory: 68719476736 is above the node's [sandbox] memory",
+        ),
+    ] {
+        let message = agents_error(&[("greedy", &format!("---\n{front}\n---\n"))]);
+        assert!(
+            message.starts_with("agents/greedy/agent.md: ") && message.contains(words),
+            "{front}: {message}"
+        );
+    }
+    let error = Workspace::from_texts(
+        PathBuf::from("ws"),
+        Some("[sandbox]\nopen_files = 0\n"),
+        &[("a", "---\n---\n")],
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        error.contains("arbor.toml") && error.contains("sandbox.open_files"),
+        "{error}"
     );
 }
