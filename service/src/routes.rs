@@ -68,10 +68,20 @@ pub(crate) fn router(shared: Arc<Shared>) -> axum::Router {
     .layer(axum::extract::DefaultBodyLimit::max(
         shared.config.max_body_bytes,
     ))
+    // I-38: a handler that panics answers one 500 in the API's shape; the
+    // node and every other request go on.
+    .layer(tower_http::catch_panic::CatchPanicLayer::custom(panicked))
     .fallback(|| async { ApiError::not_found("no such route") })
     .method_not_allowed_fallback(|| async {
         ApiError::method_not_allowed("this route does not take that method (see /v1/openapi.json)")
     })
+}
+
+/// What a request whose handler panicked gets.
+fn panicked(_: Box<dyn std::any::Any + Send>) -> Response {
+    tracing::error!("a request handler panicked");
+    ApiError::internal("the request failed inside arbord; nothing else was affected")
+        .into_response()
 }
 
 /// The document alone, for `arbord openapi` and the tests.
@@ -901,5 +911,44 @@ async fn readyz(State(shared): S) -> Response {
             StatusCode::SERVICE_UNAVAILABLE,
             Health { status: e.message },
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tower::ServiceExt;
+
+    /// I-38 at the HTTP edge: a handler that panics is one 500 in the API's
+    /// error shape, and the router serves the next request.
+    #[tokio::test]
+    async fn a_handler_that_panics_is_one_500_in_the_apis_shape() {
+        let app = axum::Router::new()
+            .route(
+                "/boom",
+                axum::routing::get(|| async {
+                    if std::hint::black_box(true) {
+                        panic!("a bug");
+                    }
+                    "unreachable"
+                }),
+            )
+            .route("/fine", axum::routing::get(|| async { "ok" }))
+            .layer(tower_http::catch_panic::CatchPanicLayer::custom(panicked));
+        let request = |path: &str| {
+            axum::http::Request::builder()
+                .uri(path)
+                .body(axum::body::Body::empty())
+                .unwrap()
+        };
+        let response = app.clone().oneshot(request("/boom")).await.unwrap();
+        assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        let body = axum::body::to_bytes(response.into_body(), 1 << 16)
+            .await
+            .unwrap();
+        let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["error"]["code"], "internal");
+        let response = app.oneshot(request("/fine")).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
     }
 }
