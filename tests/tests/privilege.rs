@@ -87,3 +87,72 @@ async fn inv_28_a_symlink_left_where_an_artifact_was_is_not_an_artifact() {
     let step = tree.root().children[0].clone();
     assert!(step.artifacts.is_empty(), "{:?}", step.artifacts);
 }
+
+/// I-26, the parts kept today: a `sandbox: own` sub-agent runs in a workdir
+/// of its own (not below its parent's), keeps the tools it declares though
+/// its parent lacks them, still inherits every deny, may not delegate, and
+/// only its reply reaches the parent (none of its files are the parent's
+/// artifacts). Its own secrets and network wait on sealed sandboxes.
+#[tokio::test]
+async fn inv_26_an_own_sandbox_sub_agent_keeps_its_tools_and_workdir_inherits_denies_and_cannot_delegate()
+ {
+    let boss = agent_md(
+        "tools: [read_file]\ndeny: [write_file]\nsubagents: [lone]\nscript:\n  - call: {tool: delegate, args: {wait: true, jobs: [{agent: lone, request: go, label: l}]}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let lone = agent_md(
+        "description: works alone\nsandbox: own\ntools: [exec, write_file]\nscript:\n  - call:\n      - {tool: exec, args: {command: \"pwd && echo mine > made.txt\"}}\n      - {tool: write_file, args: {path: w.txt, content: x}}\n      - {tool: delegate, args: {jobs: [{agent: lone, request: again}]}}\n  - call: {tool: submit_output, args: {output: alone}}",
+    );
+    let node = TestNode::start(&[("boss", &boss), ("lone", &lone)]).await;
+    let run = node.run_agent("boss", "go").await;
+    let tree = node.wait_run(run).await;
+    let step = tree.root().children[0].clone();
+    let job = tree.find("l").expect("the own-sandbox job");
+    let step_dir = node.workdir(run, step.id.parse().unwrap());
+    let job_dir = node.workdir(run, job);
+    assert!(
+        !job_dir.starts_with(&step_dir),
+        "{job_dir:?} is not below {step_dir:?}"
+    );
+    assert!(job_dir.to_string_lossy().contains("/own/"), "{job_dir:?}");
+    let results: Vec<(String, bool, String)> = node
+        .events(run)
+        .into_iter()
+        .filter_map(|e| match e.kind {
+            EventKind::ToolCalled {
+                id,
+                tool,
+                ok,
+                detail,
+                ..
+            } if id == job => Some((tool, ok, detail)),
+            _ => None,
+        })
+        .collect();
+    let by_tool = |name: &str| {
+        results
+            .iter()
+            .find(|(t, _, _)| t == name)
+            .unwrap_or_else(|| panic!("{name} in {results:#?}"))
+            .clone()
+    };
+    let exec = by_tool("exec");
+    assert!(
+        exec.1,
+        "exec is its own though its parent has none: {exec:?}"
+    );
+    assert!(
+        exec.2.contains(&*job_dir.to_string_lossy()),
+        "it ran in its own workdir: {exec:?}"
+    );
+    assert!(!by_tool("write_file").1, "its parent's deny still holds");
+    assert!(!by_tool("delegate").1, "it may not delegate");
+    let node_l = tree.node(job).unwrap();
+    assert_eq!(node_l.output, "alone", "its reply reaches the parent");
+    assert_eq!(node_l.artifacts, ["made.txt"]);
+    assert!(
+        step.artifacts.is_empty(),
+        "its files are not the parent's: {:?}",
+        step.artifacts
+    );
+    assert!(!step_dir.join("made.txt").exists());
+}
