@@ -15,7 +15,7 @@
 //! - info: a `sandbox: own` sub-agent holding tools its parent lacks (it
 //!   keeps them, by I-26).
 
-use crate::workspace::{Workspace, own_sandbox_delegates, parse_agent};
+use crate::workspace::{Workspace, parse_agent, subagent_problems};
 use arbor_protocol::{AgentDef, SandboxMode};
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
@@ -125,30 +125,14 @@ fn across(
             message,
         })
     };
+    for (file_of, message) in subagent_problems(agents, unreadable) {
+        push(Level::Error, &file_of, message);
+    }
     for (name, agent) in agents {
         for sub in &agent.subagents {
-            if unreadable.contains(sub) {
-                continue;
-            }
             let Some(child) = agents.get(sub) else {
-                push(
-                    Level::Error,
-                    name,
-                    format!("subagent `{sub}` is not an agent in agents/"),
-                );
                 continue;
             };
-            if child
-                .description
-                .as_deref()
-                .is_none_or(|d| d.trim().is_empty())
-            {
-                push(
-                    Level::Error,
-                    sub,
-                    format!("`description` is required: {name} offers it as a sub-agent"),
-                );
-            }
             let parent_tools: BTreeSet<&str> = agent
                 .tools
                 .iter()
@@ -161,9 +145,6 @@ fn across(
                 .map(|t| t.as_str())
                 .filter(|t| !parent_tools.contains(t))
                 .collect();
-            if let Some(message) = own_sandbox_delegates(name, child) {
-                push(Level::Error, sub, message);
-            }
             if beyond.is_empty() {
                 continue;
             }

@@ -29,7 +29,7 @@ use arbor_protocol::{
     SandboxMode, ScriptCall, ScriptTurn, ToolName,
 };
 use serde::Deserialize;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// A run's root grant when neither the flow, arbor.toml nor the caller gives one.
@@ -449,35 +449,54 @@ fn parse_flow(
 
 /// Invariants 1 and 2: every sub-agent exists and can be chosen by its description.
 fn check_subagents(agents: &BTreeMap<String, AgentDef>) -> Result<(), LoadError> {
+    match subagent_problems(agents, &BTreeSet::new())
+        .into_iter()
+        .next()
+    {
+        Some((file_of, message)) => Err(invalid(&agent_path(&file_of), message)),
+        None => Ok(()),
+    }
+}
+
+/// Every problem of a sub-agent link, in name order: (the agent whose file
+/// it is in, what is wrong). A sub-agent must exist, have a description,
+/// and, in a sandbox of its own, have no sub-agents. Links to the agents in
+/// `skip` (their files did not parse) are not looked at.
+pub(crate) fn subagent_problems(
+    agents: &BTreeMap<String, AgentDef>,
+    skip: &BTreeSet<String>,
+) -> Vec<(String, String)> {
+    let mut problems = vec![];
     for (name, agent) in agents {
-        for sub in &agent.subagents {
+        for sub in agent.subagents.iter().filter(|s| !skip.contains(*s)) {
             let Some(sub_agent) = agents.get(sub) else {
-                return Err(invalid(
-                    &agent_path(name),
+                problems.push((
+                    name.clone(),
                     format!("subagent `{sub}` is not an agent in agents/"),
                 ));
+                continue;
             };
             let described = sub_agent
                 .description
                 .as_deref()
                 .is_some_and(|d| !d.trim().is_empty());
             if !described {
-                return Err(invalid(
-                    &agent_path(sub),
+                problems.push((
+                    sub.clone(),
                     format!("`description` is required: {name} offers it as a sub-agent"),
                 ));
             }
             if let Some(message) = own_sandbox_delegates(name, sub_agent) {
-                return Err(invalid(&agent_path(sub), message));
+                problems.push((sub.clone(), message));
             }
         }
     }
-    Ok(())
+    problems
 }
 
 /// I-26: a sub-agent in a sandbox of its own cannot delegate, so sub-agents
 /// of its own could never be reached: refused, not ignored.
-pub(crate) fn own_sandbox_delegates(parent: &str, sub: &AgentDef) -> Option<String> {
+fn own_sandbox_delegates(parent: &str, sub: &AgentDef) -> Option<String> {
     (sub.sandbox == SandboxMode::Own && !sub.subagents.is_empty()).then(|| {
         format!(
             "`sandbox: own` with `subagents`: as {parent}'s sub-agent it may not delegate (I-26); drop one"

@@ -43,6 +43,15 @@ pub fn agent_md(front_matter: &str) -> String {
     format!("---\n{front_matter}\n---\nYou are a test agent.\n")
 }
 
+/// One `ToolCalled` event, as `TestNode::tool_calls` gives it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ToolCall {
+    pub job: JobId,
+    pub tool: String,
+    pub ok: bool,
+    pub detail: String,
+}
+
 /// A real node on a temporary data dir.
 pub struct TestNode {
     node: EmbeddedNode,
@@ -264,15 +273,31 @@ impl TestNode {
 
     /// The error texts of the run's failed calls to `tool`, in order.
     pub fn failed_calls(&self, run: RunId, tool: &str) -> Vec<String> {
+        self.tool_calls(run)
+            .into_iter()
+            .filter(|c| !c.ok && c.tool == tool)
+            .map(|c| c.detail)
+            .collect()
+    }
+
+    /// Every tool call of the run, in order: who made it, which tool, and
+    /// its result.
+    pub fn tool_calls(&self, run: RunId) -> Vec<ToolCall> {
         self.events(run)
             .into_iter()
             .filter_map(|e| match e.kind {
                 EventKind::ToolCalled {
-                    tool: t,
-                    ok: false,
+                    id,
+                    tool,
+                    ok,
                     detail,
                     ..
-                } if t == tool => Some(detail),
+                } => Some(ToolCall {
+                    job: id,
+                    tool,
+                    ok,
+                    detail,
+                }),
                 _ => None,
             })
             .collect()

@@ -1,6 +1,5 @@
 //! Privilege down the chain (I-25): a child can narrow, never widen.
 
-use arbor_protocol::EventKind;
 use arbor_testkit::{TestNode, agent_md};
 
 #[tokio::test]
@@ -17,18 +16,10 @@ async fn inv_25_a_child_cannot_widen_its_parents_tools_by_naming_them() {
     let tree = node.wait_run(run).await;
     let g = tree.find("g").unwrap();
     let results: Vec<(String, bool, String)> = node
-        .events(run)
+        .tool_calls(run)
         .into_iter()
-        .filter_map(|e| match e.kind {
-            EventKind::ToolCalled {
-                id,
-                tool,
-                ok,
-                detail,
-                ..
-            } if id == g && tool != "submit_output" => Some((tool, ok, detail)),
-            _ => None,
-        })
+        .filter(|c| c.job == g && c.tool != "submit_output")
+        .map(|c| (c.tool, c.ok, c.detail))
         .collect();
     assert_eq!(results.len(), 3);
     assert!(results[0].2.contains("exec is denied"), "{results:?}");
@@ -115,18 +106,10 @@ async fn inv_26_an_own_sandbox_sub_agent_keeps_its_tools_and_workdir_inherits_de
     );
     assert!(job_dir.to_string_lossy().contains("/own/"), "{job_dir:?}");
     let results: Vec<(String, bool, String)> = node
-        .events(run)
+        .tool_calls(run)
         .into_iter()
-        .filter_map(|e| match e.kind {
-            EventKind::ToolCalled {
-                id,
-                tool,
-                ok,
-                detail,
-                ..
-            } if id == job => Some((tool, ok, detail)),
-            _ => None,
-        })
+        .filter(|c| c.job == job)
+        .map(|c| (c.tool, c.ok, c.detail))
         .collect();
     let by_tool = |name: &str| {
         results

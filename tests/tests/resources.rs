@@ -19,14 +19,10 @@ async fn execs(arbor_toml: &str, resources: &str, commands: &[&str]) -> Vec<(boo
     let node = TestNode::start_with_config(arbor_toml, &[("solo", &solo)]).await;
     let run = node.run_agent("solo", "go").await;
     node.wait_run(run).await;
-    node.events(run)
+    node.tool_calls(run)
         .into_iter()
-        .filter_map(|e| match e.kind {
-            arbor_protocol::EventKind::ToolCalled {
-                tool, ok, detail, ..
-            } if tool == "exec" => Some((ok, detail)),
-            _ => None,
-        })
+        .filter(|c| c.tool == "exec")
+        .map(|c| (c.ok, c.detail))
         .collect()
 }
 
