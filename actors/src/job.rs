@@ -202,6 +202,8 @@ impl Actor for Job {
         // Checked before anything is made, so a job that cannot get its model
         // leaves nothing behind (I-06).
         let model = ctx.models.model_for(&start.agent)?;
+        // I-27: a secret without a value refuses the job before anything is made.
+        let env = ctx.secrets.env_for(&start.policy.secrets)?;
         let workdir_existed = start.workdir.exists();
         let setup = async {
             let (account, _) = Actor::spawn_linked(
@@ -233,6 +235,12 @@ impl Actor for Job {
                     cancel: start.cancel.clone(),
                     exec_timeout: DEFAULT_EXEC_TIMEOUT,
                     resources: start.agent.resources,
+                    network: start.policy.network,
+                    posture: ctx.sandbox.clone(),
+                    runs_commands: start.policy.allowed.contains(&ToolName::Exec)
+                        && !start.policy.denied.contains(ToolName::Exec.as_str()),
+                    env,
+                    secrets: ctx.secrets.clone(),
                 },
                 cell.clone(),
             )

@@ -15,6 +15,8 @@ pub mod node;
 pub mod policy;
 pub mod run;
 pub mod sandbox;
+pub mod seal;
+pub mod secrets;
 
 pub use account::{Account, AccountMsg, CallHold, GrantAsk, Ledger, Share, SpentMeter};
 pub use context::{NodeContext, RunContext};

@@ -2,9 +2,10 @@
 //! how a child's privileges are cut from its parent's.
 //!
 //! Invariant: `narrow` never returns a policy that allows a tool its input
-//! policy denied, whatever the child's definition or the job's arguments say.
+//! policy denied, whatever the child's definition or the job's arguments say;
+//! and, below a shared sandbox, never a network or a secret its input lacked.
 
-use arbor_protocol::{AgentDef, Limits, NodeKind, SandboxMode, ToolName};
+use arbor_protocol::{AgentDef, Limits, Network, NodeKind, SandboxMode, ToolName};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// The tools an agent may use: an allowlist of sandbox tools and a deny list
@@ -13,6 +14,10 @@ use std::collections::{BTreeMap, BTreeSet};
 pub struct Policy {
     pub allowed: BTreeSet<ToolName>,
     pub denied: BTreeSet<String>,
+    /// Whether its commands may reach the network (I-28).
+    pub network: Network,
+    /// The secrets its sandbox holds, by name (I-27).
+    pub secrets: BTreeSet<String>,
 }
 
 impl Policy {
@@ -21,23 +26,41 @@ impl Policy {
         Self {
             allowed: agent.tools.iter().copied().collect(),
             denied: agent.deny.iter().cloned().collect(),
+            network: agent.network,
+            secrets: agent.secrets.iter().cloned().collect(),
         }
     }
 
     /// The policy of a child running `child` for this policy's holder, with the
     /// job's own `deny`. Denies are unioned; allowlists intersected, except for
     /// a `sandbox: own` agent, which keeps its own declared tools (I-26) but
-    /// still inherits every deny.
+    /// still inherits every deny. Network and secrets follow the tools: a
+    /// shared sandbox gets what both it and its parent have, an own sandbox
+    /// what it declares.
     pub fn narrow(&self, child: &AgentDef, job_deny: &[String]) -> Self {
         let declared: BTreeSet<ToolName> = child.tools.iter().copied().collect();
-        let allowed = match child.sandbox {
-            SandboxMode::Own => declared,
-            SandboxMode::Shared => declared.intersection(&self.allowed).copied().collect(),
+        let secrets: BTreeSet<String> = child.secrets.iter().cloned().collect();
+        let (allowed, network, secrets) = match child.sandbox {
+            SandboxMode::Own => (declared, child.network, secrets),
+            SandboxMode::Shared => (
+                declared.intersection(&self.allowed).copied().collect(),
+                if self.network == Network::Open && child.network == Network::Open {
+                    Network::Open
+                } else {
+                    Network::None
+                },
+                secrets.intersection(&self.secrets).cloned().collect(),
+            ),
         };
         let mut denied = self.denied.clone();
         denied.extend(child.deny.iter().cloned());
         denied.extend(job_deny.iter().cloned());
-        Self { allowed, denied }
+        Self {
+            allowed,
+            denied,
+            network,
+            secrets,
+        }
     }
 
     /// Every tool, offered (`Ok`) or not with the reason. `submit_output` is
@@ -82,7 +105,7 @@ impl Policy {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use arbor_protocol::{ModelRef, Network};
+    use arbor_protocol::ModelRef;
 
     fn agent(tools: &[ToolName], deny: &[&str], sandbox: SandboxMode) -> AgentDef {
         AgentDef {
@@ -158,6 +181,8 @@ mod tests {
             deny: Vec<String>,
             own: bool,
             job_deny: Vec<String>,
+            network: bool,
+            secrets: Vec<String>,
         }
 
         fn tool_names() -> impl Strategy<Value = Vec<String>> {
@@ -180,12 +205,19 @@ mod tests {
                 tool_names(),
                 proptest::bool::weighted(0.2),
                 tool_names(),
+                proptest::bool::ANY,
+                proptest::sample::subsequence(
+                    vec!["A".to_string(), "B".into(), "C".into(), "D".into()],
+                    0..=4,
+                ),
             )
-                .prop_map(|(tools, deny, own, job_deny)| Link {
+                .prop_map(|(tools, deny, own, job_deny, network, secrets)| Link {
                     tools,
                     deny,
                     own,
                     job_deny,
+                    network,
+                    secrets,
                 })
         }
 
@@ -196,7 +228,11 @@ mod tests {
             } else {
                 SandboxMode::Shared
             };
-            agent(&link.tools, &deny, mode)
+            AgentDef {
+                network: if link.network { Network::Open } else { Network::None },
+                secrets: link.secrets.clone(),
+                ..agent(&link.tools, &deny, mode)
+            }
         }
 
         /// What a holder of `policy` may use, by name.
@@ -215,8 +251,9 @@ mod tests {
             /// denies include every ancestor's; no descendant may use a tool an
             /// ancestor denied, `sandbox: own` or not; and below a shared link
             /// a descendant may use only what each ancestor above it (up to
-            /// the nearest `sandbox: own`) may. `offered` never offers a
-            /// denied tool.
+            /// the nearest `sandbox: own`) may, reach the network only if each
+            /// of them may, and hold only secrets each of them holds. `offered`
+            /// never offers a denied tool.
             #[test]
             fn inv_25_no_chain_widens_a_descendant(root in link(), links in proptest::collection::vec(link(), 1..6)) {
                 let mut chain = vec![Policy::root(&def(&root))];
@@ -238,6 +275,11 @@ mod tests {
                             prop_assert!(
                                 usable(policy).is_subset(&usable(ancestor)),
                                 "{:?} widens {:?}", policy, ancestor
+                            );
+                            prop_assert!(policy.secrets.is_subset(&ancestor.secrets));
+                            prop_assert!(
+                                policy.network == Network::None || ancestor.network == Network::Open,
+                                "network opened below {:?}", ancestor
                             );
                         }
                     }

@@ -1,20 +1,25 @@
 //! Sandbox: one per step and job. Owns the workdir and every process started in it.
 //!
 //! Parent: the step or job it serves (spawned linked to it).
-//! In this release a sandbox is a process group per command in the job's
-//! workdir with a cleared environment; namespace isolation comes later and the
-//! messages will not change.
+//! Each command runs sealed in namespaces of its own (`seal`), or, where
+//! arbor.toml says `[sandbox] mode = "none"`, as a process group on the host;
+//! either way in the job's workdir, with an environment cleared to an
+//! allowlist and the job's rlimits.
 //!
 //! Invariants:
 //! 1. Every process group it started is killed when it ends, however it ends:
 //!    `KillAll`, `post_stop`, and the `Drop` of its state (which runs even when
-//!    ractor kills the actor and skips `post_stop`) all kill them (I-17).
+//!    ractor kills the actor and skips `post_stop`) all kill them (I-17). A
+//!    sealed command's group leader is its pid namespace's parent: killing it
+//!    kills everything in the namespace.
 //! 2. Files are read and written only below the workdir: absolute paths, `..`
 //!    and symlinks are refused (I-28), by words first (`confine`) and then by
 //!    the kernel (`openat2` with RESOLVE_BENEATH and RESOLVE_NO_SYMLINKS), so
 //!    a symlink swapped in between the two is refused too.
 //! 3. Artifacts are what the runtime saw change in the workdir, never a claim (I-24).
 
+use crate::seal::{self, Posture, SandboxIsolation, SealSpec, SealedChild};
+use crate::secrets::Secrets;
 use arbor_storage::{SandboxRecord, SandboxState as GroupState};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::collections::{BTreeMap, BTreeSet};
@@ -44,6 +49,17 @@ pub struct SandboxArgs {
     pub exec_timeout: Duration,
     /// The rlimits of every command it runs.
     pub resources: arbor_protocol::Resources,
+    /// The job's effective network (I-28).
+    pub network: arbor_protocol::Network,
+    /// The node's sandbox posture: sealed, or not and why.
+    pub posture: Arc<Posture>,
+    /// Whether the job may run commands (holds `exec`): a node that cannot
+    /// seal refuses such a job at its start rather than run it unsealed.
+    pub runs_commands: bool,
+    /// Environment beyond the allowlist (the job's secrets, I-27).
+    pub env: Vec<(String, String)>,
+    /// Cut from every byte it hands back (I-27).
+    pub secrets: Arc<Secrets>,
 }
 
 pub enum SandboxMsg {
@@ -96,12 +112,28 @@ impl Actor for Sandbox {
         _myself: ActorRef<Self::Msg>,
         args: SandboxArgs,
     ) -> Result<Self::State, ActorProcessingErr> {
+        let sealed = match args.posture.mode {
+            SandboxIsolation::None => false,
+            SandboxIsolation::Sealed if args.posture.sealed => true,
+            SandboxIsolation::Sealed if args.runs_commands => {
+                return Err(format!(
+                    "refused: this job may run commands and this node {}",
+                    args.posture.detail
+                )
+                .into());
+            }
+            SandboxIsolation::Sealed => true,
+        };
         std::fs::create_dir_all(&args.workdir)?;
         Ok(SandboxState {
             workdir: args.workdir,
             cancel: args.cancel,
             exec_timeout: args.exec_timeout,
             resources: args.resources,
+            sealed,
+            network: args.network,
+            env: Arc::new(args.env),
+            secrets: args.secrets,
             groups: ProcessGroups::new(args.record),
             artifacts: BTreeSet::new(),
         })
@@ -136,9 +168,15 @@ impl Actor for Sandbox {
                     cancel: state.cancel.clone(),
                     timeout: timeout.unwrap_or(state.exec_timeout),
                     resources: state.resources,
+                    sealed: state.sealed,
+                    network: state.network,
+                    env: state.env.clone(),
                 };
+                let secrets = state.secrets.clone();
                 tokio::spawn(async move {
-                    let outcome = job.run(&command).await;
+                    let mut outcome = job.run(&command).await;
+                    outcome.stdout = secrets.redact(&outcome.stdout);
+                    outcome.stderr = secrets.redact(&outcome.stderr);
                     let _ = myself.cast(SandboxMsg::ExecEnded {
                         changed: outcome.changed.clone(),
                     });
@@ -149,7 +187,8 @@ impl Actor for Sandbox {
                 state.artifacts.extend(changed);
             }
             SandboxMsg::ReadFile { path, reply } => {
-                let _ = reply.send(read_confined(&state.workdir, &path));
+                let read = read_confined(&state.workdir, &path).map(|t| state.secrets.redact(&t));
+                let _ = reply.send(read);
             }
             SandboxMsg::WriteFile {
                 path,
@@ -184,6 +223,10 @@ pub struct SandboxState {
     cancel: CancellationToken,
     exec_timeout: Duration,
     resources: arbor_protocol::Resources,
+    sealed: bool,
+    network: arbor_protocol::Network,
+    env: Arc<Vec<(String, String)>>,
+    secrets: Arc<Secrets>,
     groups: ProcessGroups,
     artifacts: BTreeSet<String>,
 }
@@ -295,6 +338,63 @@ struct ExecJob {
     cancel: CancellationToken,
     timeout: Duration,
     resources: arbor_protocol::Resources,
+    sealed: bool,
+    network: arbor_protocol::Network,
+    env: Arc<Vec<(String, String)>>,
+}
+
+/// A command while it runs, sealed or on the host.
+enum Running {
+    Host(tokio::process::Child),
+    Sealed(SealedChild),
+}
+
+type Pipe = Box<dyn tokio::io::AsyncRead + Unpin + Send>;
+
+impl Running {
+    fn pid(&self) -> Option<i32> {
+        match self {
+            Running::Host(child) => child.id().map(|p| p as i32),
+            Running::Sealed(child) => Some(child.pid()),
+        }
+    }
+
+    fn pipes(&mut self) -> (Option<Pipe>, Option<Pipe>) {
+        fn boxed<R: tokio::io::AsyncRead + Unpin + Send + 'static>(r: R) -> Pipe {
+            Box::new(r)
+        }
+        match self {
+            Running::Host(child) => (
+                child.stdout.take().map(boxed),
+                child.stderr.take().map(boxed),
+            ),
+            Running::Sealed(child) => (
+                child.stdout.take().map(boxed),
+                child.stderr.take().map(boxed),
+            ),
+        }
+    }
+
+    /// The command's exit code, or why it has none.
+    async fn wait(&mut self) -> Result<i32, String> {
+        match self {
+            Running::Host(child) => match child.wait().await {
+                Ok(status) => status.code().ok_or_else(|| format!("the command ended by {status}")),
+                Err(e) => Err(e.to_string()),
+            },
+            Running::Sealed(child) => {
+                let status = child.wait().await?;
+                status.exit_code.ok_or(status.reason)
+            }
+        }
+    }
+
+    fn kill(&mut self, pgid: i32) {
+        kill_group(pgid);
+        if let Running::Sealed(child) = self {
+            child.kill();
+        }
+    }
 }
 
 impl ExecJob {
@@ -314,6 +414,68 @@ impl ExecJob {
             return outcome;
         }
         let before = snapshot(&self.workdir);
+        let mut child = match self.start(command).await {
+            Ok(child) => child,
+            Err(e) => {
+                outcome.error = Some(e);
+                return outcome;
+            }
+        };
+        let Some(pgid) = child.pid() else {
+            outcome.error = Some("the command exited before it could be tracked".into());
+            return outcome;
+        };
+        if !self.groups.register(pgid).await {
+            child.kill(pgid);
+            outcome.stopped = true;
+            outcome.error = Some("the sandbox ended while the command started".into());
+            return outcome;
+        }
+        let (stdout, stderr) = child.pipes();
+        let stdout = tokio::spawn(read_bounded(stdout));
+        let stderr = tokio::spawn(read_bounded(stderr));
+        tokio::select! {
+            status = child.wait() => match status {
+                Ok(code) => outcome.exit_code = Some(code),
+                Err(why) => outcome.error = Some(why),
+            },
+            _ = tokio::time::sleep(self.timeout) => {
+                child.kill(pgid);
+                outcome.timed_out = true;
+                outcome.error = Some(format!("timed out after {}", humantime::format_duration(self.timeout)));
+            }
+            _ = self.cancel.cancelled() => {
+                child.kill(pgid);
+                outcome.stopped = true;
+                outcome.error = Some("stopped: the job was stopped".into());
+            }
+        }
+        // A background process the command left behind may keep the pipes
+        // open; what it has written by now is what the model gets.
+        outcome.stdout = take_output(stdout).await;
+        outcome.stderr = take_output(stderr).await;
+        let after = snapshot(&self.workdir);
+        outcome.changed = after
+            .iter()
+            .filter(|(path, meta)| before.get(*path) != Some(meta))
+            .map(|(path, _)| path.clone())
+            .collect();
+        outcome
+    }
+
+    async fn start(&self, command: &str) -> Result<Running, String> {
+        if self.sealed {
+            let spec = SealSpec {
+                workdir: self.workdir.clone(),
+                network: self.network,
+                resources: self.resources,
+                env: self.env.to_vec(),
+            };
+            return seal::spawn(&spec, command)
+                .await
+                .map(Running::Sealed)
+                .map_err(|e| format!("could not start the command in its sandbox: {e}"));
+        }
         let mut cmd = tokio::process::Command::new("/bin/sh");
         cmd.arg("-c")
             .arg(command)
@@ -322,6 +484,7 @@ impl ExecJob {
             .env("PATH", "/usr/local/bin:/usr/bin:/bin")
             .env("HOME", &self.workdir)
             .env("LANG", "C.UTF-8")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -340,50 +503,9 @@ impl ExecJob {
                 Ok(())
             });
         }
-        let mut child = match cmd.spawn() {
-            Ok(child) => child,
-            Err(e) => {
-                outcome.error = Some(format!("could not start the command: {e}"));
-                return outcome;
-            }
-        };
-        let Some(pgid) = child.id().map(|p| p as i32) else {
-            outcome.error = Some("the command exited before it could be tracked".into());
-            return outcome;
-        };
-        if !self.groups.register(pgid).await {
-            outcome.stopped = true;
-            outcome.error = Some("the sandbox ended while the command started".into());
-            return outcome;
-        }
-        let stdout = tokio::spawn(read_bounded(child.stdout.take()));
-        let stderr = tokio::spawn(read_bounded(child.stderr.take()));
-        tokio::select! {
-            status = child.wait() => {
-                outcome.exit_code = status.ok().and_then(|s| s.code());
-            }
-            _ = tokio::time::sleep(self.timeout) => {
-                kill_group(pgid);
-                outcome.timed_out = true;
-                outcome.error = Some(format!("timed out after {}", humantime::format_duration(self.timeout)));
-            }
-            _ = self.cancel.cancelled() => {
-                kill_group(pgid);
-                outcome.stopped = true;
-                outcome.error = Some("stopped: the job was stopped".into());
-            }
-        }
-        // A background process the command left behind may keep the pipes
-        // open; what it has written by now is what the model gets.
-        outcome.stdout = take_output(stdout).await;
-        outcome.stderr = take_output(stderr).await;
-        let after = snapshot(&self.workdir);
-        outcome.changed = after
-            .iter()
-            .filter(|(path, meta)| before.get(*path) != Some(meta))
-            .map(|(path, _)| path.clone())
-            .collect();
-        outcome
+        cmd.spawn()
+            .map(Running::Host)
+            .map_err(|e| format!("could not start the command: {e}"))
     }
 }
 

@@ -8,6 +8,7 @@ pub mod node;
 pub mod providers;
 pub mod recovery;
 pub mod scripted;
+pub mod secrets;
 pub mod workspace;
 
 pub use node::{EmbeddedNode, Error};

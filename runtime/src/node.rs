@@ -6,6 +6,7 @@
 use crate::providers::Models;
 use crate::recovery::{self, RecoveryReport, RunOutcome};
 use crate::workspace::Workspace;
+use arbor_actors::seal::Posture;
 use arbor_actors::{EventBus, ModelFactory, Node, NodeArgs, NodeContext, NodeMsg};
 use arbor_protocol::{JobId, Refusal, RunId, RunSpec, Tree};
 use arbor_storage::Journal;
@@ -67,6 +68,8 @@ impl EmbeddedNode {
     ) -> Result<Self, Error> {
         std::fs::create_dir_all(data_dir)
             .map_err(|e| Error::Start(format!("{}: {e}", data_dir.display())))?;
+        let secrets = crate::secrets::load(workspace).map_err(Error::Start)?;
+        let sandbox = Arc::new(Posture::probe(workspace.config.isolation).await);
         let journal = Journal::open(&data_dir.join("journal"))?;
         let events = EventBus::new(journal.clone());
         let ctx = Arc::new(NodeContext {
@@ -80,6 +83,8 @@ impl EmbeddedNode {
                 .collect(),
             models,
             work_root: data_dir.join("work"),
+            sandbox,
+            secrets: Arc::new(secrets),
         });
         // Recovery before anything new starts (I-30 to I-35).
         let recovery = recovery::recover(&ctx.journal, &ctx.events).await?;
@@ -234,6 +239,11 @@ impl EmbeddedNode {
         self.node.get_cell()
     }
 
+    /// What this node's sandboxes are: sealed, or not and why.
+    pub fn sandbox(&self) -> &Posture {
+        &self.ctx.sandbox
+    }
+
     pub fn data_dir(&self) -> &Path {
         &self.data_dir
     }
@@ -257,6 +267,11 @@ impl EmbeddedNode {
     /// As `start_run`, under an id the caller chose and journaled first (a
     /// queued submission): a second start of the same id is refused.
     pub async fn start_run_as(&self, id: Option<RunId>, spec: RunSpec) -> Result<RunId, Error> {
+        // I-27: a run needing a secret the node has no value for never starts.
+        let steps = spec.groups.iter().flat_map(|g| &g.steps).map(|s| s.agent.as_str());
+        if let Some(why) = crate::secrets::missing(&self.ctx.agents, steps, &self.ctx.secrets) {
+            return Err(Error::Refused(why));
+        }
         ractor::call!(self.node, |reply| NodeMsg::StartRun {
             spec,
             id,

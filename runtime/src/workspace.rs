@@ -28,6 +28,7 @@ use arbor_protocol::{
     AgentDef, BudgetArg, FlowSpec, Limits, ModelRef, Resources, ResourcesSpec, RunSpec,
     SandboxMode, ScriptCall, ScriptTurn, ToolName,
 };
+use arbor_actors::seal::SandboxIsolation;
 use serde::Deserialize;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -60,6 +61,12 @@ pub struct Config {
     /// `[sandbox]`: the rlimits of every command, and the most an agent's
     /// `resources:` may ask.
     pub sandbox: Resources,
+    /// `[sandbox] mode`: sealed (the default) or none (development only).
+    pub isolation: SandboxIsolation,
+    /// `[sandbox] secrets_file`, relative to the workspace: `NAME=value`
+    /// lines, readable by its owner only. Values not in it come from the
+    /// node's environment.
+    pub secrets_file: Option<PathBuf>,
 }
 
 /// The node's sandbox limits when arbor.toml's `[sandbox]` does not say.
@@ -111,6 +118,8 @@ impl Default for Config {
             providers: BTreeMap::new(),
             service: toml::Table::new(),
             sandbox: DEFAULT_SANDBOX,
+            isolation: SandboxIsolation::Sealed,
+            secrets_file: None,
         }
     }
 }
@@ -185,10 +194,11 @@ impl Workspace {
         agents: &[(&str, &str)],
         flows: &[(&str, &str)],
     ) -> Result<Workspace, LoadError> {
-        let config = match arbor_toml {
+        let mut config = match arbor_toml {
             Some(text) => parse_config(text)?,
             None => Config::default(),
         };
+        config.secrets_file = config.secrets_file.map(|f| root.join(f));
 
         if agents.is_empty() {
             return Err(LoadError::NoAgents {
@@ -377,7 +387,17 @@ struct ConfigFile {
     #[serde(default)]
     service: toml::Table,
     #[serde(default)]
-    sandbox: ResourcesSpec,
+    sandbox: SandboxFile,
+}
+
+/// `[sandbox]` as written: the mode, the secrets file and the node's limits.
+#[derive(Default, Deserialize)]
+struct SandboxFile {
+    mode: Option<SandboxIsolation>,
+    secrets_file: Option<PathBuf>,
+    /// The rest are limits; an unknown key is refused there.
+    #[serde(flatten)]
+    limits: ResourcesSpec,
 }
 
 fn parse_config(text: &str) -> Result<Config, LoadError> {
@@ -401,9 +421,11 @@ fn parse_config(text: &str) -> Result<Config, LoadError> {
         budget_usd_micros,
         providers,
         service: file.service,
-        sandbox: resources(&file.sandbox, "sandbox.")
+        sandbox: resources(&file.sandbox.limits, "sandbox.")
             .map(|r| over(r, DEFAULT_SANDBOX))
             .map_err(|m| invalid(path, m))?,
+        isolation: file.sandbox.mode.unwrap_or_default(),
+        secrets_file: file.sandbox.secrets_file,
     })
 }
 
@@ -618,12 +640,11 @@ fn agent_from_front_matter(
         resources: resources_spec,
     } = front_matter;
 
-    // Fail closed: a secret this node cannot deliver sealed (I-27) is refused,
-    // not silently dropped.
-    if !secrets.is_empty() {
+    // A secret reaches its sandbox as an environment variable (I-27).
+    if let Some(bad) = secrets.iter().find(|n| !is_secret_name(n)) {
         return Err(format!(
-            "`secrets` ({}) cannot be delivered yet: this node's sandboxes have no sealed way to pass them; remove the key",
-            secrets.join(", ")
+            "secrets: `{bad}` is not a secret name: use letters, digits and `_` (an environment \
+             variable's name, not starting with a digit), and none of PATH, HOME, LANG, TMPDIR"
         ));
     }
 
@@ -675,6 +696,16 @@ fn agent_from_front_matter(
             .transpose()?
             .unwrap_or_default(),
     })
+}
+
+/// A name a secret can have: an environment variable's, not one the sandbox sets.
+fn is_secret_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+        && !["PATH", "HOME", "LANG", "TMPDIR"].contains(&name)
 }
 
 /// `resources:` or `[sandbox]` as numbers, each checked: sizes like

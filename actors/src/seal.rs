@@ -1,0 +1,430 @@
+//! How a sandbox's commands are sealed: Linux namespaces, through hakoniwa.
+//!
+//! Each command runs as the init of its own user, pid, mount, ipc and uts
+//! namespaces, and of its own network namespace unless its agent says
+//! `network: open` (I-28). It sees the system read-only (`/usr`, `/bin`,
+//! `/lib*`, `/sbin` and a short list from `/etc`), its workdir read-write, a
+//! private `/tmp`, `/proc` of its own pid namespace and a minimal `/dev`;
+//! never `/`, `/run`, the host's `/tmp` or the node's data dir, so no host
+//! Unix socket is reachable.
+//!
+//! Invariants:
+//! 1. Killing the process hakoniwa forks (the pid namespace's parent) kills
+//!    every process in the namespace: its init dies by its parent-death
+//!    signal, and the kernel kills the rest, setsid or double fork or not
+//!    (I-17).
+//! 2. Every sealed process is forked from one thread that lives as long as
+//!    the node (`spawner`): a parent-death signal follows the thread that
+//!    forked, so a process forked from a pool thread that later exits would
+//!    be killed early, and one forked from a thread of ours dies with the node.
+//! 3. A node that runs as root forks with an unprivileged real uid (see
+//!    `spawner`), because the kernel never applies RLIMIT_NPROC to
+//!    processes whose real uid is the host's root, namespace or not.
+//! 4. Nothing runs unsealed unless `[sandbox] mode = "none"` says so: a node
+//!    whose kernel cannot seal refuses the jobs that would run commands (I-28).
+
+use arbor_protocol::{Network, Resources};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::sync::mpsc;
+
+/// The uid a sealed command has inside its namespace (mapped to the node's).
+const INSIDE_UID: u32 = 1000;
+/// The real uid a root node forks sealed commands with, so that the kernel
+/// applies RLIMIT_NPROC to them (`nobody`).
+const UNPRIVILEGED_REAL_UID: u32 = 65534;
+/// The size of a sealed command's private `/tmp` when its file-size limit does not say less.
+const TMP_SIZE: u64 = 256 * 1024 * 1024;
+
+/// `[sandbox] mode` in arbor.toml.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SandboxIsolation {
+    /// Namespaces for every command; refused where the kernel cannot give them.
+    #[default]
+    Sealed,
+    /// Commands run on the host in a process group (development only).
+    None,
+}
+
+/// What the node can do for its sandboxes, found once at start. Shown at
+/// start, in `/v1/status` and in every run's document.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Posture {
+    /// What arbor.toml asked for.
+    pub mode: SandboxIsolation,
+    /// Whether commands run sealed; false for `mode = "none"` and for a
+    /// sealed node whose kernel refused (its exec jobs are refused).
+    pub sealed: bool,
+    /// One line for an operator.
+    pub detail: String,
+}
+
+impl Posture {
+    /// Probes the kernel with one sealed `true` (for `Sealed`), so that a
+    /// node says at start, not at its first job, whether it can seal.
+    pub async fn probe(mode: SandboxIsolation) -> Self {
+        match mode {
+            SandboxIsolation::None => Self {
+                mode,
+                sealed: false,
+                detail: "UNSEALED: [sandbox] mode = \"none\": commands run on the host, \
+                         with the node's user, network and files (development only)"
+                    .into(),
+            },
+            SandboxIsolation::Sealed => {
+                let dir = std::env::temp_dir().join(format!("arbor-probe-{}", std::process::id()));
+                let outcome = async {
+                    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+                    let spec = SealSpec {
+                        workdir: dir.clone(),
+                        network: Network::None,
+                        resources: Resources::default(),
+                        env: vec![],
+                    };
+                    let mut child = spawn(&spec, "true").await?;
+                    child.wait().await.and_then(|s| match s.exit_code {
+                        Some(0) => Ok(()),
+                        _ => Err(s.reason),
+                    })
+                }
+                .await;
+                let _ = std::fs::remove_dir_all(&dir);
+                match outcome {
+                    Ok(()) => Self {
+                        mode,
+                        sealed: true,
+                        detail: "sealed: user, pid, mount, ipc, uts and network namespaces; \
+                                 read-only system; workdir writable"
+                            .into(),
+                    },
+                    Err(why) => Self {
+                        mode,
+                        sealed: false,
+                        detail: format!(
+                            "cannot seal ({why}): jobs that run commands are refused; \
+                             [sandbox] mode = \"none\" runs them unsealed (development only)"
+                        ),
+                    },
+                }
+            }
+        }
+    }
+
+    /// A posture for tests and tools that run without probing.
+    pub fn assumed(mode: SandboxIsolation) -> Self {
+        Self {
+            sealed: mode == SandboxIsolation::Sealed,
+            mode,
+            detail: String::new(),
+        }
+    }
+}
+
+/// One sealed command's setting.
+pub struct SealSpec {
+    pub workdir: PathBuf,
+    pub network: Network,
+    pub resources: Resources,
+    /// The whole environment, beyond PATH, HOME, LANG and TMPDIR.
+    pub env: Vec<(String, String)>,
+}
+
+/// A sealed command while it runs.
+pub struct SealedChild {
+    child: Option<hakoniwa::Child>,
+    pid: i32,
+    /// Names the forked process whatever happens to its pid (kill and wait are race-free).
+    pidfd: tokio::io::unix::AsyncFd<OwnedFd>,
+    pub stdout: Option<tokio::net::unix::pipe::Receiver>,
+    pub stderr: Option<tokio::net::unix::pipe::Receiver>,
+}
+
+/// How a sealed command ended.
+pub struct SealedStatus {
+    /// The command's own exit code; None if it was killed or never started.
+    pub exit_code: Option<i32>,
+    pub reason: String,
+}
+
+impl SealedChild {
+    /// The pid of the namespace's parent; its process group is the command's.
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// Kills the whole namespace (invariant 1).
+    pub fn kill(&self) {
+        // SAFETY: a plain syscall on a descriptor this struct owns.
+        unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                self.pidfd.get_ref().as_raw_fd(),
+                libc::SIGKILL,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            );
+        }
+    }
+
+    /// Waits for the namespace's parent to exit, without holding a thread.
+    pub async fn wait(&mut self) -> Result<SealedStatus, String> {
+        // A pidfd becomes readable when its process exits.
+        let _ready = self.pidfd.readable().await.map_err(|e| e.to_string())?;
+        let mut child = self.child.take().ok_or("already waited")?;
+        // It has exited: this reaps it and reads its status pipe, now closed.
+        let status = tokio::task::spawn_blocking(move || child.wait())
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?;
+        Ok(SealedStatus {
+            exit_code: status.exit_code,
+            reason: status.reason,
+        })
+    }
+}
+
+impl Drop for SealedChild {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            self.kill();
+            // Reap it off the async threads: it is dying, the wait is short.
+            std::thread::spawn(move || {
+                let _ = child.wait();
+            });
+        }
+    }
+}
+
+type SpawnJob = Box<dyn FnOnce() + Send>;
+
+/// The one thread every sealed command is forked from (invariant 2). It
+/// never exits, so parent-death signals fire only when the node dies.
+fn spawner() -> &'static mpsc::Sender<SpawnJob> {
+    static SPAWNER: OnceLock<mpsc::Sender<SpawnJob>> = OnceLock::new();
+    SPAWNER.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<SpawnJob>();
+        std::thread::Builder::new()
+            .name("arbor-spawner".into())
+            .spawn(move || {
+                drop_real_root_on_this_thread();
+                for job in rx {
+                    job();
+                }
+            })
+            .expect("the node can start a thread");
+        tx
+    })
+}
+
+/// Invariant 3: on a root node, this thread's real uid becomes `nobody`,
+/// with the effective uid (file access, mounts, namespaces) still root.
+/// `setresuid` by raw syscall changes this thread only; glibc's wrapper
+/// would change every thread of the node.
+fn drop_real_root_on_this_thread() {
+    // SAFETY: plain syscalls; the uids are constants.
+    unsafe {
+        if libc::geteuid() == 0 {
+            libc::syscall(libc::SYS_setresuid, UNPRIVILEGED_REAL_UID, 0, 0);
+        }
+    }
+}
+
+/// Starts `command` under `/bin/sh -c`, sealed as `spec` says.
+pub async fn spawn(spec: &SealSpec, command: &str) -> Result<SealedChild, String> {
+    let mut cmd = container(spec)?.command("/bin/sh");
+    let workdir = spec.workdir.to_str().ok_or("the workdir is not UTF-8")?;
+    cmd.args(["-c", command])
+        .current_dir(workdir)
+        .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+        .env("HOME", workdir)
+        .env("LANG", "C.UTF-8")
+        .env("TMPDIR", "/tmp")
+        .envs(spec.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .stdin(std::fs::File::open("/dev/null").map_err(|e| format!("/dev/null: {e}"))?)
+        .stdout(hakoniwa::Stdio::piped())
+        .stderr(hakoniwa::Stdio::piped());
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    spawner()
+        .send(Box::new(move || {
+            let _ = tx.send(cmd.spawn().map_err(|e| e.to_string()));
+        }))
+        .map_err(|_| "the spawner thread is gone")?;
+    let mut child = rx.await.map_err(|_| "the spawner thread is gone")??;
+    let pid = child.id() as i32;
+    // SAFETY: plain syscalls. The child is ours and not yet reaped, so its
+    // pid names it.
+    let pidfd = unsafe {
+        // Its own process group, so that a restart can kill it by group (I-30).
+        libc::setpgid(pid, pid);
+        let fd = libc::syscall(libc::SYS_pidfd_open, pid, 0);
+        if fd < 0 {
+            let e = std::io::Error::last_os_error();
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("pidfd_open: {e}"));
+        }
+        OwnedFd::from_raw_fd(fd as i32)
+    };
+    let stdout = child.stdout.take().map(receiver).transpose()?;
+    let stderr = child.stderr.take().map(receiver).transpose()?;
+    Ok(SealedChild {
+        child: Some(child),
+        pid,
+        // SAFETY: the descriptor is owned by the AsyncFd from here on, and
+        // closed only when it is dropped (and deregistered).
+        pidfd: unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE)
+        }
+        .map_err(|e| e.to_string())?,
+        stdout,
+        stderr,
+    })
+}
+
+fn receiver(pipe: std::io::PipeReader) -> Result<tokio::net::unix::pipe::Receiver, String> {
+    tokio::net::unix::pipe::Receiver::from_owned_fd(OwnedFd::from(pipe)).map_err(|e| e.to_string())
+}
+
+fn container(spec: &SealSpec) -> Result<hakoniwa::Container, String> {
+    use hakoniwa::{Container, MountOptions, Namespace, Rlimit};
+    let mut c = Container::empty();
+    for ns in [
+        Namespace::User,
+        Namespace::Pid,
+        Namespace::Mount,
+        Namespace::Ipc,
+        Namespace::Uts,
+    ] {
+        c.unshare(ns);
+    }
+    if spec.network == Network::None {
+        // A new network namespace has only a loopback that is down: no
+        // connection, no DNS, no abstract Unix socket of the host (I-28).
+        c.unshare(Namespace::Network);
+    }
+    c.uidmap(INSIDE_UID).gidmap(INSIDE_UID).hostname("sandbox");
+    for dir in ["/bin", "/sbin", "/lib", "/lib64", "/lib32", "/usr"] {
+        let path = Path::new(dir);
+        match path.symlink_metadata() {
+            Ok(m) if m.file_type().is_symlink() => {
+                let target = std::fs::read_link(path).map_err(|e| format!("{dir}: {e}"))?;
+                c.symlink(&target.to_string_lossy(), dir);
+            }
+            Ok(m) if m.is_dir() => {
+                c.bindmount_ro(dir, dir);
+            }
+            _ => {}
+        }
+    }
+    for file in etc_files(spec.network) {
+        if Path::new(file).exists() {
+            c.bindmount_ro(file, file);
+        }
+    }
+    c.file(
+        "/etc/passwd",
+        &format!("root:x:0:0::/:/bin/sh\nsandbox:x:{INSIDE_UID}:{INSIDE_UID}::/tmp:/bin/sh\nnobody:x:65534:65534::/:/bin/false\n"),
+    )
+    .file(
+        "/etc/group",
+        &format!("root:x:0:\nsandbox:x:{INSIDE_UID}:\nnogroup:x:65534:\n"),
+    );
+    c.procfsmount("/proc").devfsmount("/dev");
+    let tmp_size = spec
+        .resources
+        .file_size_bytes
+        .map_or(TMP_SIZE, |f| f.min(TMP_SIZE));
+    c.mount(
+        "tmpfs",
+        "/tmp",
+        "tmpfs",
+        MountOptions::NOSUID | MountOptions::NODEV,
+        Some(format!("size={tmp_size},mode=1777")),
+    );
+    let workdir = spec.workdir.to_str().ok_or("the workdir is not UTF-8")?;
+    c.mount(
+        workdir,
+        workdir,
+        "",
+        MountOptions::BIND | MountOptions::REC | MountOptions::NOSUID | MountOptions::NODEV,
+        None,
+    );
+    let r = &spec.resources;
+    for (rlimit, value) in [
+        (Rlimit::As, r.memory_bytes),
+        (Rlimit::Cpu, r.cpu_secs),
+        (Rlimit::Fsize, r.file_size_bytes),
+        (Rlimit::Nofile, r.open_files),
+        (Rlimit::Nproc, r.processes),
+    ] {
+        if let Some(v) = value {
+            // Soft and hard alike, so a command cannot raise them again.
+            c.setrlimit(rlimit, v, v);
+        }
+    }
+    Ok(c)
+}
+
+/// What of the host's `/etc` a sealed command sees: what the dynamic loader,
+/// locales, time zones and TLS need, and name resolution with the network.
+fn etc_files(network: Network) -> Vec<&'static str> {
+    let mut files = vec![
+        "/etc/alternatives",
+        "/etc/ld.so.cache",
+        "/etc/ld.so.conf",
+        "/etc/ld.so.conf.d",
+        "/etc/localtime",
+        "/etc/ssl",
+        "/etc/ca-certificates",
+    ];
+    if network == Network::Open {
+        files.extend([
+            "/etc/resolv.conf",
+            "/etc/hosts",
+            "/etc/nsswitch.conf",
+            "/etc/services",
+            "/etc/protocols",
+        ]);
+    }
+    files
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncReadExt;
+
+    async fn run(spec: &SealSpec, command: &str) -> (Option<i32>, String, String) {
+        let mut child = spawn(spec, command).await.expect("spawns");
+        let (mut out, mut err) = (String::new(), String::new());
+        let mut o = child.stdout.take().unwrap();
+        let mut e = child.stderr.take().unwrap();
+        let status = child.wait().await.unwrap();
+        o.read_to_string(&mut out).await.unwrap();
+        e.read_to_string(&mut err).await.unwrap();
+        (status.exit_code, out, err)
+    }
+
+    #[tokio::test]
+    async fn a_sealed_command_sees_its_workdir_and_little_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = SealSpec {
+            workdir: dir.path().to_path_buf(),
+            network: Network::None,
+            resources: Resources::default(),
+            env: vec![("GREETING".into(), "hi".into())],
+        };
+        let (code, out, err) = run(
+            &spec,
+            "echo $GREETING > f.txt; cat f.txt; id -u; echo $$; ls /; touch /usr/x 2>&1 || echo ro",
+        )
+        .await;
+        assert_eq!(code, Some(0), "{err}");
+        println!("{out}");
+        assert!(out.starts_with("hi\n1000\n1\n"), "{out}");
+        assert_eq!(std::fs::read_to_string(dir.path().join("f.txt")).unwrap(), "hi\n");
+        assert!(out.contains("ro"), "{out}");
+    }
+}
