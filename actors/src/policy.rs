@@ -229,7 +229,11 @@ mod tests {
                 SandboxMode::Shared
             };
             AgentDef {
-                network: if link.network { Network::Open } else { Network::None },
+                network: if link.network {
+                    Network::Open
+                } else {
+                    Network::None
+                },
                 secrets: link.secrets.clone(),
                 ..agent(&link.tools, &deny, mode)
             }

@@ -18,7 +18,7 @@
 //!    a symlink swapped in between the two is refused too.
 //! 3. Artifacts are what the runtime saw change in the workdir, never a claim (I-24).
 
-use crate::seal::{self, Posture, SandboxIsolation, SealSpec, SealedChild};
+use crate::seal::{self, Posture, SandboxIsolation, SandboxUser, SealSpec, SealedChild};
 use crate::secrets::Secrets;
 use arbor_storage::{SandboxRecord, SandboxState as GroupState};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -125,7 +125,16 @@ impl Actor for Sandbox {
             SandboxIsolation::Sealed => true,
         };
         std::fs::create_dir_all(&args.workdir)?;
+        let user = if sealed {
+            SandboxUser::for_new_sandbox()
+        } else {
+            None
+        };
+        if let Some(user) = user {
+            user.own(&args.workdir)?;
+        }
         Ok(SandboxState {
+            user,
             workdir: args.workdir,
             cancel: args.cancel,
             exec_timeout: args.exec_timeout,
@@ -169,6 +178,7 @@ impl Actor for Sandbox {
                     timeout: timeout.unwrap_or(state.exec_timeout),
                     resources: state.resources,
                     sealed: state.sealed,
+                    user: state.user,
                     network: state.network,
                     env: state.env.clone(),
                 };
@@ -195,7 +205,7 @@ impl Actor for Sandbox {
                 content,
                 reply,
             } => {
-                let result = write_confined(&state.workdir, &path, &content);
+                let result = write_confined(&state.workdir, &path, &content, state.user);
                 if result.is_ok() {
                     state.artifacts.insert(normalize(&path));
                 }
@@ -224,6 +234,8 @@ pub struct SandboxState {
     exec_timeout: Duration,
     resources: arbor_protocol::Resources,
     sealed: bool,
+    /// Who its commands run as, on a root node.
+    user: Option<SandboxUser>,
     network: arbor_protocol::Network,
     env: Arc<Vec<(String, String)>>,
     secrets: Arc<Secrets>,
@@ -339,6 +351,7 @@ struct ExecJob {
     timeout: Duration,
     resources: arbor_protocol::Resources,
     sealed: bool,
+    user: Option<SandboxUser>,
     network: arbor_protocol::Network,
     env: Arc<Vec<(String, String)>>,
 }
@@ -346,7 +359,7 @@ struct ExecJob {
 /// A command while it runs, sealed or on the host.
 enum Running {
     Host(tokio::process::Child),
-    Sealed(SealedChild),
+    Sealed(Box<SealedChild>),
 }
 
 type Pipe = Box<dyn tokio::io::AsyncRead + Unpin + Send>;
@@ -379,7 +392,9 @@ impl Running {
     async fn wait(&mut self) -> Result<i32, String> {
         match self {
             Running::Host(child) => match child.wait().await {
-                Ok(status) => status.code().ok_or_else(|| format!("the command ended by {status}")),
+                Ok(status) => status
+                    .code()
+                    .ok_or_else(|| format!("the command ended by {status}")),
                 Err(e) => Err(e.to_string()),
             },
             Running::Sealed(child) => {
@@ -467,13 +482,14 @@ impl ExecJob {
         if self.sealed {
             let spec = SealSpec {
                 workdir: self.workdir.clone(),
+                user: self.user,
                 network: self.network,
                 resources: self.resources,
                 env: self.env.to_vec(),
             };
             return seal::spawn(&spec, command)
                 .await
-                .map(Running::Sealed)
+                .map(|c| Running::Sealed(Box::new(c)))
                 .map_err(|e| format!("could not start the command in its sandbox: {e}"));
         }
         let mut cmd = tokio::process::Command::new("/bin/sh");
@@ -700,7 +716,20 @@ pub fn read_confined(workdir: &Path, path: &str) -> Result<String, String> {
     Ok(String::from_utf8_lossy(&bytes).into_owned())
 }
 
-pub fn write_confined(workdir: &Path, path: &str, content: &str) -> Result<(), String> {
+/// Writes a file below the workdir; on a root node, what it makes belongs to
+/// the sandbox's user, so the job's commands can change it.
+pub fn write_confined(
+    workdir: &Path,
+    path: &str,
+    content: &str,
+    owner: Option<SandboxUser>,
+) -> Result<(), String> {
+    let chown = |fd: &dyn std::os::fd::AsFd| match owner {
+        Some(SandboxUser(id)) => {
+            std::os::unix::fs::fchown(fd, Some(id), Some(id)).map_err(|e| format!("{path}: {e}"))
+        }
+        None => Ok(()),
+    };
     use nix::fcntl::OFlag;
     confine(workdir, path)?;
     let rel = Path::new(path);
@@ -713,12 +742,20 @@ pub fn write_confined(workdir: &Path, path: &str, content: &str) -> Result<(), S
         let Component::Normal(part) = part else {
             continue;
         };
-        match nix::sys::stat::mkdirat(&dir, part, nix::sys::stat::Mode::from_bits_truncate(0o755)) {
-            Ok(()) | Err(nix::Error::EEXIST) => {}
+        let made = match nix::sys::stat::mkdirat(
+            &dir,
+            part,
+            nix::sys::stat::Mode::from_bits_truncate(0o755),
+        ) {
+            Ok(()) => true,
+            Err(nix::Error::EEXIST) => false,
             Err(e) => return Err(beneath_error(path, e)),
-        }
+        };
         dir = open_beneath(&dir, Path::new(part), OFlag::O_DIRECTORY | OFlag::O_RDONLY)
             .map_err(|e| beneath_error(path, e))?;
+        if made {
+            chown(&dir)?;
+        }
     }
     let file = open_beneath(
         &dir,
@@ -727,6 +764,7 @@ pub fn write_confined(workdir: &Path, path: &str, content: &str) -> Result<(), S
     )
     .map(std::fs::File::from)
     .map_err(|e| beneath_error(path, e))?;
+    chown(&file)?;
     std::io::Write::write_all(&mut &file, content.as_bytes()).map_err(|e| format!("{path}: {e}"))
 }
 
@@ -788,7 +826,7 @@ mod tests {
     #[test]
     fn write_then_read_round_trips_inside_the_workdir() {
         let dir = tempfile::tempdir().unwrap();
-        write_confined(dir.path(), "sub/dir/f.txt", "hello").unwrap();
+        write_confined(dir.path(), "sub/dir/f.txt", "hello", None).unwrap();
         assert_eq!(read_confined(dir.path(), "sub/dir/f.txt").unwrap(), "hello");
         assert!(read_confined(dir.path(), "missing.txt").is_err());
     }

@@ -17,9 +17,13 @@
 //!    the node (`spawner`): a parent-death signal follows the thread that
 //!    forked, so a process forked from a pool thread that later exits would
 //!    be killed early, and one forked from a thread of ours dies with the node.
-//! 3. A node that runs as root forks with an unprivileged real uid (see
-//!    `spawner`), because the kernel never applies RLIMIT_NPROC to
-//!    processes whose real uid is the host's root, namespace or not.
+//! 3. A sealed command never runs as the host's root. A node that is root
+//!    needs no user namespace to make the others: the namespace's init drops
+//!    to a uid of the sandbox's own (`SandboxUser`), owner of its workdir,
+//!    before it execs the command. (The kernel never applies RLIMIT_NPROC to
+//!    a process whose real uid is the host's root, user namespace or not, so
+//!    a root-mapped sandbox could fork without bound.) A node that is not
+//!    root maps its own uid to 1000 in a user namespace.
 //! 4. Nothing runs unsealed unless `[sandbox] mode = "none"` says so: a node
 //!    whose kernel cannot seal refuses the jobs that would run commands (I-28).
 
@@ -29,11 +33,13 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::sync::mpsc;
 
-/// The uid a sealed command has inside its namespace (mapped to the node's).
+/// The uid a sealed command has inside its user namespace (a node that is not root).
 const INSIDE_UID: u32 = 1000;
-/// The real uid a root node forks sealed commands with, so that the kernel
-/// applies RLIMIT_NPROC to them (`nobody`).
-const UNPRIVILEGED_REAL_UID: u32 = 65534;
+/// A root node's sandboxes get uids from here up, one per sandbox: far above
+/// any a distribution hands out, and distinct so that RLIMIT_NPROC counts
+/// each sandbox's processes alone.
+const SANDBOX_UID_BASE: u32 = 1_500_000_000;
+const SANDBOX_UID_SPAN: u32 = 1_000_000;
 /// The size of a sealed command's private `/tmp` when its file-size limit does not say less.
 const TMP_SIZE: u64 = 256 * 1024 * 1024;
 
@@ -77,8 +83,14 @@ impl Posture {
                 let dir = std::env::temp_dir().join(format!("arbor-probe-{}", std::process::id()));
                 let outcome = async {
                     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+                    let user = SandboxUser::for_new_sandbox();
+                    if let Some(user) = user {
+                        user.own(&dir)
+                            .map_err(|e| format!("{}: {e}", dir.display()))?;
+                    }
                     let spec = SealSpec {
                         workdir: dir.clone(),
+                        user,
                         network: Network::None,
                         resources: Resources::default(),
                         env: vec![],
@@ -122,9 +134,39 @@ impl Posture {
     }
 }
 
+/// The host uid a root node's sandbox runs its commands as (its gid is the same number).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SandboxUser(pub u32);
+
+impl SandboxUser {
+    /// A fresh uid for a new sandbox, if this node is root; None otherwise
+    /// (its commands run as the node's own user, mapped in a user namespace).
+    pub fn for_new_sandbox() -> Option<Self> {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        // SAFETY: geteuid cannot fail.
+        if unsafe { libc::geteuid() } != 0 {
+            return None;
+        }
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % SANDBOX_UID_SPAN;
+        // Two nodes on one host start far apart in the span.
+        let start = std::process::id().wrapping_mul(1000);
+        Some(Self(
+            SANDBOX_UID_BASE + start.wrapping_add(n) % SANDBOX_UID_SPAN,
+        ))
+    }
+
+    /// Makes `path` (a workdir, or a file or folder the runtime wrote in
+    /// one) the sandbox's, so its commands can write there.
+    pub fn own(&self, path: &Path) -> std::io::Result<()> {
+        std::os::unix::fs::lchown(path, Some(self.0), Some(self.0))
+    }
+}
+
 /// One sealed command's setting.
 pub struct SealSpec {
     pub workdir: PathBuf,
+    /// For a root node: who the command runs as (`SandboxUser`).
+    pub user: Option<SandboxUser>,
     pub network: Network,
     pub resources: Resources,
     /// The whole environment, beyond PATH, HOME, LANG and TMPDIR.
@@ -208,7 +250,6 @@ fn spawner() -> &'static mpsc::Sender<SpawnJob> {
         std::thread::Builder::new()
             .name("arbor-spawner".into())
             .spawn(move || {
-                drop_real_root_on_this_thread();
                 for job in rx {
                     job();
                 }
@@ -218,25 +259,21 @@ fn spawner() -> &'static mpsc::Sender<SpawnJob> {
     })
 }
 
-/// Invariant 3: on a root node, this thread's real uid becomes `nobody`,
-/// with the effective uid (file access, mounts, namespaces) still root.
-/// `setresuid` by raw syscall changes this thread only; glibc's wrapper
-/// would change every thread of the node.
-fn drop_real_root_on_this_thread() {
-    // SAFETY: plain syscalls; the uids are constants.
-    unsafe {
-        if libc::geteuid() == 0 {
-            libc::syscall(libc::SYS_setresuid, UNPRIVILEGED_REAL_UID, 0, 0);
-        }
-    }
-}
-
 /// Starts `command` under `/bin/sh -c`, sealed as `spec` says.
 pub async fn spawn(spec: &SealSpec, command: &str) -> Result<SealedChild, String> {
-    let mut cmd = container(spec)?.command("/bin/sh");
+    let container = container(spec)?;
+    let argv = [
+        c"/bin/sh".to_owned(),
+        c"-c".to_owned(),
+        std::ffi::CString::new(command).map_err(|_| "the command holds a NUL byte")?,
+    ];
+    let user = spec.user;
+    // SAFETY: the closure runs in the namespace's init, a process forked
+    // from a single-threaded one, so it may allocate; it only makes
+    // syscalls and execs.
+    let mut cmd = unsafe { container.command_from_closure(move || init(user, &argv)) };
     let workdir = spec.workdir.to_str().ok_or("the workdir is not UTF-8")?;
-    cmd.args(["-c", command])
-        .current_dir(workdir)
+    cmd.current_dir(workdir)
         .env("PATH", "/usr/local/bin:/usr/bin:/bin")
         .env("HOME", workdir)
         .env("LANG", "C.UTF-8")
@@ -283,6 +320,44 @@ pub async fn spawn(spec: &SealSpec, command: &str) -> Result<SealedChild, String
     })
 }
 
+/// The namespace's init, between hakoniwa's set-up (mounts, rlimits,
+/// no_new_privs) and the command: on a root node, drops to the sandbox's
+/// uid, then execs the shell. Returns only on failure, as the exit code.
+fn init(user: Option<SandboxUser>, argv: &[std::ffi::CString; 3]) -> i32 {
+    fn fail(what: &str) -> i32 {
+        let e = std::io::Error::last_os_error();
+        eprintln!("arbor sandbox: {what}: {e}");
+        125
+    }
+    // SAFETY: plain syscalls with constant or owned arguments.
+    unsafe {
+        if let Some(SandboxUser(id)) = user {
+            if libc::setgroups(0, std::ptr::null()) != 0 {
+                return fail("setgroups");
+            }
+            if libc::setresgid(id, id, id) != 0 {
+                return fail("setresgid");
+            }
+            if libc::setresuid(id, id, id) != 0 {
+                return fail("setresuid");
+            }
+            // The uid change cleared the parent-death signal; set it again,
+            // so the namespace still dies with its parent (invariant 1).
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return fail("prctl");
+            }
+        }
+        let ptrs = [
+            argv[0].as_ptr(),
+            argv[1].as_ptr(),
+            argv[2].as_ptr(),
+            std::ptr::null(),
+        ];
+        libc::execv(ptrs[0], ptrs.as_ptr());
+    }
+    fail("exec /bin/sh")
+}
+
 fn receiver(pipe: std::io::PipeReader) -> Result<tokio::net::unix::pipe::Receiver, String> {
     tokio::net::unix::pipe::Receiver::from_owned_fd(OwnedFd::from(pipe)).map_err(|e| e.to_string())
 }
@@ -291,7 +366,6 @@ fn container(spec: &SealSpec) -> Result<hakoniwa::Container, String> {
     use hakoniwa::{Container, MountOptions, Namespace, Rlimit};
     let mut c = Container::empty();
     for ns in [
-        Namespace::User,
         Namespace::Pid,
         Namespace::Mount,
         Namespace::Ipc,
@@ -299,12 +373,18 @@ fn container(spec: &SealSpec) -> Result<hakoniwa::Container, String> {
     ] {
         c.unshare(ns);
     }
+    if spec.user.is_none() {
+        // Not root: a user namespace gives the rights to make the others.
+        c.unshare(Namespace::User)
+            .uidmap(INSIDE_UID)
+            .gidmap(INSIDE_UID);
+    }
     if spec.network == Network::None {
         // A new network namespace has only a loopback that is down: no
         // connection, no DNS, no abstract Unix socket of the host (I-28).
         c.unshare(Namespace::Network);
     }
-    c.uidmap(INSIDE_UID).gidmap(INSIDE_UID).hostname("sandbox");
+    c.hostname("sandbox");
     for dir in ["/bin", "/sbin", "/lib", "/lib64", "/lib32", "/usr"] {
         let path = Path::new(dir);
         match path.symlink_metadata() {
@@ -318,6 +398,7 @@ fn container(spec: &SealSpec) -> Result<hakoniwa::Container, String> {
             _ => {}
         }
     }
+    let id = spec.user.map_or(INSIDE_UID, |u| u.0);
     for file in etc_files(spec.network) {
         if Path::new(file).exists() {
             c.bindmount_ro(file, file);
@@ -325,13 +406,16 @@ fn container(spec: &SealSpec) -> Result<hakoniwa::Container, String> {
     }
     c.file(
         "/etc/passwd",
-        &format!("root:x:0:0::/:/bin/sh\nsandbox:x:{INSIDE_UID}:{INSIDE_UID}::/tmp:/bin/sh\nnobody:x:65534:65534::/:/bin/false\n"),
+        &format!("root:x:0:0::/:/bin/sh\nsandbox:x:{id}:{id}::/tmp:/bin/sh\nnobody:x:65534:65534::/:/bin/false\n"),
     )
     .file(
         "/etc/group",
-        &format!("root:x:0:\nsandbox:x:{INSIDE_UID}:\nnogroup:x:65534:\n"),
+        &format!("root:x:0:\nsandbox:x:{id}:\nnogroup:x:65534:\n"),
     );
     c.procfsmount("/proc").devfsmount("/dev");
+    // The root is a fresh folder only its maker may enter; the sandbox's
+    // user must pass through it.
+    c.dir("/", 0o755);
     let tmp_size = spec
         .resources
         .file_size_bytes
@@ -410,8 +494,13 @@ mod tests {
     #[tokio::test]
     async fn a_sealed_command_sees_its_workdir_and_little_else() {
         let dir = tempfile::tempdir().unwrap();
+        let user = SandboxUser::for_new_sandbox();
+        if let Some(u) = user {
+            u.own(dir.path()).unwrap();
+        }
         let spec = SealSpec {
             workdir: dir.path().to_path_buf(),
+            user,
             network: Network::None,
             resources: Resources::default(),
             env: vec![("GREETING".into(), "hi".into())],
@@ -423,8 +512,12 @@ mod tests {
         .await;
         assert_eq!(code, Some(0), "{err}");
         println!("{out}");
-        assert!(out.starts_with("hi\n1000\n1\n"), "{out}");
-        assert_eq!(std::fs::read_to_string(dir.path().join("f.txt")).unwrap(), "hi\n");
+        let uid = user.map_or(INSIDE_UID, |u| u.0);
+        assert!(out.starts_with(&format!("hi\n{uid}\n1\n")), "{out}");
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("f.txt")).unwrap(),
+            "hi\n"
+        );
         assert!(out.contains("ro"), "{out}");
     }
 }

@@ -268,7 +268,11 @@ impl EmbeddedNode {
     /// queued submission): a second start of the same id is refused.
     pub async fn start_run_as(&self, id: Option<RunId>, spec: RunSpec) -> Result<RunId, Error> {
         // I-27: a run needing a secret the node has no value for never starts.
-        let steps = spec.groups.iter().flat_map(|g| &g.steps).map(|s| s.agent.as_str());
+        let steps = spec
+            .groups
+            .iter()
+            .flat_map(|g| &g.steps)
+            .map(|s| s.agent.as_str());
         if let Some(why) = crate::secrets::missing(&self.ctx.agents, steps, &self.ctx.secrets) {
             return Err(Error::Refused(why));
         }

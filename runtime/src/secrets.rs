@@ -14,11 +14,7 @@ use std::path::Path;
 /// The values of every secret the workspace's agents declare. A name with no
 /// value is no error here: the run that needs it is refused (`missing`).
 pub fn load(workspace: &Workspace) -> Result<Secrets, String> {
-    let names: BTreeSet<&String> = workspace
-        .agents
-        .values()
-        .flat_map(|a| &a.secrets)
-        .collect();
+    let names: BTreeSet<&String> = workspace.agents.values().flat_map(|a| &a.secrets).collect();
     let from_file = match &workspace.config.secrets_file {
         Some(path) => read_file(path)?,
         None => BTreeMap::new(),

@@ -22,13 +22,13 @@
 //!    broken workspace always reports the same problem.
 
 use crate::providers::{Provider, ProviderFile, check_provider};
+use arbor_actors::seal::SandboxIsolation;
 use arbor_protocol::agent::{FrontMatter, ScriptCallSpec, ScriptTurnSpec};
 use arbor_protocol::tools::parse_duration_arg;
 use arbor_protocol::{
     AgentDef, BudgetArg, FlowSpec, Limits, ModelRef, Resources, ResourcesSpec, RunSpec,
     SandboxMode, ScriptCall, ScriptTurn, ToolName,
 };
-use arbor_actors::seal::SandboxIsolation;
 use serde::Deserialize;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -390,14 +390,31 @@ struct ConfigFile {
     sandbox: SandboxFile,
 }
 
-/// `[sandbox]` as written: the mode, the secrets file and the node's limits.
+/// `[sandbox]` as written: the mode, the secrets file and the node's limits
+/// (the keys of `ResourcesSpec`, spelled out: serde's flatten would let an
+/// unknown key through).
 #[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct SandboxFile {
     mode: Option<SandboxIsolation>,
     secrets_file: Option<PathBuf>,
-    /// The rest are limits; an unknown key is refused there.
-    #[serde(flatten)]
-    limits: ResourcesSpec,
+    memory: Option<String>,
+    cpu: Option<String>,
+    file_size: Option<String>,
+    open_files: Option<u64>,
+    processes: Option<u64>,
+}
+
+impl SandboxFile {
+    fn limits(&self) -> ResourcesSpec {
+        ResourcesSpec {
+            memory: self.memory.clone(),
+            cpu: self.cpu.clone(),
+            file_size: self.file_size.clone(),
+            open_files: self.open_files,
+            processes: self.processes,
+        }
+    }
 }
 
 fn parse_config(text: &str) -> Result<Config, LoadError> {
@@ -421,7 +438,7 @@ fn parse_config(text: &str) -> Result<Config, LoadError> {
         budget_usd_micros,
         providers,
         service: file.service,
-        sandbox: resources(&file.sandbox.limits, "sandbox.")
+        sandbox: resources(&file.sandbox.limits(), "sandbox.")
             .map(|r| over(r, DEFAULT_SANDBOX))
             .map_err(|m| invalid(path, m))?,
         isolation: file.sandbox.mode.unwrap_or_default(),

@@ -534,15 +534,56 @@ fn unknown_flows_and_agents_are_named_at_run_time() {
 }
 
 #[test]
-fn secrets_are_refused_until_they_can_be_delivered_sealed() {
-    let text = "---\nsecrets: [API_KEY]\n---\nhi\n";
-    let err = parse_agent("solo", text, Path::new("agents/solo/agent.md"))
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("agents/solo/agent.md") && err.contains("API_KEY"),
-        "{err}"
-    );
+fn secret_names_must_be_environment_names_and_sandbox_keys_are_checked() {
+    let ok = parse_agent(
+        "solo",
+        "---\nsecrets: [API_KEY, _X2]\n---\nhi\n",
+        Path::new("agents/solo/agent.md"),
+    )
+    .unwrap();
+    assert_eq!(ok.secrets, ["API_KEY", "_X2"]);
+    for bad in ["1KEY", "MY-KEY", "PATH", "\"\""] {
+        let text = format!("---\nsecrets: [{bad}]\n---\nhi\n");
+        let err = parse_agent("solo", &text, Path::new("agents/solo/agent.md"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("agents/solo/agent.md: secrets:"),
+            "{bad}: {err}"
+        );
+    }
+    let config = |toml: &str| {
+        Workspace::from_texts(
+            PathBuf::from("ws"),
+            Some(toml),
+            &[("solo", "---\n---\nhi\n")],
+            &[],
+        )
+        .map(|w| w.config)
+    };
+    let c = config("[sandbox]\nmode = \"none\"\nsecrets_file = \"s.env\"\nmemory = \"1GiB\"\n")
+        .unwrap();
+    assert_eq!(c.isolation, arbor_actors::seal::SandboxIsolation::None);
+    assert_eq!(c.secrets_file, Some(PathBuf::from("ws/s.env")));
+    assert_eq!(c.sandbox.memory_bytes, Some(1 << 30));
+    for (toml, key) in [
+        ("[sandbox]\nmode = \"chroot\"\n", "chroot"),
+        ("[sandbox]\nnetwork = \"open\"\n", "network"),
+    ] {
+        let err = config(toml).unwrap_err().to_string();
+        assert!(
+            err.starts_with("arbor.toml:") && err.contains(key),
+            "{toml}: {err}"
+        );
+    }
+    let err = parse_agent(
+        "solo",
+        "---\nnetwork: internet\n---\nhi\n",
+        Path::new("agents/solo/agent.md"),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("network") && err.contains("internet"), "{err}");
 }
 
 #[test]

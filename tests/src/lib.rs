@@ -532,6 +532,25 @@ pub async fn process_exits_within(pid: i32, limit: Duration) -> bool {
 }
 
 /// Every process whose working directory is `dir` or below it.
+/// Waits (at most `WAIT_LIMIT`) until at least `n` processes run in `dir`
+/// and returns them. Polls /proc: the kernel sends no event for a process
+/// that starts in a folder.
+pub async fn wait_processes_in(dir: &std::path::Path, n: usize) -> Vec<i32> {
+    let deadline = tokio::time::Instant::now() + WAIT_LIMIT;
+    loop {
+        let found = processes_in(dir);
+        if found.len() >= n {
+            return found;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "waited {WAIT_LIMIT:?} for {n} processes in {}; found {found:?}",
+            dir.display()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 pub fn processes_in(dir: &std::path::Path) -> Vec<i32> {
     let Ok(dir) = dir.canonicalize() else {
         return vec![];

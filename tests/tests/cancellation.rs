@@ -1,7 +1,9 @@
 //! Cancellation: a stop reaches the whole subtree, wins every race, and leaves no process.
 
 use arbor_protocol::{ErrorClass, EventKind, JobId, Status};
-use arbor_testkit::{Seeded, TestNode, agent_md, process_exits_within, processes_in};
+use arbor_testkit::{
+    Seeded, TestNode, agent_md, process_exits_within, processes_in, wait_processes_in,
+};
 use std::time::Duration;
 
 const SLOW: &str = "description: slow\nscript:\n  - say: working\n    delay: 1h";
@@ -157,41 +159,24 @@ fn pids_in(detail: &str) -> Vec<i32> {
         .collect()
 }
 
+/// Every way a command's processes try to outlive it: a background job, one
+/// that called setsid, one whose parent exited (a double fork), and the
+/// foreground process itself.
+const ESCAPES: &str = "sleep 300 & setsid sleep 301 & (sleep 302 &) ; exec sleep 303";
+
 #[tokio::test]
-async fn inv_17_a_stopped_jobs_processes_are_gone() {
+async fn inv_17_a_stopped_jobs_processes_are_gone_setsid_and_double_forks_too() {
     let boss = agent_md(
         "tools: [exec]\nsubagents: [worker]\nscript:\n  - call: {tool: delegate, args: {wait: false, jobs: [{agent: worker, request: go, label: w}]}}\n  - call: {tool: collect, args: {}}\n  - call: {tool: submit_output, args: {output: done}}",
     );
-    let worker = agent_md(
-        "description: leaves processes behind\ntools: [exec]\nscript:\n  - call: {tool: exec, args: {command: \"sleep 300 >/dev/null 2>&1 & sleep 301 >/dev/null 2>&1 & echo PIDS $!\"}}\n  - call: {tool: exec, args: {command: \"exec sleep 302\"}}",
-    );
+    let worker = agent_md(&format!(
+        "description: leaves processes behind\ntools: [exec]\nscript:\n  - call: {{tool: exec, args: {{command: \"{ESCAPES}\"}}}}"
+    ));
     let node = TestNode::start(&[("boss", &boss), ("worker", &worker)]).await;
     let run = node.run_agent("boss", "go").await;
     let w = node.wait_for(run, "w").await;
-    // The first command has returned and left its background processes.
-    let called = node
-        .wait_event(
-            run,
-            |e| matches!(e, EventKind::ToolCalled { id, tool, .. } if *id == w && tool == "exec"),
-        )
-        .await;
-    let EventKind::ToolCalled {
-        detail: exec_detail,
-        ..
-    } = called.kind
-    else {
-        unreachable!("matched above")
-    };
-    let marker = exec_detail
-        .find("PIDS")
-        .expect("the command printed its pids");
-    let leftover = pids_in(&exec_detail[marker..])[0];
     let workdir = node.workdir(run, w);
-    let before = processes_in(&workdir);
-    assert!(
-        before.contains(&leftover),
-        "the leftover runs in the workdir: {before:?}"
-    );
+    let before = wait_processes_in(&workdir, 4).await;
 
     node.stop_job(run, w).await;
     node.wait_status(run, "w", Status::Stopped).await;
@@ -290,23 +275,14 @@ async fn inv_19_a_job_timeout_fails_it_with_class_timeout_and_charges_its_spend(
 
 #[tokio::test]
 async fn inv_17_a_node_shutdown_stops_every_run_and_kills_its_processes() {
-    let worker = agent_md(
-        "tools: [exec]\nscript:\n  - call: {tool: exec, args: {command: \"sleep 305 >/dev/null 2>&1 & echo started\"}}\n  - call: {tool: exec, args: {command: \"exec sleep 306\"}}",
-    );
+    let worker = agent_md(&format!(
+        "tools: [exec]\nscript:\n  - call: {{tool: exec, args: {{command: \"{ESCAPES}\"}}}}"
+    ));
     let node = TestNode::start(&[("worker", &worker)]).await;
     let run = node.run_agent("worker", "go").await;
     let w = node.wait_for(run, "worker").await;
-    node.wait_event(
-        run,
-        |e| matches!(e, EventKind::ToolCalled { tool, .. } if tool == "exec"),
-    )
-    .await;
     let workdir = node.workdir(run, w);
-    let running = processes_in(&workdir);
-    assert!(
-        !running.is_empty(),
-        "the left-behind sleep runs in the workdir"
-    );
+    let running = wait_processes_in(&workdir, 4).await;
     let journal = node.journal().clone();
 
     node.shutdown().await;
