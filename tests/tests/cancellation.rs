@@ -151,14 +151,6 @@ async fn inv_16_a_stopped_run_delivers_no_output_from_anywhere_below() {
     assert_eq!(boss.status, Status::Stopped);
 }
 
-fn pids_in(detail: &str) -> Vec<i32> {
-    detail
-        .split(|c: char| !c.is_ascii_digit())
-        .filter_map(|s| s.parse().ok())
-        .filter(|p| *p > 1)
-        .collect()
-}
-
 /// Every way a command's processes try to outlive it: a background job, one
 /// that called setsid, one whose parent exited (a double fork), and the
 /// foreground process itself.
