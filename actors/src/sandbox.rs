@@ -823,6 +823,60 @@ mod tests {
         assert!(!is_file_beneath(root, "real"), "nor a directory");
     }
 
+    fn args(workdir: &Path, posture: Posture, runs_commands: bool) -> SandboxArgs {
+        SandboxArgs {
+            record: None,
+            workdir: workdir.to_path_buf(),
+            cancel: CancellationToken::new(),
+            exec_timeout: Duration::from_secs(5),
+            resources: Default::default(),
+            network: arbor_protocol::Network::None,
+            posture: Arc::new(posture),
+            runs_commands,
+            env: vec![],
+            secrets: Default::default(),
+        }
+    }
+
+    /// Fail closed: where the kernel cannot seal, a job that may run
+    /// commands gets no sandbox (and so does not start), with the reason;
+    /// one that only reads and writes files starts.
+    #[tokio::test]
+    async fn a_node_that_cannot_seal_refuses_a_sandbox_for_commands() {
+        let dir = tempfile::tempdir().unwrap();
+        let refused = Posture {
+            mode: SandboxIsolation::Sealed,
+            sealed: false,
+            detail: "cannot seal (no user namespaces)".into(),
+        };
+        let work = dir.path().join("a");
+        let err = Actor::spawn(None, Sandbox, args(&work, refused.clone(), true))
+            .await
+            .expect_err("refused");
+        assert!(err.to_string().contains("no user namespaces"), "{err}");
+        assert!(!work.exists(), "nothing was made");
+        let (files_only, _) = Actor::spawn(None, Sandbox, args(&work, refused, false))
+            .await
+            .expect("a sandbox for file tools only starts");
+        files_only.stop(None);
+        // Unsealed by choice: commands run, on the host.
+        let (host, _) = Actor::spawn(
+            None,
+            Sandbox,
+            args(&work, Posture::assumed(SandboxIsolation::None), true),
+        )
+        .await
+        .unwrap();
+        let outcome = ractor::call!(host, |reply| SandboxMsg::Exec {
+            command: "echo $$".into(),
+            timeout: None,
+            reply
+        })
+        .unwrap();
+        assert_ne!(outcome.stdout.trim(), "1", "not a namespace's init");
+        host.stop(None);
+    }
+
     #[test]
     fn write_then_read_round_trips_inside_the_workdir() {
         let dir = tempfile::tempdir().unwrap();

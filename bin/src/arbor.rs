@@ -145,6 +145,10 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
+    // Records of the `log` crate (sled's, hakoniwa's) stop at debug: sled
+    // logs at trace from thread-local destructors at exit, after tracing's
+    // own thread-locals are gone, and that aborts the process.
+    log::set_max_level(log::max_level().min(log::LevelFilter::Debug));
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -298,6 +302,7 @@ async fn run(args: RunArgs) -> Result<ExitCode, Failure> {
     .await
     .map_err(|e| bad(format!("{}: {e}", data_dir.display())))?;
     report_recovery(&node);
+    report_sandbox(&node);
     // A crash left this flow's run unfinished: it was resumed; follow it.
     let run = match node.resumed().last() {
         Some((id, _)) => {
@@ -307,6 +312,16 @@ async fn run(args: RunArgs) -> Result<ExitCode, Failure> {
         None => node.start_run(spec).await.map_err(bad)?,
     };
     follow(node, run, args.json).await
+}
+
+/// The node's sandbox posture, on every run: one line, loud when unsealed.
+fn report_sandbox(node: &EmbeddedNode) {
+    let posture = node.sandbox();
+    if posture.sealed {
+        eprintln!("arbor: sandbox {}", posture.detail);
+    } else {
+        eprintln!("arbor: WARNING: sandbox {}", posture.detail);
+    }
 }
 
 fn report_recovery(node: &EmbeddedNode) {
@@ -435,7 +450,9 @@ async fn follow(
     };
     let root = tree.root();
     if json {
-        let doc = serde_json::json!({ "run": root });
+        // The sandbox posture rides along: a run document says whether its
+        // commands ran sealed.
+        let doc = serde_json::json!({ "run": root, "sandbox": node.sandbox() });
         println!(
             "{}",
             serde_json::to_string_pretty(&doc).context("printing the tree")?

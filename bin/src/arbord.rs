@@ -56,6 +56,10 @@ fn main() -> ExitCode {
         LogFormat::Json => logs.json().init(),
         LogFormat::Text => logs.with_ansi(std::io::stderr().is_terminal()).init(),
     }
+    // Records of the `log` crate (sled's, hakoniwa's) stop at debug: sled
+    // logs at trace from thread-local destructors at exit, after tracing's
+    // own thread-locals are gone, and that aborts the process.
+    log::set_max_level(log::max_level().min(log::LevelFilter::Debug));
     if let Some(Command::Openapi) = cli.command {
         match serde_json::to_string_pretty(&Service::openapi()) {
             Ok(text) => {

@@ -432,10 +432,13 @@ fn the_run_document_over_http_is_the_document_arbor_run_json_prints() {
         assert!(errors.is_empty(), "{errors:?}");
     }
     assert_eq!(
-        shape(&embedded),
-        shape(&served),
+        shape(&embedded["run"]),
+        shape(&served["run"]),
         "the same run, the same document"
     );
+    // `arbor run` adds its embedded node's sandbox posture.
+    assert_eq!(embedded["sandbox"]["mode"], "sealed");
+    assert_eq!(embedded["sandbox"]["sealed"], true);
 }
 
 /// The document without what differs between two runs of the same flow:

@@ -89,6 +89,12 @@ impl Service {
             Token::load_or_create(&config.data_dir).map_err(StartError::Token)?;
         // Interrupted runs are resumed (I-34) and count against the limit.
         let node = Arc::new(EmbeddedNode::start_with(&workspace, &config.data_dir, models).await?);
+        let posture = node.sandbox();
+        if posture.sealed {
+            tracing::info!(detail = %posture.detail, "sandbox");
+        } else {
+            tracing::warn!(detail = %posture.detail, "sandbox");
+        }
         let metrics = metrics::Metrics::new();
         {
             let metrics = metrics.clone();

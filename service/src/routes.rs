@@ -842,6 +842,18 @@ async fn node_status(State(shared): S) -> Reply {
             started_at_ms: shared.started_at_ms,
             uptime_ms: shared.started.elapsed().as_millis() as u64,
             accepting: shared.accepting.load(Ordering::SeqCst),
+            sandbox: {
+                let posture = shared.node.sandbox();
+                SandboxPosture {
+                    mode: match posture.mode {
+                        arbor_actors::seal::SandboxIsolation::Sealed => "sealed",
+                        arbor_actors::seal::SandboxIsolation::None => "none",
+                    }
+                    .into(),
+                    sealed: posture.sealed,
+                    detail: posture.detail.clone(),
+                }
+            },
         },
         admission: AdmissionInfo {
             max_running_runs: shared.config.max_running_runs,

@@ -31,6 +31,19 @@ pub struct NodeInfo {
     pub uptime_ms: u64,
     /// False once a SIGTERM began the drain.
     pub accepting: bool,
+    /// What the node's sandboxes are.
+    pub sandbox: SandboxPosture,
+}
+
+/// The node's sandbox posture, found at start.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct SandboxPosture {
+    /// `sealed` or `none`, as `[sandbox] mode` says.
+    pub mode: String,
+    /// Whether commands run sealed; false for `none`, and for a sealed node
+    /// whose kernel refused (its jobs that run commands are refused).
+    pub sealed: bool,
+    pub detail: String,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]

@@ -229,12 +229,12 @@ async fn inv_27_a_secret_reaches_the_sandbox_and_nothing_else() {
         "[sandbox]\nsecrets_file = {:?}\n",
         file.display().to_string()
     );
-    let leaker = agent_md(&format!(
+    let leaker = agent_md(
         "tools: [exec, read_file]\nsecrets: [API_TOKEN]\nscript:\n\
-         - call: {{tool: exec, args: {{command: \"echo $API_TOKEN; echo $API_TOKEN >&2; echo $API_TOKEN > leak.txt; env | grep -c API_TOKEN=\"}}}}\n\
-         - call: {{tool: read_file, args: {{path: leak.txt}}}}\n\
-         - call: {{tool: submit_output, args: {{output: done}}}}"
-    ));
+         - call: {tool: exec, args: {command: \"echo $API_TOKEN; echo $API_TOKEN >&2; echo $API_TOKEN > leak.txt; env | grep -c API_TOKEN=\"}}\n\
+         - call: {tool: read_file, args: {path: leak.txt}}\n\
+         - call: {tool: submit_output, args: {output: done}}",
+    );
     let models = RecordingModels::new();
     let node = TestNode::start_full(Some(&config), &[("leaker", &leaker)], models.clone()).await;
     let run = node.run_agent("leaker", "go").await;
