@@ -268,17 +268,29 @@ pub async fn spawn(spec: &SealSpec, command: &str) -> Result<SealedChild, String
         std::ffi::CString::new(command).map_err(|_| "the command holds a NUL byte")?,
     ];
     let user = spec.user;
+    // The job's own variables (its secrets) are set by `init`, not handed
+    // to hakoniwa, which logs every variable it is given at debug level.
+    let env = spec
+        .env
+        .iter()
+        .map(|(k, v)| {
+            Ok((
+                std::ffi::CString::new(k.as_str())?,
+                std::ffi::CString::new(v.as_str())?,
+            ))
+        })
+        .collect::<Result<Vec<_>, std::ffi::NulError>>()
+        .map_err(|_| "an environment variable holds a NUL byte")?;
     // SAFETY: the closure runs in the namespace's init, a process forked
     // from a single-threaded one, so it may allocate; it only makes
     // syscalls and execs.
-    let mut cmd = unsafe { container.command_from_closure(move || init(user, &argv)) };
+    let mut cmd = unsafe { container.command_from_closure(move || init(user, &env, &argv)) };
     let workdir = spec.workdir.to_str().ok_or("the workdir is not UTF-8")?;
     cmd.current_dir(workdir)
         .env("PATH", "/usr/local/bin:/usr/bin:/bin")
         .env("HOME", workdir)
         .env("LANG", "C.UTF-8")
         .env("TMPDIR", "/tmp")
-        .envs(spec.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .stdin(std::fs::File::open("/dev/null").map_err(|e| format!("/dev/null: {e}"))?)
         .stdout(hakoniwa::Stdio::piped())
         .stderr(hakoniwa::Stdio::piped());
@@ -323,7 +335,11 @@ pub async fn spawn(spec: &SealSpec, command: &str) -> Result<SealedChild, String
 /// The namespace's init, between hakoniwa's set-up (mounts, rlimits,
 /// no_new_privs) and the command: on a root node, drops to the sandbox's
 /// uid, then execs the shell. Returns only on failure, as the exit code.
-fn init(user: Option<SandboxUser>, argv: &[std::ffi::CString; 3]) -> i32 {
+fn init(
+    user: Option<SandboxUser>,
+    env: &[(std::ffi::CString, std::ffi::CString)],
+    argv: &[std::ffi::CString; 3],
+) -> i32 {
     fn fail(what: &str) -> i32 {
         let e = std::io::Error::last_os_error();
         eprintln!("arbor sandbox: {what}: {e}");
@@ -345,6 +361,11 @@ fn init(user: Option<SandboxUser>, argv: &[std::ffi::CString; 3]) -> i32 {
             // so the namespace still dies with its parent (invariant 1).
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
                 return fail("prctl");
+            }
+        }
+        for (name, value) in env {
+            if libc::setenv(name.as_ptr(), value.as_ptr(), 1) != 0 {
+                return fail("setenv");
             }
         }
         let ptrs = [
