@@ -10,13 +10,16 @@
 //!   cycle in `subagents`, a `sandbox: own` sub-agent that has sub-agents of
 //!   its own (it may not delegate, I-26), and anything else `Workspace::load`
 //!   refuses (arbor.toml, flows);
-//! - warnings: a shared-sandbox sub-agent that declares tools its parent
-//!   lacks or denies (they are dropped: allowlists intersect, I-25);
-//! - info: a `sandbox: own` sub-agent holding tools its parent lacks (it
-//!   keeps them, by I-26).
+//! - warnings: a shared-sandbox sub-agent that declares tools, network or
+//!   secrets its parent lacks or denies (they are dropped: allowlists
+//!   intersect, I-25); an agent that reads untrusted input, holds secrets
+//!   and can send outward, all three at once (it can be talked into sending
+//!   its secrets away);
+//! - info: a `sandbox: own` sub-agent holding tools, network or secrets its
+//!   parent lacks (it keeps them, by I-26).
 
 use crate::workspace::{Workspace, parse_agent, subagent_problems};
-use arbor_protocol::{AgentDef, SandboxMode};
+use arbor_protocol::{AgentDef, Network, SandboxMode};
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -139,12 +142,23 @@ fn across(
                 .map(|t| t.as_str())
                 .filter(|t| !agent.deny.iter().any(|d| d == t))
                 .collect();
-            let beyond: Vec<&str> = child
+            let mut beyond: Vec<String> = child
                 .tools
                 .iter()
                 .map(|t| t.as_str())
                 .filter(|t| !parent_tools.contains(t))
+                .map(String::from)
                 .collect();
+            if child.network == Network::Open && agent.network != Network::Open {
+                beyond.push("network: open".into());
+            }
+            beyond.extend(
+                child
+                    .secrets
+                    .iter()
+                    .filter(|s| !agent.secrets.contains(s))
+                    .map(|s| format!("secret {s}")),
+            );
             if beyond.is_empty() {
                 continue;
             }
@@ -174,6 +188,11 @@ fn across(
             }
         }
     }
+    for (name, agent) in agents {
+        if let Some(message) = trifecta(agent) {
+            push(Level::Warning, name, message);
+        }
+    }
     for cycle in cycles(agents) {
         push(
             Level::Error,
@@ -184,6 +203,24 @@ fn across(
             ),
         );
     }
+}
+
+/// Whether `agent` holds all three of: untrusted input, secrets and a way
+/// out. Today the network is both the way in and the way out: an agent's
+/// only way to send is its commands' network, and what they fetch is
+/// untrusted; so an agent with secrets and `network: open` has all three.
+fn trifecta(agent: &AgentDef) -> Option<String> {
+    if agent.secrets.is_empty() || agent.network != Network::Open {
+        return None;
+    }
+    Some(format!(
+        "reads untrusted input (its commands fetch from the network), holds secrets ({}) and \
+         can send outward (network: open): text it fetched can talk it into sending a secret \
+         away. Break the triangle: move the secret to a `sandbox: own` sub-agent with network: \
+         none that does the one thing the secret is for; or fetch in a sub-agent that holds no \
+         secrets and run this agent with network: none; or drop the secret",
+        agent.secrets.join(", ")
+    ))
 }
 
 /// Each cycle of the `subagents` graph once, from its smallest name.
@@ -243,9 +280,13 @@ mod tests {
         let dir = workspace(&[
             (
                 "boss",
-                "tools: [exec]\nsubagents: [helper, ghost, mute, loner, hand]",
+                "tools: [exec]\nsubagents: [helper, ghost, mute, loner, hand, fetcher]",
             ),
             ("helper", "description: helps\ntools: [exec, write_file]"),
+            (
+                "fetcher",
+                "description: fetches\ntools: [exec]\nnetwork: open\nsecrets: [KEY]",
+            ),
             ("mute", "tools: [exec]"),
             (
                 "loner",
@@ -282,6 +323,16 @@ mod tests {
             "cycle: ping -> pong -> ping",
         );
         has(Level::Warning, "agents/helper/agent.md", "write_file");
+        has(
+            Level::Warning,
+            "agents/fetcher/agent.md",
+            "network: open, secret KEY",
+        );
+        has(
+            Level::Warning,
+            "agents/fetcher/agent.md",
+            "reads untrusted input (its commands fetch from the network), holds secrets (KEY)",
+        );
         has(Level::Info, "agents/loner/agent.md", "read_file");
         assert_eq!(
             all.iter().filter(|(_, _, m)| m.contains("cycle")).count(),

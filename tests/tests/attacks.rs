@@ -362,3 +362,67 @@ async fn inv_25_a_grandchild_cannot_use_what_its_grandparent_was_denied() {
         assert!(!node.workdir(run, id).join("ran.txt").exists(), "{label}");
     }
 }
+
+#[tokio::test]
+async fn inv_26_an_own_sandbox_keeps_its_network_and_secrets_a_shared_one_is_cut_to_its_parents() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let secrets = tempfile::tempdir().unwrap();
+    let file = secrets.path().join("secrets.env");
+    std::fs::write(&file, "CHILD_KEY=child-key-0451\n").unwrap();
+    std::fs::set_permissions(&file, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let config = format!(
+        "[sandbox]\nsecrets_file = {:?}\n",
+        file.display().to_string()
+    );
+    let boss = agent_md(
+        "tools: [exec]\nsubagents: [own, shared]\nscript:\n  - call: {tool: delegate, args: {jobs: [{agent: own, request: go, label: own}, {agent: shared, request: go, label: shared}]}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let child = |sandbox: &str| {
+        exec_agent(
+            &format!("description: a child\nnetwork: open\nsecrets: [CHILD_KEY]\n{sandbox}"),
+            &[&format!(
+                "echo key=${{CHILD_KEY:-none}}; {}",
+                connect_to(port)
+            )],
+        )
+    };
+    let node = TestNode::start_with_config(
+        &config,
+        &[
+            ("boss", &boss),
+            ("own", &child("sandbox: own")),
+            ("shared", &child("")),
+        ],
+    )
+    .await;
+    let run = node.run_agent("boss", "go").await;
+    let tree = node.wait_run(run).await;
+    let result = |label: &str| {
+        let id = tree.find(label).unwrap();
+        node.tool_calls(run)
+            .into_iter()
+            .find(|c| c.job == id && c.tool == "exec")
+            .unwrap_or_else(|| panic!("{label} ran no command"))
+            .detail
+    };
+    let own = result("own");
+    assert!(
+        own.contains("key=[secret CHILD_KEY]") && own.contains("CONNECTED"),
+        "{own}"
+    );
+    let shared = result("shared");
+    assert!(
+        shared.contains("key=none") && shared.contains("REFUSED"),
+        "{shared}"
+    );
+    assert!(
+        listener.accept().is_ok(),
+        "the own sandbox's connection arrived"
+    );
+    assert!(
+        matches!(listener.accept(), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "and only that one"
+    );
+}
