@@ -100,3 +100,43 @@ async fn an_unknown_sandbox_mode_is_refused_before_anything_runs() {
     );
     assert!(!data.path().join("journal").exists(), "nothing was made");
 }
+
+#[tokio::test]
+async fn inv_17_no_sandbox_process_outlives_a_killed_arbor() {
+    let ws = tempfile::tempdir().unwrap();
+    let data = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(ws.path().join("agents/stayer")).unwrap();
+    std::fs::write(
+        ws.path().join("agents/stayer/agent.md"),
+        "---\ntools: [exec]\nscript:\n  \
+         - call: {tool: exec, args: {command: \"sleep 320 & setsid sleep 321 & (sleep 322 &); exec sleep 323\"}}\n\
+         ---\nYou stay.\n",
+    )
+    .unwrap();
+    let mut arbor = tokio::process::Command::new(env!("CARGO_BIN_EXE_arbor"))
+        .args([
+            "run",
+            ws.path().to_str().unwrap(),
+            "--agent",
+            "stayer",
+            "--input",
+            "go",
+        ])
+        .args(["--data-dir", data.path().to_str().unwrap()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let work = data.path().join("work");
+    // Until the workdir exists, no process is found in it.
+    let running = arbor_testkit::wait_processes_in(&work, 4).await;
+    arbor.start_kill().unwrap();
+    arbor.wait().await.unwrap();
+    for pid in running {
+        assert!(
+            arbor_testkit::process_exits_within(pid, std::time::Duration::from_secs(2)).await,
+            "process {pid} outlived a killed arbor"
+        );
+    }
+}
