@@ -18,13 +18,12 @@
 //!    a symlink swapped in between the two is refused too.
 //! 3. Artifacts are what the runtime saw change in the workdir, never a claim (I-24).
 
-use crate::seal::{self, Posture, SandboxIsolation, SandboxUser, SealSpec, SealedChild};
+use crate::seal::{self, Posture, SandboxIsolation, SandboxUser, SealSpec, Spawned, SpawnedStatus};
 use crate::secrets::Secrets;
 use arbor_storage::{SandboxRecord, SandboxState as GroupState};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Component, Path, PathBuf};
-use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 use tokio::io::AsyncReadExt;
@@ -356,61 +355,7 @@ struct ExecJob {
     env: Arc<Vec<(String, String)>>,
 }
 
-/// A command while it runs, sealed or on the host.
-enum Running {
-    Host(tokio::process::Child),
-    Sealed(Box<SealedChild>),
-}
-
-type Pipe = Box<dyn tokio::io::AsyncRead + Unpin + Send>;
-
-impl Running {
-    fn pid(&self) -> Option<i32> {
-        match self {
-            Running::Host(child) => child.id().map(|p| p as i32),
-            Running::Sealed(child) => Some(child.pid()),
-        }
-    }
-
-    fn pipes(&mut self) -> (Option<Pipe>, Option<Pipe>) {
-        fn boxed<R: tokio::io::AsyncRead + Unpin + Send + 'static>(r: R) -> Pipe {
-            Box::new(r)
-        }
-        match self {
-            Running::Host(child) => (
-                child.stdout.take().map(boxed),
-                child.stderr.take().map(boxed),
-            ),
-            Running::Sealed(child) => (
-                child.stdout.take().map(boxed),
-                child.stderr.take().map(boxed),
-            ),
-        }
-    }
-
-    /// The command's exit code, or why it has none.
-    async fn wait(&mut self) -> Result<i32, String> {
-        match self {
-            Running::Host(child) => match child.wait().await {
-                Ok(status) => status
-                    .code()
-                    .ok_or_else(|| format!("the command ended by {status}")),
-                Err(e) => Err(e.to_string()),
-            },
-            Running::Sealed(child) => {
-                let status = child.wait().await?;
-                status.exit_code.ok_or(status.reason)
-            }
-        }
-    }
-
-    fn kill(&mut self, pgid: i32) {
-        kill_group(pgid);
-        if let Running::Sealed(child) = self {
-            child.kill();
-        }
-    }
-}
+type Pipe = tokio::net::unix::pipe::Receiver;
 
 impl ExecJob {
     async fn run(self, command: &str) -> ExecOutcome {
@@ -436,31 +381,32 @@ impl ExecJob {
                 return outcome;
             }
         };
-        let Some(pgid) = child.pid() else {
-            outcome.error = Some("the command exited before it could be tracked".into());
-            return outcome;
-        };
+        let pgid = child.pid();
         if !self.groups.register(pgid).await {
-            child.kill(pgid);
+            kill_group(pgid);
+            child.kill();
             outcome.stopped = true;
             outcome.error = Some("the sandbox ended while the command started".into());
             return outcome;
         }
-        let (stdout, stderr) = child.pipes();
+        let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
         let stdout = tokio::spawn(read_bounded(stdout));
         let stderr = tokio::spawn(read_bounded(stderr));
         tokio::select! {
             status = child.wait() => match status {
-                Ok(code) => outcome.exit_code = Some(code),
+                Ok(SpawnedStatus { exit_code: Some(code), .. }) => outcome.exit_code = Some(code),
+                Ok(SpawnedStatus { reason, .. }) => outcome.error = Some(reason),
                 Err(why) => outcome.error = Some(why),
             },
             _ = tokio::time::sleep(self.timeout) => {
-                child.kill(pgid);
+                kill_group(pgid);
+                child.kill();
                 outcome.timed_out = true;
                 outcome.error = Some(format!("timed out after {}", humantime::format_duration(self.timeout)));
             }
             _ = self.cancel.cancelled() => {
-                child.kill(pgid);
+                kill_group(pgid);
+                child.kill();
                 outcome.stopped = true;
                 outcome.error = Some("stopped: the job was stopped".into());
             }
@@ -478,7 +424,7 @@ impl ExecJob {
         outcome
     }
 
-    async fn start(&self, command: &str) -> Result<Running, String> {
+    async fn start(&self, command: &str) -> Result<Spawned, String> {
         if self.sealed {
             let spec = SealSpec {
                 workdir: self.workdir.clone(),
@@ -489,38 +435,19 @@ impl ExecJob {
             };
             return seal::spawn(&spec, command)
                 .await
-                .map(|c| Running::Sealed(Box::new(c)))
                 .map_err(|e| format!("could not start the command in its sandbox: {e}"));
         }
-        let mut cmd = tokio::process::Command::new("/bin/sh");
-        cmd.arg("-c")
-            .arg(command)
-            .current_dir(&self.workdir)
-            .env_clear()
-            .env("PATH", "/usr/local/bin:/usr/bin:/bin")
-            .env("HOME", &self.workdir)
-            .env("LANG", "C.UTF-8")
-            .envs(self.env.iter().map(|(k, v)| (k, v)))
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(true);
-        let limits = rlimits(&self.resources);
-        // SAFETY: set_pdeathsig and setrlimit are async-signal-safe (one
-        // syscall each); `limits` was built before the fork, so the child
-        // allocates nothing and touches no memory of the parent but its copy.
-        unsafe {
-            cmd.pre_exec(move || {
-                nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)?;
-                for (resource, limit) in &limits {
-                    nix::sys::resource::setrlimit(*resource, *limit, *limit)?;
-                }
-                Ok(())
-            });
-        }
-        cmd.spawn()
-            .map(Running::Host)
+        let mut env = vec![
+            (
+                "PATH".to_string(),
+                "/usr/local/bin:/usr/bin:/bin".to_string(),
+            ),
+            ("HOME".into(), self.workdir.display().to_string()),
+            ("LANG".into(), "C.UTF-8".into()),
+        ];
+        env.extend(self.env.iter().cloned());
+        seal::spawn_host(&self.workdir, env, rlimits(&self.resources), command)
+            .await
             .map_err(|e| format!("could not start the command: {e}"))
     }
 }
@@ -536,7 +463,7 @@ async fn take_output(task: tokio::task::JoinHandle<Vec<u8>>) -> String {
     }
 }
 
-async fn read_bounded<R: tokio::io::AsyncRead + Unpin>(pipe: Option<R>) -> Vec<u8> {
+async fn read_bounded(pipe: Option<Pipe>) -> Vec<u8> {
     let Some(mut pipe) = pipe else {
         return vec![];
     };

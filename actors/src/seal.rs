@@ -13,8 +13,8 @@
 //!    every process in the namespace: its init dies by its parent-death
 //!    signal, and the kernel kills the rest, setsid or double fork or not
 //!    (I-17).
-//! 2. Every sealed process is forked from one thread that lives as long as
-//!    the node (`spawner`): a parent-death signal follows the thread that
+//! 2. Every command a sandbox runs, sealed or not, is forked from one
+//!    thread that lives as long as the node (`spawner`): a parent-death signal follows the thread that
 //!    forked, so a process forked from a pool thread that later exits would
 //!    be killed early, and one forked from a thread of ours dies with the node.
 //! 3. A sealed command never runs as the host's root. A node that is root
@@ -173,9 +173,9 @@ pub struct SealSpec {
     pub env: Vec<(String, String)>,
 }
 
-/// A sealed command while it runs.
-pub struct SealedChild {
-    child: Option<hakoniwa::Child>,
+/// A command while it runs, sealed or (under `mode = "none"`) on the host.
+pub struct Spawned {
+    child: Option<Forked>,
     pid: i32,
     /// Names the forked process whatever happens to its pid (kill and wait are race-free).
     pidfd: tokio::io::unix::AsyncFd<OwnedFd>,
@@ -183,20 +183,51 @@ pub struct SealedChild {
     pub stderr: Option<tokio::net::unix::pipe::Receiver>,
 }
 
-/// How a sealed command ended.
-pub struct SealedStatus {
+enum Forked {
+    /// hakoniwa's process, the parent of the command's namespaces.
+    Sealed(Box<hakoniwa::Child>),
+    /// `/bin/sh` itself, leading a process group on the host.
+    Host(std::process::Child),
+}
+
+impl Forked {
+    /// Blocks until it has exited, reaping it.
+    fn wait(&mut self) -> Result<SpawnedStatus, String> {
+        match self {
+            Forked::Sealed(child) => child
+                .wait()
+                .map(|s| SpawnedStatus {
+                    exit_code: s.exit_code,
+                    reason: s.reason,
+                })
+                .map_err(|e| e.to_string()),
+            Forked::Host(child) => child
+                .wait()
+                .map(|s| SpawnedStatus {
+                    exit_code: s.code(),
+                    reason: format!("the command ended by {s}"),
+                })
+                .map_err(|e| e.to_string()),
+        }
+    }
+}
+
+/// How a command ended.
+pub struct SpawnedStatus {
     /// The command's own exit code; None if it was killed or never started.
     pub exit_code: Option<i32>,
     pub reason: String,
 }
 
-impl SealedChild {
-    /// The pid of the namespace's parent; its process group is the command's.
+impl Spawned {
+    /// The pid of the forked process, which leads the command's process
+    /// group: for a sealed command, the parent of its namespaces.
     pub fn pid(&self) -> i32 {
         self.pid
     }
 
-    /// Kills the whole namespace (invariant 1).
+    /// Kills the forked process: a sealed command's whole namespace with it
+    /// (invariant 1); a host command's group is the caller's to kill.
     pub fn kill(&self) {
         // SAFETY: a plain syscall on a descriptor this struct owns.
         unsafe {
@@ -210,24 +241,65 @@ impl SealedChild {
         }
     }
 
-    /// Waits for the namespace's parent to exit, without holding a thread.
-    pub async fn wait(&mut self) -> Result<SealedStatus, String> {
+    /// Waits for the forked process to exit, without holding a thread meanwhile.
+    pub async fn wait(&mut self) -> Result<SpawnedStatus, String> {
         // A pidfd becomes readable when its process exits.
         let _ready = self.pidfd.readable().await.map_err(|e| e.to_string())?;
         let mut child = self.child.take().ok_or("already waited")?;
-        // It has exited: this reaps it and reads its status pipe, now closed.
-        let status = tokio::task::spawn_blocking(move || child.wait())
+        // It has exited: this reaps it (and reads hakoniwa's status pipe, now closed).
+        tokio::task::spawn_blocking(move || child.wait())
             .await
             .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string())?;
-        Ok(SealedStatus {
-            exit_code: status.exit_code,
-            reason: status.reason,
+    }
+
+    /// Forks `make()`'s child on the spawner thread and tracks it.
+    async fn fork(
+        make: impl FnOnce() -> Result<(Forked, Option<OwnedFd>, Option<OwnedFd>), String>
+        + Send
+        + 'static,
+    ) -> Result<Spawned, String> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        spawner()
+            .send(Box::new(move || {
+                let _ = tx.send(make());
+            }))
+            .map_err(|_| "the spawner thread is gone")?;
+        let (mut child, stdout, stderr) = rx.await.map_err(|_| "the spawner thread is gone")??;
+        let pid = match &child {
+            Forked::Sealed(c) => c.id() as i32,
+            Forked::Host(c) => c.id() as i32,
+        };
+        // SAFETY: a plain syscall. The child is ours and not yet reaped, so
+        // its pid names it.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        if fd < 0 {
+            let e = std::io::Error::last_os_error();
+            // SAFETY: as above: not yet reaped, so the pid is still its.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            let _ = child.wait();
+            return Err(format!("pidfd_open: {e}"));
+        }
+        // SAFETY: the fd was just opened and is owned by nothing else.
+        let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        Ok(Spawned {
+            child: Some(child),
+            pid,
+            // SAFETY: the descriptor is owned by the AsyncFd from here on,
+            // and closed only when it is dropped (and deregistered).
+            pidfd: unsafe {
+                tokio::io::unix::AsyncFd::register_with_interest(
+                    pidfd,
+                    tokio::io::Interest::READABLE,
+                )
+            }
+            .map_err(|e| e.to_string())?,
+            stdout: stdout.map(receiver).transpose()?,
+            stderr: stderr.map(receiver).transpose()?,
         })
     }
 }
 
-impl Drop for SealedChild {
+impl Drop for Spawned {
     fn drop(&mut self) {
         if let Some(mut child) = self.child.take() {
             self.kill();
@@ -260,7 +332,7 @@ fn spawner() -> &'static mpsc::Sender<SpawnJob> {
 }
 
 /// Starts `command` under `/bin/sh -c`, sealed as `spec` says.
-pub async fn spawn(spec: &SealSpec, command: &str) -> Result<SealedChild, String> {
+pub async fn spawn(spec: &SealSpec, command: &str) -> Result<Spawned, String> {
     let container = container(spec)?;
     let argv = [
         c"/bin/sh".to_owned(),
@@ -294,42 +366,65 @@ pub async fn spawn(spec: &SealSpec, command: &str) -> Result<SealedChild, String
         .stdin(std::fs::File::open("/dev/null").map_err(|e| format!("/dev/null: {e}"))?)
         .stdout(hakoniwa::Stdio::piped())
         .stderr(hakoniwa::Stdio::piped());
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    spawner()
-        .send(Box::new(move || {
-            let _ = tx.send(cmd.spawn().map_err(|e| e.to_string()));
-        }))
-        .map_err(|_| "the spawner thread is gone")?;
-    let mut child = rx.await.map_err(|_| "the spawner thread is gone")??;
-    let pid = child.id() as i32;
-    // SAFETY: plain syscalls. The child is ours and not yet reaped, so its
-    // pid names it.
-    let pidfd = unsafe {
-        // Its own process group, so that a restart can kill it by group (I-30).
-        libc::setpgid(pid, pid);
-        let fd = libc::syscall(libc::SYS_pidfd_open, pid, 0);
-        if fd < 0 {
-            let e = std::io::Error::last_os_error();
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(format!("pidfd_open: {e}"));
-        }
-        OwnedFd::from_raw_fd(fd as i32)
-    };
-    let stdout = child.stdout.take().map(receiver).transpose()?;
-    let stderr = child.stderr.take().map(receiver).transpose()?;
-    Ok(SealedChild {
-        child: Some(child),
-        pid,
-        // SAFETY: the descriptor is owned by the AsyncFd from here on, and
-        // closed only when it is dropped (and deregistered).
-        pidfd: unsafe {
-            tokio::io::unix::AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE)
-        }
-        .map_err(|e| e.to_string())?,
-        stdout,
-        stderr,
+    Spawned::fork(move || {
+        let mut child = cmd.spawn().map_err(|e| e.to_string())?;
+        let pid = child.id() as i32;
+        // Its own process group, so that a restart can kill it by group
+        // (I-30); it never execs, so the parent may still set it.
+        // SAFETY: a plain syscall on our own unreaped child.
+        unsafe { libc::setpgid(pid, pid) };
+        let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
+        Ok((
+            Forked::Sealed(Box::new(child)),
+            stdout.map(OwnedFd::from),
+            stderr.map(OwnedFd::from),
+        ))
     })
+    .await
+}
+
+/// Starts `command` under `/bin/sh -c` on the host, unsealed (`mode =
+/// "none"`): in `workdir`, in a process group of its own, with `env` as its
+/// whole environment and `limits` as its rlimits.
+pub async fn spawn_host(
+    workdir: &Path,
+    env: Vec<(String, String)>,
+    limits: Vec<(nix::sys::resource::Resource, u64)>,
+    command: &str,
+) -> Result<Spawned, String> {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = std::process::Command::new("/bin/sh");
+    cmd.arg("-c")
+        .arg(command)
+        .current_dir(workdir)
+        .env_clear()
+        .envs(env)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .process_group(0);
+    // SAFETY: set_pdeathsig and setrlimit are async-signal-safe (one
+    // syscall each); `limits` was built before the fork, so the child
+    // allocates nothing and touches no memory of the parent but its copy.
+    unsafe {
+        cmd.pre_exec(move || {
+            nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)?;
+            for (resource, limit) in &limits {
+                nix::sys::resource::setrlimit(*resource, *limit, *limit)?;
+            }
+            Ok(())
+        });
+    }
+    Spawned::fork(move || {
+        let mut child = cmd.spawn().map_err(|e| e.to_string())?;
+        let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
+        Ok((
+            Forked::Host(child),
+            stdout.map(OwnedFd::from),
+            stderr.map(OwnedFd::from),
+        ))
+    })
+    .await
 }
 
 /// The namespace's init, between hakoniwa's set-up (mounts, rlimits,
@@ -379,8 +474,8 @@ fn init(
     fail("exec /bin/sh")
 }
 
-fn receiver(pipe: std::io::PipeReader) -> Result<tokio::net::unix::pipe::Receiver, String> {
-    tokio::net::unix::pipe::Receiver::from_owned_fd(OwnedFd::from(pipe)).map_err(|e| e.to_string())
+fn receiver(pipe: OwnedFd) -> Result<tokio::net::unix::pipe::Receiver, String> {
+    tokio::net::unix::pipe::Receiver::from_owned_fd(pipe).map_err(|e| e.to_string())
 }
 
 fn container(spec: &SealSpec) -> Result<hakoniwa::Container, String> {
