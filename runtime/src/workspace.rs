@@ -70,14 +70,23 @@ pub struct Config {
 }
 
 /// The node's sandbox limits when arbor.toml's `[sandbox]` does not say.
-/// Processes are not limited by default: without a user namespace the
-/// kernel counts every process of the node's user against RLIMIT_NPROC.
+/// A sealed command's processes are counted apart from everyone else's (a
+/// uid of its sandbox's own, or a user namespace), so 512 stops a fork bomb
+/// and nothing else.
 pub const DEFAULT_SANDBOX: Resources = Resources {
     memory_bytes: Some(4 << 30),
     cpu_secs: Some(600),
     file_size_bytes: Some(1 << 30),
     open_files: Some(1024),
+    processes: Some(512),
+};
+
+/// The defaults under `[sandbox] mode = "none"`: processes are not limited,
+/// because on the host the kernel counts every process of the node's user
+/// against RLIMIT_NPROC.
+pub const DEFAULT_UNSEALED: Resources = Resources {
     processes: None,
+    ..DEFAULT_SANDBOX
 };
 
 /// Why a workspace can't be used. Each message is one line naming the file.
@@ -432,6 +441,7 @@ fn parse_config(text: &str) -> Result<Config, LoadError> {
         let provider = check_provider(&name, block).map_err(|m| invalid(path, m))?;
         providers.insert(name, provider);
     }
+    let isolation = file.sandbox.mode.unwrap_or_default();
     Ok(Config {
         limits: file.limits,
         budget_tokens,
@@ -439,9 +449,17 @@ fn parse_config(text: &str) -> Result<Config, LoadError> {
         providers,
         service: file.service,
         sandbox: resources(&file.sandbox.limits(), "sandbox.")
-            .map(|r| over(r, DEFAULT_SANDBOX))
+            .map(|r| {
+                over(
+                    r,
+                    match isolation {
+                        SandboxIsolation::Sealed => DEFAULT_SANDBOX,
+                        SandboxIsolation::None => DEFAULT_UNSEALED,
+                    },
+                )
+            })
             .map_err(|m| invalid(path, m))?,
-        isolation: file.sandbox.mode.unwrap_or_default(),
+        isolation,
         secrets_file: file.sandbox.secrets_file,
     })
 }

@@ -566,6 +566,15 @@ fn secret_names_must_be_environment_names_and_sandbox_keys_are_checked() {
     assert_eq!(c.isolation, arbor_actors::seal::SandboxIsolation::None);
     assert_eq!(c.secrets_file, Some(PathBuf::from("ws/s.env")));
     assert_eq!(c.sandbox.memory_bytes, Some(1 << 30));
+    assert_eq!(
+        c.sandbox.processes, None,
+        "no process limit unsealed, by default"
+    );
+    assert_eq!(
+        config("").unwrap().sandbox.processes,
+        Some(512),
+        "sealed: 512"
+    );
     for (toml, key) in [
         ("[sandbox]\nmode = \"chroot\"\n", "chroot"),
         ("[sandbox]\nnetwork = \"open\"\n", "network"),
