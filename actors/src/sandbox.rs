@@ -180,12 +180,10 @@ impl Actor for Sandbox {
                     user: state.user,
                     network: state.network,
                     env: state.env.clone(),
+                    secrets: state.secrets.clone(),
                 };
-                let secrets = state.secrets.clone();
                 tokio::spawn(async move {
-                    let mut outcome = job.run(&command).await;
-                    outcome.stdout = secrets.redact(&outcome.stdout);
-                    outcome.stderr = secrets.redact(&outcome.stderr);
+                    let outcome = job.run(&command).await;
                     let _ = myself.cast(SandboxMsg::ExecEnded {
                         changed: outcome.changed.clone(),
                     });
@@ -353,6 +351,8 @@ struct ExecJob {
     user: Option<SandboxUser>,
     network: arbor_protocol::Network,
     env: Arc<Vec<(String, String)>>,
+    /// Cut from its output before it leaves (I-27).
+    secrets: Arc<Secrets>,
 }
 
 type Pipe = tokio::net::unix::pipe::Receiver;
@@ -413,8 +413,8 @@ impl ExecJob {
         }
         // A background process the command left behind may keep the pipes
         // open; what it has written by now is what the model gets.
-        outcome.stdout = take_output(stdout).await;
-        outcome.stderr = take_output(stderr).await;
+        outcome.stdout = take_output(stdout, &self.secrets).await;
+        outcome.stderr = take_output(stderr, &self.secrets).await;
         let after = snapshot(&self.workdir);
         outcome.changed = after
             .iter()
@@ -452,10 +452,19 @@ impl ExecJob {
     }
 }
 
-async fn take_output(task: tokio::task::JoinHandle<Vec<u8>>) -> String {
+/// What a command wrote to one pipe, redacted of every secret value (I-27).
+async fn take_output(task: tokio::task::JoinHandle<(Vec<u8>, bool)>, secrets: &Secrets) -> String {
     let abort = task.abort_handle();
     match tokio::time::timeout(Duration::from_millis(200), task).await {
-        Ok(Ok(bytes)) => String::from_utf8_lossy(&bytes).into_owned(),
+        Ok(Ok((bytes, cut))) => {
+            let text = String::from_utf8_lossy(&bytes);
+            // Cut at the limit, it may end in the start of a value.
+            if cut {
+                secrets.redact_cut(&text)
+            } else {
+                secrets.redact(&text)
+            }
+        }
         _ => {
             abort.abort();
             String::new()
@@ -463,22 +472,25 @@ async fn take_output(task: tokio::task::JoinHandle<Vec<u8>>) -> String {
     }
 }
 
-async fn read_bounded(pipe: Option<Pipe>) -> Vec<u8> {
+/// At most `OUTPUT_LIMIT` bytes of a pipe, read to its end; and whether more was cut.
+async fn read_bounded(pipe: Option<Pipe>) -> (Vec<u8>, bool) {
     let Some(mut pipe) = pipe else {
-        return vec![];
+        return (vec![], false);
     };
     let mut kept = Vec::new();
+    let mut cut = false;
     let mut buf = [0u8; 8192];
     loop {
         match pipe.read(&mut buf).await {
             Ok(0) | Err(_) => break,
             Ok(n) => {
                 let room = OUTPUT_LIMIT.saturating_sub(kept.len());
+                cut |= n > room;
                 kept.extend_from_slice(&buf[..n.min(room)]);
             }
         }
     }
-    kept
+    (kept, cut)
 }
 
 type Snapshot = BTreeMap<String, (u64, Option<SystemTime>)>;
@@ -802,6 +814,39 @@ mod tests {
         .unwrap();
         assert_ne!(outcome.stdout.trim(), "1", "not a namespace's init");
         host.stop(None);
+    }
+
+    /// I-27 at the output limit: a value the limit cuts in two leaves no
+    /// start of itself at the end of what the model gets.
+    #[tokio::test]
+    async fn a_secret_cut_by_the_output_limit_is_cut_out_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let value = "s3cr3t-0123456789";
+        let secrets = Secrets::new(BTreeMap::from([("TOKEN".to_string(), value.to_string())]));
+        let mut args = args(
+            &dir.path().join("w"),
+            Posture::probe(SandboxIsolation::Sealed).await,
+            true,
+        );
+        args.env = vec![("TOKEN".into(), value.into())];
+        args.secrets = Arc::new(secrets);
+        let (sandbox, _) = Actor::spawn(None, Sandbox, args).await.unwrap();
+        // The limit falls 6 bytes into the value.
+        let fill = OUTPUT_LIMIT - 6;
+        let outcome = ractor::call!(sandbox, |reply| SandboxMsg::Exec {
+            command: format!("head -c {fill} /dev/zero | tr '\\0' a; echo $TOKEN"),
+            timeout: None,
+            reply
+        })
+        .unwrap();
+        assert_eq!(outcome.exit_code, Some(0), "{outcome:?}");
+        assert_eq!(
+            outcome.stdout.len(),
+            fill,
+            "cut to the limit, less the value's start"
+        );
+        assert!(outcome.stdout.bytes().all(|b| b == b'a'));
+        sandbox.stop(None);
     }
 
     #[test]

@@ -69,6 +69,24 @@ impl Secrets {
     }
 }
 
+impl Secrets {
+    /// As `redact`, for text that was cut short (a command's output at its
+    /// limit): a value cut by the limit leaves its start at the very end,
+    /// which `redact` cannot recognise, so that start is cut too.
+    pub fn redact_cut(&self, text: &str) -> String {
+        let mut out = self.redact(text);
+        for value in self.values.values() {
+            if let Some(k) = (1..value.len())
+                .rev()
+                .find(|&k| value.is_char_boundary(k) && out.ends_with(&value[..k]))
+            {
+                out.truncate(out.len() - k);
+            }
+        }
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -90,5 +108,19 @@ mod tests {
             .env_for(&BTreeSet::from(["EMPTY".to_string()]))
             .unwrap_err();
         assert!(err.contains("EMPTY"), "{err}");
+    }
+
+    #[test]
+    fn inv_27_a_value_cut_by_the_output_limit_leaves_no_start_behind() {
+        let secrets = Secrets::new(BTreeMap::from([(
+            "TOKEN".to_string(),
+            "s3cr3t-value".to_string(),
+        )]));
+        assert_eq!(secrets.redact_cut("output: s3cr3t-va"), "output: ");
+        assert_eq!(
+            secrets.redact_cut("s3cr3t-value then s"),
+            "[secret TOKEN] then "
+        );
+        assert_eq!(secrets.redact_cut("nothing here"), "nothing here");
     }
 }

@@ -79,11 +79,11 @@ async fn inv_28_a_symlink_left_where_an_artifact_was_is_not_an_artifact() {
     assert!(step.artifacts.is_empty(), "{:?}", step.artifacts);
 }
 
-/// I-26, the parts kept today: a `sandbox: own` sub-agent runs in a workdir
-/// of its own (not below its parent's), keeps the tools it declares though
-/// its parent lacks them, still inherits every deny, may not delegate, and
-/// only its reply reaches the parent (none of its files are the parent's
-/// artifacts). Its own secrets and network wait on sealed sandboxes.
+/// I-26, the tools and the workdir: a `sandbox: own` sub-agent runs in a
+/// workdir of its own (not below its parent's), keeps the tools it declares
+/// though its parent lacks them, still inherits every deny, may not
+/// delegate, and only its reply reaches the parent (none of its files are
+/// the parent's artifacts). Its network and secrets: attacks.rs.
 #[tokio::test]
 async fn inv_26_an_own_sandbox_sub_agent_keeps_its_tools_and_workdir_inherits_denies_and_cannot_delegate()
  {

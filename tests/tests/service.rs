@@ -840,6 +840,8 @@ async fn status_metrics_and_the_openapi_document_describe_the_node() {
     .expect("the step's command starts");
     assert_eq!(status, 200);
     assert_eq!(node["node"]["accepting"], true);
+    assert_eq!(node["node"]["sandbox"]["mode"], "sealed", "{node}");
+    assert_eq!(node["node"]["sandbox"]["sealed"], true, "{node}");
     let live = &node["runs"][0];
     assert_eq!(live["id"], run.to_string());
     assert_eq!(live["children"][0]["id"], step);
