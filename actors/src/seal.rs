@@ -80,36 +80,22 @@ impl Posture {
                     .into(),
             },
             SandboxIsolation::Sealed => {
-                let dir = std::env::temp_dir().join(format!("arbor-probe-{}", std::process::id()));
-                let outcome = async {
-                    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-                    let user = SandboxUser::for_new_sandbox();
-                    if let Some(user) = user {
-                        user.own(&dir)
-                            .map_err(|e| format!("{}: {e}", dir.display()))?;
-                    }
-                    let spec = SealSpec {
-                        workdir: dir.clone(),
-                        user,
-                        network: Network::None,
-                        resources: Resources::default(),
-                        env: vec![],
-                    };
-                    let mut child = spawn(&spec, "true").await?;
-                    child.wait().await.and_then(|s| match s.exit_code {
-                        Some(0) => Ok(()),
-                        _ => Err(s.reason),
-                    })
-                }
-                .await;
-                let _ = std::fs::remove_dir_all(&dir);
+                let outcome = probe_sealed().await;
                 match outcome {
                     Ok(()) => Self {
                         mode,
                         sealed: true,
-                        detail: "sealed: user, pid, mount, ipc, uts and network namespaces; \
-                                 read-only system; workdir writable"
-                            .into(),
+                        detail: match SandboxUser::for_new_sandbox() {
+                            Some(_) => {
+                                "sealed: pid, mount, ipc, uts and network namespaces, \
+                                        a uid per sandbox; read-only system; workdir writable"
+                            }
+                            None => {
+                                "sealed: user (uid 1000), pid, mount, ipc, uts and network \
+                                     namespaces; read-only system; workdir writable"
+                            }
+                        }
+                        .into(),
                     },
                     Err(why) => Self {
                         mode,
@@ -123,7 +109,49 @@ impl Posture {
             }
         }
     }
+}
 
+/// Runs one sealed `true`, once per process: what the kernel allows does
+/// not change while the node runs, and nodes in one process (tests, an
+/// embedder's) share the answer. Each probe has a folder of its own.
+async fn probe_sealed() -> Result<(), String> {
+    static PROBED: tokio::sync::OnceCell<Result<(), String>> = tokio::sync::OnceCell::const_new();
+    PROBED
+        .get_or_init(|| async {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos());
+            let dir =
+                std::env::temp_dir().join(format!("arbor-probe-{}-{nanos}", std::process::id()));
+            let outcome = async {
+                std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+                let user = SandboxUser::for_new_sandbox();
+                if let Some(user) = user {
+                    user.own(&dir)
+                        .map_err(|e| format!("{}: {e}", dir.display()))?;
+                }
+                let spec = SealSpec {
+                    workdir: dir.clone(),
+                    user,
+                    network: Network::None,
+                    resources: Resources::default(),
+                    env: vec![],
+                };
+                let mut child = spawn(&spec, "true").await?;
+                child.wait().await.and_then(|s| match s.exit_code {
+                    Some(0) => Ok(()),
+                    _ => Err(s.reason),
+                })
+            }
+            .await;
+            let _ = std::fs::remove_dir_all(&dir);
+            outcome
+        })
+        .await
+        .clone()
+}
+
+impl Posture {
     /// A posture for tests and tools that run without probing.
     pub fn assumed(mode: SandboxIsolation) -> Self {
         Self {
@@ -605,6 +633,17 @@ mod tests {
         o.read_to_string(&mut out).await.unwrap();
         e.read_to_string(&mut err).await.unwrap();
         (status.exit_code, out, err)
+    }
+
+    /// Nodes started at once in one process (tests, an embedder's) each get
+    /// the sealed posture: no probe removes another's folder.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn probes_at_once_all_find_the_node_sealed() {
+        let probes = (0..8).map(|_| tokio::spawn(Posture::probe(SandboxIsolation::Sealed)));
+        for probe in futures::future::join_all(probes).await {
+            let posture = probe.unwrap();
+            assert!(posture.sealed, "{}", posture.detail);
+        }
     }
 
     #[tokio::test]
