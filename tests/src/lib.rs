@@ -43,6 +43,34 @@ pub fn agent_md(front_matter: &str) -> String {
     format!("---\n{front_matter}\n---\nYou are a test agent.\n")
 }
 
+/// A `script:` (its lines, without the key) that runs each of `commands`
+/// with exec, one a turn, then answers `done`.
+pub fn exec_script(commands: &[&str]) -> String {
+    let mut script = String::new();
+    for command in commands {
+        script.push_str(&format!(
+            "  - call: {{tool: exec, args: {{command: {}}}}}\n",
+            serde_json::to_string(command).expect("a string serializes")
+        ));
+    }
+    script.push_str("  - call: {tool: submit_output, args: {output: done}}\n");
+    script
+}
+
+/// Writes `text` as a secrets file of mode `mode` in `dir`, and returns the
+/// arbor.toml that names it.
+pub fn secrets_file(dir: &std::path::Path, text: &str, mode: u32) -> String {
+    use std::os::unix::fs::PermissionsExt;
+    let file = dir.join("secrets.env");
+    std::fs::write(&file, text).expect("the secrets file is written");
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(mode))
+        .expect("its mode is set");
+    format!(
+        "[sandbox]\nsecrets_file = {:?}\n",
+        file.display().to_string()
+    )
+}
+
 /// One `ToolCalled` event, as `TestNode::tool_calls` gives it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ToolCall {

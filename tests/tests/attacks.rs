@@ -4,20 +4,16 @@
 //! command succeeding where it is allowed.
 
 use arbor_protocol::Status;
-use arbor_testkit::{RecordingModels, TestNode, agent_md, process_exits_within, processes_in};
+use arbor_testkit::{
+    RecordingModels, TestNode, agent_md, exec_script, process_exits_within, processes_in,
+    secrets_file,
+};
 use std::io::Read;
 use std::time::Duration;
 
 /// An agent.md whose script runs `commands` with exec, then answers.
 fn exec_agent(front_matter: &str, commands: &[&str]) -> String {
-    let mut script = String::new();
-    for command in commands {
-        script.push_str(&format!(
-            "  - call: {{tool: exec, args: {{command: {}}}}}\n",
-            serde_json::to_string(command).unwrap()
-        ));
-    }
-    script.push_str("  - call: {tool: submit_output, args: {output: done}}\n");
+    let script = exec_script(commands);
     agent_md(&format!(
         "tools: [exec, read_file]\n{front_matter}\nscript:\n{script}"
     ))
@@ -221,13 +217,11 @@ async fn a_process_that_setsids_does_not_outlive_its_command() {
 #[tokio::test]
 async fn inv_27_a_secret_reaches_the_sandbox_and_nothing_else() {
     let secrets = tempfile::tempdir().unwrap();
-    let file = secrets.path().join("secrets.env");
     let value = "tok-9f8e7d6c5b4a";
-    std::fs::write(&file, format!("# the node's secrets\nAPI_TOKEN={value}\n")).unwrap();
-    std::fs::set_permissions(&file, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
-    let config = format!(
-        "[sandbox]\nsecrets_file = {:?}\n",
-        file.display().to_string()
+    let config = secrets_file(
+        secrets.path(),
+        &format!("# the node's secrets\nAPI_TOKEN={value}\n"),
+        0o600,
     );
     let leaker = agent_md(
         "tools: [exec, read_file]\nsecrets: [API_TOKEN]\nscript:\n\
@@ -299,13 +293,7 @@ async fn inv_27_a_missing_secret_refuses_the_run_and_a_loose_secrets_file_the_no
     );
 
     let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("secrets.env");
-    std::fs::write(&file, "ARBOR_TEST_NEVER_SET=shown-nowhere\n").unwrap();
-    std::fs::set_permissions(&file, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
-    let config = format!(
-        "[sandbox]\nsecrets_file = {:?}\n",
-        file.display().to_string()
-    );
+    let config = secrets_file(dir.path(), "ARBOR_TEST_NEVER_SET=shown-nowhere\n", 0o644);
     let ws = arbor_runtime::Workspace::from_texts(
         dir.path().to_path_buf(),
         Some(&config),
@@ -369,13 +357,7 @@ async fn inv_26_an_own_sandbox_keeps_its_network_and_secrets_a_shared_one_is_cut
     listener.set_nonblocking(true).unwrap();
     let port = listener.local_addr().unwrap().port();
     let secrets = tempfile::tempdir().unwrap();
-    let file = secrets.path().join("secrets.env");
-    std::fs::write(&file, "CHILD_KEY=child-key-0451\n").unwrap();
-    std::fs::set_permissions(&file, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
-    let config = format!(
-        "[sandbox]\nsecrets_file = {:?}\n",
-        file.display().to_string()
-    );
+    let config = secrets_file(secrets.path(), "CHILD_KEY=child-key-0451\n", 0o600);
     let boss = agent_md(
         "tools: [exec]\nsubagents: [own, shared]\nscript:\n  - call: {tool: delegate, args: {jobs: [{agent: own, request: go, label: own}, {agent: shared, request: go, label: shared}]}}\n  - call: {tool: submit_output, args: {output: done}}",
     );

@@ -2,19 +2,12 @@
 //! say is what every command of the job runs under, and a command that
 //! goes past a limit fails; the job, the node and the host go on.
 
-use arbor_testkit::{TestNode, agent_md};
+use arbor_testkit::{TestNode, agent_md, exec_script};
 
 /// Runs one agent whose commands are `commands`, and returns each exec's
 /// tool result detail, in order.
 async fn execs(arbor_toml: &str, resources: &str, commands: &[&str]) -> Vec<(bool, String)> {
-    let mut script = String::new();
-    for command in commands {
-        script.push_str(&format!(
-            "  - call: {{tool: exec, args: {{command: {}}}}}\n",
-            serde_json::to_string(command).unwrap()
-        ));
-    }
-    script.push_str("  - call: {tool: submit_output, args: {output: done}}\n");
+    let script = exec_script(commands);
     let solo = agent_md(&format!("tools: [exec]\n{resources}\nscript:\n{script}"));
     let node = TestNode::start_with_config(arbor_toml, &[("solo", &solo)]).await;
     let run = node.run_agent("solo", "go").await;
