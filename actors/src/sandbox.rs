@@ -124,17 +124,20 @@ impl Actor for Sandbox {
             SandboxIsolation::Sealed => true,
         };
         std::fs::create_dir_all(&args.workdir)?;
+        // A sealed command's workdir is bound at its host path, which must
+        // be absolute and free of symlinks (a data dir may be given relative).
+        let workdir = std::fs::canonicalize(&args.workdir)?;
         let user = if sealed {
             SandboxUser::for_new_sandbox()
         } else {
             None
         };
         if let Some(user) = user {
-            user.own(&args.workdir)?;
+            user.own(&workdir)?;
         }
         Ok(SandboxState {
             user,
-            workdir: args.workdir,
+            workdir,
             cancel: args.cancel,
             exec_timeout: args.exec_timeout,
             resources: args.resources,

@@ -1,7 +1,8 @@
 //! How a sandbox's commands are sealed: Linux namespaces, through hakoniwa.
 //!
-//! Each command runs as the init of its own user, pid, mount, ipc and uts
-//! namespaces, and of its own network namespace unless its agent says
+//! Each command runs as the init of its own pid, mount, ipc and uts
+//! namespaces (and a user namespace, on a node that is not root), and of
+//! its own network namespace unless its agent says
 //! `network: open` (I-28). It sees the system read-only (`/usr`, `/bin`,
 //! `/lib*`, `/sbin` and a short list from `/etc`), its workdir read-write, a
 //! private `/tmp`, `/proc` of its own pid namespace and a minimal `/dev`;
@@ -14,9 +15,10 @@
 //!    signal, and the kernel kills the rest, setsid or double fork or not
 //!    (I-17).
 //! 2. Every command a sandbox runs, sealed or not, is forked from one
-//!    thread that lives as long as the node (`spawner`): a parent-death signal follows the thread that
-//!    forked, so a process forked from a pool thread that later exits would
-//!    be killed early, and one forked from a thread of ours dies with the node.
+//!    thread that lives as long as the node (`spawner`): a parent-death
+//!    signal follows the thread that forked, so a process forked from a
+//!    pool thread that later exits would be killed early, and one forked
+//!    from a thread of ours dies with the node, and only then.
 //! 3. A sealed command never runs as the host's root. A node that is root
 //!    needs no user namespace to make the others: the namespace's init drops
 //!    to a uid of the sandbox's own (`SandboxUser`), owner of its workdir,
@@ -54,8 +56,8 @@ pub enum SandboxIsolation {
     None,
 }
 
-/// What the node can do for its sandboxes, found once at start. Shown at
-/// start, in `/v1/status` and in every run's document.
+/// What the node can do for its sandboxes, found at start (the probe runs
+/// once per process). Shown at start, in `/v1/status` and in every run's document.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct Posture {
     /// What arbor.toml asked for.
@@ -292,7 +294,10 @@ impl Spawned {
                 let _ = tx.send(make());
             }))
             .map_err(|_| "the spawner thread is gone")?;
-        let (mut child, stdout, stderr) = rx.await.map_err(|_| "the spawner thread is gone")??;
+        // A dropped reply: the fork panicked (and the spawner went on).
+        let (mut child, stdout, stderr) = rx
+            .await
+            .map_err(|_| "the command's fork failed inside arbor; see the node's log")??;
         let pid = match &child {
             Forked::Sealed(c) => c.id() as i32,
             Forked::Host(c) => c.id() as i32,
@@ -351,7 +356,11 @@ fn spawner() -> &'static mpsc::Sender<SpawnJob> {
             .name("arbor-spawner".into())
             .spawn(move || {
                 for job in rx {
-                    job();
+                    // A panic in a fork must not end this thread: every
+                    // command forked from it would die with it (I-38).
+                    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
+                        tracing::error!("a command's fork panicked; the spawner goes on");
+                    }
                 }
             })
             .expect("the node can start a thread");

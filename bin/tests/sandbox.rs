@@ -140,3 +140,35 @@ async fn inv_17_no_sandbox_process_outlives_a_killed_arbor() {
         );
     }
 }
+
+/// `arbor run DIR` with DIR relative, as the README runs its example: the
+/// data dir is relative too, and a sealed command still runs in its workdir.
+#[tokio::test]
+async fn a_relative_workspace_runs_its_commands_sealed() {
+    let top = tempfile::tempdir().unwrap();
+    let ws = top.path().join("ws");
+    std::fs::create_dir_all(ws.join("agents/writer")).unwrap();
+    std::fs::write(
+        ws.join("agents/writer/agent.md"),
+        "---\ntools: [exec]\nscript:\n  \
+         - call: {tool: exec, args: {command: \"echo hi > out.txt\"}}\n  \
+         - call: {tool: submit_output, args: {output: written}}\n---\nYou write.\n",
+    )
+    .unwrap();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_arbor"))
+        .args(["run", "ws", "--agent", "writer", "--input", "go", "--json"])
+        .current_dir(top.path())
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let step = &doc["run"]["children"][0];
+    assert_eq!(step["artifacts"], serde_json::json!(["out.txt"]), "{doc}");
+    let workdir = top.path().join(step["workdir"].as_str().unwrap());
+    assert_eq!(
+        std::fs::read_to_string(workdir.join("out.txt")).unwrap(),
+        "hi\n"
+    );
+}
