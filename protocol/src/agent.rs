@@ -20,7 +20,8 @@ pub struct AgentDef {
     pub subagents: Vec<String>,
     pub sandbox: SandboxMode,
     pub network: Network,
-    /// Secret names; values come from the node's environment (I-27).
+    /// Secret names; values come from the node's secrets file or its
+    /// environment, and reach only its commands' environment (I-27).
     pub secrets: Vec<String>,
     /// The most one job of this agent may be granted, in tokens.
     pub budget_tokens: Option<u64>,
@@ -38,7 +39,8 @@ pub struct AgentDef {
     pub resources: Resources,
 }
 
-/// Limits on every process a sandbox runs (set with setrlimit before exec).
+/// Limits on every process a sandbox runs (set with setrlimit before exec,
+/// soft and hard alike).
 /// `None`: not limited by arbor.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Resources {
@@ -50,8 +52,9 @@ pub struct Resources {
     pub file_size_bytes: Option<u64>,
     /// Open files (RLIMIT_NOFILE).
     pub open_files: Option<u64>,
-    /// Processes (RLIMIT_NPROC; without a user namespace the kernel counts
-    /// every process of the node's user against it).
+    /// Processes (RLIMIT_NPROC). Sealed, a sandbox's processes are counted
+    /// apart (a uid of its own, or a user namespace); unsealed, the kernel
+    /// counts every process of the node's user against it.
     pub processes: Option<u64>,
 }
 
