@@ -307,6 +307,11 @@ pub async fn status(client: &Client, args: StatusArgs) -> Outcome {
         status.journal.fsyncs,
         if n.accepting { "" } else { " · DRAINING" }
     );
+    if n.sandbox.sealed {
+        anstream::println!("sandbox {}", n.sandbox.detail);
+    } else {
+        anstream::println!("WARNING: sandbox {}", n.sandbox.detail);
+    }
     let r = &status.recovery;
     if !r.jobs_failed.is_empty() || !r.runs_resumed.is_empty() || !r.processes_killed.is_empty() {
         anstream::println!(

@@ -355,7 +355,13 @@ fn the_status_cli_exit_codes() {
     let done = arbord.submit(&["--flow", "hello"]);
     assert_eq!(code(&arbord.arbor(&["watch", &done])), 0);
     assert_eq!(code(&arbord.arbor(&["show", &done])), 0);
-    assert_eq!(code(&arbord.arbor(&["status"])), 0);
+    let status = arbord.arbor(&["status"]);
+    assert_eq!(code(&status), 0);
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(
+        text.contains("\nsandbox sealed: "),
+        "the posture is shown: {text}"
+    );
     assert_eq!(code(&arbord.arbor(&["runs"])), 0);
     // 1: a run that failed or was stopped.
     let stopped = arbord.submit(&["--agent", "slow", "--input", "wait"]);
