@@ -18,6 +18,8 @@ pub struct NodeContext {
     pub models: Arc<dyn ModelFactory>,
     /// Workdirs are made below this: `<work_root>/<run>/...`.
     pub work_root: PathBuf,
+    /// Sealed commands' root folders are made below this (swept at start).
+    pub sandbox_roots: PathBuf,
     /// What the node's sandboxes can be: sealed, or not and why.
     pub sandbox: Arc<crate::seal::Posture>,
     /// The values of the secrets agents declare, by name (I-27). Read when a

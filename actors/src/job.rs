@@ -241,6 +241,7 @@ impl Actor for Job {
                         && !start.policy.denied.contains(ToolName::Exec.as_str()),
                     env,
                     secrets: ctx.secrets.clone(),
+                    roots: Some(ctx.sandbox_roots.clone()),
                 },
                 cell.clone(),
             )

@@ -59,6 +59,8 @@ pub struct SandboxArgs {
     pub env: Vec<(String, String)>,
     /// Cut from every byte it hands back (I-27).
     pub secrets: Arc<Secrets>,
+    /// Where its sealed commands' root folders are made (`SealSpec::roots`).
+    pub roots: Option<PathBuf>,
 }
 
 pub enum SandboxMsg {
@@ -145,6 +147,7 @@ impl Actor for Sandbox {
             network: args.network,
             env: Arc::new(args.env),
             secrets: args.secrets,
+            roots: args.roots,
             groups: ProcessGroups::new(args.record),
             artifacts: BTreeSet::new(),
         })
@@ -184,6 +187,7 @@ impl Actor for Sandbox {
                     network: state.network,
                     env: state.env.clone(),
                     secrets: state.secrets.clone(),
+                    roots: state.roots.clone(),
                 };
                 tokio::spawn(async move {
                     let outcome = job.run(&command).await;
@@ -239,6 +243,7 @@ pub struct SandboxState {
     network: arbor_protocol::Network,
     env: Arc<Vec<(String, String)>>,
     secrets: Arc<Secrets>,
+    roots: Option<PathBuf>,
     groups: ProcessGroups,
     artifacts: BTreeSet<String>,
 }
@@ -356,6 +361,7 @@ struct ExecJob {
     env: Arc<Vec<(String, String)>>,
     /// Cut from its output before it leaves (I-27).
     secrets: Arc<Secrets>,
+    roots: Option<PathBuf>,
 }
 
 type Pipe = tokio::net::unix::pipe::Receiver;
@@ -435,6 +441,7 @@ impl ExecJob {
                 network: self.network,
                 resources: self.resources,
                 env: self.env.to_vec(),
+                roots: self.roots.clone(),
             };
             return seal::spawn(&spec, command)
                 .await
@@ -777,6 +784,7 @@ mod tests {
             runs_commands,
             env: vec![],
             secrets: Default::default(),
+            roots: Some(workdir.with_extension("roots")),
         }
     }
 

@@ -138,6 +138,7 @@ async fn probe_sealed() -> Result<(), String> {
                     network: Network::None,
                     resources: Resources::default(),
                     env: vec![],
+                    roots: None,
                 };
                 let mut child = spawn(&spec, "true").await?;
                 child.wait().await.and_then(|s| match s.exit_code {
@@ -201,11 +202,17 @@ pub struct SealSpec {
     pub resources: Resources,
     /// The whole environment, beyond PATH, HOME, LANG and TMPDIR.
     pub env: Vec<(String, String)>,
+    /// Where the command's root folder is made (one folder each, removed
+    /// when it ends); None: the temporary folder. A node puts them in its
+    /// data dir, so that what a crash leaves is swept at the next start.
+    pub roots: Option<PathBuf>,
 }
 
 /// A command while it runs, sealed or (under `mode = "none"`) on the host.
 pub struct Spawned {
     child: Option<Forked>,
+    /// The root folder made for it, removed once it has been reaped.
+    root: Option<PathBuf>,
     pid: i32,
     /// Names the forked process whatever happens to its pid (kill and wait are race-free).
     pidfd: tokio::io::unix::AsyncFd<OwnedFd>,
@@ -276,14 +283,20 @@ impl Spawned {
         // A pidfd becomes readable when its process exits.
         let _ready = self.pidfd.readable().await.map_err(|e| e.to_string())?;
         let mut child = self.child.take().ok_or("already waited")?;
+        let root = self.root.take();
         // It has exited: this reaps it (and reads hakoniwa's status pipe, now closed).
-        tokio::task::spawn_blocking(move || child.wait())
-            .await
-            .map_err(|e| e.to_string())?
+        tokio::task::spawn_blocking(move || {
+            let status = child.wait();
+            remove_root(root);
+            status
+        })
+        .await
+        .map_err(|e| e.to_string())?
     }
 
     /// Forks `make()`'s child on the spawner thread and tracks it.
     async fn fork(
+        root: Option<PathBuf>,
         make: impl FnOnce() -> Result<(Forked, Option<OwnedFd>, Option<OwnedFd>), String>
         + Send
         + 'static,
@@ -310,12 +323,14 @@ impl Spawned {
             // SAFETY: as above: not yet reaped, so the pid is still its.
             unsafe { libc::kill(pid, libc::SIGKILL) };
             let _ = child.wait();
+            remove_root(root);
             return Err(format!("pidfd_open: {e}"));
         }
         // SAFETY: the fd was just opened and is owned by nothing else.
         let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
         Ok(Spawned {
             child: Some(child),
+            root,
             pid,
             // SAFETY: the descriptor is owned by the AsyncFd from here on,
             // and closed only when it is dropped (and deregistered).
@@ -336,9 +351,11 @@ impl Drop for Spawned {
     fn drop(&mut self) {
         if let Some(mut child) = self.child.take() {
             self.kill();
+            let root = self.root.take();
             // Reap it off the async threads: it is dying, the wait is short.
             std::thread::spawn(move || {
                 let _ = child.wait();
+                remove_root(root);
             });
         }
     }
@@ -370,7 +387,6 @@ fn spawner() -> &'static mpsc::Sender<SpawnJob> {
 
 /// Starts `command` under `/bin/sh -c`, sealed as `spec` says.
 pub async fn spawn(spec: &SealSpec, command: &str) -> Result<Spawned, String> {
-    let container = container(spec)?;
     let argv = [
         c"/bin/sh".to_owned(),
         c"-c".to_owned(),
@@ -390,20 +406,33 @@ pub async fn spawn(spec: &SealSpec, command: &str) -> Result<Spawned, String> {
         })
         .collect::<Result<Vec<_>, std::ffi::NulError>>()
         .map_err(|_| "an environment variable holds a NUL byte")?;
+    let workdir = spec.workdir.to_str().ok_or("the workdir is not UTF-8")?;
+    let null = std::fs::File::open("/dev/null").map_err(|e| format!("/dev/null: {e}"))?;
+    let mut container = container(spec)?;
+    // Made last: nothing after it fails before the fork, which removes it.
+    let root = match &spec.roots {
+        Some(roots) => {
+            let root = roots.join(unique_name());
+            std::fs::create_dir_all(&root).map_err(|e| format!("{}: {e}", root.display()))?;
+            container.rootdir(&root);
+            Some(root)
+        }
+        None => None,
+    };
     // SAFETY: the closure runs in the namespace's init, a process forked
     // from a single-threaded one, so it may allocate; it only makes
     // syscalls and execs.
     let mut cmd = unsafe { container.command_from_closure(move || init(user, &env, &argv)) };
-    let workdir = spec.workdir.to_str().ok_or("the workdir is not UTF-8")?;
     cmd.current_dir(workdir)
         .env("PATH", "/usr/local/bin:/usr/bin:/bin")
         .env("HOME", workdir)
         .env("LANG", "C.UTF-8")
         .env("TMPDIR", "/tmp")
-        .stdin(std::fs::File::open("/dev/null").map_err(|e| format!("/dev/null: {e}"))?)
+        .stdin(null)
         .stdout(hakoniwa::Stdio::piped())
         .stderr(hakoniwa::Stdio::piped());
-    Spawned::fork(move || {
+    let made = root.clone();
+    let spawned = Spawned::fork(root, move || {
         let mut child = cmd.spawn().map_err(|e| e.to_string())?;
         let pid = child.id() as i32;
         // Its own process group, so that a restart can kill it by group
@@ -417,7 +446,32 @@ pub async fn spawn(spec: &SealSpec, command: &str) -> Result<Spawned, String> {
             stderr.map(OwnedFd::from),
         ))
     })
-    .await
+    .await;
+    if spawned.is_err() {
+        remove_root(made);
+    }
+    spawned
+}
+
+/// A name no other folder made by this process has.
+fn unique_name() -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{}-{nanos}-{n}", std::process::id())
+}
+
+/// Removes a command's root folder: only the empty mount points and the
+/// two files (`/etc/passwd`, `/etc/group`) hakoniwa made in it on the host.
+fn remove_root(root: Option<PathBuf>) {
+    if let Some(root) = root
+        && let Err(e) = std::fs::remove_dir_all(&root)
+        && e.kind() != std::io::ErrorKind::NotFound
+    {
+        tracing::warn!(root = %root.display(), error = %e, "could not remove a command's root folder");
+    }
 }
 
 /// Starts `command` under `/bin/sh -c` on the host, unsealed (`mode =
@@ -452,7 +506,7 @@ pub async fn spawn_host(
             Ok(())
         });
     }
-    Spawned::fork(move || {
+    Spawned::fork(None, move || {
         let mut child = cmd.spawn().map_err(|e| e.to_string())?;
         let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
         Ok((
@@ -668,6 +722,7 @@ mod tests {
             network: Network::None,
             resources: Resources::default(),
             env: vec![("GREETING".into(), "hi".into())],
+            roots: Some(dir.path().join("roots")),
         };
         let (code, out, err) = run(
             &spec,

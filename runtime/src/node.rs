@@ -1,7 +1,8 @@
 //! The embedded node: a journal on disk, the actor tree, and a handle to drive
 //! it. `arbor run` and the test harness both start one of these.
 //!
-//! Layout of a data dir: `journal/` (sled) and `work/<run>/...` (workdirs).
+//! Layout of a data dir: `journal/` (sled), `work/<run>/...` (workdirs) and
+//! `roots/` (sealed commands' root folders, swept at every start).
 
 use crate::providers::Models;
 use crate::recovery::{self, RecoveryReport, RunOutcome};
@@ -83,11 +84,19 @@ impl EmbeddedNode {
                 .collect(),
             models,
             work_root: data_dir.join("work"),
+            sandbox_roots: data_dir.join("roots"),
             sandbox,
             secrets: Arc::new(secrets),
         });
         // Recovery before anything new starts (I-30 to I-35).
         let recovery = recovery::recover(&ctx.journal, &ctx.events).await?;
+        // Root folders a crash left: their commands died with the node, or
+        // recovery just killed them; nothing new has started.
+        if let Err(e) = std::fs::remove_dir_all(&ctx.sandbox_roots)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(error = %e, "could not sweep the sandboxes' root folders");
+        }
         let (node, join) = ractor::Actor::spawn(None, Node, NodeArgs { ctx: ctx.clone() })
             .await
             .map_err(|e| Error::Start(format!("the node could not start: {e}")))?;

@@ -71,6 +71,7 @@ fn args(workdir: &Path, posture: &Arc<Posture>) -> SandboxArgs {
         runs_commands: true,
         env: vec![],
         secrets: Default::default(),
+        roots: Some(workdir.with_extension("roots")),
     }
 }
 

@@ -408,3 +408,23 @@ async fn inv_26_an_own_sandbox_keeps_its_network_and_secrets_a_shared_one_is_cut
         "and only that one"
     );
 }
+
+/// A sealed command's root folder (its mount points, and the passwd and
+/// group files of its `/etc`) is removed when it ends; what a crash leaves
+/// is swept when the node starts again.
+#[tokio::test]
+async fn root_folders_go_when_their_commands_end_and_a_restart_sweeps_the_rest() {
+    let solo = exec_agent("", &["true", "echo done"]);
+    let node = TestNode::start(&[("solo", &solo)]).await;
+    let roots = node.data_dir().join("roots");
+    let (_, results) = run_execs(&node, "solo").await;
+    assert_eq!(results.len(), 2);
+    let left: Vec<_> = std::fs::read_dir(&roots).unwrap().collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    // What a SIGKILLed node leaves.
+    std::fs::create_dir_all(roots.join("stale/etc")).unwrap();
+    std::fs::write(roots.join("stale/etc/passwd"), "root:x:0:0::/:/bin/sh\n").unwrap();
+    let node = node.crash_and_restart().await;
+    assert!(!roots.join("stale").exists(), "a restart sweeps the roots");
+    drop(node);
+}

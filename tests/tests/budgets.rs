@@ -17,6 +17,7 @@ async fn lone_account(dir: &std::path::Path, grant: u64) -> (ActorRefAccount, Jo
         agents: Default::default(),
         models: Arc::new(DefaultModels),
         work_root: dir.join("work"),
+        sandbox_roots: dir.join("roots"),
         sandbox: Arc::new(arbor_actors::seal::Posture::assumed(
             arbor_actors::seal::SandboxIsolation::Sealed,
         )),
