@@ -338,6 +338,10 @@ impl ProcessGroups {
         {
             tracing::error!(%error, "could not journal ended process groups");
         }
+        // Closed: nothing is recorded again, and a command's task that is
+        // still ending must not keep the journal open (a node started again
+        // in this process would find it locked).
+        inner.recorder = None;
         groups.len()
     }
 }
