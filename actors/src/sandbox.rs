@@ -138,16 +138,18 @@ impl Actor for Sandbox {
             user.own(&workdir)?;
         }
         Ok(SandboxState {
-            user,
-            workdir,
+            how: Arc::new(HowCommandsRun {
+                workdir,
+                resources: args.resources,
+                sealed,
+                user,
+                network: args.network,
+                env: args.env,
+                secrets: args.secrets,
+                roots: args.roots,
+            }),
             cancel: args.cancel,
             exec_timeout: args.exec_timeout,
-            resources: args.resources,
-            sealed,
-            network: args.network,
-            env: Arc::new(args.env),
-            secrets: args.secrets,
-            roots: args.roots,
             groups: ProcessGroups::new(args.record),
             artifacts: BTreeSet::new(),
         })
@@ -177,17 +179,10 @@ impl Actor for Sandbox {
                 // The command runs in its own task: the mailbox stays free for
                 // KillAll while it runs.
                 let job = ExecJob {
-                    workdir: state.workdir.clone(),
+                    how: state.how.clone(),
                     groups: state.groups.clone(),
                     cancel: state.cancel.clone(),
                     timeout: timeout.unwrap_or(state.exec_timeout),
-                    resources: state.resources,
-                    sealed: state.sealed,
-                    user: state.user,
-                    network: state.network,
-                    env: state.env.clone(),
-                    secrets: state.secrets.clone(),
-                    roots: state.roots.clone(),
                 };
                 tokio::spawn(async move {
                     let outcome = job.run(&command).await;
@@ -201,7 +196,8 @@ impl Actor for Sandbox {
                 state.artifacts.extend(changed);
             }
             SandboxMsg::ReadFile { path, reply } => {
-                let read = read_confined(&state.workdir, &path).map(|t| state.secrets.redact(&t));
+                let read =
+                    read_confined(&state.how.workdir, &path).map(|t| state.how.secrets.redact(&t));
                 let _ = reply.send(read);
             }
             SandboxMsg::WriteFile {
@@ -209,7 +205,7 @@ impl Actor for Sandbox {
                 content,
                 reply,
             } => {
-                let result = write_confined(&state.workdir, &path, &content, state.user);
+                let result = write_confined(&state.how.workdir, &path, &content, state.how.user);
                 if result.is_ok() {
                     state.artifacts.insert(normalize(&path));
                 }
@@ -219,7 +215,7 @@ impl Actor for Sandbox {
                 let present = state
                     .artifacts
                     .iter()
-                    .filter(|p| is_file_beneath(&state.workdir, p))
+                    .filter(|p| is_file_beneath(&state.how.workdir, p))
                     .cloned()
                     .collect();
                 let _ = reply.send(present);
@@ -233,19 +229,28 @@ impl Actor for Sandbox {
 }
 
 pub struct SandboxState {
-    workdir: PathBuf,
+    /// How its commands run; every command's task shares it.
+    how: Arc<HowCommandsRun>,
     cancel: CancellationToken,
     exec_timeout: Duration,
+    groups: ProcessGroups,
+    artifacts: BTreeSet<String>,
+}
+
+/// What every command of a sandbox runs with, fixed when the sandbox starts.
+struct HowCommandsRun {
+    /// Canonical: a sealed command's workdir is bound at this host path.
+    workdir: PathBuf,
     resources: arbor_protocol::Resources,
     sealed: bool,
     /// Who its commands run as, on a root node.
     user: Option<SandboxUser>,
     network: arbor_protocol::Network,
-    env: Arc<Vec<(String, String)>>,
+    /// Beyond the allowlist: the job's secrets (I-27).
+    env: Vec<(String, String)>,
+    /// Cut from every byte that leaves (I-27).
     secrets: Arc<Secrets>,
     roots: Option<PathBuf>,
-    groups: ProcessGroups,
-    artifacts: BTreeSet<String>,
 }
 
 impl Drop for SandboxState {
@@ -354,18 +359,10 @@ fn kill_group(pgid: i32) {
 }
 
 struct ExecJob {
-    workdir: PathBuf,
+    how: Arc<HowCommandsRun>,
     groups: ProcessGroups,
     cancel: CancellationToken,
     timeout: Duration,
-    resources: arbor_protocol::Resources,
-    sealed: bool,
-    user: Option<SandboxUser>,
-    network: arbor_protocol::Network,
-    env: Arc<Vec<(String, String)>>,
-    /// Cut from its output before it leaves (I-27).
-    secrets: Arc<Secrets>,
-    roots: Option<PathBuf>,
 }
 
 type Pipe = tokio::net::unix::pipe::Receiver;
@@ -386,7 +383,7 @@ impl ExecJob {
             outcome.error = Some("the job is stopping; the command was not started".into());
             return outcome;
         }
-        let before = snapshot(&self.workdir);
+        let before = snapshot(&self.how.workdir);
         let mut child = match self.start(command).await {
             Ok(child) => child,
             Err(e) => {
@@ -426,9 +423,9 @@ impl ExecJob {
         }
         // A background process the command left behind may keep the pipes
         // open; what it has written by now is what the model gets.
-        outcome.stdout = take_output(stdout, &self.secrets).await;
-        outcome.stderr = take_output(stderr, &self.secrets).await;
-        let after = snapshot(&self.workdir);
+        outcome.stdout = take_output(stdout, &self.how.secrets).await;
+        outcome.stderr = take_output(stderr, &self.how.secrets).await;
+        let after = snapshot(&self.how.workdir);
         outcome.changed = after
             .iter()
             .filter(|(path, meta)| before.get(*path) != Some(meta))
@@ -438,14 +435,14 @@ impl ExecJob {
     }
 
     async fn start(&self, command: &str) -> Result<Spawned, String> {
-        if self.sealed {
+        if self.how.sealed {
             let spec = SealSpec {
-                workdir: self.workdir.clone(),
-                user: self.user,
-                network: self.network,
-                resources: self.resources,
-                env: self.env.to_vec(),
-                roots: self.roots.clone(),
+                workdir: self.how.workdir.clone(),
+                user: self.how.user,
+                network: self.how.network,
+                resources: self.how.resources,
+                env: self.how.env.clone(),
+                roots: self.how.roots.clone(),
             };
             return seal::spawn(&spec, command)
                 .await
@@ -456,13 +453,18 @@ impl ExecJob {
                 "PATH".to_string(),
                 "/usr/local/bin:/usr/bin:/bin".to_string(),
             ),
-            ("HOME".into(), self.workdir.display().to_string()),
+            ("HOME".into(), self.how.workdir.display().to_string()),
             ("LANG".into(), "C.UTF-8".into()),
         ];
-        env.extend(self.env.iter().cloned());
-        seal::spawn_host(&self.workdir, env, rlimits(&self.resources), command)
-            .await
-            .map_err(|e| format!("could not start the command: {e}"))
+        env.extend(self.how.env.iter().cloned());
+        seal::spawn_host(
+            &self.how.workdir,
+            env,
+            rlimits(&self.how.resources),
+            command,
+        )
+        .await
+        .map_err(|e| format!("could not start the command: {e}"))
     }
 }
 
