@@ -123,6 +123,8 @@ impl Actor for Sandbox {
                 )
                 .into());
             }
+            // Files only: a command, were one asked for, would be tried
+            // sealed and fail; never run unsealed.
             SandboxIsolation::Sealed => true,
         };
         std::fs::create_dir_all(&args.workdir)?;
