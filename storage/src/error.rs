@@ -44,6 +44,11 @@ pub enum Error {
     /// held for it may be lost, so nothing after it is acknowledged.
     #[error("cannot sync {path} to disk: {error}")]
     Sync { path: String, error: String },
+    /// The write-ahead log cannot be read back as written: a damaged frame
+    /// before the newest segment's tail, or frames that skip seqs. Says which
+    /// segment and where.
+    #[error("the journal's write-ahead log is damaged: {0}")]
+    Wal(String),
     /// A fault injected through `Journal::faults` (tests only): `"write"` or `"flush"`.
     #[error("injected fault: the journal's {0} failed")]
     Injected(&'static str),

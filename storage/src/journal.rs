@@ -1,9 +1,10 @@
 //! The journal handle: opening the sled db, appending records in seq order,
 //! group commit, and reads.
 //!
-//! A `Journal` is a cheap clone of an `Arc`. Behind it, one dedicated thread
-//! (the flusher) owns every `db.flush()` and every sync of sled's files
-//! (`fsync`); callers never flush themselves.
+//! A `Journal` is a cheap clone of an `Arc`. Behind it, two dedicated threads:
+//! the flusher owns the write-ahead log (`wal.rs`) and every sync of it, and
+//! the checkpointer owns every `db.flush()` and every sync of sled's files
+//! (`fsync.rs`). Callers never flush themselves.
 //!
 //! Invariants:
 //! 1. Seq order is apply order: one mutex covers handing out seqs *and*
@@ -22,18 +23,24 @@
 //!    write stops the node from taking new work, and nothing is acknowledged
 //!    that a failed sync may have lost.
 //!
-//! What a completed flush promises: sled's `flush` and then an `fdatasync` of
-//! its `db` file (and an `fsync` of any new blob file first), see `fsync`.
-//! Everything at or below `durable_seq` is then on the device past its cache,
-//! so it survives a crash of the process, of the kernel and a power cut, on a
-//! filesystem and device that honour `fdatasync` (not over a disk that lies
-//! about its write cache, and see `fsync` for sled's own blob gap).
+//! What a completed flush promises: every frame queued up to its seq was
+//! written to the log's open segment and `fdatasync`ed. Everything at or
+//! below `durable_seq` is then on the device past its cache, so it survives a
+//! crash of the process, of the kernel and a power cut, on a filesystem and
+//! device that honour `fdatasync` (not over a disk that lies about its write
+//! cache). An open replays what sled lost from the log (`wal.rs`, invariant 4).
 //!
 //! Group commit: `commit` sends a waiter to the flusher and awaits a oneshot.
-//! The flusher takes every waiter queued so far, reads the last applied seq,
-//! flushes once, publishes that seq as durable and wakes them all. Commits that
-//! arrive during a flush are served together by the next one, so under load
-//! the number of flushes stays far below the number of commits.
+//! The flusher takes every waiter queued so far and every frame queued so far,
+//! writes the frames with one `write` and one `fdatasync`, publishes the last
+//! seq they carry as durable and wakes them all. Commits that arrive during a
+//! flush are served together by the next one, so under load the number of
+//! flushes stays far below the number of commits.
+//!
+//! Checkpoints: once `CHECKPOINT_BYTES` of frames have been written, the
+//! flusher starts a new segment and hands the old ones to the checkpointer,
+//! which flushes sled, syncs its files and only then removes them. Commits
+//! never wait for a checkpoint.
 //!
 //! Deadlock safety: the append mutex is never held across an await or while
 //! talking to the flusher, and the flusher takes no lock of ours; it shares
@@ -54,6 +61,7 @@ use crate::record::{
     SteerRecord, SubmissionRecord,
 };
 use crate::verify::{self, VerifyReport};
+use crate::wal::{self, Wal};
 use arbor_protocol::{Event, JobId, ParentRef, RunId};
 use sled::Transactional;
 use sled::transaction::{ConflictableTransactionError, TransactionError};
@@ -98,9 +106,12 @@ struct Inner {
     faults: Arc<Faults>,
     /// Opened with `open_read_only`: every write is refused.
     read_only: bool,
+    /// Frames applied to sled and not yet handed to the flusher.
+    pending: Arc<Mutex<Pending>>,
     /// `None` only while dropping.
     waiters: Option<mpsc::Sender<Waiter>>,
     flusher: Mutex<Option<thread::JoinHandle<()>>>,
+    checkpointer: Mutex<Option<thread::JoinHandle<()>>>,
     commit_observer: OnceLock<CommitObserver>,
 }
 
@@ -124,9 +135,12 @@ struct Progress {
     applied: AtomicU64,
     /// The last seq covered by a completed flush.
     durable: AtomicU64,
+    /// Log writes completed, each with its `fdatasync`.
     flushes: AtomicU64,
-    /// `fdatasync`s of sled's `db` file by the flusher.
+    /// `fdatasync`s of the log by the flusher (one per flush).
     syncs: AtomicU64,
+    /// Checkpoints completed: sled flushed and synced, old segments removed.
+    checkpoints: AtomicU64,
     /// The first write or flush that failed; set once, never cleared.
     failure: OnceLock<String>,
 }
@@ -137,10 +151,20 @@ struct Waiter {
     reply: oneshot::Sender<Result<(), Error>>,
 }
 
-/// What the flusher thread takes over when it starts.
+/// Frames waiting for the flusher, in seq order (`wal.rs`, invariant 1).
+#[derive(Default)]
+struct Pending {
+    frames: Vec<u8>,
+    /// The last seq the frames carry; 0 while there are none.
+    last_seq: u64,
+}
+
+/// What the flusher and checkpointer threads take over when they start.
 struct Unstarted {
     queue: mpsc::Receiver<Waiter>,
     disk: DiskSync,
+    /// `None` for a read-only journal, which never writes.
+    wal: Option<Wal>,
 }
 
 impl Journal {
@@ -189,41 +213,26 @@ impl Journal {
 
         // Encode everything before touching sled, so a record that cannot be
         // encoded fails the whole append with nothing written.
-        let mut batches: Vec<(&'static str, sled::Batch)> = Vec::new();
-        let mut seq = *last_seq;
-        for record in &records {
-            seq += 1;
-            let (tree, key, value) = encode(record, seq)?;
-            match batches.iter_mut().find(|(name, _)| *name == tree) {
-                Some((_, batch)) => batch.insert(key, value),
-                None => {
-                    let mut batch = sled::Batch::default();
-                    batch.insert(key, value);
-                    batches.push((tree, batch));
-                }
-            }
-        }
-        let mut meta = sled::Batch::default();
-        meta.insert(META_SEQ, &seq.to_be_bytes());
-        batches.push((META, meta));
-
-        let trees: Vec<&sled::Tree> = batches
+        let first_seq = *last_seq + 1;
+        let entries = records
             .iter()
-            .map(|(name, _)| inner.trees.get(name))
-            .collect();
-        trees
-            .as_slice()
-            .transaction(|views| {
-                for (view, (_, batch)) in views.iter().zip(&batches) {
-                    view.apply_batch(batch)?;
-                }
-                Ok::<_, ConflictableTransactionError<()>>(())
-            })
-            .map_err(|e| match e {
-                TransactionError::Storage(e) => inner.progress.fail("a write", Error::Sled(e)),
-                // The closure never aborts.
-                TransactionError::Abort(()) => unreachable!("journal append aborted"),
-            })?;
+            .zip(first_seq..)
+            .map(|(record, seq)| encode(record, seq))
+            .collect::<Result<Vec<_>, _>>()?;
+        let seq = first_seq + entries.len() as u64 - 1;
+        let mut frame = Vec::new();
+        wal::encode_frame(&mut frame, first_seq, &entries);
+
+        inner
+            .trees
+            .apply(&entries, seq)
+            .map_err(|e| inner.progress.fail("a write", e))?;
+        // Queued while the seq lock is held, so frames queue in seq order.
+        {
+            let mut pending = inner.pending.lock().unwrap_or_else(PoisonError::into_inner);
+            pending.frames.extend_from_slice(&frame);
+            pending.last_seq = seq;
+        }
 
         *last_seq = seq;
         // Published under the lock so `applied` never goes backwards.
@@ -267,15 +276,22 @@ impl Journal {
         self.wait_durable(seq).await
     }
 
-    /// How many flushes the flusher has done.
+    /// How many flushes the flusher has done: log writes, each with its
+    /// `fdatasync`, that made something durable.
     pub fn flush_count(&self) -> u64 {
         self.inner.progress.flushes.load(Ordering::Acquire)
     }
 
-    /// How many times the flusher has `fdatasync`ed sled's `db` file: once
-    /// after each sled flush that succeeded (the sync at open not counted).
+    /// How many times the flusher has `fdatasync`ed the log: once per flush
+    /// that succeeded (the syncs at open and at checkpoints not counted).
     pub fn sync_count(&self) -> u64 {
         self.inner.progress.syncs.load(Ordering::Acquire)
+    }
+
+    /// How many checkpoints have completed: sled flushed and its files
+    /// synced, so the log segments before them could be removed.
+    pub fn checkpoint_count(&self) -> u64 {
+        self.inner.progress.checkpoints.load(Ordering::Acquire)
     }
 
     /// The faults a test can inject into this journal; all off unless a test
@@ -485,7 +501,9 @@ impl Journal {
 
     /// Opens the journal to read it: no new epoch, no flusher, and every
     /// write refused (`Error::ReadOnly`). For `arbor journal verify` and
-    /// `inspect`, which must change nothing.
+    /// `inspect`, which must change nothing the journal says. What the log
+    /// holds past sled is applied to sled all the same (as any open does), so
+    /// that they read what the node acknowledged; the log is left in place.
     pub fn open_read_only(dir: &Path) -> Result<Journal, Error> {
         if !dir.join("db").is_file() {
             return Err(Error::Sled(sled::Error::Io(std::io::Error::new(
@@ -528,16 +546,45 @@ impl Journal {
         if !read_only {
             meta.insert(META_EPOCH, &epoch.to_be_bytes())?;
         }
-        let seq = match meta.get(META_SEQ)? {
+        let stored_seq = match meta.get(META_SEQ)? {
             Some(seq) => codec::meta_u64(META_SEQ, &seq)?,
             None => 0,
         };
+        // What sled lost in a crash and the log kept (`wal.rs`, invariant 4).
+        let mut seq = stored_seq;
+        let replay = wal::read(dir)?;
+        for frame in replay.frames {
+            if frame.last_seq() <= seq {
+                continue;
+            }
+            if frame.first_seq != seq + 1 {
+                return Err(Error::Wal(format!(
+                    "sled holds the journal up to seq {seq}, but the log goes on from seq {}",
+                    frame.first_seq
+                )));
+            }
+            trees.apply(&frame.entries, frame.last_seq())?;
+            seq = frame.last_seq();
+        }
+        if seq > stored_seq {
+            tracing::info!(
+                dir = %dir.display(),
+                from = stored_seq + 1,
+                to = seq,
+                "journal: applied records from the write-ahead log that sled had not kept"
+            );
+        }
         // Durable before any record is stamped with it: two boots must never
-        // share an epoch, or recovery could not tell their records apart.
-        if !read_only {
+        // share an epoch, or recovery could not tell their records apart. The
+        // same flush makes what was replayed durable in sled, so the log can
+        // start afresh.
+        let wal = if read_only {
+            None
+        } else {
             db.flush()?;
             disk.after_flush()?;
-        }
+            Some(Wal::restart(dir, seq + 1)?)
+        };
         tracing::debug!(dir = %dir.display(), epoch, seq, "journal opened");
 
         // Whatever was on disk at open is durable by definition.
@@ -546,6 +593,7 @@ impl Journal {
             durable: AtomicU64::new(seq),
             flushes: AtomicU64::new(0),
             syncs: AtomicU64::new(0),
+            checkpoints: AtomicU64::new(0),
             failure: OnceLock::new(),
         });
         let (waiters, queue) = mpsc::channel();
@@ -558,29 +606,52 @@ impl Journal {
             progress,
             faults: Arc::new(Faults::default()),
             read_only,
+            pending: Arc::new(Mutex::new(Pending::default())),
             waiters: Some(waiters),
             flusher: Mutex::new(None),
+            checkpointer: Mutex::new(None),
             commit_observer: OnceLock::new(),
         };
         Ok((
             Journal {
                 inner: Arc::new(inner),
             },
-            Unstarted { queue, disk },
+            Unstarted { queue, disk, wal },
         ))
     }
 
     fn start_flusher(&self, unstarted: Unstarted) -> Result<(), Error> {
+        let Unstarted { queue, disk, wal } = unstarted;
+        let Some(wal) = wal else {
+            return Ok(()); // read-only: nothing is ever written
+        };
+        // Failing to spawn a thread is an OS resource fault; sled's Io
+        // variant is the closest home for it.
+        let spawn_error = |e| Error::Sled(sled::Error::Io(e));
+        let (checkpoints, requests) = mpsc::channel();
         let db = self.inner.db.clone();
         let progress = Arc::clone(&self.inner.progress);
-        let faults = Arc::clone(&self.inner.faults);
-        let Unstarted { queue, disk } = unstarted;
+        let checkpointer = thread::Builder::new()
+            .name("arbor-journal-checkpointer".into())
+            .spawn(move || run_checkpointer(&db, disk, &progress, requests))
+            .map_err(spawn_error)?;
+        *self
+            .inner
+            .checkpointer
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(checkpointer);
+
+        let flusher = Flusher {
+            wal,
+            progress: Arc::clone(&self.inner.progress),
+            faults: Arc::clone(&self.inner.faults),
+            pending: Arc::clone(&self.inner.pending),
+            checkpoints,
+        };
         let handle = thread::Builder::new()
             .name("arbor-journal-flusher".into())
-            .spawn(move || run_flusher(&db, disk, &progress, &faults, queue))
-            // Failing to spawn a thread is an OS resource fault; sled's Io
-            // variant is the closest home for it.
-            .map_err(|e| Error::Sled(sled::Error::Io(e)))?;
+            .spawn(move || flusher.run(queue))
+            .map_err(spawn_error)?;
         *self
             .inner
             .flusher
@@ -631,15 +702,20 @@ impl Drop for Inner {
         // would wait forever.
         self.faults.close();
         drop(self.waiters.take());
-        let handle = self
-            .flusher
-            .get_mut()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let Some(handle) = handle
-            && handle.join().is_err()
-        {
-            tracing::error!("the journal flusher panicked");
+        // The flusher ends first; its end closes the checkpointer's channel.
+        for (thread, name) in [
+            (&mut self.flusher, "flusher"),
+            (&mut self.checkpointer, "checkpointer"),
+        ] {
+            let handle = thread
+                .get_mut()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
+            if let Some(handle) = handle
+                && handle.join().is_err()
+            {
+                tracing::error!("the journal {name} panicked");
+            }
         }
     }
 }
@@ -659,6 +735,41 @@ impl Trees {
         })
     }
 
+    /// Writes `entries` and `meta/seq = last_seq` in one sled transaction, so
+    /// after a crash sled holds all of them or none, and its stored seq says
+    /// which (`wal.rs`, invariant 4).
+    fn apply(&self, entries: &[wal::Entry], last_seq: u64) -> Result<(), Error> {
+        let mut batches: Vec<(&'static str, sled::Batch)> = Vec::new();
+        for (tree, key, value) in entries {
+            match batches.iter_mut().find(|(name, _)| name == tree) {
+                Some((_, batch)) => batch.insert(key.as_slice(), value.as_slice()),
+                None => {
+                    let mut batch = sled::Batch::default();
+                    batch.insert(key.as_slice(), value.as_slice());
+                    batches.push((tree, batch));
+                }
+            }
+        }
+        let mut meta = sled::Batch::default();
+        meta.insert(META_SEQ, &last_seq.to_be_bytes());
+        batches.push((META, meta));
+
+        let trees: Vec<&sled::Tree> = batches.iter().map(|(name, _)| self.get(name)).collect();
+        trees
+            .as_slice()
+            .transaction(|views| {
+                for (view, (_, batch)) in views.iter().zip(&batches) {
+                    view.apply_batch(batch)?;
+                }
+                Ok::<_, ConflictableTransactionError<()>>(())
+            })
+            .map_err(|e| match e {
+                TransactionError::Storage(e) => Error::Sled(e),
+                // The closure never aborts.
+                TransactionError::Abort(()) => unreachable!("journal append aborted"),
+            })
+    }
+
     fn get(&self, name: &str) -> &sled::Tree {
         match name {
             RUNS => &self.runs,
@@ -676,7 +787,7 @@ impl Trees {
 }
 
 /// Which tree a record goes to, under what key, as what bytes.
-fn encode(record: &Record, seq: u64) -> Result<(&'static str, Vec<u8>, Vec<u8>), Error> {
+fn encode(record: &Record, seq: u64) -> Result<wal::Entry, Error> {
     Ok(match record {
         Record::Run(run) => (RUNS, codec::run_key(run.id), codec::encode_bincode(run)?),
         Record::Job(job) => (
@@ -762,80 +873,126 @@ fn read_one<T>(
         .transpose()
 }
 
-/// The flusher's loop: one flush (and sync) per batch of queued waiters,
-/// until every handle is gone.
-fn run_flusher(
-    db: &sled::Db,
-    mut disk: DiskSync,
-    progress: &Progress,
-    faults: &Faults,
-    queue: mpsc::Receiver<Waiter>,
-) {
-    while let Ok(first) = queue.recv() {
-        let mut waiters = vec![first];
-        waiters.extend(queue.try_iter());
+/// The flusher thread's state: the log, and what it shares with the handles.
+struct Flusher {
+    wal: Wal,
+    progress: Arc<Progress>,
+    faults: Arc<Faults>,
+    pending: Arc<Mutex<Pending>>,
+    /// Segments a checkpoint may remove once sled is synced.
+    checkpoints: mpsc::Sender<Vec<std::path::PathBuf>>,
+}
 
-        // A waiter already covered (the flush that served its neighbours read
-        // its seq as applied) needs no new flush.
-        let durable = progress.durable.load(Ordering::Acquire);
-        let (covered, mut pending): (Vec<_>, Vec<_>) =
-            waiters.into_iter().partition(|w| w.seq <= durable);
-        for waiter in covered {
-            let _ = waiter.reply.send(Ok(()));
-        }
-        if pending.is_empty() {
-            continue;
-        }
+impl Flusher {
+    /// One flush per batch of queued waiters, until every handle is gone.
+    fn run(mut self, queue: mpsc::Receiver<Waiter>) {
+        while let Ok(first) = queue.recv() {
+            let mut waiters = vec![first];
+            waiters.extend(queue.try_iter());
 
-        if !faults.wait_while_held() {
-            // The journal is being dropped: nobody awaits these any more.
-            continue;
-        }
-        // Commits queued while the flush was held ride on this one.
-        pending.extend(queue.try_iter());
+            // A waiter already covered (the flush that served its neighbours
+            // carried its frame) needs no new flush.
+            let durable = self.progress.durable.load(Ordering::Acquire);
+            let (covered, mut pending): (Vec<_>, Vec<_>) =
+                waiters.into_iter().partition(|w| w.seq <= durable);
+            for waiter in covered {
+                let _ = waiter.reply.send(Ok(()));
+            }
+            if pending.is_empty() {
+                continue;
+            }
 
-        // Read before flushing: every append that published this seq has
-        // finished its transaction, so this flush covers it. Each waiter was
-        // sent after its own append, so the target covers every one of them.
-        let target = progress.applied.load(Ordering::Acquire);
-        debug_assert!(pending.iter().all(|w| w.seq <= target));
-        match flush_and_sync(db, &mut disk, progress, faults) {
-            Ok(()) => {
-                progress.durable.fetch_max(target, Ordering::AcqRel);
-                for waiter in pending {
-                    // A commit whose caller went away no longer needs an answer.
-                    let _ = waiter.reply.send(Ok(()));
+            if !self.faults.wait_while_held() {
+                // The journal is being dropped: nobody awaits these any more.
+                continue;
+            }
+            // Commits queued while the flush was held ride on this one.
+            pending.extend(queue.try_iter());
+
+            match self.flush() {
+                Ok(target) => {
+                    // Each waiter was sent after its own append queued its
+                    // frame, so the frames just synced cover every one.
+                    debug_assert!(pending.iter().all(|w| w.seq <= target));
+                    for waiter in pending {
+                        // A commit whose caller went away needs no answer.
+                        let _ = waiter.reply.send(Ok(()));
+                    }
+                }
+                Err(e) => {
+                    for waiter in pending {
+                        let _ = waiter.reply.send(Err(e.clone()));
+                    }
                 }
             }
-            Err(e) => {
-                for waiter in pending {
-                    let _ = waiter.reply.send(Err(e.clone()));
-                }
-            }
         }
+    }
+
+    /// Writes and syncs every frame queued so far and publishes the last seq
+    /// they carry as durable. Any failure marks the journal failed; once
+    /// failed, nothing more is written or acknowledged.
+    fn flush(&mut self) -> Result<u64, Error> {
+        let progress = &*self.progress;
+        if let Some(first) = progress.failure.get() {
+            return Err(Error::Failed(first.clone()));
+        }
+        if self.faults.flushes_fail() {
+            return Err(progress.fail("a flush", Error::Injected("flush")));
+        }
+        let (frames, target) = {
+            let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
+            (std::mem::take(&mut pending.frames), pending.last_seq)
+        };
+        if !frames.is_empty() {
+            let written = self.wal.write_and_sync(&frames);
+            progress.flushes.fetch_add(1, Ordering::AcqRel);
+            progress.syncs.fetch_add(1, Ordering::AcqRel);
+            written.map_err(|e| progress.fail("a flush", e))?;
+        }
+        progress.durable.fetch_max(target, Ordering::AcqRel);
+        if self.wal.wants_checkpoint() {
+            let old = self
+                .wal
+                .rotate(target + 1)
+                .map_err(|e| progress.fail("starting a new log segment", e))?;
+            // The checkpointer is gone only if it panicked; the log then
+            // just keeps its old segments until the next open.
+            let _ = self.checkpoints.send(old);
+        }
+        Ok(target)
     }
 }
 
-/// One flush: sled's, then the syncs sled leaves out. Any failure marks the
-/// journal failed; once failed, nothing more is flushed or acknowledged.
-fn flush_and_sync(
+/// The checkpointer's loop: for each batch of retired segments, flush sled
+/// and sync its files, then remove them (`wal.rs`, invariant 3).
+fn run_checkpointer(
     db: &sled::Db,
-    disk: &mut DiskSync,
+    mut disk: DiskSync,
     progress: &Progress,
-    faults: &Faults,
-) -> Result<(), Error> {
-    if let Some(first) = progress.failure.get() {
-        return Err(Error::Failed(first.clone()));
+    requests: mpsc::Receiver<Vec<std::path::PathBuf>>,
+) {
+    while let Ok(first) = requests.recv() {
+        let mut segments = first;
+        for more in requests.try_iter() {
+            segments.extend(more);
+        }
+        if progress.failure.get().is_some() {
+            continue; // keep every segment: the next open replays them
+        }
+        let checkpointed = db
+            .flush()
+            .map_err(Error::Sled)
+            .and_then(|_| disk.after_flush())
+            .and_then(|()| wal::remove_segments(&segments));
+        match checkpointed {
+            Ok(()) => {
+                progress.checkpoints.fetch_add(1, Ordering::AcqRel);
+            }
+            Err(e) => {
+                progress.fail("a checkpoint", e);
+            }
+        }
     }
-    if faults.flushes_fail() {
-        return Err(progress.fail("a flush", Error::Injected("flush")));
-    }
-    let flushed = db.flush();
-    progress.flushes.fetch_add(1, Ordering::AcqRel);
-    flushed.map_err(|e| progress.fail("a flush", Error::Sled(e)))?;
-    let synced = disk.after_flush();
-    progress.syncs.fetch_add(1, Ordering::AcqRel);
-    synced.map_err(|e| progress.fail("a flush", e))
 }
 
 impl Progress {
@@ -906,7 +1063,10 @@ pub(crate) fn open_locked(dir: &Path) -> Result<(std::fs::File, sled::Db), Error
     }
     let mut attempt = 0;
     loop {
-        match sled::Config::new().path(dir).open() {
+        // No background flush: the log makes commits durable, and sled is
+        // flushed at checkpoints (`wal.rs`), so its own timer would only add
+        // syncs that compete with the log's.
+        match sled::Config::new().path(dir).flush_every_ms(None).open() {
             Err(sled::Error::Io(e))
                 if e.kind() == std::io::ErrorKind::WouldBlock
                     || e.to_string().contains("could not acquire lock") =>

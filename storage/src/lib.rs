@@ -63,6 +63,7 @@ mod journal;
 mod proc_start;
 mod record;
 mod verify;
+mod wal;
 
 pub use error::Error;
 pub use faults::Faults;
