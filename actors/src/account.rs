@@ -2,7 +2,11 @@
 //!
 //! Parent: the run, step or job it pays for (spawned linked to it).
 //! Journals: every hold, release, call reservation and call settlement before
-//! it replies (I-29), so a crash loses no charge (I-31).
+//! it replies. Only a call's reservation is committed here (the request goes
+//! out as soon as the reply is back); every other entry is appended, and the
+//! commit its caller makes next (the children's records, the terminal record,
+//! the next call's reservation) makes it durable before anything acts on it
+//! (I-29), since seq order is durability order. So a crash loses no charge (I-31).
 //!
 //! Invariants:
 //! 1. grant == spent + held + available, available >= 0 (I-14). `available` is
@@ -188,7 +192,10 @@ impl Actor for Account {
         if let Some(grant) = state.ledger.grant_usd() {
             ops.push(LedgerOp::in_usd(true, LedgerOp::Open { grant }));
         }
-        state.journal_many(ops, true).await?;
+        // Appended: the owner's first act outside (a model call's
+        // reservation, a delegation's admission) commits after it, and so
+        // makes it durable first.
+        state.append_entries(ops)?;
         // No event here: the opening figures are in the owner's NodeSpawned
         // (or RunStarted), which the tree folds.
         Ok(state)
@@ -221,7 +228,10 @@ impl Actor for Account {
                             ));
                         }
                     }
-                    state.journal_many(ops, true).await?;
+                    // Appended: every caller commits its children's records
+                    // after this reply and before any child starts (I-29),
+                    // and that commit makes these holds durable first.
+                    state.append_entries(ops)?;
                     for (ask, grant) in asks.iter().zip(grants) {
                         state.ledger.hold_child(ask.child, *grant);
                     }
@@ -251,7 +261,9 @@ impl Actor for Account {
                             LedgerOp::CallReserve { tokens }
                         }
                     });
-                    state.journal_many(ops, true).await?;
+                    // Durable before the request goes out: a crash after it
+                    // must find the call reserved (I-11, I-31).
+                    state.commit_entries(ops).await?;
                     state.ledger.hold_call(reserved);
                     state.publish();
                 }
@@ -270,8 +282,12 @@ impl Actor for Account {
                 let ops = state.ledger.ops_pair(reserved, spent, |reserved, spent| {
                     LedgerOp::CallSettle { reserved, spent }
                 });
-                // Durable: a charge lost in a crash would be settled at 0 (I-31).
-                state.journal_many(ops, true).await?;
+                // Appended: the job's next commit (its next call's
+                // reservation, a delegation's admission, its settlement)
+                // makes it durable before anything acts on it. A crash before
+                // that finds the call still reserved, which recovery charges
+                // in full if it was billed (never less than it cost, I-31).
+                state.append_entries(ops)?;
                 state.publish();
                 let _ = reply.send(());
             }
@@ -289,7 +305,9 @@ impl Actor for Account {
                                 granted,
                                 spent,
                             });
-                    state.journal_many(ops, true).await?;
+                    // Appended: the caller commits the child's terminal record
+                    // next, which makes this durable with it.
+                    state.append_entries(ops)?;
                     state.publish();
                 }
                 let _ = reply.send(());
@@ -307,7 +325,7 @@ impl Actor for Account {
                             .ops_pair(outstanding, Amount::ZERO, |reserved, spent| {
                                 LedgerOp::CallSettle { reserved, spent }
                             });
-                    state.journal_many(ops, false).await?;
+                    state.append_entries(ops)?;
                     state.publish();
                 }
                 state.ledger.closed = true;
@@ -316,7 +334,10 @@ impl Actor for Account {
                     .ops(state.ledger.spent_amount(), |spent| LedgerOp::Close {
                         spent,
                     });
-                state.journal_many(ops, true).await?;
+                // Appended: the owner's parent commits the owner's terminal
+                // record (the run its own) once it hears of this, and that
+                // commit makes it durable first.
+                state.append_entries(ops)?;
                 let _ = reply.send(state.ledger.closed_view());
             }
             AccountMsg::Snapshot { reply } => {
@@ -353,14 +374,22 @@ impl AccountState {
         }
     }
 
-    async fn journal_many(
-        &self,
-        ops: Vec<LedgerOp>,
-        durable: bool,
-    ) -> Result<(), ActorProcessingErr> {
+    /// Appends the account's entries; the next commit of anything makes
+    /// them durable (seq order is durability order).
+    fn append_entries(&self, ops: Vec<LedgerOp>) -> Result<(), ActorProcessingErr> {
+        self.ctx.journal.append(self.records(ops))?;
+        Ok(())
+    }
+
+    /// Commits the account's entries: back only once they are durable.
+    async fn commit_entries(&self, ops: Vec<LedgerOp>) -> Result<(), ActorProcessingErr> {
+        self.ctx.journal.commit(self.records(ops)).await?;
+        Ok(())
+    }
+
+    fn records(&self, ops: Vec<LedgerOp>) -> Vec<Record> {
         let epoch = self.ctx.journal.epoch();
-        let records = ops
-            .into_iter()
+        ops.into_iter()
             .map(|op| {
                 Record::Ledger(LedgerRecord {
                     owner: self.owner,
@@ -368,13 +397,7 @@ impl AccountState {
                     epoch,
                 })
             })
-            .collect();
-        if durable {
-            self.ctx.journal.commit(records).await?;
-        } else {
-            self.ctx.journal.append(records)?;
-        }
-        Ok(())
+            .collect()
     }
 
     /// Emits the figures after a change, and the wind-down crossing once.

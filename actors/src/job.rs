@@ -320,7 +320,7 @@ impl Actor for Job {
         myself: ActorRef<Self::Msg>,
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
-        state.journal_self(Status::Running).await?;
+        state.journal_self(Status::Running)?;
         state.ctx.events.emit(
             state.lineage.run,
             EventKind::NodeRunning {
@@ -389,12 +389,7 @@ impl Actor for Job {
                 let texts = state.deliver_steering(turn);
                 let _ = reply.send(texts);
             }
-            JobMsg::Steer { text, reply } => {
-                let result = state.queue_steering(text).await;
-                if let Some(reply) = reply {
-                    let _ = reply.send(result);
-                }
-            }
+            JobMsg::Steer { text, reply } => state.queue_steering(text, reply),
             JobMsg::LoopEnded { outcome } => {
                 state.loop_task = None;
                 if state.finish.is_none() {
@@ -747,7 +742,11 @@ impl JobState {
         Ok(())
     }
 
-    async fn journal_self(&self, status: Status) -> Result<(), ActorProcessingErr> {
+    /// Appended, not committed: nothing outside acts on "running". The job's
+    /// first act outside (a model call's reservation, a delegation's
+    /// admission) commits after it, and its parent commits its terminal
+    /// record, so it is durable before either.
+    fn journal_self(&self, status: Status) -> Result<(), ActorProcessingErr> {
         let record = JobRecord {
             id: self.lineage.id,
             run: self.lineage.run,
@@ -767,7 +766,7 @@ impl JobState {
             tokens_spent: 0,
             epoch: self.ctx.journal.epoch(),
         };
-        self.ctx.journal.commit(vec![Record::Job(record)]).await?;
+        self.ctx.journal.append(vec![Record::Job(record)])?;
         Ok(())
     }
 
@@ -784,15 +783,30 @@ impl JobState {
     // ---- steering (I-20) ----
 
     /// Queues a message; it is durable before the sender hears "queued".
-    async fn queue_steering(&mut self, text: String) -> Result<u64, Refusal> {
+    ///
+    /// The job does not wait for that itself: the record is appended, the
+    /// message queued, and a task answers the sender once a flush covers it,
+    /// so many messages arriving together share one flush. Nothing acts on a
+    /// queued message before then: it reaches the model only in a turn, and
+    /// a turn's request goes out after its reservation's commit, which covers
+    /// this record too. If the journal fails instead, that commit fails as
+    /// well and the message never reaches the model.
+    fn queue_steering(&mut self, text: String, reply: Option<RpcReplyPort<Result<u64, Refusal>>>) {
+        let answer = |result| {
+            if let Some(reply) = reply {
+                let _ = reply.send(result);
+            }
+        };
         if let Some(finish) = &self.finish {
-            return Err(Refusal::ChildEnded {
+            return answer(Err(Refusal::ChildEnded {
                 child: self.lineage.id.to_string(),
                 status: format!("ending as {}", finish.status),
-            });
+            }));
         }
+        let journaled = |e: arbor_storage::Error| Refusal::Invalid {
+            message: format!("the message could not be journaled: {e}"),
+        };
         let id = self.next_message_id;
-        self.next_message_id += 1;
         let record = Record::Steer(SteerRecord {
             job: self.lineage.id,
             message_id: id,
@@ -800,11 +814,11 @@ impl JobState {
             state: SteerState::Queued,
             epoch: self.ctx.journal.epoch(),
         });
-        if let Err(e) = self.ctx.journal.commit(vec![record]).await {
-            return Err(Refusal::Invalid {
-                message: format!("the message could not be journaled: {e}"),
-            });
-        }
+        let seq = match self.ctx.journal.append(vec![record]) {
+            Ok(seq) => seq,
+            Err(e) => return answer(Err(journaled(e))),
+        };
+        self.next_message_id += 1;
         self.steering.push_back((id, text));
         self.ctx.events.emit(
             self.lineage.run,
@@ -813,7 +827,16 @@ impl JobState {
                 message_id: id,
             },
         );
-        Ok(id)
+        let journal = self.ctx.journal.clone();
+        tokio::spawn(async move {
+            answer(
+                journal
+                    .wait_durable(seq)
+                    .await
+                    .map(|()| id)
+                    .map_err(journaled),
+            );
+        });
     }
 
     fn deliver_steering(&mut self, turn: u32) -> Vec<String> {

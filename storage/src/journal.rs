@@ -660,7 +660,10 @@ impl Journal {
         Ok(())
     }
 
-    async fn wait_durable(&self, seq: u64) -> Result<(), Error> {
+    /// Waits until a flush covers `seq` (a seq `append` returned): what
+    /// `commit` does after its append, for a caller that must answer later
+    /// without holding up its own work meanwhile.
+    pub async fn wait_durable(&self, seq: u64) -> Result<(), Error> {
         if self.durable_seq() >= seq {
             return Ok(());
         }
