@@ -12,6 +12,12 @@
 //!   is "a crash between write and flush": the append is applied and readable,
 //!   and never acknowledged.
 //!
+//! - `skip_syncs`: the flusher writes the log but does not `fdatasync` it, so
+//!   a commit costs what it would on a disk with free syncs. For benchmarks
+//!   that set a journal against itself without the disk; what it
+//!   acknowledges can be lost in a power cut (a process crash loses nothing:
+//!   the kernel has the writes).
+//!
 //! An injected failure counts as a real one: the journal remembers it and
 //! refuses every later append (`Journal::failed`).
 //!
@@ -29,6 +35,7 @@ use std::time::{Duration, Instant};
 pub struct Faults {
     fail_writes: AtomicBool,
     fail_flushes: AtomicBool,
+    skip_syncs: AtomicBool,
     hold: Mutex<Hold>,
     /// Signalled whenever `hold` changes, in either direction.
     hold_changed: Condvar,
@@ -54,6 +61,12 @@ impl Faults {
     /// `Error::Injected("flush")` instead of flushing.
     pub fn fail_flushes(&self, on: bool) {
         self.fail_flushes.store(on, Ordering::Release);
+    }
+
+    /// While on, the flusher writes the log without syncing it (see the
+    /// module docs: benchmarks only).
+    pub fn skip_syncs(&self, on: bool) {
+        self.skip_syncs.store(on, Ordering::Release);
     }
 
     /// While on, the flusher does not flush: commits wait and `durable_seq`
@@ -89,6 +102,10 @@ impl Faults {
 
     pub(crate) fn flushes_fail(&self) -> bool {
         self.fail_flushes.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn syncs_skipped(&self) -> bool {
+        self.skip_syncs.load(Ordering::Acquire)
     }
 
     /// The flusher, about to flush: parks while flushes are held. Returns

@@ -153,12 +153,12 @@ impl Wal {
     }
 
     /// Writes `frames` at the end of the open segment and `fdatasync`s it
-    /// (invariant 2).
-    pub(crate) fn write_and_sync(&mut self, frames: &[u8]) -> Result<(), Error> {
+    /// (invariant 2), unless `sync` is false (`Faults::skip_syncs`).
+    pub(crate) fn write_and_sync(&mut self, frames: &[u8], sync: bool) -> Result<(), Error> {
         let path = self.segments.last().expect("an open segment");
         self.file
             .write_all(frames)
-            .and_then(|()| self.file.sync_data())
+            .and_then(|()| if sync { self.file.sync_data() } else { Ok(()) })
             .map_err(|e| wal_error(path, e))?;
         self.bytes_since_checkpoint += frames.len() as u64;
         Ok(())

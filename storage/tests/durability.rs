@@ -144,6 +144,29 @@ async fn every_commit_fdatasyncs_the_log_once() {
 }
 
 #[tokio::test]
+async fn with_syncs_skipped_a_commit_writes_the_log_and_syncs_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = JobId::new();
+    let journal = Journal::open(dir.path()).unwrap();
+    journal.commit(vec![steer(job, 1, 1)]).await.unwrap();
+    let (flushes, syncs) = (journal.flush_count(), journal.sync_count());
+    journal.faults().skip_syncs(true);
+    journal.commit(vec![steer(job, 2, 1)]).await.unwrap();
+    assert_eq!(
+        (journal.flush_count(), journal.sync_count()),
+        (flushes + 1, syncs)
+    );
+    // Written all the same: a crash image of the process holds it.
+    let image = tempfile::tempdir().unwrap();
+    crash_image(dir.path(), image.path());
+    drop(journal);
+    assert_eq!(
+        message_ids(&Journal::open(image.path()).unwrap(), job),
+        vec![1, 2]
+    );
+}
+
+#[tokio::test]
 async fn a_failed_write_writes_nothing_and_stops_the_journal() {
     let dir = tempfile::tempdir().unwrap();
     let job = JobId::new();
