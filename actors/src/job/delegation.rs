@@ -1,0 +1,486 @@
+//! Delegation and admission. A delegate call is checked whole against the
+//! caps before anything is reserved, so a refused call changes nothing (I-04,
+//! I-06); the same key and request again returns the jobs it started (I-32).
+//! Admission reserves every grant in one message, and the delegation and its
+//! jobs are durable before any child starts (I-29); a child that cannot start
+//! has its hold released and its record marked failed (I-06).
+
+use super::children::{ChildEntry, ChildState, FanOut, PlannedChild};
+use super::{
+    Brief, ChildHandle, DEFAULT_MAX_TURNS, Job, JobMsg, JobStart, JobState, Lineage, MAX_RETRIES,
+    ParentHandle, RESERVED_KEY_PREFIX,
+};
+use crate::account::{AccountMsg, Grant, GrantAsk, Share, SpentMeter};
+use arbor_protocol::tools::parse_duration_arg;
+use arbor_protocol::{
+    Amount, DelegateArgs, ErrorClass, EventKind, JobId, NodeKind, ParentRef, Refusal, SandboxMode,
+    Status,
+};
+use arbor_storage::{DelegationRecord, JobRecord, Record};
+use ractor::{Actor, ActorRef};
+use std::path::PathBuf;
+
+impl JobState {
+    pub(super) async fn delegate(
+        &mut self,
+        myself: &ActorRef<JobMsg>,
+        args: DelegateArgs,
+        call_id: &str,
+    ) -> Result<Vec<ChildHandle>, Refusal> {
+        if self.finish.is_some() {
+            return Err(Refusal::Stopping);
+        }
+        let limits = &self.ctx.limits;
+        if self.lineage.depth >= limits.depth {
+            return Err(Refusal::DepthCap {
+                depth: self.lineage.depth,
+                cap: limits.depth,
+            });
+        }
+        let asked = args.jobs.len() as u32;
+        if asked == 0 {
+            return Err(Refusal::BadArguments {
+                tool: "delegate".into(),
+                message: "jobs is empty".into(),
+            });
+        }
+        if asked > limits.fan_out {
+            return Err(Refusal::FanOutCap {
+                asked,
+                cap: limits.fan_out,
+            });
+        }
+        let running = self.children.running_count();
+        if running + asked > limits.running_children {
+            return Err(Refusal::RunningChildrenCap {
+                running,
+                asked,
+                cap: limits.running_children,
+            });
+        }
+        // I-32: the same key and request again returns the jobs it started.
+        let key = match &args.key {
+            Some(k)
+                if k.trim().is_empty() || k.len() > 200 || k.starts_with(RESERVED_KEY_PREFIX) =>
+            {
+                return Err(Refusal::BadArguments {
+                    tool: "delegate".into(),
+                    message: format!(
+                        "key must be 1 to 200 characters and not start with {RESERVED_KEY_PREFIX:?}"
+                    ),
+                });
+            }
+            Some(k) => k.clone(),
+            None => format!("{}:{call_id}", self.lineage.id),
+        };
+        let digest = delegation_digest(&args);
+        if let Some(existing) = self.existing_delegation(&key, &digest)? {
+            return Ok(existing);
+        }
+        let group = self.children.groups.len();
+        let mut planned = Vec::with_capacity(args.jobs.len());
+        for (i, job) in args.jobs.iter().enumerate() {
+            let plan = self.plan_child(job, i, &planned, args.wait, group)?;
+            planned.push(plan);
+        }
+        self.run_ctx.count_spawns(planned.len() as u64)?;
+        tracing::debug!(run = %self.lineage.run, job = %self.lineage.id, children = planned.len(), "delegation admitted by the caps");
+        let result = self.admit(myself, planned, &key, &digest).await;
+        match result {
+            Ok(handles) => {
+                self.children.groups.push(FanOut {
+                    on_failure: args.on_failure,
+                });
+                Ok(handles)
+            }
+            Err((refusal, unstarted)) => {
+                self.run_ctx.uncount_spawns(unstarted);
+                Err(refusal)
+            }
+        }
+    }
+
+    /// The handles of a delegation already made under `key`, if its request
+    /// was the same; a conflict if it was not; None if the key is new.
+    fn existing_delegation(
+        &self,
+        key: &str,
+        digest: &str,
+    ) -> Result<Option<Vec<ChildHandle>>, Refusal> {
+        let records =
+            self.ctx
+                .journal
+                .delegations(self.lineage.id)
+                .map_err(|e| Refusal::Invalid {
+                    message: format!("the journal could not be read: {e}"),
+                })?;
+        let Some(record) = records.into_iter().find(|d| d.key == key) else {
+            return Ok(None);
+        };
+        if record.digest != digest {
+            return Err(Refusal::KeyConflict {
+                key: key.to_string(),
+            });
+        }
+        let handles = record
+            .children
+            .iter()
+            .filter_map(|id| self.children.by_id.get(id))
+            .map(|c| ChildHandle {
+                label: c.label.clone(),
+                id: c.id,
+                agent: c.agent.clone(),
+                grant_tokens: c.grant.tokens,
+                grant_usd_micros: c.grant.usd,
+            })
+            .collect();
+        Ok(Some(handles))
+    }
+
+    /// Checks one job of a delegate call and resolves it; pure but for lookups.
+    fn plan_child(
+        &self,
+        job: &arbor_protocol::JobArgs,
+        index: usize,
+        planned: &[PlannedChild],
+        wait: bool,
+        group: usize,
+    ) -> Result<PlannedChild, Refusal> {
+        let bad = |message: String| Refusal::BadArguments {
+            tool: "delegate".into(),
+            message: format!("jobs[{index}]: {message}"),
+        };
+        if !self.agent.subagents.iter().any(|s| s == &job.agent) {
+            return Err(Refusal::NotASubagent {
+                agent: job.agent.clone(),
+                parent: self.agent.name.clone(),
+                allowed: self.agent.subagents.join(", "),
+            });
+        }
+        let Some(agent) = self.ctx.agent(&job.agent) else {
+            return Err(bad(format!("no agent {:?} on this node", job.agent)));
+        };
+        if job.request.trim().is_empty() {
+            return Err(bad("request is empty".into()));
+        }
+        let label = match &job.label {
+            Some(l) => {
+                if l.trim().is_empty() || l.len() > 64 || l.contains('/') {
+                    return Err(bad(format!(
+                        "label {l:?} must be 1 to 64 characters without `/`"
+                    )));
+                }
+                l.clone()
+            }
+            None => self.children.auto_label(&job.agent, planned.len()),
+        };
+        if self.children.latest.contains_key(&label) || planned.iter().any(|p| p.label == label) {
+            return Err(Refusal::DuplicateLabel { label });
+        }
+        let budget_refused = |message: String| Refusal::Budget {
+            message: format!("jobs[{index}]: {message}"),
+        };
+        let (asked, asked_usd) = match &job.budget {
+            Some(b) => (
+                b.tokens().map_err(budget_refused)?,
+                b.usd_micros().map_err(budget_refused)?,
+            ),
+            None => (None, None),
+        };
+        let max_turns = match job.max_turns {
+            Some(n) if !(1..=10_000).contains(&n) => {
+                return Err(bad(format!("max_turns must be 1 to 10000, got {n}")));
+            }
+            Some(n) => n as u32,
+            None => agent.max_turns.unwrap_or(DEFAULT_MAX_TURNS),
+        };
+        let timeout = parse_duration_arg("timeout", job.timeout.as_deref())
+            .map_err(bad)?
+            .or(agent.timeout);
+        let retries = match job.retries {
+            None => 0,
+            Some(n) if n < 0 => {
+                return Err(bad(format!("retries must be 0 to {MAX_RETRIES}, got {n}")));
+            }
+            Some(n) => (n as u32).min(MAX_RETRIES),
+        };
+        if retries > 0 && !wait {
+            return Err(bad(
+                "retries need wait = true: a job is retried only while its caller waits".into(),
+            ));
+        }
+        if let Some(schema) = &job.output_schema {
+            jsonschema::validator_for(schema)
+                .map_err(|e| bad(format!("output_schema is not a valid JSON Schema: {e}")))?;
+        }
+        for pattern in &job.require_artifacts {
+            glob::Pattern::new(pattern)
+                .map_err(|e| bad(format!("require_artifacts {pattern:?}: {e}")))?;
+        }
+        let policy = self.policy.narrow(&agent, &job.deny);
+        Ok(PlannedChild {
+            id: JobId::new(),
+            label,
+            asked,
+            asked_usd,
+            brief: Brief {
+                request: job.request.clone(),
+                max_turns,
+                timeout,
+                output_schema: job.output_schema.clone(),
+                require_artifacts: job.require_artifacts.clone(),
+            },
+            policy,
+            agent,
+            retries,
+            attempt: 1,
+            group,
+        })
+    }
+
+    /// Reserves every grant in one message, journals the delegation, starts
+    /// the children. Returns the refusal and how many spawns never started.
+    async fn admit(
+        &mut self,
+        myself: &ActorRef<JobMsg>,
+        planned: Vec<PlannedChild>,
+        key: &str,
+        digest: &str,
+    ) -> Result<Vec<ChildHandle>, (Refusal, u64)> {
+        let total = planned.len() as u64;
+        let asks: Vec<GrantAsk> = planned
+            .iter()
+            .map(|p| GrantAsk {
+                child: p.id,
+                agent: p.agent.name.clone(),
+                asked: p.asked,
+                agent_max: p.agent.budget_tokens,
+                asked_usd: p.asked_usd,
+                agent_max_usd: p.agent.budget_usd_micros,
+            })
+            .collect();
+        let share = Share::Fraction(self.ctx.limits.grant_fraction);
+        let grants = match ractor::call!(self.account, |reply| AccountMsg::Reserve {
+            asks,
+            share,
+            reply
+        }) {
+            Ok(Ok(grants)) => grants,
+            Ok(Err(refusal)) => return Err((refusal, total)),
+            Err(e) => {
+                return Err((
+                    Refusal::Invalid {
+                        message: format!("the account did not answer: {e}"),
+                    },
+                    total,
+                ));
+            }
+        };
+        // I-29: the delegation and its jobs are durable before any child starts.
+        let epoch = self.ctx.journal.epoch();
+        let mut records = vec![Record::Delegation(DelegationRecord {
+            parent: self.lineage.id,
+            key: key.to_string(),
+            digest: digest.to_string(),
+            children: planned.iter().map(|p| p.id).collect(),
+            epoch,
+        })];
+        for (plan, grant) in planned.iter().zip(&grants) {
+            records.push(Record::Job(self.child_record(
+                plan,
+                *grant,
+                Status::Pending,
+            )));
+        }
+        let record_seq = match self.ctx.journal.commit(records).await {
+            Ok(seq) => seq,
+            Err(e) => {
+                for (plan, _) in planned.iter().zip(&grants) {
+                    let _ = ractor::call!(self.account, |reply| AccountMsg::Settle {
+                        child: plan.id,
+                        spent: Amount::ZERO,
+                        reply
+                    });
+                }
+                return Err((
+                    Refusal::Invalid {
+                        message: format!("the journal could not record the delegation: {e}"),
+                    },
+                    total,
+                ));
+            }
+        };
+        let mut handles = vec![];
+        let mut unstarted = 0;
+        let mut first_failure = None;
+        for (plan, grant) in planned.into_iter().zip(grants) {
+            match self.spawn_child(myself, &plan, grant, record_seq).await {
+                Ok(handle) => handles.push(handle),
+                Err(why) => {
+                    unstarted += 1;
+                    first_failure.get_or_insert(why);
+                }
+            }
+        }
+        if let Some(why) = first_failure {
+            if handles.is_empty() {
+                return Err((Refusal::Invalid { message: why }, unstarted));
+            }
+            self.run_ctx.uncount_spawns(unstarted);
+        }
+        Ok(handles)
+    }
+
+    pub(super) fn child_record(
+        &self,
+        plan: &PlannedChild,
+        grant: Grant,
+        status: Status,
+    ) -> JobRecord {
+        JobRecord {
+            id: plan.id,
+            run: self.lineage.run,
+            parent: ParentRef::Job(self.lineage.id),
+            kind: NodeKind::Job,
+            agent: plan.agent.name.clone(),
+            label: Some(plan.label.clone()),
+            depth: self.lineage.depth + 1,
+            attempt: plan.attempt,
+            grant_tokens: grant.tokens,
+            workdir: self.child_workdir(plan).display().to_string(),
+            status,
+            task_status: None,
+            error_class: None,
+            reason: None,
+            output_json: "null".into(),
+            tokens_spent: 0,
+            epoch: self.ctx.journal.epoch(),
+        }
+    }
+
+    fn child_workdir(&self, plan: &PlannedChild) -> PathBuf {
+        let leaf = format!("{}-{}", plan.label, plan.attempt);
+        match plan.agent.sandbox {
+            // I-28: a job's default workdir is its own: a fresh folder below the parent's.
+            SandboxMode::Shared => self.workdir.join("jobs").join(leaf),
+            SandboxMode::Own => self
+                .ctx
+                .work_root
+                .join(self.lineage.run.to_string())
+                .join("own")
+                .join(plan.id.to_string()),
+        }
+    }
+
+    /// Starts one admitted child. On failure its hold is released and its
+    /// record marked failed, so nothing is left running or held (I-06).
+    pub(super) async fn spawn_child(
+        &mut self,
+        myself: &ActorRef<JobMsg>,
+        plan: &PlannedChild,
+        grant: Grant,
+        record_seq: u64,
+    ) -> Result<ChildHandle, String> {
+        let meter = SpentMeter::default();
+        let start = JobStart {
+            ctx: self.ctx.clone(),
+            run_ctx: self.run_ctx.clone(),
+            lineage: Lineage {
+                id: plan.id,
+                run: self.lineage.run,
+                parent: ParentRef::Job(self.lineage.id),
+                kind: NodeKind::Job,
+                depth: self.lineage.depth + 1,
+                attempt: plan.attempt,
+                label: Some(plan.label.clone()),
+            },
+            agent: plan.agent.clone(),
+            brief: plan.brief.clone(),
+            policy: plan.policy.clone(),
+            grant,
+            workdir: self.child_workdir(plan),
+            parent: ParentHandle::Job(myself.clone()),
+            cancel: self.cancel.child_token(),
+            meter: meter.clone(),
+            record_seq,
+        };
+        let name = format!("arbor-job-{}", plan.id);
+        match Actor::spawn_linked(Some(name), Job, start, myself.get_cell()).await {
+            Ok((actor, _)) => {
+                self.children.insert(ChildEntry {
+                    id: plan.id,
+                    label: plan.label.clone(),
+                    agent: plan.agent.name.clone(),
+                    attempt: plan.attempt,
+                    actor,
+                    grant,
+                    meter,
+                    state: ChildState::Running,
+                    stop_reason: None,
+                    envelope: None,
+                    plan: plan.clone(),
+                    retries_left: plan.retries,
+                    collected: false,
+                });
+                Ok(ChildHandle {
+                    label: plan.label.clone(),
+                    id: plan.id,
+                    agent: plan.agent.name.clone(),
+                    grant_tokens: grant.tokens,
+                    grant_usd_micros: grant.usd,
+                })
+            }
+            Err(e) => {
+                let why = format!("{} could not start: {e}", plan.label);
+                let _ = ractor::call!(self.account, |reply| AccountMsg::Settle {
+                    child: plan.id,
+                    spent: Amount::ZERO,
+                    reply
+                });
+                let mut record = self.child_record(plan, grant, Status::Failed);
+                record.error_class = Some(ErrorClass::Start);
+                record.reason = Some(why.clone());
+                let _ = self.ctx.journal.commit(vec![Record::Job(record)]).await;
+                self.ctx.events.emit(
+                    self.lineage.run,
+                    EventKind::Refused {
+                        id: self.lineage.id,
+                        tool: "delegate".into(),
+                        refusal: Refusal::Invalid {
+                            message: why.clone(),
+                        },
+                    },
+                );
+                Err(why)
+            }
+        }
+    }
+}
+
+/// The digest of a delegate call's canonical request (I-32): its JSON with
+/// sorted keys, without the key itself, hashed with SHA-256.
+pub fn delegation_digest(args: &DelegateArgs) -> String {
+    use sha2::{Digest, Sha256};
+    let mut canonical = serde_json::to_value(args).unwrap_or_default();
+    if let Some(map) = canonical.as_object_mut() {
+        map.remove("key");
+    }
+    let bytes = Sha256::digest(sorted(canonical).to_string().as_bytes());
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The value with every object's keys in sorted order, whatever order they
+/// came in: equal requests serialize equally.
+fn sorted(value: serde_json::Value) -> serde_json::Value {
+    match value {
+        serde_json::Value::Object(map) => {
+            let mut entries: Vec<_> = map.into_iter().collect();
+            entries.sort_by(|a, b| a.0.cmp(&b.0));
+            serde_json::Value::Object(entries.into_iter().map(|(k, v)| (k, sorted(v))).collect())
+        }
+        serde_json::Value::Array(items) => {
+            serde_json::Value::Array(items.into_iter().map(sorted).collect())
+        }
+        other => other,
+    }
+}

@@ -1,0 +1,399 @@
+//! Stopping, collecting and settling children. The parent is the only writer
+//! of a child's final status (`settle_record`, shared with the Run): a child
+//! is charged (I-10) and its terminal record made durable (I-29); a child its
+//! parent stopped has no output, whatever it sent (I-16); one whose actor died
+//! without reporting failed, class `panicked` (I-38). A failed child may be
+//! retried (I-23) or stop its siblings (I-42), if that is the rule.
+
+use super::children::{ChildState, PlannedChild, Waiter};
+use super::{ChildReport, JobMsg, JobState};
+use crate::account::{AccountMsg, Grant, GrantAsk, Share};
+use crate::context::NodeContext;
+use arbor_protocol::{
+    Amount, ErrorClass, EventKind, JobId, NodeKind, OnFailure, ParentRef, Refusal, ResultEnvelope,
+    RunId, Status, TaskStatus,
+};
+use arbor_storage::{JobRecord, Record};
+use ractor::{ActorProcessingErr, ActorRef, RpcReplyPort};
+use std::time::Duration;
+
+impl JobState {
+    pub(super) fn stop_child_label(
+        &mut self,
+        label: &str,
+        reason: &str,
+        propagated: bool,
+    ) -> Result<String, Refusal> {
+        let Some(entry) = self.children.latest_mut(label) else {
+            return Err(Refusal::UnknownChild {
+                child: label.to_string(),
+                known: self.children.known(),
+            });
+        };
+        // Stopping any attempt cancels the chain (I-23).
+        entry.retries_left = 0;
+        match entry.state {
+            ChildState::Running => {
+                entry.state = ChildState::Stopping;
+                entry.stop_reason = Some((reason.to_string(), propagated));
+                let _ = entry.actor.cast(JobMsg::Stop {
+                    reason: reason.to_string(),
+                    propagated,
+                });
+                Ok(format!("{label} is stopping"))
+            }
+            ChildState::Stopping => Ok(format!("{label} is already stopping")),
+            ChildState::Settled => Err(Refusal::ChildEnded {
+                child: label.to_string(),
+                status: entry.status_word(),
+            }),
+        }
+    }
+
+    pub(super) fn collect(
+        &mut self,
+        myself: &ActorRef<JobMsg>,
+        children: Vec<String>,
+        timeout: Option<Duration>,
+        stop_on_timeout: bool,
+        reply: RpcReplyPort<Result<Vec<ResultEnvelope>, Refusal>>,
+    ) {
+        let labels = if children.is_empty() {
+            self.children.uncollected_labels()
+        } else {
+            match children
+                .iter()
+                .map(|c| self.children.resolve(c))
+                .collect::<Result<Vec<_>, _>>()
+            {
+                Ok(labels) => labels,
+                Err(refusal) => {
+                    let _ = reply.send(Err(refusal));
+                    return;
+                }
+            }
+        };
+        let id = self.children.next_waiter;
+        self.children.next_waiter += 1;
+        self.children.waiters.insert(
+            id,
+            Waiter {
+                labels,
+                stop_on_timeout,
+                timeout,
+                reply,
+            },
+        );
+        if !self.children.answer_waiters().contains(&id)
+            && let Some(timeout) = timeout
+        {
+            myself.send_after(timeout, move || JobMsg::WaitTimedOut { waiter: id });
+        }
+    }
+
+    pub(super) fn wait_timed_out(&mut self, waiter: u64) {
+        let Some(w) = self.children.waiters.remove(&waiter) else {
+            return;
+        };
+        let timeout = humantime::format_duration(w.timeout.unwrap_or_default()).to_string();
+        let mut results = vec![];
+        for label in &w.labels {
+            let entry = self.children.latest(label).cloned();
+            let Some(entry) = entry else { continue };
+            if entry.state == ChildState::Settled {
+                if let Some(env) = &entry.envelope {
+                    results.push(env.clone());
+                }
+                self.children.mark_collected(label);
+                continue;
+            }
+            let (status, error) = if w.stop_on_timeout {
+                // I-17: the parent stopped waiting, so the child is stopped.
+                let reason = format!("its parent stopped waiting after {timeout}");
+                let _ = self.stop_child_label(label, &reason, false);
+                (Status::Stopped, reason)
+            } else {
+                (
+                    Status::Running,
+                    format!("still running when collect timed out after {timeout}"),
+                )
+            };
+            results.push(ResultEnvelope {
+                job: entry.id,
+                label: Some(entry.label.clone()),
+                attempt: entry.attempt,
+                agent: entry.agent.clone(),
+                status,
+                task_status: None,
+                output: serde_json::Value::Null,
+                error: Some(error),
+                error_class: w.stop_on_timeout.then_some(ErrorClass::Timeout),
+                limitations: vec![],
+                artifacts: vec![],
+                tokens_spent: entry.meter.get(),
+                usd_micros_spent: entry.meter.amount().usd_micros,
+                turns: 0,
+                workdir: String::new(),
+            });
+        }
+        let _ = w.reply.send(Ok(results));
+    }
+
+    /// A child's final word: charge it (I-10), write its terminal record, drop
+    /// its output if it was stopped (I-16), retry it (I-23) or stop its
+    /// siblings (I-42) if that is the rule.
+    pub(super) async fn child_ended(
+        &mut self,
+        myself: &ActorRef<JobMsg>,
+        report: ChildReport,
+    ) -> Result<(), ActorProcessingErr> {
+        let Some(entry) = self.children.by_id.get(&report.id) else {
+            return Ok(());
+        };
+        if entry.state == ChildState::Settled {
+            return Ok(());
+        }
+        let entry = entry.clone();
+        let envelope = final_envelope(&entry.stop_reason, report.envelope);
+        let _ = ractor::call!(self.account, |reply| AccountMsg::Settle {
+            child: entry.id,
+            spent: envelope.spent(),
+            reply
+        });
+        settle_record(
+            &self.ctx,
+            self.lineage.run,
+            ParentRef::Job(self.lineage.id),
+            &entry.plan.agent.name,
+            NodeKind::Job,
+            self.lineage.depth + 1,
+            &envelope,
+            entry.grant.tokens,
+            entry.stop_reason.as_ref().is_some_and(|r| r.1),
+        )
+        .await?;
+        if let Some(e) = self.children.by_id.get_mut(&entry.id) {
+            e.state = ChildState::Settled;
+            e.envelope = Some(envelope.clone());
+        }
+        let class = envelope.error_class.unwrap_or(ErrorClass::Task);
+        let retry = envelope.status == Status::Failed
+            && entry.retries_left > 0
+            && entry.stop_reason.is_none()
+            && class.is_retryable()
+            && self.finish.is_none();
+        if retry {
+            let mut plan = entry.plan.clone();
+            plan.id = JobId::new();
+            plan.attempt += 1;
+            plan.retries = entry.retries_left - 1;
+            plan.asked = None;
+            plan.asked_usd = None;
+            plan.brief.request = format!(
+                "{}\n\nA previous attempt failed: {}{}",
+                entry.plan.brief.request,
+                envelope.error.clone().unwrap_or_default(),
+                if envelope.limitations.is_empty() {
+                    String::new()
+                } else {
+                    format!("\nIts limitations: {}", envelope.limitations.join("; "))
+                }
+            );
+            match self.retry_child(myself, plan, entry.grant).await {
+                Ok(()) => {
+                    self.children.answer_waiters();
+                    return Ok(());
+                }
+                Err(refusal) => {
+                    if let Some(e) = self.children.by_id.get_mut(&entry.id)
+                        && let Some(env) = e.envelope.as_mut()
+                    {
+                        env.limitations.push(format!("retry refused: {refusal}"));
+                    }
+                }
+            }
+        }
+        if envelope.status == Status::Failed
+            && self
+                .children
+                .groups
+                .get(entry.plan.group)
+                .map(|g| g.on_failure)
+                == Some(OnFailure::CancelSiblings)
+        {
+            let reason = format!("sibling {} failed", entry.label);
+            for label in self.children.running_in_group(entry.plan.group) {
+                let _ = self.stop_child_label(&label, &reason, false);
+            }
+        }
+        self.children.answer_waiters();
+        Ok(())
+    }
+
+    /// A new attempt: new id, new reservation, counted by the spawn cap (I-23).
+    async fn retry_child(
+        &mut self,
+        myself: &ActorRef<JobMsg>,
+        plan: PlannedChild,
+        previous_grant: Grant,
+    ) -> Result<(), Refusal> {
+        self.run_ctx.count_spawns(1)?;
+        // A retry may be granted at most what the attempt before it was.
+        let asks = vec![GrantAsk {
+            child: plan.id,
+            agent: plan.agent.name.clone(),
+            asked: None,
+            agent_max: Some(previous_grant.tokens),
+            asked_usd: None,
+            agent_max_usd: previous_grant.usd,
+        }];
+        let share = Share::Fraction(self.ctx.limits.grant_fraction);
+        let grant = match ractor::call!(self.account, |reply| AccountMsg::Reserve {
+            asks,
+            share,
+            reply
+        }) {
+            Ok(Ok(g)) => g[0],
+            Ok(Err(r)) => {
+                self.run_ctx.uncount_spawns(1);
+                return Err(r);
+            }
+            Err(e) => {
+                self.run_ctx.uncount_spawns(1);
+                return Err(Refusal::Invalid {
+                    message: e.to_string(),
+                });
+            }
+        };
+        let record = self.child_record(&plan, grant, Status::Pending);
+        let record_seq = match self.ctx.journal.commit(vec![Record::Job(record)]).await {
+            Ok(seq) => seq,
+            Err(e) => {
+                let _ = ractor::call!(self.account, |reply| AccountMsg::Settle {
+                    child: plan.id,
+                    spent: Amount::ZERO,
+                    reply
+                });
+                self.run_ctx.uncount_spawns(1);
+                return Err(Refusal::Invalid {
+                    message: e.to_string(),
+                });
+            }
+        };
+        self.spawn_child(myself, &plan, grant, record_seq)
+            .await
+            .map(|_| ())
+            .map_err(|message| {
+                self.run_ctx.uncount_spawns(1);
+                Refusal::Invalid { message }
+            })
+    }
+}
+
+/// I-16: a child its parent stopped has no output, whatever it sent.
+pub(crate) fn final_envelope(
+    stop: &Option<(String, bool)>,
+    mut envelope: ResultEnvelope,
+) -> ResultEnvelope {
+    if let Some((reason, propagated)) = stop {
+        envelope.status = Status::Stopped;
+        envelope.task_status = None;
+        envelope.output = serde_json::Value::Null;
+        envelope.error_class = None;
+        envelope.error = Some(if *propagated {
+            format!("{reason} (propagated)")
+        } else {
+            reason.clone()
+        });
+    }
+    envelope
+}
+
+/// The envelope of a child whose actor died without reporting (I-38): failed,
+/// class `panicked`, charged what its account had spent.
+pub(crate) fn dead_envelope(
+    id: JobId,
+    label: &str,
+    attempt: u32,
+    agent: &str,
+    error: &str,
+    spent: Amount,
+) -> ResultEnvelope {
+    ResultEnvelope {
+        job: id,
+        label: Some(label.to_string()),
+        attempt,
+        agent: agent.to_string(),
+        status: Status::Failed,
+        task_status: Some(TaskStatus::Failed),
+        output: serde_json::Value::Null,
+        error: Some(error.to_string()),
+        error_class: Some(ErrorClass::Panicked),
+        limitations: vec![],
+        artifacts: vec![],
+        tokens_spent: spent.tokens,
+        usd_micros_spent: spent.usd_micros,
+        turns: 0,
+        workdir: String::new(),
+    }
+}
+
+/// Writes a child's terminal record (durable, I-29) and emits its end. Shared
+/// by the Run (for steps) and Jobs (for their children): the parent is the
+/// only writer of a child's final status.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn settle_record(
+    ctx: &NodeContext,
+    run: RunId,
+    parent: ParentRef,
+    agent: &str,
+    kind: NodeKind,
+    depth: u32,
+    envelope: &ResultEnvelope,
+    grant: u64,
+    propagated: bool,
+) -> Result<(), ActorProcessingErr> {
+    let reason = match envelope.status {
+        Status::Done => None,
+        _ => envelope.error.clone(),
+    };
+    let record = JobRecord {
+        id: envelope.job,
+        run,
+        parent,
+        kind,
+        agent: agent.to_string(),
+        label: envelope.label.clone(),
+        depth,
+        attempt: envelope.attempt,
+        grant_tokens: grant,
+        workdir: envelope.workdir.clone(),
+        status: envelope.status,
+        task_status: envelope.task_status,
+        error_class: envelope.error_class,
+        reason: reason.clone(),
+        output_json: envelope.output.to_string(),
+        tokens_spent: envelope.tokens_spent,
+        epoch: ctx.journal.epoch(),
+    };
+    ctx.journal.commit(vec![Record::Job(record)]).await?;
+    ctx.events.emit(
+        run,
+        EventKind::NodeFinished {
+            id: envelope.job,
+            status: envelope.status,
+            task_status: envelope.task_status,
+            error_class: envelope.error_class,
+            reason,
+            propagated,
+            output: envelope.output.clone(),
+            error: envelope.error.clone(),
+            limitations: envelope.limitations.clone(),
+            artifacts: envelope.artifacts.clone(),
+            turns: envelope.turns,
+            tokens_spent: envelope.tokens_spent,
+            usd_micros_spent: envelope.usd_micros_spent,
+        },
+    );
+    Ok(())
+}
