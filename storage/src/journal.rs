@@ -3,15 +3,17 @@
 //!
 //! A `Journal` is a cheap clone of an `Arc`. Behind it, two dedicated threads:
 //! the flusher owns the write-ahead log (`wal.rs`) and every sync of it, and
-//! the checkpointer owns every `db.flush()` and every sync of sled's files
-//! (`fsync.rs`). Callers never flush themselves.
+//! the applier applies appends to sled in batches (`overlay.rs`) and owns
+//! every `db.flush()` and every sync of sled's files (`fsync.rs`). Callers
+//! never flush themselves.
 //!
 //! Invariants:
 //! 1. Seq order is apply order: one mutex covers handing out seqs *and*
-//!    applying them, so a reader who sees seq N applied sees everything below N.
-//! 2. One `append` is one sled transaction over every tree it touches and the
-//!    `meta` seq, so after a crash an append is wholly there or wholly gone, and
-//!    the stored seq is never behind a stored ledger key.
+//!    applying them (to the overlay, which reads merge over sled), so a reader
+//!    who sees seq N applied sees everything below N.
+//! 2. sled takes appends whole, in seq order, each batch in one transaction
+//!    with the `meta` seq, so after a crash sled holds a prefix of the appends
+//!    and says where it ends; the log holds the rest (`wal.rs`).
 //! 3. `durable_seq` only rises, and only to a seq that was applied before a
 //!    flush began: everything at or below it survives a crash (I-29).
 //! 4. A `commit` returns only once `durable_seq >= ` its seq.
@@ -38,9 +40,9 @@
 //! flushes stays far below the number of commits.
 //!
 //! Checkpoints: once `CHECKPOINT_BYTES` of frames have been written, the
-//! flusher starts a new segment and hands the old ones to the checkpointer,
-//! which flushes sled, syncs its files and only then removes them. Commits
-//! never wait for a checkpoint.
+//! flusher starts a new segment and asks the applier, behind every append
+//! the old segments carry, to flush sled, sync its files and only then
+//! remove them. Commits never wait for sled.
 //!
 //! Deadlock safety: the append mutex is never held across an await or while
 //! talking to the flusher, and the flusher takes no lock of ours; it shares
@@ -56,6 +58,7 @@ use crate::codec::{
 };
 use crate::faults::Faults;
 use crate::fsync::DiskSync;
+use crate::overlay::{Overlay, Work};
 use crate::record::{
     DelegationRecord, JobRecord, LedgerRecord, Record, RunRecord, SandboxRecord, SandboxState,
     SteerRecord, SubmissionRecord,
@@ -106,12 +109,16 @@ struct Inner {
     faults: Arc<Faults>,
     /// Opened with `open_read_only`: every write is refused.
     read_only: bool,
-    /// Frames applied to sled and not yet handed to the flusher.
+    /// Frames appended and not yet handed to the flusher.
     pending: Arc<Mutex<Pending>>,
+    /// Appends not yet applied to sled, read over it.
+    overlay: Arc<Mutex<Overlay>>,
+    /// The applier's queue; `None` only while dropping.
+    work: Option<mpsc::Sender<Work>>,
     /// `None` only while dropping.
     waiters: Option<mpsc::Sender<Waiter>>,
     flusher: Mutex<Option<thread::JoinHandle<()>>>,
-    checkpointer: Mutex<Option<thread::JoinHandle<()>>>,
+    applier: Mutex<Option<thread::JoinHandle<()>>>,
     commit_observer: OnceLock<CommitObserver>,
 }
 
@@ -159,9 +166,10 @@ struct Pending {
     last_seq: u64,
 }
 
-/// What the flusher and checkpointer threads take over when they start.
+/// What the flusher and applier threads take over when they start.
 struct Unstarted {
     queue: mpsc::Receiver<Waiter>,
+    work: mpsc::Receiver<Work>,
     disk: DiskSync,
     /// `None` for a read-only journal, which never writes.
     wal: Option<Wal>,
@@ -223,11 +231,19 @@ impl Journal {
         let mut frame = Vec::new();
         wal::encode_frame(&mut frame, first_seq, &entries);
 
+        // All three under the seq lock, so each queues in seq order: the
+        // overlay (readable at once), the applier's work, the log's frames.
         inner
-            .trees
-            .apply(&entries, seq)
-            .map_err(|e| inner.progress.fail("a write", e))?;
-        // Queued while the seq lock is held, so frames queue in seq order.
+            .overlay
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(first_seq, &entries);
+        let work = inner.work.as_ref().ok_or(Error::Closed)?;
+        work.send(Work::Apply {
+            last_seq: seq,
+            entries,
+        })
+        .map_err(|_| inner.progress.fail("a write", Error::Closed))?;
         {
             let mut pending = inner.pending.lock().unwrap_or_else(PoisonError::into_inner);
             pending.frames.extend_from_slice(&frame);
@@ -308,11 +324,12 @@ impl Journal {
 
     /// Every run, in key order.
     pub fn runs(&self) -> Result<Vec<RunRecord>, Error> {
-        read_prefix(&self.inner.trees.runs, RUNS, &[], codec::decode_bincode)
+        self.inner
+            .read_prefix(&self.inner.trees.runs, RUNS, &[], codec::decode_bincode)
     }
 
     pub fn run(&self, id: RunId) -> Result<Option<RunRecord>, Error> {
-        read_one(
+        self.inner.read_one(
             &self.inner.trees.runs,
             RUNS,
             &codec::run_key(id),
@@ -322,17 +339,19 @@ impl Journal {
 
     /// Every step and job of every run, by run and then by id.
     pub fn all_jobs(&self) -> Result<Vec<JobRecord>, Error> {
-        read_prefix(&self.inner.trees.jobs, JOBS, &[], codec::decode_bincode)
+        self.inner
+            .read_prefix(&self.inner.trees.jobs, JOBS, &[], codec::decode_bincode)
     }
 
     /// The run's steps and jobs, in id (that is, creation) order.
     pub fn jobs(&self, run: RunId) -> Result<Vec<JobRecord>, Error> {
         let prefix = codec::run_key(run);
-        read_prefix(&self.inner.trees.jobs, JOBS, &prefix, codec::decode_bincode)
+        self.inner
+            .read_prefix(&self.inner.trees.jobs, JOBS, &prefix, codec::decode_bincode)
     }
 
     pub fn job(&self, run: RunId, id: JobId) -> Result<Option<JobRecord>, Error> {
-        read_one(
+        self.inner.read_one(
             &self.inner.trees.jobs,
             JOBS,
             &codec::job_key(run, id),
@@ -343,7 +362,7 @@ impl Journal {
     /// One account's entries, in the order they were written.
     pub fn ledger(&self, owner: ParentRef) -> Result<Vec<LedgerRecord>, Error> {
         let prefix = codec::ledger_prefix(owner);
-        read_prefix(
+        self.inner.read_prefix(
             &self.inner.trees.ledger,
             LEDGER,
             &prefix,
@@ -354,7 +373,7 @@ impl Journal {
     /// The parent's delegate calls, in key order.
     pub fn delegations(&self, parent: JobId) -> Result<Vec<DelegationRecord>, Error> {
         let prefix = parent.0.as_bytes();
-        read_prefix(
+        self.inner.read_prefix(
             &self.inner.trees.delegations,
             DELEGATIONS,
             prefix,
@@ -365,7 +384,7 @@ impl Journal {
     /// The job's steering messages, by message id.
     pub fn steering(&self, job: JobId) -> Result<Vec<SteerRecord>, Error> {
         let prefix = job.0.as_bytes();
-        read_prefix(
+        self.inner.read_prefix(
             &self.inner.trees.steering,
             STEERING,
             prefix,
@@ -376,7 +395,7 @@ impl Journal {
     /// The run's events, by event seq.
     pub fn events(&self, run: RunId) -> Result<Vec<Event>, Error> {
         let prefix = codec::run_key(run);
-        read_prefix(
+        self.inner.read_prefix(
             &self.inner.trees.events,
             EVENTS,
             &prefix,
@@ -386,7 +405,7 @@ impl Journal {
 
     /// The job's sandbox process groups, by pgid, whatever their state.
     pub fn sandboxes(&self, job: JobId) -> Result<Vec<SandboxRecord>, Error> {
-        read_prefix(
+        self.inner.read_prefix(
             &self.inner.trees.sandboxes,
             SANDBOXES,
             job.0.as_bytes(),
@@ -397,7 +416,7 @@ impl Journal {
     /// Every sandbox process group still `Live`, of every job: what recovery
     /// must kill (I-30), if `same_process` says it is still the one recorded.
     pub fn live_sandboxes(&self) -> Result<Vec<SandboxRecord>, Error> {
-        let all = read_prefix(
+        let all = self.inner.read_prefix(
             &self.inner.trees.sandboxes,
             SANDBOXES,
             &[],
@@ -411,7 +430,7 @@ impl Journal {
 
     /// Every run submitted to the service, in arrival order.
     pub fn submissions(&self) -> Result<Vec<SubmissionRecord>, Error> {
-        let mut all = read_prefix(
+        let mut all = self.inner.read_prefix(
             &self.inner.trees.submissions,
             SUBMISSIONS,
             &[],
@@ -423,7 +442,7 @@ impl Journal {
 
     /// The submission of `run`, if the service queued it.
     pub fn submission(&self, run: RunId) -> Result<Option<SubmissionRecord>, Error> {
-        read_one(
+        self.inner.read_one(
             &self.inner.trees.submissions,
             SUBMISSIONS,
             &codec::run_key(run),
@@ -435,6 +454,7 @@ impl Journal {
     /// listing what does not decode instead of skipping it. Fails only if sled
     /// cannot be read at all.
     pub fn scan(&self) -> Result<ScanReport, Error> {
+        self.inner.drain();
         let mut report = ScanReport::default();
         let mut report_bad = |tree: &str, key: &[u8], error: String| {
             report.undecodable.push(Undecodable {
@@ -468,7 +488,7 @@ impl Journal {
     /// `undecodable` and left out of their account's totals. Fails only if
     /// sled cannot be read at all.
     pub fn verify(&self) -> Result<VerifyReport, Error> {
-        let scan = self.scan()?;
+        let scan = self.scan()?; // drains the applier first
         // Valid ledger keys start with their owner, so an account's entries
         // are contiguous and in journal order.
         let mut accounts: Vec<(ParentRef, Vec<LedgerRecord>)> = Vec::new();
@@ -553,6 +573,9 @@ impl Journal {
         // What sled lost in a crash and the log kept (`wal.rs`, invariant 4).
         let mut seq = stored_seq;
         let replay = wal::read(dir)?;
+        // Applied in batches of whole frames, each one transaction with its
+        // last seq, as the applier does.
+        let mut batch: Vec<wal::Entry> = Vec::new();
         for frame in replay.frames {
             if frame.last_seq() <= seq {
                 continue;
@@ -563,8 +586,15 @@ impl Journal {
                     frame.first_seq
                 )));
             }
-            trees.apply(&frame.entries, frame.last_seq())?;
             seq = frame.last_seq();
+            batch.extend(frame.entries);
+            if batch.len() >= MAX_BATCH_ENTRIES {
+                trees.apply(&batch, seq)?;
+                batch.clear();
+            }
+        }
+        if !batch.is_empty() {
+            trees.apply(&batch, seq)?;
         }
         if seq > stored_seq {
             tracing::info!(
@@ -597,6 +627,7 @@ impl Journal {
             failure: OnceLock::new(),
         });
         let (waiters, queue) = mpsc::channel();
+        let (work, work_queue) = mpsc::channel();
         let inner = Inner {
             db,
             _dir_lock: dir_lock,
@@ -607,39 +638,55 @@ impl Journal {
             faults: Arc::new(Faults::default()),
             read_only,
             pending: Arc::new(Mutex::new(Pending::default())),
+            overlay: Arc::new(Mutex::new(Overlay::default())),
+            work: (!read_only).then_some(work),
             waiters: Some(waiters),
             flusher: Mutex::new(None),
-            checkpointer: Mutex::new(None),
+            applier: Mutex::new(None),
             commit_observer: OnceLock::new(),
         };
         Ok((
             Journal {
                 inner: Arc::new(inner),
             },
-            Unstarted { queue, disk, wal },
+            Unstarted {
+                queue,
+                work: work_queue,
+                disk,
+                wal,
+            },
         ))
     }
 
     fn start_flusher(&self, unstarted: Unstarted) -> Result<(), Error> {
-        let Unstarted { queue, disk, wal } = unstarted;
-        let Some(wal) = wal else {
+        let Unstarted {
+            queue,
+            work,
+            disk,
+            wal,
+        } = unstarted;
+        let (Some(wal), Some(checkpoints)) = (wal, self.inner.work.clone()) else {
             return Ok(()); // read-only: nothing is ever written
         };
         // Failing to spawn a thread is an OS resource fault; sled's Io
         // variant is the closest home for it.
         let spawn_error = |e| Error::Sled(sled::Error::Io(e));
-        let (checkpoints, requests) = mpsc::channel();
-        let db = self.inner.db.clone();
-        let progress = Arc::clone(&self.inner.progress);
-        let checkpointer = thread::Builder::new()
-            .name("arbor-journal-checkpointer".into())
-            .spawn(move || run_checkpointer(&db, disk, &progress, requests))
+        let applier = Applier {
+            db: self.inner.db.clone(),
+            trees: Trees::open(&self.inner.db)?,
+            disk,
+            overlay: Arc::clone(&self.inner.overlay),
+            progress: Arc::clone(&self.inner.progress),
+        };
+        let handle = thread::Builder::new()
+            .name("arbor-journal-applier".into())
+            .spawn(move || applier.run(work))
             .map_err(spawn_error)?;
         *self
             .inner
-            .checkpointer
+            .applier
             .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Some(checkpointer);
+            .unwrap_or_else(PoisonError::into_inner) = Some(handle);
 
         let flusher = Flusher {
             wal,
@@ -705,10 +752,12 @@ impl Drop for Inner {
         // would wait forever.
         self.faults.close();
         drop(self.waiters.take());
-        // The flusher ends first; its end closes the checkpointer's channel.
+        drop(self.work.take());
+        // The flusher ends first; its end closes the applier's queue, which
+        // applies what is left in it and ends.
         for (thread, name) in [
             (&mut self.flusher, "flusher"),
-            (&mut self.checkpointer, "checkpointer"),
+            (&mut self.applier, "applier"),
         ] {
             let handle = thread
                 .get_mut()
@@ -851,29 +900,66 @@ fn check_epochs(records: &[Record], current: u64) -> Result<(), Error> {
     Ok(())
 }
 
-fn read_prefix<T>(
-    tree: &sled::Tree,
-    name: &str,
-    prefix: &[u8],
-    decode: fn(&[u8]) -> Result<T, String>,
-) -> Result<Vec<T>, Error> {
-    tree.scan_prefix(prefix)
-        .map(|entry| {
-            let (key, value) = entry?;
-            decode(&value).map_err(|error| codec::undecodable(name, &key, error))
-        })
-        .collect()
-}
+impl Inner {
+    /// Every record under `prefix`, the overlay's laid over sled's, holding
+    /// the overlay's lock throughout (`overlay.rs`, invariant 1).
+    fn read_prefix<T>(
+        &self,
+        tree: &sled::Tree,
+        name: &str,
+        prefix: &[u8],
+        decode: fn(&[u8]) -> Result<T, String>,
+    ) -> Result<Vec<T>, Error> {
+        let overlay = self.overlay.lock().unwrap_or_else(PoisonError::into_inner);
+        let stored = tree.scan_prefix(prefix).collect::<Result<Vec<_>, _>>()?;
+        let entries = if overlay.is_empty() {
+            return stored
+                .into_iter()
+                .map(|(key, value)| {
+                    decode(&value).map_err(|error| codec::undecodable(name, &key, error))
+                })
+                .collect();
+        } else {
+            overlay.merge_prefix(name, prefix, stored)
+        };
+        drop(overlay);
+        entries
+            .into_iter()
+            .map(|(key, value)| {
+                decode(&value).map_err(|error| codec::undecodable(name, &key, error))
+            })
+            .collect()
+    }
 
-fn read_one<T>(
-    tree: &sled::Tree,
-    name: &str,
-    key: &[u8],
-    decode: fn(&[u8]) -> Result<T, String>,
-) -> Result<Option<T>, Error> {
-    tree.get(key)?
-        .map(|value| decode(&value).map_err(|error| codec::undecodable(name, key, error)))
-        .transpose()
+    fn read_one<T>(
+        &self,
+        tree: &sled::Tree,
+        name: &str,
+        key: &[u8],
+        decode: fn(&[u8]) -> Result<T, String>,
+    ) -> Result<Option<T>, Error> {
+        let overlay = self.overlay.lock().unwrap_or_else(PoisonError::into_inner);
+        let value = match overlay.get(name, key) {
+            Some(value) => Some(value.to_vec()),
+            None => tree.get(key)?.map(|v| v.to_vec()),
+        };
+        drop(overlay);
+        value
+            .map(|value| decode(&value).map_err(|error| codec::undecodable(name, key, error)))
+            .transpose()
+    }
+
+    /// Waits until the applier has put every append so far into sled, for
+    /// the passes that walk sled's trees whole (`scan`, `verify`). A journal
+    /// without an applier (read-only, or one whose applier is gone) has
+    /// nothing more to wait for.
+    fn drain(&self) {
+        let Some(work) = &self.work else { return };
+        let (done, wait) = mpsc::channel();
+        if work.send(Work::Drain(done)).is_ok() {
+            let _ = wait.recv();
+        }
+    }
 }
 
 /// The flusher thread's state: the log, and what it shares with the handles.
@@ -882,8 +968,8 @@ struct Flusher {
     progress: Arc<Progress>,
     faults: Arc<Faults>,
     pending: Arc<Mutex<Pending>>,
-    /// Segments a checkpoint may remove once sled is synced.
-    checkpoints: mpsc::Sender<Vec<std::path::PathBuf>>,
+    /// The applier's queue, for checkpoints.
+    checkpoints: mpsc::Sender<Work>,
 }
 
 impl Flusher {
@@ -963,39 +1049,100 @@ impl Flusher {
                 .map_err(|e| progress.fail("starting a new log segment", e))?;
             // The checkpointer is gone only if it panicked; the log then
             // just keeps its old segments until the next open.
-            let _ = self.checkpoints.send(old);
+            let _ = self.checkpoints.send(Work::Checkpoint(old));
         }
         Ok(target)
     }
 }
 
-/// The checkpointer's loop: for each batch of retired segments, flush sled
-/// and sync its files, then remove them (`wal.rs`, invariant 3).
-fn run_checkpointer(
-    db: &sled::Db,
-    mut disk: DiskSync,
-    progress: &Progress,
-    requests: mpsc::Receiver<Vec<std::path::PathBuf>>,
-) {
-    while let Ok(first) = requests.recv() {
-        let mut segments = first;
-        for more in requests.try_iter() {
-            segments.extend(more);
+/// At most this many entries go into one sled transaction, so a backlog is
+/// applied in steps rather than held in memory as one huge transaction.
+const MAX_BATCH_ENTRIES: usize = 8192;
+
+/// The applier thread's state (`overlay.rs`).
+struct Applier {
+    db: sled::Db,
+    trees: Trees,
+    disk: DiskSync,
+    overlay: Arc<Mutex<Overlay>>,
+    progress: Arc<Progress>,
+}
+
+impl Applier {
+    /// Until the queue closes: apply everything queued so far as one
+    /// transaction, then do what was asked after it (a checkpoint, or an
+    /// answer to a drain). What is queued when the journal closes is applied
+    /// before the loop ends.
+    fn run(mut self, queue: mpsc::Receiver<Work>) {
+        let mut next = queue.recv().ok();
+        while let Some(first) = next.take() {
+            let mut batch: Vec<wal::Entry> = Vec::new();
+            let mut last_seq = 0;
+            let mut item = Some(first);
+            let mut then = None;
+            while let Some(work) = item.take() {
+                match work {
+                    Work::Apply {
+                        last_seq: seq,
+                        entries,
+                    } => {
+                        batch.extend(entries);
+                        last_seq = seq;
+                        if batch.len() < MAX_BATCH_ENTRIES {
+                            item = queue.try_recv().ok();
+                        }
+                    }
+                    other => then = Some(other),
+                }
+            }
+            if !batch.is_empty() {
+                self.apply(&batch, last_seq);
+            }
+            match then {
+                Some(Work::Checkpoint(segments)) => self.checkpoint(&segments),
+                Some(Work::Drain(done)) => {
+                    let _ = done.send(());
+                }
+                Some(Work::Apply { .. }) | None => {}
+            }
+            next = queue.recv().ok();
         }
-        if progress.failure.get().is_some() {
-            continue; // keep every segment: the next open replays them
+    }
+
+    fn apply(&self, batch: &[wal::Entry], last_seq: u64) {
+        if self.progress.failure.get().is_some() {
+            return; // nothing more goes to sled; the log has what was acknowledged
         }
-        let checkpointed = db
+        match self.trees.apply(batch, last_seq) {
+            Ok(()) => self
+                .overlay
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .applied(batch, last_seq),
+            Err(e) => {
+                self.progress.fail("applying appends to sled", e);
+            }
+        }
+    }
+
+    /// Flush sled and sync its files, then remove the segments (`wal.rs`,
+    /// invariant 3). Every append they carry was applied before this.
+    fn checkpoint(&mut self, segments: &[std::path::PathBuf]) {
+        if self.progress.failure.get().is_some() {
+            return; // keep every segment: the next open replays them
+        }
+        let checkpointed = self
+            .db
             .flush()
             .map_err(Error::Sled)
-            .and_then(|_| disk.after_flush())
-            .and_then(|()| wal::remove_segments(&segments));
+            .and_then(|_| self.disk.after_flush())
+            .and_then(|()| wal::remove_segments(segments));
         match checkpointed {
             Ok(()) => {
-                progress.checkpoints.fetch_add(1, Ordering::AcqRel);
+                self.progress.checkpoints.fetch_add(1, Ordering::AcqRel);
             }
             Err(e) => {
-                progress.fail("a checkpoint", e);
+                self.progress.fail("a checkpoint", e);
             }
         }
     }
@@ -1164,6 +1311,22 @@ mod tests {
         drop(journal);
         let reopened = Journal::open(db_only.path()).unwrap();
         assert_eq!(reopened.steering(job).unwrap().len(), 5);
+    }
+
+    #[tokio::test]
+    async fn an_append_reads_back_at_once_and_reaches_sled_behind_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let (journal, unstarted) = Journal::open_without_flusher(dir.path()).unwrap();
+        let job = JobId::new();
+        journal.append(vec![steer(job, 1), steer(job, 2)]).unwrap();
+        // No applier yet: sled has nothing, the reads have both.
+        assert_eq!(journal.inner.trees.steering.len(), 0);
+        assert_eq!(journal.steering(job).unwrap().len(), 2);
+        journal.start_flusher(unstarted).unwrap();
+        journal.inner.drain();
+        assert_eq!(journal.inner.trees.steering.len(), 2);
+        assert!(journal.inner.overlay.lock().unwrap().is_empty());
+        assert_eq!(journal.steering(job).unwrap().len(), 2);
     }
 
     #[tokio::test]

@@ -60,6 +60,7 @@ mod error;
 mod faults;
 mod fsync;
 mod journal;
+mod overlay;
 mod proc_start;
 mod record;
 mod verify;
