@@ -1059,6 +1059,12 @@ impl Flusher {
 /// applied in steps rather than held in memory as one huge transaction.
 const MAX_BATCH_ENTRIES: usize = 8192;
 
+/// How long the applier gathers appends before it applies them. Nothing
+/// waits for the applier (reads see the overlay, commits wait for the log),
+/// so this costs only memory: it is what turns a trickle of appends into
+/// few transactions, each of which costs sled two IO buffer writes.
+const APPLY_EVERY: std::time::Duration = std::time::Duration::from_millis(20);
+
 /// The applier thread's state (`overlay.rs`).
 struct Applier {
     db: sled::Db,
@@ -1076,6 +1082,7 @@ impl Applier {
     fn run(mut self, queue: mpsc::Receiver<Work>) {
         let mut next = queue.recv().ok();
         while let Some(first) = next.take() {
+            let deadline = std::time::Instant::now() + APPLY_EVERY;
             let mut batch: Vec<wal::Entry> = Vec::new();
             let mut last_seq = 0;
             let mut item = Some(first);
@@ -1089,7 +1096,11 @@ impl Applier {
                         batch.extend(entries);
                         last_seq = seq;
                         if batch.len() < MAX_BATCH_ENTRIES {
-                            item = queue.try_recv().ok();
+                            // A closed queue ends the wait at once: what is
+                            // gathered is applied, then the loop ends.
+                            let left =
+                                deadline.saturating_duration_since(std::time::Instant::now());
+                            item = queue.recv_timeout(left).ok();
                         }
                     }
                     other => then = Some(other),
