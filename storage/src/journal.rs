@@ -152,6 +152,9 @@ struct Progress {
     failure: OnceLock<String>,
 }
 
+/// Frames in memory past which an append asks for a flush itself.
+const PENDING_FRAME_BYTES: usize = 4 * 1024 * 1024;
+
 /// A commit waiting for a flush that covers `seq`.
 struct Waiter {
     seq: u64,
@@ -244,10 +247,23 @@ impl Journal {
             entries,
         })
         .map_err(|_| inner.progress.fail("a write", Error::Closed))?;
-        {
+        let (before, backlog) = {
             let mut pending = inner.pending.lock().unwrap_or_else(PoisonError::into_inner);
+            let before = pending.frames.len();
             pending.frames.extend_from_slice(&frame);
             pending.last_seq = seq;
+            (before, pending.frames.len())
+        };
+        // Appends nobody commits (recovery's, a bulk load's) are written out
+        // all the same once they add up, so the frames waiting in memory stay
+        // bounded and checkpoints keep coming. Asked once as the backlog
+        // crosses the mark (the flush takes all of it); nobody waits for it.
+        if before < PENDING_FRAME_BYTES
+            && backlog >= PENDING_FRAME_BYTES
+            && let Some(waiters) = &inner.waiters
+        {
+            let (reply, _) = oneshot::channel();
+            let _ = waiters.send(Waiter { seq, reply });
         }
 
         *last_seq = seq;

@@ -652,3 +652,31 @@ async fn futures_join_all<F: Future>(futures: impl IntoIterator<Item = F>) -> Ve
     }
     out
 }
+
+#[tokio::test]
+async fn appends_nobody_commits_are_written_to_the_log_once_they_add_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = JobId::new();
+    let journal = Journal::open(dir.path()).unwrap();
+    // 5 MiB of steering text, appended and never committed.
+    let big = "x".repeat(64 * 1024);
+    for n in 1..=80 {
+        journal
+            .append(vec![Record::Steer(SteerRecord {
+                job,
+                message_id: n,
+                text: big.clone(),
+                state: SteerState::Queued,
+                epoch: 1,
+            })])
+            .unwrap();
+    }
+    // The flusher was asked as the backlog passed its 4 MiB mark (the 64th
+    // append); nothing signals a flush nobody waits for, so a bounded wait.
+    let deadline = std::time::Instant::now() + LIMIT;
+    while journal.durable_seq() < 64 {
+        assert!(std::time::Instant::now() < deadline, "never written");
+        std::thread::yield_now();
+    }
+    assert!(journal.flush_count() >= 1);
+}
