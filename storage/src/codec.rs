@@ -160,16 +160,7 @@ pub(crate) fn check_entry(tree: &str, key: &[u8], value: &[u8]) -> Result<(), St
             let job = decode_bincode::<JobRecord>(value)?;
             job_key(job.run, job.id)
         }
-        LEDGER => {
-            let entry = decode_bincode::<LedgerRecord>(value)?;
-            // The seq is not in the value; take it from the key if it has one.
-            let seq = key
-                .get(17..)
-                .and_then(|tail| <[u8; 8]>::try_from(tail).ok())
-                .map(u64::from_be_bytes)
-                .ok_or_else(|| format!("ledger key of {} bytes, expected 25", key.len()))?;
-            ledger_key(entry.owner, seq)
-        }
+        LEDGER => return check_ledger_entry(key, value).map(drop),
         DELEGATIONS => {
             let delegation = decode_bincode::<DelegationRecord>(value)?;
             delegation_key(delegation.parent, &delegation.key)
@@ -196,6 +187,25 @@ pub(crate) fn check_entry(tree: &str, key: &[u8], value: &[u8]) -> Result<(), St
         ));
     }
     Ok(())
+}
+
+/// Decodes one ledger entry and checks it is stored under its key (its
+/// owner, and a seq, which is not in the value).
+pub(crate) fn check_ledger_entry(key: &[u8], value: &[u8]) -> Result<LedgerRecord, String> {
+    let entry = decode_bincode::<LedgerRecord>(value)?;
+    let seq = key
+        .get(17..)
+        .and_then(|tail| <[u8; 8]>::try_from(tail).ok())
+        .map(u64::from_be_bytes)
+        .ok_or_else(|| format!("ledger key of {} bytes, expected 25", key.len()))?;
+    let expected = ledger_key(entry.owner, seq);
+    if expected != key {
+        return Err(format!(
+            "stored under the wrong key: its content says {}",
+            hex(&expected)
+        ));
+    }
+    Ok(entry)
 }
 
 /// Checks one meta entry: a known key with a value of the right width.
