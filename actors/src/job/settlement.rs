@@ -153,7 +153,19 @@ impl JobState {
         if entry.state == ChildState::Settled {
             return Ok(());
         }
-        let entry = entry.clone();
+        let mut entry = entry.clone();
+        // A stop above this job cancels every descendant's token at once,
+        // ahead of the Stop messages that follow parent by parent. A child
+        // that ended meanwhile (its children cut short, its next turn
+        // answered before its own Stop arrived) was stopped all the same: its
+        // output must not become a result (I-16).
+        if entry.stop_reason.is_none() && self.cancel.is_cancelled() {
+            let reason = ("stopped: an ancestor is stopping".to_string(), true);
+            entry.stop_reason = Some(reason.clone());
+            if let Some(e) = self.children.by_id.get_mut(&entry.id) {
+                e.stop_reason = Some(reason);
+            }
+        }
         let envelope = final_envelope(&entry.stop_reason, report.envelope);
         let _ = ractor::call!(self.account, |reply| AccountMsg::Settle {
             child: entry.id,
