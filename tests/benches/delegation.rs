@@ -31,16 +31,11 @@
 
 use arbor_protocol::{EventKind, JobId, NodeKind, ParentRef, RunId, Status};
 use arbor_storage::{Journal, LedgerOp, LedgerRecord, Record};
-use arbor_testkit::{TestNode, agent_md};
-use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use arbor_testkit::agents::{fan_out_parent, leaf_at_once, serial_parent};
+use arbor_testkit::measure::{self, Cpu, Latency, round};
+use arbor_testkit::{TestNode, bare};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-// Each bench binary uses part of it.
-#[allow(dead_code)]
-#[path = "support/shared.rs"]
-mod shared;
-use shared::{Cpu, Latency, round};
 
 /// How long one measured run may take before the benchmark gives up.
 const RUN_LIMIT: Duration = Duration::from_secs(300);
@@ -178,9 +173,9 @@ impl FanOutReport {
 }
 
 fn main() {
-    let quick = shared::quick();
+    let quick = measure::quick();
     let sizes = if quick { Sizes::QUICK } else { Sizes::DEFAULT };
-    let (runtime, workers) = shared::runtime();
+    let (runtime, workers) = measure::runtime();
     runtime.block_on(run(sizes, quick, workers));
 }
 
@@ -303,41 +298,6 @@ async fn run(sizes: Sizes, quick: bool, workers: usize) {
 
 // ---- 1. the baseline -------------------------------------------------------
 
-/// An actor that answers one message and does nothing else.
-struct Echo;
-
-enum EchoMsg {
-    Ping(RpcReplyPort<()>),
-}
-
-impl Actor for Echo {
-    type Msg = EchoMsg;
-    type State = ();
-    type Arguments = ();
-
-    async fn pre_start(
-        &self,
-        _myself: ActorRef<Self::Msg>,
-        _args: (),
-    ) -> Result<(), ActorProcessingErr> {
-        Ok(())
-    }
-
-    async fn handle(
-        &self,
-        _myself: ActorRef<Self::Msg>,
-        message: Self::Msg,
-        _state: &mut (),
-    ) -> Result<(), ActorProcessingErr> {
-        match message {
-            EchoMsg::Ping(reply) => {
-                let _ = reply.send(());
-            }
-        }
-        Ok(())
-    }
-}
-
 async fn bare_actor_round_trips(trips: usize) -> (Vec<Duration>, Cpu) {
     let warmup = (trips / 10).max(10);
     let mut samples = Vec::with_capacity(trips);
@@ -347,12 +307,7 @@ async fn bare_actor_round_trips(trips: usize) -> (Vec<Duration>, Cpu) {
             cpu_before = Cpu::now();
         }
         let start = Instant::now();
-        let (actor, exited) = Actor::spawn(None, Echo, ())
-            .await
-            .expect("the echo actor starts");
-        ractor::call!(actor, EchoMsg::Ping).expect("the echo actor answers");
-        actor.stop(None);
-        exited.await.expect("the echo actor exits");
+        bare::round_trip().await;
         if i >= warmup {
             samples.push(start.elapsed());
         }
@@ -382,41 +337,6 @@ async fn journal_commits(commits: usize) -> (Vec<Duration>, Cpu) {
 }
 
 // ---- 3. delegate round trips -----------------------------------------------
-
-/// A child that submits on its first turn.
-fn leaf() -> String {
-    agent_md(
-        "description: answers at once\nscript:\n  - call: {tool: submit_output, args: {output: ok}}",
-    )
-}
-
-/// A parent that delegates `calls` times (wait = true), one call a turn, then submits.
-fn serial_parent(calls: usize) -> String {
-    let mut front = format!("subagents: [leaf]\nmax_turns: {}\nscript:\n", calls + 1);
-    for _ in 0..calls {
-        front.push_str("  - call: {tool: delegate, args: {jobs: [{agent: leaf, request: go}]}}\n");
-    }
-    front.push_str("  - call: {tool: submit_output, args: {output: done}}");
-    agent_md(&front)
-}
-
-/// A parent that delegates `batches` batches of `batch` children (wait =
-/// false) and collects each before the next, then submits.
-fn fan_out_parent(batch: usize, batches: usize) -> String {
-    let jobs = vec!["{agent: leaf, request: go}"; batch].join(", ");
-    let mut front = format!(
-        "subagents: [leaf]\nmax_turns: {}\nscript:\n",
-        2 * batches + 1
-    );
-    for _ in 0..batches {
-        front.push_str(&format!(
-            "  - call: {{tool: delegate, args: {{wait: false, jobs: [{jobs}]}}}}\n"
-        ));
-        front.push_str("  - call: {tool: collect, args: {}}\n");
-    }
-    front.push_str("  - call: {tool: submit_output, args: {output: done}}");
-    agent_md(&front)
-}
 
 /// One event as the observer saw it: when, and how many journal flushes had
 /// completed by then.
@@ -534,7 +454,11 @@ async fn run_to_end(
 }
 
 async fn delegate_round_trips(calls: usize, warmup_calls: usize) -> DelegateReport {
-    let (parent, warmup, leaf) = (serial_parent(calls), serial_parent(warmup_calls), leaf());
+    let (parent, warmup, leaf) = (
+        serial_parent(calls),
+        serial_parent(warmup_calls),
+        leaf_at_once(),
+    );
     let node = TestNode::start(&[("parent", &parent), ("warmup", &warmup), ("leaf", &leaf)]).await;
     let (seen, finished) = observe(&node);
 
@@ -608,7 +532,7 @@ async fn fan_out(shape: FanOutShape) -> FanOutReport {
         fan_out_parent(shape.batch, shape.batches),
         fan_out_parent(shape.batch, 1),
     );
-    let leaf = leaf();
+    let leaf = leaf_at_once();
     let agents = [
         ("parent", &parent[..]),
         ("warmup", &warmup),
@@ -633,12 +557,11 @@ async fn fan_out(shape: FanOutShape) -> FanOutReport {
     let mut walls = Vec::with_capacity(shape.runs);
     for _ in 0..shape.runs {
         let (run, wall) = run_to_end(&node, &seen, &finished, "parent").await;
-        let done = node
-            .jobs(run)
-            .iter()
-            .filter(|j| j.agent.as_deref() == Some("leaf") && j.status == Status::Done)
-            .count();
-        assert_eq!(done, jobs_per_run, "every child finished done");
+        assert_eq!(
+            node.jobs_done(run, "leaf"),
+            jobs_per_run,
+            "every child finished done"
+        );
         walls.push(wall);
     }
     let (flushes, cpu) = (

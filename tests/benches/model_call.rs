@@ -14,16 +14,11 @@
 //! It is timed between consecutive `ModelCalled` events, by an observer that
 //! runs in the emitting task.
 
-// Each bench binary uses part of it.
-#[allow(dead_code)]
-#[path = "support/shared.rs"]
-mod shared;
-
 use arbor_protocol::EventKind;
+use arbor_testkit::measure::{self, Latency};
 use arbor_testkit::mock_provider::{Format, MockProvider, openai};
 use arbor_testkit::{TestNode, agent_md};
 use serde_json::json;
-use shared::Latency;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -44,9 +39,9 @@ impl Sizes {
 }
 
 fn main() {
-    let quick = shared::quick();
+    let quick = measure::quick();
     let sizes = if quick { Sizes::QUICK } else { Sizes::DEFAULT };
-    let (runtime, workers) = shared::runtime();
+    let (runtime, workers) = measure::runtime();
     runtime.block_on(run(sizes, quick, workers));
 }
 
@@ -86,13 +81,13 @@ async fn run(sizes: Sizes, quick: bool, workers: usize) {
             seen.lock().unwrap().push(Instant::now());
         }
     });
-    let cpu_before = shared::Cpu::now();
+    let cpu_before = measure::Cpu::now();
     let flushes_before = node.journal().flush_count();
     let started = Instant::now();
     let run = node.run_agent("agent", "Read, again and again.").await;
     let tree = node.wait_run(run).await;
     let wall = started.elapsed();
-    let arbor_cpu = shared::Cpu::now().since(cpu_before);
+    let arbor_cpu = measure::Cpu::now().since(cpu_before);
     let flushes = node.journal().flush_count() - flushes_before;
     assert_eq!(
         tree.root().status,
@@ -116,7 +111,7 @@ async fn run(sizes: Sizes, quick: bool, workers: usize) {
     }
     let client = reqwest::Client::new();
     let url = format!("{}/chat/completions", mock.base_url(Format::Openai));
-    let cpu_before = shared::Cpu::now();
+    let cpu_before = measure::Cpu::now();
     let mut bare = Vec::with_capacity(sizes.baseline);
     for i in 0..sizes.baseline {
         let at = Instant::now();
@@ -131,7 +126,7 @@ async fn run(sizes: Sizes, quick: bool, workers: usize) {
         let _: serde_json::Value = serde_json::from_slice(&bytes).expect("JSON");
         bare.push(at.elapsed());
     }
-    let bare_cpu = shared::Cpu::now().since(cpu_before);
+    let bare_cpu = measure::Cpu::now().since(cpu_before);
     let bare = Latency::of(&bare);
     let turn = Latency::of(&turns);
 

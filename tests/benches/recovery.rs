@@ -5,7 +5,9 @@
 //!    (many finished runs, and some interrupted ones with steps and jobs still
 //!    pending or running, open holds and call reservations, and one hold for a
 //!    child that never got a record) is built with `Journal::append` in big
-//!    batches, at each size; the interrupted runs are as many at every size,
+//!    batches, at each size, by the testkit (`arbor_testkit::synthetic`,
+//!    which `arbor-bench`'s P5 builds its journal with too); the
+//!    interrupted runs are as many at every size,
 //!    since what a crash leaves depends on what was in flight, not on how
 //!    long the node had run. Each repetition then copies it twice (not timed)
 //!    and times, each on its own copy, the two ways to read it back:
@@ -45,42 +47,16 @@
 //!
 //! The last line printed is `summary {json}` for machines.
 
-use arbor_actors::EventBus;
-use arbor_protocol::{
-    Event, EventKind, JobId, NodeKind, ParentRef, RunId, RunSpec, Status, TaskStatus,
+use arbor_protocol::{JobId, ParentRef, Status};
+use arbor_storage::{Journal, LedgerOp, LedgerRecord, Record, open_db};
+use arbor_testkit::TestNode;
+use arbor_testkit::agents::{fan_out_parent, leaf_at_once};
+use arbor_testkit::measure::{self, Cpu, RawLog, RawWrite, median, round};
+use arbor_testkit::synthetic::{
+    self, Built, Mix, OPEN_JOBS_PER_INTERRUPTED_RUN, copy_dir, wait_until_released,
 };
-use arbor_runtime::recovery;
-use arbor_storage::{
-    DelegationRecord, JobRecord, Journal, LedgerOp, LedgerRecord, Record, RunRecord, open_db,
-};
-use arbor_testkit::{TestNode, agent_md};
-use std::fs::File;
-use std::io::Write;
 use std::path::Path;
 use std::time::{Duration, Instant};
-
-// Each bench binary uses part of it.
-#[allow(dead_code)]
-#[path = "support/shared.rs"]
-mod shared;
-use shared::Cpu;
-
-/// Records handed to one `Journal::append` while a journal is built.
-const BUILD_BATCH: usize = 20_000;
-
-/// The agent every synthetic run's one step runs.
-const STEP_AGENT: &str = "planner";
-
-/// A synthetic run's grant, the step's (all of it) and each child's.
-const RUN_GRANT: u64 = 1_000_000;
-const CHILD_GRANT: u64 = 50_000;
-
-/// What one synthetic model call holds, and what it then spends.
-const CALL_RESERVED: u64 = 4_096;
-const CALL_SPENT: u64 = 300;
-
-/// Children a synthetic run's step delegates, in one call.
-const CHILDREN_PER_RUN: usize = 8;
 
 /// The default `limits.fan_out`: children in one delegate call.
 const FAN_OUT: usize = 16;
@@ -142,9 +118,9 @@ impl Sizes {
 }
 
 fn main() {
-    let quick = shared::quick();
+    let quick = measure::quick();
     let sizes = if quick { Sizes::QUICK } else { Sizes::DEFAULT };
-    let (runtime, workers) = shared::runtime();
+    let (runtime, workers) = measure::runtime();
     runtime.block_on(run(sizes, quick, workers));
 }
 
@@ -320,31 +296,6 @@ async fn run(sizes: Sizes, quick: bool, workers: usize) {
     println!("summary {summary}");
 }
 
-// ---- 1. recovery by journal size ---------------------------------------------
-
-/// A journal built to look like a crashed node's, closed.
-struct Built {
-    dir: tempfile::TempDir,
-    /// Records asked for, and found by `Journal::scan`.
-    target: u64,
-    records: u64,
-    /// Records appended, states rewritten (running, then done) included.
-    written: u64,
-    runs_finished: usize,
-    runs_interrupted: usize,
-    /// Steps and jobs.
-    jobs: usize,
-    bytes: u64,
-    build: Duration,
-}
-
-impl Built {
-    fn journal(&self) -> std::path::PathBuf {
-        self.dir.path().join("journal")
-    }
-}
-
-/// One repetition's times.
 #[derive(Clone, Copy, Debug, Default)]
 struct BootTimes {
     sled_open: Duration,
@@ -436,7 +387,8 @@ impl BootReport {
 }
 
 async fn recovery_by_size(target: u64, interrupted_runs: usize, repeats: usize) -> BootReport {
-    let built = build_journal(target, interrupted_runs).await;
+    let open_jobs = interrupted_runs * OPEN_JOBS_PER_INTERRUPTED_RUN;
+    let built = synthetic::build_journal(target, open_jobs).await;
     let mut times = Vec::with_capacity(repeats);
     let mut recovered = None;
     for repeat in 0..repeats {
@@ -447,21 +399,15 @@ async fn recovery_by_size(target: u64, interrupted_runs: usize, repeats: usize) 
         // Alternate which goes first, so neither always runs straight after
         // the copies (or the other) and pays for what they left behind.
         let (scan, boot) = if repeat % 2 == 0 {
-            let scan = plain_scan(&for_scan, built.records);
+            let scan = synthetic::plain_scan(&for_scan, built.records);
             (scan, boot_and_recover(&for_boot).await)
         } else {
             let boot = boot_and_recover(&for_boot).await;
-            (plain_scan(&for_scan, built.records), boot)
+            (synthetic::plain_scan(&for_scan, built.records), boot)
         };
         wait_until_released(&for_scan);
         wait_until_released(&for_boot);
         let report = &boot.report;
-        assert!(
-            report.breaches.is_empty() && report.undecodable.is_empty(),
-            "recovery of the synthetic journal was not clean: {:?} {:?}",
-            report.breaches,
-            report.undecodable
-        );
         assert_eq!(
             report.runs.len(),
             built.runs_interrupted,
@@ -477,9 +423,9 @@ async fn recovery_by_size(target: u64, interrupted_runs: usize, repeats: usize) 
                 .count(),
         });
         times.push(BootTimes {
-            sled_open: scan.0,
-            sled_walk: scan.1,
-            sled_reopen: scan.2,
+            sled_open: scan.open,
+            sled_walk: scan.walk,
+            sled_reopen: scan.reopen,
             journal_open: boot.open,
             recover: boot.recover,
             scan_again: boot.scan_again,
@@ -493,57 +439,24 @@ async fn recovery_by_size(target: u64, interrupted_runs: usize, repeats: usize) 
     }
 }
 
-/// The baseline: sled opens the directory, and every entry of every tree
-/// (sled's default tree included) is read, key and value; nothing decoded.
-/// Then sled is closed and opened again, with the snapshot its first open
-/// wrote. Returns (open, walk, reopen).
-fn plain_scan(dir: &Path, records: u64) -> (Duration, Duration, Duration) {
-    let start = Instant::now();
-    let db = open_db(dir).expect("sled opens the copy");
-    let opened = start.elapsed();
-    let start = Instant::now();
-    let (mut entries, mut bytes) = (0u64, 0u64);
-    for name in db.tree_names() {
-        let tree = db.open_tree(&name).expect("a tree sled listed");
-        for entry in tree.iter() {
-            let (key, value) = entry.expect("sled reads its own entry");
-            entries += 1;
-            bytes += (key.len() + value.len()) as u64;
-        }
-    }
-    let walked = start.elapsed();
-    std::hint::black_box(bytes);
-    // Every record, and the three meta entries (format, epoch, seq).
-    assert_eq!(entries, records + 3, "the walk read every entry");
-    drop(db);
-    wait_until_released(dir);
-    let start = Instant::now();
-    let db = open_db(dir).expect("sled opens the copy again");
-    let reopened = start.elapsed();
-    drop(db);
-    (opened, walked, reopened)
-}
-
-/// The boot path of `EmbeddedNode::start_resuming`, up to where actors
-/// would spawn. Returns ((open, recover), what recovery reported).
+/// The boot (`synthetic::boot`), then two passes recovery makes, timed again
+/// on their own on the same open journal: sled's cache now holds what the
+/// first pass had to load.
 async fn boot_and_recover(dir: &Path) -> Boot {
+    let boot = synthetic::boot(dir).await;
     let start = Instant::now();
-    let journal = Journal::open(dir).expect("the journal opens the copy");
-    let open = start.elapsed();
-    let start = Instant::now();
-    let events = EventBus::new(journal.clone());
-    let report = recovery::recover(&journal, &events)
-        .await
-        .expect("recovery runs");
-    let recover = start.elapsed();
-    // Two passes recovery makes, timed again on their own: sled's cache
-    // now holds what the first pass had to load.
-    let start = Instant::now();
-    std::hint::black_box(journal.scan().expect("the journal scans"));
+    std::hint::black_box(boot.journal.scan().expect("the journal scans"));
     let scan_again = start.elapsed();
     let start = Instant::now();
-    std::hint::black_box(journal.verify().expect("the journal verifies"));
+    std::hint::black_box(boot.journal.verify().expect("the journal verifies"));
     let verify_again = start.elapsed();
+    let synthetic::Boot {
+        open,
+        recover,
+        report,
+        journal,
+    } = boot;
+    drop(journal);
     Boot {
         open,
         recover,
@@ -561,462 +474,6 @@ struct Boot {
     scan_again: Duration,
     verify_again: Duration,
     report: arbor_runtime::RecoveryReport,
-}
-
-/// Builds a journal of about `target` records: finished runs, then
-/// `interrupted` runs cut short by a crash (the newest, as in a real crash).
-async fn build_journal(target: u64, interrupted: usize) -> Built {
-    let start = Instant::now();
-    let dir = tempfile::tempdir().expect("a temporary directory");
-    let journal = Journal::open(&dir.path().join("journal")).expect("the journal opens");
-    let mut writer = Writer::new(&journal);
-    let interrupted_records = interrupted as u64 * Mix::interrupted_run_records();
-    let mut runs_finished = 0;
-    while writer.stored + interrupted_records < target {
-        writer.run(RunEnd::Finished);
-        runs_finished += 1;
-    }
-    for _ in 0..interrupted {
-        writer.run(RunEnd::Crashed);
-    }
-    writer.append_batch();
-    journal.flush().await.expect("the built journal flushes");
-    let records = journal.scan().expect("the built journal scans").records;
-    assert_eq!(
-        records, writer.stored,
-        "the template's count of stored records"
-    );
-    let (written, jobs) = (writer.written, writer.jobs);
-    drop(journal);
-    let path = dir.path().join("journal");
-    wait_until_released(&path);
-    Built {
-        target,
-        records,
-        written,
-        runs_finished,
-        runs_interrupted: interrupted,
-        jobs,
-        bytes: dir_bytes(&path),
-        build: start.elapsed(),
-        dir,
-    }
-}
-
-/// How a synthetic run ends.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum RunEnd {
-    Finished,
-    /// Cut short by a crash: the run and its step running; of its children,
-    /// one done, half running with a model call reserved and not settled,
-    /// the rest pending; and one hold for a child that never got a record.
-    Crashed,
-}
-
-/// Writes synthetic runs in big appends, all stamped with this boot's epoch.
-struct Writer<'a> {
-    journal: &'a Journal,
-    epoch: u64,
-    batch: Vec<Record>,
-    /// Node-wide event seq; it stays below the journal seq, as the event
-    /// bus's does (it starts each boot at the journal's applied seq).
-    event_seq: u64,
-    written: u64,
-    /// Distinct keys written: what `scan` will count.
-    stored: u64,
-    jobs: usize,
-}
-
-impl<'a> Writer<'a> {
-    fn new(journal: &'a Journal) -> Self {
-        Self {
-            journal,
-            epoch: journal.epoch(),
-            batch: Vec::with_capacity(BUILD_BATCH),
-            event_seq: journal.applied_seq(),
-            written: 0,
-            stored: 0,
-            jobs: 0,
-        }
-    }
-
-    /// A record under a key not written before.
-    fn push(&mut self, record: Record) {
-        self.stored += 1;
-        self.rewrite(record);
-    }
-
-    /// A record that replaces one already written (a state's next value).
-    fn rewrite(&mut self, record: Record) {
-        self.written += 1;
-        self.batch.push(record);
-        if self.batch.len() >= BUILD_BATCH {
-            self.append_batch();
-        }
-    }
-
-    fn append_batch(&mut self) {
-        let batch = std::mem::take(&mut self.batch);
-        self.journal.append(batch).expect("the build appends");
-    }
-
-    fn event(&mut self, run: RunId, kind: EventKind) {
-        self.event_seq += 1;
-        self.push(Record::Event(Event {
-            seq: self.event_seq,
-            run,
-            at_ms: 1_750_000_000_000 + self.event_seq,
-            kind,
-        }));
-    }
-
-    fn ledger(&mut self, owner: ParentRef, op: LedgerOp) {
-        self.push(Record::Ledger(LedgerRecord {
-            owner,
-            op,
-            epoch: self.epoch,
-        }));
-    }
-
-    fn run_record(&self, id: RunId, status: Status) -> Record {
-        Record::Run(RunRecord {
-            id,
-            flow: format!("agent:{STEP_AGENT}"),
-            budget_tokens: RUN_GRANT,
-            status,
-            error_class: None,
-            reason: None,
-            output_json: if status == Status::Done {
-                r#""done""#.into()
-            } else {
-                "null".into()
-            },
-            epoch: self.epoch,
-        })
-    }
-
-    fn job_record(
-        &self,
-        run: RunId,
-        id: JobId,
-        parent: ParentRef,
-        status: Status,
-        tokens_spent: u64,
-    ) -> Record {
-        let who = Who::of(run, id, parent);
-        Record::Job(JobRecord {
-            id,
-            run,
-            parent,
-            kind: who.kind,
-            agent: who.agent.into(),
-            label: who.label,
-            depth: who.depth,
-            attempt: 1,
-            grant_tokens: who.grant,
-            workdir: who.workdir,
-            status,
-            task_status: (status == Status::Done).then_some(TaskStatus::Completed),
-            error_class: None,
-            reason: None,
-            output_json: if status == Status::Done {
-                r#""ok""#.into()
-            } else {
-                "null".into()
-            },
-            tokens_spent,
-            epoch: self.epoch,
-        })
-    }
-
-    /// One model call of `id`: its hold, its charge, and their events.
-    fn model_call(&mut self, run: RunId, id: JobId, turn: u32) {
-        let owner = ParentRef::Job(id);
-        self.ledger(
-            owner,
-            LedgerOp::CallReserve {
-                tokens: CALL_RESERVED,
-            },
-        );
-        self.ledger(
-            owner,
-            LedgerOp::CallSettle {
-                reserved: CALL_RESERVED,
-                spent: CALL_SPENT,
-            },
-        );
-        self.event(
-            run,
-            EventKind::ModelCalled {
-                id,
-                turn,
-                reserved: CALL_RESERVED,
-                input_tokens: CALL_SPENT - 40,
-                output_tokens: 40,
-                truncated: false,
-                wind_down: false,
-                call: Default::default(),
-            },
-        );
-    }
-
-    fn tool_called(&mut self, run: RunId, id: JobId, turn: u32, tool: &str) {
-        self.event(
-            run,
-            EventKind::ToolCalled {
-                id,
-                turn,
-                tool: tool.into(),
-                ok: true,
-                detail: format!("{tool}: ok"),
-            },
-        );
-    }
-
-    fn account_changed(&mut self, run: RunId, owner: ParentRef, grant: u64, spent: u64) {
-        self.event(
-            run,
-            EventKind::AccountChanged {
-                usd: None,
-                owner,
-                grant,
-                spent,
-                held: 0,
-            },
-        );
-    }
-
-    fn spawned(&mut self, run: RunId, id: JobId, parent: ParentRef) {
-        let who = Who::of(run, id, parent);
-        self.event(
-            run,
-            EventKind::NodeSpawned {
-                grant_usd_micros: None,
-                id,
-                parent,
-                kind: who.kind,
-                agent: who.agent.into(),
-                label: who.label,
-                depth: who.depth,
-                attempt: 1,
-                grant_tokens: who.grant,
-                workdir: who.workdir,
-                record_seq: self.written,
-                request: "go".into(),
-            },
-        );
-    }
-
-    fn finished(&mut self, run: RunId, id: JobId, turns: u32, spent: u64) {
-        self.event(
-            run,
-            EventKind::NodeFinished {
-                usd_micros_spent: 0,
-                id,
-                status: Status::Done,
-                task_status: Some(TaskStatus::Completed),
-                error_class: None,
-                reason: None,
-                propagated: false,
-                output: serde_json::json!("ok"),
-                error: None,
-                limitations: vec![],
-                artifacts: vec![],
-                turns,
-                tokens_spent: spent,
-            },
-        );
-    }
-
-    /// One run in the order a node writes it: the run and its step start,
-    /// the step delegates `CHILDREN_PER_RUN` children in one call, each child
-    /// takes one model turn and submits, the step collects and submits.
-    fn run(&mut self, end: RunEnd) {
-        let (run, step) = (RunId::new(), JobId::new());
-        let (run_account, step_account) = (ParentRef::Run(run), ParentRef::Job(step));
-        let spec = RunSpec::single(STEP_AGENT, "go", RUN_GRANT);
-        self.event(
-            run,
-            EventKind::RunStarted {
-                budget_usd_micros: None,
-                flow: spec.flow.clone(),
-                budget_tokens: RUN_GRANT,
-                spec,
-            },
-        );
-        self.push(self.run_record(run, Status::Running));
-        self.ledger(run_account, LedgerOp::Open { grant: RUN_GRANT });
-        self.ledger(
-            run_account,
-            LedgerOp::Hold {
-                child: step,
-                tokens: RUN_GRANT,
-            },
-        );
-        self.push(self.job_record(run, step, run_account, Status::Running, 0));
-        self.jobs += 1;
-        self.spawned(run, step, run_account);
-        self.ledger(step_account, LedgerOp::Open { grant: RUN_GRANT });
-        self.event(run, EventKind::NodeRunning { id: step });
-
-        // Turn 1: the delegate call. Holds first, then the records, durable
-        // before any child starts (I-29).
-        self.model_call(run, step, 1);
-        let children: Vec<JobId> = (0..CHILDREN_PER_RUN).map(|_| JobId::new()).collect();
-        for &child in &children {
-            self.ledger(
-                step_account,
-                LedgerOp::Hold {
-                    child,
-                    tokens: CHILD_GRANT,
-                },
-            );
-            self.push(self.job_record(run, child, step_account, Status::Pending, 0));
-            self.jobs += 1;
-        }
-        self.push(Record::Delegation(DelegationRecord {
-            parent: step,
-            key: format!("{step}:call-1"),
-            digest: format!("{:064x}", self.written),
-            children: children.clone(),
-            epoch: self.epoch,
-        }));
-        let mut step_spent = CALL_SPENT;
-        for (n, &child) in children.iter().enumerate() {
-            self.spawned(run, child, step_account);
-            let crashed = end == RunEnd::Crashed;
-            // A crash leaves the first child done, half of them running and
-            // the rest pending.
-            if crashed && n > CHILDREN_PER_RUN / 2 {
-                continue;
-            }
-            let child_account = ParentRef::Job(child);
-            self.ledger(child_account, LedgerOp::Open { grant: CHILD_GRANT });
-            self.rewrite(self.job_record(run, child, step_account, Status::Running, 0));
-            self.event(run, EventKind::NodeRunning { id: child });
-            if crashed && n > 0 {
-                self.ledger(
-                    child_account,
-                    LedgerOp::CallReserve {
-                        tokens: CALL_RESERVED,
-                    },
-                );
-                continue;
-            }
-            self.model_call(run, child, 1);
-            self.account_changed(run, child_account, CHILD_GRANT, CALL_SPENT);
-            self.tool_called(run, child, 1, "submit_output");
-            self.ledger(child_account, LedgerOp::Close { spent: CALL_SPENT });
-            self.rewrite(self.job_record(run, child, step_account, Status::Done, CALL_SPENT));
-            self.ledger(
-                step_account,
-                LedgerOp::Release {
-                    child,
-                    granted: CHILD_GRANT,
-                    spent: CALL_SPENT,
-                },
-            );
-            step_spent += CALL_SPENT;
-            self.finished(run, child, 1, CALL_SPENT);
-            self.account_changed(run, step_account, RUN_GRANT, step_spent);
-        }
-        self.tool_called(run, step, 1, "delegate");
-        if end == RunEnd::Crashed {
-            // A grant for a second delegation, held just before the crash:
-            // its child never got a record.
-            self.ledger(
-                step_account,
-                LedgerOp::Hold {
-                    child: JobId::new(),
-                    tokens: CHILD_GRANT,
-                },
-            );
-            return;
-        }
-
-        // Turns 2 and 3: collect, then submit.
-        for (turn, tool) in [(2, "collect"), (3, "submit_output")] {
-            self.model_call(run, step, turn);
-            step_spent += CALL_SPENT;
-            self.account_changed(run, step_account, RUN_GRANT, step_spent);
-            self.tool_called(run, step, turn, tool);
-        }
-        self.ledger(step_account, LedgerOp::Close { spent: step_spent });
-        self.rewrite(self.job_record(run, step, run_account, Status::Done, step_spent));
-        self.ledger(
-            run_account,
-            LedgerOp::Release {
-                child: step,
-                granted: RUN_GRANT,
-                spent: step_spent,
-            },
-        );
-        self.ledger(run_account, LedgerOp::Close { spent: step_spent });
-        self.finished(run, step, 3, step_spent);
-        self.account_changed(run, run_account, RUN_GRANT, step_spent);
-        self.rewrite(self.run_record(run, Status::Done));
-        self.event(
-            run,
-            EventKind::RunFinished {
-                status: Status::Done,
-                error_class: None,
-                reason: None,
-                output: serde_json::json!("done"),
-            },
-        );
-    }
-}
-
-/// Records per tree, to set the synthetic runs beside a real node's.
-#[derive(Clone, Copy, Debug, Default)]
-struct Mix {
-    records: u64,
-    events: u64,
-    /// Delegated jobs (steps not counted).
-    jobs: u64,
-}
-
-impl Mix {
-    fn per_job(&self) -> f64 {
-        self.records as f64 / self.jobs as f64
-    }
-
-    fn events_share(&self) -> f64 {
-        self.events as f64 / self.records as f64
-    }
-
-    /// What one finished synthetic run stores, counted by writing one into
-    /// a throwaway journal.
-    fn of_template() -> Mix {
-        let (records, events) = Self::count(RunEnd::Finished);
-        Mix {
-            records,
-            events,
-            jobs: CHILDREN_PER_RUN as u64,
-        }
-    }
-
-    fn interrupted_run_records() -> u64 {
-        Self::count(RunEnd::Crashed).0
-    }
-
-    /// (stored records, events) of one synthetic run.
-    fn count(end: RunEnd) -> (u64, u64) {
-        let dir = tempfile::tempdir().expect("a temporary directory");
-        let journal = Journal::open(dir.path()).expect("the journal opens");
-        // Written into the batch only: nothing is appended.
-        let mut writer = Writer::new(&journal);
-        writer.run(end);
-        let events = writer
-            .batch
-            .iter()
-            .filter(|r| matches!(r, Record::Event(_)))
-            .count() as u64;
-        let stored = writer.stored;
-        drop(journal);
-        wait_until_released(dir.path());
-        (stored, events)
-    }
 }
 
 // ---- 2. durable commit rate --------------------------------------------------
@@ -1158,35 +615,18 @@ async fn durable_rounds(sizes: &Sizes) -> DurableReport {
     DurableReport { series, mix }
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum RawWrite {
-    /// Each write at the end of the file: its size changes, as a log's does.
-    Append,
-    /// Each write over the first bytes: data only.
-    Overwrite,
-}
-
 /// `fsyncs` small writes, each followed by `fdatasync`, to a file in a fresh
 /// temporary directory (the filesystem every journal here lives on).
 fn raw_fsyncs(fsyncs: usize, how: RawWrite) -> Durable {
-    use std::os::unix::fs::FileExt;
     let dir = tempfile::tempdir().expect("a temporary directory");
-    let mut file = File::create(dir.path().join("raw")).expect("a file");
+    let mut log = RawLog::create(dir.path());
     let record = [0x5a_u8; FSYNC_WRITE];
-    let once = |file: &mut File| {
-        match how {
-            RawWrite::Append => file.write_all(&record),
-            RawWrite::Overwrite => file.write_all_at(&record, 0),
-        }
-        .expect("the write");
-        file.sync_data().expect("fdatasync");
-    };
     for _ in 0..(fsyncs / 10).max(10) {
-        once(&mut file);
+        log.write_synced(&record, how);
     }
     let (start, cpu) = (Instant::now(), cpu_now());
     for _ in 0..fsyncs {
-        once(&mut file);
+        log.write_synced(&record, how);
     }
     Durable {
         ops: fsyncs,
@@ -1327,10 +767,8 @@ struct FanOutNode {
 
 impl FanOutNode {
     async fn start(batches: usize) -> Self {
-        let (parent, warmup) = (fan_out_parent(batches), fan_out_parent(1));
-        let leaf = agent_md(
-            "description: answers at once\nscript:\n  - call: {tool: submit_output, args: {output: ok}}",
-        );
+        let (parent, warmup) = (fan_out_parent(FAN_OUT, batches), fan_out_parent(FAN_OUT, 1));
+        let leaf = leaf_at_once();
         let node =
             TestNode::start(&[("parent", &parent), ("warmup", &warmup), ("leaf", &leaf)]).await;
         let mut node = Self {
@@ -1370,12 +808,7 @@ impl FanOutNode {
         let tree = self.node.wait_run(run).await;
         let wall = start.elapsed();
         assert_eq!(tree.run_status(), Status::Done, "run of {agent} succeeded");
-        let done = self
-            .node
-            .jobs(run)
-            .iter()
-            .filter(|j| j.agent.as_deref() == Some("leaf") && j.status == Status::Done)
-            .count();
+        let done = self.node.jobs_done(run, "leaf");
         assert_eq!(done, batches * FAN_OUT, "every child finished done");
         self.runs += 1;
         self.jobs += done as u64;
@@ -1414,93 +847,6 @@ impl FanOutNode {
     }
 }
 
-/// A parent that delegates `batches` batches of `FAN_OUT` children (wait =
-/// false) and collects each before the next, then submits.
-fn fan_out_parent(batches: usize) -> String {
-    let jobs = vec!["{agent: leaf, request: go}"; FAN_OUT].join(", ");
-    let mut front = format!(
-        "subagents: [leaf]\nmax_turns: {}\nscript:\n",
-        2 * batches + 1
-    );
-    for _ in 0..batches {
-        front.push_str(&format!(
-            "  - call: {{tool: delegate, args: {{wait: false, jobs: [{jobs}]}}}}\n"
-        ));
-        front.push_str("  - call: {tool: collect, args: {}}\n");
-    }
-    front.push_str("  - call: {tool: submit_output, args: {output: done}}");
-    agent_md(&front)
-}
-
-// ---- files -------------------------------------------------------------------
-
-/// Waits until no sled instance in this process holds `dir` any more. sled
-/// locks its `db` file (`flock`) while any of its threads has it open, and
-/// its threads outlive the last handle for a moment; a copy or a delete
-/// before then could see a half-written file.
-fn wait_until_released(dir: &Path) {
-    use std::os::fd::AsRawFd;
-    let file = File::open(dir.join("db")).expect("sled's db file");
-    // SAFETY: flock takes an open fd, which `file` owns for the whole call.
-    let locked = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
-    assert_eq!(locked, 0, "flock: {}", std::io::Error::last_os_error());
-    // Closing the file releases the lock.
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).expect("a directory to copy into");
-    for entry in std::fs::read_dir(from).expect("the directory to copy") {
-        let entry = entry.expect("a directory entry");
-        let target = to.join(entry.file_name());
-        if entry.file_type().expect("a file type").is_dir() {
-            copy_dir(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), &target).expect("a file copy");
-        }
-    }
-}
-
-fn dir_bytes(dir: &Path) -> u64 {
-    std::fs::read_dir(dir)
-        .expect("a directory")
-        .map(|entry| {
-            let entry = entry.expect("a directory entry");
-            let meta = entry.metadata().expect("its metadata");
-            if meta.is_dir() {
-                dir_bytes(&entry.path())
-            } else {
-                meta.len()
-            }
-        })
-        .sum()
-}
-
-/// What a synthetic step or job is, from who its parent is: a step under
-/// the run, a leaf job under a step. Its record and its spawn event agree.
-struct Who {
-    kind: NodeKind,
-    agent: &'static str,
-    label: Option<String>,
-    depth: u32,
-    grant: u64,
-    workdir: String,
-}
-
-impl Who {
-    fn of(run: RunId, id: JobId, parent: ParentRef) -> Who {
-        let step = matches!(parent, ParentRef::Run(_));
-        let agent = if step { STEP_AGENT } else { "leaf" };
-        Who {
-            kind: if step { NodeKind::Step } else { NodeKind::Job },
-            agent,
-            label: step.then(|| STEP_AGENT.to_string()),
-            depth: if step { 0 } else { 1 },
-            grant: if step { RUN_GRANT } else { CHILD_GRANT },
-            workdir: format!("work/{run}/{agent}/{id}"),
-        }
-    }
-}
-
 // ---- figures -----------------------------------------------------------------
 
 /// CPU time this process has used, user and system together.
@@ -1520,18 +866,6 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-fn round(x: f64) -> f64 {
-    (x * 10.0).round() / 10.0
-}
-
 fn round3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
-}
-
-/// The middle value (the upper middle of an even count).
-fn median(xs: &[f64]) -> f64 {
-    assert!(!xs.is_empty(), "a median of nothing");
-    let mut sorted = xs.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    sorted[sorted.len() / 2]
 }

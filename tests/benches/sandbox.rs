@@ -21,16 +21,11 @@
 //!   its exit, then removing the workdir: what each job pays before and
 //!   after its first command.
 
-// Each bench binary uses part of it.
-#[allow(dead_code)]
-#[path = "support/shared.rs"]
-mod shared;
-
 use arbor_actors::sandbox::SandboxArgs;
 use arbor_actors::seal::{Posture, SandboxIsolation};
 use arbor_actors::{Sandbox, SandboxMsg};
+use arbor_testkit::measure::{self, Latency};
 use ractor::Actor;
-use shared::Latency;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -53,9 +48,9 @@ impl Sizes {
 }
 
 fn main() {
-    let quick = shared::quick();
+    let quick = measure::quick();
     let sizes = if quick { Sizes::QUICK } else { Sizes::DEFAULT };
-    let (runtime, workers) = shared::runtime();
+    let (runtime, workers) = measure::runtime();
     runtime.block_on(run(sizes, quick, workers));
 }
 
@@ -171,8 +166,8 @@ async fn run(sizes: Sizes, quick: bool, workers: usize) {
             "exec_unsealed": host.json(),
             "exec_sealed": sealed_exec.json(),
             "sandbox_start_teardown": lifecycle.json(),
-            "sealed_over_bare_p50": shared::round(sealed_exec.p50_us / bare.p50_us),
-            "sealed_over_unsealed_p50": shared::round(sealed_exec.p50_us / host.p50_us),
+            "sealed_over_bare_p50": measure::round(sealed_exec.p50_us / bare.p50_us),
+            "sealed_over_unsealed_p50": measure::round(sealed_exec.p50_us / host.p50_us),
         })
     );
 }

@@ -34,10 +34,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-#[allow(dead_code)]
-#[path = "support/shared.rs"]
-mod shared;
-use shared::{Latency, round};
+use arbor_testkit::measure::{self, Latency, round};
 
 #[derive(Clone, Copy, Debug)]
 struct Load {
@@ -54,7 +51,7 @@ fn arg(name: &str) -> Option<String> {
 }
 
 fn load() -> Load {
-    let quick = shared::quick() && arg("--clients").is_none();
+    let quick = measure::quick() && arg("--clients").is_none();
     let default = if quick { (4, 2, 1) } else { (50, 8, 60) };
     let number = |name: &str, default: u64| {
         arg(name)
@@ -335,7 +332,7 @@ fn peak_rss_kib() -> u64 {
 
 /// One mode, in this process: prints `result {json}`.
 fn child(mode: &str, load: Load) {
-    let (runtime, _) = shared::runtime();
+    let (runtime, _) = measure::runtime();
     let dir = tempfile::tempdir().unwrap();
     let (samples, wall) = runtime.block_on(async {
         match mode {

@@ -18,8 +18,12 @@
 //! Every wait has a guard: past `WAIT_LIMIT` it panics with the tree, so a
 //! broken promise fails the test instead of hanging it.
 
+pub mod agents;
+pub mod bare;
+pub mod measure;
 pub mod mock_provider;
 pub mod service;
+pub mod synthetic;
 
 use arbor_actors::model::{
     CallMeter, Model, ModelError, ModelFactory, ModelInfo, ModelReply, ModelRequest,
@@ -393,6 +397,16 @@ impl TestNode {
             .filter(|(_, n)| n.kind != NodeKind::Run)
             .map(|(_, n)| n.clone())
             .collect()
+    }
+
+    /// How many jobs of `agent` in the run ended done.
+    pub fn jobs_done(&self, run: RunId, agent: &str) -> usize {
+        self.jobs(run)
+            .iter()
+            .filter(|j| {
+                j.agent.as_deref() == Some(agent) && j.status == arbor_protocol::Status::Done
+            })
+            .count()
     }
 
     pub async fn shutdown(self) {

@@ -1,7 +1,11 @@
-//! What the benchmark binaries share: how a run picks its sizes, the
-//! runtime it runs on, the process CPU clock, and latency figures. Each
-//! binary uses part of it (and allows the rest unused where it declares the module).
+//! What benchmarks measure with: how a bench binary picks its sizes, the
+//! runtime it runs on, the process CPU clock, latency figures, medians, and
+//! the raw write + `fdatasync` that durable writes are set beside. Shared by
+//! `tests/benches/*` and `arbor-bench`.
 
+use std::fs::File;
+use std::io::Write;
+use std::path::Path;
 use std::time::Duration;
 
 /// `cargo bench` passes `--bench` (and a filter, if given); `cargo test
@@ -116,4 +120,47 @@ impl Latency {
 /// One decimal place, for the summary lines.
 pub fn round(x: f64) -> f64 {
     (x * 10.0).round() / 10.0
+}
+
+/// The middle value (the upper middle of an even count).
+pub fn median(xs: &[f64]) -> f64 {
+    assert!(!xs.is_empty(), "a median of nothing");
+    let mut sorted = xs.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted[sorted.len() / 2]
+}
+
+/// Where each write of a `RawLog` goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RawWrite {
+    /// At the end of the file: its size changes, as a log's does.
+    Append,
+    /// Over the first bytes: data only, no size to commit.
+    Overwrite,
+}
+
+/// A plain file written a few bytes at a time, each write followed by
+/// `fdatasync`: the floor a durable write on this filesystem cannot beat.
+pub struct RawLog {
+    file: File,
+}
+
+impl RawLog {
+    /// Creates `raw.log` in `dir` (which decides the filesystem measured).
+    pub fn create(dir: &Path) -> RawLog {
+        RawLog {
+            file: File::create(dir.join("raw.log")).expect("a raw log file"),
+        }
+    }
+
+    /// One write of `bytes`, then `fdatasync`.
+    pub fn write_synced(&mut self, bytes: &[u8], how: RawWrite) {
+        use std::os::unix::fs::FileExt;
+        match how {
+            RawWrite::Append => self.file.write_all(bytes),
+            RawWrite::Overwrite => self.file.write_all_at(bytes, 0),
+        }
+        .expect("the raw write");
+        self.file.sync_data().expect("fdatasync");
+    }
 }

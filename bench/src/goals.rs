@@ -1,0 +1,147 @@
+//! The seven goals, by id, and the sizes each runs at.
+
+mod cpu_per_job;
+mod delegate_round_trip;
+mod durable_fan_out;
+pub mod idle_memory;
+mod restart;
+mod steering;
+mod stop_subtree;
+
+use crate::report::Outcome;
+
+/// A performance goal of issue 9.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Goal {
+    P1,
+    P2,
+    P3,
+    P4,
+    P5,
+    P6,
+    P7,
+}
+
+impl Goal {
+    pub const ALL: [Goal; 7] = [
+        Goal::P1,
+        Goal::P2,
+        Goal::P3,
+        Goal::P4,
+        Goal::P5,
+        Goal::P6,
+        Goal::P7,
+    ];
+
+    /// `P3` or `p3`.
+    pub fn parse(text: &str) -> Option<Goal> {
+        Goal::ALL
+            .into_iter()
+            .find(|g| g.id().eq_ignore_ascii_case(text))
+    }
+
+    pub fn id(self) -> &'static str {
+        match self {
+            Goal::P1 => "P1",
+            Goal::P2 => "P2",
+            Goal::P3 => "P3",
+            Goal::P4 => "P4",
+            Goal::P5 => "P5",
+            Goal::P6 => "P6",
+            Goal::P7 => "P7",
+        }
+    }
+
+    /// Measures the goal: warm-up and repetitions of both sides.
+    pub async fn run(self, sizes: &Sizes) -> anyhow::Result<Outcome> {
+        match self {
+            Goal::P1 => delegate_round_trip::run(sizes).await,
+            Goal::P2 => durable_fan_out::run(sizes).await,
+            Goal::P3 => stop_subtree::run(sizes).await,
+            Goal::P4 => idle_memory::run(sizes).await,
+            Goal::P5 => restart::run(sizes).await,
+            Goal::P6 => steering::run(sizes).await,
+            Goal::P7 => cpu_per_job::run(sizes).await,
+        }
+    }
+}
+
+/// How much of everything each goal does in one repetition.
+#[derive(Clone, Debug)]
+pub struct Sizes {
+    pub quick: bool,
+    /// P1: delegate calls in one run, one after another.
+    pub delegate_calls: usize,
+    /// P2 and P7: runs at once, and children each run's step delegates.
+    pub fan_out: FanOut,
+    /// P3: children per level below the step, one tree of each shape.
+    pub stop_flat: Vec<usize>,
+    pub stop_deep: Vec<usize>,
+    /// P4: idle jobs.
+    pub idle_jobs: usize,
+    /// P5: records in the journal, and steps and jobs open at the crash.
+    pub journal_records: u64,
+    pub open_jobs: usize,
+    /// P6: concurrent senders, and what each sends to arbor and to the bare actor.
+    pub steer_senders: usize,
+    pub steers_each: usize,
+    pub casts_each: usize,
+}
+
+/// A fan-out workload: `runs` runs at once, each a step that delegates
+/// `children` jobs in one call.
+#[derive(Clone, Copy, Debug)]
+pub struct FanOut {
+    pub runs: usize,
+    pub children: usize,
+}
+
+impl FanOut {
+    pub fn jobs(self) -> usize {
+        self.runs * self.children
+    }
+}
+
+/// P4's size unless `--jobs` says otherwise.
+pub const IDLE_JOBS_DEFAULT: usize = 100_000;
+
+impl Sizes {
+    pub fn default_sizes() -> Sizes {
+        Sizes {
+            quick: false,
+            delegate_calls: 200,
+            fan_out: FanOut {
+                runs: 64,
+                children: 16,
+            },
+            stop_flat: vec![10_000],
+            stop_deep: vec![10, 10, 10, 10],
+            idle_jobs: IDLE_JOBS_DEFAULT,
+            journal_records: 1_000_000,
+            open_jobs: 10_000,
+            steer_senders: 64,
+            steers_each: 50,
+            casts_each: 2_000,
+        }
+    }
+
+    /// Small enough for a debug build in CI: each goal runs and reports.
+    pub fn quick_sizes() -> Sizes {
+        Sizes {
+            quick: true,
+            delegate_calls: 10,
+            fan_out: FanOut {
+                runs: 4,
+                children: 4,
+            },
+            stop_flat: vec![40],
+            stop_deep: vec![2, 2, 2, 2],
+            idle_jobs: 100,
+            journal_records: 5_000,
+            open_jobs: 40,
+            steer_senders: 4,
+            steers_each: 5,
+            casts_each: 100,
+        }
+    }
+}

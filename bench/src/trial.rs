@@ -1,0 +1,63 @@
+//! The fixed protocol every goal is measured by: one unmeasured warm-up of
+//! each side, then `REPETITIONS` repetitions that alternate baseline and
+//! arbor (baseline, arbor, baseline, arbor, ...), so that both sides share
+//! whatever the machine is doing at the time. Each call of a side returns
+//! that repetition's one figure; the goal's figures are the medians of them.
+
+use crate::report::Row;
+
+/// Measured repetitions of each side.
+pub const REPETITIONS: usize = 5;
+
+/// Which repetition a side is asked for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rep {
+    /// Not measured: its figure is thrown away.
+    Warmup,
+    /// The `n`th measured repetition, from 0.
+    Measured(usize),
+}
+
+impl Rep {
+    /// `warm-up` or `rep 2/5`, for progress lines.
+    pub fn name(self) -> String {
+        match self {
+            Rep::Warmup => "warm-up".into(),
+            Rep::Measured(n) => format!("rep {}/{REPETITIONS}", n + 1),
+        }
+    }
+}
+
+/// Runs the protocol on two sides; returns their measured figures as a row
+/// labelled `label` (empty when the goal has one row).
+pub async fn interleaved(
+    goal: &str,
+    label: &str,
+    mut baseline: impl AsyncFnMut(Rep) -> anyhow::Result<f64>,
+    mut arbor: impl AsyncFnMut(Rep) -> anyhow::Result<f64>,
+) -> anyhow::Result<Row> {
+    let mut row = Row {
+        label: label.to_string(),
+        baseline: Vec::with_capacity(REPETITIONS),
+        arbor: Vec::with_capacity(REPETITIONS),
+    };
+    let name = format!("{goal} {label}");
+    let name = name.trim_end();
+    let reps = std::iter::once(Rep::Warmup).chain((0..REPETITIONS).map(Rep::Measured));
+    for rep in reps {
+        progress(name, &format!("{} baseline", rep.name()));
+        let b = baseline(rep).await?;
+        progress(name, &format!("{} arbor", rep.name()));
+        let a = arbor(rep).await?;
+        if rep != Rep::Warmup {
+            row.baseline.push(b);
+            row.arbor.push(a);
+        }
+    }
+    Ok(row)
+}
+
+/// One progress line on stderr: `[P3 flat] rep 2/5 arbor`.
+pub fn progress(name: &str, what: &str) {
+    eprintln!("[{name}] {what}");
+}
