@@ -690,9 +690,6 @@ impl Journal {
         let (Some(wal), Some(checkpoints)) = (wal, self.inner.work.clone()) else {
             return Ok(()); // read-only: nothing is ever written
         };
-        // Failing to spawn a thread is an OS resource fault; sled's Io
-        // variant is the closest home for it.
-        let spawn_error = |e| Error::Sled(sled::Error::Io(e));
         let applier = Applier {
             db: self.inner.db.clone(),
             trees: Trees::open(&self.inner.db)?,
@@ -700,15 +697,9 @@ impl Journal {
             overlay: Arc::clone(&self.inner.overlay),
             progress: Arc::clone(&self.inner.progress),
         };
-        let handle = thread::Builder::new()
-            .name("arbor-journal-applier".into())
-            .spawn(move || applier.run(work))
-            .map_err(spawn_error)?;
-        *self
-            .inner
-            .applier
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Some(handle);
+        start_thread(&self.inner.applier, "arbor-journal-applier", move || {
+            applier.run(work)
+        })?;
 
         let flusher = Flusher {
             wal,
@@ -717,16 +708,9 @@ impl Journal {
             pending: Arc::clone(&self.inner.pending),
             checkpoints,
         };
-        let handle = thread::Builder::new()
-            .name("arbor-journal-flusher".into())
-            .spawn(move || flusher.run(queue))
-            .map_err(spawn_error)?;
-        *self
-            .inner
-            .flusher
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Some(handle);
-        Ok(())
+        start_thread(&self.inner.flusher, "arbor-journal-flusher", move || {
+            flusher.run(queue)
+        })
     }
 
     /// Waits until a flush covers `seq` (a seq `append` returned): what
@@ -1107,6 +1091,23 @@ impl Flusher {
         }
         Ok(target)
     }
+}
+
+/// Starts one of the journal's threads and keeps its handle in `slot`, for
+/// the drop to join.
+fn start_thread(
+    slot: &Mutex<Option<thread::JoinHandle<()>>>,
+    name: &str,
+    body: impl FnOnce() + Send + 'static,
+) -> Result<(), Error> {
+    let handle = thread::Builder::new()
+        .name(name.into())
+        .spawn(body)
+        // Failing to spawn a thread is an OS resource fault; sled's Io
+        // variant is the closest home for it.
+        .map_err(|e| Error::Sled(sled::Error::Io(e)))?;
+    *slot.lock().unwrap_or_else(PoisonError::into_inner) = Some(handle);
+    Ok(())
 }
 
 /// At most this many entries go into one sled transaction, so a backlog is
