@@ -107,6 +107,11 @@ pub async fn run(args: LoopArgs) -> LoopOutcome {
     let mut turn: u32 = 0;
     let mut last_text: Option<String> = None;
     loop {
+        // A stop above cancels the token before its Stop message arrives: a
+        // turn that would start, or a tool that would run, after it does not.
+        if args.cancel.is_cancelled() {
+            return stopped(turn);
+        }
         if turn >= args.max_turns {
             return ended_without_answer(
                 LoopEnd::TurnCap,
@@ -186,6 +191,9 @@ pub async fn run(args: LoopArgs) -> LoopOutcome {
             };
         }
         for call in reply.calls {
+            if args.cancel.is_cancelled() {
+                return stopped(turn);
+            }
             let tool = call.tool.clone();
             let result = AssertUnwindSafe(call_tool(&args, &call))
                 .catch_unwind()
@@ -510,21 +518,19 @@ async fn call_model(
             job = %args.id,
         );
         let answer = tokio::select! {
-            answer = AssertUnwindSafe(args.model.complete(request)).catch_unwind().instrument(span.clone()) => answer,
+            // A stop wins over an answer that is ready at the same time (I-16).
+            biased;
             _ = args.cancel.cancelled() => {
                 if let Some(call) = take_in_flight(&args.in_flight) {
                     settle_cut(&args.account, args.id, call, "stopped").await;
                 }
-                return Err(CallEnd::Failed(LoopOutcome::failed(ErrorClass::Start, "stopped".into(), turn)));
+                return Err(CallEnd::Failed(stopped(turn)));
             }
+            answer = AssertUnwindSafe(args.model.complete(request)).catch_unwind().instrument(span.clone()) => answer,
         };
         let Some(call) = take_in_flight(&args.in_flight) else {
             // The job took the call: it is stopping and settled it.
-            return Err(CallEnd::Failed(LoopOutcome::failed(
-                ErrorClass::Start,
-                "stopped".into(),
-                turn,
-            )));
+            return Err(CallEnd::Failed(stopped(turn)));
         };
         let error = match answer {
             Ok(Ok(reply)) => {
@@ -593,11 +599,16 @@ async fn call_model(
         tokio::select! {
             _ = tokio::time::sleep(pause) => {}
             _ = args.cancel.cancelled() => {
-                return Err(CallEnd::Failed(LoopOutcome::failed(ErrorClass::Start, "stopped".into(), turn)));
+                return Err(CallEnd::Failed(stopped(turn)));
             }
         }
         retries += 1;
     }
+}
+
+/// How a loop ends that a stop cut short; the job's own finish says why.
+fn stopped(turn: u32) -> LoopOutcome {
+    LoopOutcome::failed(ErrorClass::Start, "stopped".into(), turn)
 }
 
 fn put_in_flight(slot: &InFlightSlot, call: InFlight) {

@@ -199,6 +199,10 @@ pub enum JobMsg {
     WaitTimedOut {
         waiter: u64,
     },
+    /// The children's ends appended so far are durable (or the journal failed).
+    EndsDurable {
+        result: Result<(), String>,
+    },
     TimedOut,
 }
 
@@ -328,6 +332,7 @@ impl Actor for Job {
             next_message_id: 1,
             turns: 0,
             finish: None,
+            ended: Default::default(),
         })
     }
 
@@ -440,7 +445,14 @@ impl Actor for Job {
                     state.maybe_complete(&myself).await?;
                 }
             }
-            JobMsg::WaitTimedOut { waiter } => state.wait_timed_out(waiter),
+            JobMsg::WaitTimedOut { waiter } => state.wait_timed_out(waiter).await?,
+            JobMsg::EndsDurable { result } => {
+                state.ended.waiting = false;
+                result?;
+                state.release_ended(&myself);
+                state.answer_waiters();
+                state.maybe_complete(&myself).await?;
+            }
         }
         Ok(())
     }
@@ -554,6 +566,8 @@ pub struct JobState {
     next_message_id: u64,
     turns: u32,
     finish: Option<Finish>,
+    /// Children's ends not yet durable, held back from everything outside.
+    ended: settlement::Ended,
 }
 
 /// Aborts the loop task when dropped, so a killed job leaves no loop running.
@@ -706,7 +720,8 @@ impl JobState {
             return Ok(());
         };
         // Every path into `finish` has already ended the loop.
-        if !self.children.all_settled() {
+        // And each child's end durable before this job's own is told (I-29).
+        if !self.children.all_settled() || !self.ended.is_empty() {
             return Ok(());
         }
         self.abort_loop();

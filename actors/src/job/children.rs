@@ -72,6 +72,9 @@ pub(super) struct Waiter {
     pub(super) stop_on_timeout: bool,
     pub(super) timeout: Option<Duration>,
     pub(super) reply: RpcReplyPort<Result<Vec<ResultEnvelope>, Refusal>>,
+    /// Labels before this one were settled when last looked at: a waiter on
+    /// 10,000 children is not read from the start at each one's end.
+    pub(super) settled_upto: usize,
 }
 
 #[derive(Default)]
@@ -83,6 +86,11 @@ pub(super) struct Children {
     pub(super) groups: Vec<FanOut>,
     pub(super) waiters: BTreeMap<u64, Waiter>,
     pub(super) next_waiter: u64,
+    /// Running or stopping attempts, and their actors: kept beside `by_id`
+    /// so that a parent of 10,000 children does not scan them all at each
+    /// one's end.
+    unsettled: usize,
+    unsettled_actors: HashMap<ractor::ActorId, JobId>,
 }
 
 impl Children {
@@ -91,7 +99,28 @@ impl Children {
             self.order.push(entry.label.clone());
         }
         self.latest.insert(entry.label.clone(), entry.id);
-        self.by_id.insert(entry.id, entry);
+        if entry.state != ChildState::Settled {
+            self.unsettled += 1;
+            self.unsettled_actors.insert(entry.actor.get_id(), entry.id);
+        }
+        if let Some(old) = self.by_id.insert(entry.id, entry)
+            && old.state != ChildState::Settled
+        {
+            self.unsettled -= 1;
+        }
+    }
+
+    /// A child's final status, once its parent has decided it.
+    pub(super) fn settle(&mut self, id: JobId, envelope: ResultEnvelope) {
+        let Some(entry) = self.by_id.get_mut(&id) else {
+            return;
+        };
+        if entry.state != ChildState::Settled {
+            self.unsettled -= 1;
+            self.unsettled_actors.remove(&entry.actor.get_id());
+        }
+        entry.state = ChildState::Settled;
+        entry.envelope = Some(envelope);
     }
 
     pub(super) fn latest(&self, label: &str) -> Option<&ChildEntry> {
@@ -139,10 +168,7 @@ impl Children {
     }
 
     pub(super) fn running_count(&self) -> u32 {
-        self.by_id
-            .values()
-            .filter(|c| c.state != ChildState::Settled)
-            .count() as u32
+        self.unsettled as u32
     }
 
     pub(super) fn running_labels(&self) -> Vec<String> {
@@ -168,7 +194,7 @@ impl Children {
     }
 
     pub(super) fn all_settled(&self) -> bool {
-        self.by_id.values().all(|c| c.state == ChildState::Settled)
+        self.unsettled == 0
     }
 
     pub(super) fn cancel_retries(&mut self) {
@@ -193,17 +219,31 @@ impl Children {
 
     /// Answers every waiter whose children have all settled; returns their ids.
     pub(super) fn answer_waiters(&mut self) -> Vec<u64> {
-        let ready: Vec<u64> = self
-            .waiters
-            .iter()
-            .filter(|(_, w)| {
-                w.labels.iter().all(|l| {
-                    self.latest(l)
-                        .is_none_or(|c| c.state == ChildState::Settled)
-                })
-            })
-            .map(|(id, _)| *id)
-            .collect();
+        let settled = |children: &Children, label: &String| {
+            children
+                .latest(label)
+                .is_none_or(|c| c.state == ChildState::Settled)
+        };
+        let mut ready = vec![];
+        let ids: Vec<u64> = self.waiters.keys().copied().collect();
+        for id in ids {
+            let w = &self.waiters[&id];
+            let mut upto = w.settled_upto;
+            while upto < w.labels.len() && settled(self, &w.labels[upto]) {
+                upto += 1;
+            }
+            // A retry makes a settled label's latest attempt run again; the
+            // whole list is read once more before the waiter is answered.
+            let all = upto == w.labels.len() && w.labels.iter().all(|l| settled(self, l));
+            if all {
+                ready.push(id);
+            } else if upto == w.labels.len() {
+                upto = 0;
+            }
+            if let Some(w) = self.waiters.get_mut(&id) {
+                w.settled_upto = upto;
+            }
+        }
         for id in &ready {
             let w = self.waiters.remove(id).expect("listed above");
             let mut results = vec![];
@@ -218,18 +258,14 @@ impl Children {
         ready
     }
 
-    /// The report for a child actor that died without one, if `cell` is an unsettled child.
+    /// Whether `actor` is the actor of a child that has not settled.
     pub(super) fn has_unsettled_actor(&self, actor: ractor::ActorId) -> bool {
-        self.by_id
-            .values()
-            .any(|c| c.actor.get_id() == actor && c.state != ChildState::Settled)
+        self.unsettled_actors.contains_key(&actor)
     }
 
+    /// The report for a child actor that died without one, if it is an unsettled child's.
     pub(super) fn report_for_dead(&self, actor: ractor::ActorId, why: &str) -> Option<ChildReport> {
-        let entry = self
-            .by_id
-            .values()
-            .find(|c| c.actor.get_id() == actor && c.state != ChildState::Settled)?;
+        let entry = self.by_id.get(self.unsettled_actors.get(&actor)?)?;
         Some(ChildReport {
             id: entry.id,
             envelope: dead_envelope(

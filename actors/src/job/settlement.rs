@@ -82,18 +82,24 @@ impl JobState {
                 stop_on_timeout,
                 timeout,
                 reply,
+                settled_upto: 0,
             },
         );
-        if !self.children.answer_waiters().contains(&id)
+        if !self.answer_waiters().contains(&id)
             && let Some(timeout) = timeout
         {
             myself.send_after(timeout, move || JobMsg::WaitTimedOut { waiter: id });
         }
     }
 
-    pub(super) fn wait_timed_out(&mut self, waiter: u64) {
+    pub(super) async fn wait_timed_out(&mut self, waiter: u64) -> Result<(), ActorProcessingErr> {
+        if !self.children.waiters.contains_key(&waiter) {
+            return Ok(());
+        }
+        // Its results may name children whose end is not durable yet.
+        self.settles_durable().await?;
         let Some(w) = self.children.waiters.remove(&waiter) else {
-            return;
+            return Ok(());
         };
         let timeout = humantime::format_duration(w.timeout.unwrap_or_default()).to_string();
         let mut results = vec![];
@@ -137,6 +143,7 @@ impl JobState {
             });
         }
         let _ = w.reply.send(Ok(results));
+        Ok(())
     }
 
     /// A child's final word: charge it (I-10), write its terminal record, drop
@@ -172,7 +179,11 @@ impl JobState {
             spent: envelope.spent(),
             reply
         });
-        settle_record(
+        // Appended, not committed: a stop that ends 10,000 children must not
+        // wait for 10,000 syncs one after another. Nothing acts on the end
+        // until it is durable (I-29): its event, the answers to collect and
+        // this job's own report wait for `Ended` to drain.
+        let (record, finished) = terminal(
             &self.ctx,
             self.lineage.run,
             ParentRef::Job(self.lineage.id),
@@ -182,12 +193,10 @@ impl JobState {
             &envelope,
             entry.grant.tokens,
             entry.stop_reason.as_ref().is_some_and(|r| r.1),
-        )
-        .await?;
-        if let Some(e) = self.children.by_id.get_mut(&entry.id) {
-            e.state = ChildState::Settled;
-            e.envelope = Some(envelope.clone());
-        }
+        );
+        let seq = self.ctx.journal.append(vec![record])?;
+        self.ended.push(seq, finished);
+        self.children.settle(entry.id, envelope.clone());
         let class = envelope.error_class.unwrap_or(ErrorClass::Task);
         let retry = envelope.status == Status::Failed
             && entry.retries_left > 0
@@ -211,9 +220,11 @@ impl JobState {
                     format!("\nIts limitations: {}", envelope.limitations.join("; "))
                 }
             );
+            // The first attempt's end is told before the next one starts.
+            self.settles_durable().await?;
             match self.retry_child(myself, plan, entry.grant).await {
                 Ok(()) => {
-                    self.children.answer_waiters();
+                    self.answer_waiters();
                     return Ok(());
                 }
                 Err(refusal) => {
@@ -238,8 +249,53 @@ impl JobState {
                 let _ = self.stop_child_label(&label, &reason, false);
             }
         }
-        self.children.answer_waiters();
+        self.release_ended(myself);
+        self.answer_waiters();
         Ok(())
+    }
+
+    /// Answers the collect calls whose children have all settled, once their
+    /// ends are durable; returns the waiters answered.
+    pub(super) fn answer_waiters(&mut self) -> Vec<u64> {
+        if self.ended.is_empty() {
+            self.children.answer_waiters()
+        } else {
+            vec![]
+        }
+    }
+
+    /// Tells the ends that are durable; asks to be told when the rest are.
+    pub(super) fn release_ended(&mut self, myself: &ActorRef<JobMsg>) {
+        if self.ended.is_empty() {
+            return;
+        }
+        if self.ctx.journal.durable_seq() >= self.ended.upto {
+            self.emit_ended();
+        } else if !self.ended.waiting {
+            self.ended.waiting = true;
+            let journal = self.ctx.journal.clone();
+            let myself = myself.clone();
+            let upto = self.ended.upto;
+            tokio::spawn(async move {
+                let result = journal.wait_durable(upto).await.map_err(|e| e.to_string());
+                let _ = myself.cast(JobMsg::EndsDurable { result });
+            });
+        }
+    }
+
+    /// Waits here until every end is durable, and tells them.
+    pub(super) async fn settles_durable(&mut self) -> Result<(), ActorProcessingErr> {
+        if !self.ended.is_empty() {
+            self.ctx.journal.wait_durable(self.ended.upto).await?;
+            self.emit_ended();
+        }
+        Ok(())
+    }
+
+    fn emit_ended(&mut self) {
+        for finished in std::mem::take(&mut self.ended.events) {
+            self.ctx.events.emit(self.lineage.run, finished);
+        }
     }
 
     /// A new attempt: new id, new reservation, counted by the spawn cap (I-23).
@@ -365,6 +421,48 @@ pub(crate) async fn settle_record(
     grant: u64,
     propagated: bool,
 ) -> Result<(), ActorProcessingErr> {
+    let (record, finished) = terminal(
+        ctx, run, parent, agent, kind, depth, envelope, grant, propagated,
+    );
+    ctx.journal.commit(vec![record]).await?;
+    ctx.events.emit(run, finished);
+    Ok(())
+}
+
+/// Children's ends appended to the journal and not yet known durable: their
+/// `NodeFinished` events, in order, and the seq that covers them all.
+#[derive(Default)]
+pub(super) struct Ended {
+    events: Vec<EventKind>,
+    upto: u64,
+    /// A task waits for `upto`, or an earlier seq, and will say so.
+    pub(super) waiting: bool,
+}
+
+impl Ended {
+    fn push(&mut self, seq: u64, finished: EventKind) {
+        self.events.push(finished);
+        self.upto = self.upto.max(seq);
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.events.is_empty()
+    }
+}
+
+/// A child's terminal record and the `NodeFinished` that tells of it.
+#[allow(clippy::too_many_arguments)]
+fn terminal(
+    ctx: &NodeContext,
+    run: RunId,
+    parent: ParentRef,
+    agent: &str,
+    kind: NodeKind,
+    depth: u32,
+    envelope: &ResultEnvelope,
+    grant: u64,
+    propagated: bool,
+) -> (Record, EventKind) {
     let reason = match envelope.status {
         Status::Done => None,
         _ => envelope.error.clone(),
@@ -388,24 +486,20 @@ pub(crate) async fn settle_record(
         tokens_spent: envelope.tokens_spent,
         epoch: ctx.journal.epoch(),
     };
-    ctx.journal.commit(vec![Record::Job(record)]).await?;
-    ctx.events.emit(
-        run,
-        EventKind::NodeFinished {
-            id: envelope.job,
-            status: envelope.status,
-            task_status: envelope.task_status,
-            error_class: envelope.error_class,
-            reason,
-            propagated,
-            output: envelope.output.clone(),
-            error: envelope.error.clone(),
-            limitations: envelope.limitations.clone(),
-            artifacts: envelope.artifacts.clone(),
-            turns: envelope.turns,
-            tokens_spent: envelope.tokens_spent,
-            usd_micros_spent: envelope.usd_micros_spent,
-        },
-    );
-    Ok(())
+    let finished = EventKind::NodeFinished {
+        id: envelope.job,
+        status: envelope.status,
+        task_status: envelope.task_status,
+        error_class: envelope.error_class,
+        reason,
+        propagated,
+        output: envelope.output.clone(),
+        error: envelope.error.clone(),
+        limitations: envelope.limitations.clone(),
+        artifacts: envelope.artifacts.clone(),
+        turns: envelope.turns,
+        tokens_spent: envelope.tokens_spent,
+        usd_micros_spent: envelope.usd_micros_spent,
+    };
+    (Record::Job(record), finished)
 }
