@@ -62,3 +62,89 @@ async fn inv_29_a_delegation_and_its_grant_are_durable_before_the_child_starts()
         );
     }
 }
+
+/// I-29 for a child's end: its parent appends the terminal record without
+/// waiting (a stop of 10,000 children does not wait for 10,000 syncs in a
+/// row), and tells nobody of it, no `NodeFinished` and no answer to the
+/// delegate call waiting on it, until a flush covers it.
+#[tokio::test]
+async fn inv_29_a_childs_end_is_told_only_once_it_is_durable() {
+    const CHILDREN: usize = 8;
+    let jobs = vec!["{agent: leaf, request: go}"; CHILDREN].join(", ");
+    let boss = agent_md(&format!(
+        "subagents: [leaf]\nscript:\n  - call: {{tool: delegate, args: {{jobs: [{jobs}]}}}}\n  - call: {{tool: submit_output, args: {{output: done}}}}"
+    ));
+    let leaf = agent_md(
+        "description: waits\nscript:\n  - say: working\n    delay: 1h\n    call: {tool: submit_output, args: {output: late}}",
+    );
+    let node = TestNode::start(&[("boss", &boss), ("leaf", &leaf)]).await;
+    let run = node.run_agent("boss", "go").await;
+    // Every child spawned, its grant held by the parent.
+    let tree = node
+        .wait_until(run, |t| {
+            t.find("boss").is_some_and(|b| {
+                t.children_of(b).len() == CHILDREN && t.node(b).is_some_and(|n| n.account.held > 0)
+            })
+        })
+        .await;
+    let boss_id = tree.find("boss").expect("the step");
+    let leaves = tree.children_of(boss_id);
+    node.journal().flush().await.expect("flush");
+
+    node.journal().faults().hold_flushes(true);
+    for leaf in &leaves {
+        node.stop_job(run, *leaf).await;
+    }
+    // The parent has settled every child: each grant released.
+    node.wait_until(run, |t| {
+        t.node(boss_id).is_some_and(|b| b.account.held == 0)
+    })
+    .await;
+    let faults = node.journal().clone();
+    let parked = tokio::task::spawn_blocking(move || {
+        faults
+            .faults()
+            .wait_until_flush_held(std::time::Duration::from_secs(10))
+    })
+    .await
+    .expect("join");
+    assert!(
+        parked,
+        "the parent waits for a flush to cover its children's ends"
+    );
+    let told = |events: &[arbor_protocol::Event]| {
+        events
+            .iter()
+            .filter(
+                |e| matches!(&e.kind, EventKind::NodeFinished { id, .. } if leaves.contains(id)),
+            )
+            .count()
+    };
+    let events = node.events(run);
+    assert_eq!(told(&events), 0, "no child's end told before it is durable");
+    assert!(
+        !events
+            .iter()
+            .any(|e| matches!(&e.kind, EventKind::ToolCalled { tool, .. } if tool == "delegate")),
+        "the delegate call is not answered before its children's ends are durable"
+    );
+
+    node.journal().faults().hold_flushes(false);
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), arbor_protocol::Status::Done);
+    let events = node.events(run);
+    assert_eq!(told(&events), CHILDREN, "each end told once it was durable");
+    let answered = events
+        .iter()
+        .position(|e| matches!(&e.kind, EventKind::ToolCalled { tool, .. } if tool == "delegate"))
+        .expect("the delegate call answered");
+    assert_eq!(
+        told(&events[..answered]),
+        CHILDREN,
+        "every child's end is told before the call that waited on them returns"
+    );
+    for leaf in &leaves {
+        let record = node.journal().job(run, *leaf).unwrap().expect("its record");
+        assert_eq!(record.status, arbor_protocol::Status::Stopped);
+    }
+}
