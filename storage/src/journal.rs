@@ -397,6 +397,17 @@ impl Journal {
         )
     }
 
+    /// The parent's delegate call under `key`, if there is one: a point read,
+    /// so a parent's thousandth call does not read the 999 before it.
+    pub fn delegation(&self, parent: JobId, key: &str) -> Result<Option<DelegationRecord>, Error> {
+        self.inner.read_one(
+            &self.inner.trees.delegations,
+            DELEGATIONS,
+            &codec::delegation_key(parent, key),
+            codec::decode_bincode,
+        )
+    }
+
     /// The job's steering messages, by message id.
     pub fn steering(&self, job: JobId) -> Result<Vec<SteerRecord>, Error> {
         let prefix = job.0.as_bytes();

@@ -182,6 +182,12 @@ async fn every_record_kind_round_trips() {
     assert_eq!(journal.sandboxes(step).unwrap(), vec![sandbox.clone()]);
     assert_eq!(journal.live_sandboxes().unwrap(), vec![sandbox.clone()]);
     assert_eq!(journal.ledger(run_account).unwrap(), entries);
+    assert_eq!(
+        journal.delegation(step, &delegation.key).unwrap(),
+        Some(delegation.clone())
+    );
+    assert_eq!(journal.delegation(step, "another key").unwrap(), None);
+    assert_eq!(journal.delegation(child, &delegation.key).unwrap(), None);
     assert_eq!(journal.delegations(step).unwrap(), vec![delegation]);
     assert_eq!(journal.steering(step).unwrap(), vec![steer.clone()]);
     assert_eq!(journal.events(run).unwrap(), events);

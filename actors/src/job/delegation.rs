@@ -107,14 +107,14 @@ impl JobState {
         key: &str,
         digest: &str,
     ) -> Result<Option<Vec<ChildHandle>>, Refusal> {
-        let records =
-            self.ctx
-                .journal
-                .delegations(self.lineage.id)
-                .map_err(|e| Refusal::Invalid {
-                    message: format!("the journal could not be read: {e}"),
-                })?;
-        let Some(record) = records.into_iter().find(|d| d.key == key) else {
+        let record = self
+            .ctx
+            .journal
+            .delegation(self.lineage.id, key)
+            .map_err(|e| Refusal::Invalid {
+                message: format!("the journal could not be read: {e}"),
+            })?;
+        let Some(record) = record else {
             return Ok(None);
         };
         if record.digest != digest {
