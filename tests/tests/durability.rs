@@ -70,7 +70,7 @@ async fn inv_29_a_delegation_and_its_grant_are_durable_before_the_child_starts()
 #[tokio::test]
 async fn inv_29_a_childs_end_is_told_only_once_it_is_durable() {
     const CHILDREN: usize = 8;
-    let jobs = vec!["{agent: leaf, request: go}"; CHILDREN].join(", ");
+    let jobs = ["{agent: leaf, request: go}"; CHILDREN].join(", ");
     let boss = agent_md(&format!(
         "subagents: [leaf]\nscript:\n  - call: {{tool: delegate, args: {{jobs: [{jobs}]}}}}\n  - call: {{tool: submit_output, args: {{output: done}}}}"
     ));
