@@ -31,7 +31,7 @@ mod settlement;
 mod steering;
 
 pub use delegation::delegation_digest;
-pub(crate) use settlement::{dead_envelope, final_envelope, settle_record};
+pub(crate) use settlement::{Terminal, dead_envelope, final_envelope, settle_record};
 
 use children::Children;
 

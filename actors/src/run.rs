@@ -577,14 +577,16 @@ impl RunState {
         let propagated = step.stop_reason.as_ref().is_some_and(|r| r.1);
         job::settle_record(
             &self.ctx,
-            self.id,
-            ParentRef::Run(self.id),
-            &step.agent,
-            NodeKind::Step,
-            0,
-            &envelope,
-            step.grant.tokens,
-            propagated,
+            job::Terminal {
+                run: self.id,
+                parent: ParentRef::Run(self.id),
+                agent: &step.agent,
+                kind: NodeKind::Step,
+                depth: 0,
+                envelope: &envelope,
+                grant: step.grant.tokens,
+                propagated,
+            },
         )
         .await?;
         let label = step.label.clone();

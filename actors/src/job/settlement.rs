@@ -1,5 +1,5 @@
 //! Stopping, collecting and settling children. The parent is the only writer
-//! of a child's final status (`settle_record`, shared with the Run): a child
+//! of a child's final status (`Terminal`, shared with the Run): a child
 //! is charged (I-10) and its terminal record made durable (I-29); a child its
 //! parent stopped has no output, whatever it sent (I-16); one whose actor died
 //! without reporting failed, class `panicked` (I-38). A failed child may be
@@ -183,17 +183,17 @@ impl JobState {
         // wait for 10,000 syncs one after another. Nothing acts on the end
         // until it is durable (I-29): its event, the answers to collect and
         // this job's own report wait for `Ended` to drain.
-        let (record, finished) = terminal(
-            &self.ctx,
-            self.lineage.run,
-            ParentRef::Job(self.lineage.id),
-            &entry.plan.agent.name,
-            NodeKind::Job,
-            self.lineage.depth + 1,
-            &envelope,
-            entry.grant.tokens,
-            entry.stop_reason.as_ref().is_some_and(|r| r.1),
-        );
+        let (record, finished) = Terminal {
+            run: self.lineage.run,
+            parent: ParentRef::Job(self.lineage.id),
+            agent: &entry.plan.agent.name,
+            kind: NodeKind::Job,
+            depth: self.lineage.depth + 1,
+            envelope: &envelope,
+            grant: entry.grant.tokens,
+            propagated: entry.stop_reason.as_ref().is_some_and(|r| r.1),
+        }
+        .record(&self.ctx);
         let seq = self.ctx.journal.append(vec![record])?;
         self.ended.push(seq, finished);
         self.children.settle(entry.id, envelope.clone());
@@ -406,26 +406,31 @@ pub(crate) fn dead_envelope(
     }
 }
 
-/// Writes a child's terminal record (durable, I-29) and emits its end. Shared
-/// by the Run (for steps) and Jobs (for their children): the parent is the
-/// only writer of a child's final status.
-#[allow(clippy::too_many_arguments)]
+/// A child's end, as its parent writes it: the parent is the only writer of
+/// a child's final status (shared by the Run, for steps, and Jobs, for their
+/// children).
+#[derive(Clone, Copy)]
+pub(crate) struct Terminal<'a> {
+    pub run: RunId,
+    pub parent: ParentRef,
+    pub agent: &'a str,
+    pub kind: NodeKind,
+    pub depth: u32,
+    pub envelope: &'a ResultEnvelope,
+    pub grant: u64,
+    /// Stopped because a stop above it came down.
+    pub propagated: bool,
+}
+
+/// Commits a child's terminal record (I-29) and then emits its end: what the
+/// Run does for a step.
 pub(crate) async fn settle_record(
     ctx: &NodeContext,
-    run: RunId,
-    parent: ParentRef,
-    agent: &str,
-    kind: NodeKind,
-    depth: u32,
-    envelope: &ResultEnvelope,
-    grant: u64,
-    propagated: bool,
+    end: Terminal<'_>,
 ) -> Result<(), ActorProcessingErr> {
-    let (record, finished) = terminal(
-        ctx, run, parent, agent, kind, depth, envelope, grant, propagated,
-    );
+    let (record, finished) = end.record(ctx);
     ctx.journal.commit(vec![record]).await?;
-    ctx.events.emit(run, finished);
+    ctx.events.emit(end.run, finished);
     Ok(())
 }
 
@@ -450,56 +455,57 @@ impl Ended {
     }
 }
 
-/// A child's terminal record and the `NodeFinished` that tells of it.
-#[allow(clippy::too_many_arguments)]
-fn terminal(
-    ctx: &NodeContext,
-    run: RunId,
-    parent: ParentRef,
-    agent: &str,
-    kind: NodeKind,
-    depth: u32,
-    envelope: &ResultEnvelope,
-    grant: u64,
-    propagated: bool,
-) -> (Record, EventKind) {
-    let reason = match envelope.status {
-        Status::Done => None,
-        _ => envelope.error.clone(),
-    };
-    let record = JobRecord {
-        id: envelope.job,
-        run,
-        parent,
-        kind,
-        agent: agent.to_string(),
-        label: envelope.label.clone(),
-        depth,
-        attempt: envelope.attempt,
-        grant_tokens: grant,
-        workdir: envelope.workdir.clone(),
-        status: envelope.status,
-        task_status: envelope.task_status,
-        error_class: envelope.error_class,
-        reason: reason.clone(),
-        output_json: envelope.output.to_string(),
-        tokens_spent: envelope.tokens_spent,
-        epoch: ctx.journal.epoch(),
-    };
-    let finished = EventKind::NodeFinished {
-        id: envelope.job,
-        status: envelope.status,
-        task_status: envelope.task_status,
-        error_class: envelope.error_class,
-        reason,
-        propagated,
-        output: envelope.output.clone(),
-        error: envelope.error.clone(),
-        limitations: envelope.limitations.clone(),
-        artifacts: envelope.artifacts.clone(),
-        turns: envelope.turns,
-        tokens_spent: envelope.tokens_spent,
-        usd_micros_spent: envelope.usd_micros_spent,
-    };
-    (Record::Job(record), finished)
+impl Terminal<'_> {
+    /// The terminal record and the `NodeFinished` that tells of it.
+    fn record(&self, ctx: &NodeContext) -> (Record, EventKind) {
+        let Terminal {
+            run,
+            parent,
+            agent,
+            kind,
+            depth,
+            envelope,
+            grant,
+            propagated,
+        } = *self;
+        let reason = match envelope.status {
+            Status::Done => None,
+            _ => envelope.error.clone(),
+        };
+        let record = JobRecord {
+            id: envelope.job,
+            run,
+            parent,
+            kind,
+            agent: agent.to_string(),
+            label: envelope.label.clone(),
+            depth,
+            attempt: envelope.attempt,
+            grant_tokens: grant,
+            workdir: envelope.workdir.clone(),
+            status: envelope.status,
+            task_status: envelope.task_status,
+            error_class: envelope.error_class,
+            reason: reason.clone(),
+            output_json: envelope.output.to_string(),
+            tokens_spent: envelope.tokens_spent,
+            epoch: ctx.journal.epoch(),
+        };
+        let finished = EventKind::NodeFinished {
+            id: envelope.job,
+            status: envelope.status,
+            task_status: envelope.task_status,
+            error_class: envelope.error_class,
+            reason,
+            propagated,
+            output: envelope.output.clone(),
+            error: envelope.error.clone(),
+            limitations: envelope.limitations.clone(),
+            artifacts: envelope.artifacts.clone(),
+            turns: envelope.turns,
+            tokens_spent: envelope.tokens_spent,
+            usd_micros_spent: envelope.usd_micros_spent,
+        };
+        (Record::Job(record), finished)
+    }
 }
