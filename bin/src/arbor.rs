@@ -412,9 +412,6 @@ async fn continue_job(args: ContinueArgs) -> Result<ExitCode, Failure> {
     follow(node, run, args.json).await
 }
 
-/// The live view's (and the plain lines') fastest redraw.
-const REDRAW_EVERY: std::time::Duration = std::time::Duration::from_millis(50);
-
 /// Shows the run until it ends, prints its tree, shuts the node down.
 async fn follow(
     node: EmbeddedNode,
@@ -425,12 +422,9 @@ async fn follow(
     let mut view = render::Progress::new(live);
     let mut changes = node.events().changes();
     let mut interrupted = false;
-    // Drawn at most every REDRAW_EVERY, whatever the rate of events: each
-    // draw copies and walks the whole tree, and a wide fan-out changes it
-    // thousands of times a second. The run's end is checked at every change,
-    // in place, without a copy.
-    let mut drawn_at: Option<tokio::time::Instant> = None;
-    let mut changed_since_drawn = true;
+    // Drawn at most every REDRAW_EVERY (`render::Redraw`); the run's end is
+    // checked at every change, in place, without a copy.
+    let mut redraw = render::Redraw::default();
     let tree = loop {
         let ended = node.events().with_tree(run, |tree| {
             tree.is_some_and(|tree| tree.run_status().is_terminal())
@@ -438,21 +432,17 @@ async fn follow(
         if ended {
             break node.tree(run);
         }
-        let due = drawn_at.is_none_or(|at| at.elapsed() >= REDRAW_EVERY);
-        if !json && changed_since_drawn && due {
+        if !json && redraw.take_due() {
             view.show(&node.tree(run));
-            drawn_at = Some(tokio::time::Instant::now());
-            changed_since_drawn = false;
         }
-        let redraw_at = drawn_at.map_or_else(tokio::time::Instant::now, |at| at + REDRAW_EVERY);
         tokio::select! {
             changed = changes.changed() => {
                 if changed.is_err() {
                     break node.tree(run);
                 }
-                changed_since_drawn = true;
+                redraw.changed();
             }
-            _ = tokio::time::sleep_until(redraw_at), if changed_since_drawn && !json => {}
+            _ = tokio::time::sleep_until(redraw.next_at()), if redraw.pending() && !json => {}
             _ = tokio::signal::ctrl_c() => {
                 if interrupted {
                     // A second Ctrl-C: leave now; the journal shows what was running.

@@ -752,16 +752,44 @@ pub async fn watch(client: &Client, run: &str) -> Outcome {
     let live = client.output == Output::Text && std::io::stdout().is_terminal();
     let mut view = render::Progress::new(live);
     let output = client.output;
-    follow_events(client, run, true, |e| {
-        tree.apply(&e.event);
-        match output {
-            Output::Text => view.show(&tree),
-            Output::Jsonl => client.print_json(e)?,
-            Output::Json => {}
-        }
+    // The stream is read beside a redraw timer: the tree is drawn at most
+    // every REDRAW_EVERY (`render::Redraw`), and a change that came just
+    // after a draw is drawn when the timer fires, not at the next event.
+    let (events, mut incoming) = tokio::sync::mpsc::unbounded_channel();
+    let follow = follow_events(client, run, true, move |e| {
+        let _ = events.send(e.clone());
         Ok(())
-    })
-    .await?;
+    });
+    tokio::pin!(follow);
+    let mut redraw = render::Redraw::default();
+    let take =
+        |tree: &mut Tree, e: StreamEvent, redraw: &mut render::Redraw| -> Result<(), Failed> {
+            tree.apply(&e.event);
+            if output == Output::Jsonl {
+                client.print_json(&e)?;
+            }
+            redraw.changed();
+            Ok(())
+        };
+    let followed = loop {
+        tokio::select! {
+            followed = &mut follow => break followed,
+            Some(e) = incoming.recv() => take(&mut tree, e, &mut redraw)?,
+            _ = tokio::time::sleep_until(redraw.next_at()),
+                if output == Output::Text && redraw.pending() => {}
+        }
+        if output == Output::Text && redraw.take_due() {
+            view.show(&tree);
+        }
+    };
+    // What the stream delivered before it ended.
+    while let Ok(e) = incoming.try_recv() {
+        take(&mut tree, e, &mut redraw)?;
+    }
+    followed?;
+    if output == Output::Text && redraw.pending() {
+        view.show(&tree);
+    }
     match output {
         Output::Text => view.finish(&tree),
         Output::Json => client.print_json(&serde_json::json!({ "run": tree.root() }))?,

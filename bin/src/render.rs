@@ -5,6 +5,59 @@ use arbor_protocol::{NodeKind, Status, Tree, TreeNode};
 use std::collections::HashMap;
 use std::io::Write;
 
+/// The fastest a run's view is drawn, whatever the rate of events: each draw
+/// copies and walks the whole tree, and a wide fan-out changes it thousands
+/// of times a second.
+pub const REDRAW_EVERY: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// When to draw: at most once every `REDRAW_EVERY`, and never leaving the
+/// last change undrawn (the caller waits for `next_at` while `pending`).
+#[derive(Debug)]
+pub struct Redraw {
+    drawn_at: Option<tokio::time::Instant>,
+    pending: bool,
+}
+
+impl Default for Redraw {
+    /// Nothing drawn yet, so the first look draws.
+    fn default() -> Self {
+        Self {
+            drawn_at: None,
+            pending: true,
+        }
+    }
+}
+
+impl Redraw {
+    /// The tree changed since it was last drawn.
+    pub fn changed(&mut self) {
+        self.pending = true;
+    }
+
+    /// A change waits to be drawn.
+    pub fn pending(&self) -> bool {
+        self.pending
+    }
+
+    /// Whether to draw now; if so, it counts as drawn.
+    pub fn take_due(&mut self) -> bool {
+        let now = tokio::time::Instant::now();
+        if self.pending && self.drawn_at.is_none_or(|at| now >= at + REDRAW_EVERY) {
+            self.drawn_at = Some(now);
+            self.pending = false;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// The soonest the next draw may be.
+    pub fn next_at(&self) -> tokio::time::Instant {
+        self.drawn_at
+            .map_or_else(tokio::time::Instant::now, |at| at + REDRAW_EVERY)
+    }
+}
+
 pub struct Progress {
     live: bool,
     drawn_lines: usize,
@@ -147,4 +200,31 @@ fn describe(node: &TreeNode, in_tree: bool) -> String {
         "{who} [{status}]{attempt}{depth} tokens spent {} held {} of {}{reason}",
         acct.spent, acct.held, acct.grant
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_burst_of_changes_is_drawn_once_and_its_last_change_is_not_lost() {
+        let mut redraw = Redraw::default();
+        assert!(redraw.take_due(), "the first look draws");
+        assert!(!redraw.take_due(), "nothing changed since");
+        for _ in 0..1000 {
+            redraw.changed();
+            assert!(!redraw.take_due(), "not again within {REDRAW_EVERY:?}");
+        }
+        assert!(redraw.pending());
+        tokio::time::sleep_until(redraw.next_at()).await;
+        assert!(redraw.take_due(), "the burst's last change is drawn");
+        assert!(!redraw.pending());
+        tokio::time::advance(REDRAW_EVERY * 10).await;
+        assert!(!redraw.take_due(), "no change, no draw");
+        redraw.changed();
+        assert!(
+            redraw.take_due(),
+            "a change after a quiet spell is drawn at once"
+        );
+    }
 }
