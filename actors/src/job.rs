@@ -224,7 +224,6 @@ impl Actor for Job {
         let model = ctx.models.model_for(&start.agent)?;
         // I-27: a secret without a value refuses the job before anything is made.
         let env = ctx.secrets.env_for(&start.policy.secrets)?;
-        let workdir_existed = start.workdir.exists();
         let setup = async {
             let (account, _) = Actor::spawn_linked(
                 None,
@@ -274,20 +273,9 @@ impl Actor for Job {
                 }
             }
         };
-        let (account, sandbox) = match setup.await {
-            Ok(pair) => pair,
-            Err(e) => {
-                // I-06: a failed start leaves no workdir behind.
-                if !workdir_existed {
-                    let _ = std::fs::remove_dir_all(&start.workdir);
-                    // The `jobs/` folder too, if this child was its first.
-                    if let Some(parent) = start.workdir.parent() {
-                        let _ = std::fs::remove_dir(parent);
-                    }
-                }
-                return Err(e.into());
-            }
-        };
+        // I-06: a failed start has made no workdir (the sandbox makes it
+        // at its first use, `sandbox.rs` invariant 4).
+        let (account, sandbox) = setup.await?;
         ctx.events.emit(
             lineage.run,
             EventKind::NodeSpawned {

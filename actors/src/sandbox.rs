@@ -17,6 +17,11 @@
 //!    the kernel (`openat2` with RESOLVE_BENEATH and RESOLVE_NO_SYMLINKS), so
 //!    a symlink swapped in between the two is refused too.
 //! 3. Artifacts are what the runtime saw change in the workdir, never a claim (I-24).
+//! 4. The workdir is made at its first use (a command, a write, or a read of
+//!    a folder that already exists), never at the start: most jobs of a wide
+//!    fan-out never touch theirs, and a mkdir each cost such a run a sixth of
+//!    its CPU and left a thousand empty folders behind. So a job that fails
+//!    to start, or never uses its sandbox, leaves no folder (I-06).
 
 use crate::seal::{self, Posture, SandboxIsolation, SandboxUser, SealSpec, Spawned, SpawnedStatus};
 use crate::secrets::Secrets;
@@ -24,7 +29,7 @@ use arbor_storage::{SandboxRecord, SandboxState as GroupState};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Component, Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 use tokio::io::AsyncReadExt;
 use tokio_util::sync::CancellationToken;
@@ -127,21 +132,18 @@ impl Actor for Sandbox {
             // sealed and fail; never run unsealed.
             SandboxIsolation::Sealed => true,
         };
-        std::fs::create_dir_all(&args.workdir)?;
-        // A sealed command's workdir is bound at its host path, which must
-        // be absolute and free of symlinks (a data dir may be given relative).
-        let workdir = std::fs::canonicalize(&args.workdir)?;
         let user = if sealed {
             SandboxUser::for_new_sandbox()
         } else {
             None
         };
-        if let Some(user) = user {
-            user.own(&workdir)?;
-        }
         Ok(SandboxState {
             how: Arc::new(HowCommandsRun {
-                workdir,
+                workdir: Workdir {
+                    asked: args.workdir,
+                    user,
+                    made: OnceLock::new(),
+                },
                 resources: args.resources,
                 sealed,
                 user,
@@ -198,8 +200,15 @@ impl Actor for Sandbox {
                 state.artifacts.extend(changed);
             }
             SandboxMsg::ReadFile { path, reply } => {
-                let read =
-                    read_confined(&state.how.workdir, &path).map(|t| state.how.secrets.redact(&t));
+                let read = match state.how.workdir.existing() {
+                    Ok(Some(workdir)) => {
+                        read_confined(workdir, &path).map(|t| state.how.secrets.redact(&t))
+                    }
+                    // Refused by words as it would be in any workdir.
+                    Ok(None) => confine(&state.how.workdir.asked, &path)
+                        .and_then(|_| Err(format!("{path:?}: no such file in the workdir"))),
+                    Err(e) => Err(e),
+                };
                 let _ = reply.send(read);
             }
             SandboxMsg::WriteFile {
@@ -207,19 +216,26 @@ impl Actor for Sandbox {
                 content,
                 reply,
             } => {
-                let result = write_confined(&state.how.workdir, &path, &content, state.how.user);
+                let result =
+                    state.how.workdir.make().and_then(|workdir| {
+                        write_confined(workdir, &path, &content, state.how.user)
+                    });
                 if result.is_ok() {
                     state.artifacts.insert(normalize(&path));
                 }
                 let _ = reply.send(result);
             }
             SandboxMsg::Artifacts { reply } => {
-                let present = state
-                    .artifacts
-                    .iter()
-                    .filter(|p| is_file_beneath(&state.how.workdir, p))
-                    .cloned()
-                    .collect();
+                // Nothing seen written means no workdir needed to look in.
+                let present = match state.how.workdir.made.get() {
+                    Some(workdir) => state
+                        .artifacts
+                        .iter()
+                        .filter(|p| is_file_beneath(workdir, p))
+                        .cloned()
+                        .collect(),
+                    None => vec![],
+                };
                 let _ = reply.send(present);
             }
             SandboxMsg::KillAll { reply } => {
@@ -239,10 +255,46 @@ pub struct SandboxState {
     artifacts: BTreeSet<String>,
 }
 
+/// A sandbox's workdir, made at its first use (invariant 4).
+struct Workdir {
+    /// As the job was given it: it may be relative, or lead through a symlink.
+    asked: PathBuf,
+    /// Who owns it once made, on a root node.
+    user: Option<SandboxUser>,
+    /// Canonical, once made: a sealed command's workdir is bound at its host
+    /// path, which must be absolute and free of symlinks.
+    made: OnceLock<PathBuf>,
+}
+
+impl Workdir {
+    /// The workdir, made now if this is its first use. Two commands that
+    /// race here both make it (each step is idempotent); one path is kept.
+    fn make(&self) -> Result<&Path, String> {
+        if let Some(made) = self.made.get() {
+            return Ok(made);
+        }
+        let at = |e: std::io::Error| format!("the workdir {}: {e}", self.asked.display());
+        std::fs::create_dir_all(&self.asked).map_err(at)?;
+        let canonical = std::fs::canonicalize(&self.asked).map_err(at)?;
+        if let Some(user) = self.user {
+            user.own(&canonical).map_err(at)?;
+        }
+        Ok(self.made.get_or_init(|| canonical))
+    }
+
+    /// The workdir if it exists (made by this sandbox, or left by an
+    /// earlier one at the same path), without making a new folder.
+    fn existing(&self) -> Result<Option<&Path>, String> {
+        if self.made.get().is_none() && !self.asked.is_dir() {
+            return Ok(None);
+        }
+        self.make().map(Some)
+    }
+}
+
 /// What every command of a sandbox runs with, fixed when the sandbox starts.
 struct HowCommandsRun {
-    /// Canonical: a sealed command's workdir is bound at this host path.
-    workdir: PathBuf,
+    workdir: Workdir,
     resources: arbor_protocol::Resources,
     sealed: bool,
     /// Who its commands run as, on a root node.
@@ -385,8 +437,15 @@ impl ExecJob {
             outcome.error = Some("the job is stopping; the command was not started".into());
             return outcome;
         }
-        let before = snapshot(&self.how.workdir);
-        let mut child = match self.start(command).await {
+        let workdir = match self.how.workdir.make() {
+            Ok(workdir) => workdir.to_path_buf(),
+            Err(e) => {
+                outcome.error = Some(e);
+                return outcome;
+            }
+        };
+        let before = snapshot(&workdir);
+        let mut child = match self.start(&workdir, command).await {
             Ok(child) => child,
             Err(e) => {
                 outcome.error = Some(e);
@@ -427,7 +486,7 @@ impl ExecJob {
         // open; what it has written by now is what the model gets.
         outcome.stdout = take_output(stdout, &self.how.secrets).await;
         outcome.stderr = take_output(stderr, &self.how.secrets).await;
-        let after = snapshot(&self.how.workdir);
+        let after = snapshot(&workdir);
         outcome.changed = after
             .iter()
             .filter(|(path, meta)| before.get(*path) != Some(meta))
@@ -436,10 +495,10 @@ impl ExecJob {
         outcome
     }
 
-    async fn start(&self, command: &str) -> Result<Spawned, String> {
+    async fn start(&self, workdir: &Path, command: &str) -> Result<Spawned, String> {
         if self.how.sealed {
             let spec = SealSpec {
-                workdir: self.how.workdir.clone(),
+                workdir: workdir.to_path_buf(),
                 user: self.how.user,
                 network: self.how.network,
                 resources: self.how.resources,
@@ -455,18 +514,13 @@ impl ExecJob {
                 "PATH".to_string(),
                 "/usr/local/bin:/usr/bin:/bin".to_string(),
             ),
-            ("HOME".into(), self.how.workdir.display().to_string()),
+            ("HOME".into(), workdir.display().to_string()),
             ("LANG".into(), "C.UTF-8".into()),
         ];
         env.extend(self.how.env.iter().cloned());
-        seal::spawn_host(
-            &self.how.workdir,
-            env,
-            rlimits(&self.how.resources),
-            command,
-        )
-        .await
-        .map_err(|e| format!("could not start the command: {e}"))
+        seal::spawn_host(workdir, env, rlimits(&self.how.resources), command)
+            .await
+            .map_err(|e| format!("could not start the command: {e}"))
     }
 }
 
@@ -833,6 +887,68 @@ mod tests {
         .unwrap();
         assert_ne!(outcome.stdout.trim(), "1", "not a namespace's init");
         host.stop(None);
+    }
+
+    /// A workdir is made when the job first uses it: a job that never
+    /// touches its sandbox leaves no folder behind, and one that does finds
+    /// its workdir there before its first command or file.
+    #[tokio::test]
+    async fn a_workdir_is_made_at_its_first_use_and_not_before() {
+        let dir = tempfile::tempdir().unwrap();
+        let posture = || Posture::assumed(SandboxIsolation::None);
+        let unused = dir.path().join("unused");
+        let (sandbox, _) = Actor::spawn(None, Sandbox, args(&unused, posture(), true))
+            .await
+            .unwrap();
+        let listed = ractor::call!(sandbox, |reply| SandboxMsg::Artifacts { reply }).unwrap();
+        assert!(listed.is_empty());
+        let read = ractor::call!(sandbox, |reply| SandboxMsg::ReadFile {
+            path: "notes.txt".into(),
+            reply
+        })
+        .unwrap();
+        assert!(
+            read.is_err_and(|e| e.contains("notes.txt")),
+            "a missing file, named"
+        );
+        sandbox.stop(None);
+        assert!(
+            !unused.exists(),
+            "started, listed and read from, never made"
+        );
+
+        let by_command = dir.path().join("by-command");
+        let (sandbox, _) = Actor::spawn(None, Sandbox, args(&by_command, posture(), true))
+            .await
+            .unwrap();
+        let outcome = ractor::call!(sandbox, |reply| SandboxMsg::Exec {
+            command: "pwd && echo hi > out.txt".into(),
+            timeout: None,
+            reply
+        })
+        .unwrap();
+        assert_eq!(outcome.exit_code, Some(0), "{outcome:?}");
+        let made = std::fs::canonicalize(&by_command).expect("made by its first command");
+        assert_eq!(outcome.stdout.trim(), made.display().to_string());
+        assert_eq!(outcome.changed, vec!["out.txt".to_string()]);
+        sandbox.stop(None);
+
+        let by_write = dir.path().join("by-write");
+        let (sandbox, _) = Actor::spawn(None, Sandbox, args(&by_write, posture(), false))
+            .await
+            .unwrap();
+        ractor::call!(sandbox, |reply| SandboxMsg::WriteFile {
+            path: "a.txt".into(),
+            content: "x".into(),
+            reply
+        })
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            std::fs::read_to_string(by_write.join("a.txt")).unwrap(),
+            "x"
+        );
+        sandbox.stop(None);
     }
 
     /// I-27 at the output limit: a value the limit cuts in two leaves no
