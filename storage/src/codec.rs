@@ -138,6 +138,61 @@ pub(crate) fn decode_event(value: &[u8]) -> Result<Event, String> {
     serde_json::from_slice(body(value)?).map_err(|e| e.to_string())
 }
 
+/// At most this many events go into one chunk.
+pub(crate) const EVENT_CHUNK_MAX: usize = 64;
+
+/// Starts a chunk's body; a lone event's body is JSON, which starts with `{`.
+const EVENT_CHUNK: u8 = 0;
+
+/// How sled holds events: one run's events that were applied together, in
+/// one value under the key of the first (`event_key(run, first seq)`).
+/// Version byte ++ `EVENT_CHUNK` ++ per event, its JSON's length (u32,
+/// big-endian) ++ its JSON. sled's cost is per entry far more than per byte
+/// (about 5 µs an entry here, whatever its size up to a KiB), and events
+/// were half a job's entries. The log and the overlay keep events one by
+/// one (`encode_event`); only the applier chunks them.
+///
+/// `events` are `encode_event` values, all of one run, in seq order.
+pub(crate) fn encode_event_chunk<'a>(events: impl IntoIterator<Item = &'a [u8]>) -> Vec<u8> {
+    let mut bytes = vec![FORMAT_VERSION, EVENT_CHUNK];
+    for event in events {
+        let json = event.get(1..).unwrap_or_default();
+        // An event is far below 4 GiB: the output it carries is bounded.
+        bytes.extend_from_slice(&(json.len() as u32).to_be_bytes());
+        bytes.extend_from_slice(json);
+    }
+    bytes
+}
+
+/// The events in one stored value: a chunk, or one event on its own (what
+/// the overlay holds, and what journals written before chunks hold).
+pub(crate) fn decode_events(value: &[u8]) -> Result<Vec<Event>, String> {
+    let body = body(value)?;
+    let Some((&EVENT_CHUNK, mut rest)) = body.split_first() else {
+        return decode_event(value).map(|event| vec![event]);
+    };
+    let mut events = Vec::new();
+    while !rest.is_empty() {
+        let (len, tail) = rest
+            .split_first_chunk::<4>()
+            .ok_or_else(|| format!("event chunk cut short after {} events", events.len()))?;
+        let len = u32::from_be_bytes(*len) as usize;
+        if tail.len() < len {
+            return Err(format!(
+                "event chunk cut short inside event {}",
+                events.len() + 1
+            ));
+        }
+        let (json, tail) = tail.split_at(len);
+        events.push(serde_json::from_slice(json).map_err(|e| e.to_string())?);
+        rest = tail;
+    }
+    if events.is_empty() {
+        return Err("an event chunk with no events".into());
+    }
+    Ok(events)
+}
+
 /// Lowercase hex, for naming a key in a report.
 pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -152,15 +207,16 @@ pub(crate) fn undecodable(tree: &str, key: &[u8], error: String) -> Error {
 }
 
 /// Decodes one entry of a record tree and checks it is stored under the key
-/// its content implies. Unknown trees are refused: `scan` only walks ours.
-pub(crate) fn check_entry(tree: &str, key: &[u8], value: &[u8]) -> Result<(), String> {
+/// its content implies; says how many records it holds (an event chunk
+/// holds several). Unknown trees are refused: `scan` only walks ours.
+pub(crate) fn check_entry(tree: &str, key: &[u8], value: &[u8]) -> Result<u64, String> {
     let expected = match tree {
         RUNS => run_key(decode_bincode::<RunRecord>(value)?.id),
         JOBS => {
             let job = decode_bincode::<JobRecord>(value)?;
             job_key(job.run, job.id)
         }
-        LEDGER => return check_ledger_entry(key, value).map(drop),
+        LEDGER => return check_ledger_entry(key, value).map(|_| 1),
         DELEGATIONS => {
             let delegation = decode_bincode::<DelegationRecord>(value)?;
             delegation_key(delegation.parent, &delegation.key)
@@ -169,10 +225,7 @@ pub(crate) fn check_entry(tree: &str, key: &[u8], value: &[u8]) -> Result<(), St
             let steer = decode_bincode::<SteerRecord>(value)?;
             steer_key(steer.job, steer.message_id)
         }
-        EVENTS => {
-            let event = decode_event(value)?;
-            event_key(event.run, event.seq)
-        }
+        EVENTS => return check_event_entry(key, value),
         SANDBOXES => {
             let sandbox = decode_bincode::<SandboxRecord>(value)?;
             sandbox_key(sandbox.job, sandbox.pgid)
@@ -186,7 +239,30 @@ pub(crate) fn check_entry(tree: &str, key: &[u8], value: &[u8]) -> Result<(), St
             hex(&expected)
         ));
     }
-    Ok(())
+    Ok(1)
+}
+
+/// An event entry: under the key of its first event, every event of the
+/// run the key names, in rising seq order.
+fn check_event_entry(key: &[u8], value: &[u8]) -> Result<u64, String> {
+    let events = decode_events(value)?;
+    let first = &events[0];
+    let expected = event_key(first.run, first.seq);
+    if expected != key {
+        return Err(format!(
+            "stored under the wrong key: its content says {}",
+            hex(&expected)
+        ));
+    }
+    for pair in events.windows(2) {
+        if pair[1].run != first.run || pair[1].seq <= pair[0].seq {
+            return Err(format!(
+                "an event chunk out of order: seq {} of run {} follows seq {} of run {}",
+                pair[1].seq, pair[1].run, pair[0].seq, pair[0].run
+            ));
+        }
+    }
+    Ok(events.len() as u64)
 }
 
 /// Decodes one ledger entry and checks it is stored under its key (its
@@ -270,6 +346,45 @@ mod tests {
         assert_eq!(bytes[0], FORMAT_VERSION);
         assert_eq!(decode_event(&bytes).unwrap(), event);
         assert!(check_entry(EVENTS, &event_key(event.run, 9), &bytes).is_ok());
+    }
+
+    #[test]
+    fn an_event_chunk_holds_its_events_in_order_and_a_damaged_one_is_refused() {
+        let run = RunId::new();
+        let event = |seq| Event {
+            seq,
+            run,
+            at_ms: seq,
+            kind: EventKind::RunResumed {
+                epoch: 1,
+                group: seq as u32,
+            },
+        };
+        let lone: Vec<Vec<u8>> = [4, 5, 7].map(|s| encode_event(&event(s)).unwrap()).into();
+        let chunk = encode_event_chunk(lone.iter().map(Vec::as_slice));
+        assert_eq!(
+            decode_events(&chunk).unwrap(),
+            vec![event(4), event(5), event(7)]
+        );
+        assert_eq!(check_entry(EVENTS, &event_key(run, 4), &chunk), Ok(3));
+        assert!(
+            check_entry(EVENTS, &event_key(run, 5), &chunk)
+                .unwrap_err()
+                .contains("wrong key")
+        );
+        // A lone event, as the overlay and older journals hold it.
+        assert_eq!(decode_events(&lone[0]).unwrap(), vec![event(4)]);
+        // Cut anywhere inside, the chunk is refused, never read short.
+        for cut in [3, 6, chunk.len() - 1] {
+            assert!(decode_events(&chunk[..cut]).is_err(), "cut at {cut}");
+        }
+        assert!(decode_events(&[FORMAT_VERSION, 0]).is_err(), "empty chunk");
+        let backwards = encode_event_chunk([lone[1].as_slice(), lone[0].as_slice()]);
+        assert!(
+            check_entry(EVENTS, &event_key(run, 5), &backwards)
+                .unwrap_err()
+                .contains("out of order")
+        );
     }
 
     #[test]

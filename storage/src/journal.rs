@@ -68,6 +68,7 @@ use crate::wal::{self, Wal};
 use arbor_protocol::{Event, JobId, ParentRef, RunId};
 use sled::Transactional;
 use sled::transaction::{ConflictableTransactionError, TransactionError};
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, mpsc};
@@ -421,13 +422,25 @@ impl Journal {
 
     /// The run's events, by event seq.
     pub fn events(&self, run: RunId) -> Result<Vec<Event>, Error> {
+        let inner = &*self.inner;
         let prefix = codec::run_key(run);
-        self.inner.read_prefix(
-            &self.inner.trees.events,
-            EVENTS,
-            &prefix,
-            codec::decode_event,
-        )
+        let decode = |(key, value): (&[u8], &[u8])| {
+            codec::decode_events(value).map_err(|error| codec::undecodable(EVENTS, key, error))
+        };
+        // sled's chunks, then the overlay's events one by one, under the
+        // overlay's lock (`overlay.rs`, invariant 1). Keyed by seq: while a
+        // chunk is being applied its events are in both.
+        let mut by_seq = BTreeMap::new();
+        let overlay = inner.overlay.lock().unwrap_or_else(PoisonError::into_inner);
+        for stored in inner.trees.events.scan_prefix(&prefix) {
+            let (key, value) = stored?;
+            by_seq.extend(decode((&key, &value))?.into_iter().map(|e| (e.seq, e)));
+        }
+        for (key, value) in overlay.merge_prefix(EVENTS, &prefix, vec![]) {
+            by_seq.extend(decode((&key, &value))?.into_iter().map(|e| (e.seq, e)));
+        }
+        drop(overlay);
+        Ok(by_seq.into_values().collect())
     }
 
     /// The job's sandbox process groups, by pgid, whatever their state.
@@ -806,17 +819,40 @@ impl Trees {
 
     /// Writes `entries` and `meta/seq = last_seq` in one sled transaction, so
     /// after a crash sled holds all of them or none, and its stored seq says
-    /// which (`wal.rs`, invariant 4).
+    /// which (`wal.rs`, invariant 4). Each run's events go in chunks
+    /// (`codec::encode_event_chunk`).
     fn apply(&self, entries: &[wal::Entry], last_seq: u64) -> Result<(), Error> {
         let mut batches: Vec<(&'static str, sled::Batch)> = Vec::new();
-        for (tree, key, value) in entries {
-            match batches.iter_mut().find(|(name, _)| name == tree) {
-                Some((_, batch)) => batch.insert(key.as_slice(), value.as_slice()),
-                None => {
-                    let mut batch = sled::Batch::default();
-                    batch.insert(key.as_slice(), value.as_slice());
-                    batches.push((tree, batch));
-                }
+        let mut insert = |tree: &'static str, key: &[u8], value: &[u8]| match batches
+            .iter_mut()
+            .find(|(name, _)| *name == tree)
+        {
+            Some((_, batch)) => batch.insert(key, value),
+            None => {
+                let mut batch = sled::Batch::default();
+                batch.insert(key, value);
+                batches.push((tree, batch));
+            }
+        };
+        // Per run, its events in seq order (appends come in seq order, and
+        // a run's event seqs rise with them).
+        let mut events: Vec<(&[u8], Vec<&wal::Entry>)> = Vec::new();
+        for entry in entries {
+            let (tree, key, value) = entry;
+            if *tree != EVENTS {
+                insert(tree, key, value);
+                continue;
+            }
+            let run = &key[..key.len().min(16)];
+            match events.iter_mut().find(|(r, _)| *r == run) {
+                Some((_, of_run)) => of_run.push(entry),
+                None => events.push((run, vec![entry])),
+            }
+        }
+        for (_, of_run) in &events {
+            for chunk in of_run.chunks(codec::EVENT_CHUNK_MAX) {
+                let value = codec::encode_event_chunk(chunk.iter().map(|(_, _, v)| v.as_slice()));
+                insert(EVENTS, &chunk[0].1, &value);
             }
         }
         let mut meta = sled::Batch::default();
@@ -932,12 +968,15 @@ fn walk_trees(trees: &Trees, names: &[&str]) -> Result<Walked, Error> {
         for entry in trees.get(name).iter() {
             let (key, value) = entry?;
             let checked = if *name == LEDGER {
-                codec::check_ledger_entry(&key, &value).map(|record| walked.ledger.push(record))
+                codec::check_ledger_entry(&key, &value).map(|record| {
+                    walked.ledger.push(record);
+                    1
+                })
             } else {
                 codec::check_entry(name, &key, &value)
             };
             match checked {
-                Ok(()) => walked.records += 1,
+                Ok(records) => walked.records += records,
                 Err(error) => walked.undecodable.push(Undecodable {
                     tree: name.to_string(),
                     key_hex: codec::hex(&key),
@@ -1404,6 +1443,55 @@ mod tests {
         assert_eq!(journal.inner.trees.steering.len(), 2);
         assert!(journal.inner.overlay.lock().unwrap().is_empty());
         assert_eq!(journal.steering(job).unwrap().len(), 2);
+    }
+
+    fn event(run: RunId, seq: u64) -> Record {
+        Record::Event(Event {
+            seq,
+            run,
+            at_ms: seq,
+            kind: arbor_protocol::EventKind::RunResumed {
+                epoch: seq,
+                group: 0,
+            },
+        })
+    }
+
+    /// sled takes a run's events in chunks (`codec::encode_event_chunk`),
+    /// and every read, scan and reopen sees each event once, in seq order,
+    /// before the applier has them, after, and across runs that interleave.
+    #[tokio::test]
+    async fn events_reach_sled_in_chunks_and_read_back_one_by_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let (journal, unstarted) = Journal::open_without_flusher(dir.path()).unwrap();
+        let (a, b) = (RunId::new(), RunId::new());
+        let total = 200;
+        for seq in 1..=total {
+            let run = if seq % 3 == 0 { b } else { a };
+            journal.append(vec![event(run, seq)]).unwrap();
+        }
+        let seqs =
+            |run| -> Vec<u64> { journal.events(run).unwrap().iter().map(|e| e.seq).collect() };
+        let expect_a: Vec<u64> = (1..=total).filter(|s| s % 3 != 0).collect();
+        let expect_b: Vec<u64> = (1..=total).filter(|s| s % 3 == 0).collect();
+        assert_eq!(seqs(a), expect_a, "from the overlay");
+        journal.start_flusher(unstarted).unwrap();
+        journal.inner.drain();
+        assert!(journal.inner.overlay.lock().unwrap().is_empty());
+        assert_eq!(seqs(a), expect_a, "from sled");
+        assert_eq!(seqs(b), expect_b);
+        let stored = journal.inner.trees.events.len();
+        // One batch (the applier started after every append): 134 events of
+        // `a` and 66 of `b`, in chunks of at most 64.
+        assert_eq!(stored, 3 + 2, "{total} events in {stored} sled entries");
+        // A scan counts events, not chunks.
+        let report = journal.scan().unwrap();
+        assert_eq!(report.records, total, "{:?}", report.undecodable);
+        journal.flush().await.unwrap();
+        drop(journal);
+        let reopened = Journal::open(dir.path()).unwrap();
+        assert_eq!(reopened.events(a).unwrap().len(), expect_a.len());
+        assert_eq!(reopened.scan().unwrap().records, total);
     }
 
     #[tokio::test]
