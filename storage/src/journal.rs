@@ -235,19 +235,18 @@ impl Journal {
         let mut frame = Vec::new();
         wal::encode_frame(&mut frame, first_seq, &entries);
 
-        // All three under the seq lock, so each queues in seq order: the
-        // overlay (readable at once), the applier's work, the log's frames.
-        inner
+        // Both under the seq lock, so each queues in seq order: the overlay
+        // (readable at once, and the applier's queue), the log's frames.
+        let wake = inner
             .overlay
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(first_seq, &entries);
-        let work = inner.work.as_ref().ok_or(Error::Closed)?;
-        work.send(Work::Apply {
-            last_seq: seq,
-            entries,
-        })
-        .map_err(|_| inner.progress.fail("a write", Error::Closed))?;
+            .insert(first_seq, entries);
+        if wake {
+            let work = inner.work.as_ref().ok_or(Error::Closed)?;
+            work.send(Work::Wake)
+                .map_err(|_| inner.progress.fail("a write", Error::Closed))?;
+        }
         let (before, backlog) = {
             let mut pending = inner.pending.lock().unwrap_or_else(PoisonError::into_inner);
             let before = pending.frames.len();
@@ -1162,7 +1161,7 @@ fn start_thread(
 
 /// At most this many entries go into one sled transaction, so a backlog is
 /// applied in steps rather than held in memory as one huge transaction.
-const MAX_BATCH_ENTRIES: usize = 8192;
+const MAX_BATCH_ENTRIES: usize = crate::overlay::QUEUED_WAKE;
 
 /// How long the applier gathers appends before it applies them. Nothing
 /// waits for the applier (reads see the overlay, commits wait for the log),
@@ -1180,48 +1179,46 @@ struct Applier {
 }
 
 impl Applier {
-    /// Until the queue closes: apply everything queued so far as one
-    /// transaction, then do what was asked after it (a checkpoint, or an
+    /// Until the queue closes: woken by an append, wait `APPLY_EVERY` for
+    /// more (or less, if a request or a second wake comes), then take and
+    /// apply everything queued, then do what was asked (a checkpoint, or an
     /// answer to a drain). What is queued when the journal closes is applied
     /// before the loop ends.
     fn run(mut self, queue: mpsc::Receiver<Work>) {
-        let mut next = queue.recv().ok();
-        while let Some(first) = next.take() {
-            let deadline = std::time::Instant::now() + APPLY_EVERY;
-            let mut batch: Vec<wal::Entry> = Vec::new();
-            let mut last_seq = 0;
-            let mut item = Some(first);
-            let mut then = None;
-            while let Some(work) = item.take() {
-                match work {
-                    Work::Apply {
-                        last_seq: seq,
-                        entries,
-                    } => {
-                        batch.extend(entries);
-                        last_seq = seq;
-                        if batch.len() < MAX_BATCH_ENTRIES {
-                            // A closed queue ends the wait at once: what is
-                            // gathered is applied, then the loop ends.
-                            let left =
-                                deadline.saturating_duration_since(std::time::Instant::now());
-                            item = queue.recv_timeout(left).ok();
-                        }
-                    }
-                    other => then = Some(other),
-                }
-            }
-            if !batch.is_empty() {
-                self.apply(&batch, last_seq);
-            }
+        while let Ok(first) = queue.recv() {
+            let then = match first {
+                // A closed queue ends the wait at once: what is queued is
+                // applied, then the loop ends.
+                Work::Wake => match queue.recv_timeout(APPLY_EVERY) {
+                    Ok(Work::Wake) | Err(_) => None,
+                    Ok(request) => Some(request),
+                },
+                request => Some(request),
+            };
+            self.apply_queued();
             match then {
                 Some(Work::Checkpoint(segments)) => self.checkpoint(&segments),
                 Some(Work::Drain(done)) => {
                     let _ = done.send(());
                 }
-                Some(Work::Apply { .. }) | None => {}
+                Some(Work::Wake) | None => {}
             }
-            next = queue.recv().ok();
+        }
+        self.apply_queued();
+    }
+
+    /// Takes everything queued and applies it, at most `MAX_BATCH_ENTRIES`
+    /// to a transaction.
+    fn apply_queued(&self) {
+        let (first_seq, queued) = self
+            .overlay
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take_queued();
+        let mut seq = first_seq;
+        for batch in queued.chunks(MAX_BATCH_ENTRIES) {
+            seq += batch.len() as u64;
+            self.apply(batch, seq - 1);
         }
     }
 

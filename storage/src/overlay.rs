@@ -7,22 +7,26 @@
 //! (`pin_log`, "rolling the io buffer before AND after"), each with a
 //! `sync_file_range`, on its own IO threads. Applying every append as it came
 //! made that the largest cost of a delegation. So `append` puts its entries
-//! here and queues them for the applier, which applies everything queued so
-//! far as one transaction, with `meta/seq` set to the last seq it carries.
+//! here and queues them here for the applier, which applies everything
+//! queued so far as one transaction, with `meta/seq` set to the last seq it
+//! carries. The applier sleeps while the queue is empty; the append that
+//! fills it first wakes it, and it waits `APPLY_EVERY` for the rest.
 //!
 //! # Invariants
 //! 1. The overlay holds, per tree and key, the latest value appended and not
 //!    yet known to be in sled, with the seq that wrote it. A read merges it
 //!    over sled, holding the overlay's lock for the whole read, so an entry
 //!    cannot move from the overlay to sled unseen.
-//! 2. The applier takes work in seq order (one channel, sent under the lock
-//!    that hands out seqs) and applies each batch in one sled transaction
-//!    that also writes `meta/seq`: after a crash sled holds a prefix of the
-//!    appends, whole, and says how far it goes (`wal.rs`, invariant 4).
+//! 2. The applier takes queued entries in seq order (queued under the lock
+//!    that hands out seqs, taken whole from the front) and applies each batch
+//!    in one sled transaction that also writes `meta/seq`: after a crash sled
+//!    holds a prefix of the appends, whole, and says how far it goes
+//!    (`wal.rs`, invariant 4).
 //! 3. An entry leaves the overlay only once a transaction that carried its
 //!    seq (or a later one for the same key) has been applied.
-//! 4. A checkpoint is asked for on the same channel, after every append its
-//!    segments carry, so the applier has applied them before it flushes sled.
+//! 4. A checkpoint is asked for after every append its segments carry was
+//!    queued, and the applier takes the queue before it acts on any request,
+//!    so it has applied them before it flushes sled.
 
 use crate::codec::RECORD_TREES;
 use crate::wal::Entry;
@@ -30,21 +34,46 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::mpsc;
 
-/// The entries appended and not yet applied to sled, by tree.
+/// The entries appended and not yet applied to sled, by tree, and those
+/// of them the applier has not taken yet, in seq order.
 #[derive(Default)]
 pub(crate) struct Overlay {
     trees: [Latest; RECORD_TREES.len()],
+    /// Not yet taken by the applier: whole appends, seq after seq, the
+    /// first of them at `queued_from`.
+    queued: Vec<Entry>,
+    queued_from: u64,
 }
+
+/// Appends the applier may leave queued before it is woken to take them
+/// early (`journal.rs` applies at most this many in one transaction).
+pub(crate) const QUEUED_WAKE: usize = 8192;
 
 /// One tree's keys, each with the seq that last wrote it and the value.
 type Latest = BTreeMap<Vec<u8>, (u64, Vec<u8>)>;
 
 impl Overlay {
-    /// Records one append's entries, which took the seqs from `first_seq` on.
-    pub(crate) fn insert(&mut self, first_seq: u64, entries: &[Entry]) {
+    /// Records one append's entries, which took the seqs from `first_seq` on,
+    /// and queues them for the applier. Says whether the applier must be
+    /// woken: the queue was empty (it sleeps until told otherwise), or it has
+    /// just grown past `QUEUED_WAKE`. Otherwise it is woken already, and
+    /// waking it once per append was a tenth of a fan-out's CPU.
+    pub(crate) fn insert(&mut self, first_seq: u64, entries: Vec<Entry>) -> bool {
         for ((tree, key, value), seq) in entries.iter().zip(first_seq..) {
             self.trees[tree_index(tree)].insert(key.clone(), (seq, value.clone()));
         }
+        let before = self.queued.len();
+        if before == 0 {
+            self.queued_from = first_seq;
+        }
+        self.queued.extend(entries);
+        before == 0 || (before < QUEUED_WAKE && self.queued.len() >= QUEUED_WAKE)
+    }
+
+    /// Everything queued so far, with the seq of its first entry (entry `i`
+    /// took seq `first + i`), for the applier.
+    pub(crate) fn take_queued(&mut self) -> (u64, Vec<Entry>) {
+        (self.queued_from, std::mem::take(&mut self.queued))
     }
 
     /// Forgets what a transaction up to `applied_seq` put in sled
@@ -87,7 +116,7 @@ impl Overlay {
     }
 
     pub(crate) fn is_empty(&self) -> bool {
-        self.trees.iter().all(BTreeMap::is_empty)
+        self.trees.iter().all(BTreeMap::is_empty) && self.queued.is_empty()
     }
 }
 
@@ -98,10 +127,12 @@ fn tree_index(tree: &str) -> usize {
         .unwrap_or_else(|| unreachable!("no record tree {tree:?}"))
 }
 
-/// What the applier is asked to do, in seq order (invariants 2 and 4).
+/// What the applier is asked to do (invariants 2 and 4). Before it does any
+/// of it, it takes and applies what is queued in the overlay.
 pub(crate) enum Work {
-    /// One append's entries, the last of which took `last_seq`.
-    Apply { last_seq: u64, entries: Vec<Entry> },
+    /// Entries are queued: take them within `APPLY_EVERY`, or at once if
+    /// this is the second wake of a wait (the queue is long).
+    Wake,
     /// Flush sled and sync its files, then remove these segments.
     Checkpoint(Vec<PathBuf>),
     /// Answer once everything queued before this is in sled.
@@ -120,8 +151,10 @@ mod tests {
     #[test]
     fn an_entry_a_later_append_overwrote_stays_when_the_earlier_one_is_applied() {
         let mut overlay = Overlay::default();
-        overlay.insert(1, &[entry(JOBS, b"k", b"old")]);
-        overlay.insert(2, &[entry(JOBS, b"k", b"new")]);
+        assert!(overlay.insert(1, vec![entry(JOBS, b"k", b"old")]), "wakes");
+        assert!(!overlay.insert(2, vec![entry(JOBS, b"k", b"new")]), "woken");
+        let (first, queued) = overlay.take_queued();
+        assert_eq!((first, queued.len()), (1, 2));
         overlay.applied(&[entry(JOBS, b"k", b"old")], 1);
         assert_eq!(overlay.get(JOBS, b"k"), Some(&b"new"[..]));
         overlay.applied(&[entry(JOBS, b"k", b"new")], 2);
@@ -134,7 +167,7 @@ mod tests {
         let mut overlay = Overlay::default();
         overlay.insert(
             7,
-            &[
+            vec![
                 entry(STEERING, b"a2", b"newer"),
                 entry(STEERING, b"a3", b"added"),
                 entry(STEERING, b"b1", b"other prefix"),
