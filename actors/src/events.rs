@@ -4,10 +4,15 @@
 //! Invariants: emission never blocks and never fails the emitter; a watcher that
 //! lags loses broadcast events, never the tree (which is folded under the lock).
 //! Journal order, fold order and broadcast order are all seq order.
+//! What costs an emitter per event is only what someone asked for: `changes`
+//! wakes its waiters at every event while one waits (a tool for tests and
+//! predicates); a watcher that only draws polls `version`, and one that waits
+//! for a run's end waits on `ends`, which moves once per run.
 
 use arbor_protocol::{Event, EventKind, RunId, Tree};
 use arbor_storage::{Journal, Record};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::{broadcast, watch};
@@ -31,8 +36,13 @@ struct Inner {
     observers: Mutex<Vec<Observer>>,
     state: Mutex<BusState>,
     live: broadcast::Sender<Event>,
-    /// Bumped after every event, so a watcher can wait for "something changed".
-    version: watch::Sender<u64>,
+    /// Bumped after every event, for watchers that poll.
+    version: AtomicU64,
+    /// Bumped after every event while a receiver exists, for waiters that
+    /// re-check a predicate of the tree at every change.
+    changes: watch::Sender<u64>,
+    /// Bumped after every run's end.
+    ends: watch::Sender<u64>,
 }
 
 struct BusState {
@@ -43,7 +53,8 @@ struct BusState {
 impl EventBus {
     pub fn new(journal: Journal) -> Self {
         let (live, _) = broadcast::channel(BROADCAST_CAPACITY);
-        let (version, _) = watch::channel(0);
+        let (changes, _) = watch::channel(0);
+        let (ends, _) = watch::channel(0);
         // Event seqs key events in the journal: starting above every seq the
         // journal ever handed out keeps them unique across restarts.
         let first_seq = journal.applied_seq();
@@ -56,7 +67,9 @@ impl EventBus {
                     trees: HashMap::new(),
                 }),
                 live,
-                version,
+                version: AtomicU64::new(0),
+                changes,
+                ends,
             }),
         }
     }
@@ -67,6 +80,7 @@ impl EventBus {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
+        let ended = matches!(kind, EventKind::RunFinished { .. });
         let event = {
             let mut state = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
             state.seq += 1;
@@ -112,7 +126,16 @@ impl EventBus {
         for observer in observers {
             observer(&event);
         }
-        self.inner.version.send_modify(|v| *v += 1);
+        self.inner.version.fetch_add(1, Ordering::AcqRel);
+        // A receiver made before the tree was read is counted here (the
+        // state lock orders the two), so a waiter misses no change; with
+        // none, the bump and its wake-ups are skipped.
+        if self.inner.changes.receiver_count() > 0 {
+            self.inner.changes.send_modify(|v| *v += 1);
+        }
+        if ended {
+            self.inner.ends.send_modify(|v| *v += 1);
+        }
     }
 
     /// Runs `observer` on every later event, synchronously, in the emitter's
@@ -143,9 +166,22 @@ impl EventBus {
         self.inner.live.subscribe()
     }
 
-    /// Changes whenever any event is emitted.
+    /// Changes whenever any event is emitted, from now on. Each receiver
+    /// costs every emitter a wake-up: for waiting on a predicate of a tree,
+    /// not for drawing one (poll `version`).
     pub fn changes(&self) -> watch::Receiver<u64> {
-        self.inner.version.subscribe()
+        self.inner.changes.subscribe()
+    }
+
+    /// Changes whenever a run ends (its `RunFinished` is folded).
+    pub fn ends(&self) -> watch::Receiver<u64> {
+        self.inner.ends.subscribe()
+    }
+
+    /// How many events have been emitted: a drawer that polls it redraws
+    /// only what changed, at its own pace.
+    pub fn version(&self) -> u64 {
+        self.inner.version.load(Ordering::Acquire)
     }
 
     /// A copy of the run's tree as of the last event.
@@ -184,6 +220,38 @@ impl EventBus {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `version` counts every event; `ends` moves only at a run's end; a
+    /// `changes` receiver sees a change made after it subscribed.
+    #[tokio::test]
+    async fn version_counts_events_and_ends_moves_only_at_a_runs_end() {
+        let dir = tempfile::tempdir().unwrap();
+        let bus = EventBus::new(Journal::open(dir.path()).unwrap());
+        let run = RunId::new();
+        let mut ends = bus.ends();
+        let running = || EventKind::NodeRunning {
+            id: arbor_protocol::JobId::new(),
+        };
+        bus.emit(run, running());
+        let mut changes = bus.changes();
+        bus.emit(run, running());
+        assert_eq!(bus.version(), 2);
+        assert!(!ends.has_changed().unwrap(), "no run has ended");
+        assert!(changes.has_changed().unwrap(), "a change after subscribing");
+        bus.emit(
+            run,
+            EventKind::RunFinished {
+                status: arbor_protocol::Status::Done,
+                error_class: None,
+                reason: None,
+                output: serde_json::Value::Null,
+            },
+        );
+        assert!(ends.has_changed().unwrap());
+        ends.changed().await.unwrap();
+        assert_eq!(bus.version(), 3);
+        assert!(bus.with_tree(run, |t| t.unwrap().run_status().is_terminal()));
+    }
 
     /// Emitters on several threads at once: a watcher still receives every
     /// event in seq order (the event stream skips by seq, so an event

@@ -420,11 +420,14 @@ async fn follow(
 ) -> Result<ExitCode, Failure> {
     let live = !json && std::io::stdout().is_terminal();
     let mut view = render::Progress::new(live);
-    let mut changes = node.events().changes();
+    // Woken by runs' ends and by a clock, never by each event: a wide
+    // fan-out emits thousands a second. At each tick the view is drawn if
+    // anything was emitted since the last draw (`EventBus::version`).
+    let mut ends = node.events().ends();
+    let mut tick = tokio::time::interval(render::REDRAW_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut drawn = None;
     let mut interrupted = false;
-    // Drawn at most every REDRAW_EVERY (`render::Redraw`); the run's end is
-    // checked at every change, in place, without a copy.
-    let mut redraw = render::Redraw::default();
     let tree = loop {
         let ended = node.events().with_tree(run, |tree| {
             tree.is_some_and(|tree| tree.run_status().is_terminal())
@@ -432,17 +435,19 @@ async fn follow(
         if ended {
             break node.tree(run);
         }
-        if !json && redraw.take_due() {
-            view.show(&node.tree(run));
-        }
         tokio::select! {
-            changed = changes.changed() => {
+            changed = ends.changed() => {
                 if changed.is_err() {
                     break node.tree(run);
                 }
-                redraw.changed();
             }
-            _ = tokio::time::sleep_until(redraw.next_at()), if redraw.pending() && !json => {}
+            _ = tick.tick(), if !json => {
+                let version = node.events().version();
+                if drawn != Some(version) {
+                    drawn = Some(version);
+                    view.show(&node.tree(run));
+                }
+            }
             _ = tokio::signal::ctrl_c() => {
                 if interrupted {
                     // A second Ctrl-C: leave now; the journal shows what was running.

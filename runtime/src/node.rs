@@ -343,9 +343,18 @@ impl EmbeddedNode {
         }
     }
 
-    /// Waits for the run to end and returns its final tree.
+    /// Waits for the run to end and returns its final tree. Woken only by
+    /// runs' ends, not by every event.
     pub async fn wait_run(&self, run: RunId) -> Tree {
-        self.wait_tree(run, |t| t.run_status().is_terminal()).await
+        let mut ends = self.ctx.events.ends();
+        loop {
+            let ended = self.ctx.events.with_tree(run, |tree| {
+                tree.is_some_and(|tree| tree.run_status().is_terminal())
+            });
+            if ended || ends.changed().await.is_err() {
+                return self.tree(run);
+            }
+        }
     }
 
     /// Stops every run as an operator's stop would (each subtree stopped,
