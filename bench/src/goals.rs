@@ -10,7 +10,7 @@ mod stop_subtree;
 
 use crate::report::Outcome;
 
-/// A performance goal of issue 9.
+/// One of arbor's performance goals (docs/benchmarks.md).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Goal {
     P1,

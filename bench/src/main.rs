@@ -1,4 +1,4 @@
-//! `arbor-bench`: the seven performance goals of issue 9, each measured
+//! `arbor-bench`: arbor's seven performance goals, each measured
 //! beside its baseline in the same process and the same run.
 //!
 //! ```text
@@ -84,7 +84,7 @@ use std::panic::AssertUnwindSafe;
 use std::process::ExitCode;
 
 #[derive(Parser, Debug)]
-#[command(about = "The performance goals of issue 9, each beside its baseline")]
+#[command(about = "arbor's performance goals (P1-P7), each beside its baseline")]
 struct Args {
     /// `all`, or goal ids: P1 ... P7.
     goals: Vec<String>,
@@ -98,6 +98,11 @@ struct Args {
     #[arg(long, hide = true)]
     child: Option<String>,
 }
+
+/// The allocator `arbor` and `arbord` ship with, so each goal measures
+/// arbor as it runs (both sides of every ratio share it).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     let args = Args::parse();

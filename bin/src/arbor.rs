@@ -135,6 +135,12 @@ struct RunArgs {
 /// Bad usage or bad input: exit 2.
 struct BadInput(String);
 
+/// mimalloc, not glibc's malloc: a job's actors allocate on one thread and
+/// the journal frees on another, and glibc's arena locks made that a tenth
+/// of a wide fan-out's CPU (docs/benchmarks.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     tracing_subscriber::fmt()

@@ -45,6 +45,12 @@ enum LogFormat {
     Json,
 }
 
+/// mimalloc, not glibc's malloc: a job's actors allocate on one thread and
+/// the journal frees on another, and glibc's arena locks made that a tenth
+/// of a wide fan-out's CPU (docs/benchmarks.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_env("ARBOR_LOG")
