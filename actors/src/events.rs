@@ -233,7 +233,7 @@ mod tests {
             id: arbor_protocol::JobId::new(),
         };
         bus.emit(run, running());
-        let mut changes = bus.changes();
+        let changes = bus.changes();
         bus.emit(run, running());
         assert_eq!(bus.version(), 2);
         assert!(!ends.has_changed().unwrap(), "no run has ended");
