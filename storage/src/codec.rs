@@ -138,8 +138,8 @@ pub(crate) fn decode_event(value: &[u8]) -> Result<Event, String> {
     serde_json::from_slice(body(value)?).map_err(|e| e.to_string())
 }
 
-/// At most this many events go into one chunk.
-pub(crate) const EVENT_CHUNK_MAX: usize = 64;
+/// At most this many records go into one chunk (events, ledger entries).
+pub(crate) const CHUNK_MAX: usize = 64;
 
 /// Starts a chunk's body; a lone event's body is JSON, which starts with `{`.
 const EVENT_CHUNK: u8 = 0;
@@ -216,7 +216,7 @@ pub(crate) fn check_entry(tree: &str, key: &[u8], value: &[u8]) -> Result<u64, S
             let job = decode_bincode::<JobRecord>(value)?;
             job_key(job.run, job.id)
         }
-        LEDGER => return check_ledger_entry(key, value).map(|_| 1),
+        LEDGER => return check_ledger_entry(key, value).map(|e| e.len() as u64),
         DELEGATIONS => {
             let delegation = decode_bincode::<DelegationRecord>(value)?;
             delegation_key(delegation.parent, &delegation.key)
@@ -265,23 +265,95 @@ fn check_event_entry(key: &[u8], value: &[u8]) -> Result<u64, String> {
     Ok(events.len() as u64)
 }
 
-/// Decodes one ledger entry and checks it is stored under its key (its
-/// owner, and a seq, which is not in the value).
-pub(crate) fn check_ledger_entry(key: &[u8], value: &[u8]) -> Result<LedgerRecord, String> {
-    let entry = decode_bincode::<LedgerRecord>(value)?;
-    let seq = key
-        .get(17..)
+/// Starts a ledger chunk's body. A lone entry's body is bincode of a
+/// `LedgerRecord`, which starts with its owner's variant (0 or 1).
+const LEDGER_CHUNK: u8 = 0xFF;
+
+/// The journal seq in a ledger key (its last 8 bytes).
+fn ledger_seq(key: &[u8]) -> Result<u64, String> {
+    key.get(17..)
         .and_then(|tail| <[u8; 8]>::try_from(tail).ok())
         .map(u64::from_be_bytes)
-        .ok_or_else(|| format!("ledger key of {} bytes, expected 25", key.len()))?;
-    let expected = ledger_key(entry.owner, seq);
+        .ok_or_else(|| format!("ledger key of {} bytes, expected 25", key.len()))
+}
+
+/// How sled holds ledger entries: one account's entries that were applied
+/// together, in one value under the key of the first, as events are
+/// (`encode_event_chunk`): a job's account writes four or five entries in
+/// a few milliseconds. Version byte ++ `LEDGER_CHUNK` ++ per entry, its
+/// journal seq (u64) ++ its body's length (u32), both big-endian, ++ its
+/// body (bincode).
+///
+/// `entries` are `(ledger_key, encode_bincode value)`, all of one account,
+/// in seq order.
+pub(crate) fn encode_ledger_chunk<'a>(
+    entries: impl IntoIterator<Item = (&'a [u8], &'a [u8])>,
+) -> Vec<u8> {
+    let mut bytes = vec![FORMAT_VERSION, LEDGER_CHUNK];
+    for (key, value) in entries {
+        bytes.extend_from_slice(key.get(17..).unwrap_or_default());
+        let body = value.get(1..).unwrap_or_default();
+        bytes.extend_from_slice(&(body.len() as u32).to_be_bytes());
+        bytes.extend_from_slice(body);
+    }
+    bytes
+}
+
+/// The ledger entries in one stored value, each with its journal seq: a
+/// chunk, or one entry on its own (the overlay's, an older journal's).
+pub(crate) fn decode_ledger(key: &[u8], value: &[u8]) -> Result<Vec<(u64, LedgerRecord)>, String> {
+    let body = body(value)?;
+    let Some((&LEDGER_CHUNK, mut rest)) = body.split_first() else {
+        return Ok(vec![(ledger_seq(key)?, decode_bincode(value)?)]);
+    };
+    let mut entries = Vec::new();
+    while !rest.is_empty() {
+        let cut = || format!("ledger chunk cut short after {} entries", entries.len());
+        let (seq, tail) = rest.split_first_chunk::<8>().ok_or_else(cut)?;
+        let (len, tail) = tail.split_first_chunk::<4>().ok_or_else(cut)?;
+        let len = u32::from_be_bytes(*len) as usize;
+        if tail.len() < len {
+            return Err(cut());
+        }
+        let (record, tail) = tail.split_at(len);
+        let (decoded, read) =
+            bincode::serde::decode_from_slice(record, bincode::config::standard())
+                .map_err(|e| e.to_string())?;
+        if read != len {
+            return Err(format!("{} trailing bytes in a ledger entry", len - read));
+        }
+        entries.push((u64::from_be_bytes(*seq), decoded));
+        rest = tail;
+    }
+    if entries.is_empty() {
+        return Err("a ledger chunk with no entries".into());
+    }
+    Ok(entries)
+}
+
+/// Decodes one ledger value and checks it is stored under its key: every
+/// entry of the account the key names, the first at the key's seq, seqs
+/// rising (a seq is in the key, or the chunk, never in a record).
+pub(crate) fn check_ledger_entry(key: &[u8], value: &[u8]) -> Result<Vec<LedgerRecord>, String> {
+    let entries = decode_ledger(key, value)?;
+    let (first_seq, first) = &entries[0];
+    let expected = ledger_key(first.owner, *first_seq);
     if expected != key {
         return Err(format!(
             "stored under the wrong key: its content says {}",
             hex(&expected)
         ));
     }
-    Ok(entry)
+    for pair in entries.windows(2) {
+        let ((before, _), (seq, entry)) = (&pair[0], &pair[1]);
+        if entry.owner != first.owner || seq <= before {
+            return Err(format!(
+                "a ledger chunk out of order: seq {seq} follows seq {before} of {}",
+                hex(key)
+            ));
+        }
+    }
+    Ok(entries.into_iter().map(|(_, entry)| entry).collect())
 }
 
 /// Checks one meta entry: a known key with a value of the right width.
@@ -382,6 +454,55 @@ mod tests {
         let backwards = encode_event_chunk([lone[1].as_slice(), lone[0].as_slice()]);
         assert!(
             check_entry(EVENTS, &event_key(run, 5), &backwards)
+                .unwrap_err()
+                .contains("out of order")
+        );
+    }
+
+    #[test]
+    fn a_ledger_chunk_keeps_each_entrys_seq_and_a_damaged_one_is_refused() {
+        let owner = ParentRef::Job(JobId::new());
+        let record = |tokens| LedgerRecord {
+            owner,
+            op: LedgerOp::CallReserve { tokens },
+            epoch: 2,
+        };
+        let lone: Vec<(Vec<u8>, Vec<u8>)> = [(3, 30), (8, 80), (9, 90)]
+            .map(|(seq, tokens)| {
+                (
+                    ledger_key(owner, seq),
+                    encode_bincode(&record(tokens)).unwrap(),
+                )
+            })
+            .into();
+        let chunk = encode_ledger_chunk(lone.iter().map(|(k, v)| (k.as_slice(), v.as_slice())));
+        let key = ledger_key(owner, 3);
+        assert_eq!(
+            decode_ledger(&key, &chunk).unwrap(),
+            vec![(3, record(30)), (8, record(80)), (9, record(90))]
+        );
+        assert_eq!(check_entry(LEDGER, &key, &chunk), Ok(3));
+        assert!(check_entry(LEDGER, &ledger_key(owner, 8), &chunk).is_err());
+        // A lone entry: its seq is its key's.
+        assert_eq!(
+            decode_ledger(&lone[1].0, &lone[1].1).unwrap(),
+            vec![(8, record(80))]
+        );
+        for cut in [3, 11, 14, chunk.len() - 1] {
+            assert!(decode_ledger(&key, &chunk[..cut]).is_err(), "cut at {cut}");
+        }
+        let other = ParentRef::Run(RunId::new());
+        let stranger = encode_bincode(&LedgerRecord {
+            owner: other,
+            ..record(1)
+        })
+        .unwrap();
+        let mixed = encode_ledger_chunk([
+            (lone[0].0.as_slice(), lone[0].1.as_slice()),
+            (ledger_key(other, 4).as_slice(), stranger.as_slice()),
+        ]);
+        assert!(
+            check_entry(LEDGER, &key, &mixed)
                 .unwrap_err()
                 .contains("out of order")
         );

@@ -68,7 +68,7 @@ use crate::wal::{self, Wal};
 use arbor_protocol::{Event, JobId, ParentRef, RunId};
 use sled::Transactional;
 use sled::transaction::{ConflictableTransactionError, TransactionError};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, mpsc};
@@ -378,11 +378,11 @@ impl Journal {
     /// One account's entries, in the order they were written.
     pub fn ledger(&self, owner: ParentRef) -> Result<Vec<LedgerRecord>, Error> {
         let prefix = codec::ledger_prefix(owner);
-        self.inner.read_prefix(
+        self.inner.read_chunked(
             &self.inner.trees.ledger,
             LEDGER,
             &prefix,
-            codec::decode_bincode,
+            codec::decode_ledger,
         )
     }
 
@@ -421,25 +421,12 @@ impl Journal {
 
     /// The run's events, by event seq.
     pub fn events(&self, run: RunId) -> Result<Vec<Event>, Error> {
-        let inner = &*self.inner;
         let prefix = codec::run_key(run);
-        let decode = |(key, value): (&[u8], &[u8])| {
-            codec::decode_events(value).map_err(|error| codec::undecodable(EVENTS, key, error))
-        };
-        // sled's chunks, then the overlay's events one by one, under the
-        // overlay's lock (`overlay.rs`, invariant 1). Keyed by seq: while a
-        // chunk is being applied its events are in both.
-        let mut by_seq = BTreeMap::new();
-        let overlay = inner.overlay.lock().unwrap_or_else(PoisonError::into_inner);
-        for stored in inner.trees.events.scan_prefix(&prefix) {
-            let (key, value) = stored?;
-            by_seq.extend(decode((&key, &value))?.into_iter().map(|e| (e.seq, e)));
-        }
-        for (key, value) in overlay.merge_prefix(EVENTS, &prefix, vec![]) {
-            by_seq.extend(decode((&key, &value))?.into_iter().map(|e| (e.seq, e)));
-        }
-        drop(overlay);
-        Ok(by_seq.into_values().collect())
+        self.inner
+            .read_chunked(&self.inner.trees.events, EVENTS, &prefix, |_, value| {
+                let events = codec::decode_events(value)?;
+                Ok(events.into_iter().map(|e| (e.seq, e)).collect())
+            })
     }
 
     /// The job's sandbox process groups, by pgid, whatever their state.
@@ -833,25 +820,39 @@ impl Trees {
                 batches.push((tree, batch));
             }
         };
-        // Per run, its events in seq order (appends come in seq order, and
-        // a run's event seqs rise with them).
-        let mut events: Vec<(&[u8], Vec<&wal::Entry>)> = Vec::new();
+        // Events by run, ledger entries by account, each in seq order
+        // (appends come in seq order, and a run's event seqs rise with
+        // them), go in chunks: the owner is the key's first 16 or 17 bytes.
+        let mut owned: Vec<(&'static str, &[u8], Vec<&wal::Entry>)> = Vec::new();
+        let mut index: HashMap<(&str, &[u8]), usize> = HashMap::new();
         for entry in entries {
             let (tree, key, value) = entry;
-            if *tree != EVENTS {
-                insert(tree, key, value);
-                continue;
-            }
-            let run = &key[..key.len().min(16)];
-            match events.iter_mut().find(|(r, _)| *r == run) {
-                Some((_, of_run)) => of_run.push(entry),
-                None => events.push((run, vec![entry])),
+            let owner_bytes = match *tree {
+                EVENTS => 16,
+                LEDGER => 17,
+                _ => {
+                    insert(tree, key, value);
+                    continue;
+                }
+            };
+            let owner = &key[..key.len().min(owner_bytes)];
+            match index.get(&(*tree, owner)) {
+                Some(&at) => owned[at].2.push(entry),
+                None => {
+                    index.insert((tree, owner), owned.len());
+                    owned.push((tree, owner, vec![entry]));
+                }
             }
         }
-        for (_, of_run) in &events {
-            for chunk in of_run.chunks(codec::EVENT_CHUNK_MAX) {
-                let value = codec::encode_event_chunk(chunk.iter().map(|(_, _, v)| v.as_slice()));
-                insert(EVENTS, &chunk[0].1, &value);
+        for (tree, _, of_owner) in &owned {
+            for chunk in of_owner.chunks(codec::CHUNK_MAX) {
+                let value = match *tree {
+                    EVENTS => codec::encode_event_chunk(chunk.iter().map(|(_, _, v)| v.as_slice())),
+                    _ => codec::encode_ledger_chunk(
+                        chunk.iter().map(|(_, k, v)| (k.as_slice(), v.as_slice())),
+                    ),
+                };
+                insert(tree, &chunk[0].1, &value);
             }
         }
         let mut meta = sled::Batch::default();
@@ -967,9 +968,10 @@ fn walk_trees(trees: &Trees, names: &[&str]) -> Result<Walked, Error> {
         for entry in trees.get(name).iter() {
             let (key, value) = entry?;
             let checked = if *name == LEDGER {
-                codec::check_ledger_entry(&key, &value).map(|record| {
-                    walked.ledger.push(record);
-                    1
+                codec::check_ledger_entry(&key, &value).map(|records| {
+                    let count = records.len() as u64;
+                    walked.ledger.extend(records);
+                    count
                 })
             } else {
                 codec::check_entry(name, &key, &value)
@@ -1016,6 +1018,37 @@ impl Inner {
                 decode(&value).map_err(|error| codec::undecodable(name, &key, error))
             })
             .collect()
+    }
+
+    /// Every record under `prefix` of a tree sled holds in chunks (events,
+    /// the ledger), in the order of the seq `decode` gives each: sled's
+    /// chunks, then the overlay's records one by one, under the overlay's
+    /// lock (`overlay.rs`, invariant 1). Keyed by that seq, because while a
+    /// chunk is being applied its records are in both.
+    fn read_chunked<T>(
+        &self,
+        tree: &sled::Tree,
+        name: &str,
+        prefix: &[u8],
+        decode: fn(&[u8], &[u8]) -> Result<Vec<(u64, T)>, String>,
+    ) -> Result<Vec<T>, Error> {
+        let mut by_seq = BTreeMap::new();
+        let mut add = |key: &[u8], value: &[u8]| {
+            let records =
+                decode(key, value).map_err(|error| codec::undecodable(name, key, error))?;
+            by_seq.extend(records);
+            Ok::<_, Error>(())
+        };
+        let overlay = self.overlay.lock().unwrap_or_else(PoisonError::into_inner);
+        for stored in tree.scan_prefix(prefix) {
+            let (key, value) = stored?;
+            add(&key, &value)?;
+        }
+        for (key, value) in overlay.merge_prefix(name, prefix, vec![]) {
+            add(&key, &value)?;
+        }
+        drop(overlay);
+        Ok(by_seq.into_values().collect())
     }
 
     fn read_one<T>(
@@ -1489,6 +1522,53 @@ mod tests {
         let reopened = Journal::open(dir.path()).unwrap();
         assert_eq!(reopened.events(a).unwrap().len(), expect_a.len());
         assert_eq!(reopened.scan().unwrap().records, total);
+    }
+
+    /// The ledger goes to sled in chunks too, one per account and batch,
+    /// and reads back entry by entry in the order written; a scan counts
+    /// entries and hands every one to `verify`.
+    #[tokio::test]
+    async fn ledger_entries_reach_sled_in_chunks_and_read_back_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let (journal, unstarted) = Journal::open_without_flusher(dir.path()).unwrap();
+        let owners = [ParentRef::Run(RunId::new()), ParentRef::Job(JobId::new())];
+        let entry = |owner, n| {
+            Record::Ledger(LedgerRecord {
+                owner,
+                op: LedgerOp::CallReserve { tokens: n },
+                epoch: 1,
+            })
+        };
+        for n in 1..=100 {
+            journal
+                .append(vec![entry(owners[(n % 2) as usize], n)])
+                .unwrap();
+        }
+        let tokens = |owner| -> Vec<u64> {
+            let ops = journal.ledger(owner).unwrap().into_iter().map(|e| e.op);
+            ops.map(|op| match op {
+                LedgerOp::CallReserve { tokens } => tokens,
+                other => panic!("{other:?}"),
+            })
+            .collect()
+        };
+        let evens: Vec<u64> = (1..=100).filter(|n| n % 2 == 0).collect();
+        assert_eq!(tokens(owners[0]), evens, "from the overlay");
+        journal.start_flusher(unstarted).unwrap();
+        journal.inner.drain();
+        assert_eq!(tokens(owners[0]), evens, "from sled");
+        // 50 entries of each account: one chunk each.
+        assert_eq!(journal.inner.trees.ledger.len(), 2);
+        let (scan, ledger) = journal.walk().unwrap();
+        assert_eq!(scan.records, 100, "{:?}", scan.undecodable);
+        assert_eq!(ledger.len(), 100);
+        // A later append of the same account lands in a chunk of its own,
+        // after the first.
+        journal.append(vec![entry(owners[0], 102)]).unwrap();
+        journal.inner.drain();
+        assert_eq!(journal.inner.trees.ledger.len(), 3);
+        assert_eq!(tokens(owners[0]).last(), Some(&102));
+        assert_eq!(tokens(owners[0]).len(), 51);
     }
 
     #[tokio::test]
