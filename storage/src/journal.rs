@@ -989,6 +989,10 @@ fn walk_trees(trees: &Trees, names: &[&str]) -> Result<Walked, Error> {
     Ok(walked)
 }
 
+/// Decodes one stored value of a chunked tree, given its key: its records,
+/// each with the seq that orders it.
+type DecodeChunk<T> = fn(&[u8], &[u8]) -> Result<Vec<(u64, T)>, String>;
+
 impl Inner {
     /// Every record under `prefix`, the overlay's laid over sled's, holding
     /// the overlay's lock throughout (`overlay.rs`, invariant 1).
@@ -1030,7 +1034,7 @@ impl Inner {
         tree: &sled::Tree,
         name: &str,
         prefix: &[u8],
-        decode: fn(&[u8], &[u8]) -> Result<Vec<(u64, T)>, String>,
+        decode: DecodeChunk<T>,
     ) -> Result<Vec<T>, Error> {
         let mut by_seq = BTreeMap::new();
         let mut add = |key: &[u8], value: &[u8]| {
