@@ -399,11 +399,11 @@ async fn recovery_by_size(target: u64, interrupted_runs: usize, repeats: usize) 
         // Alternate which goes first, so neither always runs straight after
         // the copies (or the other) and pays for what they left behind.
         let (scan, boot) = if repeat % 2 == 0 {
-            let scan = synthetic::plain_scan(&for_scan, built.records);
+            let scan = synthetic::plain_scan(&for_scan);
             (scan, boot_and_recover(&for_boot).await)
         } else {
             let boot = boot_and_recover(&for_boot).await;
-            (synthetic::plain_scan(&for_scan, built.records), boot)
+            (synthetic::plain_scan(&for_scan), boot)
         };
         wait_until_released(&for_scan);
         wait_until_released(&for_boot);

@@ -94,9 +94,10 @@ impl Built {
 /// The baseline: sled opens the directory, and every entry of every tree
 /// (sled's default tree included) is read, key and value; nothing decoded.
 /// Then sled is closed and opened again, with the snapshot its first open
-/// wrote. `records` is what the journal holds (`Built::records`): the walk
-/// checks it read every one.
-pub fn plain_scan(dir: &Path, records: u64) -> Scan {
+/// wrote. sled holds events and ledger entries in chunks (`docs/journal.md`,
+/// "Chunks"), so it has fewer entries than the journal has records; `Scan`
+/// says how many it read.
+pub fn plain_scan(dir: &Path) -> Scan {
     let start = Instant::now();
     let db = open_db(dir).expect("sled opens the copy");
     let opened = start.elapsed();
@@ -112,8 +113,6 @@ pub fn plain_scan(dir: &Path, records: u64) -> Scan {
     }
     let walked = start.elapsed();
     std::hint::black_box(bytes);
-    // Every record, and the three meta entries (format, epoch, seq).
-    assert_eq!(entries, records + 3, "the walk read every entry");
     drop(db);
     wait_until_released(dir);
     let start = Instant::now();
@@ -121,6 +120,7 @@ pub fn plain_scan(dir: &Path, records: u64) -> Scan {
     let reopened = start.elapsed();
     drop(db);
     Scan {
+        entries,
         open: opened,
         walk: walked,
         reopen: reopened,
@@ -130,6 +130,8 @@ pub fn plain_scan(dir: &Path, records: u64) -> Scan {
 /// One timed plain scan.
 #[derive(Clone, Copy, Debug)]
 pub struct Scan {
+    /// sled entries read, in every tree.
+    pub entries: u64,
     /// `open_db` on the directory.
     pub open: Duration,
     /// Every entry of every tree read.
