@@ -120,11 +120,12 @@ async fn probe_sealed() -> Result<(), String> {
     static PROBED: tokio::sync::OnceCell<Result<(), String>> = tokio::sync::OnceCell::const_new();
     PROBED
         .get_or_init(|| async {
+            let temp = std::env::temp_dir();
+            sweep_stale_probes(&temp);
             let nanos = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos());
-            let dir =
-                std::env::temp_dir().join(format!("arbor-probe-{}-{nanos}", std::process::id()));
+            let dir = temp.join(format!("{PROBE_PREFIX}{}-{nanos}", std::process::id()));
             let outcome = async {
                 std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
                 let user = SandboxUser::for_new_sandbox();
@@ -152,6 +153,32 @@ async fn probe_sealed() -> Result<(), String> {
         })
         .await
         .clone()
+}
+
+/// A probe's folder: `arbor-probe-<pid>-<nanos>` in the temporary folder.
+const PROBE_PREFIX: &str = "arbor-probe-";
+
+/// Removes the probe folders of processes that are gone: a node killed
+/// during its probe (SIGKILL, a crash) leaves its folder behind. A folder
+/// whose pid is alive, even if reused by another program, is left alone.
+fn sweep_stale_probes(temp: &Path) {
+    let Ok(entries) = std::fs::read_dir(temp) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(PROBE_PREFIX))
+            .and_then(|rest| rest.split_once('-'))
+            .and_then(|(pid, _)| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }
 
 impl Posture {
@@ -696,6 +723,26 @@ mod tests {
         o.read_to_string(&mut out).await.unwrap();
         e.read_to_string(&mut err).await.unwrap();
         (status.exit_code, out, err)
+    }
+
+    /// A probe folder left by a process that is gone is swept; one of a
+    /// live process (this one) and anything not named as a probe stay.
+    #[test]
+    fn a_probe_folder_of_a_dead_process_is_swept_and_nothing_else() {
+        let temp = tempfile::tempdir().unwrap();
+        // Above any pid Linux hands out (pid_max is at most 2^22).
+        let dead = temp.path().join(format!("{PROBE_PREFIX}99999999-1"));
+        let live = temp
+            .path()
+            .join(format!("{PROBE_PREFIX}{}-2", std::process::id()));
+        let other = temp.path().join("arbor-probe-notapid-3");
+        for dir in [&dead, &live, &other] {
+            std::fs::create_dir(dir).unwrap();
+        }
+        std::fs::write(dead.join("left.txt"), "x").unwrap();
+        sweep_stale_probes(temp.path());
+        assert!(!dead.exists(), "the dead process's folder is gone");
+        assert!(live.exists() && other.exists());
     }
 
     /// Nodes started at once in one process (tests, an embedder's) each get
