@@ -70,9 +70,19 @@ impl EmbeddedNode {
         std::fs::create_dir_all(data_dir)
             .map_err(|e| Error::Start(format!("{}: {e}", data_dir.display())))?;
         let secrets = crate::secrets::load(workspace).map_err(Error::Start)?;
-        let sandbox = Arc::new(Posture::probe(workspace.config.isolation).await);
+        // The sandbox probe (one sealed `true`) runs its process while the
+        // journal opens and recovery runs: nothing of those needs its answer,
+        // and it was the larger part of a start.
+        let probe = tokio::spawn(Posture::probe(workspace.config.isolation));
         let journal = Journal::open(&data_dir.join("journal"))?;
         let events = EventBus::new(journal.clone());
+        // Recovery before anything new starts (I-30 to I-35).
+        let recovery = recovery::recover(&journal, &events).await?;
+        let sandbox = Arc::new(
+            probe
+                .await
+                .map_err(|e| Error::Start(format!("the sandbox probe failed: {e}")))?,
+        );
         let ctx = Arc::new(NodeContext {
             journal,
             events,
@@ -88,8 +98,6 @@ impl EmbeddedNode {
             sandbox,
             secrets: Arc::new(secrets),
         });
-        // Recovery before anything new starts (I-30 to I-35).
-        let recovery = recovery::recover(&ctx.journal, &ctx.events).await?;
         // Root folders a crash left: their commands died with the node, or
         // recovery just killed them; nothing new has started.
         if let Err(e) = std::fs::remove_dir_all(&ctx.sandbox_roots)

@@ -82,6 +82,7 @@ async fn produce(source: Source, tx: mpsc::Sender<sse::Event>) {
             };
             match got {
                 Ok(event) if event.run == source.run && event.seq > last_seq => {
+                    let event = std::sync::Arc::unwrap_or_clone(event);
                     match forward(&source, &tx, &mut index, &mut last_seq, event).await {
                         Next::Go => {}
                         Next::End => return,
