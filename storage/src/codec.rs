@@ -148,8 +148,8 @@ const EVENT_CHUNK: u8 = 0;
 /// one value under the key of the first (`event_key(run, first seq)`).
 /// Version byte ++ `EVENT_CHUNK` ++ per event, its JSON's length (u32,
 /// big-endian) ++ its JSON. sled's cost is per entry far more than per byte
-/// (about 5 µs an entry here, whatever its size up to a KiB), and events
-/// were half a job's entries. The log and the overlay keep events one by
+/// (about 5 µs an entry of 30 or 200 bytes, 7 µs at a KiB, measured), and
+/// events were half a job's entries. The log and the overlay keep events one by
 /// one (`encode_event`); only the applier chunks them.
 ///
 /// `events` are `encode_event` values, all of one run, in seq order.
