@@ -1036,22 +1036,26 @@ impl Inner {
         prefix: &[u8],
         decode: DecodeChunk<T>,
     ) -> Result<Vec<T>, Error> {
+        // The bytes are copied under the lock and decoded after it, so a
+        // long read (a run's whole history) holds up no append.
+        let overlay = self.overlay.lock().unwrap_or_else(PoisonError::into_inner);
+        let stored = tree.scan_prefix(prefix).collect::<Result<Vec<_>, _>>()?;
+        let pending = overlay.merge_prefix(name, prefix, vec![]);
+        drop(overlay);
+        let values = stored
+            .iter()
+            .map(|(key, value)| (key.as_ref(), value.as_ref()))
+            .chain(
+                pending
+                    .iter()
+                    .map(|(key, value)| (key.as_slice(), value.as_slice())),
+            );
         let mut by_seq = BTreeMap::new();
-        let mut add = |key: &[u8], value: &[u8]| {
+        for (key, value) in values {
             let records =
                 decode(key, value).map_err(|error| codec::undecodable(name, key, error))?;
             by_seq.extend(records);
-            Ok::<_, Error>(())
-        };
-        let overlay = self.overlay.lock().unwrap_or_else(PoisonError::into_inner);
-        for stored in tree.scan_prefix(prefix) {
-            let (key, value) = stored?;
-            add(&key, &value)?;
         }
-        for (key, value) in overlay.merge_prefix(name, prefix, vec![]) {
-            add(&key, &value)?;
-        }
-        drop(overlay);
         Ok(by_seq.into_values().collect())
     }
 
