@@ -12,7 +12,7 @@ mod journal;
 mod render;
 
 use anyhow::Context;
-use arbor_protocol::{RunSpec, Status};
+use arbor_protocol::{RunSpec, Status, Tree};
 use arbor_runtime::{EmbeddedNode, Models, Workspace};
 use clap::{Args, Parser, Subcommand};
 use std::io::IsTerminal;
@@ -451,7 +451,10 @@ async fn follow(
                 let version = node.events().version();
                 if drawn != Some(version) {
                     drawn = Some(version);
-                    view.show(&node.tree(run));
+                    // Built under the bus's lock: a copy of the whole
+                    // tree each draw, then its walk, was twice the work.
+                    let root = node.events().with_tree(run, |tree| tree.map(Tree::root));
+                    view.show(&root.unwrap_or_else(|| Tree::new(run).root()));
                 }
             }
             _ = tokio::signal::ctrl_c() => {

@@ -779,7 +779,7 @@ pub async fn watch(client: &Client, run: &str) -> Outcome {
                 if output == Output::Text && redraw.pending() => {}
         }
         if output == Output::Text && redraw.take_due() {
-            view.show(&tree);
+            view.show(&tree.root());
         }
     };
     // What the stream delivered before it ended.
@@ -788,7 +788,7 @@ pub async fn watch(client: &Client, run: &str) -> Outcome {
     }
     followed?;
     if output == Output::Text && redraw.pending() {
-        view.show(&tree);
+        view.show(&tree.root());
     }
     match output {
         Output::Text => view.finish(&tree),

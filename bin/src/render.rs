@@ -74,10 +74,10 @@ impl Progress {
         }
     }
 
-    pub fn show(&mut self, tree: &Tree) {
-        let root = tree.root();
+    /// Draws `root`, a run's tree as `Tree::root` builds it.
+    pub fn show(&mut self, root: &TreeNode) {
         if self.live {
-            let lines = lines(&root);
+            let lines = lines(root);
             let mut out = std::io::stdout().lock();
             if self.drawn_lines > 0 {
                 // Up to the top of what we drew, and clear it.
@@ -89,7 +89,7 @@ impl Progress {
             let _ = out.flush();
             self.drawn_lines = lines.len();
         } else {
-            self.plain(&root);
+            self.plain(root);
         }
     }
 
