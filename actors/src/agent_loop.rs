@@ -140,7 +140,9 @@ pub async fn run(args: LoopArgs) -> LoopOutcome {
         // try, compacted harder.
         let mut harder = false;
         let reply = loop {
-            let fitted = fit_context(&args, &mut history, &tools, turn, harder).await;
+            // Boxed, as the settlements in `call_model` are: a job waiting on
+            // its model holds this loop's future, sized by its largest await.
+            let fitted = Box::pin(fit_context(&args, &mut history, &tools, turn, harder)).await;
             let called = match fitted {
                 Ok(()) => call_model(&args, &args.agent.prompt, &history, &tools, turn).await,
                 Err(end) => Err(end),
@@ -522,7 +524,7 @@ async fn call_model(
             biased;
             _ = args.cancel.cancelled() => {
                 if let Some(call) = take_in_flight(&args.in_flight) {
-                    settle_cut(&args.account, args.id, call, "stopped").await;
+                    Box::pin(settle_cut(&args.account, args.id, call, "stopped")).await;
                 }
                 return Err(CallEnd::Failed(stopped(turn)));
             }
@@ -559,7 +561,13 @@ async fn call_model(
                     );
                 }
                 let event = model_called(args.id, &call, usage, reply.truncated, estimated, "ok");
-                settle_with(args, call.reserved_amount(), call.cost(usage), Some(event)).await;
+                Box::pin(settle_with(
+                    args,
+                    call.reserved_amount(),
+                    call.cost(usage),
+                    Some(event),
+                ))
+                .await;
                 return Ok(reply);
             }
             Ok(Err(error)) => error,
@@ -569,7 +577,13 @@ async fn call_model(
             ),
         };
         span.record("error.type", error.class.as_str());
-        settle_cut(&args.account, args.id, call, error.class.as_str()).await;
+        Box::pin(settle_cut(
+            &args.account,
+            args.id,
+            call,
+            error.class.as_str(),
+        ))
+        .await;
         let policy = info.retry;
         if !error.class.is_transient() || retries >= policy.max_retries {
             let message = if retries > 0 {

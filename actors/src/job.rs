@@ -367,13 +367,17 @@ impl Actor for Job {
         message: Self::Msg,
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
+        // The long handlers are boxed while they run. ractor keeps one box
+        // per actor for its loop, sized by the largest handler it may await:
+        // inline, these made every job hold 8.5 KB for its whole life
+        // (docs/benchmarks.md, P4); boxed, it holds their pointers.
         match message {
             JobMsg::Delegate {
                 args,
                 call_id,
                 reply,
             } => {
-                let result = state.delegate(&myself, args, &call_id).await;
+                let result = Box::pin(state.delegate(&myself, args, &call_id)).await;
                 let _ = reply.send(result);
             }
             JobMsg::Collect {
@@ -402,17 +406,17 @@ impl Actor for Job {
             JobMsg::LoopEnded { outcome } => {
                 state.loop_task = None;
                 if state.finish.is_none() {
-                    let finish = state.finish_from_loop(outcome).await;
+                    let finish = Box::pin(state.finish_from_loop(outcome)).await;
                     state.begin_finish(finish);
                 }
-                state.maybe_complete(&myself).await?;
+                Box::pin(state.maybe_complete(&myself)).await?;
             }
             JobMsg::Stop { reason, propagated } => {
                 state.abort_loop();
                 if state.finish.is_none() {
                     state.begin_finish(Finish::stopped(reason, propagated, state.turns));
                 }
-                state.maybe_complete(&myself).await?;
+                Box::pin(state.maybe_complete(&myself)).await?;
             }
             JobMsg::TimedOut => {
                 if state.finish.is_none() {
@@ -420,17 +424,17 @@ impl Actor for Job {
                     let timeout = state.brief.timeout.unwrap_or_default();
                     let reason = format!("timed out after {}", humantime::format_duration(timeout));
                     state.begin_finish(Finish::failed(ErrorClass::Timeout, reason, state.turns));
-                    state.maybe_complete(&myself).await?;
+                    Box::pin(state.maybe_complete(&myself)).await?;
                 }
             }
             JobMsg::ChildEnded { report } => {
-                state.child_ended(&myself, report).await?;
-                state.maybe_complete(&myself).await?;
+                Box::pin(state.child_ended(&myself, report)).await?;
+                Box::pin(state.maybe_complete(&myself)).await?;
             }
             JobMsg::ChildGone { actor, why } => {
                 if let Some(report) = state.children.report_for_dead(actor, &why) {
-                    state.child_ended(&myself, report).await?;
-                    state.maybe_complete(&myself).await?;
+                    Box::pin(state.child_ended(&myself, report)).await?;
+                    Box::pin(state.maybe_complete(&myself)).await?;
                 }
             }
             JobMsg::WaitTimedOut { waiter } => state.wait_timed_out(waiter).await?,
@@ -439,7 +443,7 @@ impl Actor for Job {
                 result?;
                 state.release_ended(&myself);
                 state.answer_waiters();
-                state.maybe_complete(&myself).await?;
+                Box::pin(state.maybe_complete(&myself)).await?;
             }
         }
         Ok(())
@@ -464,7 +468,7 @@ impl Actor for Job {
                 let reason = format!("its account or sandbox actor {why}");
                 state.begin_finish(Finish::failed(ErrorClass::Panicked, reason, state.turns));
             }
-            state.maybe_complete(&myself).await?;
+            Box::pin(state.maybe_complete(&myself)).await?;
             return Ok(());
         }
         // A child that died without reporting (a panic in its handler, I-38)
