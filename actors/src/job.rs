@@ -409,14 +409,14 @@ impl Actor for Job {
                     let finish = Box::pin(state.finish_from_loop(outcome)).await;
                     state.begin_finish(finish);
                 }
-                Box::pin(state.maybe_complete(&myself)).await?;
+                state.maybe_complete(&myself).await?;
             }
             JobMsg::Stop { reason, propagated } => {
                 state.abort_loop();
                 if state.finish.is_none() {
                     state.begin_finish(Finish::stopped(reason, propagated, state.turns));
                 }
-                Box::pin(state.maybe_complete(&myself)).await?;
+                state.maybe_complete(&myself).await?;
             }
             JobMsg::TimedOut => {
                 if state.finish.is_none() {
@@ -424,17 +424,17 @@ impl Actor for Job {
                     let timeout = state.brief.timeout.unwrap_or_default();
                     let reason = format!("timed out after {}", humantime::format_duration(timeout));
                     state.begin_finish(Finish::failed(ErrorClass::Timeout, reason, state.turns));
-                    Box::pin(state.maybe_complete(&myself)).await?;
+                    state.maybe_complete(&myself).await?;
                 }
             }
             JobMsg::ChildEnded { report } => {
                 Box::pin(state.child_ended(&myself, report)).await?;
-                Box::pin(state.maybe_complete(&myself)).await?;
+                state.maybe_complete(&myself).await?;
             }
             JobMsg::ChildGone { actor, why } => {
                 if let Some(report) = state.children.report_for_dead(actor, &why) {
                     Box::pin(state.child_ended(&myself, report)).await?;
-                    Box::pin(state.maybe_complete(&myself)).await?;
+                    state.maybe_complete(&myself).await?;
                 }
             }
             JobMsg::WaitTimedOut { waiter } => state.wait_timed_out(waiter).await?,
@@ -443,7 +443,7 @@ impl Actor for Job {
                 result?;
                 state.release_ended(&myself);
                 state.answer_waiters();
-                Box::pin(state.maybe_complete(&myself)).await?;
+                state.maybe_complete(&myself).await?;
             }
         }
         Ok(())
@@ -468,7 +468,7 @@ impl Actor for Job {
                 let reason = format!("its account or sandbox actor {why}");
                 state.begin_finish(Finish::failed(ErrorClass::Panicked, reason, state.turns));
             }
-            Box::pin(state.maybe_complete(&myself)).await?;
+            state.maybe_complete(&myself).await?;
             return Ok(());
         }
         // A child that died without reporting (a panic in its handler, I-38)
@@ -702,20 +702,28 @@ impl JobState {
         self.children.cancel_retries();
     }
 
-    /// Once every child has settled: kill the sandbox's processes, close the
-    /// account, report to the parent and stop.
+    /// Once the job is finishing and every child has settled, `complete`.
+    /// Called after nearly every message, so the check is cheap and the
+    /// completion, a large future, is boxed only when it runs: inline, it
+    /// sized every handler that awaits this (docs/ARCHITECTURE.md).
     async fn maybe_complete(
         &mut self,
         myself: &ActorRef<JobMsg>,
     ) -> Result<(), ActorProcessingErr> {
+        // Every path into `finish` has already ended the loop.
+        // And each child's end durable before this job's own is told (I-29).
+        if self.finish.is_none() || !self.children.all_settled() || !self.ended.is_empty() {
+            return Ok(());
+        }
+        Box::pin(self.complete(myself)).await
+    }
+
+    /// Kill the sandbox's processes, close the account, report to the
+    /// parent and stop.
+    async fn complete(&mut self, myself: &ActorRef<JobMsg>) -> Result<(), ActorProcessingErr> {
         let Some(finish) = self.finish.clone() else {
             return Ok(());
         };
-        // Every path into `finish` has already ended the loop.
-        // And each child's end durable before this job's own is told (I-29).
-        if !self.children.all_settled() || !self.ended.is_empty() {
-            return Ok(());
-        }
         self.abort_loop();
         // A call the abort cut short is charged what it may have cost (I-16:
         // its answer is dropped, its spend is not).
