@@ -31,7 +31,7 @@ mod settlement;
 mod steering;
 
 pub use delegation::delegation_digest;
-pub(crate) use settlement::{Terminal, dead_envelope, final_envelope, settle_record};
+pub(crate) use settlement::{Terminal, dead_envelope, final_envelope};
 
 use children::Children;
 
@@ -439,7 +439,7 @@ impl Actor for Job {
             }
             JobMsg::WaitTimedOut { waiter } => state.wait_timed_out(waiter).await?,
             JobMsg::EndsDurable { result } => {
-                state.ended.waiting = false;
+                state.ended.waited();
                 result?;
                 state.release_ended(&myself);
                 state.answer_waiters();
@@ -559,7 +559,7 @@ pub struct JobState {
     turns: u32,
     finish: Option<Finish>,
     /// Children's ends not yet durable, held back from everything outside.
-    ended: settlement::Ended,
+    ended: crate::ends::Ends,
 }
 
 /// Aborts the loop task when dropped, so a killed job leaves no loop running.

@@ -8,6 +8,7 @@ pub mod account;
 pub mod agent_loop;
 pub mod compaction;
 pub mod context;
+mod ends;
 pub mod events;
 pub mod job;
 pub mod model;

@@ -11,6 +11,7 @@
 
 use crate::account::{Account, AccountArgs, AccountMsg, Grant, GrantAsk, Share, SpentMeter};
 use crate::context::{NodeContext, RunContext};
+use crate::ends::Ends;
 use crate::job::{self, Brief, ChildReport, Job, JobMsg, JobStart, Lineage, ParentHandle};
 use crate::policy::Policy;
 use arbor_protocol::{
@@ -68,6 +69,10 @@ pub enum RunMsg {
     StepGone {
         actor: ractor::ActorId,
         why: String,
+    },
+    /// The steps' ends appended so far are durable (or the journal failed).
+    EndsDurable {
+        result: Result<(), String>,
     },
     TimedOut,
 }
@@ -174,6 +179,7 @@ impl Actor for Run {
             steps,
             previous: resume.previous,
             finish: None,
+            ended: Ends::default(),
             _cancel_on_drop: cancel.clone().drop_guard(),
             cancel,
         })
@@ -229,6 +235,11 @@ impl Actor for Run {
                 if let Some(report) = state.report_for_dead(actor, &why) {
                     state.step_ended(&myself, report).await?;
                 }
+            }
+            RunMsg::EndsDurable { result } => {
+                state.ended.waited();
+                result?;
+                state.release_ended(&myself);
             }
         }
         state.maybe_complete(&myself).await
@@ -304,6 +315,8 @@ pub struct RunState {
     /// (label, output) of the previous group's steps, handed to the next group.
     previous: Vec<(String, serde_json::Value)>,
     finish: Option<RunFinish>,
+    /// Steps' ends appended and not yet durable, held back from watchers.
+    ended: Ends,
     cancel: CancellationToken,
     _cancel_on_drop: DropGuard,
 }
@@ -574,25 +587,28 @@ impl RunState {
             spent: envelope.spent(),
             reply
         });
-        let propagated = step.stop_reason.as_ref().is_some_and(|r| r.1);
-        job::settle_record(
-            &self.ctx,
-            job::Terminal {
-                run: self.id,
-                parent: ParentRef::Run(self.id),
-                agent: &step.agent,
-                kind: NodeKind::Step,
-                depth: 0,
-                envelope: &envelope,
-                grant: step.grant.tokens,
-                propagated,
-            },
-        )
-        .await?;
+        // Appended, not committed (I-29): steps that end together share one
+        // sync. Their `NodeFinished` waits in `ended` until a flush covers
+        // it; the next group's admission and the run's own end are commits,
+        // which cover every end appended before them.
+        let (record, finished) = job::Terminal {
+            run: self.id,
+            parent: ParentRef::Run(self.id),
+            agent: &step.agent,
+            kind: NodeKind::Step,
+            depth: 0,
+            envelope: &envelope,
+            grant: step.grant.tokens,
+            propagated: step.stop_reason.as_ref().is_some_and(|r| r.1),
+        }
+        .record(&self.ctx);
+        let seq = self.ctx.journal.append(vec![record])?;
+        self.ended.push(seq, finished);
         let label = step.label.clone();
         if let Some(step) = self.steps.get_mut(&report.id) {
             step.envelope = Some(envelope.clone());
         }
+        self.release_ended(myself);
         if self.finish.is_some() {
             return Ok(());
         }
@@ -623,12 +639,22 @@ impl RunState {
             self.steps.clear();
             self.group += 1;
             if self.group < self.spec.groups.len() {
+                // A group's ends are told before the next group starts.
+                self.ended.settle(&self.ctx, self.id).await?;
                 self.start_group(myself).await;
             } else {
                 self.finish_done();
             }
         }
         Ok(())
+    }
+
+    /// Tells the steps' ends that are durable; asks to be told when the rest are.
+    fn release_ended(&mut self, myself: &ActorRef<RunMsg>) {
+        let myself = myself.clone();
+        self.ended.release(&self.ctx, self.id, move |result| {
+            let _ = myself.cast(RunMsg::EndsDurable { result });
+        });
     }
 
     /// Every group finished: the run is done, its output the last group's.
@@ -668,6 +694,8 @@ impl RunState {
             epoch: self.ctx.journal.epoch(),
         };
         self.ctx.journal.commit(vec![Record::Run(record)]).await?;
+        // That commit covered every step's end: they are told, before the run's.
+        self.ended.settle(&self.ctx, self.id).await?;
         tracing::info!(run = %self.id, status = %finish.status, reason = finish.reason.as_deref().unwrap_or(""), "run ended");
         self.ctx.events.emit(
             self.id,

@@ -1,6 +1,6 @@
 //! Write-ahead (I-29): what starts a child is durable before the child starts.
 
-use arbor_protocol::{EventKind, ParentRef};
+use arbor_protocol::{EventKind, NodeKind, ParentRef};
 use arbor_testkit::{TestNode, agent_md};
 use std::sync::{Arc, Mutex};
 
@@ -147,4 +147,87 @@ async fn inv_29_a_childs_end_is_told_only_once_it_is_durable() {
         let record = node.journal().job(run, *leaf).unwrap().expect("its record");
         assert_eq!(record.status, arbor_protocol::Status::Stopped);
     }
+}
+
+/// I-29 for a step's end, as for a job's: the Run appends each step's
+/// terminal record without waiting for a sync of its own (64 steps that end
+/// together do not wait for 64 syncs in a row), and tells nobody of it until
+/// a flush covers it.
+#[tokio::test]
+async fn inv_29_a_steps_end_is_told_only_once_it_is_durable() {
+    const STEPS: usize = 8;
+    let waiter = agent_md(
+        "description: waits\nscript:\n  - say: working\n    delay: 1h\n    call: {tool: submit_output, args: {output: late}}",
+    );
+    let steps = (1..=STEPS)
+        .map(|i| format!("{{ agent = \"waiter\", instruction = \"part {i}\" }}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let flow = format!("[[group]]\nsteps = [{steps}]\n");
+    let node = TestNode::start_workspace(
+        None,
+        &[("waiter", &waiter)],
+        &[("wide", &flow)],
+        arbor_testkit::RecordingModels::new(),
+    )
+    .await;
+    let run = node.run_flow("wide").await;
+    // Every step in its model call: its reservation committed and shown.
+    let in_call = |t: &arbor_protocol::Tree| {
+        t.nodes()
+            .filter(|(_, n)| n.kind == NodeKind::Step && n.account.held > 0)
+            .map(|(id, _)| id)
+            .collect::<Vec<_>>()
+    };
+    let tree = node.wait_until(run, |t| in_call(t).len() == STEPS).await;
+    let steps = in_call(&tree);
+    node.journal().flush().await.expect("flush");
+
+    node.journal().faults().hold_flushes(true);
+    for step in &steps {
+        node.stop_job(run, *step).await;
+    }
+    // The Run has settled every step while no flush could complete: each
+    // grant released to the run's account.
+    node.wait_until(run, |t| t.root().account.held == 0).await;
+    let faults = node.journal().clone();
+    let parked = tokio::task::spawn_blocking(move || {
+        faults
+            .faults()
+            .wait_until_flush_held(std::time::Duration::from_secs(10))
+    })
+    .await
+    .expect("join");
+    assert!(parked, "the Run waits for a flush to cover its steps' ends");
+    let told = |events: &[arbor_protocol::Event]| {
+        events
+            .iter()
+            .filter(|e| matches!(&e.kind, EventKind::NodeFinished { id, .. } if steps.contains(id)))
+            .count()
+    };
+    assert_eq!(
+        told(&node.events(run)),
+        0,
+        "no step's end told before it is durable"
+    );
+
+    node.journal().faults().hold_flushes(false);
+    let tree = node.wait_run(run).await;
+    assert!(tree.run_status().is_terminal());
+    let events = node.events(run);
+    assert_eq!(told(&events), STEPS, "each end told once it was durable");
+    let finished = events
+        .iter()
+        .position(|e| matches!(e.kind, EventKind::RunFinished { .. }))
+        .expect("the run's end");
+    assert_eq!(
+        told(&events[..finished]),
+        STEPS,
+        "every step's end is told before the run's"
+    );
+    for step in &steps {
+        let record = node.journal().job(run, *step).unwrap().expect("its record");
+        assert_eq!(record.status, arbor_protocol::Status::Stopped);
+    }
+    node.assert_conserved(run);
 }

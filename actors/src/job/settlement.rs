@@ -266,36 +266,17 @@ impl JobState {
 
     /// Tells the ends that are durable; asks to be told when the rest are.
     pub(super) fn release_ended(&mut self, myself: &ActorRef<JobMsg>) {
-        if self.ended.is_empty() {
-            return;
-        }
-        if self.ctx.journal.durable_seq() >= self.ended.upto {
-            self.emit_ended();
-        } else if !self.ended.waiting {
-            self.ended.waiting = true;
-            let journal = self.ctx.journal.clone();
-            let myself = myself.clone();
-            let upto = self.ended.upto;
-            tokio::spawn(async move {
-                let result = journal.wait_durable(upto).await.map_err(|e| e.to_string());
+        let myself = myself.clone();
+        self.ended
+            .release(&self.ctx, self.lineage.run, move |result| {
                 let _ = myself.cast(JobMsg::EndsDurable { result });
             });
-        }
     }
 
     /// Waits here until every end is durable, and tells them.
     pub(super) async fn settles_durable(&mut self) -> Result<(), ActorProcessingErr> {
-        if !self.ended.is_empty() {
-            self.ctx.journal.wait_durable(self.ended.upto).await?;
-            self.emit_ended();
-        }
+        self.ended.settle(&self.ctx, self.lineage.run).await?;
         Ok(())
-    }
-
-    fn emit_ended(&mut self) {
-        for finished in std::mem::take(&mut self.ended.events) {
-            self.ctx.events.emit(self.lineage.run, finished);
-        }
     }
 
     /// A new attempt: new id, new reservation, counted by the spawn cap (I-23).
@@ -422,42 +403,9 @@ pub(crate) struct Terminal<'a> {
     pub propagated: bool,
 }
 
-/// Commits a child's terminal record (I-29) and then emits its end: what the
-/// Run does for a step.
-pub(crate) async fn settle_record(
-    ctx: &NodeContext,
-    end: Terminal<'_>,
-) -> Result<(), ActorProcessingErr> {
-    let (record, finished) = end.record(ctx);
-    ctx.journal.commit(vec![record]).await?;
-    ctx.events.emit(end.run, finished);
-    Ok(())
-}
-
-/// Children's ends appended to the journal and not yet known durable: their
-/// `NodeFinished` events, in order, and the seq that covers them all.
-#[derive(Default)]
-pub(super) struct Ended {
-    events: Vec<EventKind>,
-    upto: u64,
-    /// A task waits for `upto`, or an earlier seq, and will say so.
-    pub(super) waiting: bool,
-}
-
-impl Ended {
-    fn push(&mut self, seq: u64, finished: EventKind) {
-        self.events.push(finished);
-        self.upto = self.upto.max(seq);
-    }
-
-    pub(super) fn is_empty(&self) -> bool {
-        self.events.is_empty()
-    }
-}
-
 impl Terminal<'_> {
     /// The terminal record and the `NodeFinished` that tells of it.
-    fn record(&self, ctx: &NodeContext) -> (Record, EventKind) {
+    pub(crate) fn record(&self, ctx: &NodeContext) -> (Record, EventKind) {
         let Terminal {
             run,
             parent,
