@@ -43,7 +43,8 @@ pub struct LoopArgs {
     pub id: JobId,
     pub job: ActorRef<JobMsg>,
     pub account: ActorRef<AccountMsg>,
-    pub sandbox: ActorRef<SandboxMsg>,
+    /// None when no tool that uses a sandbox is offered (`ToolName::SANDBOX`).
+    pub sandbox: Option<ActorRef<SandboxMsg>>,
     pub model: Arc<dyn Model>,
     pub agent: Arc<AgentDef>,
     pub offered: BTreeMap<ToolName, Result<(), String>>,
@@ -775,9 +776,9 @@ async fn call_tool(args: &LoopArgs, call: &ToolCall) -> Step {
             .map(|id| serde_json::json!({ "queued": true, "message_id": id })),
             Err(e) => Err(e),
         },
-        ToolName::Exec => match parse::<ExecArgs>(tool, &call.args) {
-            Ok(a) => match parse_duration_arg("timeout", a.timeout.as_deref()) {
-                Ok(timeout) => ractor::call!(args.sandbox, |reply| SandboxMsg::Exec {
+        ToolName::Exec => match (parse::<ExecArgs>(tool, &call.args), sandbox_of(args)) {
+            (Ok(a), Ok(sandbox)) => match parse_duration_arg("timeout", a.timeout.as_deref()) {
+                Ok(timeout) => ractor::call!(sandbox, |reply| SandboxMsg::Exec {
                     command: a.command,
                     timeout,
                     reply
@@ -792,21 +793,21 @@ async fn call_tool(args: &LoopArgs, call: &ToolCall) -> Step {
                 }),
                 Err(e) => Err(e),
             },
-            Err(e) => Err(e),
+            (Err(e), _) | (_, Err(e)) => Err(e),
         },
-        ToolName::ReadFile => match parse::<ReadFileArgs>(tool, &call.args) {
-            Ok(a) => ractor::call!(args.sandbox, |reply| SandboxMsg::ReadFile {
+        ToolName::ReadFile => match (parse::<ReadFileArgs>(tool, &call.args), sandbox_of(args)) {
+            (Ok(a), Ok(sandbox)) => ractor::call!(sandbox, |reply| SandboxMsg::ReadFile {
                 path: a.path,
                 reply
             })
             .map_err(|e| format!("the sandbox is gone: {e}"))
             .and_then(|r| r.map(serde_json::Value::String)),
-            Err(e) => Err(e),
+            (Err(e), _) | (_, Err(e)) => Err(e),
         },
-        ToolName::WriteFile => match parse::<WriteFileArgs>(tool, &call.args) {
-            Ok(a) => {
+        ToolName::WriteFile => match (parse::<WriteFileArgs>(tool, &call.args), sandbox_of(args)) {
+            (Ok(a), Ok(sandbox)) => {
                 let path = a.path.clone();
-                ractor::call!(args.sandbox, |reply| SandboxMsg::WriteFile {
+                ractor::call!(sandbox, |reply| SandboxMsg::WriteFile {
                     path: a.path,
                     content: a.content,
                     reply
@@ -814,10 +815,19 @@ async fn call_tool(args: &LoopArgs, call: &ToolCall) -> Step {
                 .map_err(|e| format!("the sandbox is gone: {e}"))
                 .and_then(|r| r.map(|_| serde_json::json!({ "written": path })))
             }
-            Err(e) => Err(e),
+            (Err(e), _) | (_, Err(e)) => Err(e),
         },
     };
     Step::Result(result)
+}
+
+/// The job's Sandbox. A job has one whenever a tool that uses it is
+/// offered, and only such a tool gets here; were it missing, the call fails
+/// as a tool error, never the loop.
+fn sandbox_of(args: &LoopArgs) -> Result<&ActorRef<SandboxMsg>, String> {
+    args.sandbox
+        .as_ref()
+        .ok_or_else(|| "this job has no sandbox".to_string())
 }
 
 async fn delegate(

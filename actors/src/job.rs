@@ -224,6 +224,15 @@ impl Actor for Job {
         let model = ctx.models.model_for(&start.agent)?;
         // I-27: a secret without a value refuses the job before anything is made.
         let env = ctx.secrets.env_for(&start.policy.secrets)?;
+        let offered = start
+            .policy
+            .offered(&start.agent, lineage.kind, lineage.depth, &ctx.limits);
+        // A Sandbox only for a job that may use one: most jobs of a wide
+        // fan-out only think and answer, and an actor each (its spawn, its
+        // calls at the end, its stop) was a good part of their cost.
+        let needs_sandbox = ToolName::SANDBOX
+            .iter()
+            .any(|tool| offered.get(tool).is_some_and(Result::is_ok));
         let setup = async {
             let (account, _) = Actor::spawn_linked(
                 None,
@@ -241,6 +250,9 @@ impl Actor for Job {
                 cell.clone(),
             )
             .await?;
+            if !needs_sandbox {
+                return Ok((account, None));
+            }
             let sandbox = Actor::spawn_linked(
                 None,
                 Sandbox,
@@ -266,7 +278,7 @@ impl Actor for Job {
             )
             .await;
             match sandbox {
-                Ok((sandbox, _)) => Ok((account, sandbox)),
+                Ok((sandbox, _)) => Ok((account, Some(sandbox))),
                 Err(e) => {
                     account.stop(None);
                     Err(e)
@@ -293,9 +305,6 @@ impl Actor for Job {
                 request: start.brief.request.clone(),
             },
         );
-        let offered = start
-            .policy
-            .offered(&start.agent, lineage.kind, lineage.depth, &ctx.limits);
         Ok(JobState {
             ctx,
             run_ctx: start.run_ctx,
@@ -462,7 +471,11 @@ impl Actor for Job {
             SupervisionEvent::ActorFailed(cell, error) => (cell, format!("panicked: {error}")),
             _ => return Ok(()),
         };
-        if cell.get_id() == state.account.get_id() || cell.get_id() == state.sandbox.get_id() {
+        let own_sandbox = state
+            .sandbox
+            .as_ref()
+            .is_some_and(|s| s.get_id() == cell.get_id());
+        if cell.get_id() == state.account.get_id() || own_sandbox {
             if state.finish.is_none() {
                 state.abort_loop();
                 let reason = format!("its account or sandbox actor {why}");
@@ -548,7 +561,8 @@ pub struct JobState {
     _cancel_on_drop: DropGuard,
     meter: SpentMeter,
     account: ActorRef<AccountMsg>,
-    sandbox: ActorRef<SandboxMsg>,
+    /// None for a job offered no tool that uses one (`ToolName::SANDBOX`).
+    sandbox: Option<ActorRef<SandboxMsg>>,
     model: Option<Arc<dyn crate::model::Model>>,
     loop_task: Option<AbortOnDrop>,
     /// The loop's model call in flight, settled here if an abort cuts it short.
@@ -638,8 +652,7 @@ impl JobState {
             .output_schema
             .as_ref()
             .and_then(|schema| check_schema(schema, &outcome.output).err());
-        let artifacts = ractor::call!(self.sandbox, |reply| SandboxMsg::Artifacts { reply })
-            .unwrap_or_default();
+        let artifacts = self.artifacts().await;
         let missing = missing_artifacts(&self.brief.require_artifacts, &artifacts);
         // I-13, I-22: files it wrote are work it produced, as text is.
         let mut outcome = outcome;
@@ -730,9 +743,10 @@ impl JobState {
         if let Some(call) = agent_loop::take_in_flight(&self.in_flight) {
             agent_loop::settle_cut(&self.account, self.lineage.id, call, "stopped").await;
         }
-        let artifacts = ractor::call!(self.sandbox, |reply| SandboxMsg::Artifacts { reply })
-            .unwrap_or_default();
-        let _ = ractor::call!(self.sandbox, |reply| SandboxMsg::KillAll { reply });
+        let artifacts = self.artifacts().await;
+        if let Some(sandbox) = &self.sandbox {
+            let _ = ractor::call!(sandbox, |reply| SandboxMsg::KillAll { reply });
+        }
         let spent = match ractor::call!(self.account, |reply| AccountMsg::Close { reply }) {
             Ok(closed) => closed.spent(),
             Err(_) => self.meter.amount(),
@@ -771,6 +785,16 @@ impl JobState {
         });
         myself.stop(None);
         Ok(())
+    }
+
+    /// The files the job was seen to write; none without a sandbox.
+    async fn artifacts(&self) -> Vec<String> {
+        match &self.sandbox {
+            Some(sandbox) => {
+                ractor::call!(sandbox, |reply| SandboxMsg::Artifacts { reply }).unwrap_or_default()
+            }
+            None => vec![],
+        }
     }
 
     /// Appended, not committed: nothing outside acts on "running". The job's

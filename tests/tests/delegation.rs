@@ -16,12 +16,15 @@ const SLOW: &str = "description: slow\nscript:\n  - say: working\n    delay: 1h"
 #[tokio::test]
 async fn inv_01_every_node_is_an_actor_under_one_supervisor_and_stopping_stops_below() {
     let boss = agent_md(
-        "subagents: [mid]\nscript:\n  - call: {tool: delegate, args: {wait: false, jobs: [{agent: mid, request: go, label: mid}]}}\n  - call: {tool: collect, args: {}}",
+        "tools: [read_file]\nsubagents: [mid]\nscript:\n  - call: {tool: delegate, args: {wait: false, jobs: [{agent: mid, request: go, label: mid}]}}\n  - call: {tool: collect, args: {}}",
     );
     let mid = agent_md(
-        "description: middle\nsubagents: [leaf]\nscript:\n  - call: {tool: delegate, args: {wait: false, jobs: [{agent: leaf, request: go, label: leaf}]}}\n  - call: {tool: collect, args: {}}",
+        "description: middle\ntools: [read_file]\nsubagents: [leaf]\nscript:\n  - call: {tool: delegate, args: {wait: false, jobs: [{agent: leaf, request: go, label: leaf}]}}\n  - call: {tool: collect, args: {}}",
     );
-    let node = TestNode::start(&[("boss", &boss), ("mid", &mid), ("leaf", &agent_md(SLOW))]).await;
+    // Every one of them may read files, so each has a sandbox (a job offered
+    // no tool that uses one has none: surface.rs).
+    let leaf = agent_md(&format!("tools: [read_file]\n{SLOW}"));
+    let node = TestNode::start(&[("boss", &boss), ("mid", &mid), ("leaf", &leaf)]).await;
     let run = node.run_agent("boss", "go").await;
     node.wait_status(run, "leaf", Status::Running).await;
     let tree = node.tree(run);

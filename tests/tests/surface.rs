@@ -146,3 +146,58 @@ async fn inv_39_a_chatty_jobs_events_are_bounded_in_the_timeline() {
     let elided = tree.node(id).unwrap().events_elided;
     assert_eq!(elided, about_it - arbor_protocol::tree::EVENTS_PER_JOB);
 }
+
+/// A job is given a Sandbox actor only when it is offered a tool that uses
+/// one (`exec`, `read_file`, `write_file`): a wide fan-out of jobs that only
+/// think and answer spawns no sandbox for any of them. Counted on the live
+/// actors: each job's children are its Account, its Sandbox if any, and
+/// its own jobs.
+#[tokio::test]
+async fn a_job_has_a_sandbox_actor_only_when_offered_a_tool_that_uses_one() {
+    let boss = agent_md(
+        "tools: [write_file]\nsubagents: [thinker, writer]\nscript:\n  - call: {tool: delegate, args: {jobs: [{agent: thinker, request: a, label: t}, {agent: writer, request: b, label: w}]}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let waits = "script:\n  - say: working\n    delay: 1h\n    call: {tool: submit_output, args: {output: late}}";
+    let thinker = agent_md(&format!("description: thinks\n{waits}"));
+    let writer = agent_md(&format!(
+        "description: writes\ntools: [write_file]\n{waits}"
+    ));
+    let node =
+        TestNode::start(&[("boss", &boss), ("thinker", &thinker), ("writer", &writer)]).await;
+    let run = node.run_agent("boss", "go").await;
+    let tree = node
+        .wait_until(run, |t| {
+            ["t", "w"].iter().all(|l| {
+                t.find(l)
+                    .and_then(|id| t.node(id))
+                    .is_some_and(|n| n.account.held > 0)
+            })
+        })
+        .await;
+    let children = |label: &str| {
+        let id = tree.find(label).expect(label);
+        ractor::registry::where_is(job_name(id))
+            .expect("its actor is alive")
+            .get_children()
+            .len()
+    };
+    assert_eq!(
+        children("t"),
+        1,
+        "a job with no sandbox tool: its Account only"
+    );
+    assert_eq!(
+        children("w"),
+        2,
+        "write_file (its parent holds it too): its Account and its Sandbox"
+    );
+    assert_eq!(
+        children("boss"),
+        4,
+        "its Account, its Sandbox and its two jobs"
+    );
+    node.stop_run(run).await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Stopped);
+    node.assert_conserved(run);
+}
