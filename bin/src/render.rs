@@ -89,27 +89,33 @@ impl Progress {
             let _ = out.flush();
             self.drawn_lines = lines.len();
         } else {
-            self.plain(root);
+            // One write per draw, not one per line: stdout is line-buffered,
+            // and a fan-out's draw prints a line for each of a thousand jobs.
+            let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+            self.plain(root, &mut out);
+            let _ = out.flush();
         }
     }
 
-    fn plain(&mut self, node: &TreeNode) {
+    fn plain(&mut self, node: &TreeNode, out: &mut impl Write) {
         if self.seen.get(&node.id) != Some(&node.status) {
             self.seen.insert(node.id.clone(), node.status);
-            println!("{}", describe(node, false));
+            let _ = writeln!(out, "{}", describe(node, false));
         }
         for child in &node.children {
-            self.plain(child);
+            self.plain(child, out);
         }
     }
 
     pub fn finish(&mut self, tree: &Tree) {
         let root = tree.root();
         if !self.live {
-            println!();
+            let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+            let _ = writeln!(out);
             for line in lines(&root) {
-                println!("{line}");
+                let _ = writeln!(out, "{line}");
             }
+            let _ = out.flush();
         }
         print_output(&root);
         if let Some(reason) = &root.reason {
