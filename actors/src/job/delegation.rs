@@ -458,29 +458,57 @@ impl JobState {
 }
 
 /// The digest of a delegate call's canonical request (I-32): its JSON with
-/// sorted keys, without the key itself, hashed with SHA-256.
+/// sorted keys, without the key itself, hashed with SHA-256, in lower-case
+/// hex. serde_json's objects keep their keys sorted (its `preserve_order`
+/// feature is off in this workspace), so the JSON of the request's value
+/// is already canonical; a test pins the digest of one request, and would
+/// fail were that to change.
 pub fn delegation_digest(args: &DelegateArgs) -> String {
     use sha2::{Digest, Sha256};
     let mut canonical = serde_json::to_value(args).unwrap_or_default();
     if let Some(map) = canonical.as_object_mut() {
         map.remove("key");
     }
-    let bytes = Sha256::digest(sorted(canonical).to_string().as_bytes());
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    let json = serde_json::to_vec(&canonical).unwrap_or_default();
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    Sha256::digest(&json)
+        .iter()
+        .flat_map(|b| [HEX[usize::from(b >> 4)], HEX[usize::from(b & 15)]])
+        .map(char::from)
+        .collect()
 }
 
-/// The value with every object's keys in sorted order, whatever order they
-/// came in: equal requests serialize equally.
-fn sorted(value: serde_json::Value) -> serde_json::Value {
-    match value {
-        serde_json::Value::Object(map) => {
-            let mut entries: Vec<_> = map.into_iter().collect();
-            entries.sort_by(|a, b| a.0.cmp(&b.0));
-            serde_json::Value::Object(entries.into_iter().map(|(k, v)| (k, sorted(v))).collect())
-        }
-        serde_json::Value::Array(items) => {
-            serde_json::Value::Array(items.into_iter().map(sorted).collect())
-        }
-        other => other,
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A digest is journaled with its delegation and compared after a
+    /// restart (I-32), so the same request must hash the same across
+    /// builds: pinned here, with keys given out of order, a nested schema
+    /// and the key itself (which the digest leaves out).
+    #[test]
+    fn the_digest_of_a_request_is_stable_and_ignores_the_key() {
+        let args: DelegateArgs = serde_json::from_value(serde_json::json!({
+            "key": "k1",
+            "wait": false,
+            "jobs": [
+                {"request": "find it", "agent": "researcher", "label": "a",
+                 "output_schema": {"type": "object", "required": ["b", "a"]}},
+                {"agent": "writer", "request": "write it", "retries": 1}
+            ],
+            "on_failure": "cancel_siblings"
+        }))
+        .unwrap();
+        let digest = delegation_digest(&args);
+        assert_eq!(
+            digest,
+            "8148e9f72f817ac40ca94d3acc800c5b518a4ed991572447426bf536795e1fa7"
+        );
+        let mut other_key = args.clone();
+        other_key.key = Some("k2".into());
+        assert_eq!(delegation_digest(&other_key), digest);
+        let mut other_request = args;
+        other_request.jobs[1].request = "write it again".into();
+        assert_ne!(delegation_digest(&other_request), digest);
     }
 }
