@@ -30,6 +30,7 @@ use ractor::{ActorRef, RpcReplyPort};
 use serde::de::DeserializeOwned;
 use std::collections::BTreeMap;
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -45,6 +46,8 @@ pub struct LoopArgs {
     pub account: ActorRef<AccountMsg>,
     /// None when no tool that uses a sandbox is offered (`ToolName::SANDBOX`).
     pub sandbox: Option<ActorRef<SandboxMsg>>,
+    /// How many steering messages the job holds for the next turn.
+    pub steering_queued: Arc<AtomicUsize>,
     pub model: Arc<dyn Model>,
     pub agent: Arc<AgentDef>,
     pub offered: BTreeMap<ToolName, Result<(), String>>,
@@ -121,8 +124,16 @@ pub async fn run(args: LoopArgs) -> LoopOutcome {
                 format!("turn cap {} reached", args.max_turns),
             );
         }
-        // Turn boundary: steering queued since the last turn comes in now, in order.
-        match ractor::call!(args.job, |reply| JobMsg::TakeSteering { turn, reply }) {
+        // Turn boundary: steering queued since the last turn comes in now,
+        // in order. Asked for only when the job has some: a message queued
+        // after this look waits for the next boundary, as it would had it
+        // come a moment later.
+        let taken = if args.steering_queued.load(Ordering::Acquire) > 0 {
+            ractor::call!(args.job, |reply| JobMsg::TakeSteering { turn, reply })
+        } else {
+            Ok(vec![])
+        };
+        match taken {
             Ok(messages) => {
                 for text in messages {
                     history.push(Message::User(format!("Message from your parent: {text}")));

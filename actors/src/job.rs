@@ -52,6 +52,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
@@ -326,6 +327,7 @@ impl Actor for Job {
             in_flight: Default::default(),
             children: Children::default(),
             steering: VecDeque::new(),
+            steering_queued: Default::default(),
             next_message_id: 1,
             turns: 0,
             finish: None,
@@ -569,6 +571,10 @@ pub struct JobState {
     in_flight: agent_loop::InFlightSlot,
     children: Children,
     steering: VecDeque<(u64, String)>,
+    /// How many messages wait in `steering`, read by the loop at each turn
+    /// boundary: it asks for them (`TakeSteering`) only when there are some,
+    /// not once a turn.
+    steering_queued: Arc<AtomicUsize>,
     next_message_id: u64,
     turns: u32,
     finish: Option<Finish>,
@@ -604,6 +610,7 @@ impl JobState {
             max_turns: self.brief.max_turns,
             cancel: self.cancel.clone(),
             in_flight: self.in_flight.clone(),
+            steering_queued: self.steering_queued.clone(),
         };
         let handle = tokio::spawn(async move {
             let outcome = match AssertUnwindSafe(agent_loop::run(args)).catch_unwind().await {
@@ -699,6 +706,7 @@ impl JobState {
             _ => "its parent ended",
         };
         self.finish = Some(finish);
+        self.steering_queued.store(0, Ordering::Release);
         for (id, text) in std::mem::take(&mut self.steering) {
             self.journal_steer(id, &text, SteerState::Discarded);
             self.ctx.events.emit(

@@ -64,6 +64,8 @@ impl JobState {
         };
         self.next_message_id += 1;
         self.steering.push_back((id, text));
+        self.steering_queued
+            .fetch_add(1, std::sync::atomic::Ordering::Release);
         self.ctx.events.emit(
             self.lineage.run,
             EventKind::SteerQueued {
@@ -84,6 +86,8 @@ impl JobState {
     }
 
     pub(super) fn deliver_steering(&mut self, turn: u32) -> Vec<String> {
+        self.steering_queued
+            .store(0, std::sync::atomic::Ordering::Release);
         let mut texts = vec![];
         while let Some((id, text)) = self.steering.pop_front() {
             self.journal_steer(id, &text, SteerState::Delivered);
