@@ -228,14 +228,13 @@ impl Actor for Account {
                             ));
                         }
                     }
-                    // Appended: every caller commits its children's records
-                    // after this reply and before any child starts (I-29),
-                    // and that commit makes these holds durable first.
-                    state.append_entries(ops)?;
                     for (ask, grant) in asks.iter().zip(grants) {
                         state.ledger.hold_child(ask.child, *grant);
                     }
-                    state.publish();
+                    // Appended: every caller commits its children's records
+                    // after this reply and before any child starts (I-29),
+                    // and that commit makes these holds durable first.
+                    state.append_and_publish(ops, None)?;
                 }
                 let _ = reply.send(result);
             }
@@ -276,9 +275,6 @@ impl Actor for Account {
                 reply,
             } => {
                 state.ledger.settle_call(reserved, spent);
-                if let Some(event) = event {
-                    state.ctx.events.emit(state.run, event);
-                }
                 let ops = state.ledger.ops_pair(reserved, spent, |reserved, spent| {
                     LedgerOp::CallSettle { reserved, spent }
                 });
@@ -287,8 +283,7 @@ impl Actor for Account {
                 // makes it durable before anything acts on it. A crash before
                 // that finds the call still reserved, which recovery charges
                 // in full if it was billed (never less than it cost, I-31).
-                state.append_entries(ops)?;
-                state.publish();
+                state.append_and_publish(ops, event)?;
                 let _ = reply.send(());
             }
             AccountMsg::Settle {
@@ -307,8 +302,7 @@ impl Actor for Account {
                             });
                     // Appended: the caller commits the child's terminal record
                     // next, which makes this durable with it.
-                    state.append_entries(ops)?;
-                    state.publish();
+                    state.append_and_publish(ops, None)?;
                 }
                 let _ = reply.send(());
             }
@@ -325,8 +319,7 @@ impl Actor for Account {
                             .ops_pair(outstanding, Amount::ZERO, |reserved, spent| {
                                 LedgerOp::CallSettle { reserved, spent }
                             });
-                    state.append_entries(ops)?;
-                    state.publish();
+                    state.append_and_publish(ops, None)?;
                 }
                 state.ledger.closed = true;
                 let ops = state
@@ -402,29 +395,48 @@ impl AccountState {
 
     /// Emits the figures after a change, and the wind-down crossing once.
     fn publish(&mut self) {
+        let changed = self.changed();
+        if let Err(error) = self.ctx.events.emit_with(self.run, vec![], changed) {
+            tracing::error!(%error, "could not journal an event");
+        }
+    }
+
+    /// Appends `ops` and, in the same append, emits `first` (the event the
+    /// handler tells of, if any) and the account's new figures.
+    fn append_and_publish(
+        &mut self,
+        ops: Vec<LedgerOp>,
+        first: Option<EventKind>,
+    ) -> Result<(), ActorProcessingErr> {
+        let changed = self.changed();
+        let records = self.records(ops);
+        self.ctx
+            .events
+            .emit_with(self.run, records, first.into_iter().chain(changed))?;
+        Ok(())
+    }
+
+    /// The events that tell of the figures as they are now: `AccountChanged`,
+    /// and `WindDown` the first time spend is past the wind-down share (I-12).
+    fn changed(&mut self) -> Vec<EventKind> {
         self.meter.set(self.ledger.spent_amount());
         let view = self.ledger.view();
-        self.ctx.events.emit(
-            self.run,
-            EventKind::AccountChanged {
-                owner: self.owner,
-                grant: view.grant,
-                spent: view.spent,
-                held: view.held,
-                usd: self.ledger.usd_view(),
-            },
-        );
+        let mut events = vec![EventKind::AccountChanged {
+            owner: self.owner,
+            grant: view.grant,
+            spent: view.spent,
+            held: view.held,
+            usd: self.ledger.usd_view(),
+        }];
         if !self.wind_down_emitted && self.ledger.past_wind_down() {
             self.wind_down_emitted = true;
-            self.ctx.events.emit(
-                self.run,
-                EventKind::WindDown {
-                    owner: self.owner,
-                    spent: view.spent,
-                    grant: view.grant,
-                },
-            );
+            events.push(EventKind::WindDown {
+                owner: self.owner,
+                spent: view.spent,
+                grant: view.grant,
+            });
         }
+        events
     }
 }
 

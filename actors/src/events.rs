@@ -10,7 +10,7 @@
 //! for a run's end waits on `ends`, which moves once per run.
 
 use arbor_protocol::{Event, EventKind, RunId, Tree};
-use arbor_storage::{Journal, Record};
+use arbor_storage::{EncodedEvent, EventKindJson, Journal, Record};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -79,25 +79,63 @@ impl EventBus {
 
     /// Emits one event of `run`: journals it, folds it into the run's tree, broadcasts it.
     pub fn emit(&self, run: RunId, kind: EventKind) {
+        if let Err(error) = self.emit_with(run, vec![], [kind]) {
+            tracing::error!(%error, "could not journal an event");
+        }
+    }
+
+    /// Emits `kinds`, in order, and journals them in one append with
+    /// `records` before them: what one handler decided at once (a call's
+    /// settlement: its ledger entries, `ModelCalled`, `AccountChanged`)
+    /// costs one append, not one each. The events are folded and broadcast
+    /// even if the append fails, as `emit`'s are; the error is the
+    /// append's, for the caller whose records it held.
+    pub fn emit_with(
+        &self,
+        run: RunId,
+        mut records: Vec<Record>,
+        kinds: impl IntoIterator<Item = EventKind>,
+    ) -> Result<(), arbor_storage::Error> {
         let at_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
-        let ended = matches!(kind, EventKind::RunFinished { .. });
-        let event = {
+        // Each kind's JSON is the costly part of its journal value, and needs
+        // no seq: made here, before the lock that every emitter waits on.
+        let kinds: Vec<(EventKind, Result<EventKindJson, arbor_storage::Error>)> = kinds
+            .into_iter()
+            .map(|kind| {
+                let json = EventKindJson::new(&kind);
+                (kind, json)
+            })
+            .collect();
+        let mut ended = false;
+        let mut unencoded = None;
+        let (events, appended) = {
             let mut state = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
-            state.seq += 1;
-            let event = Event {
-                seq: state.seq,
-                run,
-                at_ms,
-                kind,
-            };
-            state
-                .trees
-                .entry(run)
-                .or_insert_with(|| Tree::new(run))
-                .apply(&event);
+            let mut events = Vec::with_capacity(kinds.len());
+            for (kind, json) in kinds {
+                ended |= matches!(kind, EventKind::RunFinished { .. });
+                state.seq += 1;
+                let event = Event {
+                    seq: state.seq,
+                    run,
+                    at_ms,
+                    kind,
+                };
+                match json {
+                    Ok(json) => records.push(Record::EncodedEvent(EncodedEvent::new(
+                        event.seq, run, at_ms, &json,
+                    ))),
+                    Err(e) => unencoded = Some(e),
+                }
+                state
+                    .trees
+                    .entry(run)
+                    .or_insert_with(|| Tree::new(run))
+                    .apply(&event);
+                events.push(Arc::new(event));
+            }
             if state.trees.len() > FINISHED_TREES_KEPT
                 && let Some(finished) = state
                     .trees
@@ -108,18 +146,13 @@ impl EventBus {
                 state.trees.remove(&finished);
             }
             // Journaled under the lock so the journal's order is the emission order.
-            if let Err(error) = self
-                .inner
-                .journal
-                .append(vec![Record::Event(event.clone())])
-            {
-                tracing::error!(%error, "could not journal an event");
-            }
+            let appended = self.inner.journal.append(records);
             // Broadcast under the lock too, so watchers receive events in seq
             // order: one that skips what it has seen by seq loses nothing.
-            let event = Arc::new(event);
-            let _ = self.inner.live.send(Arc::clone(&event));
-            event
+            for event in &events {
+                let _ = self.inner.live.send(Arc::clone(event));
+            }
+            (events, appended)
         };
         let observers = self
             .inner
@@ -127,10 +160,14 @@ impl EventBus {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
-        for observer in observers {
-            observer(&event);
+        for event in &events {
+            for observer in &observers {
+                observer(event);
+            }
         }
-        self.inner.version.fetch_add(1, Ordering::AcqRel);
+        self.inner
+            .version
+            .fetch_add(events.len() as u64, Ordering::AcqRel);
         // A receiver made before the tree was read is counted here (the
         // state lock orders the two), so a waiter misses no change; with
         // none, the bump and its wake-ups are skipped.
@@ -139,6 +176,10 @@ impl EventBus {
         }
         if ended {
             self.inner.ends.send_modify(|v| *v += 1);
+        }
+        match unencoded {
+            Some(e) => Err(e),
+            None => appended.map(|_| ()),
         }
     }
 

@@ -340,13 +340,18 @@ impl Actor for Job {
         myself: ActorRef<Self::Msg>,
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
-        state.journal_self(Status::Running)?;
-        state.ctx.events.emit(
+        // Appended, not committed: nothing outside acts on "running". The
+        // job's first act outside (a model call's reservation, a
+        // delegation's admission) commits after it, and its parent commits
+        // its terminal record, so it is durable before either.
+        let running = state.record(Status::Running);
+        state.ctx.events.emit_with(
             state.lineage.run,
-            EventKind::NodeRunning {
+            vec![running],
+            [EventKind::NodeRunning {
                 id: state.lineage.id,
-            },
-        );
+            }],
+        )?;
         tracing::info!(
             run = %state.lineage.run,
             job = %state.lineage.id,
@@ -805,12 +810,9 @@ impl JobState {
         }
     }
 
-    /// Appended, not committed: nothing outside acts on "running". The job's
-    /// first act outside (a model call's reservation, a delegation's
-    /// admission) commits after it, and its parent commits its terminal
-    /// record, so it is durable before either.
-    fn journal_self(&self, status: Status) -> Result<(), ActorProcessingErr> {
-        let record = JobRecord {
+    /// The job's own record at `status`, as it stands before its end.
+    fn record(&self, status: Status) -> Record {
+        Record::Job(JobRecord {
             id: self.lineage.id,
             run: self.lineage.run,
             parent: self.lineage.parent,
@@ -828,9 +830,7 @@ impl JobState {
             output_json: "null".into(),
             tokens_spent: 0,
             epoch: self.ctx.journal.epoch(),
-        };
-        self.ctx.journal.append(vec![Record::Job(record)])?;
-        Ok(())
+        })
     }
 }
 

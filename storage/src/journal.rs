@@ -227,7 +227,7 @@ impl Journal {
         // encoded fails the whole append with nothing written.
         let first_seq = *last_seq + 1;
         let entries = records
-            .iter()
+            .into_iter()
             .zip(first_seq..)
             .map(|(record, seq)| encode(record, seq))
             .collect::<Result<Vec<_>, _>>()?;
@@ -892,43 +892,46 @@ impl Trees {
 }
 
 /// Which tree a record goes to, under what key, as what bytes.
-fn encode(record: &Record, seq: u64) -> Result<wal::Entry, Error> {
+fn encode(record: Record, seq: u64) -> Result<wal::Entry, Error> {
     Ok(match record {
-        Record::Run(run) => (RUNS, codec::run_key(run.id), codec::encode_bincode(run)?),
+        Record::Run(run) => (RUNS, codec::run_key(run.id), codec::encode_bincode(&run)?),
         Record::Job(job) => (
             JOBS,
             codec::job_key(job.run, job.id),
-            codec::encode_bincode(job)?,
+            codec::encode_bincode(&job)?,
         ),
         Record::Ledger(entry) => (
             LEDGER,
             codec::ledger_key(entry.owner, seq),
-            codec::encode_bincode(entry)?,
+            codec::encode_bincode(&entry)?,
         ),
         Record::Delegation(delegation) => (
             DELEGATIONS,
             codec::delegation_key(delegation.parent, &delegation.key),
-            codec::encode_bincode(delegation)?,
+            codec::encode_bincode(&delegation)?,
         ),
         Record::Steer(steer) => (
             STEERING,
             codec::steer_key(steer.job, steer.message_id),
-            codec::encode_bincode(steer)?,
+            codec::encode_bincode(&steer)?,
         ),
         Record::Event(event) => (
             EVENTS,
             codec::event_key(event.run, event.seq),
-            codec::encode_event(event)?,
+            codec::encode_event(&event)?,
         ),
+        Record::EncodedEvent(event) => {
+            (EVENTS, codec::event_key(event.run, event.seq), event.value)
+        }
         Record::Sandbox(sandbox) => (
             SANDBOXES,
             codec::sandbox_key(sandbox.job, sandbox.pgid),
-            codec::encode_bincode(sandbox)?,
+            codec::encode_bincode(&sandbox)?,
         ),
         Record::Submission(submission) => (
             SUBMISSIONS,
             codec::run_key(submission.run),
-            codec::encode_bincode(submission)?,
+            codec::encode_bincode(&submission)?,
         ),
     })
 }

@@ -66,6 +66,7 @@ mod record;
 mod verify;
 mod wal;
 
+pub use codec::{EncodedEvent, EventKindJson};
 pub use error::Error;
 pub use faults::Faults;
 pub use journal::{Journal, ScanReport, Undecodable, open_db};

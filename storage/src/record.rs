@@ -29,6 +29,8 @@ pub enum Record {
     Delegation(DelegationRecord),
     Steer(SteerRecord),
     Event(Event),
+    /// An event whose value the emitter encoded already (`EncodedEvent`).
+    EncodedEvent(crate::codec::EncodedEvent),
     Sandbox(SandboxRecord),
     Submission(SubmissionRecord),
 }
@@ -43,7 +45,7 @@ impl Record {
             Record::Ledger(entry) => Some(entry.epoch),
             Record::Delegation(delegation) => Some(delegation.epoch),
             Record::Steer(steer) => Some(steer.epoch),
-            Record::Event(_) => None,
+            Record::Event(_) | Record::EncodedEvent(_) => None,
             Record::Sandbox(sandbox) => Some(sandbox.epoch),
             Record::Submission(submission) => Some(submission.epoch),
         }

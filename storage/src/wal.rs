@@ -92,6 +92,11 @@ pub(crate) struct Replay {
 /// Appends one frame for `entries`, which took the seqs from `first_seq` on.
 pub(crate) fn encode_frame(out: &mut Vec<u8>, first_seq: u64, entries: &[Entry]) {
     let start = out.len();
+    let bytes: usize = entries
+        .iter()
+        .map(|(_, key, value)| 9 + key.len() + value.len())
+        .sum();
+    out.reserve(HEADER_BYTES + 12 + bytes);
     out.extend_from_slice(&[0; HEADER_BYTES]);
     out.extend_from_slice(&first_seq.to_le_bytes());
     out.extend_from_slice(&(entries.len() as u32).to_le_bytes());
