@@ -126,6 +126,11 @@ impl Faults {
         !hold.closing
     }
 
+    /// Whether a test holds flushes now.
+    pub(crate) fn flushes_held(&self) -> bool {
+        self.lock().held
+    }
+
     /// The journal is being dropped: wakes a parked flusher for good.
     pub(crate) fn close(&self) {
         self.lock().closing = true;

@@ -47,7 +47,7 @@ pub(crate) struct Overlay {
 
 /// Appends the applier may leave queued before it is woken to take them
 /// early (`journal.rs` applies at most this many in one transaction).
-pub(crate) const QUEUED_WAKE: usize = 8192;
+pub(crate) const QUEUED_WAKE: usize = 32768;
 
 /// One tree's keys, each with the seq that last wrote it and the value.
 type Latest = BTreeMap<Vec<u8>, (u64, Vec<u8>)>;

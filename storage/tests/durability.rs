@@ -680,3 +680,41 @@ async fn appends_nobody_commits_are_written_to_the_log_once_they_add_up() {
     }
     assert!(journal.flush_count() >= 1);
 }
+
+/// A node's clean close may leave to the log what sled has not taken yet
+/// (`leave_unapplied_at_close`): its process ends without waiting for sled,
+/// and the next open applies it. Nothing is lost that way, committed or
+/// only appended: the close writes and syncs every frame first.
+#[tokio::test]
+async fn a_close_that_leaves_sled_behind_the_log_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = JobId::new();
+    let journal = Journal::open(dir.path()).unwrap();
+    journal.leave_unapplied_at_close();
+    for n in 1..=5 {
+        journal.commit(vec![steer(job, n, 1)]).await.unwrap();
+    }
+    // Appended, never committed: written at the close all the same.
+    let last = journal.append(vec![steer(job, 6, 1)]).unwrap();
+    drop(journal);
+
+    // sled was left behind: it holds less than was appended.
+    let in_sled = {
+        let db = arbor_storage::open_db(dir.path()).unwrap();
+        let meta = db.open_tree("meta").unwrap();
+        meta.get("seq")
+            .unwrap()
+            .map(|v| u64::from_be_bytes(v.as_ref().try_into().unwrap()))
+            .unwrap_or(0)
+    };
+    assert!(
+        in_sled < last,
+        "sled holds up to {in_sled}, the log up to {last}"
+    );
+
+    let reopened = Journal::open(dir.path()).unwrap();
+    assert_eq!(message_ids(&reopened, job), (1..=6).collect::<Vec<_>>());
+    assert!(reopened.applied_seq() >= last);
+    let report = reopened.verify().unwrap();
+    assert!(report.is_clean(), "{report:?}");
+}
