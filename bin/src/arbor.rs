@@ -451,10 +451,10 @@ async fn follow(
                 let version = node.events().version();
                 if drawn != Some(version) {
                     drawn = Some(version);
-                    // Built under the bus's lock: a copy of the whole
-                    // tree each draw, then its walk, was twice the work.
-                    let root = node.events().with_tree(run, |tree| tree.map(Tree::root));
-                    view.show(&root.unwrap_or_else(|| Tree::new(run).root()));
+                    // Read under the bus's lock, written after it.
+                    let frame = node.events().with_tree(run, |tree| tree.map(|t| view.frame(t)));
+                    let frame = frame.unwrap_or_else(|| view.frame(&Tree::new(run)));
+                    view.draw(frame);
                 }
             }
             _ = tokio::signal::ctrl_c() => {

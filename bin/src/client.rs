@@ -507,7 +507,7 @@ pub async fn show(client: &Client, run: &str, view: StatusArgs) -> Outcome {
             "{}",
             tree_table(client, std::slice::from_ref(&doc.run), &view)
         );
-        render::print_output(&doc.run);
+        render::print_output(&doc.run.output);
     }
     Ok(run_exit(doc.run.status))
 }
@@ -779,7 +779,7 @@ pub async fn watch(client: &Client, run: &str) -> Outcome {
                 if output == Output::Text && redraw.pending() => {}
         }
         if output == Output::Text && redraw.take_due() {
-            view.show(&tree.root());
+            view.show(&tree);
         }
     };
     // What the stream delivered before it ended.
@@ -788,7 +788,7 @@ pub async fn watch(client: &Client, run: &str) -> Outcome {
     }
     followed?;
     if output == Output::Text && redraw.pending() {
-        view.show(&tree.root());
+        view.show(&tree);
     }
     match output {
         Output::Text => view.finish(&tree),

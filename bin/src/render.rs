@@ -65,6 +65,12 @@ pub struct Progress {
     seen: HashMap<String, Status>,
 }
 
+/// What one draw prints: read off the tree (under the event bus's lock, for
+/// `arbor run`, which then lets go of it) and written after.
+pub struct Frame {
+    lines: Vec<String>,
+}
+
 impl Progress {
     pub fn new(live: bool) -> Self {
         Self {
@@ -74,55 +80,89 @@ impl Progress {
         }
     }
 
-    /// Draws `root`, a run's tree as `Tree::root` builds it.
-    pub fn show(&mut self, root: &TreeNode) {
+    /// The lines the next draw prints: on a terminal, the whole tree; else
+    /// one for each node whose status changed since the last draw. Read
+    /// with `Tree::walk`, with no copy of the tree: a fan-out's thousand
+    /// nodes were copied at every draw.
+    pub fn frame(&mut self, tree: &Tree) -> Frame {
+        let mut lines = vec![];
         if self.live {
-            let lines = lines(root);
-            let mut out = std::io::stdout().lock();
-            if self.drawn_lines > 0 {
-                // Up to the top of what we drew, and clear it.
-                let _ = write!(out, "\x1b[{}F\x1b[J", self.drawn_lines);
-            }
-            for line in &lines {
-                let _ = writeln!(out, "{line}");
-            }
-            let _ = out.flush();
-            self.drawn_lines = lines.len();
+            tree.walk(|node, last| lines.push(tree_line(node, last)));
         } else {
-            // One write per draw, not one per line: stdout is line-buffered,
-            // and a fan-out's draw prints a line for each of a thousand jobs.
-            let mut out = std::io::BufWriter::new(std::io::stdout().lock());
-            self.plain(root, &mut out);
-            let _ = out.flush();
+            tree.walk(|node, _| {
+                let changed = match self.seen.get_mut(&node.id) {
+                    Some(seen) if *seen == node.status => false,
+                    Some(seen) => {
+                        *seen = node.status;
+                        true
+                    }
+                    None => {
+                        self.seen.insert(node.id.clone(), node.status);
+                        true
+                    }
+                };
+                if changed {
+                    lines.push(describe(node, false));
+                }
+            });
+        }
+        Frame { lines }
+    }
+
+    /// Writes a frame: in place of the last one on a terminal, after it
+    /// otherwise. One write either way, not one per line: stdout is
+    /// line-buffered, and a fan-out's draw has a line per job.
+    pub fn draw(&mut self, frame: Frame) {
+        let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+        if self.live && self.drawn_lines > 0 {
+            // Up to the top of what we drew, and clear it.
+            let _ = write!(out, "\x1b[{}F\x1b[J", self.drawn_lines);
+        }
+        for line in &frame.lines {
+            let _ = writeln!(out, "{line}");
+        }
+        let _ = out.flush();
+        if self.live {
+            self.drawn_lines = frame.lines.len();
         }
     }
 
-    fn plain(&mut self, node: &TreeNode, out: &mut impl Write) {
-        if self.seen.get(&node.id) != Some(&node.status) {
-            self.seen.insert(node.id.clone(), node.status);
-            let _ = writeln!(out, "{}", describe(node, false));
-        }
-        for child in &node.children {
-            self.plain(child, out);
-        }
+    /// `frame`, then `draw`.
+    pub fn show(&mut self, tree: &Tree) {
+        let frame = self.frame(tree);
+        self.draw(frame);
     }
 
     pub fn finish(&mut self, tree: &Tree) {
-        let root = tree.root();
+        let mut lines = vec![];
+        let mut artifacts = vec![];
+        let mut end = None;
+        tree.walk(|node, last| {
+            if last.is_empty() {
+                end = Some((node.output.clone(), node.reason.clone()));
+            }
+            if !self.live {
+                lines.push(tree_line(node, last));
+            }
+            if let Some(workdir) = &node.workdir {
+                for a in &node.artifacts {
+                    artifacts.push(std::path::Path::new(workdir).join(a).display().to_string());
+                }
+            }
+        });
         if !self.live {
             let mut out = std::io::BufWriter::new(std::io::stdout().lock());
             let _ = writeln!(out);
-            for line in lines(&root) {
+            for line in lines {
                 let _ = writeln!(out, "{line}");
             }
             let _ = out.flush();
         }
-        print_output(&root);
-        if let Some(reason) = &root.reason {
+        let (output, reason) = end.unwrap_or_default();
+        print_output(&output);
+        if let Some(reason) = reason {
             println!("reason: {reason}");
         }
-        let mut artifacts = vec![];
-        collect_artifacts(&root, &mut artifacts);
         if !artifacts.is_empty() {
             println!("\nartifacts:");
             for path in artifacts {
@@ -133,8 +173,8 @@ impl Progress {
 }
 
 /// The run's answer, after a blank line: text as it is, JSON pretty.
-pub fn print_output(root: &TreeNode) {
-    match &root.output {
+pub fn print_output(output: &serde_json::Value) {
+    match output {
         serde_json::Value::Null => {}
         serde_json::Value::String(s) => println!("\noutput:\n{s}"),
         other => println!(
@@ -144,32 +184,18 @@ pub fn print_output(root: &TreeNode) {
     }
 }
 
-fn collect_artifacts(node: &TreeNode, out: &mut Vec<String>) {
-    if let Some(workdir) = &node.workdir {
-        for a in &node.artifacts {
-            out.push(std::path::Path::new(workdir).join(a).display().to_string());
+/// A node's line in the drawn tree: a branch for each level above it (from
+/// `Tree::walk`'s last-of-its-siblings flags), then what `describe` says.
+fn tree_line(node: &TreeNode, last: &[bool]) -> String {
+    let mut line = String::new();
+    if let Some((own, above)) = last.split_last() {
+        for &was_last in above {
+            line.push_str(if was_last { "   " } else { "│  " });
         }
+        line.push_str(if *own { "└─ " } else { "├─ " });
     }
-    for child in &node.children {
-        collect_artifacts(child, out);
-    }
-}
-
-fn lines(root: &TreeNode) -> Vec<String> {
-    let mut out = vec![describe(root, true)];
-    walk(root, "", &mut out);
-    out
-}
-
-fn walk(node: &TreeNode, prefix: &str, out: &mut Vec<String>) {
-    let n = node.children.len();
-    for (i, child) in node.children.iter().enumerate() {
-        let last = i + 1 == n;
-        let branch = if last { "└─ " } else { "├─ " };
-        out.push(format!("{prefix}{branch}{}", describe(child, true)));
-        let deeper = format!("{prefix}{}", if last { "   " } else { "│  " });
-        walk(child, &deeper, out);
-    }
+    line.push_str(&describe(node, true));
+    line
 }
 
 fn describe(node: &TreeNode, in_tree: bool) -> String {
@@ -211,6 +237,84 @@ fn describe(node: &TreeNode, in_tree: bool) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use arbor_protocol::{Event, EventKind, JobId, ParentRef, RunId};
+
+    /// A run with two steps, the first with two jobs.
+    fn tree() -> (Tree, [JobId; 4]) {
+        let run = RunId::new();
+        let ids = [JobId::new(), JobId::new(), JobId::new(), JobId::new()];
+        let spawned = |id, parent, label: &str| EventKind::NodeSpawned {
+            id,
+            parent,
+            kind: if matches!(parent, ParentRef::Run(_)) {
+                NodeKind::Step
+            } else {
+                NodeKind::Job
+            },
+            agent: "a".into(),
+            label: Some(label.into()),
+            depth: 0,
+            attempt: 1,
+            grant_tokens: 10,
+            grant_usd_micros: None,
+            workdir: "/w".into(),
+            record_seq: 1,
+            request: "x".into(),
+        };
+        let [s1, s2, j1, j2] = ids;
+        let mut tree = Tree::new(run);
+        let events = [
+            spawned(s1, ParentRef::Run(run), "s1"),
+            spawned(s2, ParentRef::Run(run), "s2"),
+            spawned(j1, ParentRef::Job(s1), "j1"),
+            spawned(j2, ParentRef::Job(s1), "j2"),
+        ];
+        for (seq, kind) in (1..).zip(events) {
+            tree.apply(&Event {
+                seq,
+                run,
+                at_ms: 0,
+                kind,
+            });
+        }
+        (tree, ids)
+    }
+
+    #[test]
+    fn on_a_terminal_a_frame_is_the_whole_tree_with_its_branches() {
+        let (tree, _) = tree();
+        let lines = Progress::new(true).frame(&tree).lines;
+        let starts: Vec<&str> = lines
+            .iter()
+            .map(|l| l.split(" [").next().unwrap_or_default())
+            .collect();
+        assert!(starts[0].starts_with("run "), "{lines:?}");
+        assert_eq!(
+            starts[1..],
+            ["├─ s1 (a)", "│  ├─ j1 (a)", "│  └─ j2 (a)", "└─ s2 (a)"]
+        );
+    }
+
+    #[test]
+    fn plain_frames_print_each_node_once_and_again_only_when_its_status_changes() {
+        let (mut tree, [s1, ..]) = tree();
+        let mut view = Progress::new(false);
+        assert_eq!(
+            view.frame(&tree).lines.len(),
+            5,
+            "every node, the first time"
+        );
+        assert!(view.frame(&tree).lines.is_empty(), "nothing changed since");
+        tree.apply(&Event {
+            seq: 9,
+            run: tree.run_id(),
+            at_ms: 0,
+            kind: EventKind::NodeRunning { id: s1 },
+        });
+        let lines = view.frame(&tree).lines;
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        assert!(lines[0].starts_with("s1 (a) [running]"), "{lines:?}");
+    }
 
     #[tokio::test(start_paused = true)]
     async fn a_burst_of_changes_is_drawn_once_and_its_last_change_is_not_lost() {

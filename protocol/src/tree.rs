@@ -329,6 +329,35 @@ impl Tree {
         node
     }
 
+    /// Visits the run and every node below it in the order `root` lists
+    /// them (depth first, children in spawn order), without building a
+    /// copy of the tree. `f` gets each node (whose `children` are empty
+    /// here) and, for each level from the run's children down to the node
+    /// itself, whether the node at that level is the last of its siblings:
+    /// all a drawing needs for its branches.
+    pub fn walk(&self, mut f: impl FnMut(&TreeNode, &[bool])) {
+        f(&self.root, &[]);
+        let mut path = Vec::new();
+        self.walk_below(&self.root_children, &mut path, &mut f);
+    }
+
+    fn walk_below(
+        &self,
+        children: &[JobId],
+        path: &mut Vec<bool>,
+        f: &mut impl FnMut(&TreeNode, &[bool]),
+    ) {
+        for (i, id) in children.iter().enumerate() {
+            let Some(e) = self.entries.get(id) else {
+                continue;
+            };
+            path.push(i + 1 == children.len());
+            f(&e.node, path);
+            self.walk_below(&e.children, path, f);
+            path.pop();
+        }
+    }
+
     /// One step or job with its descendants, as `root` would show it.
     pub fn subtree(&self, id: JobId) -> Option<TreeNode> {
         self.entries.contains_key(&id).then(|| self.build(id))
@@ -513,6 +542,50 @@ mod tests {
             spent,
             held,
         }
+    }
+
+    /// `walk` visits what `root` builds, in the same order, and says at
+    /// each level whether the node there is the last of its siblings.
+    #[test]
+    fn a_walk_visits_the_nodes_root_lists_in_its_order() {
+        let run = RunId::new();
+        let (a, b, a1, a2) = (JobId::new(), JobId::new(), JobId::new(), JobId::new());
+        let job = |id, parent| spawned(run, id, parent, 10);
+        let events = [
+            job(a, ParentRef::Run(run)),
+            job(b, ParentRef::Run(run)),
+            job(a1, ParentRef::Job(a)),
+            job(a2, ParentRef::Job(a)),
+        ];
+        let mut tree = Tree::new(run);
+        for (i, kind) in events.into_iter().enumerate() {
+            tree.apply(&at(run, i as u64, kind));
+        }
+        fn flatten(node: &TreeNode, out: &mut Vec<String>) {
+            out.push(node.id.clone());
+            for child in &node.children {
+                flatten(child, out);
+            }
+        }
+        let mut built = vec![];
+        flatten(&tree.root(), &mut built);
+        let mut walked = vec![];
+        tree.walk(|node, last| walked.push((node.id.clone(), last.to_vec())));
+        assert_eq!(
+            walked.iter().map(|(id, _)| id.clone()).collect::<Vec<_>>(),
+            built
+        );
+        let lasts: Vec<Vec<bool>> = walked.into_iter().map(|(_, l)| l).collect();
+        assert_eq!(
+            lasts,
+            vec![
+                vec![],
+                vec![false],
+                vec![false, false],
+                vec![false, true],
+                vec![true]
+            ]
+        );
     }
 
     #[test]
