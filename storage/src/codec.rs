@@ -29,6 +29,11 @@ pub(crate) const LEDGER: &str = "ledger";
 pub(crate) const DELEGATIONS: &str = "delegations";
 pub(crate) const STEERING: &str = "steering";
 pub(crate) const EVENTS: &str = "events";
+/// An event's key begins with its run (16 bytes), a ledger entry's with its
+/// owner (a tag byte and 16): history trees keep each owner's records
+/// together (`encode_event_chunk`, `Overlay`).
+pub(crate) const EVENT_OWNER_BYTES: usize = 16;
+pub(crate) const LEDGER_OWNER_BYTES: usize = 17;
 pub(crate) const SANDBOXES: &str = "sandboxes";
 pub(crate) const SUBMISSIONS: &str = "submissions";
 pub(crate) const META: &str = "meta";

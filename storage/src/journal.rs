@@ -622,7 +622,7 @@ impl Journal {
             }
             seq = frame.last_seq();
             batch.extend(frame.entries);
-            if batch.len() >= MAX_BATCH_ENTRIES {
+            if batch.len() >= APPLY_STEP {
                 trees.apply(&batch, seq)?;
                 batch.clear();
             }
@@ -672,7 +672,7 @@ impl Journal {
             faults: Arc::new(Faults::default()),
             read_only,
             pending: Arc::new(Mutex::new(Pending::default())),
-            overlay: Arc::new(Mutex::new(Overlay::default())),
+            overlay: Arc::new(Mutex::new(Overlay::new())),
             work: (!read_only).then_some(work),
             waiters: Some(waiters),
             flusher: Mutex::new(None),
@@ -739,6 +739,16 @@ impl Journal {
         self.inner.leave_unapplied.store(true, Ordering::Release);
     }
 
+    /// Writes sled's own buffers to its files: not a checkpoint (the log
+    /// keeps what sled has not taken), but what a process that ends without
+    /// dropping the journal owes sled, whose next open otherwise finds its
+    /// files cut short, says so, and drops what its own log lacks (which
+    /// the journal's log replays: nothing is lost either way).
+    pub fn flush_store(&self) -> Result<(), Error> {
+        self.inner.db.flush()?;
+        Ok(())
+    }
+
     /// Waits until a flush covers `seq` (a seq `append` returned): what
     /// `commit` does after its append, for a caller that must answer later
     /// without holding up its own work meanwhile.
@@ -795,11 +805,21 @@ impl Drop for Inner {
                 .get_mut()
                 .unwrap_or_else(PoisonError::into_inner)
                 .take();
+            let t = std::time::Instant::now();
             if let Some(handle) = handle
                 && handle.join().is_err()
             {
                 tracing::error!("the journal {name} panicked");
             }
+            if std::env::var_os("ARBOR_PHASES").is_some() {
+                eprintln!("drop: {name} joined in {:?}", t.elapsed());
+            }
+        }
+        let t = std::time::Instant::now();
+        let trees = std::mem::replace(&mut self.trees, Trees::open(&self.db).unwrap());
+        drop(trees);
+        if std::env::var_os("ARBOR_PHASES").is_some() {
+            eprintln!("drop: trees dropped in {:?}", t.elapsed());
         }
     }
 }
@@ -844,8 +864,8 @@ impl Trees {
         for entry in entries {
             let (tree, key, value) = entry;
             let owner_bytes = match *tree {
-                EVENTS => 16,
-                LEDGER => 17,
+                EVENTS => codec::EVENT_OWNER_BYTES,
+                LEDGER => codec::LEDGER_OWNER_BYTES,
                 _ => {
                     insert(tree, key, value);
                     continue;
@@ -1228,8 +1248,9 @@ fn start_thread(
 }
 
 /// At most this many entries go into one sled transaction, so a backlog is
-/// applied in steps rather than held in memory as one huge transaction.
-const MAX_BATCH_ENTRIES: usize = crate::overlay::QUEUED_WAKE;
+/// applied in steps rather than held in memory as one huge transaction, and
+/// a close that leaves the rest to the log waits for one step at most.
+const APPLY_STEP: usize = 4096;
 
 /// How long the applier gathers appends before it applies them. Nothing
 /// waits for the applier (reads see the overlay, commits wait for the log),
@@ -1271,7 +1292,10 @@ impl Applier {
                 },
                 request => Some(request),
             };
-            self.apply_queued();
+            // A checkpoint and a drain need everything queued in sled; a
+            // wake only asks, and gives way to a close that leaves the rest
+            // to the log.
+            self.apply_queued(then.is_none() || matches!(then, Some(Work::Wake)));
             match then {
                 Some(Work::Checkpoint(segments)) => self.checkpoint(&segments),
                 Some(Work::Drain(done)) => {
@@ -1280,23 +1304,27 @@ impl Applier {
                 Some(Work::Wake) | None => {}
             }
         }
-        if !self.leave_unapplied.load(Ordering::Acquire) {
-            self.apply_queued();
-        }
+        self.apply_queued(true);
     }
 
-    /// Takes everything queued and applies it, at most `MAX_BATCH_ENTRIES`
-    /// to a transaction.
-    fn apply_queued(&self) {
-        let (first_seq, queued) = self
-            .overlay
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take_queued();
-        let mut seq = first_seq;
-        for batch in queued.chunks(MAX_BATCH_ENTRIES) {
-            seq += batch.len() as u64;
-            self.apply(batch, seq - 1);
+    /// Takes what is queued and applies it, `APPLY_STEP` entries to a
+    /// transaction. If `yielding`, it stops between steps once the journal
+    /// is to leave the rest to the log (`leave_unapplied_at_close`): a close
+    /// then waits for one step at most, not for a whole backlog.
+    fn apply_queued(&self, yielding: bool) {
+        loop {
+            if yielding && self.leave_unapplied.load(Ordering::Acquire) {
+                return;
+            }
+            let (first_seq, batch) = self
+                .overlay
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take_queued(APPLY_STEP);
+            if batch.is_empty() {
+                return;
+            }
+            self.apply(&batch, first_seq + batch.len() as u64 - 1);
         }
     }
 

@@ -28,21 +28,25 @@
 //!    queued, and the applier takes the queue before it acts on any request,
 //!    so it has applied them before it flushes sled.
 
-use crate::codec::RECORD_TREES;
+use crate::codec::{EVENTS, LEDGER, RECORD_TREES};
 use crate::wal::Entry;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::mpsc;
 
 /// The entries appended and not yet applied to sled, by tree, and those
 /// of them the applier has not taken yet, in seq order.
-#[derive(Default)]
 pub(crate) struct Overlay {
-    trees: [Latest; RECORD_TREES.len()],
-    /// Not yet taken by the applier: whole appends, seq after seq, the
-    /// first of them at `queued_from`.
-    queued: Vec<Entry>,
-    queued_from: u64,
+    /// The state trees (runs, jobs, ...): a key may be written again.
+    states: [Latest; RECORD_TREES.len()],
+    /// The history trees (events, the ledger): every key is new.
+    events: History,
+    ledger: History,
+    /// Not yet taken by the applier: whole appends, seq after seq, each
+    /// with the seq of its first entry.
+    queued: VecDeque<(u64, Vec<Entry>)>,
+    /// How many entries `queued` holds.
+    queued_len: usize,
 }
 
 /// Appends the applier may leave queued before it is woken to take them
@@ -52,7 +56,115 @@ pub(crate) const QUEUED_WAKE: usize = 32768;
 /// One tree's keys, each with the seq that last wrote it and the value.
 type Latest = BTreeMap<Vec<u8>, (u64, Vec<u8>)>;
 
+/// A history tree's entries by owner (a key's first bytes: the run of an
+/// event, the account of a ledger entry), each owner's in seq order: a
+/// queue, pushed at the back and applied from the front (the applier takes
+/// appends in seq order). Reads sort what they take. A sorted map of every
+/// key cost an append more than anything else it did.
+struct History {
+    owners: HashMap<Vec<u8>, VecDeque<Pending>>,
+    /// How many bytes of a key name its owner.
+    owner_bytes: usize,
+}
+
+/// (seq, key, value)
+type Pending = (u64, Vec<u8>, Vec<u8>);
+
+impl History {
+    fn of(owner_bytes: usize) -> Self {
+        Self {
+            owners: HashMap::new(),
+            owner_bytes,
+        }
+    }
+
+    fn owner<'k>(&self, key: &'k [u8]) -> &'k [u8] {
+        &key[..key.len().min(self.owner_bytes)]
+    }
+
+    fn insert(&mut self, seq: u64, key: &[u8], value: &[u8]) {
+        let queue = match self.owners.get_mut(self.owner(key)) {
+            Some(queue) => queue,
+            None => self.owners.entry(self.owner(key).to_vec()).or_default(),
+        };
+        queue.push_back((seq, key.to_vec(), value.to_vec()));
+    }
+
+    /// Drops the front of `key`'s owner's queue up to `applied_seq`.
+    fn applied(&mut self, key: &[u8], applied_seq: u64) {
+        let owner = self.owner(key);
+        if let Some(queue) = self.owners.get_mut(owner) {
+            while queue.front().is_some_and(|(seq, ..)| *seq <= applied_seq) {
+                queue.pop_front();
+            }
+            if queue.is_empty() {
+                self.owners.remove(owner);
+            }
+        }
+    }
+
+    /// Point reads of history are rare (reads take an owner's whole
+    /// history): a walk of the owner's queue, newest first.
+    fn get(&self, key: &[u8]) -> Option<&[u8]> {
+        self.owners
+            .get(self.owner(key))?
+            .iter()
+            .rev()
+            .find(|(_, k, _)| k == key)
+            .map(|(_, _, value)| value.as_slice())
+    }
+
+    /// Every entry under `prefix`, in key order.
+    fn prefixed<'a>(&'a self, prefix: &[u8]) -> Vec<(&'a [u8], &'a [u8])> {
+        let pick = |queue: &'a VecDeque<Pending>| {
+            queue
+                .iter()
+                .filter(|(_, key, _)| key.starts_with(prefix))
+                .map(|(_, key, value)| (key.as_slice(), value.as_slice()))
+                .collect::<Vec<_>>()
+        };
+        if prefix.len() >= self.owner_bytes {
+            return self
+                .owners
+                .get(&prefix[..self.owner_bytes])
+                .map(pick)
+                .unwrap_or_default();
+        }
+        // Shorter than an owner: every owner it starts, merged.
+        let mut all: Vec<_> = self
+            .owners
+            .iter()
+            .filter(|(owner, _)| owner.starts_with(prefix))
+            .flat_map(|(_, queue)| pick(queue))
+            .collect();
+        all.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        all
+    }
+
+    fn is_empty(&self) -> bool {
+        self.owners.is_empty()
+    }
+}
+
 impl Overlay {
+    pub(crate) fn new() -> Self {
+        Self {
+            states: Default::default(),
+            events: History::of(crate::codec::EVENT_OWNER_BYTES),
+            ledger: History::of(crate::codec::LEDGER_OWNER_BYTES),
+            queued: VecDeque::new(),
+            queued_len: 0,
+        }
+    }
+
+    fn history(&self, tree: &str) -> Option<&History> {
+        match tree {
+            EVENTS => Some(&self.events),
+            LEDGER => Some(&self.ledger),
+            _ => None,
+        }
+    }
+
     /// Records one append's entries, which took the seqs from `first_seq` on,
     /// and queues them for the applier. Says whether the applier must be
     /// woken: the queue was empty (it sleeps until told otherwise), or it has
@@ -60,38 +172,61 @@ impl Overlay {
     /// waking it once per append was a tenth of a fan-out's CPU.
     pub(crate) fn insert(&mut self, first_seq: u64, entries: Vec<Entry>) -> bool {
         for ((tree, key, value), seq) in entries.iter().zip(first_seq..) {
-            self.trees[tree_index(tree)].insert(key.clone(), (seq, value.clone()));
+            match *tree {
+                EVENTS => self.events.insert(seq, key, value),
+                LEDGER => self.ledger.insert(seq, key, value),
+                _ => {
+                    self.states[tree_index(tree)].insert(key.clone(), (seq, value.clone()));
+                }
+            }
         }
-        let before = self.queued.len();
-        if before == 0 {
-            self.queued_from = first_seq;
-        }
-        self.queued.extend(entries);
-        before == 0 || (before < QUEUED_WAKE && self.queued.len() >= QUEUED_WAKE)
+        let before = self.queued_len;
+        self.queued_len += entries.len();
+        self.queued.push_back((first_seq, entries));
+        before == 0 || (before < QUEUED_WAKE && self.queued_len >= QUEUED_WAKE)
     }
 
-    /// Everything queued so far, with the seq of its first entry (entry `i`
-    /// took seq `first + i`), for the applier.
-    pub(crate) fn take_queued(&mut self) -> (u64, Vec<Entry>) {
-        (self.queued_from, std::mem::take(&mut self.queued))
+    /// Whole appends from the front of the queue, until they hold `most`
+    /// entries or more (one append at least), with the seq of their first
+    /// entry (entry `i` took seq `first + i`), for the applier. Whole, so a
+    /// transaction never ends inside an append (invariant 2).
+    pub(crate) fn take_queued(&mut self, most: usize) -> (u64, Vec<Entry>) {
+        let first = self.queued.front().map_or(0, |(seq, _)| *seq);
+        let mut taken = Vec::new();
+        while taken.len() < most
+            && let Some((_, entries)) = self.queued.pop_front()
+        {
+            taken.extend(entries);
+        }
+        self.queued_len -= taken.len();
+        (first, taken)
     }
 
     /// Forgets what a transaction up to `applied_seq` put in sled
     /// (invariant 3): an entry a later append overwrote stays.
     pub(crate) fn applied(&mut self, entries: &[Entry], applied_seq: u64) {
         for (tree, key, _) in entries {
-            let tree = &mut self.trees[tree_index(tree)];
-            if tree.get(key).is_some_and(|(seq, _)| *seq <= applied_seq) {
-                tree.remove(key);
+            match *tree {
+                EVENTS => self.events.applied(key, applied_seq),
+                LEDGER => self.ledger.applied(key, applied_seq),
+                _ => {
+                    let tree = &mut self.states[tree_index(tree)];
+                    if tree.get(key).is_some_and(|(seq, _)| *seq <= applied_seq) {
+                        tree.remove(key);
+                    }
+                }
             }
         }
     }
 
     /// The value under `key`, if an append not yet applied wrote one.
     pub(crate) fn get(&self, tree: &str, key: &[u8]) -> Option<&[u8]> {
-        self.trees[tree_index(tree)]
-            .get(key)
-            .map(|(_, value)| value.as_slice())
+        match self.history(tree) {
+            Some(history) => history.get(key),
+            None => self.states[tree_index(tree)]
+                .get(key)
+                .map(|(_, value)| value.as_slice()),
+        }
     }
 
     /// `sled`'s entries under `prefix`, in key order, with the overlay's laid
@@ -106,17 +241,29 @@ impl Overlay {
             .into_iter()
             .map(|(key, value)| (key.to_vec(), value.to_vec()))
             .collect();
-        for (key, (_, value)) in self.trees[tree_index(tree)]
-            .range(prefix.to_vec()..)
-            .take_while(|(key, _)| key.starts_with(prefix))
-        {
-            merged.insert(key.clone(), value.clone());
+        match self.history(tree) {
+            Some(history) => {
+                for (key, value) in history.prefixed(prefix) {
+                    merged.insert(key.to_vec(), value.to_vec());
+                }
+            }
+            None => {
+                for (key, (_, value)) in self.states[tree_index(tree)]
+                    .range(prefix.to_vec()..)
+                    .take_while(|(key, _)| key.starts_with(prefix))
+                {
+                    merged.insert(key.clone(), value.clone());
+                }
+            }
         }
         merged.into_iter().collect()
     }
 
     pub(crate) fn is_empty(&self) -> bool {
-        self.trees.iter().all(BTreeMap::is_empty) && self.queued.is_empty()
+        self.states.iter().all(BTreeMap::is_empty)
+            && self.events.is_empty()
+            && self.ledger.is_empty()
+            && self.queued.is_empty()
     }
 }
 
@@ -142,7 +289,7 @@ pub(crate) enum Work {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::codec::{JOBS, STEERING};
+    use crate::codec::{JOBS, LEDGER, LEDGER_OWNER_BYTES, STEERING};
 
     fn entry(tree: &'static str, key: &[u8], value: &[u8]) -> Entry {
         (tree, key.to_vec(), value.to_vec())
@@ -150,10 +297,10 @@ mod tests {
 
     #[test]
     fn an_entry_a_later_append_overwrote_stays_when_the_earlier_one_is_applied() {
-        let mut overlay = Overlay::default();
+        let mut overlay = Overlay::new();
         assert!(overlay.insert(1, vec![entry(JOBS, b"k", b"old")]), "wakes");
         assert!(!overlay.insert(2, vec![entry(JOBS, b"k", b"new")]), "woken");
-        let (first, queued) = overlay.take_queued();
+        let (first, queued) = overlay.take_queued(usize::MAX);
         assert_eq!((first, queued.len()), (1, 2));
         overlay.applied(&[entry(JOBS, b"k", b"old")], 1);
         assert_eq!(overlay.get(JOBS, b"k"), Some(&b"new"[..]));
@@ -162,9 +309,58 @@ mod tests {
         assert!(overlay.is_empty());
     }
 
+    /// History (here the ledger, 17-byte owners) is read by owner or by a
+    /// shorter prefix, in key order, and leaves as the applier applies it.
+    #[test]
+    fn history_is_read_by_owner_in_key_order_and_leaves_once_applied() {
+        let key = |owner: u8, seq: u64| {
+            let mut key = vec![owner; LEDGER_OWNER_BYTES];
+            key.extend_from_slice(&seq.to_be_bytes());
+            key
+        };
+        let (a, b) = (1, 2);
+        let mut overlay = Overlay::new();
+        overlay.insert(
+            1,
+            vec![
+                (LEDGER, key(b, 1), b"b1".to_vec()),
+                (LEDGER, key(a, 2), b"a2".to_vec()),
+                (JOBS, b"j".to_vec(), b"job".to_vec()),
+            ],
+        );
+        overlay.insert(4, vec![(LEDGER, key(a, 4), b"a4".to_vec())]);
+        let values = |overlay: &Overlay, prefix: &[u8]| -> Vec<Vec<u8>> {
+            overlay
+                .merge_prefix(LEDGER, prefix, vec![])
+                .into_iter()
+                .map(|(_, v)| v)
+                .collect()
+        };
+        assert_eq!(
+            values(&overlay, &key(a, 0)[..LEDGER_OWNER_BYTES]),
+            [b"a2", b"a4"]
+        );
+        assert_eq!(
+            values(&overlay, &[]),
+            [b"a2".to_vec(), b"a4".to_vec(), b"b1".to_vec()]
+        );
+        assert_eq!(overlay.get(LEDGER, &key(a, 4)), Some(&b"a4"[..]));
+        assert_eq!(overlay.get(LEDGER, &key(a, 3)), None);
+
+        let (first, queued) = overlay.take_queued(3);
+        assert_eq!((first, queued.len()), (1, 3));
+        let (next, rest) = overlay.take_queued(3);
+        assert_eq!((next, rest.len()), (4, 1));
+        let queued: Vec<_> = queued.into_iter().chain(rest).collect();
+        overlay.applied(&queued[..3], 3);
+        assert_eq!(values(&overlay, &[]), [b"a4"], "applied up to seq 3");
+        overlay.applied(&queued[3..], 4);
+        assert!(overlay.is_empty());
+    }
+
     #[test]
     fn a_prefix_read_lays_the_overlay_over_sleds_entries_in_key_order() {
-        let mut overlay = Overlay::default();
+        let mut overlay = Overlay::new();
         overlay.insert(
             7,
             vec![
