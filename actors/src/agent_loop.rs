@@ -50,7 +50,7 @@ pub struct LoopArgs {
     pub steering_queued: Arc<AtomicUsize>,
     pub model: Arc<dyn Model>,
     pub agent: Arc<AgentDef>,
-    pub offered: BTreeMap<ToolName, Result<(), String>>,
+    pub offered: Arc<BTreeMap<ToolName, Result<(), String>>>,
     pub request: String,
     pub max_turns: u32,
     pub cancel: CancellationToken,

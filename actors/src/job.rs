@@ -313,7 +313,7 @@ impl Actor for Job {
             agent: start.agent,
             brief: start.brief,
             policy: start.policy,
-            offered,
+            offered: Arc::new(offered),
             grant: start.grant,
             workdir: start.workdir,
             parent: start.parent,
@@ -558,7 +558,8 @@ pub struct JobState {
     agent: Arc<AgentDef>,
     brief: Brief,
     policy: Policy,
-    offered: BTreeMap<ToolName, Result<(), String>>,
+    /// Shared with its loop, which it starts once.
+    offered: Arc<BTreeMap<ToolName, Result<(), String>>>,
     grant: Grant,
     workdir: PathBuf,
     parent: ParentHandle,

@@ -373,6 +373,19 @@ impl EmbeddedNode {
         self.close().await
     }
 
+    /// `shutdown`, for a process that exits right after: once the node is
+    /// stopped and its journal synced, what it built in memory (a wide
+    /// run's tree, the journal's queues, every record not yet in sled) is
+    /// left for the exit to reclaim instead of being freed piece by piece,
+    /// which took a 1,088-job run 5 ms. Nothing durable depends on it: the
+    /// log holds every append, and the next open applies what sled lacks.
+    pub async fn shutdown_for_exit(self) -> Result<(), Error> {
+        self.close().await?;
+        self.ctx.journal.flush_store()?;
+        std::mem::forget(self);
+        Ok(())
+    }
+
     /// `shutdown` through a shared handle (the service holds the node in an
     /// `Arc`). Afterwards the node takes no more runs; a second call only
     /// flushes the journal again.
