@@ -19,6 +19,7 @@ use crate::record::{
 use arbor_protocol::{Event, EventKind, JobId, ParentRef, RunId};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use std::sync::Arc;
 
 /// The version byte that starts every record value.
 pub(crate) const FORMAT_VERSION: u8 = 1;
@@ -98,8 +99,10 @@ pub(crate) fn sandbox_key(job: JobId, pgid: i32) -> Vec<u8> {
     [job.0.as_bytes().as_slice(), &pgid.to_be_bytes()].concat()
 }
 
-/// Version byte ++ bincode (serde mode, standard config).
-pub(crate) fn encode_bincode<T: Serialize>(value: &T) -> Result<Vec<u8>, Error> {
+/// Version byte ++ bincode (serde mode, standard config). Shared, as the
+/// journal keeps a value: not copied between the overlay's read index and
+/// the applier's queue.
+pub(crate) fn encode_bincode<T: Serialize>(value: &T) -> Result<Arc<[u8]>, Error> {
     versioned(|bytes| {
         bincode::serde::encode_into_std_write(value, bytes, bincode::config::standard())
             .map(|_| ())
@@ -111,7 +114,9 @@ pub(crate) fn encode_bincode<T: Serialize>(value: &T) -> Result<Vec<u8>, Error> 
 /// its size. Written into a buffer kept per thread and copied out once: a
 /// value grown from one byte took a handful of reallocations and copies,
 /// which came to a twentieth of a wide fan-out's instructions.
-fn versioned(write: impl FnOnce(&mut Vec<u8>) -> Result<(), Error>) -> Result<Vec<u8>, Error> {
+fn versioned<O: for<'a> From<&'a [u8]>>(
+    write: impl FnOnce(&mut Vec<u8>) -> Result<(), Error>,
+) -> Result<O, Error> {
     thread_local! {
         static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
     }
@@ -128,7 +133,7 @@ fn versioned(write: impl FnOnce(&mut Vec<u8>) -> Result<(), Error>) -> Result<Ve
         };
         bytes.clear();
         bytes.push(FORMAT_VERSION);
-        let written = write(bytes).map(|()| bytes.as_slice().to_vec());
+        let written = write(bytes).map(|()| O::from(bytes.as_slice()));
         if bytes.capacity() > KEPT {
             *bytes = Vec::new();
         }
@@ -140,7 +145,7 @@ fn versioned(write: impl FnOnce(&mut Vec<u8>) -> Result<(), Error>) -> Result<Ve
 /// encode neither `serde_json::Value` (their outputs) nor internally tagged
 /// enums (`EventKind` is `#[serde(tag = "type")]`): both need
 /// `deserialize_any`, which a non-self-describing format cannot offer.
-pub(crate) fn encode_event(event: &Event) -> Result<Vec<u8>, Error> {
+pub(crate) fn encode_event(event: &Event) -> Result<Arc<[u8]>, Error> {
     versioned(|bytes| serde_json::to_writer(bytes, event).map_err(|e| Error::Encode(e.to_string())))
 }
 
@@ -165,21 +170,21 @@ impl EventKindJson {
 pub struct EncodedEvent {
     pub(crate) run: RunId,
     pub(crate) seq: u64,
-    pub(crate) value: Vec<u8>,
+    pub(crate) value: Arc<[u8]>,
 }
 
 impl EncodedEvent {
     pub fn new(seq: u64, run: RunId, at_ms: u64, kind: &EventKindJson) -> Self {
         use std::io::Write;
-        let mut value = Vec::with_capacity(kind.0.len() + 96);
-        value.push(FORMAT_VERSION);
+        let mut head = Vec::with_capacity(96);
+        head.push(FORMAT_VERSION);
         // The field order of `Event`'s own serialization.
         let _ = write!(
-            value,
+            head,
             "{{\"seq\":{seq},\"run\":\"{run}\",\"at_ms\":{at_ms},\"kind\":"
         );
-        value.extend_from_slice(&kind.0);
-        value.push(b'}');
+        // One allocation, of the value's size.
+        let value = head.iter().chain(&kind.0).chain(b"}").copied().collect();
         Self { run, seq, value }
     }
 }
@@ -469,7 +474,7 @@ mod tests {
             state: SteerState::Delivered,
             epoch: 3,
         };
-        let bytes = encode_bincode(&steer).unwrap();
+        let bytes = encode_bincode(&steer).unwrap().to_vec();
         assert_eq!(bytes[0], FORMAT_VERSION);
         assert_eq!(decode_bincode::<SteerRecord>(&bytes).unwrap(), steer);
     }
@@ -487,7 +492,7 @@ mod tests {
                 output: serde_json::json!({"answer": [1, 2]}),
             },
         };
-        let bytes = encode_event(&event).unwrap();
+        let bytes = encode_event(&event).unwrap().to_vec();
         assert_eq!(bytes[0], FORMAT_VERSION);
         assert_eq!(decode_event(&bytes).unwrap(), event);
         assert!(check_entry(EVENTS, &event_key(event.run, 9), &bytes).is_ok());
@@ -536,7 +541,7 @@ mod tests {
                 String::from_utf8_lossy(&parts.value),
                 String::from_utf8_lossy(&whole)
             );
-            assert_eq!(parts.value, whole);
+            assert_eq!(&parts.value[..], &whole[..]);
         }
     }
 
@@ -552,7 +557,9 @@ mod tests {
                 group: seq as u32,
             },
         };
-        let lone: Vec<Vec<u8>> = [4, 5, 7].map(|s| encode_event(&event(s)).unwrap()).into();
+        let lone: Vec<Vec<u8>> = [4, 5, 7]
+            .map(|s| encode_event(&event(s)).unwrap().to_vec())
+            .into();
         let chunk = encode_event_chunk(lone.iter().map(Vec::as_slice));
         assert_eq!(
             decode_events(&chunk).unwrap(),
@@ -591,7 +598,7 @@ mod tests {
             .map(|(seq, tokens)| {
                 (
                     ledger_key(owner, seq),
-                    encode_bincode(&record(tokens)).unwrap(),
+                    encode_bincode(&record(tokens)).unwrap().to_vec(),
                 )
             })
             .into();
@@ -619,7 +626,7 @@ mod tests {
         .unwrap();
         let mixed = encode_ledger_chunk([
             (lone[0].0.as_slice(), lone[0].1.as_slice()),
-            (ledger_key(other, 4).as_slice(), stranger.as_slice()),
+            (ledger_key(other, 4).as_slice(), &stranger[..]),
         ]);
         assert!(
             check_entry(LEDGER, &key, &mixed)
@@ -635,7 +642,7 @@ mod tests {
             op: LedgerOp::Open { grant: 5 },
             epoch: 1,
         };
-        let mut bytes = encode_bincode(&entry).unwrap();
+        let mut bytes = encode_bincode(&entry).unwrap().to_vec();
         bytes.push(0);
         assert!(
             decode_bincode::<LedgerRecord>(&bytes)
@@ -673,7 +680,7 @@ mod tests {
             tokens_spent: 0,
             epoch: 1,
         };
-        let bytes = encode_bincode(&job).unwrap();
+        let bytes = encode_bincode(&job).unwrap().to_vec();
         assert!(check_entry(JOBS, &job_key(run, job.id), &bytes).is_ok());
         let wrong = job_key(RunId::new(), job.id);
         assert!(
@@ -695,7 +702,7 @@ mod tests {
             state: SandboxState::Live,
             epoch: 2,
         };
-        let bytes = encode_bincode(&sandbox).unwrap();
+        let bytes = encode_bincode(&sandbox).unwrap().to_vec();
         assert_eq!(decode_bincode::<SandboxRecord>(&bytes).unwrap(), sandbox);
         let key = sandbox_key(sandbox.job, sandbox.pgid);
         assert_eq!(key.len(), 20);
@@ -801,23 +808,23 @@ mod golden {
         };
         check(
             "RunRecord",
-            encode_bincode(&run).unwrap(),
+            encode_bincode(&run).unwrap().to_vec(),
             "011001890a5dac96774bbcceb302099a80580166fb2c01010101010172027b7d02",
         );
         check(
             "JobRecord",
-            encode_bincode(&job).unwrap(),
+            encode_bincode(&job).unwrap().to_vec(),
             "011001890a5dac96774bbcceb302099a80571001890a5dac96774bbcceb302099a8058001001890a5dac96\
              774bbcceb302099a805802016101016c0102fc70110100022f77020103000001310503",
         );
         check(
             "LedgerRecord",
-            encode_bincode(&ledger).unwrap(),
+            encode_bincode(&ledger).unwrap().to_vec(),
             "01011001890a5dac96774bbcceb302099a8057021001890a5dac96774bbcceb302099a8057fbe803fbfb0001",
         );
         check(
             "DelegationRecord",
-            encode_bincode(&delegation).unwrap(),
+            encode_bincode(&delegation).unwrap().to_vec(),
             "011001890a5dac96774bbcceb302099a8057016b0164011001890a5dac96774bbcceb302099a805701",
         );
         let sandbox = SandboxRecord {
@@ -831,12 +838,12 @@ mod golden {
         };
         check(
             "SandboxRecord",
-            encode_bincode(&sandbox).unwrap(),
+            encode_bincode(&sandbox).unwrap().to_vec(),
             "011001890a5dac96774bbcceb302099a80581001890a5dac96774bbcceb302099a8057fb2421fc06120f0001620105",
         );
         check(
             "SteerRecord",
-            encode_bincode(&steer).unwrap(),
+            encode_bincode(&steer).unwrap().to_vec(),
             "011001890a5dac96774bbcceb302099a80570901740204",
         );
     }

@@ -883,9 +883,9 @@ impl Trees {
         for (tree, _, of_owner) in &owned {
             for chunk in of_owner.chunks(codec::CHUNK_MAX) {
                 let value = match *tree {
-                    EVENTS => codec::encode_event_chunk(chunk.iter().map(|(_, _, v)| v.as_slice())),
+                    EVENTS => codec::encode_event_chunk(chunk.iter().map(|(_, _, v)| &v[..])),
                     _ => codec::encode_ledger_chunk(
-                        chunk.iter().map(|(_, k, v)| (k.as_slice(), v.as_slice())),
+                        chunk.iter().map(|(_, k, v)| (k.as_slice(), &v[..])),
                     ),
                 };
                 insert(tree, &chunk[0].1, &value);

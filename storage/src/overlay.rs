@@ -32,7 +32,7 @@ use crate::codec::{EVENTS, LEDGER, RECORD_TREES};
 use crate::wal::Entry;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::PathBuf;
-use std::sync::mpsc;
+use std::sync::{Arc, mpsc};
 
 /// The entries appended and not yet applied to sled, by tree, and those
 /// of them the applier has not taken yet, in seq order.
@@ -54,7 +54,7 @@ pub(crate) struct Overlay {
 pub(crate) const QUEUED_WAKE: usize = 32768;
 
 /// One tree's keys, each with the seq that last wrote it and the value.
-type Latest = BTreeMap<Vec<u8>, (u64, Vec<u8>)>;
+type Latest = BTreeMap<Vec<u8>, (u64, Arc<[u8]>)>;
 
 /// A history tree's entries by owner (a key's first bytes: the run of an
 /// event, the account of a ledger entry), each owner's in seq order: a
@@ -68,7 +68,7 @@ struct History {
 }
 
 /// (seq, key, value)
-type Pending = (u64, Vec<u8>, Vec<u8>);
+type Pending = (u64, Vec<u8>, Arc<[u8]>);
 
 impl History {
     fn of(owner_bytes: usize) -> Self {
@@ -82,12 +82,12 @@ impl History {
         &key[..key.len().min(self.owner_bytes)]
     }
 
-    fn insert(&mut self, seq: u64, key: &[u8], value: &[u8]) {
+    fn insert(&mut self, seq: u64, key: &[u8], value: &Arc<[u8]>) {
         let queue = match self.owners.get_mut(self.owner(key)) {
             Some(queue) => queue,
             None => self.owners.entry(self.owner(key).to_vec()).or_default(),
         };
-        queue.push_back((seq, key.to_vec(), value.to_vec()));
+        queue.push_back((seq, key.to_vec(), Arc::clone(value)));
     }
 
     /// Drops the front of `key`'s owner's queue up to `applied_seq`.
@@ -111,7 +111,7 @@ impl History {
             .iter()
             .rev()
             .find(|(_, k, _)| k == key)
-            .map(|(_, _, value)| value.as_slice())
+            .map(|(_, _, value)| &value[..])
     }
 
     /// Every entry under `prefix`, in key order.
@@ -120,7 +120,7 @@ impl History {
             queue
                 .iter()
                 .filter(|(_, key, _)| key.starts_with(prefix))
-                .map(|(_, key, value)| (key.as_slice(), value.as_slice()))
+                .map(|(_, key, value)| (key.as_slice(), &value[..]))
                 .collect::<Vec<_>>()
         };
         if prefix.len() >= self.owner_bytes {
@@ -176,7 +176,7 @@ impl Overlay {
                 EVENTS => self.events.insert(seq, key, value),
                 LEDGER => self.ledger.insert(seq, key, value),
                 _ => {
-                    self.states[tree_index(tree)].insert(key.clone(), (seq, value.clone()));
+                    self.states[tree_index(tree)].insert(key.clone(), (seq, Arc::clone(value)));
                 }
             }
         }
@@ -225,7 +225,7 @@ impl Overlay {
             Some(history) => history.get(key),
             None => self.states[tree_index(tree)]
                 .get(key)
-                .map(|(_, value)| value.as_slice()),
+                .map(|(_, value)| &value[..]),
         }
     }
 
@@ -252,7 +252,7 @@ impl Overlay {
                     .range(prefix.to_vec()..)
                     .take_while(|(key, _)| key.starts_with(prefix))
                 {
-                    merged.insert(key.clone(), value.clone());
+                    merged.insert(key.clone(), value.to_vec());
                 }
             }
         }
@@ -292,7 +292,7 @@ mod tests {
     use crate::codec::{JOBS, LEDGER, LEDGER_OWNER_BYTES, STEERING};
 
     fn entry(tree: &'static str, key: &[u8], value: &[u8]) -> Entry {
-        (tree, key.to_vec(), value.to_vec())
+        (tree, key.to_vec(), value.into())
     }
 
     #[test]
@@ -323,12 +323,12 @@ mod tests {
         overlay.insert(
             1,
             vec![
-                (LEDGER, key(b, 1), b"b1".to_vec()),
-                (LEDGER, key(a, 2), b"a2".to_vec()),
-                (JOBS, b"j".to_vec(), b"job".to_vec()),
+                (LEDGER, key(b, 1), b"b1"[..].into()),
+                (LEDGER, key(a, 2), b"a2"[..].into()),
+                (JOBS, b"j".to_vec(), b"job"[..].into()),
             ],
         );
-        overlay.insert(4, vec![(LEDGER, key(a, 4), b"a4".to_vec())]);
+        overlay.insert(4, vec![(LEDGER, key(a, 4), b"a4"[..].into())]);
         let values = |overlay: &Overlay, prefix: &[u8]| -> Vec<Vec<u8>> {
             overlay
                 .merge_prefix(LEDGER, prefix, vec![])

@@ -67,7 +67,9 @@ const MAX_FRAME_BYTES: u32 = 1 << 30;
 const HEADER_BYTES: usize = 8;
 
 /// One record as the sled transaction writes it: tree, key, value.
-pub(crate) type Entry = (&'static str, Vec<u8>, Vec<u8>);
+/// (tree, key, value). The value is shared, not copied, between the
+/// overlay's read index and the applier's queue.
+pub(crate) type Entry = (&'static str, Vec<u8>, std::sync::Arc<[u8]>);
 
 /// A frame read back from a segment.
 pub(crate) struct Frame {
@@ -306,7 +308,7 @@ fn decode_frame(bytes: &[u8]) -> Result<(Frame, usize), String> {
             .ok_or_else(|| format!("tree index {index}"))?;
         let key = body.bytes()?;
         let value = body.bytes()?;
-        entries.push((tree, key, value));
+        entries.push((tree, key, value.into()));
     }
     if !body.0.is_empty() {
         return Err(format!("{} bytes past its last entry", body.0.len()));
@@ -394,7 +396,7 @@ mod tests {
     fn frame(first_seq: u64, values: &[&[u8]]) -> Vec<u8> {
         let entries: Vec<Entry> = values
             .iter()
-            .map(|value| (crate::codec::STEERING, b"key".to_vec(), value.to_vec()))
+            .map(|value| (crate::codec::STEERING, b"key".to_vec(), (*value).into()))
             .collect();
         let mut out = Vec::new();
         encode_frame(&mut out, first_seq, &entries);
@@ -408,7 +410,7 @@ mod tests {
         assert_eq!(used, bytes.len());
         assert_eq!((read.first_seq, read.last_seq()), (7, 8));
         assert_eq!(read.entries[1].0, crate::codec::STEERING);
-        assert_eq!(read.entries[1].2, b"two");
+        assert_eq!(&read.entries[1].2[..], b"two");
     }
 
     #[test]
