@@ -6,7 +6,8 @@
 //! every step and job running, every parent inside its delegate call, every
 //! leaf inside its first model call, which takes an hour. Then the whole
 //! supervision tree of the run is taken (the run, its account, and each
-//! job's job, account and sandbox actors), and the clock runs from
+//! job's job and account actors: these agents are offered no tool that
+//! uses a sandbox, so they have none), and the clock runs from
 //! `stop_run` until the run's `RunFinished`, every job's `NodeFinished` and
 //! the exit of every one of those actors (ractor's own exit notice, no
 //! polling). Afterwards the journal must hold every job terminal, and no
@@ -32,6 +33,9 @@ use anyhow::ensure;
 use arbor_testkit::TestNode;
 use ractor::Actor;
 use std::time::{Duration, Instant};
+
+/// A job and its account: these agents have no tool that uses a sandbox.
+const ACTORS_PER_JOB: u64 = 2;
 
 /// How long after its last actor a stopped tree's tasks may take to end.
 const TASKS_LIMIT: Duration = Duration::from_secs(10);
@@ -82,11 +86,11 @@ pub async fn run(sizes: &Sizes) -> anyhow::Result<Outcome> {
         .await?;
         rows.push(row);
         notes.push(format!(
-            "{}: {} steps and jobs ({} leaves), {} actors in arbor's tree (job, account and sandbox each, the run and its account); {} in the bare tree",
+            "{}: {} steps and jobs ({} leaves), {} actors in arbor's tree (job and account each, no sandbox: no tool needs one; the run and its account); {} in the bare tree",
             shape.name,
             shape.nodes(),
             shape.leaves(),
-            3 * shape.nodes() + 2,
+            ACTORS_PER_JOB * shape.nodes() + 2,
             shape.nodes()
         ));
         notes.push(format!(
@@ -221,10 +225,10 @@ impl Shape {
             .await?;
         let actors = descendants(&node.node().root_actor());
         ensure!(
-            actors.len() as u64 == 3 * nodes + 2,
+            actors.len() as u64 == ACTORS_PER_JOB * nodes + 2,
             "the run's supervision tree has {} actors, not {}",
             actors.len(),
-            3 * nodes + 2
+            ACTORS_PER_JOB * nodes + 2
         );
         progress(name, "stopping it");
         tally.stopping(true);
