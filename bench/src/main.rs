@@ -4,6 +4,8 @@
 //! ```text
 //! cargo run --release -p arbor-bench -- all             # every goal: 5 to 10 minutes on 2 cores
 //! cargo run --release -p arbor-bench -- P3              # one goal; or several: -- P1 P5
+//! cargo build --release -p arbor-bin -p arbor-bench && target/release/arbor-bench W
+//!                                                       # the fan-out as whole `arbor run` processes
 //! cargo run --release -p arbor-bench -- P4 --jobs 20000 # P4 at another size
 //! cargo run -p arbor-bench -- all --quick               # small sizes: each goal runs and reports
 //! ```
@@ -44,6 +46,12 @@
 //! stdout and stderr, and the exit status is 1. Otherwise it is 0, whether
 //! the goals hold or miss.
 //!
+//! After the P lines, `all` (or `W` alone) measures the fan-out example as
+//! whole `arbor run` processes (`whole.rs`): its samples, then one line,
+//! `W wall=<median> cpu=<median> jobs=<n> rate=<jobs/s> goal=>=10.0k/s
+//! holds|misses`. It runs the `arbor` built beside `arbor-bench`; under
+//! `all`, without one, it says `W skipped: <why>` and is not a failure.
+//!
 //! # Goals
 //!
 //! | id | arbor | baseline | goal |
@@ -75,6 +83,7 @@ mod bare;
 mod goals;
 mod report;
 mod trial;
+mod whole;
 mod workload;
 
 use clap::Parser;
@@ -97,6 +106,12 @@ struct Args {
     /// Internal: measure one side of P4 in this process (`p4-bare`, `p4-arbor`).
     #[arg(long, hide = true)]
     child: Option<String>,
+    /// W: how many timed `arbor run` processes (default 20; 1 with --quick).
+    #[arg(long)]
+    runs: Option<usize>,
+    /// W: the `arbor` to run (default: the one beside arbor-bench).
+    #[arg(long)]
+    arbor: Option<std::path::PathBuf>,
 }
 
 /// The allocator `arbor` and `arbord` ship with, so each goal measures
@@ -121,8 +136,8 @@ fn main() -> ExitCode {
             }
         };
     }
-    let goals = match chosen(&args.goals) {
-        Ok(goals) => goals,
+    let (goals, whole) = match chosen(&args.goals) {
+        Ok(chosen) => chosen,
         Err(why) => {
             eprintln!("arbor-bench: {why}");
             return ExitCode::from(2);
@@ -136,7 +151,13 @@ fn main() -> ExitCode {
     if let Some(jobs) = args.jobs {
         sizes.idle_jobs = jobs;
     }
-    let failures = runtime.block_on(run(&goals, &sizes, workers));
+    let mut failures = 0;
+    if !goals.is_empty() {
+        failures += runtime.block_on(run(&goals, &sizes, workers));
+    }
+    if whole != Whole::No {
+        failures += run_whole(&args, whole);
+    }
     if failures == 0 {
         ExitCode::SUCCESS
     } else {
@@ -144,22 +165,70 @@ fn main() -> ExitCode {
     }
 }
 
-/// The goals named on the command line, in goal order.
-fn chosen(names: &[String]) -> Result<Vec<Goal>, String> {
+/// Whether to measure the whole process (W), and how its absence counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Whole {
+    No,
+    /// Named: without an `arbor` to run, it could not run.
+    Asked,
+    /// Part of `all`: without an `arbor` to run, it is skipped.
+    IfBuilt,
+}
+
+/// The goals named on the command line, in goal order, and W.
+fn chosen(names: &[String]) -> Result<(Vec<Goal>, Whole), String> {
     if names.is_empty() {
-        return Err("name the goals to run: `all`, or P1 ... P7".into());
+        return Err("name the goals to run: `all`, W, or P1 ... P7".into());
     }
-    let mut goals = vec![];
+    let (mut goals, mut whole) = (vec![], Whole::No);
     for name in names {
         if name.eq_ignore_ascii_case("all") {
             goals.extend(Goal::ALL);
+            if whole == Whole::No {
+                whole = Whole::IfBuilt;
+            }
             continue;
         }
-        goals.push(Goal::parse(name).ok_or_else(|| format!("no goal {name:?}: P1 ... P7 or all"))?);
+        if name.eq_ignore_ascii_case("W") {
+            whole = Whole::Asked;
+            continue;
+        }
+        goals.push(
+            Goal::parse(name).ok_or_else(|| format!("no goal {name:?}: P1 ... P7, W or all"))?,
+        );
     }
     goals.sort();
     goals.dedup();
-    Ok(goals)
+    Ok((goals, whole))
+}
+
+/// Measures W and prints its report; returns 1 if it could not run.
+fn run_whole(args: &Args, whole: Whole) -> usize {
+    let arbor = match args.arbor.clone().map_or_else(whole::arbor_beside_me, Ok) {
+        Ok(arbor) => arbor,
+        Err(why) if whole == Whole::IfBuilt => {
+            println!("\nW skipped: {why:#}");
+            return 0;
+        }
+        Err(why) => {
+            println!("\nW could not run: {why:#}");
+            eprintln!("W could not run: {why:#}");
+            return 1;
+        }
+    };
+    let runs = args.runs.unwrap_or(if args.quick { 1 } else { 20 }).max(1);
+    println!();
+    match whole::run(arbor, runs) {
+        Ok(measured) => {
+            measured.print();
+            0
+        }
+        Err(why) => {
+            println!("W could not run: {why:#}");
+            eprintln!("W could not run: {why:#}");
+            1
+        }
+    }
 }
 
 /// Runs each goal, prints the report; returns how many could not run.
