@@ -7,6 +7,24 @@
 //! input, with a one-line reason on stderr; 3 no such run or job; 4 arbord
 //! unreachable or shutting down; 5 the token was refused.
 
+/// `println!` for what `arbor` prints: a reader that went away (`arbor runs
+/// | head`) ends the printing, not the process with a panic, and a run
+/// being followed goes on to its end and its exit status.
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout().lock(), $($arg)*);
+    }};
+}
+
+/// `outln!` through anstream, which drops the styles where they cannot show.
+macro_rules! outln_styled {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(anstream::stdout().lock(), $($arg)*);
+    }};
+}
+
 mod client;
 mod journal;
 mod render;
@@ -370,11 +388,11 @@ fn check(dir: &std::path::Path, output: client::Output) -> ExitCode {
     match output {
         client::Output::Text => {
             for f in &findings {
-                println!("{}: {}: {}", f.level.as_str(), f.file, f.message);
+                outln!("{}: {}: {}", f.level.as_str(), f.file, f.message);
             }
             eprintln!("arbor check: {errors} errors, {warnings} warnings, {info} notes");
         }
-        client::Output::Json => println!(
+        client::Output::Json => outln!(
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({
                 "findings": findings, "errors": errors, "warnings": warnings, "info": info
@@ -383,7 +401,7 @@ fn check(dir: &std::path::Path, output: client::Output) -> ExitCode {
         ),
         client::Output::Jsonl => {
             for f in &findings {
-                println!("{}", serde_json::to_string(f).unwrap_or_default());
+                outln!("{}", serde_json::to_string(f).unwrap_or_default());
             }
         }
     }
@@ -480,7 +498,7 @@ async fn follow(
         // The sandbox posture rides along: a run document says whether its
         // commands ran sealed.
         let doc = serde_json::json!({ "run": root, "sandbox": node.sandbox() });
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&doc).context("printing the tree")?
         );

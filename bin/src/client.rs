@@ -232,7 +232,7 @@ impl Client {
             _ => serde_json::to_string_pretty(value),
         }
         .map_err(|e| Failed::new(exit::RUN_FAILED, e.to_string()))?;
-        println!("{text}");
+        outln!("{text}");
         Ok(())
     }
 }
@@ -295,7 +295,7 @@ pub async fn status(client: &Client, args: StatusArgs) -> Outcome {
         return Ok(ExitCode::SUCCESS);
     }
     let n = &status.node;
-    anstream::println!(
+    outln_styled!(
         "arbord {} · epoch {} · up {} · {} running, {} queued (max {}) · journal seq {} ({} fsyncs){}",
         n.version,
         n.epoch,
@@ -308,13 +308,13 @@ pub async fn status(client: &Client, args: StatusArgs) -> Outcome {
         if n.accepting { "" } else { " · DRAINING" }
     );
     if n.sandbox.sealed {
-        anstream::println!("sandbox {}", n.sandbox.detail);
+        outln_styled!("sandbox {}", n.sandbox.detail);
     } else {
-        anstream::println!("WARNING: sandbox {}", n.sandbox.detail);
+        outln_styled!("WARNING: sandbox {}", n.sandbox.detail);
     }
     let r = &status.recovery;
     if !r.jobs_failed.is_empty() || !r.runs_resumed.is_empty() || !r.processes_killed.is_empty() {
-        anstream::println!(
+        outln_styled!(
             "last recovery: {} jobs failed as interrupted, {} runs resumed, {} process groups killed, {} grants released",
             r.jobs_failed.len(),
             r.runs_resumed.len(),
@@ -323,10 +323,10 @@ pub async fn status(client: &Client, args: StatusArgs) -> Outcome {
         );
     }
     if status.runs.is_empty() {
-        anstream::println!("no runs are running or queued");
+        outln_styled!("no runs are running or queued");
         return Ok(ExitCode::SUCCESS);
     }
-    println!("{}", tree_table(client, &status.runs, &args));
+    outln!("{}", tree_table(client, &status.runs, &args));
     Ok(ExitCode::SUCCESS)
 }
 
@@ -488,7 +488,7 @@ pub async fn runs(client: &Client, args: RunsArgs) -> Outcome {
                     Cell::new(run.reason.clone().unwrap_or_default()),
                 ]);
             }
-            println!("{table}");
+            outln!("{table}");
             if let Some(next) = list.next {
                 anstream::eprintln!("(more: --limit, or the API's after={next})");
             }
@@ -503,7 +503,7 @@ pub async fn show(client: &Client, run: &str, view: StatusArgs) -> Outcome {
     if client.output != Output::Text {
         client.print_json(&doc)?;
     } else {
-        println!(
+        outln!(
             "{}",
             tree_table(client, std::slice::from_ref(&doc.run), &view)
         );
@@ -571,7 +571,7 @@ pub async fn submit(client: &Client, args: SubmitArgs) -> Outcome {
     if client.output != Output::Text {
         client.print_json(&created)?;
     } else {
-        println!("{}", created.id);
+        outln!("{}", created.id);
         if created.replayed {
             anstream::eprintln!(
                 "arbor: this key made run {} before; nothing new was queued",
@@ -602,7 +602,7 @@ pub async fn stop(client: &Client, id: &str) -> Outcome {
     if client.output != Output::Text {
         client.print_json(&reply)?;
     } else {
-        println!("{id}: {}", reply["state"].as_str().unwrap_or("stopping"));
+        outln!("{id}: {}", reply["state"].as_str().unwrap_or("stopping"));
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -617,7 +617,7 @@ pub async fn steer(client: &Client, job: &str, message: &str) -> Outcome {
     if client.output != Output::Text {
         client.print_json(&reply)?;
     } else {
-        println!("{job}: message {} queued", reply["message_id"]);
+        outln!("{job}: message {} queued", reply["message_id"]);
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -629,7 +629,7 @@ pub async fn continue_job(client: &Client, job: &str) -> Outcome {
     if client.output != Output::Text {
         client.print_json(&reply)?;
     } else {
-        println!("{}", reply["run"].as_str().unwrap_or_default());
+        outln!("{}", reply["run"].as_str().unwrap_or_default());
         anstream::eprintln!(
             "arbor: {job} continues as run {}",
             reply["run"].as_str().unwrap_or_default()
@@ -733,7 +733,7 @@ pub async fn events(client: &Client, run: &str, follow: bool) -> Outcome {
         match output {
             Output::Json => all.push(e.clone()),
             Output::Jsonl => client.print_json(e)?,
-            Output::Text => anstream::println!("{:>5}  {}", e.index, event_line(&e.event)),
+            Output::Text => outln_styled!("{:>5}  {}", e.index, event_line(&e.event)),
         }
         Ok(())
     })

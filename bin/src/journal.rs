@@ -22,15 +22,17 @@ pub fn verify(data_dir: &Path) -> Result<ExitCode, Failure> {
         .verify()
         .map_err(|e| Failure::Other(anyhow::anyhow!("reading the journal: {e}")))?;
     for u in &report.undecodable {
-        println!(
+        outln!(
             "undecodable: tree {} key {}: {}",
-            u.tree, u.key_hex, u.error
+            u.tree,
+            u.key_hex,
+            u.error
         );
     }
     for b in &report.breaches {
-        println!("breach: {b}");
+        outln!("breach: {b}");
     }
-    println!(
+    outln!(
         "{} records, {} accounts: {}",
         report.records,
         report.accounts,
@@ -93,7 +95,7 @@ pub fn inspect(data_dir: &Path, run: Option<&str>, json: bool) -> Result<ExitCod
             }));
             continue;
         }
-        println!(
+        outln!(
             "run {} [{}] flow {} budget {} epoch {}{}",
             r.id,
             r.status,
@@ -114,10 +116,10 @@ pub fn inspect(data_dir: &Path, run: Option<&str>, json: bool) -> Result<ExitCod
                 .unwrap_or_default()
         };
         if let Some(usd) = Some(usd_of(ParentRef::Run(r.id))).filter(|u| !u.is_empty()) {
-            println!("  run account:{usd}");
+            outln!("  run account:{usd}");
         }
         for j in &jobs {
-            println!(
+            outln!(
                 "  {}{} {} ({}) [{}] attempt {} grant {} spent {}{}{}",
                 "  ".repeat(j.depth as usize),
                 j.kind.as_str(),
@@ -135,9 +137,9 @@ pub fn inspect(data_dir: &Path, run: Option<&str>, json: bool) -> Result<ExitCod
             );
         }
         if run.is_some() {
-            println!("  ledger:");
+            outln!("  ledger:");
             for (owner, entries, t, usd) in &ledgers {
-                println!(
+                outln!(
                     "    {owner:?}: grant {} spent {} held {}{}",
                     t.grant,
                     t.spent,
@@ -149,13 +151,13 @@ pub fn inspect(data_dir: &Path, run: Option<&str>, json: bool) -> Result<ExitCod
                     .unwrap_or_default()
                 );
                 for e in entries {
-                    println!("      epoch {} {:?}", e.epoch, e.op);
+                    outln!("      epoch {} {:?}", e.epoch, e.op);
                 }
             }
         }
     }
     if json {
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({ "runs": docs })).unwrap_or_default()
         );

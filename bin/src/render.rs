@@ -161,12 +161,12 @@ impl Progress {
         let (output, reason) = end.unwrap_or_default();
         print_output(&output);
         if let Some(reason) = reason {
-            println!("reason: {reason}");
+            outln!("reason: {reason}");
         }
         if !artifacts.is_empty() {
-            println!("\nartifacts:");
+            outln!("\nartifacts:");
             for path in artifacts {
-                println!("  {path}");
+                outln!("  {path}");
             }
         }
     }
@@ -176,8 +176,8 @@ impl Progress {
 pub fn print_output(output: &serde_json::Value) {
     match output {
         serde_json::Value::Null => {}
-        serde_json::Value::String(s) => println!("\noutput:\n{s}"),
-        other => println!(
+        serde_json::Value::String(s) => outln!("\noutput:\n{s}"),
+        other => outln!(
             "\noutput:\n{}",
             serde_json::to_string_pretty(other).unwrap_or_default()
         ),

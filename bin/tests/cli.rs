@@ -344,3 +344,38 @@ fn arbor_check_is_clean_on_the_examples_and_lists_every_problem_of_a_broken_work
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stdout).contains("not a directory"));
 }
+
+/// A reader that goes away (`arbor run ... | head -1`) ends arbor's
+/// printing, not the process: no panic, the run goes on to its end, its
+/// exit status is the run's, and its journal is whole.
+#[test]
+fn a_reader_that_goes_away_ends_the_printing_not_the_run() {
+    use std::io::BufRead;
+    let data = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_arbor"))
+        .args(["run"])
+        .arg(repo().join("examples/research"))
+        .arg("--data-dir")
+        .arg(data.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    assert!(first.starts_with("run "), "{first:?}");
+    // The reader is gone: every later write to stdout fails.
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let verify = arbor(&[
+        "journal",
+        "verify",
+        "--data-dir",
+        data.path().to_str().unwrap(),
+    ]);
+    assert!(verify.status.success(), "{verify:?}");
+}
