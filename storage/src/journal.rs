@@ -164,11 +164,15 @@ struct Waiter {
     reply: oneshot::Sender<Result<(), Error>>,
 }
 
-/// Frames waiting for the flusher, in seq order (`wal.rs`, invariant 1).
+/// Appends waiting for the flusher, in seq order (`wal.rs`, invariant 1):
+/// each one's first seq and entries, shared with the overlay. The flusher
+/// frames them itself, off the appenders' threads and their lock.
 #[derive(Default)]
 struct Pending {
-    frames: Vec<u8>,
-    /// The last seq the frames carry; 0 while there are none.
+    appends: Vec<(u64, Arc<[wal::Entry]>)>,
+    /// About how many bytes their frames take.
+    bytes: usize,
+    /// The last seq they carry; 0 while there are none.
     last_seq: u64,
 }
 
@@ -234,16 +238,16 @@ impl Journal {
             .map(|(record, seq)| encode(record, seq))
             .collect::<Result<Vec<_>, _>>()?;
         let seq = first_seq + entries.len() as u64 - 1;
-        let mut frame = Vec::new();
-        wal::encode_frame(&mut frame, first_seq, &entries);
+        let bytes = wal::frame_bytes(&entries);
+        let entries: Arc<[wal::Entry]> = entries.into();
 
         // Both under the seq lock, so each queues in seq order: the overlay
-        // (readable at once, and the applier's queue), the log's frames.
+        // (readable at once, and the applier's queue), the log's appends.
         let wake = inner
             .overlay
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(first_seq, entries);
+            .insert(first_seq, Arc::clone(&entries));
         if wake {
             let work = inner.work.as_ref().ok_or(Error::Closed)?;
             work.send(Work::Wake)
@@ -251,10 +255,11 @@ impl Journal {
         }
         let (before, backlog) = {
             let mut pending = inner.pending.lock().unwrap_or_else(PoisonError::into_inner);
-            let before = pending.frames.len();
-            pending.frames.extend_from_slice(&frame);
+            let before = pending.bytes;
+            pending.appends.push((first_seq, entries));
+            pending.bytes += bytes;
             pending.last_seq = seq;
-            (before, pending.frames.len())
+            (before, pending.bytes)
         };
         // Appends nobody commits (recovery's, a bulk load's) are written out
         // all the same once they add up, so the frames waiting in memory stay
@@ -623,12 +628,12 @@ impl Journal {
             seq = frame.last_seq();
             batch.extend(frame.entries);
             if batch.len() >= APPLY_STEP {
-                trees.apply(&batch, seq)?;
+                trees.apply(&batch.iter().collect::<Vec<_>>(), seq)?;
                 batch.clear();
             }
         }
         if !batch.is_empty() {
-            trees.apply(&batch, seq)?;
+            trees.apply(&batch.iter().collect::<Vec<_>>(), seq)?;
         }
         if seq > stored_seq {
             tracing::info!(
@@ -717,6 +722,7 @@ impl Journal {
 
         let flusher = Flusher {
             wal,
+            frames: Vec::new(),
             progress: Arc::clone(&self.inner.progress),
             faults: Arc::clone(&self.inner.faults),
             pending: Arc::clone(&self.inner.pending),
@@ -843,7 +849,7 @@ impl Trees {
     /// after a crash sled holds all of them or none, and its stored seq says
     /// which (`wal.rs`, invariant 4). Each run's events go in chunks
     /// (`codec::encode_event_chunk`).
-    fn apply(&self, entries: &[wal::Entry], last_seq: u64) -> Result<(), Error> {
+    fn apply(&self, entries: &[&wal::Entry], last_seq: u64) -> Result<(), Error> {
         let mut batches: Vec<(&'static str, sled::Batch)> = Vec::new();
         let mut insert = |tree: &'static str, key: &[u8], value: &[u8]| match batches
             .iter_mut()
@@ -1132,6 +1138,8 @@ impl Inner {
 /// The flusher thread's state: the log, and what it shares with the handles.
 struct Flusher {
     wal: Wal,
+    /// The frames of the flush under way, kept to be written into again.
+    frames: Vec<u8>,
     progress: Arc<Progress>,
     faults: Arc<Faults>,
     pending: Arc<Mutex<Pending>>,
@@ -1203,13 +1211,19 @@ impl Flusher {
         if self.faults.flushes_fail() {
             return Err(progress.fail("a flush", Error::Injected("flush")));
         }
-        let (frames, target) = {
+        let (appends, target) = {
             let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
-            (std::mem::take(&mut pending.frames), pending.last_seq)
+            pending.bytes = 0;
+            (std::mem::take(&mut pending.appends), pending.last_seq)
         };
-        if !frames.is_empty() {
+        if !appends.is_empty() {
+            self.frames.clear();
+            for (first_seq, entries) in &appends {
+                wal::encode_frame(&mut self.frames, *first_seq, entries);
+            }
+            drop(appends);
             let sync = !self.faults.syncs_skipped();
-            let written = self.wal.write_and_sync(&frames, sync);
+            let written = self.wal.write_and_sync(&self.frames, sync);
             progress.flushes.fetch_add(1, Ordering::AcqRel);
             if sync {
                 progress.syncs.fetch_add(1, Ordering::AcqRel);
@@ -1246,6 +1260,9 @@ fn start_thread(
     *slot.lock().unwrap_or_else(PoisonError::into_inner) = Some(handle);
     Ok(())
 }
+
+/// How many applied entries leave the overlay in one hold of its lock.
+const APPLIED_AT_ONCE: usize = 256;
 
 /// At most this many entries go into one sled transaction, so a backlog is
 /// applied in steps rather than held in memory as one huge transaction, and
@@ -1316,11 +1333,12 @@ impl Applier {
             if yielding && self.leave_unapplied.load(Ordering::Acquire) {
                 return;
             }
-            let (first_seq, batch) = self
+            let (first_seq, appends) = self
                 .overlay
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .take_queued(APPLY_STEP);
+            let batch: Vec<&wal::Entry> = appends.iter().flat_map(|a| a.iter()).collect();
             if batch.is_empty() {
                 return;
             }
@@ -1328,16 +1346,22 @@ impl Applier {
         }
     }
 
-    fn apply(&self, batch: &[wal::Entry], last_seq: u64) {
+    fn apply(&self, batch: &[&wal::Entry], last_seq: u64) {
         if self.progress.failure.get().is_some() {
             return; // nothing more goes to sled; the log has what was acknowledged
         }
         match self.trees.apply(batch, last_seq) {
-            Ok(()) => self
-                .overlay
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .applied(batch, last_seq),
+            // A few hundred at a time under the overlay's lock, which every
+            // append takes too: sled holds them all already, so a read in
+            // between finds each one in one or the other.
+            Ok(()) => {
+                for some in batch.chunks(APPLIED_AT_ONCE) {
+                    self.overlay
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .applied(some, last_seq);
+                }
+            }
             Err(e) => {
                 self.progress.fail("applying appends to sled", e);
             }

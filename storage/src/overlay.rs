@@ -43,8 +43,8 @@ pub(crate) struct Overlay {
     events: History,
     ledger: History,
     /// Not yet taken by the applier: whole appends, seq after seq, each
-    /// with the seq of its first entry.
-    queued: VecDeque<(u64, Vec<Entry>)>,
+    /// with the seq of its first entry (shared with the log's flusher).
+    queued: VecDeque<(u64, Arc<[Entry]>)>,
     /// How many entries `queued` holds.
     queued_len: usize,
 }
@@ -170,7 +170,7 @@ impl Overlay {
     /// woken: the queue was empty (it sleeps until told otherwise), or it has
     /// just grown past `QUEUED_WAKE`. Otherwise it is woken already, and
     /// waking it once per append was a tenth of a fan-out's CPU.
-    pub(crate) fn insert(&mut self, first_seq: u64, entries: Vec<Entry>) -> bool {
+    pub(crate) fn insert(&mut self, first_seq: u64, entries: Arc<[Entry]>) -> bool {
         for ((tree, key, value), seq) in entries.iter().zip(first_seq..) {
             match *tree {
                 EVENTS => self.events.insert(seq, key, value),
@@ -188,23 +188,25 @@ impl Overlay {
 
     /// Whole appends from the front of the queue, until they hold `most`
     /// entries or more (one append at least), with the seq of their first
-    /// entry (entry `i` took seq `first + i`), for the applier. Whole, so a
-    /// transaction never ends inside an append (invariant 2).
-    pub(crate) fn take_queued(&mut self, most: usize) -> (u64, Vec<Entry>) {
+    /// entry (their entries, in order, took the seqs from it on), for the
+    /// applier. Whole, so a transaction never ends inside an append
+    /// (invariant 2).
+    pub(crate) fn take_queued(&mut self, most: usize) -> (u64, Vec<Arc<[Entry]>>) {
         let first = self.queued.front().map_or(0, |(seq, _)| *seq);
-        let mut taken = Vec::new();
-        while taken.len() < most
+        let (mut taken, mut count) = (Vec::new(), 0);
+        while count < most
             && let Some((_, entries)) = self.queued.pop_front()
         {
-            taken.extend(entries);
+            count += entries.len();
+            taken.push(entries);
         }
-        self.queued_len -= taken.len();
+        self.queued_len -= count;
         (first, taken)
     }
 
     /// Forgets what a transaction up to `applied_seq` put in sled
     /// (invariant 3): an entry a later append overwrote stays.
-    pub(crate) fn applied(&mut self, entries: &[Entry], applied_seq: u64) {
+    pub(crate) fn applied(&mut self, entries: &[&Entry], applied_seq: u64) {
         for (tree, key, _) in entries {
             match *tree {
                 EVENTS => self.events.applied(key, applied_seq),
@@ -298,13 +300,19 @@ mod tests {
     #[test]
     fn an_entry_a_later_append_overwrote_stays_when_the_earlier_one_is_applied() {
         let mut overlay = Overlay::new();
-        assert!(overlay.insert(1, vec![entry(JOBS, b"k", b"old")]), "wakes");
-        assert!(!overlay.insert(2, vec![entry(JOBS, b"k", b"new")]), "woken");
+        assert!(
+            overlay.insert(1, [entry(JOBS, b"k", b"old")].into()),
+            "wakes"
+        );
+        assert!(
+            !overlay.insert(2, [entry(JOBS, b"k", b"new")].into()),
+            "woken"
+        );
         let (first, queued) = overlay.take_queued(usize::MAX);
-        assert_eq!((first, queued.len()), (1, 2));
-        overlay.applied(&[entry(JOBS, b"k", b"old")], 1);
+        assert_eq!((first, queued.len()), (1, 2), "two appends");
+        overlay.applied(&[&entry(JOBS, b"k", b"old")], 1);
         assert_eq!(overlay.get(JOBS, b"k"), Some(&b"new"[..]));
-        overlay.applied(&[entry(JOBS, b"k", b"new")], 2);
+        overlay.applied(&[&entry(JOBS, b"k", b"new")], 2);
         assert_eq!(overlay.get(JOBS, b"k"), None);
         assert!(overlay.is_empty());
     }
@@ -322,13 +330,14 @@ mod tests {
         let mut overlay = Overlay::new();
         overlay.insert(
             1,
-            vec![
+            [
                 (LEDGER, key(b, 1), b"b1"[..].into()),
                 (LEDGER, key(a, 2), b"a2"[..].into()),
                 (JOBS, b"j".to_vec(), b"job"[..].into()),
-            ],
+            ]
+            .into(),
         );
-        overlay.insert(4, vec![(LEDGER, key(a, 4), b"a4"[..].into())]);
+        overlay.insert(4, [(LEDGER, key(a, 4), b"a4"[..].into())].into());
         let values = |overlay: &Overlay, prefix: &[u8]| -> Vec<Vec<u8>> {
             overlay
                 .merge_prefix(LEDGER, prefix, vec![])
@@ -348,10 +357,10 @@ mod tests {
         assert_eq!(overlay.get(LEDGER, &key(a, 3)), None);
 
         let (first, queued) = overlay.take_queued(3);
-        assert_eq!((first, queued.len()), (1, 3));
+        assert_eq!((first, queued.len()), (1, 1), "the first append, whole");
         let (next, rest) = overlay.take_queued(3);
         assert_eq!((next, rest.len()), (4, 1));
-        let queued: Vec<_> = queued.into_iter().chain(rest).collect();
+        let queued: Vec<&Entry> = queued.iter().chain(&rest).flat_map(|a| a.iter()).collect();
         overlay.applied(&queued[..3], 3);
         assert_eq!(values(&overlay, &[]), [b"a4"], "applied up to seq 3");
         overlay.applied(&queued[3..], 4);
@@ -363,12 +372,13 @@ mod tests {
         let mut overlay = Overlay::new();
         overlay.insert(
             7,
-            vec![
+            [
                 entry(STEERING, b"a2", b"newer"),
                 entry(STEERING, b"a3", b"added"),
                 entry(STEERING, b"b1", b"other prefix"),
                 entry(JOBS, b"a1", b"other tree"),
-            ],
+            ]
+            .into(),
         );
         let sled = vec![
             (

@@ -91,14 +91,19 @@ pub(crate) struct Replay {
     pub(crate) torn_bytes: u64,
 }
 
-/// Appends one frame for `entries`, which took the seqs from `first_seq` on.
-pub(crate) fn encode_frame(out: &mut Vec<u8>, first_seq: u64, entries: &[Entry]) {
-    let start = out.len();
-    let bytes: usize = entries
+/// How many bytes the frame of `entries` takes.
+pub(crate) fn frame_bytes(entries: &[Entry]) -> usize {
+    let body: usize = entries
         .iter()
         .map(|(_, key, value)| 9 + key.len() + value.len())
         .sum();
-    out.reserve(HEADER_BYTES + 12 + bytes);
+    HEADER_BYTES + 12 + body
+}
+
+/// Appends one frame for `entries`, which took the seqs from `first_seq` on.
+pub(crate) fn encode_frame(out: &mut Vec<u8>, first_seq: u64, entries: &[Entry]) {
+    let start = out.len();
+    out.reserve(frame_bytes(entries));
     out.extend_from_slice(&[0; HEADER_BYTES]);
     out.extend_from_slice(&first_seq.to_le_bytes());
     out.extend_from_slice(&(entries.len() as u32).to_le_bytes());
