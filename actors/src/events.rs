@@ -93,15 +93,17 @@ impl EventBus {
     pub fn emit_with(
         &self,
         run: RunId,
-        mut records: Vec<Record>,
+        records: Vec<Record>,
         kinds: impl IntoIterator<Item = EventKind>,
     ) -> Result<(), arbor_storage::Error> {
         let at_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
-        // Each kind's JSON is the costly part of its journal value, and needs
-        // no seq: made here, before the lock that every emitter waits on.
+        // The records' values, and each kind's JSON, are the costly part of
+        // what is journaled, and need no seq: made here, before the lock
+        // that every emitter waits on.
+        let mut prepared = self.inner.journal.prepare(records);
         let kinds: Vec<(EventKind, Result<EventKindJson, arbor_storage::Error>)> = kinds
             .into_iter()
             .map(|kind| {
@@ -114,6 +116,7 @@ impl EventBus {
         let (events, appended) = {
             let mut state = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
             let mut events = Vec::with_capacity(kinds.len());
+            let mut records = Vec::with_capacity(kinds.len());
             for (kind, json) in kinds {
                 ended |= matches!(kind, EventKind::RunFinished { .. });
                 state.seq += 1;
@@ -146,7 +149,8 @@ impl EventBus {
                 state.trees.remove(&finished);
             }
             // Journaled under the lock so the journal's order is the emission order.
-            let appended = self.inner.journal.append(records);
+            prepared.extend(self.inner.journal.prepare(records));
+            let appended = self.inner.journal.append_prepared(prepared);
             // Broadcast under the lock too, so watchers receive events in seq
             // order: one that skips what it has seen by seq loses nothing.
             for event in &events {

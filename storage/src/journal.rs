@@ -208,6 +208,35 @@ impl Journal {
     /// (`StaleEpoch`, `FutureEpoch`), and every append once the journal has
     /// failed (`Failed`). A write that fails marks the journal failed.
     pub fn append(&self, records: Vec<Record>) -> Result<u64, Error> {
+        self.append_prepared(self.prepare(records))
+    }
+
+    /// Encodes `records` for an append, outside the journal's lock: their
+    /// values (the costly part), and every key but a ledger entry's, which
+    /// takes its seq. An event bus that must append under its own lock, so
+    /// that journal order is emission order, prepares its records first.
+    /// What would refuse the append is kept for `append_prepared` to tell.
+    pub fn prepare(&self, records: Vec<Record>) -> Prepared {
+        let epochs = check_epochs(&records, self.inner.epoch).err();
+        let mut entries = Vec::with_capacity(records.len());
+        let mut unencoded = None;
+        for record in records {
+            match encode(record) {
+                Ok(entry) => entries.push(entry),
+                Err(e) => {
+                    unencoded.get_or_insert(e);
+                }
+            }
+        }
+        Prepared {
+            entries,
+            epochs,
+            unencoded,
+        }
+    }
+
+    /// `append`, of records `prepare` encoded.
+    pub fn append_prepared(&self, prepared: Prepared) -> Result<u64, Error> {
         let inner = &*self.inner;
         // A panic while holding the lock cannot leave the counter half-updated:
         // it is written only after the transaction succeeds.
@@ -221,22 +250,27 @@ impl Journal {
         if let Some(first) = inner.progress.failure.get() {
             return Err(Error::Failed(first.clone()));
         }
-        if records.is_empty() {
+        if prepared.entries.is_empty() && prepared.unencoded.is_none() {
             return Ok(*last_seq);
         }
-        check_epochs(&records, inner.epoch)?;
+        if let Some(e) = prepared.epochs {
+            return Err(e);
+        }
         if inner.faults.writes_fail() {
             return Err(inner.progress.fail("a write", Error::Injected("write")));
         }
-
-        // Encode everything before touching sled, so a record that cannot be
-        // encoded fails the whole append with nothing written.
+        // A record that could not be encoded fails the whole append with
+        // nothing written.
+        if let Some(e) = prepared.unencoded {
+            return Err(e);
+        }
         let first_seq = *last_seq + 1;
-        let entries = records
+        let entries: Vec<wal::Entry> = prepared
+            .entries
             .into_iter()
             .zip(first_seq..)
-            .map(|(record, seq)| encode(record, seq))
-            .collect::<Result<Vec<_>, _>>()?;
+            .map(|((tree, key, value), seq)| (tree, key.at(seq), value))
+            .collect();
         let seq = first_seq + entries.len() as u64 - 1;
         let bytes = wal::frame_bytes(&entries);
         let entries: Arc<[wal::Entry]> = entries.into();
@@ -933,46 +967,90 @@ impl Trees {
     }
 }
 
+/// Records encoded for an append (`Journal::prepare`), and why the append
+/// must be refused, if something found that.
+pub struct Prepared {
+    entries: Vec<(&'static str, Key, Arc<[u8]>)>,
+    epochs: Option<Error>,
+    unencoded: Option<Error>,
+}
+
+impl Prepared {
+    /// `more` after these, in one append.
+    pub fn extend(&mut self, more: Prepared) {
+        self.entries.extend(more.entries);
+        if self.epochs.is_none() {
+            self.epochs = more.epochs;
+        }
+        if self.unencoded.is_none() {
+            self.unencoded = more.unencoded;
+        }
+    }
+}
+
+/// A record's key, or what it is made of once the record's seq is known.
+enum Key {
+    Whole(Vec<u8>),
+    /// A ledger entry's: its owner and the seq it takes.
+    Ledger(ParentRef),
+}
+
+impl Key {
+    fn at(self, seq: u64) -> Vec<u8> {
+        match self {
+            Key::Whole(key) => key,
+            Key::Ledger(owner) => codec::ledger_key(owner, seq),
+        }
+    }
+}
+
 /// Which tree a record goes to, under what key, as what bytes.
-fn encode(record: Record, seq: u64) -> Result<wal::Entry, Error> {
+fn encode(record: Record) -> Result<(&'static str, Key, Arc<[u8]>), Error> {
+    use Key::Whole;
     Ok(match record {
-        Record::Run(run) => (RUNS, codec::run_key(run.id), codec::encode_bincode(&run)?),
+        Record::Run(run) => (
+            RUNS,
+            Whole(codec::run_key(run.id)),
+            codec::encode_bincode(&run)?,
+        ),
         Record::Job(job) => (
             JOBS,
-            codec::job_key(job.run, job.id),
+            Whole(codec::job_key(job.run, job.id)),
             codec::encode_bincode(&job)?,
         ),
         Record::Ledger(entry) => (
             LEDGER,
-            codec::ledger_key(entry.owner, seq),
+            Key::Ledger(entry.owner),
             codec::encode_bincode(&entry)?,
         ),
         Record::Delegation(delegation) => (
             DELEGATIONS,
-            codec::delegation_key(delegation.parent, &delegation.key),
+            Whole(codec::delegation_key(delegation.parent, &delegation.key)),
             codec::encode_bincode(&delegation)?,
         ),
         Record::Steer(steer) => (
             STEERING,
-            codec::steer_key(steer.job, steer.message_id),
+            Whole(codec::steer_key(steer.job, steer.message_id)),
             codec::encode_bincode(&steer)?,
         ),
         Record::Event(event) => (
             EVENTS,
-            codec::event_key(event.run, event.seq),
+            Whole(codec::event_key(event.run, event.seq)),
             codec::encode_event(&event)?,
         ),
-        Record::EncodedEvent(event) => {
-            (EVENTS, codec::event_key(event.run, event.seq), event.value)
-        }
+        Record::EncodedEvent(event) => (
+            EVENTS,
+            Whole(codec::event_key(event.run, event.seq)),
+            event.value,
+        ),
         Record::Sandbox(sandbox) => (
             SANDBOXES,
-            codec::sandbox_key(sandbox.job, sandbox.pgid),
+            Whole(codec::sandbox_key(sandbox.job, sandbox.pgid)),
             codec::encode_bincode(&sandbox)?,
         ),
         Record::Submission(submission) => (
             SUBMISSIONS,
-            codec::run_key(submission.run),
+            Whole(codec::run_key(submission.run)),
             codec::encode_bincode(&submission)?,
         ),
     })

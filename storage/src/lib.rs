@@ -69,7 +69,7 @@ mod wal;
 pub use codec::{EncodedEvent, EventKindJson};
 pub use error::Error;
 pub use faults::Faults;
-pub use journal::{Journal, ScanReport, Undecodable, open_db};
+pub use journal::{Journal, Prepared, ScanReport, Undecodable, open_db};
 pub use proc_start::{group_members, process_start, same_process};
 pub use record::{
     DelegationRecord, JobRecord, LedgerOp, LedgerRecord, LedgerTotals, Record, RunRecord,
