@@ -10,7 +10,7 @@
 //! for a run's end waits on `ends`, which moves once per run.
 
 use arbor_protocol::{Event, EventKind, RunId, Tree};
-use arbor_storage::{EncodedEvent, EventKindJson, Journal, Record};
+use arbor_storage::{EncodedEvent, EventTail, Journal, Record};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -100,15 +100,15 @@ impl EventBus {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
-        // The records' values, and each kind's JSON, are the costly part of
-        // what is journaled, and need no seq: made here, before the lock
-        // that every emitter waits on.
+        // The records' values, and each event's JSON but its seq, are the
+        // costly part of what is journaled, and need no seq: made here,
+        // before the lock that every emitter waits on.
         let mut prepared = self.inner.journal.prepare(records);
-        let kinds: Vec<(EventKind, Result<EventKindJson, arbor_storage::Error>)> = kinds
+        let kinds: Vec<(EventKind, Result<EventTail, arbor_storage::Error>)> = kinds
             .into_iter()
             .map(|kind| {
-                let json = EventKindJson::new(&kind);
-                (kind, json)
+                let tail = EventTail::new(run, at_ms, &kind);
+                (kind, tail)
             })
             .collect();
         let mut ended = false;
@@ -127,8 +127,8 @@ impl EventBus {
                     kind,
                 };
                 match json {
-                    Ok(json) => records.push(Record::EncodedEvent(EncodedEvent::new(
-                        event.seq, run, at_ms, &json,
+                    Ok(tail) => records.push(Record::EncodedEvent(EncodedEvent::new(
+                        event.seq, run, &tail,
                     ))),
                     Err(e) => unencoded = Some(e),
                 }

@@ -149,23 +149,28 @@ pub(crate) fn encode_event(event: &Event) -> Result<Arc<[u8]>, Error> {
     versioned(|bytes| serde_json::to_writer(bytes, event).map_err(|e| Error::Encode(e.to_string())))
 }
 
-/// The JSON of an event's kind: the bulk of its journal value, which an
-/// emitter encodes before it takes the event bus's lock (the lock that
-/// orders events hands out the seq the rest of the value needs).
+/// An event's JSON from its run on, `,"run":...,"at_ms":...,"kind":{...}}`:
+/// all of its journal value but the seq, which an emitter encodes before it
+/// takes the event bus's lock (the lock that orders events hands out the
+/// seq).
 #[derive(Clone, Debug, PartialEq)]
-pub struct EventKindJson(Vec<u8>);
+pub struct EventTail(Vec<u8>);
 
-impl EventKindJson {
-    pub fn new(kind: &EventKind) -> Result<Self, Error> {
-        serde_json::to_vec(kind)
-            .map(Self)
-            .map_err(|e| Error::Encode(e.to_string()))
+impl EventTail {
+    pub fn new(run: RunId, at_ms: u64, kind: &EventKind) -> Result<Self, Error> {
+        use std::io::Write;
+        let mut tail = Vec::with_capacity(256);
+        // The field order of `Event`'s own serialization.
+        let _ = write!(tail, ",\"run\":\"{run}\",\"at_ms\":{at_ms},\"kind\":");
+        serde_json::to_writer(&mut tail, kind).map_err(|e| Error::Encode(e.to_string()))?;
+        tail.push(b'}');
+        Ok(Self(tail))
     }
 }
 
 /// An event's journal value, whole: the same bytes `encode_event` makes of
-/// the `Event` (a test holds them equal), put together from its seq, run
-/// and time and its kind's JSON encoded before.
+/// the `Event` (a test holds them equal), put together from its seq and
+/// the rest, encoded before.
 #[derive(Clone, Debug, PartialEq)]
 pub struct EncodedEvent {
     pub(crate) run: RunId,
@@ -174,18 +179,18 @@ pub struct EncodedEvent {
 }
 
 impl EncodedEvent {
-    pub fn new(seq: u64, run: RunId, at_ms: u64, kind: &EventKindJson) -> Self {
+    /// `run` is the one `tail` was made with.
+    pub fn new(seq: u64, run: RunId, tail: &EventTail) -> Self {
         use std::io::Write;
-        let mut head = Vec::with_capacity(96);
-        head.push(FORMAT_VERSION);
-        // The field order of `Event`'s own serialization.
-        let _ = write!(
-            head,
-            "{{\"seq\":{seq},\"run\":\"{run}\",\"at_ms\":{at_ms},\"kind\":"
-        );
-        // One allocation, of the value's size.
-        let value = head.iter().chain(&kind.0).chain(b"}").copied().collect();
-        Self { run, seq, value }
+        let mut value = Vec::with_capacity(30 + tail.0.len());
+        value.push(FORMAT_VERSION);
+        let _ = write!(value, "{{\"seq\":{seq}");
+        value.extend_from_slice(&tail.0);
+        Self {
+            run,
+            seq,
+            value: value.into(),
+        }
     }
 }
 
@@ -526,10 +531,10 @@ mod tests {
                 request: String::new(),
             },
         ];
-        for (seq, kind) in (0..).zip(kinds) {
-            let at_ms = seq * 1_000_003;
-            let json = EventKindJson::new(&kind).unwrap();
-            let parts = EncodedEvent::new(seq, run, at_ms, &json);
+        for (seq, kind) in [0, 7, u64::MAX].into_iter().zip(kinds) {
+            let at_ms = seq / 3;
+            let tail = EventTail::new(run, at_ms, &kind).unwrap();
+            let parts = EncodedEvent::new(seq, run, &tail);
             let whole = encode_event(&Event {
                 seq,
                 run,

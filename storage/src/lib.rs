@@ -66,7 +66,7 @@ mod record;
 mod verify;
 mod wal;
 
-pub use codec::{EncodedEvent, EventKindJson};
+pub use codec::{EncodedEvent, EventTail};
 pub use error::Error;
 pub use faults::Faults;
 pub use journal::{Journal, Prepared, ScanReport, Undecodable, open_db};
