@@ -67,8 +67,23 @@ struct History {
     owner_bytes: usize,
 }
 
-/// (seq, key, value)
-type Pending = (u64, Vec<u8>, Arc<[u8]>);
+/// One entry of an append, by its seq: the append it is in (shared with
+/// the applier's queue and the log's flusher, not copied) and its place in it.
+struct Pending {
+    seq: u64,
+    append: Arc<[Entry]>,
+    at: usize,
+}
+
+impl Pending {
+    fn key(&self) -> &[u8] {
+        &self.append[self.at].1
+    }
+
+    fn value(&self) -> &[u8] {
+        &self.append[self.at].2
+    }
+}
 
 impl History {
     fn of(owner_bytes: usize) -> Self {
@@ -82,19 +97,24 @@ impl History {
         &key[..key.len().min(self.owner_bytes)]
     }
 
-    fn insert(&mut self, seq: u64, key: &[u8], value: &Arc<[u8]>) {
+    fn insert(&mut self, seq: u64, append: &Arc<[Entry]>, at: usize) {
+        let key = &append[at].1;
         let queue = match self.owners.get_mut(self.owner(key)) {
             Some(queue) => queue,
             None => self.owners.entry(self.owner(key).to_vec()).or_default(),
         };
-        queue.push_back((seq, key.to_vec(), Arc::clone(value)));
+        queue.push_back(Pending {
+            seq,
+            append: Arc::clone(append),
+            at,
+        });
     }
 
     /// Drops the front of `key`'s owner's queue up to `applied_seq`.
     fn applied(&mut self, key: &[u8], applied_seq: u64) {
         let owner = self.owner(key);
         if let Some(queue) = self.owners.get_mut(owner) {
-            while queue.front().is_some_and(|(seq, ..)| *seq <= applied_seq) {
+            while queue.front().is_some_and(|p| p.seq <= applied_seq) {
                 queue.pop_front();
             }
             if queue.is_empty() {
@@ -110,8 +130,8 @@ impl History {
             .get(self.owner(key))?
             .iter()
             .rev()
-            .find(|(_, k, _)| k == key)
-            .map(|(_, _, value)| &value[..])
+            .find(|p| p.key() == key)
+            .map(Pending::value)
     }
 
     /// Every entry under `prefix`, in key order.
@@ -119,8 +139,8 @@ impl History {
         let pick = |queue: &'a VecDeque<Pending>| {
             queue
                 .iter()
-                .filter(|(_, key, _)| key.starts_with(prefix))
-                .map(|(_, key, value)| (key.as_slice(), &value[..]))
+                .filter(|p| p.key().starts_with(prefix))
+                .map(|p| (p.key(), p.value()))
                 .collect::<Vec<_>>()
         };
         if prefix.len() >= self.owner_bytes {
@@ -171,10 +191,10 @@ impl Overlay {
     /// just grown past `QUEUED_WAKE`. Otherwise it is woken already, and
     /// waking it once per append was a tenth of a fan-out's CPU.
     pub(crate) fn insert(&mut self, first_seq: u64, entries: Arc<[Entry]>) -> bool {
-        for ((tree, key, value), seq) in entries.iter().zip(first_seq..) {
+        for (at, ((tree, key, value), seq)) in entries.iter().zip(first_seq..).enumerate() {
             match *tree {
-                EVENTS => self.events.insert(seq, key, value),
-                LEDGER => self.ledger.insert(seq, key, value),
+                EVENTS => self.events.insert(seq, &entries, at),
+                LEDGER => self.ledger.insert(seq, &entries, at),
                 _ => {
                     self.states[tree_index(tree)].insert(key.clone(), (seq, Arc::clone(value)));
                 }
