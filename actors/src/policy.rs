@@ -122,7 +122,7 @@ mod tests {
             budget_usd_micros: None,
             max_turns: None,
             timeout: None,
-            script: vec![],
+            script: Default::default(),
             prompt: String::new(),
             resources: Default::default(),
         }

@@ -30,7 +30,8 @@ pub struct AgentDef {
     pub budget_usd_micros: Option<u64>,
     pub max_turns: Option<u32>,
     pub timeout: Option<Duration>,
-    pub script: Vec<ScriptTurn>,
+    /// Shared by every job of the agent (the scripted model reads it).
+    pub script: std::sync::Arc<Vec<ScriptTurn>>,
     /// The markdown body: the system prompt.
     pub prompt: String,
     /// The rlimits of its commands: its `resources:` within the node's

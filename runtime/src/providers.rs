@@ -355,7 +355,7 @@ impl Models {
 impl ModelFactory for Models {
     fn model_for(&self, agent: &AgentDef) -> Result<Arc<dyn Model>, String> {
         match self.provider(agent)? {
-            None => Ok(Arc::new(ScriptedModel::new(agent.script.clone()))),
+            None => Ok(Arc::new(ScriptedModel::new(Arc::clone(&agent.script)))),
             Some((client, model)) => {
                 let key = api_key(&client.config)?;
                 Ok(Arc::new(HttpModel::new(client.clone(), model, key)))

@@ -19,9 +19,10 @@ pub struct ScriptedModel {
 }
 
 impl ScriptedModel {
-    pub fn new(turns: Vec<ScriptTurn>) -> Self {
+    /// `turns`, shared with the agent's definition: a job's model costs no copy of its script.
+    pub fn new(turns: impl Into<Arc<Vec<ScriptTurn>>>) -> Self {
         Self {
-            turns: Arc::new(turns),
+            turns: turns.into(),
         }
     }
 
@@ -100,7 +101,7 @@ pub struct DefaultModels;
 impl ModelFactory for DefaultModels {
     fn model_for(&self, agent: &AgentDef) -> Result<Arc<dyn Model>, String> {
         match &agent.model {
-            ModelRef::Scripted => Ok(Arc::new(ScriptedModel::new(agent.script.clone()))),
+            ModelRef::Scripted => Ok(Arc::new(ScriptedModel::new(Arc::clone(&agent.script)))),
             ModelRef::Provider { provider, model } => Err(format!(
                 "agent {}: model {provider}/{model}: no provider adapter is configured",
                 agent.name

@@ -723,7 +723,7 @@ fn agent_from_front_matter(
             .flatten(),
         max_turns,
         timeout: parse_duration_arg("timeout", timeout.as_deref())?,
-        script,
+        script: script.into(),
         prompt: prompt.to_string(),
         resources: resources_spec
             .as_ref()

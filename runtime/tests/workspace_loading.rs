@@ -142,7 +142,8 @@ fn a_full_workspace_loads_with_every_field_mapped() {
                 say: Some("done".into()),
                 ..ScriptTurn::default()
             },
-        ],
+        ]
+        .into(),
         prompt: "You plan.".into(),
         resources: arbor_runtime::workspace::DEFAULT_SANDBOX,
     };
