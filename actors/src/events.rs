@@ -13,7 +13,7 @@ use arbor_protocol::{Event, EventKind, RunId, Tree};
 use arbor_storage::{EncodedEvent, EventTail, Journal, Record};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::{broadcast, watch};
 
@@ -35,10 +35,12 @@ struct Inner {
     journal: Journal,
     observers: Mutex<Vec<Observer>>,
     state: Mutex<BusState>,
-    /// Shared, not copied, into each slot: the channel makes every one of
-    /// its 65,536 slots when it is made, and slots of a whole `Event` were
-    /// 15 MB of every node's memory, touched before its first run.
-    live: broadcast::Sender<Arc<Event>>,
+    /// Made by the first `subscribe`: until a watcher exists there is nobody
+    /// to send to, and the channel makes all of its 65,536 slots at once,
+    /// 2.6 MB touched at every start (a millisecond of `arbor run`). Events
+    /// are shared, not copied, into its slots (slots of a whole `Event` were
+    /// 15 MB).
+    live: OnceLock<broadcast::Sender<Arc<Event>>>,
     /// Bumped after every event, for watchers that poll.
     version: AtomicU64,
     /// Bumped after every event while a receiver exists, for waiters that
@@ -55,7 +57,6 @@ struct BusState {
 
 impl EventBus {
     pub fn new(journal: Journal) -> Self {
-        let (live, _) = broadcast::channel(BROADCAST_CAPACITY);
         let (changes, _) = watch::channel(0);
         let (ends, _) = watch::channel(0);
         // Event seqs key events in the journal: starting above every seq the
@@ -69,7 +70,7 @@ impl EventBus {
                     seq: first_seq,
                     trees: HashMap::new(),
                 }),
-                live,
+                live: OnceLock::new(),
                 version: AtomicU64::new(0),
                 changes,
                 ends,
@@ -154,7 +155,9 @@ impl EventBus {
             // Broadcast under the lock too, so watchers receive events in seq
             // order: one that skips what it has seen by seq loses nothing.
             for event in &events {
-                let _ = self.inner.live.send(Arc::clone(event));
+                if let Some(live) = self.inner.live.get() {
+                    let _ = live.send(Arc::clone(event));
+                }
             }
             (events, appended)
         };
@@ -212,7 +215,14 @@ impl EventBus {
 
     /// Every event emitted from now on (a slow reader may see `Lagged`).
     pub fn subscribe(&self) -> broadcast::Receiver<Arc<Event>> {
-        self.inner.live.subscribe()
+        // Made under the state lock, which every emitter holds while it
+        // broadcasts: no event falls between the channel's making and an
+        // emitter's look at it.
+        let _state = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
+        self.inner
+            .live
+            .get_or_init(|| broadcast::channel(BROADCAST_CAPACITY).0)
+            .subscribe()
     }
 
     /// Changes whenever any event is emitted, from now on. Each receiver
