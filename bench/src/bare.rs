@@ -3,11 +3,11 @@
 //! baseline is what the actor library alone costs on this machine, in the
 //! same process and run as arbor.
 
-use arbor_testkit::bare;
-use arbor_testkit::measure::Cpu;
+use arbor_tests::bare;
+use arbor_tests::measure::Cpu;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
-/// `actors` round trips (`arbor_testkit::bare::round_trip`: spawn, call,
+/// `actors` round trips (`arbor_tests::bare::round_trip`: spawn, call,
 /// stop, exit), one after another. Returns the process CPU time of all of it.
 pub async fn spawn_call_stop(actors: usize) -> Cpu {
     let before = Cpu::now();

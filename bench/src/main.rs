@@ -121,7 +121,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let (runtime, workers) = arbor_testkit::measure::runtime();
+    let (runtime, workers) = arbor_tests::measure::runtime();
     if let Some(child) = &args.child {
         let Some(side) = idle_memory::Side::parse(child) else {
             eprintln!("arbor-bench: unknown --child {child}");

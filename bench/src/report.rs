@@ -5,7 +5,7 @@
 //! second, bytes); a ratio is always arbor's median over the baseline's
 //! median, of the same run.
 
-use arbor_testkit::measure::median;
+use arbor_tests::measure::median;
 
 /// The unit of a figure: how it is printed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -31,9 +31,10 @@
 
 use arbor_protocol::{EventKind, JobId, NodeKind, ParentRef, RunId, Status};
 use arbor_storage::{Journal, LedgerOp, LedgerRecord, Record};
-use arbor_testkit::agents::{fan_out_parent, leaf_at_once, serial_parent};
-use arbor_testkit::measure::{self, Cpu, Latency, round};
-use arbor_testkit::{TestNode, bare};
+use arbor_testkit::TestNode;
+use arbor_tests::agents::{fan_out_parent, leaf_at_once, serial_parent};
+use arbor_tests::bare;
+use arbor_tests::measure::{self, Cpu, Latency, round};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 

@@ -15,9 +15,9 @@
 //! runs in the emitting task.
 
 use arbor_protocol::EventKind;
-use arbor_testkit::measure::{self, Latency};
 use arbor_testkit::mock_provider::{Format, MockProvider, openai};
 use arbor_testkit::{TestNode, agent_md};
+use arbor_tests::measure::{self, Latency};
 use serde_json::json;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

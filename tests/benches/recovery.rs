@@ -5,7 +5,7 @@
 //!    (many finished runs, and some interrupted ones with steps and jobs still
 //!    pending or running, open holds and call reservations, and one hold for a
 //!    child that never got a record) is built with `Journal::append` in big
-//!    batches, at each size, by the testkit (`arbor_testkit::synthetic`,
+//!    batches, at each size, by the testkit (`arbor_tests::synthetic`,
 //!    which `arbor-bench`'s P5 builds its journal with too); the
 //!    interrupted runs are as many at every size,
 //!    since what a crash leaves depends on what was in flight, not on how
@@ -50,9 +50,9 @@
 use arbor_protocol::{JobId, ParentRef, Status};
 use arbor_storage::{Journal, LedgerOp, LedgerRecord, Record, open_db};
 use arbor_testkit::TestNode;
-use arbor_testkit::agents::{fan_out_parent, leaf_at_once};
-use arbor_testkit::measure::{self, Cpu, RawLog, RawWrite, median, round};
-use arbor_testkit::synthetic::{
+use arbor_tests::agents::{fan_out_parent, leaf_at_once};
+use arbor_tests::measure::{self, Cpu, RawLog, RawWrite, median, round};
+use arbor_tests::synthetic::{
     self, Built, Mix, OPEN_JOBS_PER_INTERRUPTED_RUN, copy_dir, wait_until_released,
 };
 use std::path::Path;

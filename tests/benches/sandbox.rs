@@ -24,7 +24,7 @@
 use arbor_actors::sandbox::SandboxArgs;
 use arbor_actors::seal::{Posture, SandboxIsolation};
 use arbor_actors::{Sandbox, SandboxMsg};
-use arbor_testkit::measure::{self, Latency};
+use arbor_tests::measure::{self, Latency};
 use ractor::Actor;
 use std::path::Path;
 use std::sync::Arc;

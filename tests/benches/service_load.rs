@@ -34,7 +34,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use arbor_testkit::measure::{self, Latency, round};
+use arbor_tests::measure::{self, Latency, round};
 
 #[derive(Clone, Copy, Debug)]
 struct Load {

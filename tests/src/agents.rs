@@ -3,7 +3,7 @@
 //! the benchmarks measure. Each returns an agent.md text for
 //! `TestNode::start`; a parent needs the leaf started beside it as `leaf`.
 
-use crate::agent_md;
+use arbor_testkit::agent_md;
 
 /// A leaf that submits on its first turn.
 pub fn leaf_at_once() -> String {

@@ -16,7 +16,7 @@
 //!
 //! ```no_run
 //! # async fn demo() {
-//! use arbor_testkit::synthetic;
+//! use arbor_tests::synthetic;
 //! let built = synthetic::build_journal(100_000, 256).await;
 //! let copy = tempfile::tempdir().unwrap();
 //! synthetic::copy_dir(&built.journal(), copy.path());

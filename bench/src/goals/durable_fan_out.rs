@@ -12,8 +12,8 @@ use crate::trial::interleaved;
 use crate::workload::{BUDGET_TOKENS, Flushes, Tally, delegating, filesystem, syncs_off};
 use anyhow::{Context, ensure};
 use arbor_testkit::TestNode;
-use arbor_testkit::agents::leaf_at_once;
-use arbor_testkit::measure::Cpu;
+use arbor_tests::agents::leaf_at_once;
+use arbor_tests::measure::Cpu;
 use std::time::{Duration, Instant};
 
 /// The absolute goal beside the ratio.

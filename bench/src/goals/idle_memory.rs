@@ -16,7 +16,7 @@ use crate::trial::{interleaved, progress};
 use crate::workload::{BUDGET_TOKENS, Tally, delegating, leaf_waiting, limits};
 use anyhow::{Context, bail};
 use arbor_testkit::TestNode;
-use arbor_testkit::bare::Echo;
+use arbor_tests::bare::Echo;
 use ractor::Actor;
 
 /// Children below one step: runs are as many as it takes.

@@ -1,6 +1,6 @@
 //! P5: a restart on a journal of `journal_records` records with
 //! `open_jobs` steps and jobs open at the crash (the testkit's synthetic
-//! crashed journal, `arbor_testkit::synthetic`). Timed: `Journal::open`
+//! crashed journal, `arbor_tests::synthetic`). Timed: `Journal::open`
 //! and `recovery::recover`, until recovery has failed every orphan and
 //! reconciled every account: what a restarted node waits for before it
 //! can take work. Beside it, a bare sled open of the same database and a
@@ -15,7 +15,7 @@ use crate::goals::Sizes;
 use crate::report::{Bound, Outcome, Unit, figure};
 use crate::trial::{interleaved, progress};
 use anyhow::ensure;
-use arbor_testkit::synthetic::{self, Built, copy_dir, wait_until_released};
+use arbor_tests::synthetic::{self, Built, copy_dir, wait_until_released};
 use std::path::{Path, PathBuf};
 
 pub async fn run(sizes: &Sizes) -> anyhow::Result<Outcome> {

@@ -1,0 +1,606 @@
+//! The message-level harness: a real in-process node on a temporary journal,
+//! agents loaded from strings, scripted models, and verbs to drive and read it.
+//!
+//! ```no_run
+//! # async fn demo() {
+//! use arbor_testkit::{agent_md, TestNode};
+//! let node = TestNode::start(&[(
+//!     "solo",
+//!     &agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}"),
+//! )])
+//! .await;
+//! let run = node.run_agent("solo", "say hi").await;
+//! let tree = node.wait_run(run).await;
+//! assert_eq!(tree.root().output, "hi");
+//! # }
+//! ```
+//!
+//! Every wait has a guard: past `WAIT_LIMIT` it panics with the tree, so a
+//! broken promise fails the test instead of hanging it.
+
+pub mod mock_provider;
+pub mod service;
+
+use arbor_actors::model::{
+    CallMeter, Model, ModelError, ModelFactory, ModelInfo, ModelReply, ModelRequest,
+};
+use arbor_protocol::{
+    AgentDef, Event, EventKind, JobId, NodeKind, ParentRef, Refusal, RunId, Tree, TreeNode,
+};
+use arbor_runtime::{DefaultModels, EmbeddedNode, Models, Workspace};
+use arbor_storage::{Journal, LedgerRecord, ledger_totals};
+use futures::future::BoxFuture;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// How long any wait may take before the test fails with the tree printed.
+pub const WAIT_LIMIT: Duration = Duration::from_secs(30);
+
+/// An agent.md text from its front matter (YAML) and a one-line prompt.
+pub fn agent_md(front_matter: &str) -> String {
+    format!("---\n{front_matter}\n---\nYou are a test agent.\n")
+}
+
+/// A `script:` (its lines, without the key) that runs each of `commands`
+/// with exec, one a turn, then answers `done`.
+pub fn exec_script(commands: &[&str]) -> String {
+    let mut script = String::new();
+    for command in commands {
+        script.push_str(&format!(
+            "  - call: {{tool: exec, args: {{command: {}}}}}\n",
+            serde_json::to_string(command).expect("a string serializes")
+        ));
+    }
+    script.push_str("  - call: {tool: submit_output, args: {output: done}}\n");
+    script
+}
+
+/// Writes `text` as a secrets file of mode `mode` in `dir`, and returns the
+/// arbor.toml that names it.
+pub fn secrets_file(dir: &std::path::Path, text: &str, mode: u32) -> String {
+    use std::os::unix::fs::PermissionsExt;
+    let file = dir.join("secrets.env");
+    std::fs::write(&file, text).expect("the secrets file is written");
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(mode))
+        .expect("its mode is set");
+    format!(
+        "[sandbox]\nsecrets_file = {:?}\n",
+        file.display().to_string()
+    )
+}
+
+/// One `ToolCalled` event, as `TestNode::tool_calls` gives it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ToolCall {
+    pub job: JobId,
+    pub tool: String,
+    pub ok: bool,
+    pub detail: String,
+}
+
+/// A real node on a temporary data dir.
+pub struct TestNode {
+    node: EmbeddedNode,
+    dir: tempfile::TempDir,
+    pub workspace: Workspace,
+    models: Arc<dyn ModelFactory>,
+}
+
+impl TestNode {
+    /// Starts a node on these agents (name, agent.md text) with default limits.
+    pub async fn start(agents: &[(&str, &str)]) -> Self {
+        Self::start_inner(None, agents, &[], None).await
+    }
+
+    /// Starts a node with an arbor.toml text, and the models it configures
+    /// (the scripted one, and its `[providers]`).
+    pub async fn start_with_config(arbor_toml: &str, agents: &[(&str, &str)]) -> Self {
+        Self::start_inner(Some(arbor_toml), agents, &[], None).await
+    }
+
+    /// Starts a node with the models a test chooses (a recorder, a panicking adapter).
+    pub async fn start_full(
+        arbor_toml: Option<&str>,
+        agents: &[(&str, &str)],
+        models: Arc<dyn ModelFactory>,
+    ) -> Self {
+        Self::start_workspace(arbor_toml, agents, &[], models).await
+    }
+
+    /// Starts a node on a whole workspace: arbor.toml, agents and flows (name, TOML text).
+    pub async fn start_workspace(
+        arbor_toml: Option<&str>,
+        agents: &[(&str, &str)],
+        flows: &[(&str, &str)],
+        models: Arc<dyn ModelFactory>,
+    ) -> Self {
+        Self::start_inner(arbor_toml, agents, flows, Some(models)).await
+    }
+
+    /// `models` None: the workspace's own (`Models` of its arbor.toml).
+    async fn start_inner(
+        arbor_toml: Option<&str>,
+        agents: &[(&str, &str)],
+        flows: &[(&str, &str)],
+        models: Option<Arc<dyn ModelFactory>>,
+    ) -> Self {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let workspace =
+            Workspace::from_texts(dir.path().join("workspace"), arbor_toml, agents, flows)
+                .unwrap_or_else(|e| panic!("the test workspace does not load: {e}"));
+        let models = models.unwrap_or_else(|| Arc::new(Models::new(&workspace.config.providers)));
+        let node = EmbeddedNode::start_with(&workspace, &dir.path().join("data"), models.clone())
+            .await
+            .expect("the node starts");
+        Self {
+            node,
+            dir,
+            workspace,
+            models,
+        }
+    }
+
+    /// Drops the node the way a crash would (every actor killed at once, no
+    /// stop handlers, nothing journaled on the way out), then starts a new
+    /// node on the same journal: recovery runs before anything else.
+    pub async fn crash_and_restart(self) -> Self {
+        let Self {
+            node,
+            dir,
+            workspace,
+            models,
+        } = self;
+        node.crash().await;
+        let node = EmbeddedNode::start_with(&workspace, &dir.path().join("data"), models.clone())
+            .await
+            .expect("the node restarts on the same journal");
+        Self {
+            node,
+            dir,
+            workspace,
+            models,
+        }
+    }
+
+    /// Crashes the node and keeps its data: the returned folder holds
+    /// `data/journal` and `data/work` for the test to inspect.
+    pub async fn crash(self) -> tempfile::TempDir {
+        self.node.crash().await;
+        self.dir
+    }
+
+    /// Runs flow `name` with its own budget.
+    pub async fn run_flow(&self, name: &str) -> RunId {
+        let spec = self
+            .workspace
+            .flow_run(name, None)
+            .unwrap_or_else(|e| panic!("{e}"));
+        self.node
+            .start_run(spec)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    pub fn node(&self) -> &EmbeddedNode {
+        &self.node
+    }
+
+    pub fn journal(&self) -> &Journal {
+        self.node.journal()
+    }
+
+    pub fn data_dir(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    /// Runs one agent on `input` with the default budget.
+    pub async fn run_agent(&self, agent: &str, input: &str) -> RunId {
+        self.run_agent_with_budget(agent, input, None).await
+    }
+
+    pub async fn run_agent_with_budget(
+        &self,
+        agent: &str,
+        input: &str,
+        tokens: Option<u64>,
+    ) -> RunId {
+        let spec = self
+            .workspace
+            .agent_run(agent, input, tokens)
+            .unwrap_or_else(|e| panic!("{e}"));
+        self.node
+            .start_run(spec)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    pub fn tree(&self, run: RunId) -> Tree {
+        self.node.tree(run)
+    }
+
+    /// Waits for the run to end; returns its tree.
+    pub async fn wait_run(&self, run: RunId) -> Tree {
+        self.wait_until(run, |t| t.run_status().is_terminal()).await
+    }
+
+    /// Waits until `done` holds of the run's tree, re-checked after every event.
+    pub async fn wait_until(&self, run: RunId, done: impl FnMut(&Tree) -> bool) -> Tree {
+        match tokio::time::timeout(WAIT_LIMIT, self.node.wait_tree(run, done)).await {
+            Ok(tree) => tree,
+            Err(_) => panic!(
+                "waited {WAIT_LIMIT:?} in vain; the tree:\n{}",
+                serde_json::to_string_pretty(&self.tree(run).root()).unwrap_or_default()
+            ),
+        }
+    }
+
+    /// Waits until the run has an event for which `matches` holds; returns it.
+    pub async fn wait_event(
+        &self,
+        run: RunId,
+        mut matches: impl FnMut(&EventKind) -> bool,
+    ) -> Event {
+        let mut found = None;
+        self.wait_until(run, |_| {
+            found = self.events(run).into_iter().find(|e| matches(&e.kind));
+            found.is_some()
+        })
+        .await;
+        found.expect("found above")
+    }
+
+    /// Waits until the node labelled (or, failing that, running agent) `name` exists.
+    pub async fn wait_for(&self, run: RunId, name: &str) -> JobId {
+        let tree = self.wait_until(run, |t| t.find(name).is_some()).await;
+        tree.find(name).expect("found above")
+    }
+
+    /// Waits until `name` has this status.
+    pub async fn wait_status(
+        &self,
+        run: RunId,
+        name: &str,
+        status: arbor_protocol::Status,
+    ) -> TreeNode {
+        let tree = self
+            .wait_until(run, |t| {
+                t.find(name)
+                    .and_then(|id| t.node(id))
+                    .is_some_and(|n| n.status == status)
+            })
+            .await;
+        tree.node(tree.find(name).expect("found"))
+            .expect("exists")
+            .clone()
+    }
+
+    pub async fn stop_run(&self, run: RunId) {
+        self.node
+            .stop_run(run, "stopped by the test")
+            .await
+            .expect("stop the run");
+    }
+
+    pub async fn stop_job(&self, run: RunId, job: JobId) {
+        self.node
+            .stop_job(run, job, "stopped by an operator")
+            .await
+            .expect("stop the job");
+    }
+
+    pub async fn steer(&self, job: JobId, text: &str) -> Result<u64, Refusal> {
+        self.node.steer(job, text).await
+    }
+
+    /// The run's events as journaled.
+    pub fn events(&self, run: RunId) -> Vec<Event> {
+        self.journal().events(run).expect("events decode")
+    }
+
+    /// The error texts of the run's failed calls to `tool`, in order.
+    pub fn failed_calls(&self, run: RunId, tool: &str) -> Vec<String> {
+        self.tool_calls(run)
+            .into_iter()
+            .filter(|c| !c.ok && c.tool == tool)
+            .map(|c| c.detail)
+            .collect()
+    }
+
+    /// Every tool call of the run, in order: who made it, which tool, and
+    /// its result.
+    pub fn tool_calls(&self, run: RunId) -> Vec<ToolCall> {
+        self.events(run)
+            .into_iter()
+            .filter_map(|e| match e.kind {
+                EventKind::ToolCalled {
+                    id,
+                    tool,
+                    ok,
+                    detail,
+                    ..
+                } => Some(ToolCall {
+                    job: id,
+                    tool,
+                    ok,
+                    detail,
+                }),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Runs `f` on every later event, synchronously at emission.
+    pub fn observe(&self, f: impl Fn(&Event) + Send + Sync + 'static) {
+        self.node.events().observe(Arc::new(f));
+    }
+
+    pub fn ledger(&self, owner: ParentRef) -> Vec<LedgerRecord> {
+        self.journal().ledger(owner).expect("ledger decodes")
+    }
+
+    /// I-14 at a quiescent point, from two sides: the tree's figures add up,
+    /// and every account's ledger in the journal gives the same figures.
+    pub fn assert_conserved(&self, run: RunId) {
+        let tree = self.tree(run);
+        if let Err(breaches) = tree.check_conservation() {
+            panic!("conservation broken:\n{}", breaches.join("\n"));
+        }
+        let root = tree.root();
+        let mut owners = vec![(ParentRef::Run(run), root.account, root.usd)];
+        owners.extend(
+            tree.nodes()
+                .map(|(id, n)| (ParentRef::Job(id), n.account, n.usd)),
+        );
+        for (owner, view, usd) in owners {
+            let entries = self.ledger(owner);
+            let totals = ledger_totals(&entries);
+            assert_eq!(
+                (totals.grant, totals.spent, totals.held),
+                (view.grant, view.spent, view.held),
+                "the journal's ledger of {owner:?} disagrees with the tree"
+            );
+            let usd_totals =
+                arbor_storage::usd_totals(&entries).map(|t| (t.grant, t.spent, t.held));
+            assert_eq!(
+                usd_totals,
+                usd.map(|u| (u.grant, u.spent, u.held)),
+                "the journal's micro-dollars of {owner:?} disagree with the tree"
+            );
+        }
+        let report = self.journal().verify().expect("the journal reads");
+        assert!(report.breaches.is_empty(), "verify: {:#?}", report.breaches);
+    }
+
+    /// A job's workdir, from its spawn event.
+    pub fn workdir(&self, run: RunId, job: JobId) -> PathBuf {
+        self.events(run)
+            .into_iter()
+            .find_map(|e| match e.kind {
+                EventKind::NodeSpawned { id, workdir, .. } if id == job => {
+                    Some(PathBuf::from(workdir))
+                }
+                _ => None,
+            })
+            .expect("the job was spawned")
+    }
+
+    /// Every step and job of the run.
+    pub fn jobs(&self, run: RunId) -> Vec<TreeNode> {
+        let tree = self.tree(run);
+        tree.nodes()
+            .filter(|(_, n)| n.kind != NodeKind::Run)
+            .map(|(_, n)| n.clone())
+            .collect()
+    }
+
+    /// How many jobs of `agent` in the run ended done.
+    pub fn jobs_done(&self, run: RunId, agent: &str) -> usize {
+        self.jobs(run)
+            .iter()
+            .filter(|j| {
+                j.agent.as_deref() == Some(agent) && j.status == arbor_protocol::Status::Done
+            })
+            .count()
+    }
+
+    pub async fn shutdown(self) {
+        self.node.shutdown().await.expect("a clean shutdown");
+    }
+}
+
+/// Wraps a factory (the scripted models by default) and records every
+/// request each agent's model got, in order. A request carries its
+/// `CallMeter`, so a test can also act at a known point of a call in flight
+/// (`meter`: stop a job once its answer has started streaming, say).
+pub struct RecordingModels {
+    inner: Arc<dyn ModelFactory>,
+    requests: Arc<Mutex<HashMap<String, Vec<ModelRequest>>>>,
+    sent: Arc<tokio::sync::Notify>,
+    /// Agents whose model panics when called (I-38).
+    pub panicking: Vec<String>,
+}
+
+impl RecordingModels {
+    pub fn new() -> Arc<Self> {
+        Self::wrapping(Arc::new(DefaultModels))
+    }
+
+    /// Records what `inner`'s models are sent (a workspace's `Models`, say).
+    pub fn wrapping(inner: Arc<dyn ModelFactory>) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            requests: Default::default(),
+            sent: Default::default(),
+            panicking: vec![],
+        })
+    }
+
+    pub fn panicking_for(agents: &[&str]) -> Arc<Self> {
+        Arc::new(Self {
+            inner: Arc::new(DefaultModels),
+            requests: Default::default(),
+            sent: Default::default(),
+            panicking: agents.iter().map(|s| s.to_string()).collect(),
+        })
+    }
+
+    /// Every request the agent's models were sent, in order.
+    pub fn requests(&self, agent: &str) -> Vec<ModelRequest> {
+        self.requests
+            .lock()
+            .unwrap()
+            .get(agent)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// The meter of the `n`th request (from 0) of `agent`, once it is sent.
+    pub async fn meter(&self, agent: &str, n: usize) -> CallMeter {
+        let deadline = tokio::time::Instant::now() + WAIT_LIMIT;
+        loop {
+            let sent = self.sent.notified();
+            if let Some(request) = self.requests(agent).get(n) {
+                return request.meter.clone();
+            }
+            if tokio::time::timeout_at(deadline, sent).await.is_err() {
+                panic!("request {n} of {agent} never came");
+            }
+        }
+    }
+}
+
+struct Recording {
+    inner: Arc<dyn Model>,
+    agent: String,
+    log: Arc<Mutex<HashMap<String, Vec<ModelRequest>>>>,
+    sent: Arc<tokio::sync::Notify>,
+    panics: bool,
+}
+
+impl Model for Recording {
+    fn count_input(&self, request: &ModelRequest) -> u64 {
+        self.inner.count_input(request)
+    }
+
+    fn complete(
+        &self,
+        request: ModelRequest,
+    ) -> BoxFuture<'static, Result<ModelReply, ModelError>> {
+        if self.panics {
+            panic!("a model adapter bug");
+        }
+        self.log
+            .lock()
+            .unwrap()
+            .entry(self.agent.clone())
+            .or_default()
+            .push(request.clone());
+        self.sent.notify_waiters();
+        self.inner.complete(request)
+    }
+
+    fn info(&self) -> ModelInfo {
+        self.inner.info()
+    }
+
+    fn estimate_prompt(&self, request: &ModelRequest) -> u64 {
+        self.inner.estimate_prompt(request)
+    }
+}
+
+impl ModelFactory for RecordingModels {
+    fn model_for(&self, agent: &AgentDef) -> Result<Arc<dyn Model>, String> {
+        Ok(Arc::new(Recording {
+            inner: self.inner.model_for(agent)?,
+            agent: agent.name.clone(),
+            log: self.requests.clone(),
+            sent: self.sent.clone(),
+            panics: self.panicking.contains(&agent.name),
+        }))
+    }
+
+    fn preflight(&self, agent: &AgentDef) -> Result<(), String> {
+        self.inner.preflight(agent)
+    }
+}
+
+/// A small, seedable generator for repeatable trials (xorshift64*).
+pub struct Seeded(u64);
+
+impl Seeded {
+    pub fn new(seed: u64) -> Self {
+        Self(seed.max(1))
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// A number in `lo..=hi`.
+    pub fn between(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next_u64() % (hi - lo + 1)
+    }
+}
+
+/// Waits until process `pid` has exited (or `limit` passes), without
+/// polling: a pidfd becomes readable when the process ends. True if it ended.
+pub async fn process_exits_within(pid: i32, limit: Duration) -> bool {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        // ESRCH: it is already gone.
+        return std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+    }
+    // SAFETY: the fd was just opened and is owned by nothing else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    // SAFETY: the OwnedFd moves into the AsyncFd, which deregisters it
+    // before it is closed; nothing else holds it.
+    let Ok(async_fd) = (unsafe { tokio::io::unix::AsyncFd::register(fd) }) else {
+        return false;
+    };
+    tokio::time::timeout(limit, async_fd.readable())
+        .await
+        .is_ok()
+}
+
+/// Every process whose working directory is `dir` or below it.
+/// Waits (at most `WAIT_LIMIT`) until at least `n` processes run in `dir`
+/// and returns them. Polls /proc: the kernel sends no event for a process
+/// that starts in a folder.
+pub async fn wait_processes_in(dir: &std::path::Path, n: usize) -> Vec<i32> {
+    let deadline = tokio::time::Instant::now() + WAIT_LIMIT;
+    loop {
+        let found = processes_in(dir);
+        if found.len() >= n {
+            return found;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "waited {WAIT_LIMIT:?} for {n} processes in {}; found {found:?}",
+            dir.display()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+pub fn processes_in(dir: &std::path::Path) -> Vec<i32> {
+    let Ok(dir) = dir.canonicalize() else {
+        return vec![];
+    };
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return vec![];
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read_link(format!("/proc/{pid}/cwd")).is_ok_and(|cwd| cwd.starts_with(&dir))
+        })
+        .collect()
+}
