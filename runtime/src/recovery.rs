@@ -46,6 +46,9 @@ pub struct RecoveryReport {
     pub runs: Vec<RunRecovery>,
     /// Accounts that do not add up after recovery (I-14); empty when all is well.
     pub breaches: Vec<String>,
+    /// Ends (of steps, jobs and runs) durable in their records whose events a
+    /// crash lost, told again from the records.
+    pub ends_retold: u32,
 }
 
 #[derive(Clone, Debug)]
@@ -92,6 +95,19 @@ pub async fn recover(
     }
     for run in journal.runs()? {
         if run.status.is_terminal() {
+            // Ended in the life before this one: a crash right after its end
+            // was committed may have taken the events that tell it (earlier
+            // lives were seen to by the recoveries after them).
+            if run.epoch + 1 == epoch
+                && !matches!(
+                    journal.last_event(run.id)?.map(|e| e.kind),
+                    Some(EventKind::RunFinished { .. })
+                )
+            {
+                let history = journal.events(run.id)?;
+                let jobs = journal.jobs(run.id)?;
+                report.ends_retold += retell_lost_ends(events, &run, &history, &jobs);
+            }
             continue;
         }
         let outcome = recover_run(journal, events, &run, &killed_by_job, &mut report)?;
@@ -107,6 +123,85 @@ pub async fn recover(
     report.undecodable = verified.undecodable;
     report.breaches = verified.breaches;
     Ok(report)
+}
+
+/// An end is told (`NodeFinished`, `RunFinished`) only after its record is
+/// durable (I-29), so a crash between the two leaves a record that says
+/// ended and events that say running: the run's tree would show it running
+/// for ever. Tells each such end again, from its record, and returns how
+/// many. What only the lost event carried (a job's artifacts and
+/// limitations, its turns) is not in the record and is not told.
+fn retell_lost_ends(
+    events: &EventBus,
+    run: &RunRecord,
+    history: &[arbor_protocol::Event],
+    jobs: &[JobRecord],
+) -> u32 {
+    let told: std::collections::HashSet<JobId> = history
+        .iter()
+        .filter_map(|e| match &e.kind {
+            EventKind::NodeFinished { id, .. } => Some(*id),
+            _ => None,
+        })
+        .collect();
+    let run_told = history
+        .iter()
+        .any(|e| matches!(e.kind, EventKind::RunFinished { .. }));
+    let spawned: std::collections::HashSet<JobId> = history
+        .iter()
+        .filter_map(|e| match &e.kind {
+            EventKind::NodeSpawned { id, .. } => Some(*id),
+            _ => None,
+        })
+        .collect();
+    let mut lost: Vec<&JobRecord> = jobs
+        .iter()
+        .filter(|j| j.status.is_terminal() && !told.contains(&j.id) && spawned.contains(&j.id))
+        .collect();
+    if lost.is_empty() && (run_told || !run.status.is_terminal()) {
+        return 0;
+    }
+    events.load_run(run.id, history);
+    // Deepest first, as they ended.
+    lost.sort_by_key(|j| std::cmp::Reverse(j.depth));
+    let mut retold = 0;
+    for job in lost {
+        let output = serde_json::from_str(&job.output_json).unwrap_or(serde_json::Value::Null);
+        events.emit(
+            run.id,
+            EventKind::NodeFinished {
+                id: job.id,
+                status: job.status,
+                task_status: job.task_status,
+                error_class: job.error_class,
+                reason: job.reason.clone(),
+                propagated: false,
+                output,
+                error: (job.status != Status::Done)
+                    .then(|| job.reason.clone())
+                    .flatten(),
+                limitations: vec![],
+                artifacts: vec![],
+                turns: 0,
+                tokens_spent: job.tokens_spent,
+                usd_micros_spent: 0,
+            },
+        );
+        retold += 1;
+    }
+    if run.status.is_terminal() && !run_told {
+        events.emit(
+            run.id,
+            EventKind::RunFinished {
+                status: run.status,
+                error_class: run.error_class,
+                reason: run.reason.clone(),
+                output: serde_json::from_str(&run.output_json).unwrap_or(serde_json::Value::Null),
+            },
+        );
+        retold += 1;
+    }
+    retold
 }
 
 /// Kills what is left of a recorded process group: its leader if it is
@@ -287,6 +382,7 @@ fn recover_run(
     let epoch = journal.epoch();
     let history = journal.events(run.id)?;
     events.load_run(run.id, &history);
+    report.ends_retold += retell_lost_ends(events, run, &history, &journal.jobs(run.id)?);
     let spec = history.iter().find_map(|e| match &e.kind {
         EventKind::RunStarted { spec, .. } => Some(spec.clone()),
         _ => None,

@@ -18,6 +18,18 @@
 //!   acknowledges can be lost in a power cut (a process crash loses nothing:
 //!   the kernel has the writes).
 //!
+//! - `crash_at`: the process kills itself (SIGKILL, no clean-up) just before
+//!   or just after the journal's k-th flush, the way a node dies at a commit
+//!   point (`arbor-testkit`'s `explore_crashes`). As a power cut, it first
+//!   cuts the log back to its last `fdatasync` and, from the moment it is
+//!   armed, keeps sled at what its own last sync left (the applier takes
+//!   nothing more in until a checkpoint or a drain, which sync sled): so
+//!   every write past the last completed sync is gone at the crash, not
+//!   kept by the page cache as a kill keeps it.
+//! - `record_durable_to`: after every flush, the durable seq is written to a
+//!   file with one `write`, so a process that crashes leaves behind what it
+//!   acknowledged.
+//!
 //! An injected failure counts as a real one: the journal remembers it and
 //! refuses every later append (`Journal::failed`).
 //!
@@ -26,9 +38,40 @@
 //! an await. The flusher waits on the condvar, never spins, and dropping the
 //! journal releases it (`close`) before joining the thread.
 
+use std::fs::File;
+use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
+
+/// Where a crash falls around a flush of the journal's log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CrashPoint {
+    /// The flush's frames are not written: its commits were never durable.
+    BeforeFlush,
+    /// The frames are written and synced, and nobody was told: durable, not
+    /// acknowledged.
+    AfterFlush,
+}
+
+/// How the process dies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CrashKind {
+    /// SIGKILL: the kernel keeps every write, synced or not.
+    Kill,
+    /// A power cut: every write past the last completed sync is lost, then
+    /// SIGKILL (see the module docs for what is simulated).
+    PowerLoss,
+}
+
+/// One crash: at flush number `flush` (1 is the first flush that writes
+/// frames after the journal opened), at `point`, as `kind`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Crash {
+    pub flush: u64,
+    pub point: CrashPoint,
+    pub kind: CrashKind,
+}
 
 /// The journal's injectable faults; see the module docs.
 #[derive(Debug, Default)]
@@ -36,6 +79,10 @@ pub struct Faults {
     fail_writes: AtomicBool,
     fail_flushes: AtomicBool,
     skip_syncs: AtomicBool,
+    crash: Mutex<Option<Crash>>,
+    /// Armed as a power cut: the applier keeps sled at its last sync.
+    power_loss: AtomicBool,
+    durable_log: Mutex<Option<File>>,
     hold: Mutex<Hold>,
     /// Signalled whenever `hold` changes, in either direction.
     hold_changed: Condvar,
@@ -94,6 +141,51 @@ impl Faults {
                 .0;
         }
         true
+    }
+
+    /// Arms one crash: the flusher kills the process at that point of that
+    /// flush (see `Crash`). A flush number already past never comes.
+    pub fn crash_at(&self, crash: Crash) {
+        if crash.kind == CrashKind::PowerLoss {
+            self.power_loss.store(true, Ordering::Release);
+        }
+        *self.crash.lock().unwrap_or_else(PoisonError::into_inner) = Some(crash);
+    }
+
+    /// After every flush from now on, writes the durable seq, as a line
+    /// `durable <seq>`, to `file` in one `write` (not synced: a crashed process's
+    /// writes stay in the page cache, which is all a test that reads it
+    /// after a kill needs).
+    pub fn record_durable_to(&self, file: File) {
+        *self
+            .durable_log
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(file);
+    }
+
+    /// The crash armed for flush `flush` at `point`, if any.
+    pub(crate) fn crash_due(&self, flush: u64, point: CrashPoint) -> Option<CrashKind> {
+        let crash = *self.crash.lock().unwrap_or_else(PoisonError::into_inner);
+        crash
+            .filter(|c| c.flush == flush && c.point == point)
+            .map(|c| c.kind)
+    }
+
+    /// Whether the applier is to keep sled at its last sync (a power cut is armed).
+    pub(crate) fn holds_sled(&self) -> bool {
+        self.power_loss.load(Ordering::Acquire)
+    }
+
+    /// Writes `durable` to the file `record_durable_to` gave, if any.
+    pub(crate) fn durable(&self, durable: u64) {
+        if let Some(file) = self
+            .durable_log
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_mut()
+        {
+            let _ = file.write_all(format!("durable {durable}\n").as_bytes());
+        }
     }
 
     pub(crate) fn writes_fail(&self) -> bool {

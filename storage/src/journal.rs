@@ -56,7 +56,7 @@ use crate::codec::{
     self, DELEGATIONS, EVENTS, JOBS, LEDGER, META, META_EPOCH, META_FORMAT, META_SEQ, RECORD_TREES,
     RUNS, SANDBOXES, STEERING, SUBMISSIONS,
 };
-use crate::faults::Faults;
+use crate::faults::{CrashKind, CrashPoint, Faults};
 use crate::fsync::DiskSync;
 use crate::overlay::{Overlay, Work};
 use crate::record::{
@@ -470,6 +470,37 @@ impl Journal {
             })
     }
 
+    /// The run's newest event, reading one chunk of sled's and what the
+    /// applier has not taken, not the whole history.
+    pub fn last_event(&self, run: RunId) -> Result<Option<Event>, Error> {
+        let prefix = codec::run_key(run);
+        let inner = &*self.inner;
+        let overlay = inner.overlay.lock().unwrap_or_else(PoisonError::into_inner);
+        let stored = inner
+            .trees
+            .events
+            .scan_prefix(&prefix)
+            .next_back()
+            .transpose()?;
+        let pending = overlay.merge_prefix(EVENTS, &prefix, vec![]);
+        drop(overlay);
+        let mut last: Option<Event> = None;
+        let chunks = stored
+            .iter()
+            .map(|(key, value)| (key.as_ref(), value.as_ref()))
+            .chain(pending.iter().map(|(k, v)| (k.as_slice(), v.as_slice())));
+        for (key, value) in chunks {
+            let events = codec::decode_events(value)
+                .map_err(|error| codec::undecodable(EVENTS, key, error))?;
+            for event in events {
+                if last.as_ref().is_none_or(|l| l.seq < event.seq) {
+                    last = Some(event);
+                }
+            }
+        }
+        Ok(last)
+    }
+
     /// The job's sandbox process groups, by pgid, whatever their state.
     pub fn sandboxes(&self, job: JobId) -> Result<Vec<SandboxRecord>, Error> {
         self.inner.read_prefix(
@@ -749,6 +780,7 @@ impl Journal {
             overlay: Arc::clone(&self.inner.overlay),
             progress: Arc::clone(&self.inner.progress),
             leave_unapplied: Arc::clone(&self.inner.leave_unapplied),
+            faults: Arc::clone(&self.inner.faults),
         };
         start_thread(&self.inner.applier, "arbor-journal-applier", move || {
             applier.run(work)
@@ -1282,7 +1314,8 @@ impl Flusher {
     /// they carry as durable. Any failure marks the journal failed; once
     /// failed, nothing more is written or acknowledged.
     fn flush(&mut self) -> Result<u64, Error> {
-        let progress = &*self.progress;
+        let progress = Arc::clone(&self.progress);
+        let progress = &*progress;
         if let Some(first) = progress.failure.get() {
             return Err(Error::Failed(first.clone()));
         }
@@ -1300,6 +1333,8 @@ impl Flusher {
                 wal::encode_frame(&mut self.frames, *first_seq, entries);
             }
             drop(appends);
+            let number = progress.flushes.load(Ordering::Acquire) + 1;
+            self.crash_if_due(number, CrashPoint::BeforeFlush);
             let sync = !self.faults.syncs_skipped();
             let written = self.wal.write_and_sync(&self.frames, sync);
             progress.flushes.fetch_add(1, Ordering::AcqRel);
@@ -1307,8 +1342,12 @@ impl Flusher {
                 progress.syncs.fetch_add(1, Ordering::AcqRel);
             }
             written.map_err(|e| progress.fail("a flush", e))?;
+            self.crash_if_due(number, CrashPoint::AfterFlush);
         }
-        progress.durable.fetch_max(target, Ordering::AcqRel);
+        let before = progress.durable.fetch_max(target, Ordering::AcqRel);
+        if target > before {
+            self.faults.durable(target);
+        }
         if self.wal.wants_checkpoint() {
             let old = self
                 .wal
@@ -1319,6 +1358,25 @@ impl Flusher {
             let _ = self.checkpoints.send(Work::Checkpoint(old));
         }
         Ok(target)
+    }
+}
+
+impl Flusher {
+    /// Fault injection (`Faults::crash_at`): if a crash is armed for this
+    /// point of this flush, the process dies here, as a power cut first
+    /// losing every log write past the last sync.
+    fn crash_if_due(&mut self, flush: u64, point: CrashPoint) {
+        let Some(kind) = self.faults.crash_due(flush, point) else {
+            return;
+        };
+        if kind == CrashKind::PowerLoss {
+            let _ = self.wal.truncate_to_synced();
+        }
+        let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
+        // SIGKILL cannot be caught; nothing runs past it.
+        loop {
+            std::thread::park();
+        }
     }
 }
 
@@ -1367,6 +1425,8 @@ struct Applier {
     progress: Arc<Progress>,
     /// Leave what is queued at the close to the log (`leave_unapplied_at_close`).
     leave_unapplied: Arc<AtomicBool>,
+    /// A power cut armed (`Faults::crash_at`): sled stays at its last sync.
+    faults: Arc<Faults>,
 }
 
 impl Applier {
@@ -1389,11 +1449,21 @@ impl Applier {
             };
             // A checkpoint and a drain need everything queued in sled; a
             // wake only asks, and gives way to a close that leaves the rest
-            // to the log.
-            self.apply_queued(then.is_none() || matches!(then, Some(Work::Wake)));
+            // to the log, or to an armed power cut, which keeps sled at its
+            // last sync.
+            let asked = then.is_none() || matches!(then, Some(Work::Wake));
+            if asked && self.faults.holds_sled() {
+                continue;
+            }
+            self.apply_queued(asked);
             match then {
                 Some(Work::Checkpoint(segments)) => self.checkpoint(&segments),
                 Some(Work::Drain(done)) => {
+                    if self.faults.holds_sled() {
+                        // What a drain put into sled is synced at once, so
+                        // that a power cut keeps it as sled's last sync.
+                        self.sync_sled();
+                    }
                     let _ = done.send(());
                 }
                 Some(Work::Wake) | None => {}
@@ -1443,6 +1513,18 @@ impl Applier {
             Err(e) => {
                 self.progress.fail("applying appends to sled", e);
             }
+        }
+    }
+
+    /// Flush sled and sync its files (fault injection's drain).
+    fn sync_sled(&mut self) {
+        let synced = self
+            .db
+            .flush()
+            .map_err(Error::Sled)
+            .and_then(|_| self.disk.after_flush());
+        if let Err(e) = synced {
+            self.progress.fail("syncing sled", e);
         }
     }
 

@@ -68,7 +68,7 @@ mod wal;
 
 pub use codec::{EncodedEvent, EventTail};
 pub use error::Error;
-pub use faults::Faults;
+pub use faults::{Crash, CrashKind, CrashPoint, Faults};
 pub use journal::{Journal, Prepared, ScanReport, Undecodable, open_db};
 pub use proc_start::{group_members, process_start, same_process};
 pub use record::{

@@ -137,6 +137,10 @@ pub(crate) struct Wal {
     segments: Vec<PathBuf>,
     /// Frame bytes written since the last checkpoint was asked for.
     bytes_since_checkpoint: u64,
+    /// The open segment's length, and how much of it a completed
+    /// `fdatasync` covers (what a power cut keeps: `Faults::crash_at`).
+    len: u64,
+    synced_len: u64,
     /// `CHECKPOINT_BYTES`, but for tests that want checkpoints sooner.
     pub(crate) checkpoint_bytes: u64,
 }
@@ -154,6 +158,8 @@ impl Wal {
             dir,
             bytes_since_checkpoint: 0,
             checkpoint_bytes: CHECKPOINT_BYTES,
+            len: 0,
+            synced_len: 0,
         };
         for path in old {
             if path != wal.segments[0] {
@@ -173,6 +179,21 @@ impl Wal {
             .and_then(|()| if sync { self.file.sync_data() } else { Ok(()) })
             .map_err(|e| wal_error(path, e))?;
         self.bytes_since_checkpoint += frames.len() as u64;
+        self.len += frames.len() as u64;
+        if sync {
+            self.synced_len = self.len;
+        }
+        Ok(())
+    }
+
+    /// Cuts the open segment back to what its last `fdatasync` covered: what
+    /// a power cut leaves of it (fault injection only).
+    pub(crate) fn truncate_to_synced(&mut self) -> Result<(), Error> {
+        let path = self.segments.last().expect("an open segment");
+        self.file
+            .set_len(self.synced_len)
+            .map_err(|e| wal_error(path, e))?;
+        self.len = self.synced_len;
         Ok(())
     }
 
@@ -191,6 +212,8 @@ impl Wal {
         self.sync_dir()?;
         self.file = file;
         self.bytes_since_checkpoint = 0;
+        self.len = 0;
+        self.synced_len = 0;
         let open = segment_path(&self.dir, next_seq);
         Ok(std::mem::replace(&mut self.segments, vec![open]))
     }

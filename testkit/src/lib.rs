@@ -18,6 +18,10 @@
 //! Every wait has a guard: past `WAIT_LIMIT` it panics with the tree, so a
 //! broken promise fails the test instead of hanging it.
 
+pub mod checks;
+pub mod explore;
+
+pub use explore::{Scenario, explore_crashes};
 pub mod mock_provider;
 pub mod service;
 
@@ -83,7 +87,9 @@ pub struct ToolCall {
 /// A real node on a temporary data dir.
 pub struct TestNode {
     node: EmbeddedNode,
-    dir: tempfile::TempDir,
+    /// The temporary folder the node's data dir is in, if the node made it.
+    dir: Option<tempfile::TempDir>,
+    data: PathBuf,
     pub workspace: Workspace,
     models: Arc<dyn ModelFactory>,
 }
@@ -131,15 +137,35 @@ impl TestNode {
             Workspace::from_texts(dir.path().join("workspace"), arbor_toml, agents, flows)
                 .unwrap_or_else(|e| panic!("the test workspace does not load: {e}"));
         let models = models.unwrap_or_else(|| Arc::new(Models::new(&workspace.config.providers)));
-        let node = EmbeddedNode::start_with(&workspace, &dir.path().join("data"), models.clone())
+        let data = dir.path().join("data");
+        let node = EmbeddedNode::start_with(&workspace, &data, models.clone())
             .await
             .expect("the node starts");
         Self {
             node,
-            dir,
+            dir: Some(dir),
+            data,
             workspace,
             models,
         }
+    }
+
+    /// Starts a node of `workspace` on a data dir of the caller's (which it
+    /// leaves in place): recovery runs first, and the interrupted runs that
+    /// can be are resumed. An error if the node does not start.
+    pub async fn open(
+        workspace: Workspace,
+        data_dir: &std::path::Path,
+        models: Arc<dyn ModelFactory>,
+    ) -> Result<Self, arbor_runtime::Error> {
+        let node = EmbeddedNode::start_with(&workspace, data_dir, models.clone()).await?;
+        Ok(Self {
+            node,
+            dir: None,
+            data: data_dir.to_path_buf(),
+            workspace,
+            models,
+        })
     }
 
     /// Drops the node the way a crash would (every actor killed at once, no
@@ -149,26 +175,31 @@ impl TestNode {
         let Self {
             node,
             dir,
+            data,
             workspace,
             models,
         } = self;
         node.crash().await;
-        let node = EmbeddedNode::start_with(&workspace, &dir.path().join("data"), models.clone())
+        let node = EmbeddedNode::start_with(&workspace, &data, models.clone())
             .await
             .expect("the node restarts on the same journal");
         Self {
             node,
             dir,
+            data,
             workspace,
             models,
         }
     }
 
     /// Crashes the node and keeps its data: the returned folder holds
-    /// `data/journal` and `data/work` for the test to inspect.
+    /// `data/journal` and `data/work` for the test to inspect. For a node
+    /// `start` made (one `open`ed on the caller's data dir has no folder
+    /// of its own to hand back, and panics).
     pub async fn crash(self) -> tempfile::TempDir {
         self.node.crash().await;
         self.dir
+            .expect("a node started on a data dir of its own (`open` leaves the dir to its caller)")
     }
 
     /// Runs flow `name` with its own budget.
@@ -192,7 +223,7 @@ impl TestNode {
     }
 
     pub fn data_dir(&self) -> PathBuf {
-        self.dir.path().join("data")
+        self.data.clone()
     }
 
     /// Runs one agent on `input` with the default budget.

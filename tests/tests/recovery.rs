@@ -424,3 +424,50 @@ async fn inv_31_micro_dollar_holds_reconcile_too() {
     assert_eq!(tree.root().usd.unwrap().held, 0);
     node.assert_conserved(run);
 }
+
+/// A crash between an end's commit and the events that tell it (they are
+/// emitted only once the record is durable, I-29) leaves records that say
+/// ended and a tree that says running; recovery tells those ends again.
+#[tokio::test]
+async fn ends_whose_events_a_crash_took_are_told_again_from_their_records() {
+    let node = TestNode::start(&[(
+        "solo",
+        &agent_md("script:\n  - say: thinking\n    delay: 1h"),
+    )])
+    .await;
+    let run = node.run_agent("solo", "go").await;
+    let step = node.wait_for(run, "solo").await;
+    node.wait_status(run, "solo", Status::Running).await;
+    // The step's end and the run's, committed as the Run commits them, and
+    // the crash before either is told.
+    let journal = node.journal().clone();
+    let mut record = journal.job(run, step).unwrap().expect("the step's record");
+    record.status = Status::Done;
+    record.task_status = Some(arbor_protocol::TaskStatus::Completed);
+    record.output_json = "\"hi\"".into();
+    let mut run_record = journal.run(run).unwrap().expect("the run's record");
+    run_record.status = Status::Done;
+    run_record.output_json = "\"hi\"".into();
+    journal
+        .commit(vec![
+            arbor_storage::Record::Job(record),
+            arbor_storage::Record::Run(run_record),
+        ])
+        .await
+        .unwrap();
+    drop(journal);
+    let node = node.crash_and_restart().await;
+
+    assert_eq!(node.node().recovery().ends_retold, 2);
+    let tree = node.tree(run);
+    assert_eq!(tree.run_status(), Status::Done);
+    let solo = tree.node(step).expect("the step is in the tree");
+    assert_eq!(
+        (solo.status, solo.output.clone()),
+        (Status::Done, serde_json::json!("hi"))
+    );
+    // Told once: a second restart finds nothing to tell.
+    let node = node.crash_and_restart().await;
+    assert_eq!(node.node().recovery().ends_retold, 0);
+    assert_eq!(node.tree(run).run_status(), Status::Done);
+}

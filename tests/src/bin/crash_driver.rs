@@ -15,11 +15,8 @@
 //! It prints the seed first, so a failure replays with `--seed`, and ends
 //! with one summary line of what it checked. Exit 1 on any violation.
 
-use arbor_protocol::{ErrorClass, JobId, ParentRef, RunId, Status};
 use arbor_runtime::{DefaultModels, EmbeddedNode, Workspace};
-use arbor_storage::{JobRecord, Journal, LedgerOp, ledger_totals};
-use arbor_testkit::Seeded;
-use std::collections::{HashMap, HashSet};
+use arbor_testkit::{Seeded, checks};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
@@ -114,13 +111,6 @@ struct Tally {
     violations: Vec<String>,
 }
 
-/// What was durable after the last check: it must all still be there.
-#[derive(Default)]
-struct Seen {
-    terminal_jobs: HashMap<JobId, JobRecord>,
-    ledger_lengths: HashMap<ParentRef, usize>,
-}
-
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> std::process::ExitCode {
     let options = match options() {
@@ -140,7 +130,7 @@ async fn main() -> std::process::ExitCode {
     write_workspace(&ws_dir).expect("the workspace is written");
     let workspace = Workspace::load(&ws_dir).expect("the workspace loads");
     let mut tally = Tally::default();
-    let mut seen = Seen::default();
+    let mut seen = checks::Seen::default();
     let started = Instant::now();
 
     let mut point = 0;
@@ -153,7 +143,7 @@ async fn main() -> std::process::ExitCode {
             .path()
             .join(format!("data-{}", (point - 1) / POINTS_PER_JOURNAL));
         if (point - 1) % POINTS_PER_JOURNAL == 0 {
-            seen = Seen::default();
+            seen = checks::Seen::default();
         }
         let delay = rng.between(0, options.max_delay_ms);
         let mut child = Command::new(&options.arbor)
@@ -205,7 +195,14 @@ async fn main() -> std::process::ExitCode {
                 .push(format!("point {point}: recovery breach: {b}"));
         }
         let journal = node.journal().clone();
-        check(&journal, point, delay, &mut seen, &mut tally);
+        let checked = checks::recovered(&journal, &mut seen);
+        tally.accounts_checked += checked.accounts;
+        tally.records_checked += checked.records;
+        for v in checked.violations {
+            tally
+                .violations
+                .push(format!("point {point} (delay {delay} ms): {v}"));
+        }
         if node.shutdown().await.is_err() {
             tally
                 .violations
@@ -240,141 +237,4 @@ async fn main() -> std::process::ExitCode {
         );
         std::process::ExitCode::from(1)
     }
-}
-
-fn check(journal: &Journal, point: u64, delay: u64, seen: &mut Seen, tally: &mut Tally) {
-    let mut fail = |what: String| {
-        tally
-            .violations
-            .push(format!("point {point} (delay {delay} ms): {what}"))
-    };
-    let report = match journal.verify() {
-        Ok(r) => r,
-        Err(e) => return fail(format!("the journal cannot be read: {e}")),
-    };
-    for u in &report.undecodable {
-        fail(format!(
-            "undecodable record in {} at {}: {}",
-            u.tree, u.key_hex, u.error
-        ));
-    }
-    for b in &report.breaches {
-        fail(format!("conservation: {b}"));
-    }
-    let accounts = report.accounts;
-    let records = report.records;
-    // No sandbox process alive, none recorded live.
-    match journal.live_sandboxes() {
-        Ok(live) => {
-            for s in live {
-                fail(format!(
-                    "process group {} of job {} still recorded live",
-                    s.pgid, s.job
-                ));
-            }
-        }
-        Err(e) => fail(format!("sandboxes unreadable: {e}")),
-    }
-    let jobs = match journal.all_jobs() {
-        Ok(j) => j,
-        Err(e) => return fail(format!("jobs unreadable: {e}")),
-    };
-    let runs: Vec<RunId> = journal
-        .runs()
-        .map(|r| r.into_iter().map(|r| r.id).collect())
-        .unwrap_or_default();
-    for job in &jobs {
-        if !job.status.is_terminal() {
-            fail(format!(
-                "job {} ({}) left {}",
-                job.id, job.agent, job.status
-            ));
-        }
-        if let Ok(groups) = journal.sandboxes(job.id) {
-            for g in groups {
-                // I-17: a killed process is gone within 2 s.
-                let deadline = Instant::now() + Duration::from_secs(2);
-                let mut alive = arbor_storage::group_members(g.pgid, g.start_ticks, &g.boot_id);
-                while !alive.is_empty() && Instant::now() < deadline {
-                    std::thread::sleep(Duration::from_millis(10));
-                    alive = arbor_storage::group_members(g.pgid, g.start_ticks, &g.boot_id);
-                }
-                if !alive.is_empty() {
-                    fail(format!(
-                        "process group {} of ended job {} is alive: {alive:?}",
-                        g.pgid, job.id
-                    ));
-                }
-            }
-        }
-        // No late output: interrupted stays interrupted, with nothing to show.
-        if let Some(before) = seen.terminal_jobs.get(&job.id)
-            && before != job
-        {
-            fail(format!(
-                "job {} changed after it ended: {:?} -> {:?}",
-                job.id, before.status, job.status
-            ));
-        }
-        if job.error_class == Some(ErrorClass::Interrupted) && job.output_json != "null" {
-            fail(format!(
-                "interrupted job {} has output {}",
-                job.id, job.output_json
-            ));
-        }
-        let owner = ParentRef::Job(job.id);
-        let totals = journal.ledger(owner).map(|l| ledger_totals(&l));
-        if let Ok(t) = totals
-            && t.held != 0
-        {
-            fail(format!("ended job {} still holds {}", job.id, t.held));
-        }
-    }
-    // One spawn per delegation key; no child charged twice.
-    let mut spawned: HashSet<JobId> = HashSet::new();
-    let mut released: HashMap<ParentRef, HashSet<JobId>> = HashMap::new();
-    let mut owners: Vec<ParentRef> = runs.iter().map(|r| ParentRef::Run(*r)).collect();
-    owners.extend(jobs.iter().map(|j| ParentRef::Job(j.id)));
-    for owner in &owners {
-        if let ParentRef::Job(parent) = owner
-            && let Ok(delegations) = journal.delegations(*parent)
-        {
-            for d in delegations {
-                for child in d.children {
-                    if !spawned.insert(child) {
-                        fail(format!("job {child} spawned by two delegations"));
-                    }
-                }
-            }
-        }
-        let ledger = journal.ledger(*owner).unwrap_or_default();
-        for entry in &ledger {
-            if let LedgerOp::Release { child, .. } = entry.op
-                && !released.entry(*owner).or_default().insert(child)
-            {
-                fail(format!("{owner:?} released (charged) {child} twice"));
-            }
-        }
-        // Durable before, durable after: a ledger never shrinks.
-        let before = seen.ledger_lengths.get(owner).copied().unwrap_or(0);
-        if ledger.len() < before {
-            fail(format!(
-                "{owner:?}: ledger shrank from {before} to {} entries",
-                ledger.len()
-            ));
-        }
-        seen.ledger_lengths.insert(*owner, ledger.len());
-    }
-    for (id, before) in &seen.terminal_jobs {
-        if !jobs.iter().any(|j| j.id == *id) {
-            fail(format!("job {id} ({:?}) vanished", before.status));
-        }
-    }
-    for job in jobs {
-        if job.status.is_terminal() && job.status != Status::Pending {
-            seen.terminal_jobs.insert(job.id, job);
-        }
-    }
-    tally.accounts_checked += accounts;
-    tally.records_checked += records;
 }

@@ -1,0 +1,787 @@
+//! A crash at every commit point: `explore_crashes`.
+//!
+//! A commit point is one flush of the journal's log (one `write` and one
+//! `fdatasync`, which acknowledges every commit it covers). The exploration
+//! runs the scenario once, in a child process, to count its flushes N; then,
+//! for every k in 1..=N, it runs the scenario again in a child process that
+//! dies (SIGKILL, no clean-up) just before flush k (its commits were never
+//! durable) and just after it (durable, and nobody was told), each as a kill
+//! and as a power cut (`arbor_storage::Faults::crash_at`: the log loses what
+//! its last sync did not cover, and sled keeps what its own last sync left).
+//! After each death it starts a node on the same data dir in this process,
+//! which recovers and resumes, waits for the run to finish, and checks:
+//!
+//! - recovery found every account balanced (I-14) and nothing undecodable;
+//! - everything the child was told was durable is there: the highest
+//!   acknowledged seq, the run it started, every job it saw end (and as it
+//!   ended);
+//! - the run, resumed or ended, finishes;
+//! - then `checks::recovered`: no job left running, no process alive, no
+//!   sandbox recorded live, no job spawned twice, no child charged twice;
+//! - and the test's own `check`.
+//!
+//! The child is the test binary itself, started again on the same test
+//! (`--exact`), with the case in `ARBOR_CRASH_CHILD`: `explore_crashes`
+//! called there runs the case instead of exploring. A failure names the
+//! case and prints one command that replays exactly it
+//! (`ARBOR_CRASH_CASE=<k>:<before|after>:<kill|power> <test binary> <test> --exact`).
+//! Nothing is random: a case is its k, its point and its kind. How many
+//! flushes a run takes can differ by a few between runs (concurrent commits
+//! share a flush when they meet), so a case past the end of a child's run is
+//! counted as not reached, not as a failure.
+
+use crate::{TestNode, WAIT_LIMIT, checks};
+use arbor_actors::model::ModelFactory;
+use arbor_protocol::{EventKind, JobId, RunId, Status};
+use arbor_runtime::{Models, Workspace};
+use arbor_storage::{Crash, CrashKind, CrashPoint, Journal};
+use futures::future::BoxFuture;
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The environment variable that makes a test binary a crash child.
+const CHILD: &str = "ARBOR_CRASH_CHILD";
+/// The environment variable that narrows an exploration to one case.
+const CASE: &str = "ARBOR_CRASH_CASE";
+
+/// Runs while the scenario's run is under way (a steer, a stop), given the
+/// node and the run.
+pub type During = Arc<dyn for<'a> Fn(&'a TestNode, RunId) -> BoxFuture<'a, ()> + Send + Sync>;
+
+/// Builds the models a scenario's node uses, from its workspace.
+pub type ModelsFor = Arc<dyn Fn(&Workspace) -> Arc<dyn ModelFactory> + Send + Sync>;
+
+/// What `explore_crashes` runs: a workspace, the run it starts, and what
+/// happens while it runs.
+///
+/// ```
+/// use arbor_testkit::{agent_md, explore::Scenario};
+/// let scenario = Scenario::agent(
+///     &[("solo", &agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}"))],
+///     "solo",
+///     "say hi",
+/// );
+/// assert_eq!(scenario.describe(), "agent solo");
+/// ```
+#[derive(Clone)]
+pub struct Scenario {
+    source: Source,
+    start: Start,
+    during: Option<During>,
+    models: Option<ModelsFor>,
+    test: Option<String>,
+}
+
+#[derive(Clone)]
+enum Source {
+    Dir(PathBuf),
+    Texts {
+        arbor_toml: Option<String>,
+        agents: Vec<(String, String)>,
+        flows: Vec<(String, String)>,
+    },
+}
+
+#[derive(Clone)]
+enum Start {
+    Flow(String),
+    Agent { agent: String, input: String },
+}
+
+impl Scenario {
+    /// Flow `flow` of the workspace in `dir` (a folder with `agents/`,
+    /// `flows/` and an optional `arbor.toml`, as `arbor run` takes it).
+    pub fn flow(dir: impl Into<PathBuf>, flow: &str) -> Self {
+        Self::new(Source::Dir(dir.into()), Start::Flow(flow.into()))
+    }
+
+    /// One agent of these (name, agent.md text), given `input`.
+    pub fn agent(agents: &[(&str, &str)], agent: &str, input: &str) -> Self {
+        Self::texts(None, agents, &[]).starting(Start::Agent {
+            agent: agent.into(),
+            input: input.into(),
+        })
+    }
+
+    /// Flow `flow` of a workspace given as texts: arbor.toml, agents and
+    /// flows (name, text).
+    pub fn flow_texts(
+        arbor_toml: Option<&str>,
+        agents: &[(&str, &str)],
+        flows: &[(&str, &str)],
+        flow: &str,
+    ) -> Self {
+        Self::texts(arbor_toml, agents, flows).starting(Start::Flow(flow.into()))
+    }
+
+    /// Runs `during` while the run is under way, in every child and in the
+    /// counting run: it is part of the scenario.
+    pub fn during(
+        mut self,
+        during: impl for<'a> Fn(&'a TestNode, RunId) -> BoxFuture<'a, ()> + Send + Sync + 'static,
+    ) -> Self {
+        self.during = Some(Arc::new(during));
+        self
+    }
+
+    /// The models the node uses (the workspace's own by default: the
+    /// scripted model and its `[providers]`). Built again in every process.
+    pub fn models(
+        mut self,
+        models: impl Fn(&Workspace) -> Arc<dyn ModelFactory> + Send + Sync + 'static,
+    ) -> Self {
+        self.models = Some(Arc::new(models));
+        self
+    }
+
+    /// The test's name as the test binary takes it (`module::test`), for a
+    /// harness that does not name its test threads after the tests. By
+    /// default, the name of the thread `explore_crashes` runs on, which is
+    /// what the standard test harness does.
+    pub fn test_name(mut self, name: &str) -> Self {
+        self.test = Some(name.into());
+        self
+    }
+
+    /// What the scenario runs, in a few words.
+    pub fn describe(&self) -> String {
+        match &self.start {
+            Start::Flow(flow) => format!("flow {flow}"),
+            Start::Agent { agent, .. } => format!("agent {agent}"),
+        }
+    }
+
+    fn new(source: Source, start: Start) -> Self {
+        Self {
+            source,
+            start,
+            during: None,
+            models: None,
+            test: None,
+        }
+    }
+
+    fn texts(arbor_toml: Option<&str>, agents: &[(&str, &str)], flows: &[(&str, &str)]) -> Self {
+        let own = |pairs: &[(&str, &str)]| {
+            pairs
+                .iter()
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .collect()
+        };
+        Self::new(
+            Source::Texts {
+                arbor_toml: arbor_toml.map(str::to_string),
+                agents: own(agents),
+                flows: own(flows),
+            },
+            Start::Flow(String::new()),
+        )
+    }
+
+    fn starting(mut self, start: Start) -> Self {
+        self.start = start;
+        self
+    }
+
+    /// The workspace, rooted at `root` if it is given as texts.
+    fn workspace(&self, root: &Path) -> Result<Workspace, String> {
+        match &self.source {
+            Source::Dir(dir) => Workspace::load(dir).map_err(|e| e.to_string()),
+            Source::Texts {
+                arbor_toml,
+                agents,
+                flows,
+            } => {
+                let pairs = |v: &[(String, String)]| -> Vec<(String, String)> { v.to_vec() };
+                let agents = pairs(agents);
+                let flows = pairs(flows);
+                let agents: Vec<(&str, &str)> = agents
+                    .iter()
+                    .map(|(a, b)| (a.as_str(), b.as_str()))
+                    .collect();
+                let flows: Vec<(&str, &str)> = flows
+                    .iter()
+                    .map(|(a, b)| (a.as_str(), b.as_str()))
+                    .collect();
+                Workspace::from_texts(root.to_path_buf(), arbor_toml.as_deref(), &agents, &flows)
+                    .map_err(|e| e.to_string())
+            }
+        }
+    }
+
+    fn models_for(&self, workspace: &Workspace) -> Arc<dyn ModelFactory> {
+        match &self.models {
+            Some(models) => models(workspace),
+            None => Arc::new(Models::new(&workspace.config.providers)),
+        }
+    }
+
+    async fn start_run(&self, node: &TestNode) -> Result<RunId, String> {
+        let spec = match &self.start {
+            Start::Flow(flow) => node.workspace.flow_run(flow, None),
+            Start::Agent { agent, input } => node.workspace.agent_run(agent, input, None),
+        }
+        .map_err(|e| e.to_string())?;
+        node.node().start_run(spec).await.map_err(|e| e.to_string())
+    }
+}
+
+/// One crash case: the flush, where around it, and how the process dies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Case {
+    pub flush: u64,
+    pub point: CrashPoint,
+    pub kind: CrashKind,
+}
+
+impl Case {
+    /// `12:after:power`, as `ARBOR_CRASH_CASE` takes it.
+    pub fn code(&self) -> String {
+        let point = match self.point {
+            CrashPoint::BeforeFlush => "before",
+            CrashPoint::AfterFlush => "after",
+        };
+        let kind = match self.kind {
+            CrashKind::Kill => "kill",
+            CrashKind::PowerLoss => "power",
+        };
+        format!("{}:{point}:{kind}", self.flush)
+    }
+
+    /// Reads `code`'s form back; `None` if it is not one.
+    pub fn parse(code: &str) -> Option<Case> {
+        let mut parts = code.trim().split(':');
+        let flush = parts.next()?.parse().ok()?;
+        let point = match parts.next()? {
+            "before" => CrashPoint::BeforeFlush,
+            "after" => CrashPoint::AfterFlush,
+            _ => return None,
+        };
+        let kind = match parts.next()? {
+            "kill" => CrashKind::Kill,
+            "power" => CrashKind::PowerLoss,
+            _ => return None,
+        };
+        parts
+            .next()
+            .is_none()
+            .then_some(Case { flush, point, kind })
+    }
+}
+
+/// What an exploration did and found.
+#[derive(Debug, Default)]
+pub struct Exploration {
+    /// Flushes the counting run took, from its node's start to its shutdown.
+    pub commits: u64,
+    /// Cases run (four a commit point: before and after, kill and power cut).
+    pub cases: u64,
+    /// Cases whose child died at its point.
+    pub crashed: u64,
+    /// Cases whose child's run ended before its flush k came.
+    pub not_reached: u64,
+    /// Steps and jobs recovery failed as interrupted, over every case.
+    pub jobs_interrupted: u64,
+    /// Records read back by the checks, over every case.
+    pub records_checked: u64,
+    /// What went wrong, each naming its case (the exploration stops at the
+    /// first case with any).
+    pub violations: Vec<String>,
+    /// The command that replays the first failing case.
+    pub replay: Option<String>,
+    pub elapsed: Duration,
+}
+
+impl std::fmt::Display for Exploration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} commit points, {} cases ({} crashed, {} past the run's end), {} jobs recovered as interrupted, {} records checked, {} violations, {:.1}s",
+            self.commits,
+            self.cases,
+            self.crashed,
+            self.not_reached,
+            self.jobs_interrupted,
+            self.records_checked,
+            self.violations.len(),
+            self.elapsed.as_secs_f64()
+        )?;
+        for v in &self.violations {
+            write!(f, "\nviolation: {v}")?;
+        }
+        if let Some(replay) = &self.replay {
+            write!(f, "\nreplay with: {replay}")?;
+        }
+        Ok(())
+    }
+}
+
+/// The case a crash child runs, as it travels in `ARBOR_CRASH_CHILD`.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct ChildCase {
+    /// Which scenario of the test (its `describe`), in case it explores several.
+    scenario: String,
+    /// The workspace's root (for a workspace given as texts).
+    root: PathBuf,
+    data: PathBuf,
+    /// Where the child writes what it was told.
+    acks: PathBuf,
+    /// 0: no crash, count the flushes.
+    flush: u64,
+    point: String,
+    kind: String,
+}
+
+/// Explores every commit point of `scenario` (see the module docs) and
+/// panics with the report, and a command that replays the failing case,
+/// if any case breaks a promise or `check`. `check` runs on the recovered
+/// node once the run has finished, given the run; an `Err` or a panic is a
+/// violation.
+///
+/// ```no_run
+/// # async fn demo() {
+/// use arbor_testkit::explore::{Scenario, explore_crashes};
+/// let scenario = Scenario::flow("examples/research", "research");
+/// let report = explore_crashes(&scenario, |node, run| {
+///     let tree = node.tree(run);
+///     match tree.run_status() {
+///         arbor_protocol::Status::Done => Ok(()),
+///         other => Err(format!("the run ended {other}")),
+///     }
+/// })
+/// .await;
+/// println!("{report}");
+/// # }
+/// ```
+pub async fn explore_crashes(
+    scenario: &Scenario,
+    check: impl Fn(&TestNode, RunId) -> Result<(), String>,
+) -> Exploration {
+    let report = explore(scenario, check).await;
+    if !report.violations.is_empty() {
+        panic!("explore_crashes ({}): {report}", scenario.describe());
+    }
+    report
+}
+
+/// `explore_crashes` without the panic: the report, violations included.
+/// For a test that expects a broken recovery to be caught.
+pub async fn explore(
+    scenario: &Scenario,
+    check: impl Fn(&TestNode, RunId) -> Result<(), String>,
+) -> Exploration {
+    if let Ok(case) = std::env::var(CHILD) {
+        let case: ChildCase = serde_json::from_str(&case)
+            .unwrap_or_else(|e| panic!("{CHILD} is not a crash case: {e}"));
+        if case.scenario == scenario.describe() {
+            run_child(scenario, case).await;
+        }
+        // Another scenario's exploration, in a child for this one.
+        return Exploration::default();
+    }
+    let started = Instant::now();
+    let mut report = Exploration::default();
+    let test = scenario
+        .test
+        .clone()
+        .or_else(|| std::thread::current().name().map(str::to_string))
+        .filter(|name| name != "main")
+        .unwrap_or_else(|| {
+            panic!("explore_crashes: the test's name is unknown (its thread is not named after it); give it with Scenario::test_name")
+        });
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let temp = tempfile::tempdir().expect("a temporary directory");
+    let only = std::env::var(CASE).ok().map(|code| {
+        Case::parse(&code).unwrap_or_else(|| {
+            panic!("{CASE}={code:?} is not a case (<k>:<before|after>:<kill|power>)")
+        })
+    });
+
+    // The counting run.
+    let counted = temp.path().join("count");
+    let child = Child {
+        exe: &exe,
+        test: &test,
+        scenario,
+    };
+    match child.run(&counted, None).await {
+        Ok(Ended::Finished(acks)) => report.commits = acks.flushes.unwrap_or(0),
+        Ok(Ended::Killed(_)) => report
+            .violations
+            .push("the counting run died without a crash armed".into()),
+        Err(e) => report.violations.push(format!("the counting run: {e}")),
+    }
+    if report.commits == 0 && report.violations.is_empty() {
+        report
+            .violations
+            .push("the counting run made no commit: nothing to explore".into());
+    }
+
+    let cases: Vec<Case> = match only {
+        Some(case) => vec![case],
+        None => (1..=report.commits)
+            .flat_map(|flush| {
+                [CrashPoint::BeforeFlush, CrashPoint::AfterFlush]
+                    .into_iter()
+                    .flat_map(move |point| {
+                        [CrashKind::Kill, CrashKind::PowerLoss]
+                            .into_iter()
+                            .map(move |kind| Case { flush, point, kind })
+                    })
+            })
+            .collect(),
+    };
+    // Cases run a few at a time: most of a case is waiting (a child's
+    // start, a scripted delay, a recovery's syncs), not computing.
+    for batch in cases.chunks(AT_ONCE) {
+        if !report.violations.is_empty() {
+            break;
+        }
+        let outcomes = futures::future::join_all(batch.iter().map(|case| {
+            let dir = temp.path().join(case.code().replace(':', "-"));
+            let child = &child;
+            let check = &check;
+            async move {
+                let mut outcome = CaseOutcome::default();
+                match child.run(&dir, Some(*case)).await {
+                    Ok(Ended::Finished(_)) => outcome.not_reached = true,
+                    Ok(Ended::Killed(acks)) => {
+                        outcome.crashed = true;
+                        recover_and_check(scenario, &dir, &acks, check, &mut outcome).await;
+                    }
+                    Err(e) => outcome.found.push(e),
+                }
+                // A case's files go as soon as it passed: a long exploration
+                // would otherwise fill the disk.
+                if outcome.found.is_empty() {
+                    let _ = std::fs::remove_dir_all(&dir);
+                }
+                (*case, outcome)
+            }
+        }))
+        .await;
+        for (case, outcome) in outcomes {
+            report.cases += 1;
+            report.crashed += u64::from(outcome.crashed);
+            report.not_reached += u64::from(outcome.not_reached);
+            report.jobs_interrupted += outcome.jobs_interrupted;
+            report.records_checked += outcome.records_checked;
+            if !outcome.found.is_empty() && report.replay.is_none() {
+                report.replay = Some(format!(
+                    "{CASE}={} {} {test} --exact --nocapture",
+                    case.code(),
+                    exe.display()
+                ));
+            }
+            report.violations.extend(
+                outcome
+                    .found
+                    .into_iter()
+                    .map(|v| format!("case {}: {v}", case.code())),
+            );
+        }
+    }
+    report.elapsed = started.elapsed();
+    report
+}
+
+/// How many cases run at once.
+const AT_ONCE: usize = 4;
+
+/// What one case did and found.
+#[derive(Default)]
+struct CaseOutcome {
+    crashed: bool,
+    not_reached: bool,
+    jobs_interrupted: u64,
+    records_checked: u64,
+    found: Vec<String>,
+}
+
+/// What a child wrote down: every line is one `write`, so a kill keeps all
+/// of them.
+#[derive(Debug, Default)]
+struct Acks {
+    durable: u64,
+    run: Option<RunId>,
+    ended: BTreeMap<JobId, Status>,
+    flushes: Option<u64>,
+}
+
+impl Acks {
+    fn read(path: &Path) -> Acks {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        let mut acks = Acks::default();
+        for line in text.lines() {
+            let mut words = line.split_whitespace();
+            match (words.next(), words.next(), words.next()) {
+                (Some("durable"), Some(seq), None) => {
+                    acks.durable = acks.durable.max(seq.parse().unwrap_or(0))
+                }
+                (Some("run"), Some(id), None) => acks.run = id.parse().ok(),
+                (Some("ended"), Some(id), Some(status)) => {
+                    if let (Ok(id), Ok(status)) =
+                        (id.parse(), serde_json::from_value(status.into()))
+                    {
+                        acks.ended.insert(id, status);
+                    }
+                }
+                (Some("flushes"), Some(n), None) => acks.flushes = n.parse().ok(),
+                _ => {}
+            }
+        }
+        acks
+    }
+}
+
+enum Ended {
+    Finished(Acks),
+    Killed(Acks),
+}
+
+struct Child<'a> {
+    exe: &'a Path,
+    test: &'a str,
+    scenario: &'a Scenario,
+}
+
+impl Child<'_> {
+    /// Runs the scenario in a child process in `dir`, crashing at `case`.
+    async fn run(&self, dir: &Path, case: Option<Case>) -> Result<Ended, String> {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let acks = dir.join("acks");
+        let code = case.map(|c| c.code());
+        let mut parts = code.as_deref().unwrap_or("0:before:kill").split(':');
+        let (flush, point, kind) = (
+            parts.next().unwrap_or("0").parse().unwrap_or(0),
+            parts.next().unwrap_or("before").to_string(),
+            parts.next().unwrap_or("kill").to_string(),
+        );
+        let child_case = ChildCase {
+            scenario: self.scenario.describe(),
+            root: dir.join("workspace"),
+            data: dir.join("data"),
+            acks: acks.clone(),
+            flush,
+            point,
+            kind,
+        };
+        let stderr = std::fs::File::create(dir.join("stderr")).map_err(|e| e.to_string())?;
+        let mut child = tokio::process::Command::new(self.exe)
+            .args([self.test, "--exact", "--nocapture", "--test-threads=1"])
+            .env(
+                CHILD,
+                serde_json::to_string(&child_case).expect("a case serializes"),
+            )
+            .env_remove(CASE)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(stderr)
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("the test binary does not start again: {e}"))?;
+        let status = match tokio::time::timeout(WAIT_LIMIT * 2, child.wait()).await {
+            Ok(status) => status.map_err(|e| e.to_string())?,
+            Err(_) => {
+                let _ = child.start_kill();
+                let _ = child.wait().await;
+                return Err(format!(
+                    "the child ran past {:?}: {}",
+                    WAIT_LIMIT * 2,
+                    tail(&dir.join("stderr"))
+                ));
+            }
+        };
+        let acks = Acks::read(&acks);
+        match (status.code(), status.signal()) {
+            (Some(0), _) if acks.flushes.is_some() => Ok(Ended::Finished(acks)),
+            (_, Some(9)) if case.is_some() => Ok(Ended::Killed(acks)),
+            _ => Err(format!(
+                "the child ended {status} before its crash point: {}",
+                tail(&dir.join("stderr"))
+            )),
+        }
+    }
+}
+
+/// The last lines of a child's stderr, for a report.
+fn tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(12)..].join("\n")
+}
+
+/// In the child: runs the scenario on the case's data dir with the crash
+/// armed, writes down what it is told, and exits 0 if the run ends first.
+async fn run_child(scenario: &Scenario, case: ChildCase) -> ! {
+    let crash = Case::parse(&format!("{}:{}:{}", case.flush, case.point, case.kind))
+        .expect("the parent wrote a case");
+    let workspace = scenario
+        .workspace(&case.root)
+        .unwrap_or_else(|e| panic!("the scenario's workspace does not load: {e}"));
+    let models = scenario.models_for(&workspace);
+    let acks = Arc::new(
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&case.acks)
+            .expect("the acks file opens"),
+    );
+    let node = TestNode::open(workspace, &case.data, models)
+        .await
+        .unwrap_or_else(|e| panic!("the node does not start: {e}"));
+    let journal = node.journal().clone();
+    journal
+        .faults()
+        .record_durable_to(acks.try_clone().expect("the acks file"));
+    let base = journal.flush_count();
+    if case.flush > 0 {
+        journal.faults().crash_at(Crash {
+            flush: base + crash.flush,
+            point: crash.point,
+            kind: crash.kind,
+        });
+    }
+    {
+        // A job's end is told (`NodeFinished`) only once it is durable.
+        let acks = Arc::clone(&acks);
+        node.observe(move |event| {
+            if let EventKind::NodeFinished { id, status, .. } = &event.kind {
+                let status = serde_json::to_value(status).unwrap_or_default();
+                let status = status.as_str().unwrap_or("unknown");
+                let _ = (&*acks).write_all(format!("ended {id} {status}\n").as_bytes());
+            }
+        });
+    }
+    let run = scenario
+        .start_run(&node)
+        .await
+        .unwrap_or_else(|e| panic!("the run does not start: {e}"));
+    let _ = (&*acks).write_all(format!("run {run}\n").as_bytes());
+    if let Some(during) = &scenario.during {
+        during(&node, run).await;
+    }
+    node.wait_run(run).await;
+    node.shutdown().await;
+    let flushes = journal.flush_count() - base;
+    let _ = (&*acks).write_all(format!("flushes {flushes}\n").as_bytes());
+    drop(journal);
+    std::process::exit(0)
+}
+
+/// In the parent, after a child died: recovery on its data dir, the run to
+/// its end, and every check.
+async fn recover_and_check(
+    scenario: &Scenario,
+    dir: &Path,
+    acks: &Acks,
+    check: &impl Fn(&TestNode, RunId) -> Result<(), String>,
+    outcome: &mut CaseOutcome,
+) {
+    let found = &mut outcome.found;
+    let data = dir.join("data");
+    // What was acknowledged is there before recovery adds anything.
+    match Journal::open_read_only(&data.join("journal")) {
+        Ok(journal) => {
+            if journal.applied_seq() < acks.durable {
+                found.push(format!(
+                    "seq {} was acknowledged durable; the journal holds up to {}",
+                    acks.durable,
+                    journal.applied_seq()
+                ));
+            }
+        }
+        Err(e) => found.push(format!("the journal does not open: {e}")),
+    }
+    let workspace = match scenario.workspace(&dir.join("workspace")) {
+        Ok(w) => w,
+        Err(e) => return found.push(format!("the workspace does not load: {e}")),
+    };
+    let models = scenario.models_for(&workspace);
+    let node = match TestNode::open(workspace, &data, models).await {
+        Ok(node) => node,
+        Err(e) => return found.push(format!("the node does not restart: {e}")),
+    };
+    let recovery = node.node().recovery();
+    outcome.jobs_interrupted += recovery.jobs_failed.len() as u64;
+    for b in &recovery.breaches {
+        found.push(format!("recovery found a breach: {b}"));
+    }
+    for u in &recovery.undecodable {
+        found.push(format!("recovery found an undecodable record: {u:?}"));
+    }
+    if let Some(run) = acks.run {
+        match node.journal().run(run) {
+            Ok(Some(_)) => {
+                let finished = tokio::time::timeout(
+                    WAIT_LIMIT,
+                    node.node().wait_tree(run, |t| t.run_status().is_terminal()),
+                )
+                .await;
+                if finished.is_err() {
+                    let tree = node.tree(run);
+                    let open: Vec<String> = tree
+                        .nodes()
+                        .filter(|(_, n)| !n.status.is_terminal())
+                        .map(|(id, n)| {
+                            format!(
+                                "{id} ({}) {}",
+                                n.label.as_deref().or(n.agent.as_deref()).unwrap_or("?"),
+                                n.status
+                            )
+                        })
+                        .collect();
+                    found.push(format!(
+                        "the run, resumed or ended, did not finish within {WAIT_LIMIT:?}; run {}, not ended: {}",
+                        tree.run_status(),
+                        open.join(", ")
+                    ));
+                }
+            }
+            Ok(None) => found.push(format!(
+                "the run {run} was started (acknowledged) and is gone"
+            )),
+            Err(e) => found.push(format!("the run's record does not read: {e}")),
+        }
+    }
+    for (job, status) in &acks.ended {
+        let record = node
+            .journal()
+            .all_jobs()
+            .ok()
+            .and_then(|jobs| jobs.into_iter().find(|j| j.id == *job));
+        match record {
+            Some(r) if r.status == *status => {}
+            Some(r) => found.push(format!(
+                "job {job} was told ended {status}; after recovery it is {}",
+                r.status
+            )),
+            None => found.push(format!("job {job} was told ended {status}; it is gone")),
+        }
+    }
+    let checked = checks::recovered(node.journal(), &mut checks::Seen::default());
+    outcome.records_checked += checked.records;
+    found.extend(checked.violations);
+    if let Some(run) = acks.run
+        && found.is_empty()
+    {
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check(&node, run)));
+        match outcome {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => found.push(format!("the test's check: {e}")),
+            Err(panic) => found.push(format!(
+                "the test's check panicked: {}",
+                panic
+                    .downcast_ref::<String>()
+                    .map(String::as_str)
+                    .or_else(|| panic.downcast_ref::<&str>().copied())
+                    .unwrap_or("(no message)")
+            )),
+        }
+    }
+    node.shutdown().await;
+}
