@@ -98,10 +98,10 @@ impl Actor for Run {
             output_json: "null".into(),
             epoch: ctx.journal.epoch(),
         };
-        ctx.journal.commit(vec![Record::Run(record)]).await?;
         let resume_given = args.resume.is_some();
         let resume = args.resume.unwrap_or_default();
         if resume_given {
+            ctx.journal.commit(vec![Record::Run(record)]).await?;
             ctx.events.emit(
                 args.id,
                 EventKind::RunResumed {
@@ -110,15 +110,20 @@ impl Actor for Run {
                 },
             );
         } else {
-            ctx.events.emit(
+            // The spec, which a resume needs, travels in `RunStarted`: it is
+            // made durable with the run's record, in one append, or a crash
+            // between the two leaves a running run that cannot resume.
+            ctx.events.emit_with(
                 args.id,
-                EventKind::RunStarted {
+                vec![Record::Run(record)],
+                [EventKind::RunStarted {
                     flow: args.spec.flow.clone(),
                     budget_tokens: args.spec.budget_tokens,
                     budget_usd_micros: args.spec.budget_usd_micros,
                     spec: args.spec.clone(),
-                },
-            );
+                }],
+            )?;
+            ctx.journal.flush().await?;
         }
         let meter = SpentMeter::default();
         let (account, _) = Actor::spawn_linked(

@@ -5,4 +5,5 @@
 pub mod agents;
 pub mod bare;
 pub mod measure;
+pub mod scenarios;
 pub mod synthetic;
