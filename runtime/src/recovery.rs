@@ -82,7 +82,12 @@ pub async fn recover(
         ..Default::default()
     };
     let mut killed_by_job: HashMap<JobId, u32> = HashMap::new();
-    for sandbox in journal.live_sandboxes()? {
+    let sandboxes = if sabotage::sandbox_sweep_skipped() {
+        vec![]
+    } else {
+        journal.live_sandboxes()?
+    };
+    for sandbox in sandboxes {
         if kill_if_same(&sandbox) {
             report.processes_killed.push(sandbox.pgid);
             *killed_by_job.entry(sandbox.job).or_default() += 1;
@@ -123,6 +128,27 @@ pub async fn recover(
     report.undecodable = verified.undecodable;
     report.breaches = verified.breaches;
     Ok(report)
+}
+
+/// A recovery broken on purpose, to show that the crash exploration
+/// (`arbor-testkit`) catches a recovery that skips a step. Off unless a
+/// test switches it on; process-wide, so such a test has its binary to
+/// itself.
+#[doc(hidden)]
+pub mod sabotage {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    static SKIP_SANDBOX_SWEEP: AtomicBool = AtomicBool::new(false);
+
+    /// Recovery's step 2 (kill what is left of every sandbox recorded live,
+    /// and mark it ended) is skipped while this is on.
+    pub fn skip_sandbox_sweep(on: bool) {
+        SKIP_SANDBOX_SWEEP.store(on, Ordering::Release);
+    }
+
+    pub(crate) fn sandbox_sweep_skipped() -> bool {
+        SKIP_SANDBOX_SWEEP.load(Ordering::Acquire)
+    }
 }
 
 /// An end is told (`NodeFinished`, `RunFinished`) only after its record is
