@@ -21,6 +21,8 @@
 pub mod checks;
 pub mod explore;
 
+/// arbor's shared types (the tree, statuses, ids), so a test needs no other arbor crate.
+pub use arbor_protocol as protocol;
 pub use explore::{Scenario, explore_crashes};
 pub mod mock_provider;
 pub mod service;
@@ -123,6 +125,27 @@ impl TestNode {
         models: Arc<dyn ModelFactory>,
     ) -> Self {
         Self::start_inner(arbor_toml, agents, flows, Some(models)).await
+    }
+
+    /// Starts a node on a workspace folder (agents/, flows/, arbor.toml), as
+    /// `arbor run` takes it, with its own models, on a temporary data dir.
+    pub async fn start_dir(dir: impl AsRef<std::path::Path>) -> Self {
+        let dir = dir.as_ref();
+        let workspace = Workspace::load(dir)
+            .unwrap_or_else(|e| panic!("the workspace {} does not load: {e}", dir.display()));
+        let temp = tempfile::tempdir().expect("a temporary directory");
+        let models: Arc<dyn ModelFactory> = Arc::new(Models::new(&workspace.config.providers));
+        let data = temp.path().join("data");
+        let node = EmbeddedNode::start_with(&workspace, &data, models.clone())
+            .await
+            .expect("the node starts");
+        Self {
+            node,
+            dir: Some(temp),
+            data,
+            workspace,
+            models,
+        }
     }
 
     /// `models` None: the workspace's own (`Models` of its arbor.toml).

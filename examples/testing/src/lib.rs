@@ -1,0 +1,1 @@
+//! Nothing here: the tests are the example (`tests/research.rs`).
