@@ -980,9 +980,13 @@ fn key_before(yaml: &str, at: serde_saphyr::Location) -> Option<&str> {
         .map_or(line.len(), |(i, _)| i);
     let before = &line[..end];
     let colon = before.rfind(':')?;
+    // Past the last character that cannot be in a key, which may be wider
+    // than a byte.
     let key_start = before[..colon]
-        .rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '-'))
-        .map_or(0, |i| i + 1);
+        .char_indices()
+        .rev()
+        .find(|&(_, c)| !(c.is_ascii_alphanumeric() || c == '_' || c == '-'))
+        .map_or(0, |(i, c)| i + c.len_utf8());
     let key = &before[key_start..colon];
     (!key.is_empty()).then_some(key)
 }

@@ -772,3 +772,18 @@ fn bad_resources_are_refused_naming_the_file_and_the_key() {
         "{error}"
     );
 }
+
+/// Found by the parsing properties (tests/tests/parsing_properties.rs): an
+/// error inside a value whose key is preceded by a character wider than a
+/// byte cut the line inside that character, and panicked.
+#[test]
+fn an_error_after_a_wide_character_is_reported_not_a_panic() {
+    for yaml in [
+        "resources: {memory: 25ৗ:B, pids: 32}\n",
+        "resources: {memory: 256MiBé:x}\n",
+        "timeout: ৗ:2m:x\n",
+    ] {
+        let error = front_matter_error(yaml);
+        assert!(error.contains("agent.md"), "{yaml}: {error}");
+    }
+}
