@@ -274,6 +274,14 @@ impl Actor for Account {
                 event,
                 reply,
             } => {
+                if state.ledger.closed {
+                    // The close released this call's hold uncharged (its loop
+                    // was stopped mid-call); settling it again would refund
+                    // it twice and charge a closed account.
+                    tracing::warn!(owner = ?state.owner, "a model call settled after its account closed; its hold was already released");
+                    let _ = reply.send(());
+                    return Ok(());
+                }
                 state.ledger.settle_call(reserved, spent);
                 let ops = state.ledger.ops_pair(reserved, spent, |reserved, spent| {
                     LedgerOp::CallSettle { reserved, spent }
