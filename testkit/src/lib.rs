@@ -20,6 +20,7 @@
 
 pub mod checks;
 pub mod explore;
+pub mod faults;
 
 /// arbor's shared types (the tree, statuses, ids), so a test needs no other arbor crate.
 pub use arbor_protocol as protocol;
