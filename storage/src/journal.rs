@@ -1561,6 +1561,14 @@ impl Progress {
     }
 }
 
+/// sled's page cache. Its default, 1 GiB, is a node's memory growing with
+/// its journal for as long as it runs: arbord under a steady load of small
+/// runs went from 570 to 950 MiB of RSS in two minutes. Reads of recent
+/// state hit the overlay, and the rest is in the kernel's page cache; at
+/// 64 MiB the same load held at 117-128 MiB, and served more runs a second
+/// (324 against 271). `soak` checks it (docs/reliability.md).
+const SLED_CACHE_BYTES: u64 = 64 << 20;
+
 /// How often, and how long apart, an open tries a lock another handle holds.
 /// sled's own background threads hold the database for a moment after the
 /// last handle is dropped, so a reopen in the same process (a restart in a
@@ -1622,7 +1630,12 @@ pub(crate) fn open_locked(dir: &Path) -> Result<(std::fs::File, sled::Db), Error
         // No background flush: the log makes commits durable, and sled is
         // flushed at checkpoints (`wal.rs`), so its own timer would only add
         // syncs that compete with the log's.
-        match sled::Config::new().path(dir).flush_every_ms(None).open() {
+        match sled::Config::new()
+            .path(dir)
+            .flush_every_ms(None)
+            .cache_capacity(SLED_CACHE_BYTES)
+            .open()
+        {
             Err(sled::Error::Io(e))
                 if e.kind() == std::io::ErrorKind::WouldBlock
                     || e.to_string().contains("could not acquire lock") =>

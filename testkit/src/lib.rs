@@ -581,6 +581,34 @@ impl ModelFactory for RecordingModels {
     }
 }
 
+/// The crash driver's and the soak's workload, written as a workspace
+/// folder in `dir` (flow `crash`): a planner fans out to three workers that run real commands
+/// (one leaves a background process behind), then a writer. Its step may be
+/// resumed as often as it is interrupted.
+pub fn crash_workload(dir: &std::path::Path) -> std::io::Result<()> {
+    let agent = |name: &str, text: &str| -> std::io::Result<()> {
+        std::fs::create_dir_all(dir.join("agents").join(name))?;
+        std::fs::write(dir.join("agents").join(name).join("agent.md"), text)
+    };
+    agent(
+        "planner",
+        "---\ntools: [exec, write_file]\nsubagents: [worker, writer]\nmax_turns: 10\nscript:\n  - call: {tool: delegate, args: {jobs: [{agent: worker, request: a, label: a}, {agent: worker, request: b, label: b}, {agent: worker, request: c, label: c}]}}\n  - call: {tool: delegate, args: {jobs: [{agent: writer, request: w, label: w}]}}\n  - call: {tool: submit_output, args: {output: planned}}\n---\nplan\n",
+    )?;
+    agent(
+        "worker",
+        "---\ndescription: works with real processes\ntools: [exec, write_file]\nscript:\n  - usage: {input: 20, output: 5}\n    call: {tool: exec, args: {command: \"sleep 5 >/dev/null 2>&1 & sleep 0.05; echo started\"}}\n  - usage: {input: 20, output: 5}\n    call: {tool: exec, args: {command: \"sleep 0.1; echo done > out.txt\"}}\n  - call: {tool: submit_output, args: {output: worked}}\n---\nwork\n",
+    )?;
+    agent(
+        "writer",
+        "---\ndescription: writes\ntools: [write_file]\nscript:\n  - delay: 30ms\n    call: {tool: write_file, args: {path: r.md, content: report}}\n  - call: {tool: submit_output, args: {output: written}}\n---\nwrite\n",
+    )?;
+    std::fs::create_dir_all(dir.join("flows"))?;
+    std::fs::write(
+        dir.join("flows/crash.toml"),
+        "budget = { tokens = 100000000 }\n[[group]]\nsteps = [{ agent = \"planner\", instruction = \"go\", retries = 100000 }]\n",
+    )
+}
+
 /// A small, seedable generator for repeatable trials (xorshift64*).
 pub struct Seeded(u64);
 

@@ -17,7 +17,7 @@
 
 use arbor_runtime::{DefaultModels, EmbeddedNode, Workspace};
 use arbor_testkit::{Seeded, checks};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -72,33 +72,6 @@ fn options() -> Result<Options, String> {
     })
 }
 
-/// The workload: a planner fans out to three workers that run real commands
-/// (one leaves a background process behind), then a writer. Its step may be
-/// resumed as often as it is interrupted.
-fn write_workspace(dir: &Path) -> std::io::Result<()> {
-    let agent = |name: &str, text: &str| -> std::io::Result<()> {
-        std::fs::create_dir_all(dir.join("agents").join(name))?;
-        std::fs::write(dir.join("agents").join(name).join("agent.md"), text)
-    };
-    agent(
-        "planner",
-        "---\ntools: [exec, write_file]\nsubagents: [worker, writer]\nmax_turns: 10\nscript:\n  - call: {tool: delegate, args: {jobs: [{agent: worker, request: a, label: a}, {agent: worker, request: b, label: b}, {agent: worker, request: c, label: c}]}}\n  - call: {tool: delegate, args: {jobs: [{agent: writer, request: w, label: w}]}}\n  - call: {tool: submit_output, args: {output: planned}}\n---\nplan\n",
-    )?;
-    agent(
-        "worker",
-        "---\ndescription: works with real processes\ntools: [exec, write_file]\nscript:\n  - usage: {input: 20, output: 5}\n    call: {tool: exec, args: {command: \"sleep 5 >/dev/null 2>&1 & sleep 0.05; echo started\"}}\n  - usage: {input: 20, output: 5}\n    call: {tool: exec, args: {command: \"sleep 0.1; echo done > out.txt\"}}\n  - call: {tool: submit_output, args: {output: worked}}\n---\nwork\n",
-    )?;
-    agent(
-        "writer",
-        "---\ndescription: writes\ntools: [write_file]\nscript:\n  - delay: 30ms\n    call: {tool: write_file, args: {path: r.md, content: report}}\n  - call: {tool: submit_output, args: {output: written}}\n---\nwrite\n",
-    )?;
-    std::fs::create_dir_all(dir.join("flows"))?;
-    std::fs::write(
-        dir.join("flows/crash.toml"),
-        "budget = { tokens = 100000000 }\n[[group]]\nsteps = [{ agent = \"planner\", instruction = \"go\", retries = 100000 }]\n",
-    )
-}
-
 #[derive(Default)]
 struct Tally {
     crash_points: u64,
@@ -127,7 +100,7 @@ async fn main() -> std::process::ExitCode {
     let mut rng = Seeded::new(options.seed);
     let temp = tempfile::tempdir().expect("a temporary directory");
     let ws_dir = temp.path().join("ws");
-    write_workspace(&ws_dir).expect("the workspace is written");
+    arbor_testkit::crash_workload(&ws_dir).expect("the workspace is written");
     let workspace = Workspace::load(&ws_dir).expect("the workspace loads");
     let mut tally = Tally::default();
     let mut seen = checks::Seen::default();

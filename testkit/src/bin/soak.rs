@@ -1,0 +1,326 @@
+//! The long mode: random crash points, then a concurrency soak.
+//!
+//! ```text
+//! cargo run --release -p arbor-testkit --bin soak -- [--points 5000] [--minutes 10] [--runs 50] [--fan-out 8] [--seed S]
+//! ```
+//!
+//! 1. **Crash points.** A delegating workload with real sandbox processes
+//!    runs in a child process (this binary again, `--child`), which is
+//!    killed with SIGKILL at a seeded random moment; a node then recovers on
+//!    the same data dir in this process and `arbor_testkit::checks` runs
+//!    over the journal. The next point's child resumes the run, so crashes
+//!    pile on each other; every 25 points start a fresh data dir.
+//! 2. **Concurrency.** arbord (the real router, token and admission queue)
+//!    on a loopback port; `--runs` runs at a time, each a step fanning out
+//!    to `--fan-out` children, submitted over HTTP and followed to their end
+//!    over the event stream, for `--minutes`. This process's RSS is sampled
+//!    every second; the soak fails if the second half's peak is more than
+//!    10% above the first half's.
+//!
+//! It prints the seed first and one summary line per part; exit 1 on any
+//! violation, with the line that replays it.
+
+use arbor_runtime::{EmbeddedNode, Workspace};
+use arbor_testkit::service::{TestService, Texts};
+use arbor_testkit::{Seeded, checks, crash_workload};
+use std::path::{Path, PathBuf};
+use std::process::{ExitCode, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+struct Options {
+    points: u64,
+    minutes: f64,
+    runs: usize,
+    fan_out: usize,
+    seed: u64,
+    max_delay_ms: u64,
+}
+
+fn options(args: &[String]) -> Result<Options, String> {
+    let mut o = Options {
+        points: 5000,
+        minutes: 10.0,
+        runs: 50,
+        fan_out: 8,
+        seed: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1),
+        max_delay_ms: 400,
+    };
+    let mut args = args.iter();
+    while let Some(flag) = args.next() {
+        let mut value = || args.next().ok_or_else(|| format!("{flag} needs a value"));
+        let bad = |e: &dyn std::fmt::Display| format!("{flag}: {e}");
+        match flag.as_str() {
+            "--points" => o.points = value()?.parse().map_err(|e| bad(&e))?,
+            "--minutes" => o.minutes = value()?.parse().map_err(|e| bad(&e))?,
+            "--runs" => o.runs = value()?.parse().map_err(|e| bad(&e))?,
+            "--fan-out" => o.fan_out = value()?.parse().map_err(|e| bad(&e))?,
+            "--seed" => o.seed = value()?.parse().map_err(|e| bad(&e))?,
+            "--max-delay-ms" => o.max_delay_ms = value()?.parse().map_err(|e| bad(&e))?,
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    if !(1..=16).contains(&o.fan_out) {
+        return Err("--fan-out: 1 to 16 (a delegate call's limit)".into());
+    }
+    if o.runs == 0 || !o.minutes.is_finite() || o.minutes < 0.0 {
+        return Err("--runs must be at least 1 and --minutes a length of time".into());
+    }
+    Ok(o)
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("--child") {
+        return child(&args[1..]).await;
+    }
+    let options = match options(&args) {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("soak: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    println!(
+        "soak: seed {} ({} crash points, then {} runs x fan-out {} for {} min)",
+        options.seed, options.points, options.runs, options.fan_out, options.minutes
+    );
+    let mut failed = false;
+    if options.points > 0 {
+        failed |= !crash_points(&options).await;
+    }
+    if options.minutes > 0.0 {
+        failed |= !concurrency(&options).await;
+    }
+    if failed {
+        println!(
+            "replay with: soak --seed {} --points {} --minutes {} --runs {} --fan-out {}",
+            options.seed, options.points, options.minutes, options.runs, options.fan_out
+        );
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+/// The child: runs (or resumes) the workload's flow on `data` until killed.
+async fn child(args: &[String]) -> ExitCode {
+    let (Some(ws), Some(data)) = (args.first(), args.get(1)) else {
+        eprintln!("soak --child WORKSPACE DATA");
+        return ExitCode::from(2);
+    };
+    let Ok(workspace) = Workspace::load(Path::new(ws)) else {
+        return ExitCode::from(2);
+    };
+    let node = match EmbeddedNode::start(&workspace, Path::new(data)).await {
+        Ok(node) => node,
+        Err(e) => {
+            eprintln!("soak child: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let run = match node.resumed().first() {
+        Some((run, _)) => *run,
+        None => {
+            let spec = workspace
+                .flow_run("crash", None)
+                .expect("the workload's flow");
+            node.start_run(spec).await.expect("the run starts")
+        }
+    };
+    node.wait_run(run).await;
+    let _ = node.shutdown().await;
+    ExitCode::SUCCESS
+}
+
+/// Crash points share a data dir this many at a time.
+const POINTS_PER_JOURNAL: u64 = 25;
+
+async fn crash_points(options: &Options) -> bool {
+    let started = Instant::now();
+    let mut rng = Seeded::new(options.seed);
+    let temp = tempfile::tempdir().expect("a temporary directory");
+    let ws = temp.path().join("ws");
+    crash_workload(&ws).expect("the workload is written");
+    let workspace = Workspace::load(&ws).expect("the workload loads");
+    let exe = std::env::current_exe().expect("this binary");
+    let (mut crashed, mut finished, mut interrupted, mut records) = (0u64, 0u64, 0u64, 0u64);
+    let mut violations: Vec<String> = vec![];
+    let mut seen = checks::Seen::default();
+    let mut point = 0;
+    while crashed < options.points && point < options.points * 3 && violations.is_empty() {
+        point += 1;
+        let data: PathBuf = temp
+            .path()
+            .join(format!("data-{}", (point - 1) / POINTS_PER_JOURNAL));
+        if (point - 1) % POINTS_PER_JOURNAL == 0 {
+            seen = checks::Seen::default();
+            if point > 1 {
+                let _ = std::fs::remove_dir_all(
+                    temp.path()
+                        .join(format!("data-{}", (point - 1) / POINTS_PER_JOURNAL - 1)),
+                );
+            }
+        }
+        let delay = rng.between(0, options.max_delay_ms);
+        let mut child = tokio::process::Command::new(&exe)
+            .arg("--child")
+            .arg(&ws)
+            .arg(&data)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("the child starts");
+        match tokio::time::timeout(Duration::from_millis(delay), child.wait()).await {
+            Ok(_) => finished += 1,
+            Err(_) => {
+                let _ = child.start_kill();
+                let _ = child.wait().await;
+                crashed += 1;
+            }
+        }
+        let node = match EmbeddedNode::start_resuming(
+            &workspace,
+            &data,
+            Arc::new(arbor_runtime::DefaultModels),
+            |_| false,
+        )
+        .await
+        {
+            Ok(node) => node,
+            Err(e) => {
+                violations.push(format!(
+                    "point {point} (delay {delay} ms): restart failed: {e}"
+                ));
+                break;
+            }
+        };
+        interrupted += node.recovery().jobs_failed.len() as u64;
+        for b in &node.recovery().breaches {
+            violations.push(format!("point {point}: recovery breach: {b}"));
+        }
+        let checked = checks::recovered(node.journal(), &mut seen);
+        records += checked.records;
+        violations.extend(
+            checked
+                .violations
+                .into_iter()
+                .map(|v| format!("point {point} (delay {delay} ms): {v}")),
+        );
+        if node.shutdown().await.is_err() {
+            violations.push(format!("point {point}: the node did not shut down cleanly"));
+        }
+        if point % 500 == 0 {
+            println!(
+                "soak: {point} points, {crashed} crashes, {:.0}s",
+                started.elapsed().as_secs_f64()
+            );
+        }
+    }
+    println!(
+        "crash points: {crashed} crashes, {finished} runs finished between them, {interrupted} jobs recovered as interrupted, {records} records checked, {} violations, {:.1}s",
+        violations.len(),
+        started.elapsed().as_secs_f64()
+    );
+    for v in &violations {
+        println!("violation: {v}");
+    }
+    violations.is_empty()
+}
+
+/// This process's resident set, in bytes.
+fn rss() -> u64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map_or(0, |pages| pages * 4096)
+}
+
+async fn concurrency(options: &Options) -> bool {
+    let started = Instant::now();
+    let leaf = arbor_testkit::agent_md(
+        "description: answers\nscript:\n  - usage: {input: 10, output: 2}\n    call: {tool: submit_output, args: {output: ok}}",
+    );
+    let jobs: Vec<String> = (0..options.fan_out)
+        .map(|i| format!("{{agent: leaf, request: r{i}}}"))
+        .collect();
+    let lead = arbor_testkit::agent_md(&format!(
+        "subagents: [leaf]\nscript:\n  - call: {{tool: delegate, args: {{jobs: [{}]}}}}\n  - call: {{tool: submit_output, args: {{output: fanned}}}}",
+        jobs.join(", ")
+    ));
+    let texts = Texts::new(
+        &[("lead", &lead), ("leaf", &leaf)],
+        &[(
+            "fan",
+            "budget = { tokens = 1000000 }\n[[group]]\nsteps = [{ agent = \"lead\", instruction = \"go\" }]\n",
+        )],
+    )
+    .with_config(&format!(
+        "[service]\nmax_running_runs = {}\nmax_queued_runs = {}\n",
+        options.runs,
+        options.runs * 2
+    ));
+    let service = Arc::new(TestService::start(texts).await);
+    let until = started + Duration::from_secs_f64(options.minutes * 60.0);
+    let samples = Arc::new(std::sync::Mutex::new(Vec::<(f64, u64)>::new()));
+    let sampler = {
+        let samples = samples.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tick.tick().await;
+                samples
+                    .lock()
+                    .unwrap()
+                    .push((started.elapsed().as_secs_f64(), rss()));
+            }
+        })
+    };
+    let mut workers = vec![];
+    for _ in 0..options.runs {
+        let service = service.clone();
+        workers.push(tokio::spawn(async move {
+            let (mut done, mut other) = (0u64, 0u64);
+            while Instant::now() < until {
+                let run = service.submit(serde_json::json!({"flow": "fan"})).await;
+                let doc = service.wait_run(run).await;
+                if arbor_testkit::service::status_of(&doc) == arbor_protocol::Status::Done {
+                    done += 1;
+                } else {
+                    other += 1;
+                }
+            }
+            (done, other)
+        }));
+    }
+    let (mut done, mut other) = (0, 0);
+    for w in workers {
+        let (d, o) = w.await.expect("a soak worker");
+        done += d;
+        other += o;
+    }
+    sampler.abort();
+    let samples = samples.lock().unwrap().clone();
+    let half = samples.len() / 2;
+    let peak = |s: &[(f64, u64)]| s.iter().map(|(_, r)| *r).max().unwrap_or(0);
+    let (first, second) = (peak(&samples[..half]), peak(&samples[half..]));
+    let grew = second as f64 > first as f64 * 1.10;
+    let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+    println!(
+        "concurrency: {} runs done ({} jobs), {other} not done, {:.0} runs/s; RSS peak {:.1} MiB in the first half, {:.1} MiB in the second ({} samples): {}; {:.1}s",
+        done,
+        done * (options.fan_out as u64 + 1),
+        done as f64 / started.elapsed().as_secs_f64(),
+        mib(first),
+        mib(second),
+        samples.len(),
+        if grew { "GREW" } else { "no growth" },
+        started.elapsed().as_secs_f64()
+    );
+    other == 0 && !grew
+}
