@@ -24,6 +24,8 @@ pub mod faults;
 
 /// arbor's shared types (the tree, statuses, ids), so a test needs no other arbor crate.
 pub use arbor_protocol as protocol;
+/// The scripted models, and a workspace as loaded: what `start_full`, `start_workspace` and `open` take.
+pub use arbor_runtime::{DefaultModels, Models, Workspace};
 pub use explore::{Scenario, explore_crashes};
 pub mod mock_provider;
 pub mod service;
@@ -34,7 +36,7 @@ use arbor_actors::model::{
 use arbor_protocol::{
     AgentDef, Event, EventKind, JobId, NodeKind, ParentRef, Refusal, RunId, Tree, TreeNode,
 };
-use arbor_runtime::{DefaultModels, EmbeddedNode, Models, Workspace};
+use arbor_runtime::EmbeddedNode;
 use arbor_storage::{Journal, LedgerRecord, ledger_totals};
 use futures::future::BoxFuture;
 use std::collections::HashMap;
@@ -99,12 +101,34 @@ pub struct TestNode {
 
 impl TestNode {
     /// Starts a node on these agents (name, agent.md text) with default limits.
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() {
+    /// # use arbor_testkit::{TestNode, agent_md};
+    /// # use arbor_testkit::protocol::Status;
+    /// # let node = TestNode::start(&[("solo", &agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}"))]).await;
+    /// let run = node.run_agent("solo", "go").await;
+    /// assert_eq!(node.wait_run(run).await.run_status(), Status::Done);
+    /// # }
+    /// ```
     pub async fn start(agents: &[(&str, &str)]) -> Self {
         Self::start_inner(None, agents, &[], None).await
     }
 
     /// Starts a node with an arbor.toml text, and the models it configures
     /// (the scripted one, and its `[providers]`).
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() {
+    /// # use arbor_testkit::{TestNode, agent_md};
+    /// # use arbor_testkit::protocol::Status;
+    /// let node = TestNode::start_with_config(
+    ///     "[limits]\ndepth = 1\n",
+    ///     &[("solo", &agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}"))],
+    /// ).await;
+    /// assert_eq!(node.workspace.config.limits.depth, 1);
+    /// # }
+    /// ```
     pub async fn start_with_config(arbor_toml: &str, agents: &[(&str, &str)]) -> Self {
         Self::start_inner(Some(arbor_toml), agents, &[], None).await
     }
@@ -119,6 +143,22 @@ impl TestNode {
     }
 
     /// Starts a node on a whole workspace: arbor.toml, agents and flows (name, TOML text).
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() {
+    /// # use arbor_testkit::{TestNode, agent_md};
+    /// # use arbor_testkit::protocol::Status;
+    /// let flow = "[[group]]\nsteps = [{ agent = \"solo\", instruction = \"go\" }]\n";
+    /// let node = TestNode::start_workspace(
+    ///     None,
+    ///     &[("solo", &agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}"))],
+    ///     &[("hello", flow)],
+    ///     std::sync::Arc::new(arbor_testkit::DefaultModels),
+    /// ).await;
+    /// let run = node.run_flow("hello").await;
+    /// assert_eq!(node.wait_run(run).await.run_status(), Status::Done);
+    /// # }
+    /// ```
     pub async fn start_workspace(
         arbor_toml: Option<&str>,
         agents: &[(&str, &str)],
@@ -130,6 +170,16 @@ impl TestNode {
 
     /// Starts a node on a workspace folder (agents/, flows/, arbor.toml), as
     /// `arbor run` takes it, with its own models, on a temporary data dir.
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() {
+    /// # use arbor_testkit::{TestNode, agent_md};
+    /// # use arbor_testkit::protocol::Status;
+    /// let node = TestNode::start_dir("../examples/research").await;
+    /// let run = node.run_flow("research").await;
+    /// assert_eq!(node.wait_run(run).await.run_status(), Status::Done);
+    /// # }
+    /// ```
     pub async fn start_dir(dir: impl AsRef<std::path::Path>) -> Self {
         let dir = dir.as_ref();
         let workspace = Workspace::load(dir)
@@ -195,6 +245,18 @@ impl TestNode {
     /// Drops the node the way a crash would (every actor killed at once, no
     /// stop handlers, nothing journaled on the way out), then starts a new
     /// node on the same journal: recovery runs before anything else.
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() {
+    /// # use arbor_testkit::{TestNode, agent_md};
+    /// # use arbor_testkit::protocol::Status;
+    /// # let node = TestNode::start(&[("slow", &agent_md("script:\n  - say: thinking\n    delay: 1h"))]).await;
+    /// let run = node.run_agent("slow", "go").await;
+    /// node.wait_status(run, "slow", Status::Running).await;
+    /// let node = node.crash_and_restart().await;
+    /// assert_eq!(node.node().recovery().jobs_failed.len(), 1);
+    /// # }
+    /// ```
     pub async fn crash_and_restart(self) -> Self {
         let Self {
             node,
@@ -220,6 +282,18 @@ impl TestNode {
     /// `data/journal` and `data/work` for the test to inspect. For a node
     /// `start` made (one `open`ed on the caller's data dir has no folder
     /// of its own to hand back, and panics).
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() {
+    /// # use arbor_testkit::{TestNode, agent_md};
+    /// # use arbor_testkit::protocol::Status;
+    /// # let node = TestNode::start(&[("solo", &agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}"))]).await;
+    /// let run = node.run_agent("solo", "go").await;
+    /// node.wait_run(run).await;
+    /// let dir = node.crash().await;
+    /// assert!(dir.path().join("data/journal").is_dir());
+    /// # }
+    /// ```
     pub async fn crash(self) -> tempfile::TempDir {
         self.node.crash().await;
         self.dir
@@ -227,6 +301,17 @@ impl TestNode {
     }
 
     /// Runs flow `name` with its own budget.
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() {
+    /// # use arbor_testkit::{TestNode, agent_md};
+    /// # use arbor_testkit::protocol::Status;
+    /// let flow = "[[group]]\nsteps = [{ agent = \"solo\", instruction = \"go\" }]\n";
+    /// let node = TestNode::start_workspace(None, &[("solo", &agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}"))], &[("hello", flow)], std::sync::Arc::new(arbor_testkit::DefaultModels)).await;
+    /// let run = node.run_flow("hello").await;
+    /// node.wait_run(run).await;
+    /// # }
+    /// ```
     pub async fn run_flow(&self, name: &str) -> RunId {
         let spec = self
             .workspace
@@ -251,10 +336,29 @@ impl TestNode {
     }
 
     /// Runs one agent on `input` with the default budget.
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() {
+    /// # use arbor_testkit::{TestNode, agent_md};
+    /// # use arbor_testkit::protocol::Status;
+    /// # let node = TestNode::start(&[("solo", &agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}"))]).await;
+    /// let run = node.run_agent("solo", "say hi").await;
+    /// assert_eq!(node.wait_run(run).await.root().output, "hi");
+    /// # }
+    /// ```
     pub async fn run_agent(&self, agent: &str, input: &str) -> RunId {
         self.run_agent_with_budget(agent, input, None).await
     }
 
+    /// ```
+    /// # #[tokio::main] async fn main() {
+    /// # use arbor_testkit::{TestNode, agent_md};
+    /// # use arbor_testkit::protocol::Status;
+    /// # let node = TestNode::start(&[("solo", &agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}"))]).await;
+    /// let run = node.run_agent_with_budget("solo", "go", Some(5_000)).await;
+    /// assert_eq!(node.wait_run(run).await.root().account.grant, 5_000);
+    /// # }
+    /// ```
     pub async fn run_agent_with_budget(
         &self,
         agent: &str,
@@ -271,16 +375,48 @@ impl TestNode {
             .unwrap_or_else(|e| panic!("{e}"))
     }
 
+    /// ```
+    /// # #[tokio::main] async fn main() {
+    /// # use arbor_testkit::{TestNode, agent_md};
+    /// # use arbor_testkit::protocol::Status;
+    /// # let node = TestNode::start(&[("solo", &agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}"))]).await;
+    /// # let run = node.run_agent("solo", "go").await;
+    /// node.wait_run(run).await;
+    /// assert_eq!(node.tree(run).root().output, "hi");
+    /// # }
+    /// ```
     pub fn tree(&self, run: RunId) -> Tree {
         self.node.tree(run)
     }
 
     /// Waits for the run to end; returns its tree.
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() {
+    /// # use arbor_testkit::{TestNode, agent_md};
+    /// # use arbor_testkit::protocol::Status;
+    /// # let node = TestNode::start(&[("solo", &agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}"))]).await;
+    /// # let run = node.run_agent("solo", "go").await;
+    /// let tree = node.wait_run(run).await;
+    /// assert!(tree.run_status().is_terminal());
+    /// # }
+    /// ```
     pub async fn wait_run(&self, run: RunId) -> Tree {
         self.wait_until(run, |t| t.run_status().is_terminal()).await
     }
 
     /// Waits until `done` holds of the run's tree, re-checked after every event.
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() {
+    /// # use arbor_testkit::{TestNode, agent_md};
+    /// # use arbor_testkit::protocol::Status;
+    /// # let node = TestNode::start(&[("solo", &agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}"))]).await;
+    /// # let run = node.run_agent("solo", "go").await;
+    /// let tree = node.wait_until(run, |t| t.find("solo").is_some()).await;
+    /// assert!(tree.find("solo").is_some());
+    /// # }
+    /// ```
     pub async fn wait_until(&self, run: RunId, done: impl FnMut(&Tree) -> bool) -> Tree {
         match tokio::time::timeout(WAIT_LIMIT, self.node.wait_tree(run, done)).await {
             Ok(tree) => tree,
@@ -292,6 +428,18 @@ impl TestNode {
     }
 
     /// Waits until the run has an event for which `matches` holds; returns it.
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() {
+    /// # use arbor_testkit::{TestNode, agent_md};
+    /// # use arbor_testkit::protocol::Status;
+    /// # let node = TestNode::start(&[("solo", &agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}"))]).await;
+    /// # let run = node.run_agent("solo", "go").await;
+    /// use arbor_testkit::protocol::EventKind;
+    /// let event = node.wait_event(run, |k| matches!(k, EventKind::RunFinished { .. })).await;
+    /// assert_eq!(event.run, run);
+    /// # }
+    /// ```
     pub async fn wait_event(
         &self,
         run: RunId,
@@ -307,12 +455,34 @@ impl TestNode {
     }
 
     /// Waits until the node labelled (or, failing that, running agent) `name` exists.
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() {
+    /// # use arbor_testkit::{TestNode, agent_md};
+    /// # use arbor_testkit::protocol::Status;
+    /// # let node = TestNode::start(&[("solo", &agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}"))]).await;
+    /// # let run = node.run_agent("solo", "go").await;
+    /// let step = node.wait_for(run, "solo").await;
+    /// assert!(node.tree(run).node(step).is_some());
+    /// # }
+    /// ```
     pub async fn wait_for(&self, run: RunId, name: &str) -> JobId {
         let tree = self.wait_until(run, |t| t.find(name).is_some()).await;
         tree.find(name).expect("found above")
     }
 
     /// Waits until `name` has this status.
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() {
+    /// # use arbor_testkit::{TestNode, agent_md};
+    /// # use arbor_testkit::protocol::Status;
+    /// # let node = TestNode::start(&[("solo", &agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}"))]).await;
+    /// # let run = node.run_agent("solo", "go").await;
+    /// let step = node.wait_status(run, "solo", Status::Done).await;
+    /// assert_eq!(step.output, "hi");
+    /// # }
+    /// ```
     pub async fn wait_status(
         &self,
         run: RunId,
@@ -331,6 +501,17 @@ impl TestNode {
             .clone()
     }
 
+    /// ```
+    /// # #[tokio::main] async fn main() {
+    /// # use arbor_testkit::{TestNode, agent_md};
+    /// # use arbor_testkit::protocol::Status;
+    /// # let node = TestNode::start(&[("slow", &agent_md("script:\n  - say: thinking\n    delay: 1h"))]).await;
+    /// let run = node.run_agent("slow", "go").await;
+    /// node.wait_status(run, "slow", Status::Running).await;
+    /// node.stop_run(run).await;
+    /// assert_eq!(node.wait_run(run).await.run_status(), Status::Stopped);
+    /// # }
+    /// ```
     pub async fn stop_run(&self, run: RunId) {
         self.node
             .stop_run(run, "stopped by the test")
@@ -338,6 +519,18 @@ impl TestNode {
             .expect("stop the run");
     }
 
+    /// ```
+    /// # #[tokio::main] async fn main() {
+    /// # use arbor_testkit::{TestNode, agent_md};
+    /// # use arbor_testkit::protocol::Status;
+    /// # let node = TestNode::start(&[("slow", &agent_md("script:\n  - say: thinking\n    delay: 1h"))]).await;
+    /// let run = node.run_agent("slow", "go").await;
+    /// let step = node.wait_for(run, "slow").await;
+    /// node.wait_status(run, "slow", Status::Running).await;
+    /// node.stop_job(run, step).await;
+    /// assert_eq!(node.wait_status(run, "slow", Status::Stopped).await.status, Status::Stopped);
+    /// # }
+    /// ```
     pub async fn stop_job(&self, run: RunId, job: JobId) {
         self.node
             .stop_job(run, job, "stopped by an operator")
@@ -345,16 +538,49 @@ impl TestNode {
             .expect("stop the job");
     }
 
+    /// ```
+    /// # #[tokio::main] async fn main() {
+    /// # use arbor_testkit::{TestNode, agent_md};
+    /// # use arbor_testkit::protocol::Status;
+    /// # let node = TestNode::start(&[("slow", &agent_md("script:\n  - say: thinking\n    delay: 1h"))]).await;
+    /// let run = node.run_agent("slow", "go").await;
+    /// let step = node.wait_for(run, "slow").await;
+    /// node.wait_status(run, "slow", Status::Running).await;
+    /// assert_eq!(node.steer(step, "use metric units").await, Ok(1));
+    /// # }
+    /// ```
     pub async fn steer(&self, job: JobId, text: &str) -> Result<u64, Refusal> {
         self.node.steer(job, text).await
     }
 
     /// The run's events as journaled.
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() {
+    /// # use arbor_testkit::{TestNode, agent_md};
+    /// # use arbor_testkit::protocol::Status;
+    /// # let node = TestNode::start(&[("solo", &agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}"))]).await;
+    /// # let run = node.run_agent("solo", "go").await;
+    /// node.wait_run(run).await;
+    /// assert!(!node.events(run).is_empty());
+    /// # }
+    /// ```
     pub fn events(&self, run: RunId) -> Vec<Event> {
         self.journal().events(run).expect("events decode")
     }
 
     /// The error texts of the run's failed calls to `tool`, in order.
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() {
+    /// # use arbor_testkit::{TestNode, agent_md};
+    /// # use arbor_testkit::protocol::Status;
+    /// # let node = TestNode::start(&[("solo", &agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}"))]).await;
+    /// let run = node.run_agent("solo", "go").await;
+    /// node.wait_run(run).await;
+    /// assert!(node.failed_calls(run, "submit_output").is_empty());
+    /// # }
+    /// ```
     pub fn failed_calls(&self, run: RunId, tool: &str) -> Vec<String> {
         self.tool_calls(run)
             .into_iter()
@@ -365,6 +591,18 @@ impl TestNode {
 
     /// Every tool call of the run, in order: who made it, which tool, and
     /// its result.
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() {
+    /// # use arbor_testkit::{TestNode, agent_md};
+    /// # use arbor_testkit::protocol::Status;
+    /// # let node = TestNode::start(&[("solo", &agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}"))]).await;
+    /// # let run = node.run_agent("solo", "go").await;
+    /// node.wait_run(run).await;
+    /// let calls = node.tool_calls(run);
+    /// assert_eq!((calls[0].tool.as_str(), calls[0].ok), ("submit_output", true));
+    /// # }
+    /// ```
     pub fn tool_calls(&self, run: RunId) -> Vec<ToolCall> {
         self.events(run)
             .into_iter()
@@ -387,16 +625,52 @@ impl TestNode {
     }
 
     /// Runs `f` on every later event, synchronously at emission.
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() {
+    /// # use arbor_testkit::{TestNode, agent_md};
+    /// # use arbor_testkit::protocol::Status;
+    /// # let node = TestNode::start(&[("solo", &agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}"))]).await;
+    /// let seen = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    /// let count = seen.clone();
+    /// node.observe(move |_| { count.fetch_add(1, std::sync::atomic::Ordering::Relaxed); });
+    /// let run = node.run_agent("solo", "go").await;
+    /// node.wait_run(run).await;
+    /// assert!(seen.load(std::sync::atomic::Ordering::Relaxed) > 0);
+    /// # }
+    /// ```
     pub fn observe(&self, f: impl Fn(&Event) + Send + Sync + 'static) {
         self.node.events().observe(Arc::new(f));
     }
 
+    /// ```
+    /// # #[tokio::main] async fn main() {
+    /// # use arbor_testkit::{TestNode, agent_md};
+    /// # use arbor_testkit::protocol::Status;
+    /// # let node = TestNode::start(&[("solo", &agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}"))]).await;
+    /// # let run = node.run_agent("solo", "go").await;
+    /// node.wait_run(run).await;
+    /// let entries = node.ledger(arbor_testkit::protocol::ParentRef::Run(run));
+    /// assert!(!entries.is_empty());
+    /// # }
+    /// ```
     pub fn ledger(&self, owner: ParentRef) -> Vec<LedgerRecord> {
         self.journal().ledger(owner).expect("ledger decodes")
     }
 
     /// I-14 at a quiescent point, from two sides: the tree's figures add up,
     /// and every account's ledger in the journal gives the same figures.
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() {
+    /// # use arbor_testkit::{TestNode, agent_md};
+    /// # use arbor_testkit::protocol::Status;
+    /// # let node = TestNode::start(&[("solo", &agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}"))]).await;
+    /// # let run = node.run_agent("solo", "go").await;
+    /// node.wait_run(run).await;
+    /// node.assert_conserved(run);
+    /// # }
+    /// ```
     pub fn assert_conserved(&self, run: RunId) {
         let tree = self.tree(run);
         if let Err(breaches) = tree.check_conservation() {
@@ -442,6 +716,17 @@ impl TestNode {
     }
 
     /// Every step and job of the run.
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() {
+    /// # use arbor_testkit::{TestNode, agent_md};
+    /// # use arbor_testkit::protocol::Status;
+    /// # let node = TestNode::start(&[("solo", &agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}"))]).await;
+    /// # let run = node.run_agent("solo", "go").await;
+    /// node.wait_run(run).await;
+    /// assert_eq!(node.jobs(run).len(), 1);
+    /// # }
+    /// ```
     pub fn jobs(&self, run: RunId) -> Vec<TreeNode> {
         let tree = self.tree(run);
         tree.nodes()
@@ -451,6 +736,17 @@ impl TestNode {
     }
 
     /// How many jobs of `agent` in the run ended done.
+    ///
+    /// ```
+    /// # #[tokio::main] async fn main() {
+    /// # use arbor_testkit::{TestNode, agent_md};
+    /// # use arbor_testkit::protocol::Status;
+    /// # let node = TestNode::start(&[("solo", &agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}"))]).await;
+    /// # let run = node.run_agent("solo", "go").await;
+    /// node.wait_run(run).await;
+    /// assert_eq!(node.jobs_done(run, "solo"), 1);
+    /// # }
+    /// ```
     pub fn jobs_done(&self, run: RunId, agent: &str) -> usize {
         self.jobs(run)
             .iter()
@@ -460,6 +756,16 @@ impl TestNode {
             .count()
     }
 
+    /// ```
+    /// # #[tokio::main] async fn main() {
+    /// # use arbor_testkit::{TestNode, agent_md};
+    /// # use arbor_testkit::protocol::Status;
+    /// # let node = TestNode::start(&[("solo", &agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}"))]).await;
+    /// # let run = node.run_agent("solo", "go").await;
+    /// node.wait_run(run).await;
+    /// node.shutdown().await;
+    /// # }
+    /// ```
     pub async fn shutdown(self) {
         self.node.shutdown().await.expect("a clean shutdown");
     }
