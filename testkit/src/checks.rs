@@ -33,6 +33,20 @@ pub struct Checked {
 ///   earlier check (`seen`) has not changed or vanished;
 /// - no job spawned by two delegations; no child released (charged) twice;
 /// - no ledger shorter than at the earlier check.
+///
+/// ```
+/// # #[tokio::main] async fn main() {
+/// use arbor_testkit::{TestNode, agent_md, checks};
+/// let solo = agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}");
+/// let node = TestNode::start(&[("solo", &solo)]).await;
+/// let run = node.run_agent("solo", "go").await;
+/// node.wait_run(run).await;
+/// // Quiescent: the runs the journal holds have ended (resumed ones too).
+/// let node = node.crash_and_restart().await;
+/// let checked = checks::recovered(node.journal(), &mut checks::Seen::default());
+/// assert!(checked.violations.is_empty(), "{:?}", checked.violations);
+/// # }
+/// ```
 pub fn recovered(journal: &Journal, seen: &mut Seen) -> Checked {
     let mut checked = Checked::default();
     let mut fail = |what: String| checked.violations.push(what);

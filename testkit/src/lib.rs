@@ -775,6 +775,25 @@ impl TestNode {
 /// request each agent's model got, in order. A request carries its
 /// `CallMeter`, so a test can also act at a known point of a call in flight
 /// (`meter`: stop a job once its answer has started streaming, say).
+///
+/// ```
+/// # #[tokio::main] async fn main() {
+/// use arbor_testkit::{RecordingModels, TestNode, agent_md};
+/// let models = RecordingModels::new();
+/// let solo = agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}");
+/// let node = TestNode::start_full(None, &[("solo", &solo)], models.clone()).await;
+/// let run = node.run_agent("solo", "say hi").await;
+/// node.wait_run(run).await;
+/// assert_eq!(models.requests("solo").len(), 1);
+/// // `meter` waits for the n-th request, to act while its call is in flight.
+/// let _meter = models.meter("solo", 0).await;
+/// // An agent whose adapter panics fails its job, and only it (I-38).
+/// let broken = RecordingModels::panicking_for(&["solo"]);
+/// let node = TestNode::start_full(None, &[("solo", &solo)], broken).await;
+/// let run = node.run_agent("solo", "go").await;
+/// assert_eq!(node.wait_run(run).await.run_status(), arbor_testkit::protocol::Status::Failed);
+/// # }
+/// ```
 pub struct RecordingModels {
     inner: Arc<dyn ModelFactory>,
     requests: Arc<Mutex<HashMap<String, Vec<ModelRequest>>>>,
@@ -916,6 +935,13 @@ pub fn crash_workload(dir: &std::path::Path) -> std::io::Result<()> {
 }
 
 /// A small, seedable generator for repeatable trials (xorshift64*).
+///
+/// ```
+/// use arbor_testkit::Seeded;
+/// let (mut a, mut b) = (Seeded::new(7), Seeded::new(7));
+/// assert_eq!(a.next_u64(), b.next_u64());
+/// assert!((10..20).contains(&a.between(10, 20)));
+/// ```
 pub struct Seeded(u64);
 
 impl Seeded {

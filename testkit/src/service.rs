@@ -1,6 +1,27 @@
 //! arbord in-process on a loopback port, for tests over real HTTP: a
 //! `Service` on a temporary data dir, served by axum on 127.0.0.1:0, and a
 //! reqwest client that carries its token.
+//!
+//! ```
+//! # #[tokio::main] async fn main() {
+//! use arbor_testkit::agent_md;
+//! use arbor_testkit::protocol::Status;
+//! use arbor_testkit::service::{TestService, Texts, status_of};
+//! let quick = agent_md("script:\n  - call: {tool: submit_output, args: {output: hi}}");
+//! let flow = "[[group]]\nsteps = [{ agent = \"quick\", instruction = \"go\" }]\n";
+//! let svc = TestService::start(Texts::new(&[("quick", &quick)], &[("hello", flow)])).await;
+//! let run = svc.submit(serde_json::json!({"flow": "hello"})).await;
+//! assert_eq!(status_of(&svc.wait_run(run).await), Status::Done);
+//! let (code, _) = svc.get_json(&format!("/v1/runs/{run}")).await;
+//! assert_eq!(code, 200);
+//! assert!(!svc.events(run, None).await.is_empty());
+//! assert_eq!(svc.submissions().len(), 1);
+//! // A drain (SIGTERM's), then a start on the same data dir: the run is still there.
+//! let svc = svc.restart().await;
+//! assert_eq!(svc.get_json(&format!("/v1/runs/{run}")).await.0, 200);
+//! svc.stop().await;
+//! # }
+//! ```
 
 use crate::WAIT_LIMIT;
 use arbor_protocol::{RunId, Status};
