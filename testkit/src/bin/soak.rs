@@ -28,6 +28,10 @@ use std::process::{ExitCode, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// The allocator arbord and arbor use, so that the memory measured is theirs.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 struct Options {
     points: u64,
     minutes: f64,
@@ -322,5 +326,12 @@ async fn concurrency(options: &Options) -> bool {
         if grew { "GREW" } else { "no growth" },
         started.elapsed().as_secs_f64()
     );
+    // The curve, at each tenth of the soak: a cache filling flattens out, a
+    // leak does not.
+    let curve: Vec<String> = (1..=10)
+        .filter_map(|tenth| samples.get(samples.len() * tenth / 10 - 1))
+        .map(|(_, r)| format!("{:.0}", mib(*r)))
+        .collect();
+    println!("concurrency: RSS (MiB) at each tenth: {}", curve.join(" "));
     other == 0 && !grew
 }
