@@ -408,16 +408,13 @@ fn recover_run(
     let epoch = journal.epoch();
     let history = journal.events(run.id)?;
     events.load_run(run.id, &history);
-    report.ends_retold += retell_lost_ends(events, run, &history, &journal.jobs(run.id)?);
+    let records = journal.jobs(run.id)?;
+    report.ends_retold += retell_lost_ends(events, run, &history, &records);
     let spec = history.iter().find_map(|e| match &e.kind {
         EventKind::RunStarted { spec, .. } => Some(spec.clone()),
         _ => None,
     });
-    let jobs: HashMap<JobId, JobRecord> = journal
-        .jobs(run.id)?
-        .into_iter()
-        .map(|j| (j.id, j))
-        .collect();
+    let jobs: HashMap<JobId, JobRecord> = records.into_iter().map(|j| (j.id, j)).collect();
     let mut interrupted: Vec<&JobRecord> =
         jobs.values().filter(|j| !j.status.is_terminal()).collect();
     // Deepest first: a parent is settled after its children, so its spent includes theirs.

@@ -196,17 +196,10 @@ impl Scenario {
                 agents,
                 flows,
             } => {
-                let pairs = |v: &[(String, String)]| -> Vec<(String, String)> { v.to_vec() };
-                let agents = pairs(agents);
-                let flows = pairs(flows);
-                let agents: Vec<(&str, &str)> = agents
-                    .iter()
-                    .map(|(a, b)| (a.as_str(), b.as_str()))
-                    .collect();
-                let flows: Vec<(&str, &str)> = flows
-                    .iter()
-                    .map(|(a, b)| (a.as_str(), b.as_str()))
-                    .collect();
+                fn borrowed(v: &[(String, String)]) -> Vec<(&str, &str)> {
+                    v.iter().map(|(a, b)| (a.as_str(), b.as_str())).collect()
+                }
+                let (agents, flows) = (borrowed(agents), borrowed(flows));
                 Workspace::from_texts(root.to_path_buf(), arbor_toml.as_deref(), &agents, &flows)
                     .map_err(|e| e.to_string())
             }
@@ -330,10 +323,8 @@ struct ChildCase {
     data: PathBuf,
     /// Where the child writes what it was told.
     acks: PathBuf,
-    /// 0: no crash, count the flushes.
-    flush: u64,
-    point: String,
-    kind: String,
+    /// The case as `Case::code` writes it; none for the counting run.
+    case: Option<String>,
 }
 
 /// Explores every commit point of `scenario` (see the module docs) and
@@ -554,21 +545,12 @@ impl Child<'_> {
     async fn run(&self, dir: &Path, case: Option<Case>) -> Result<Ended, String> {
         std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let acks = dir.join("acks");
-        let code = case.map(|c| c.code());
-        let mut parts = code.as_deref().unwrap_or("0:before:kill").split(':');
-        let (flush, point, kind) = (
-            parts.next().unwrap_or("0").parse().unwrap_or(0),
-            parts.next().unwrap_or("before").to_string(),
-            parts.next().unwrap_or("kill").to_string(),
-        );
         let child_case = ChildCase {
             scenario: self.scenario.describe(),
             root: dir.join("workspace"),
             data: dir.join("data"),
             acks: acks.clone(),
-            flush,
-            point,
-            kind,
+            case: case.map(|c| c.code()),
         };
         let stderr = std::fs::File::create(dir.join("stderr")).map_err(|e| e.to_string())?;
         let mut child = tokio::process::Command::new(self.exe)
@@ -618,8 +600,10 @@ fn tail(path: &Path) -> String {
 /// In the child: runs the scenario on the case's data dir with the crash
 /// armed, writes down what it is told, and exits 0 if the run ends first.
 async fn run_child(scenario: &Scenario, case: ChildCase) -> ! {
-    let crash = Case::parse(&format!("{}:{}:{}", case.flush, case.point, case.kind))
-        .expect("the parent wrote a case");
+    let crash = case
+        .case
+        .as_deref()
+        .map(|code| Case::parse(code).expect("the parent wrote a case"));
     let workspace = scenario
         .workspace(&case.root)
         .unwrap_or_else(|e| panic!("the scenario's workspace does not load: {e}"));
@@ -639,7 +623,7 @@ async fn run_child(scenario: &Scenario, case: ChildCase) -> ! {
         .faults()
         .record_durable_to(acks.try_clone().expect("the acks file"));
     let base = journal.flush_count();
-    if case.flush > 0 {
+    if let Some(crash) = crash {
         journal.faults().crash_at(Crash {
             flush: base + crash.flush,
             point: crash.point,
@@ -753,17 +737,18 @@ async fn recover_and_check(
             ));
         }
     }
+    let recorded: std::collections::HashMap<JobId, Status> = node
+        .journal()
+        .all_jobs()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|j| (j.id, j.status))
+        .collect();
     for (job, status) in &acks.ended {
-        let record = node
-            .journal()
-            .all_jobs()
-            .ok()
-            .and_then(|jobs| jobs.into_iter().find(|j| j.id == *job));
-        match record {
-            Some(r) if r.status == *status => {}
-            Some(r) => found.push(format!(
-                "job {job} was told ended {status}; after recovery it is {}",
-                r.status
+        match recorded.get(job) {
+            Some(now) if now == status => {}
+            Some(now) => found.push(format!(
+                "job {job} was told ended {status}; after recovery it is {now}"
             )),
             None => found.push(format!("job {job} was told ended {status}; it is gone")),
         }

@@ -185,18 +185,7 @@ impl TestNode {
         let workspace = Workspace::load(dir)
             .unwrap_or_else(|e| panic!("the workspace {} does not load: {e}", dir.display()));
         let temp = tempfile::tempdir().expect("a temporary directory");
-        let models: Arc<dyn ModelFactory> = Arc::new(Models::new(&workspace.config.providers));
-        let data = temp.path().join("data");
-        let node = EmbeddedNode::start_with(&workspace, &data, models.clone())
-            .await
-            .expect("the node starts");
-        Self {
-            node,
-            dir: Some(temp),
-            data,
-            workspace,
-            models,
-        }
+        Self::start_in(temp, workspace, None).await
     }
 
     /// `models` None: the workspace's own (`Models` of its arbor.toml).
@@ -210,6 +199,16 @@ impl TestNode {
         let workspace =
             Workspace::from_texts(dir.path().join("workspace"), arbor_toml, agents, flows)
                 .unwrap_or_else(|e| panic!("the test workspace does not load: {e}"));
+        Self::start_in(dir, workspace, models).await
+    }
+
+    /// A node of `workspace` on `dir/data`, which it keeps; `models` None:
+    /// the workspace's own.
+    async fn start_in(
+        dir: tempfile::TempDir,
+        workspace: Workspace,
+        models: Option<Arc<dyn ModelFactory>>,
+    ) -> Self {
         let models = models.unwrap_or_else(|| Arc::new(Models::new(&workspace.config.providers)));
         let data = dir.path().join("data");
         let node = EmbeddedNode::start_with(&workspace, &data, models.clone())
