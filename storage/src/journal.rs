@@ -548,6 +548,46 @@ impl Journal {
         )
     }
 
+    /// Removes every record of each run in `runs`: the run, its submission,
+    /// its steps and jobs, their ledgers, delegations, steering and sandbox
+    /// records, and its events. One append, so after a crash a run is either
+    /// all there or all gone (its removals are in the log like any record,
+    /// and replayed in order after the writes they remove). Returns the
+    /// append's seq.
+    ///
+    /// For runs that are over (the service's retention, `keep_finished`):
+    /// it first waits until the applier has put every earlier append into
+    /// sled, since a removal takes the keys sled holds when it is applied.
+    /// A record appended for a run after its removal would stay.
+    pub fn forget(&self, runs: &[RunId]) -> Result<u64, Error> {
+        self.inner.drain();
+        let removal =
+            |tree: &'static str, prefix: &[u8]| (tree, Key::Whole(prefix.to_vec()), wal::removal());
+        let mut entries = Vec::new();
+        for &run in runs {
+            let key = codec::run_key(run);
+            for tree in [RUNS, SUBMISSIONS, JOBS, EVENTS] {
+                entries.push(removal(tree, &key));
+            }
+            entries.push(removal(LEDGER, &codec::ledger_prefix(ParentRef::Run(run))));
+            for job in self.jobs(run)? {
+                let id = job.id.0.as_bytes();
+                entries.push(removal(
+                    LEDGER,
+                    &codec::ledger_prefix(ParentRef::Job(job.id)),
+                ));
+                for tree in [DELEGATIONS, STEERING, SANDBOXES] {
+                    entries.push(removal(tree, id));
+                }
+            }
+        }
+        self.append_prepared(Prepared {
+            entries,
+            epochs: None,
+            unencoded: None,
+        })
+    }
+
     /// Decodes every record of every tree (and checks each `meta` entry),
     /// listing what does not decode instead of skipping it. Fails only if sled
     /// cannot be read at all.
@@ -917,17 +957,19 @@ impl Trees {
     /// (`codec::encode_event_chunk`).
     fn apply(&self, entries: &[&wal::Entry], last_seq: u64) -> Result<(), Error> {
         let mut batches: Vec<(&'static str, sled::Batch)> = Vec::new();
-        let mut insert = |tree: &'static str, key: &[u8], value: &[u8]| match batches
-            .iter_mut()
-            .find(|(name, _)| *name == tree)
-        {
-            Some((_, batch)) => batch.insert(key, value),
-            None => {
-                let mut batch = sled::Batch::default();
-                batch.insert(key, value);
-                batches.push((tree, batch));
-            }
-        };
+        fn batch_of<'b>(
+            batches: &'b mut Vec<(&'static str, sled::Batch)>,
+            tree: &'static str,
+        ) -> &'b mut sled::Batch {
+            let at = match batches.iter().position(|(name, _)| *name == tree) {
+                Some(at) => at,
+                None => {
+                    batches.push((tree, sled::Batch::default()));
+                    batches.len() - 1
+                }
+            };
+            &mut batches[at].1
+        }
         // Events by run, ledger entries by account, each in seq order
         // (appends come in seq order, and a run's event seqs rise with
         // them), go in chunks: the owner is the key's first 16 or 17 bytes.
@@ -935,11 +977,20 @@ impl Trees {
         let mut index: HashMap<(&str, &[u8]), usize> = HashMap::new();
         for entry in entries {
             let (tree, key, value) = entry;
+            if wal::is_removal(value) {
+                // Every key under the prefix that sled holds now: `forget`
+                // drained the applier first, so these are all of them.
+                let batch = batch_of(&mut batches, tree);
+                for stored in self.get(tree).scan_prefix(key).keys() {
+                    batch.remove(stored?);
+                }
+                continue;
+            }
             let owner_bytes = match *tree {
                 EVENTS => codec::EVENT_OWNER_BYTES,
                 LEDGER => codec::LEDGER_OWNER_BYTES,
                 _ => {
-                    insert(tree, key, value);
+                    batch_of(&mut batches, tree).insert(&key[..], &value[..]);
                     continue;
                 }
             };
@@ -960,7 +1011,7 @@ impl Trees {
                         chunk.iter().map(|(_, k, v)| (k.as_slice(), &v[..])),
                     ),
                 };
-                insert(tree, &chunk[0].1, &value);
+                batch_of(&mut batches, tree).insert(&chunk[0].1[..], value);
             }
         }
         let mut meta = sled::Batch::default();

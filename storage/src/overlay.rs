@@ -192,6 +192,11 @@ impl Overlay {
     /// waking it once per append was a tenth of a fan-out's CPU.
     pub(crate) fn insert(&mut self, first_seq: u64, entries: Arc<[Entry]>) -> bool {
         for (at, ((tree, key, value), seq)) in entries.iter().zip(first_seq..).enumerate() {
+            if crate::wal::is_removal(value) {
+                // Only queued: reads find the removed records in sled until
+                // the applier takes the removal (`Journal::forget`).
+                continue;
+            }
             match *tree {
                 EVENTS => self.events.insert(seq, &entries, at),
                 LEDGER => self.ledger.insert(seq, &entries, at),

@@ -17,7 +17,7 @@
 //! |---|---|
 //! | 4 | body length, u32 little-endian |
 //! | 4 | CRC-32 (IEEE) of the body, u32 little-endian |
-//! | body | first seq (u64 LE), entry count (u32 LE), then per entry: tree index (u8, into `RECORD_TREES`), key length (u32 LE), key, value length (u32 LE), value |
+//! | body | first seq (u64 LE), entry count (u32 LE), then per entry: tree index (u8, into `RECORD_TREES`), key length (u32 LE), key, value length (u32 LE), value (empty: remove every key under this one, `removal`) |
 //!
 //! One frame is one `append`: its records took the seqs `first ..= first +
 //! count - 1`, and sled applied them in one transaction. An entry is exactly
@@ -70,6 +70,17 @@ const HEADER_BYTES: usize = 8;
 /// (tree, key, value). The value is shared, not copied, between the
 /// overlay's read index and the applier's queue.
 pub(crate) type Entry = (&'static str, Vec<u8>, std::sync::Arc<[u8]>);
+
+/// The value of a removal: every key under the entry's key, as a prefix, is
+/// removed from its tree (`Journal::forget`). No record's value is empty (each
+/// starts with its format byte), so an empty one cannot be mistaken for one.
+pub(crate) fn removal() -> std::sync::Arc<[u8]> {
+    std::sync::Arc::from(&[][..])
+}
+
+pub(crate) fn is_removal(value: &[u8]) -> bool {
+    value.is_empty()
+}
 
 /// A frame read back from a segment.
 pub(crate) struct Frame {

@@ -466,3 +466,132 @@ async fn ledger_totals_balance_an_account_read_back_from_the_journal() {
         }
     );
 }
+
+/// Every record a run leaves, of every kind: its submission, a step and a
+/// job under it, their accounts, a delegation, a steering message, a sandbox
+/// and events.
+fn whole_run(run: RunId, first_seq: u64) -> Vec<Record> {
+    let (step, child) = (JobId::new(), JobId::new());
+    let child_record = JobRecord {
+        parent: ParentRef::Job(step),
+        kind: NodeKind::Job,
+        depth: 1,
+        ..job_record(run, child)
+    };
+    let mut records = vec![
+        Record::Submission(arbor_storage::SubmissionRecord {
+            run,
+            order: first_seq,
+            spec_json: "{}".into(),
+            idempotency_key: Some(format!("key-{first_seq}")),
+            digest: "sha256:abc".into(),
+            submitted_ms: 1,
+            state: arbor_storage::SubmissionState::Started,
+            epoch: 1,
+        }),
+        Record::Run(run_record(run, Status::Done)),
+        Record::Job(job_record(run, step)),
+        Record::Job(child_record),
+        Record::Delegation(DelegationRecord {
+            parent: step,
+            key: "call-1".into(),
+            digest: "sha256:abc".into(),
+            children: vec![child],
+            epoch: 1,
+        }),
+        Record::Steer(SteerRecord {
+            job: child,
+            message_id: 1,
+            text: "hurry".into(),
+            state: SteerState::Delivered,
+            epoch: 1,
+        }),
+        Record::Sandbox(SandboxRecord {
+            run,
+            job: child,
+            pgid: 4_242,
+            start_ticks: 1,
+            boot_id: "boot".into(),
+            state: SandboxState::Ended,
+            epoch: 1,
+        }),
+    ];
+    for owner in [
+        ParentRef::Run(run),
+        ParentRef::Job(step),
+        ParentRef::Job(child),
+    ] {
+        records.push(Record::Ledger(ledger(owner, LedgerOp::Open { grant: 100 })));
+        records.push(Record::Ledger(ledger(owner, LedgerOp::Close { spent: 0 })));
+    }
+    for seq in first_seq..first_seq + 3 {
+        records.push(Record::Event(event(
+            run,
+            seq,
+            EventKind::RunResumed { epoch: 1, group: 0 },
+        )));
+    }
+    records
+}
+
+/// What `forget` must leave of `run`: nothing, by any read.
+fn assert_forgotten(journal: &Journal, run: RunId, jobs: &[JobId]) {
+    assert_eq!(journal.run(run).unwrap(), None);
+    assert_eq!(journal.submission(run).unwrap(), None);
+    assert!(journal.jobs(run).unwrap().is_empty());
+    assert!(journal.events(run).unwrap().is_empty());
+    assert!(journal.ledger(ParentRef::Run(run)).unwrap().is_empty());
+    for &job in jobs {
+        assert!(journal.ledger(ParentRef::Job(job)).unwrap().is_empty());
+        assert!(journal.delegations(job).unwrap().is_empty());
+        assert!(journal.steering(job).unwrap().is_empty());
+        assert!(journal.sandboxes(job).unwrap().is_empty());
+    }
+}
+
+/// Retention's removal: one run's records go, every one of them, and no
+/// other run's; a removal left to the log at a close is replayed by the next
+/// open, after the writes it removes.
+#[tokio::test]
+async fn forgetting_a_run_removes_every_record_of_it_and_nothing_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(dir.path()).unwrap();
+    // sled takes appends only when drained: `forget` drains, then its
+    // removal is left to the log at the close.
+    journal.leave_unapplied_at_close();
+    let (gone, kept) = (RunId::new(), RunId::new());
+    journal.commit(whole_run(gone, 1)).await.unwrap();
+    journal.commit(whole_run(kept, 10)).await.unwrap();
+    let per_run = whole_run(kept, 10).len() as u64;
+    assert_eq!(journal.scan().unwrap().records, 2 * per_run);
+    let gone_jobs: Vec<JobId> = journal.jobs(gone).unwrap().iter().map(|j| j.id).collect();
+    let kept_before = (
+        journal.run(kept).unwrap(),
+        journal.jobs(kept).unwrap(),
+        journal.events(kept).unwrap(),
+        journal.submission(kept).unwrap(),
+    );
+
+    let seq = journal.forget(&[gone]).unwrap();
+    journal.flush().await.unwrap();
+    assert!(journal.durable_seq() >= seq);
+    drop(journal);
+
+    let reopened = Journal::open(dir.path()).unwrap();
+    assert_forgotten(&reopened, gone, &gone_jobs);
+    let kept_after = (
+        reopened.run(kept).unwrap(),
+        reopened.jobs(kept).unwrap(),
+        reopened.events(kept).unwrap(),
+        reopened.submission(kept).unwrap(),
+    );
+    assert_eq!(kept_after, kept_before);
+    // Nothing of `gone` is left anywhere, and `kept` still balances.
+    assert_eq!(reopened.scan().unwrap().records, per_run);
+    let report = reopened.verify().unwrap();
+    assert!(report.is_clean(), "{report:?}");
+
+    // Forgetting again, or a run never seen, removes nothing more.
+    reopened.forget(&[gone, RunId::new()]).unwrap();
+    assert_eq!(reopened.scan().unwrap().records, per_run);
+}
