@@ -257,6 +257,15 @@ impl EventBus {
             .find_map(|(run, tree)| tree.node(job).map(|n| (*run, n.status)))
     }
 
+    /// Drops the trees of runs the journal has forgotten (retention), so that
+    /// nothing answers for them any more.
+    pub fn forget(&self, runs: &[RunId]) {
+        let mut state = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
+        for run in runs {
+            state.trees.remove(run);
+        }
+    }
+
     /// Reads the run's tree under the lock without copying it.
     /// A run this node has not seen since it started (one that ended before
     /// a restart) is folded from the journal the first time it is asked for.

@@ -180,6 +180,15 @@ impl Admission {
         Ok(Submitted::New(run))
     }
 
+    /// Frees the idempotency keys of runs the journal has forgotten
+    /// (retention): a request that carries one again is a new run.
+    pub async fn forget_keys(&self, keys: &[String]) {
+        let mut state = self.state.lock().await;
+        for key in keys {
+            state.keys.remove(key);
+        }
+    }
+
     /// Where `run` is, if the service knows it as a submission.
     pub async fn place(&self, run: RunId) -> Option<Place> {
         let state = self.state.lock().await;

@@ -35,6 +35,9 @@ pub struct ServiceConfig {
     pub sse_buffer: usize,
     /// How long a full SSE buffer may stay full before its client is dropped.
     pub sse_stall: Duration,
+    /// How long a finished run is kept (its records, events and idempotency
+    /// key) before it is forgotten; `None`: forever. Never zero.
+    pub keep_finished: Option<Duration>,
 }
 
 impl ServiceConfig {
@@ -68,6 +71,7 @@ struct Layer {
     drain: Option<String>,
     sse_buffer: Option<u64>,
     sse_stall: Option<String>,
+    keep_finished: Option<String>,
 }
 
 /// The keys, as `[service]` spells them; `ARBOR_` + the key in capitals is
@@ -84,6 +88,7 @@ const KEYS: &[&str] = &[
     "drain",
     "sse_buffer",
     "sse_stall",
+    "keep_finished",
 ];
 
 /// `ARBOR_*` variables that are not settings of arbord but are arbor's own
@@ -104,6 +109,7 @@ impl Layer {
             drain: self.drain.or(below.drain),
             sse_buffer: self.sse_buffer.or(below.sse_buffer),
             sse_stall: self.sse_stall.or(below.sse_stall),
+            keep_finished: self.keep_finished.or(below.keep_finished),
         }
     }
 
@@ -165,8 +171,33 @@ impl Layer {
                 self.sse_stall.as_deref(),
                 Duration::from_secs(10),
             )?,
+            keep_finished: keep_finished(self.keep_finished.as_deref())?,
         })
     }
+}
+
+/// A week, unless told otherwise: long enough to look back at last week's
+/// runs, short enough that a node serving runs day after day keeps its
+/// journal (and sled's memory for it) from growing without end.
+const KEEP_FINISHED: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// `keep_finished`: a duration of a second or more, or `forever`.
+fn keep_finished(text: Option<&str>) -> Result<Option<Duration>, String> {
+    let Some(text) = text else {
+        return Ok(Some(KEEP_FINISHED));
+    };
+    if text.trim() == "forever" {
+        return Ok(None);
+    }
+    let keep = humantime::parse_duration(text).map_err(|e| {
+        format!("keep_finished: {text:?} is neither a duration such as \"7d\" nor \"forever\": {e}")
+    })?;
+    if keep < Duration::from_secs(1) {
+        return Err(format!(
+            "keep_finished: {text:?} is under a second (to keep runs without end, say \"forever\"; 0 never means that)"
+        ));
+    }
+    Ok(Some(keep))
 }
 
 /// Resolves the settings: `[service]` (as arbor.toml has it), then the
@@ -211,7 +242,9 @@ fn env_layer(env: impl IntoIterator<Item = (String, String)>) -> Result<Layer, S
             ));
         }
         let typed = match key.as_str() {
-            "listen" | "data_dir" | "drain" | "sse_stall" => toml::Value::String(value),
+            "listen" | "data_dir" | "drain" | "sse_stall" | "keep_finished" => {
+                toml::Value::String(value)
+            }
             "max_run_usd" => value
                 .trim()
                 .parse::<f64>()

@@ -16,6 +16,7 @@ pub mod config;
 pub mod error;
 pub mod extract;
 pub mod metrics;
+pub mod retention;
 mod routes;
 pub mod sse;
 pub mod status;
@@ -25,6 +26,7 @@ pub use error::{ApiError, ErrorBody};
 
 use admission::Admission;
 use arbor_actors::ModelFactory;
+use arbor_protocol::RunId;
 use arbor_runtime::{EmbeddedNode, Models, Workspace};
 use auth::Token;
 use std::future::Future;
@@ -112,11 +114,12 @@ impl Service {
         )?;
         let tasks = tokio_util::task::TaskTracker::new();
         tasks.spawn(admission.clone().pump());
+        let keep_finished = config.keep_finished;
         let started_at_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
-        Ok(Self {
+        let service = Self {
             shared: Arc::new(Shared {
                 node,
                 workspace,
@@ -131,7 +134,29 @@ impl Service {
                 started: Instant::now(),
                 started_at_ms,
             }),
-        })
+        };
+        if let Some(keep) = keep_finished {
+            let shared = service.shared.clone();
+            service
+                .shared
+                .tasks
+                .spawn(retention::keep_finished(shared, keep));
+        }
+        Ok(service)
+    }
+
+    /// Forgets the runs that were over `keep_finished` before `now`
+    /// (`retention.rs`): what the service does by itself every tenth of
+    /// `keep_finished` (at most a minute apart). Nothing, if they are kept
+    /// forever.
+    pub async fn forget_finished(
+        &self,
+        now: SystemTime,
+    ) -> Result<Vec<RunId>, retention::RetentionError> {
+        match self.shared.config.keep_finished {
+            Some(keep) => retention::forget_finished(&self.shared, keep, now).await,
+            None => Ok(vec![]),
+        }
     }
 
     /// The API, with the OpenAPI document it serves built from the same routes.

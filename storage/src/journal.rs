@@ -394,6 +394,24 @@ impl Journal {
         )
     }
 
+    /// The runs whose ids were made before `ms` (milliseconds since the Unix
+    /// epoch), oldest first: a run id is a uuid v7, whose first six bytes
+    /// are the millisecond it was made, so this reads only that part of the
+    /// tree, from sled, once the applier has taken every earlier append.
+    pub fn runs_started_before(&self, ms: u64) -> Result<Vec<RunRecord>, Error> {
+        self.inner.drain();
+        let mut bound = ms.min(0xFFFF_FFFF_FFFF).to_be_bytes()[2..].to_vec();
+        bound.resize(16, 0);
+        let mut runs = Vec::new();
+        for stored in self.inner.trees.runs.range(..bound) {
+            let (key, value) = stored?;
+            runs.push(
+                codec::decode_bincode(&value).map_err(|e| codec::undecodable(RUNS, &key, e))?,
+            );
+        }
+        Ok(runs)
+    }
+
     /// Every step and job of every run, by run and then by id.
     pub fn all_jobs(&self) -> Result<Vec<JobRecord>, Error> {
         self.inner
@@ -558,7 +576,8 @@ impl Journal {
     /// For runs that are over (the service's retention, `keep_finished`):
     /// it first waits until the applier has put every earlier append into
     /// sled, since a removal takes the keys sled holds when it is applied.
-    /// A record appended for a run after its removal would stay.
+    /// A record appended for a run after its removal would stay. Returns
+    /// once sled has applied the removals, so no read finds the runs.
     pub fn forget(&self, runs: &[RunId]) -> Result<u64, Error> {
         self.inner.drain();
         let removal =
@@ -581,11 +600,15 @@ impl Journal {
                 }
             }
         }
-        self.append_prepared(Prepared {
+        let seq = self.append_prepared(Prepared {
             entries,
             epochs: None,
             unencoded: None,
-        })
+        })?;
+        // Reads answer from sled until the applier takes the removals: once
+        // this returns, none finds the runs any more.
+        self.inner.drain();
+        Ok(seq)
     }
 
     /// Decodes every record of every tree (and checks each `meta` entry),

@@ -974,3 +974,94 @@ async fn a_submission_whose_run_had_started_before_a_crash_is_not_started_again(
     assert_eq!(starts(svc.events(run, None).await), 1, "started once, ever");
     svc.stop().await;
 }
+
+/// A long-lived node forgets a finished run once it has been over for
+/// `keep_finished`: its records, its events, its idempotency key and its
+/// place in the lists, for good (a restart does not bring it back). A run
+/// still running is kept however old it is, and so is one finished lately.
+#[tokio::test]
+async fn finished_runs_are_forgotten_after_keep_finished_and_running_ones_never() {
+    let svc = TestService::start(texts().with_config("[service]\nkeep_finished = \"1h\"\n")).await;
+    let send = || {
+        svc.post("/v1/runs")
+            .header("Idempotency-Key", "nightly-1")
+            .json(&json!({"flow": "hello"}))
+            .send()
+    };
+    let first: serde_json::Value = send().await.unwrap().json().await.unwrap();
+    let done: arbor_protocol::RunId = serde_json::from_value(first["id"].clone()).unwrap();
+    assert_eq!(status_of(&svc.wait_run(done).await), Status::Done);
+    let running = svc.submit(json!({"agent": "slow", "input": "wait"})).await;
+    svc.wait_running(running).await;
+    let journal = svc.service.node().journal();
+    let jobs_of_done: Vec<_> = journal.jobs(done).unwrap().iter().map(|j| j.id).collect();
+    assert!(!jobs_of_done.is_empty());
+
+    // Over for less than an hour: kept.
+    let now = std::time::SystemTime::now();
+    assert_eq!(svc.service.forget_finished(now).await.unwrap(), vec![]);
+    assert_eq!(svc.get_json(&format!("/v1/runs/{done}")).await.0, 200);
+
+    // Two hours on: the finished run goes, the running one stays.
+    let later = now + std::time::Duration::from_secs(2 * 3600);
+    assert_eq!(
+        svc.service.forget_finished(later).await.unwrap(),
+        vec![done]
+    );
+    assert_eq!(svc.get_json(&format!("/v1/runs/{done}")).await.0, 404);
+    assert_eq!(svc.get_json(&format!("/v1/runs/{running}")).await.0, 200);
+    let (_, list) = svc.get_json("/v1/runs").await;
+    let listed: Vec<&str> = list["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|r| r["id"].as_str())
+        .collect();
+    assert!(!listed.contains(&done.to_string().as_str()), "{list}");
+    assert!(listed.contains(&running.to_string().as_str()), "{list}");
+    assert_eq!(journal.run(done).unwrap(), None);
+    assert_eq!(journal.submission(done).unwrap(), None);
+    assert!(journal.events(done).unwrap().is_empty());
+    for job in &jobs_of_done {
+        assert!(
+            journal
+                .ledger(arbor_protocol::ParentRef::Job(*job))
+                .unwrap()
+                .is_empty()
+        );
+    }
+    let report = journal.verify().unwrap();
+    assert!(report.is_clean(), "{report:?}");
+    // Its idempotency key went with it: the same request is a new run.
+    let again = send().await.unwrap();
+    assert_eq!(again.status(), 201);
+    let again: serde_json::Value = again.json().await.unwrap();
+    assert_ne!(again["id"], first["id"]);
+
+    let svc = svc.restart().await;
+    assert_eq!(svc.get_json(&format!("/v1/runs/{done}")).await.0, 404);
+    assert_eq!(svc.get_json(&format!("/v1/runs/{running}")).await.0, 200);
+    svc.stop().await;
+}
+
+#[test]
+fn keep_finished_is_a_duration_or_forever_and_never_zero() {
+    let resolve = |value: &str| {
+        let table: toml::Table = toml::from_str(&format!("keep_finished = {value:?}")).unwrap();
+        arbor_service::config::resolve(
+            &table,
+            Vec::<(String, String)>::new(),
+            arbor_service::Flags::default(),
+            std::path::PathBuf::from("data"),
+        )
+    };
+    let week = std::time::Duration::from_secs(7 * 24 * 3600);
+    let defaults = arbor_service::config::ServiceConfig::with_data_dir(Path::new("data"));
+    assert_eq!(defaults.keep_finished, Some(week));
+    assert_eq!(resolve("3d").unwrap().keep_finished, Some(week / 7 * 3));
+    assert_eq!(resolve("forever").unwrap().keep_finished, None);
+    for bad in ["0s", "0", "soon", "500ms"] {
+        let error = resolve(bad).unwrap_err();
+        assert!(error.contains("keep_finished"), "{bad}: {error}");
+    }
+}
