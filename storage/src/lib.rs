@@ -15,6 +15,7 @@
 //! | `steering`    | job uuid ++ message id u64 BE                                | `SteerRecord`    |
 //! | `events`      | run uuid ++ event seq u64 BE                                 | `Event`          |
 //! | `sandboxes`   | job uuid ++ pgid (i32 as u32 bits, BE)                       | `SandboxRecord`  |
+//! | `submissions` | run uuid                                                     | `SubmissionRecord` |
 //! | `meta`        | `format` (u32 BE), `epoch` (u64 BE), `seq` (u64 BE)          | bare integers    |
 //!
 //! Ids are uuid v7, so every prefix scan returns records in creation order.
@@ -50,6 +51,10 @@
 //!    account holds nothing and its `Close` claims what its ledger adds up to;
 //!    a parent's `Release` charges what the child's own account spent.
 //!    `verify` reports each breach by account.
+//!
+//! 9. `forget` removes a run whole, in one append of removal entries (an
+//!    empty value: every key under a prefix), replayed in order after the
+//!    writes it removes; nothing else removes a record.
 //!
 //! # Testing
 //! `Journal::faults` injects a failed write, a failed flush, or a held flush

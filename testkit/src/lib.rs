@@ -28,6 +28,7 @@ pub use arbor_protocol as protocol;
 pub use arbor_runtime::{DefaultModels, Models, Workspace};
 pub use explore::{Scenario, explore_crashes};
 pub mod mock_provider;
+pub mod random_crashes;
 pub mod service;
 
 use arbor_actors::model::{
@@ -133,7 +134,7 @@ impl TestNode {
         Self::start_inner(Some(arbor_toml), agents, &[], None).await
     }
 
-    /// Starts a node with the models a test chooses (a recorder, a panicking adapter).
+    /// Starts a node with the models a test chooses (a recorder, faults).
     pub async fn start_full(
         arbor_toml: Option<&str>,
         agents: &[(&str, &str)],
@@ -786,19 +787,12 @@ impl TestNode {
 /// assert_eq!(models.requests("solo").len(), 1);
 /// // `meter` waits for the n-th request, to act while its call is in flight.
 /// let _meter = models.meter("solo", 0).await;
-/// // An agent whose adapter panics fails its job, and only it (I-38).
-/// let broken = RecordingModels::panicking_for(&["solo"]);
-/// let node = TestNode::start_full(None, &[("solo", &solo)], broken).await;
-/// let run = node.run_agent("solo", "go").await;
-/// assert_eq!(node.wait_run(run).await.run_status(), arbor_testkit::protocol::Status::Failed);
 /// # }
 /// ```
 pub struct RecordingModels {
     inner: Arc<dyn ModelFactory>,
     requests: Arc<Mutex<HashMap<String, Vec<ModelRequest>>>>,
     sent: Arc<tokio::sync::Notify>,
-    /// Agents whose model panics when called (I-38).
-    pub panicking: Vec<String>,
 }
 
 impl RecordingModels {
@@ -812,16 +806,6 @@ impl RecordingModels {
             inner,
             requests: Default::default(),
             sent: Default::default(),
-            panicking: vec![],
-        })
-    }
-
-    pub fn panicking_for(agents: &[&str]) -> Arc<Self> {
-        Arc::new(Self {
-            inner: Arc::new(DefaultModels),
-            requests: Default::default(),
-            sent: Default::default(),
-            panicking: agents.iter().map(|s| s.to_string()).collect(),
         })
     }
 
@@ -855,7 +839,6 @@ struct Recording {
     agent: String,
     log: Arc<Mutex<HashMap<String, Vec<ModelRequest>>>>,
     sent: Arc<tokio::sync::Notify>,
-    panics: bool,
 }
 
 impl Model for Recording {
@@ -867,9 +850,6 @@ impl Model for Recording {
         &self,
         request: ModelRequest,
     ) -> BoxFuture<'static, Result<ModelReply, ModelError>> {
-        if self.panics {
-            panic!("a model adapter bug");
-        }
         self.log
             .lock()
             .unwrap()
@@ -896,7 +876,6 @@ impl ModelFactory for RecordingModels {
             agent: agent.name.clone(),
             log: self.requests.clone(),
             sent: self.sent.clone(),
-            panics: self.panicking.contains(&agent.name),
         }))
     }
 

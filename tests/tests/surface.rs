@@ -3,7 +3,8 @@
 use arbor_actors::node::job_name;
 use arbor_protocol::{ErrorClass, EventKind, ParentRef, Status};
 use arbor_storage::LedgerOp;
-use arbor_testkit::{RecordingModels, TestNode, agent_md};
+use arbor_testkit::faults::{FaultyModels, ModelFault};
+use arbor_testkit::{TestNode, agent_md};
 
 #[tokio::test]
 async fn inv_38_a_panicking_model_adapter_fails_its_job_not_the_node() {
@@ -13,12 +14,9 @@ async fn inv_38_a_panicking_model_adapter_fails_its_job_not_the_node() {
     let crasher = agent_md(
         "description: its adapter panics\nscript:\n  - call: {tool: submit_output, args: {output: x}}",
     );
-    let node = TestNode::start_full(
-        None,
-        &[("boss", &boss), ("crasher", &crasher)],
-        RecordingModels::panicking_for(&["crasher"]),
-    )
-    .await;
+    let models = FaultyModels::new();
+    models.on_every_job("crasher", [ModelFault::Panic]);
+    let node = TestNode::start_full(None, &[("boss", &boss), ("crasher", &crasher)], models).await;
     let run = node.run_agent("boss", "go").await;
     let tree = node.wait_run(run).await;
     let c = tree.node(tree.find("c").unwrap()).unwrap();

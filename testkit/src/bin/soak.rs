@@ -1,7 +1,7 @@
 //! The long mode: random crash points, then a concurrency soak.
 //!
 //! ```text
-//! cargo run --release -p arbor-testkit --bin soak -- [--points 5000] [--minutes 10] [--runs 50] [--fan-out 8] [--seed S]
+//! cargo run --release -p arbor-testkit --bin soak -- [--points 5000] [--minutes 10] [--runs 50] [--fan-out 8] [--keep 1m] [--seed S]
 //! ```
 //!
 //! 1. **Crash points.** A delegating workload with real sandbox processes
@@ -13,7 +13,9 @@
 //! 2. **Concurrency.** arbord (the real router, token and admission queue)
 //!    on a loopback port; `--runs` runs at a time, each a step fanning out
 //!    to `--fan-out` children, submitted over HTTP and followed to their end
-//!    over the event stream, for `--minutes`. This process's RSS is sampled
+//!    over the event stream, for `--minutes`, with arbord's retention
+//!    (`keep_finished`) at `--keep`, so the journal reaches a steady size
+//!    early on, as a node's does in service. This process's RSS is sampled
 //!    every second; the soak fails if the second half's peak is more than
 //!    10% above the first half's.
 //!
@@ -21,10 +23,10 @@
 //! violation, with the line that replays it.
 
 use arbor_runtime::{EmbeddedNode, Workspace};
+use arbor_testkit::random_crashes;
 use arbor_testkit::service::{TestService, Texts};
-use arbor_testkit::{Seeded, checks, crash_workload};
-use std::path::{Path, PathBuf};
-use std::process::{ExitCode, Stdio};
+use std::path::Path;
+use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -39,6 +41,7 @@ struct Options {
     fan_out: usize,
     seed: u64,
     max_delay_ms: u64,
+    keep: String,
 }
 
 fn options(args: &[String]) -> Result<Options, String> {
@@ -52,6 +55,7 @@ fn options(args: &[String]) -> Result<Options, String> {
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(1),
         max_delay_ms: 400,
+        keep: "1m".into(),
     };
     let mut args = args.iter();
     while let Some(flag) = args.next() {
@@ -64,6 +68,11 @@ fn options(args: &[String]) -> Result<Options, String> {
             "--fan-out" => o.fan_out = value()?.parse().map_err(|e| bad(&e))?,
             "--seed" => o.seed = value()?.parse().map_err(|e| bad(&e))?,
             "--max-delay-ms" => o.max_delay_ms = value()?.parse().map_err(|e| bad(&e))?,
+            "--keep" => {
+                let keep = value()?;
+                humantime::parse_duration(keep).map_err(|e| bad(&e))?;
+                o.keep = keep.clone();
+            }
             other => return Err(format!("unknown argument {other:?}")),
         }
     }
@@ -102,8 +111,13 @@ async fn main() -> ExitCode {
     }
     if failed {
         println!(
-            "replay with: soak --seed {} --points {} --minutes {} --runs {} --fan-out {}",
-            options.seed, options.points, options.minutes, options.runs, options.fan_out
+            "replay with: soak --seed {} --points {} --minutes {} --runs {} --fan-out {} --keep {}",
+            options.seed,
+            options.points,
+            options.minutes,
+            options.runs,
+            options.fan_out,
+            options.keep
         );
         ExitCode::from(1)
     } else {
@@ -141,100 +155,57 @@ async fn child(args: &[String]) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// Crash points share a data dir this many at a time.
-const POINTS_PER_JOURNAL: u64 = 25;
-
 async fn crash_points(options: &Options) -> bool {
-    let started = Instant::now();
-    let mut rng = Seeded::new(options.seed);
-    let temp = tempfile::tempdir().expect("a temporary directory");
-    let ws = temp.path().join("ws");
-    crash_workload(&ws).expect("the workload is written");
-    let workspace = Workspace::load(&ws).expect("the workload loads");
     let exe = std::env::current_exe().expect("this binary");
-    let (mut crashed, mut finished, mut interrupted, mut records) = (0u64, 0u64, 0u64, 0u64);
-    let mut violations: Vec<String> = vec![];
-    let mut seen = checks::Seen::default();
-    let mut point = 0;
-    while crashed < options.points && point < options.points * 3 && violations.is_empty() {
-        point += 1;
-        let data: PathBuf = temp
-            .path()
-            .join(format!("data-{}", (point - 1) / POINTS_PER_JOURNAL));
-        if (point - 1) % POINTS_PER_JOURNAL == 0 {
-            seen = checks::Seen::default();
-            if point > 1 {
-                let _ = std::fs::remove_dir_all(
-                    temp.path()
-                        .join(format!("data-{}", (point - 1) / POINTS_PER_JOURNAL - 1)),
+    let points = random_crashes::Options {
+        points: options.points,
+        seed: options.seed,
+        max_delay_ms: options.max_delay_ms,
+    };
+    let tally = random_crashes::run(
+        &points,
+        |ws, data| {
+            let mut child = tokio::process::Command::new(&exe);
+            child.arg("--child").arg(ws).arg(data);
+            child
+        },
+        |tally| {
+            if tally.recoveries % 500 == 0 {
+                println!(
+                    "soak: {} points, {} crashes, {:.0}s",
+                    tally.recoveries, tally.crash_points, tally.seconds
                 );
             }
-        }
-        let delay = rng.between(0, options.max_delay_ms);
-        let mut child = tokio::process::Command::new(&exe)
-            .arg("--child")
-            .arg(&ws)
-            .arg(&data)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("the child starts");
-        match tokio::time::timeout(Duration::from_millis(delay), child.wait()).await {
-            Ok(_) => finished += 1,
-            Err(_) => {
-                let _ = child.start_kill();
-                let _ = child.wait().await;
-                crashed += 1;
-            }
-        }
-        let node = match EmbeddedNode::start_resuming(
-            &workspace,
-            &data,
-            Arc::new(arbor_runtime::DefaultModels),
-            |_| false,
-        )
-        .await
-        {
-            Ok(node) => node,
-            Err(e) => {
-                violations.push(format!(
-                    "point {point} (delay {delay} ms): restart failed: {e}"
-                ));
-                break;
-            }
-        };
-        interrupted += node.recovery().jobs_failed.len() as u64;
-        for b in &node.recovery().breaches {
-            violations.push(format!("point {point}: recovery breach: {b}"));
-        }
-        let checked = checks::recovered(node.journal(), &mut seen);
-        records += checked.records;
-        violations.extend(
-            checked
-                .violations
-                .into_iter()
-                .map(|v| format!("point {point} (delay {delay} ms): {v}")),
-        );
-        if node.shutdown().await.is_err() {
-            violations.push(format!("point {point}: the node did not shut down cleanly"));
-        }
-        if point % 500 == 0 {
-            println!(
-                "soak: {point} points, {crashed} crashes, {:.0}s",
-                started.elapsed().as_secs_f64()
-            );
-        }
-    }
+        },
+    )
+    .await;
     println!(
-        "crash points: {crashed} crashes, {finished} runs finished between them, {interrupted} jobs recovered as interrupted, {records} records checked, {} violations, {:.1}s",
-        violations.len(),
-        started.elapsed().as_secs_f64()
+        "crash points: {} crashes, {} runs finished between them, {} jobs recovered as interrupted, {} records checked, {} violations, {:.1}s",
+        tally.crash_points,
+        tally.runs_finished,
+        tally.jobs_failed,
+        tally.records_checked,
+        tally.violations.len(),
+        tally.seconds
     );
-    for v in &violations {
+    for v in &tally.violations {
         println!("violation: {v}");
     }
-    violations.is_empty()
+    tally.violations.is_empty()
+}
+
+/// Bytes in the files under `dir`.
+fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir).map_or(0, |entries| {
+        entries
+            .flatten()
+            .map(|entry| match entry.metadata() {
+                Ok(m) if m.is_dir() => dir_bytes(&entry.path()),
+                Ok(m) => m.len(),
+                Err(_) => 0,
+            })
+            .sum()
+    })
 }
 
 /// This process's resident set, in bytes.
@@ -265,23 +236,31 @@ async fn concurrency(options: &Options) -> bool {
         )],
     )
     .with_config(&format!(
-        "[service]\nmax_running_runs = {}\nmax_queued_runs = {}\n",
+        "[service]\nmax_running_runs = {}\nmax_queued_runs = {}\nkeep_finished = {:?}\n",
         options.runs,
-        options.runs * 2
+        options.runs * 2,
+        options.keep
     ));
     let service = Arc::new(TestService::start(texts).await);
     let until = started + Duration::from_secs_f64(options.minutes * 60.0);
-    let samples = Arc::new(std::sync::Mutex::new(Vec::<(f64, u64)>::new()));
+    // (seconds, RSS, the data dir's bytes): RSS every second, the disk
+    // every tenth second (a walk of the data dir), carried between.
+    let samples = Arc::new(std::sync::Mutex::new(Vec::<(f64, u64, u64)>::new()));
     let sampler = {
         let samples = samples.clone();
+        let data = service.data_dir();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(1));
-            loop {
+            let mut disk = 0;
+            for n in 0u64.. {
                 tick.tick().await;
+                if n % 10 == 0 {
+                    disk = dir_bytes(&data);
+                }
                 samples
                     .lock()
                     .unwrap()
-                    .push((started.elapsed().as_secs_f64(), rss()));
+                    .push((started.elapsed().as_secs_f64(), rss(), disk));
             }
         })
     };
@@ -311,7 +290,7 @@ async fn concurrency(options: &Options) -> bool {
     sampler.abort();
     let samples = samples.lock().unwrap().clone();
     let half = samples.len() / 2;
-    let peak = |s: &[(f64, u64)]| s.iter().map(|(_, r)| *r).max().unwrap_or(0);
+    let peak = |s: &[(f64, u64, u64)]| s.iter().map(|(_, r, _)| *r).max().unwrap_or(0);
     let (first, second) = (peak(&samples[..half]), peak(&samples[half..]));
     let grew = second as f64 > first as f64 * 1.10;
     let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
@@ -328,10 +307,31 @@ async fn concurrency(options: &Options) -> bool {
     );
     // The curve, at each tenth of the soak: a cache filling flattens out, a
     // leak does not.
-    let curve: Vec<String> = (1..=10)
+    let tenths: Vec<&(f64, u64, u64)> = (1..=10)
         .filter_map(|tenth| samples.get(samples.len() * tenth / 10 - 1))
-        .map(|(_, r)| format!("{:.0}", mib(*r)))
         .collect();
-    println!("concurrency: RSS (MiB) at each tenth: {}", curve.join(" "));
+    let curve = |of: fn(&(f64, u64, u64)) -> u64| -> String {
+        let mibs: Vec<String> = tenths
+            .iter()
+            .map(|s| format!("{:.0}", mib(of(s))))
+            .collect();
+        mibs.join(" ")
+    };
+    println!("concurrency: RSS (MiB) at each tenth: {}", curve(|s| s.1));
+    println!(
+        "concurrency: data dir (MiB) at each tenth: {}",
+        curve(|s| s.2)
+    );
+    let kept = service
+        .service
+        .node()
+        .journal()
+        .runs()
+        .map_or(0, |runs| runs.len());
+    println!(
+        "concurrency: the journal keeps {kept} runs at the end (finished runs forgotten after {}), {:.0} MiB on disk",
+        options.keep,
+        mib(dir_bytes(&service.data_dir()))
+    );
     other == 0 && !grew
 }

@@ -15,16 +15,9 @@
 //! It prints the seed first, so a failure replays with `--seed`, and ends
 //! with one summary line of what it checked. Exit 1 on any violation.
 
-use arbor_runtime::{DefaultModels, EmbeddedNode, Workspace};
-use arbor_testkit::{Seeded, checks};
+use arbor_testkit::random_crashes;
 use std::path::PathBuf;
-use std::process::Stdio;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
 use tokio::process::Command;
-
-/// Crash points that share one data dir.
-const POINTS_PER_JOURNAL: u64 = 25;
 
 struct Options {
     points: u64,
@@ -72,18 +65,6 @@ fn options() -> Result<Options, String> {
     })
 }
 
-#[derive(Default)]
-struct Tally {
-    crash_points: u64,
-    recoveries: u64,
-    runs_finished: u64,
-    jobs_failed: u64,
-    processes_killed: u64,
-    accounts_checked: u64,
-    records_checked: u64,
-    violations: Vec<String>,
-}
-
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> std::process::ExitCode {
     let options = match options() {
@@ -97,94 +78,26 @@ async fn main() -> std::process::ExitCode {
         "crash-driver: seed {} ({} crash points)",
         options.seed, options.points
     );
-    let mut rng = Seeded::new(options.seed);
-    let temp = tempfile::tempdir().expect("a temporary directory");
-    let ws_dir = temp.path().join("ws");
-    arbor_testkit::crash_workload(&ws_dir).expect("the workspace is written");
-    let workspace = Workspace::load(&ws_dir).expect("the workspace loads");
-    let mut tally = Tally::default();
-    let mut seen = checks::Seen::default();
-    let started = Instant::now();
-
-    let mut point = 0;
-    // Until `points` real crashes, each a SIGKILL of a node mid-flight.
-    while tally.crash_points < options.points && point < options.points * 3 {
-        point += 1;
-        // A fresh data dir every so often keeps each check's full read of
-        // the journal short; within one, crashes pile up on each other.
-        let data = temp
-            .path()
-            .join(format!("data-{}", (point - 1) / POINTS_PER_JOURNAL));
-        if (point - 1) % POINTS_PER_JOURNAL == 0 {
-            seen = checks::Seen::default();
-        }
-        let delay = rng.between(0, options.max_delay_ms);
-        let mut child = Command::new(&options.arbor)
-            .args([
-                "run",
-                ws_dir.to_str().unwrap(),
-                "--flow",
-                "crash",
-                "--json",
-                "--data-dir",
-            ])
-            .arg(&data)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("arbor starts");
-        // The crash moment: the run ends first, or the node is killed mid-flight.
-        match tokio::time::timeout(Duration::from_millis(delay), child.wait()).await {
-            Ok(_) => tally.runs_finished += 1,
-            Err(_) => {
-                let _ = child.start_kill(); // SIGKILL
-                let _ = child.wait().await;
-                tally.crash_points += 1;
-            }
-        }
-        // Restart on the same data dir: recovery, without resuming (the next
-        // point's `arbor run` resumes), then the checks.
-        let node =
-            match EmbeddedNode::start_resuming(&workspace, &data, Arc::new(DefaultModels), |_| {
-                false
-            })
-            .await
-            {
-                Ok(node) => node,
-                Err(e) => {
-                    tally.violations.push(format!(
-                        "point {point} (delay {delay} ms): restart failed: {e}"
-                    ));
-                    break;
-                }
-            };
-        tally.recoveries += 1;
-        tally.jobs_failed += node.recovery().jobs_failed.len() as u64;
-        tally.processes_killed += node.recovery().processes_killed.len() as u64;
-        for b in &node.recovery().breaches {
-            tally
-                .violations
-                .push(format!("point {point}: recovery breach: {b}"));
-        }
-        let journal = node.journal().clone();
-        let checked = checks::recovered(&journal, &mut seen);
-        tally.accounts_checked += checked.accounts;
-        tally.records_checked += checked.records;
-        for v in checked.violations {
-            tally
-                .violations
-                .push(format!("point {point} (delay {delay} ms): {v}"));
-        }
-        if node.shutdown().await.is_err() {
-            tally
-                .violations
-                .push(format!("point {point}: the node did not shut down cleanly"));
-        }
-        if !tally.violations.is_empty() {
-            break;
-        }
-    }
+    let points = random_crashes::Options {
+        points: options.points,
+        seed: options.seed,
+        max_delay_ms: options.max_delay_ms,
+    };
+    let arbor = &options.arbor;
+    let tally = random_crashes::run(
+        &points,
+        |ws, data| {
+            let mut child = Command::new(arbor);
+            child
+                .arg("run")
+                .arg(ws)
+                .args(["--flow", "crash", "--json", "--data-dir"])
+                .arg(data);
+            child
+        },
+        |_| {},
+    )
+    .await;
     println!(
         "crash-driver: seed {} | {} crash points, {} runs finished between them, {} recoveries | {} jobs failed as interrupted, {} process groups killed | {} accounts and {} records checked | {} violations | {:.1}s",
         options.seed,
@@ -196,7 +109,7 @@ async fn main() -> std::process::ExitCode {
         tally.accounts_checked,
         tally.records_checked,
         tally.violations.len(),
-        started.elapsed().as_secs_f64()
+        tally.seconds
     );
     for v in &tally.violations {
         println!("violation: {v}");
