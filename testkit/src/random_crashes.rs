@@ -54,6 +54,30 @@ pub struct Tally {
     pub seconds: f64,
 }
 
+/// One line of what the points did and checked, then each violation on a
+/// line of its own.
+impl std::fmt::Display for Tally {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} crash points, {} runs finished between them, {} recoveries | {} jobs failed as interrupted, {} process groups killed | {} accounts and {} records checked | {} violations | {:.1}s",
+            self.crash_points,
+            self.runs_finished,
+            self.recoveries,
+            self.jobs_failed,
+            self.processes_killed,
+            self.accounts_checked,
+            self.records_checked,
+            self.violations.len(),
+            self.seconds
+        )?;
+        for v in &self.violations {
+            write!(f, "\nviolation: {v}")?;
+        }
+        Ok(())
+    }
+}
+
 /// Runs crash points until `options.points` crashes (or three times as many
 /// points, if the child keeps finishing first) or the first violation.
 /// `child` makes the command that runs the workload's flow `crash` in the

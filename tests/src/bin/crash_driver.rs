@@ -98,22 +98,7 @@ async fn main() -> std::process::ExitCode {
         |_| {},
     )
     .await;
-    println!(
-        "crash-driver: seed {} | {} crash points, {} runs finished between them, {} recoveries | {} jobs failed as interrupted, {} process groups killed | {} accounts and {} records checked | {} violations | {:.1}s",
-        options.seed,
-        tally.crash_points,
-        tally.runs_finished,
-        tally.recoveries,
-        tally.jobs_failed,
-        tally.processes_killed,
-        tally.accounts_checked,
-        tally.records_checked,
-        tally.violations.len(),
-        tally.seconds
-    );
-    for v in &tally.violations {
-        println!("violation: {v}");
-    }
+    println!("crash-driver: seed {} | {tally}", options.seed);
     if tally.violations.is_empty() {
         std::process::ExitCode::SUCCESS
     } else {
