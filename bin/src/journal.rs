@@ -19,7 +19,7 @@ fn open(data_dir: &Path) -> Result<Journal, Failure> {
 pub fn verify(data_dir: &Path) -> Result<ExitCode, Failure> {
     let journal = open(data_dir)?;
     let report = journal
-        .verify()
+        .verify_with(&[&arbor_service::SUBMISSIONS])
         .map_err(|e| Failure::Other(anyhow::anyhow!("reading the journal: {e}")))?;
     for u in &report.undecodable {
         outln!(

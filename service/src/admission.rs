@@ -12,9 +12,10 @@
 //! 3. One lock covers checking a key and committing its submission, so two
 //!    requests with the same key make one run.
 
+use crate::submission::{self, SubmissionRecord, SubmissionState};
 use arbor_protocol::{ErrorClass, EventKind, RunId, RunSpec, Status};
 use arbor_runtime::EmbeddedNode;
-use arbor_storage::{Record, RunRecord, SubmissionRecord, SubmissionState};
+use arbor_storage::{Record, RunRecord};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -89,7 +90,7 @@ impl Admission {
         let mut keys = HashMap::new();
         let mut next_order = 0;
         let mut started_late = vec![];
-        for mut sub in journal.submissions()? {
+        for mut sub in submission::submissions(journal)? {
             next_order = next_order.max(sub.order + 1);
             if let Some(key) = &sub.idempotency_key {
                 keys.insert(key.clone(), (sub.digest.clone(), sub.run));
@@ -98,7 +99,7 @@ impl Admission {
                 if journal.run(sub.run)?.is_some() {
                     sub.state = SubmissionState::Started;
                     sub.epoch = journal.epoch();
-                    started_late.push(Record::Submission(sub));
+                    started_late.push(sub.record()?);
                 } else {
                     queue.push_back(sub);
                 }
@@ -166,9 +167,7 @@ impl Admission {
             state: SubmissionState::Queued,
             epoch: journal.epoch(),
         };
-        journal
-            .commit(vec![Record::Submission(sub.clone())])
-            .await?;
+        journal.commit(vec![sub.record()?]).await?;
         state.next_order += 1;
         let run = sub.run;
         if let Some(key) = key {
@@ -196,7 +195,11 @@ impl Admission {
             return Some(Place::Queued { position });
         }
         drop(state);
-        match self.node.journal().submission(run).ok().flatten()?.state {
+        match submission::submission(self.node.journal(), run)
+            .ok()
+            .flatten()?
+            .state
+        {
             SubmissionState::Queued | SubmissionState::Started => Some(Place::Started),
             SubmissionState::Cancelled { .. } => Some(Place::Cancelled),
         }
@@ -294,7 +297,7 @@ impl Admission {
             Ok(_) => {
                 sub.state = SubmissionState::Started;
                 sub.epoch = journal.epoch();
-                if let Err(error) = journal.append(vec![Record::Submission(sub)]) {
+                if let Err(error) = sub.record().and_then(|r| journal.append(vec![r])) {
                     // The RunRecord exists: the next boot marks it started (invariant 2).
                     tracing::warn!(%error, "could not mark a submission started");
                 }
@@ -304,7 +307,7 @@ impl Admission {
             Err(_) if matches!(journal.run(sub.run), Ok(Some(_))) => {
                 sub.state = SubmissionState::Started;
                 sub.epoch = journal.epoch();
-                let _ = journal.append(vec![Record::Submission(sub)]);
+                let _ = sub.record().and_then(|r| journal.append(vec![r]));
             }
             Err(reason) => {
                 self.state.lock().await.running.remove(&sub.run);
@@ -347,7 +350,7 @@ impl Admission {
             epoch: journal.epoch(),
         };
         journal
-            .commit(vec![Record::Submission(sub.clone()), Record::Run(record)])
+            .commit(vec![sub.record()?, Record::Run(record)])
             .await?;
         self.node.events().emit(
             sub.run,

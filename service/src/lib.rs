@@ -20,9 +20,11 @@ pub mod retention;
 mod routes;
 pub mod sse;
 pub mod status;
+pub mod submission;
 
 pub use config::{Flags, ServiceConfig};
 pub use error::{ApiError, ErrorBody};
+pub use submission::{SUBMISSIONS, SubmissionRecord, SubmissionState};
 
 use admission::Admission;
 use arbor_actors::ModelFactory;

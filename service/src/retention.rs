@@ -57,7 +57,9 @@ pub(crate) async fn forget_finished(
             if ended_ms >= cutoff {
                 continue;
             }
-            if let Some(key) = journal.submission(run.id)?.and_then(|s| s.idempotency_key) {
+            if let Some(key) =
+                crate::submission::submission(journal, run.id)?.and_then(|s| s.idempotency_key)
+            {
                 keys.push(key);
             }
             due.push(run.id);

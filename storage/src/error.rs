@@ -19,10 +19,23 @@ pub enum Error {
         key_hex: String,
         error: String,
     },
+    /// The journal was written in a format this build does not read. Nothing
+    /// was changed: an older journal is read by the release that wrote it.
     #[error(
-        "journal format version {found} is not supported (this build reads version {supported})"
+        "the journal in {dir} is in format {found}, and this build reads format {supported} \
+         only; nothing was changed. {}",
+        if found < supported {
+            "It was written by an earlier arbor: let that release finish or stop its runs, \
+             or move the directory aside and start afresh"
+        } else {
+            "It was written by a newer arbor: run that release on it"
+        }
     )]
-    FormatVersion { found: u32, supported: u32 },
+    FormatVersion {
+        dir: String,
+        found: u32,
+        supported: u32,
+    },
     /// The group-commit flusher is gone (it panicked, or the journal is being dropped).
     #[error("the journal's flusher has stopped")]
     Closed,

@@ -1,8 +1,18 @@
-//! arbor's journal: every record the node must not forget, in sled on disk.
+//! arbor's journal: every record the node must not forget, on disk.
 //!
-//! Owns the record types, the key layout, versioned encoding, group commit and
-//! the recovery scan. Knows nothing of actors or HTTP: callers hand it plain
+//! Owns the record types, their tables and key layout, versioned encoding,
+//! the `Journal` handle every caller holds, and the `Engine` interface behind
+//! it, with its one engine today: sled and a write-ahead log with group
+//! commit. Knows nothing of actors, processes or HTTP: callers hand it plain
 //! records and read plain records back.
+//!
+//! # Modules
+//! - `journal.rs`: the handle: append, commit, typed reads, scan, verify, forget.
+//! - `engine.rs`: what a backend implements; `sled_engine.rs` (and its folder:
+//!   open, flusher, applier, reads, overlay, chunk, wal, fsync) is the one there is.
+//! - `table.rs`: each kind of record, its table and key (`TABLES`).
+//! - `record.rs`, `codec.rs`: the records and their bytes; `verify.rs`: the
+//!   accounts' rules; `faults.rs`: fault injection for tests.
 //!
 //! # Key layout
 //!
@@ -15,11 +25,11 @@
 //! | `steering`    | job uuid ++ message id u64 BE                                | `SteerRecord`    |
 //! | `events`      | run uuid ++ event seq u64 BE                                 | `Event`          |
 //! | `sandboxes`   | job uuid ++ pgid (i32 as u32 bits, BE)                       | `SandboxRecord`  |
-//! | `submissions` | run uuid                                                     | `SubmissionRecord` |
-//! | `meta`        | `format` (u32 BE), `epoch` (u64 BE), `seq` (u64 BE)          | bare integers    |
+//! | `submissions` | run uuid                                                     | the service's `SubmissionRecord` |
+//! | `meta`        | `format` (u32 BE), `epoch` (u64 BE), `seq` (u64 BE)          | bare integers (the sled engine's own) |
 //!
 //! Ids are uuid v7, so every prefix scan returns records in creation order.
-//! Every record value is one format-version byte (1) followed by the bincode
+//! Every record value is one format-version byte (2) followed by the bincode
 //! serde encoding of the record, except events: they are the version byte
 //! followed by the event's JSON, because bincode's serde mode cannot carry
 //! `serde_json::Value` or internally tagged enums.
@@ -61,24 +71,28 @@
 //! (a crash between write and flush: applied, never acknowledged).
 
 mod codec;
+mod engine;
 mod error;
 mod faults;
-mod fsync;
 mod journal;
-mod overlay;
 mod proc_start;
 mod record;
+mod sled_engine;
+mod table;
 mod verify;
-mod wal;
 
 pub use codec::{EncodedEvent, EventTail};
+pub use engine::{Counters, Durable, Engine, OwnedRow, Span, Visit, WalkVisit};
 pub use error::Error;
 pub use faults::{Crash, CrashKind, CrashPoint, Faults};
-pub use journal::{Journal, Prepared, ScanReport, Undecodable, open_db};
+pub use journal::{Journal, Prepared, ScanReport, Undecodable};
 pub use proc_start::{group_members, process_start, same_process};
 pub use record::{
     DelegationRecord, JobRecord, LedgerOp, LedgerRecord, LedgerTotals, Record, RunRecord,
-    SandboxRecord, SandboxState, SteerRecord, SteerState, SubmissionRecord, SubmissionState,
-    ledger_of, ledger_totals, usd_totals,
+    SandboxRecord, SandboxState, SteerRecord, SteerState, ledger_of, ledger_totals, usd_totals,
+};
+pub use sled_engine::{SledEngine, open_db};
+pub use table::{
+    AnyTable, JOURNAL_TABLES, Key, KeyedBy, Row, SUBMISSIONS_TABLE, Shape, TABLES, Table, TableDef,
 };
 pub use verify::VerifyReport;

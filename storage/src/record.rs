@@ -32,7 +32,8 @@ pub enum Record {
     /// An event whose value the emitter encoded already (`EncodedEvent`).
     EncodedEvent(crate::codec::EncodedEvent),
     Sandbox(SandboxRecord),
-    Submission(SubmissionRecord),
+    /// A row of a table whose records another crate defines (`Table::row`).
+    Row(crate::table::Row),
 }
 
 impl Record {
@@ -47,7 +48,7 @@ impl Record {
             Record::Steer(steer) => Some(steer.epoch),
             Record::Event(_) | Record::EncodedEvent(_) => None,
             Record::Sandbox(sandbox) => Some(sandbox.epoch),
-            Record::Submission(submission) => Some(submission.epoch),
+            Record::Row(row) => row.epoch,
         }
     }
 }
@@ -218,36 +219,6 @@ pub enum SandboxState {
     Live,
     /// Killed or exited; nothing left to do.
     Ended,
-}
-
-/// A run submitted to the service (arbord), and where it is in the
-/// admission queue. Written before the submission is acknowledged, so a
-/// queued run survives a restart and an idempotency key keeps its run.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct SubmissionRecord {
-    /// The id the run gets when it starts (fixed at submission, so a run
-    /// started just before a crash is found again, never started twice).
-    pub run: RunId,
-    /// Arrival order: the queue is served lowest first.
-    pub order: u64,
-    /// The resolved `RunSpec`, as JSON.
-    pub spec_json: String,
-    pub idempotency_key: Option<String>,
-    /// Digest of the request body, to tell a retry from another request.
-    pub digest: String,
-    pub submitted_ms: u64,
-    pub state: SubmissionState,
-    pub epoch: u64,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum SubmissionState {
-    /// Waiting for a free slot.
-    Queued,
-    /// Handed to the node: from here on its `RunRecord` is the truth.
-    Started,
-    /// Stopped before it started; it never will.
-    Cancelled { reason: String },
 }
 
 /// Conservation of one account recomputed from its ledger.

@@ -67,7 +67,7 @@ fn write_ledger_behind_the_journals_back(dir: &Path, entry: &LedgerRecord) {
         ParentRef::Job(id) => (1u8, id.0),
     };
     let key = [&[tag][..], uuid.as_bytes(), &seq.to_be_bytes()].concat();
-    let mut value = vec![1u8]; // format version
+    let mut value = vec![2u8]; // format version
     value.extend(bincode::serde::encode_to_vec(entry, bincode::config::standard()).unwrap());
     db.open_tree("ledger").unwrap().insert(key, value).unwrap();
     meta.insert("seq", &seq.to_be_bytes()).unwrap();

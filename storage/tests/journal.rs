@@ -396,25 +396,73 @@ async fn a_value_with_an_unknown_version_byte_is_reported_never_skipped() {
     assert!(journal.run(run).unwrap().is_some());
 }
 
+/// Writes `format` into a journal's meta behind its back.
+fn set_format(dir: &std::path::Path, format: u32) {
+    let db = arbor_storage::open_db(dir).unwrap();
+    db.open_tree("meta")
+        .unwrap()
+        .insert("format", &format.to_be_bytes())
+        .unwrap();
+    db.flush().unwrap();
+}
+
 #[test]
 fn a_journal_of_a_newer_format_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     drop(Journal::open(dir.path()).unwrap());
-    {
-        let db = arbor_storage::open_db(dir.path()).unwrap();
-        db.open_tree("meta")
-            .unwrap()
-            .insert("format", &2u32.to_be_bytes())
-            .unwrap();
-        db.flush().unwrap();
-    }
+    set_format(dir.path(), 3);
     match Journal::open(dir.path()) {
         Err(Error::FormatVersion {
-            found: 2,
-            supported: 1,
+            found: 3,
+            supported: 2,
+            ..
         }) => {}
         other => panic!("expected a format version error, got {:?}", other.err()),
     }
+}
+
+/// Format 1 packed a history table's chunks without each row's key: a
+/// journal of it is refused, saying where it is, what to do, and that
+/// nothing changed (its epoch is not bumped).
+#[test]
+fn a_journal_of_format_1_is_refused_with_what_to_do_and_left_as_it_was() {
+    let dir = tempfile::tempdir().unwrap();
+    drop(Journal::open(dir.path()).unwrap());
+    set_format(dir.path(), 1);
+    let epoch = || {
+        let db = arbor_storage::open_db(dir.path()).unwrap();
+        let meta = db.open_tree("meta").unwrap();
+        meta.get("epoch").unwrap().map(|v| v.to_vec())
+    };
+    let epoch_before = epoch();
+    let error = Journal::open(dir.path()).unwrap_err();
+    let message = error.to_string();
+    assert!(
+        matches!(
+            error,
+            Error::FormatVersion {
+                found: 1,
+                supported: 2,
+                ..
+            }
+        ),
+        "{message}"
+    );
+    for words in [
+        dir.path().display().to_string().as_str(),
+        "format 1",
+        "reads format 2",
+        "earlier arbor",
+        "nothing was changed",
+    ] {
+        assert!(message.contains(words), "{message:?} lacks {words:?}");
+    }
+    // Refused again, the same way: the first refusal changed nothing.
+    assert!(matches!(
+        Journal::open_read_only(dir.path()),
+        Err(Error::FormatVersion { found: 1, .. })
+    ));
+    assert_eq!(epoch(), epoch_before, "the refused opens began no epoch");
 }
 
 #[tokio::test]
@@ -467,6 +515,21 @@ async fn ledger_totals_balance_an_account_read_back_from_the_journal() {
     );
 }
 
+/// A record of a table another crate defines, as the service defines its
+/// admission queue's.
+#[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Queued {
+    run: RunId,
+    order: u64,
+    epoch: u64,
+}
+
+static QUEUE: arbor_storage::Table<Queued> = arbor_storage::Table::bincode(
+    arbor_storage::SUBMISSIONS_TABLE,
+    |q| q.run.0.as_bytes().to_vec(),
+    |q| q.epoch,
+);
+
 /// Every record a run leaves, of every kind: its submission, a step and a
 /// job under it, their accounts, a delegation, a steering message, a sandbox
 /// and events.
@@ -479,16 +542,15 @@ fn whole_run(run: RunId, first_seq: u64) -> Vec<Record> {
         ..job_record(run, child)
     };
     let mut records = vec![
-        Record::Submission(arbor_storage::SubmissionRecord {
-            run,
-            order: first_seq,
-            spec_json: "{}".into(),
-            idempotency_key: Some(format!("key-{first_seq}")),
-            digest: "sha256:abc".into(),
-            submitted_ms: 1,
-            state: arbor_storage::SubmissionState::Started,
-            epoch: 1,
-        }),
+        Record::Row(
+            QUEUE
+                .row(&Queued {
+                    run,
+                    order: first_seq,
+                    epoch: 1,
+                })
+                .unwrap(),
+        ),
         Record::Run(run_record(run, Status::Done)),
         Record::Job(job_record(run, step)),
         Record::Job(child_record),
@@ -537,7 +599,7 @@ fn whole_run(run: RunId, first_seq: u64) -> Vec<Record> {
 /// What `forget` must leave of `run`: nothing, by any read.
 fn assert_forgotten(journal: &Journal, run: RunId, jobs: &[JobId]) {
     assert_eq!(journal.run(run).unwrap(), None);
-    assert_eq!(journal.submission(run).unwrap(), None);
+    assert_eq!(journal.read_one(&QUEUE, run.0.as_bytes()).unwrap(), None);
     assert!(journal.jobs(run).unwrap().is_empty());
     assert!(journal.events(run).unwrap().is_empty());
     assert!(journal.ledger(ParentRef::Run(run)).unwrap().is_empty());
@@ -569,7 +631,7 @@ async fn forgetting_a_run_removes_every_record_of_it_and_nothing_else() {
         journal.run(kept).unwrap(),
         journal.jobs(kept).unwrap(),
         journal.events(kept).unwrap(),
-        journal.submission(kept).unwrap(),
+        journal.read_one(&QUEUE, kept.0.as_bytes()).unwrap(),
     );
 
     let seq = journal.forget(&[gone]).unwrap();
@@ -583,7 +645,7 @@ async fn forgetting_a_run_removes_every_record_of_it_and_nothing_else() {
         reopened.run(kept).unwrap(),
         reopened.jobs(kept).unwrap(),
         reopened.events(kept).unwrap(),
-        reopened.submission(kept).unwrap(),
+        reopened.read_one(&QUEUE, kept.0.as_bytes()).unwrap(),
     );
     assert_eq!(kept_after, kept_before);
     // Nothing of `gone` is left anywhere, and `kept` still balances.

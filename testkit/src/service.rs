@@ -134,11 +134,8 @@ impl TestService {
     }
 
     /// What the journal's admission queue holds, in every state.
-    pub fn submissions(&self) -> Vec<arbor_storage::SubmissionRecord> {
-        self.service
-            .node()
-            .journal()
-            .submissions()
+    pub fn submissions(&self) -> Vec<arbor_service::SubmissionRecord> {
+        arbor_service::submission::submissions(self.service.node().journal())
             .expect("the journal reads")
     }
 

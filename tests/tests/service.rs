@@ -950,14 +950,13 @@ async fn a_submission_whose_run_had_started_before_a_crash_is_not_started_again(
     // started would leave it: queued, with the run's record already there.
     {
         let journal = arbor_storage::Journal::open(&dir.path().join("data/journal")).unwrap();
-        let mut sub = journal.submission(run).unwrap().expect("its submission");
-        assert_eq!(sub.state, arbor_storage::SubmissionState::Started);
-        sub.state = arbor_storage::SubmissionState::Queued;
+        let mut sub = arbor_service::submission::submission(&journal, run)
+            .unwrap()
+            .expect("its submission");
+        assert_eq!(sub.state, arbor_service::SubmissionState::Started);
+        sub.state = arbor_service::SubmissionState::Queued;
         sub.epoch = journal.epoch();
-        journal
-            .commit(vec![arbor_storage::Record::Submission(sub)])
-            .await
-            .unwrap();
+        journal.commit(vec![sub.record().unwrap()]).await.unwrap();
         assert!(journal.run(run).unwrap().is_some());
     }
     let svc = TestService::start_in(dir, texts()).await;
@@ -965,7 +964,7 @@ async fn a_submission_whose_run_had_started_before_a_crash_is_not_started_again(
     assert_eq!(status["admission"]["queued"], 0, "{status}");
     assert_eq!(
         svc.submissions()[0].state,
-        arbor_storage::SubmissionState::Started,
+        arbor_service::SubmissionState::Started,
         "marked started at boot"
     );
     // A later run goes through, and the old one was not run again.
@@ -1020,7 +1019,10 @@ async fn finished_runs_are_forgotten_after_keep_finished_and_running_ones_never(
     assert!(!listed.contains(&done.to_string().as_str()), "{list}");
     assert!(listed.contains(&running.to_string().as_str()), "{list}");
     assert_eq!(journal.run(done).unwrap(), None);
-    assert_eq!(journal.submission(done).unwrap(), None);
+    assert_eq!(
+        arbor_service::submission::submission(journal, done).unwrap(),
+        None
+    );
     assert!(journal.events(done).unwrap().is_empty());
     for job in &jobs_of_done {
         assert!(

@@ -178,7 +178,7 @@ mod tests {
     #[test]
     fn sled_writes_the_files_we_sync_and_a_read_only_handle_can_fdatasync() {
         let dir = tempfile::tempdir().unwrap();
-        let db = crate::open_db(dir.path()).unwrap();
+        let db = crate::sled_engine::open_db(dir.path()).unwrap();
         db.insert(b"k", b"v").unwrap();
         db.flush().unwrap();
         for name in [DB_FILE, CONF_FILE, BLOBS_DIR] {
@@ -191,7 +191,7 @@ mod tests {
     #[test]
     fn a_value_over_the_blob_threshold_goes_to_a_blob_file_that_gets_synced() {
         let dir = tempfile::tempdir().unwrap();
-        let db = crate::open_db(dir.path()).unwrap();
+        let db = crate::sled_engine::open_db(dir.path()).unwrap();
         let mut disk = DiskSync::open(dir.path()).unwrap();
         assert!(disk.blobs_synced.is_empty());
 

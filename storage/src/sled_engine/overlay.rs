@@ -1,6 +1,6 @@
 //! sled applied behind the log: the appends sled has not taken yet, readable
 //! meanwhile, and the work queued for the thread that applies them (the
-//! applier, in `journal.rs`).
+//! applier, in `applier.rs`).
 //!
 //! Each sled transaction costs far more than its bytes: sled 0.34 seals and
 //! writes its current IO buffer before and after every batch it applies
@@ -28,8 +28,8 @@
 //!    queued, and the applier takes the queue before it acts on any request,
 //!    so it has applied them before it flushes sled.
 
-use crate::codec::{EVENTS, LEDGER, RECORD_TREES};
-use crate::wal::Entry;
+use super::wal::Entry;
+use crate::table::{JOURNAL_TABLES, Shape, table_index};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::{Arc, mpsc};
@@ -37,11 +37,8 @@ use std::sync::{Arc, mpsc};
 /// The entries appended and not yet applied to sled, by tree, and those
 /// of them the applier has not taken yet, in seq order.
 pub(crate) struct Overlay {
-    /// The state trees (runs, jobs, ...): a key may be written again.
-    states: [Latest; RECORD_TREES.len()],
-    /// The history trees (events, the ledger): every key is new.
-    events: History,
-    ledger: History,
+    /// Each table's, in `JOURNAL_TABLES` order.
+    tables: Vec<Slot>,
     /// Not yet taken by the applier: whole appends, seq after seq, each
     /// with the seq of its first entry (shared with the log's flusher).
     queued: VecDeque<(u64, Arc<[Entry]>)>,
@@ -50,8 +47,16 @@ pub(crate) struct Overlay {
 }
 
 /// Appends the applier may leave queued before it is woken to take them
-/// early (`journal.rs` applies at most this many in one transaction).
+/// early (`applier.rs` applies at most this many in one transaction).
 pub(crate) const QUEUED_WAKE: usize = 32768;
+
+/// What the overlay holds of one table.
+enum Slot {
+    /// A state table (runs, jobs, ...): a key may be written again.
+    State(Latest),
+    /// A history table (events, the ledger): every key is new.
+    History(History),
+}
 
 /// One tree's keys, each with the seq that last wrote it and the value.
 type Latest = BTreeMap<Vec<u8>, (u64, Arc<[u8]>)>;
@@ -168,21 +173,22 @@ impl History {
 
 impl Overlay {
     pub(crate) fn new() -> Self {
+        let tables = JOURNAL_TABLES
+            .iter()
+            .map(|table| match table.shape {
+                Shape::State => Slot::State(Latest::new()),
+                Shape::History { owner_bytes } => Slot::History(History::of(owner_bytes)),
+            })
+            .collect();
         Self {
-            states: Default::default(),
-            events: History::of(crate::codec::EVENT_OWNER_BYTES),
-            ledger: History::of(crate::codec::LEDGER_OWNER_BYTES),
+            tables,
             queued: VecDeque::new(),
             queued_len: 0,
         }
     }
 
-    fn history(&self, tree: &str) -> Option<&History> {
-        match tree {
-            EVENTS => Some(&self.events),
-            LEDGER => Some(&self.ledger),
-            _ => None,
-        }
+    fn slot(&self, tree: &str) -> &Slot {
+        &self.tables[index(tree)]
     }
 
     /// Records one append's entries, which took the seqs from `first_seq` on,
@@ -192,16 +198,15 @@ impl Overlay {
     /// waking it once per append was a tenth of a fan-out's CPU.
     pub(crate) fn insert(&mut self, first_seq: u64, entries: Arc<[Entry]>) -> bool {
         for (at, ((tree, key, value), seq)) in entries.iter().zip(first_seq..).enumerate() {
-            if crate::wal::is_removal(value) {
+            if super::wal::is_removal(value) {
                 // Only queued: reads find the removed records in sled until
                 // the applier takes the removal (`Journal::forget`).
                 continue;
             }
-            match *tree {
-                EVENTS => self.events.insert(seq, &entries, at),
-                LEDGER => self.ledger.insert(seq, &entries, at),
-                _ => {
-                    self.states[tree_index(tree)].insert(key.clone(), (seq, Arc::clone(value)));
+            match &mut self.tables[index(tree)] {
+                Slot::History(history) => history.insert(seq, &entries, at),
+                Slot::State(latest) => {
+                    latest.insert(key.clone(), (seq, Arc::clone(value)));
                 }
             }
         }
@@ -233,13 +238,11 @@ impl Overlay {
     /// (invariant 3): an entry a later append overwrote stays.
     pub(crate) fn applied(&mut self, entries: &[&Entry], applied_seq: u64) {
         for (tree, key, _) in entries {
-            match *tree {
-                EVENTS => self.events.applied(key, applied_seq),
-                LEDGER => self.ledger.applied(key, applied_seq),
-                _ => {
-                    let tree = &mut self.states[tree_index(tree)];
-                    if tree.get(key).is_some_and(|(seq, _)| *seq <= applied_seq) {
-                        tree.remove(key);
+            match &mut self.tables[index(tree)] {
+                Slot::History(history) => history.applied(key, applied_seq),
+                Slot::State(latest) => {
+                    if latest.get(key).is_some_and(|(seq, _)| *seq <= applied_seq) {
+                        latest.remove(key);
                     }
                 }
             }
@@ -248,11 +251,9 @@ impl Overlay {
 
     /// The value under `key`, if an append not yet applied wrote one.
     pub(crate) fn get(&self, tree: &str, key: &[u8]) -> Option<&[u8]> {
-        match self.history(tree) {
-            Some(history) => history.get(key),
-            None => self.states[tree_index(tree)]
-                .get(key)
-                .map(|(_, value)| &value[..]),
+        match self.slot(tree) {
+            Slot::History(history) => history.get(key),
+            Slot::State(latest) => latest.get(key).map(|(_, value)| &value[..]),
         }
     }
 
@@ -268,14 +269,14 @@ impl Overlay {
             .into_iter()
             .map(|(key, value)| (key.to_vec(), value.to_vec()))
             .collect();
-        match self.history(tree) {
-            Some(history) => {
+        match self.slot(tree) {
+            Slot::History(history) => {
                 for (key, value) in history.prefixed(prefix) {
                     merged.insert(key.to_vec(), value.to_vec());
                 }
             }
-            None => {
-                for (key, (_, value)) in self.states[tree_index(tree)]
+            Slot::State(latest) => {
+                for (key, (_, value)) in latest
                     .range(prefix.to_vec()..)
                     .take_while(|(key, _)| key.starts_with(prefix))
                 {
@@ -287,18 +288,15 @@ impl Overlay {
     }
 
     pub(crate) fn is_empty(&self) -> bool {
-        self.states.iter().all(BTreeMap::is_empty)
-            && self.events.is_empty()
-            && self.ledger.is_empty()
-            && self.queued.is_empty()
+        self.tables.iter().all(|slot| match slot {
+            Slot::State(latest) => latest.is_empty(),
+            Slot::History(history) => history.is_empty(),
+        }) && self.queued.is_empty()
     }
 }
 
-fn tree_index(tree: &str) -> usize {
-    RECORD_TREES
-        .iter()
-        .position(|name| *name == tree)
-        .unwrap_or_else(|| unreachable!("no record tree {tree:?}"))
+fn index(tree: &str) -> usize {
+    table_index(tree).unwrap_or_else(|| unreachable!("no record tree {tree:?}"))
 }
 
 /// What the applier is asked to do (invariants 2 and 4). Before it does any
@@ -316,7 +314,10 @@ pub(crate) enum Work {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::codec::{JOBS, LEDGER, LEDGER_OWNER_BYTES, STEERING};
+    const JOBS: &str = "jobs";
+    const LEDGER: &str = "ledger";
+    const STEERING: &str = "steering";
+    const LEDGER_OWNER_BYTES: usize = 17;
 
     fn entry(tree: &'static str, key: &[u8], value: &[u8]) -> Entry {
         (tree, key.to_vec(), value.into())

@@ -17,7 +17,7 @@
 //! |---|---|
 //! | 4 | body length, u32 little-endian |
 //! | 4 | CRC-32 (IEEE) of the body, u32 little-endian |
-//! | body | first seq (u64 LE), entry count (u32 LE), then per entry: tree index (u8, into `RECORD_TREES`), key length (u32 LE), key, value length (u32 LE), value (empty: remove every key under this one, `removal`) |
+//! | body | first seq (u64 LE), entry count (u32 LE), then per entry: table index (u8, into `JOURNAL_TABLES`), key length (u32 LE), key, value length (u32 LE), value (empty: remove every key under this one, `removal`) |
 //!
 //! One frame is one `append`: its records took the seqs `first ..= first +
 //! count - 1`, and sled applied them in one transaction. An entry is exactly
@@ -46,7 +46,7 @@
 //!    synced before the next segment began.
 
 use crate::Error;
-use crate::codec::RECORD_TREES;
+use crate::table::{JOURNAL_TABLES, table_index};
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
@@ -133,10 +133,7 @@ pub(crate) fn encode_frame(out: &mut Vec<u8>, first_seq: u64, entries: &[Entry])
 }
 
 fn tree_index(tree: &str) -> u8 {
-    RECORD_TREES
-        .iter()
-        .position(|name| *name == tree)
-        .unwrap_or_else(|| unreachable!("no record tree {tree:?}")) as u8
+    table_index(tree).unwrap_or_else(|| unreachable!("no record tree {tree:?}")) as u8
 }
 
 /// The segment the flusher writes, and the ones before it not yet
@@ -342,9 +339,10 @@ fn decode_frame(bytes: &[u8]) -> Result<(Frame, usize), String> {
     let mut entries = Vec::with_capacity(count.min(4096) as usize);
     for _ in 0..count {
         let index = body.u8()?;
-        let tree = *RECORD_TREES
+        let tree = JOURNAL_TABLES
             .get(index as usize)
-            .ok_or_else(|| format!("tree index {index}"))?;
+            .ok_or_else(|| format!("tree index {index}"))?
+            .name;
         let key = body.bytes()?;
         let value = body.bytes()?;
         entries.push((tree, key, value.into()));
@@ -435,7 +433,13 @@ mod tests {
     fn frame(first_seq: u64, values: &[&[u8]]) -> Vec<u8> {
         let entries: Vec<Entry> = values
             .iter()
-            .map(|value| (crate::codec::STEERING, b"key".to_vec(), (*value).into()))
+            .map(|value| {
+                (
+                    crate::table::STEERING.def.name,
+                    b"key".to_vec(),
+                    (*value).into(),
+                )
+            })
             .collect();
         let mut out = Vec::new();
         encode_frame(&mut out, first_seq, &entries);
@@ -448,7 +452,7 @@ mod tests {
         let (read, used) = decode_frame(&bytes).unwrap();
         assert_eq!(used, bytes.len());
         assert_eq!((read.first_seq, read.last_seq()), (7, 8));
-        assert_eq!(read.entries[1].0, crate::codec::STEERING);
+        assert_eq!(read.entries[1].0, crate::table::STEERING.def.name);
         assert_eq!(&read.entries[1].2[..], b"two");
     }
 

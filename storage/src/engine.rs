@@ -1,0 +1,126 @@
+//! The interface a journal's storage implements. `Journal` (journal.rs) is
+//! written once over it: records, keys and epochs, typed reads, `scan`,
+//! `verify` and `forget`; an engine stores bytes under keys in tables and
+//! makes them durable. sled behind a write-ahead log is the one engine today
+//! (`sled_engine.rs`); a second backend is a second implementation of this
+//! trait, not a flag threaded through the callers.
+//!
+//! What every engine promises (the journal's invariants rest on them):
+//! 1. `append` gives its rows consecutive seqs after every seq handed out
+//!    before, across reopens too, and is atomic: all its rows or none, and a
+//!    reader who sees seq N sees everything below it.
+//! 2. Appended rows are readable at once; they are durable (survive a crash
+//!    of the process, the kernel or the power) once `durable_seq` reaches
+//!    their seq, which `wait_durable` awaits.
+//! 3. After the first failed write or sync, every later append fails with
+//!    `Error::Failed` naming it, and nothing more is acknowledged.
+//! 4. Each open is a new epoch, durable before the open returns.
+//! 5. Reads and scans hand out one row at a time, in key order, whatever the
+//!    engine packs together on disk; a stored value that cannot be unpacked
+//!    is `Error::Undecodable`, never skipped.
+
+use crate::table::{Row, TableDef};
+use crate::{Error, Faults};
+use std::future::Future;
+use std::pin::Pin;
+
+/// Where a scan reads.
+#[derive(Clone, Copy, Debug)]
+pub enum Span<'a> {
+    /// Every key that starts with these bytes (all of them, if empty).
+    Prefix(&'a [u8]),
+    /// Every key below these bytes.
+    Below(&'a [u8]),
+}
+
+/// Called with each row's key and value; an error ends the scan.
+pub type Visit<'v> = dyn FnMut(&[u8], &[u8]) -> Result<(), Error> + 'v;
+
+/// Called by `walk` with each stored row, or with the stored entry that
+/// could not be unpacked into rows and why.
+pub type WalkVisit<'v> = dyn FnMut(&[u8], Result<&[u8], String>) + 'v;
+
+/// A row's key and value, copied out of the store.
+pub type OwnedRow = (Vec<u8>, Vec<u8>);
+
+/// What an engine has done, for metrics and tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Log writes that made something durable, each with its sync.
+    pub flushes: u64,
+    /// Syncs of the log by its writer (one per flush that synced).
+    pub syncs: u64,
+    /// Checkpoints completed (the engine's own housekeeping).
+    pub checkpoints: u64,
+}
+
+/// The future `wait_durable` returns.
+pub type Durable<'a> = Pin<Box<dyn Future<Output = Result<(), Error>> + Send + 'a>>;
+
+pub trait Engine: Send + Sync + 'static {
+    /// This open's epoch (promise 4).
+    fn epoch(&self) -> u64;
+
+    /// Why every append is refused now, if one is: the journal was opened
+    /// read-only, or has failed (promise 3).
+    fn refusal(&self) -> Option<Error>;
+
+    /// Gives `rows` the next seqs, in order, and applies them (promise 1);
+    /// returns the last seq. An empty list returns the last seq handed out.
+    fn append(&self, rows: Vec<Row>) -> Result<u64, Error>;
+
+    /// Resolves once `durable_seq() >= seq` (promise 2).
+    fn wait_durable(&self, seq: u64) -> Durable<'_>;
+
+    /// The last seq applied (readable); it never goes back, reopens included.
+    fn applied_seq(&self) -> u64;
+
+    /// The last seq made durable.
+    fn durable_seq(&self) -> u64;
+
+    /// The first write or sync that failed, if one has (promise 3).
+    fn failed(&self) -> Option<String>;
+
+    /// The value under `key`.
+    fn get(&self, table: &'static TableDef, key: &[u8]) -> Result<Option<Vec<u8>>, Error>;
+
+    /// Each row of `span`, in key order (promise 5).
+    fn scan(
+        &self,
+        table: &'static TableDef,
+        span: Span<'_>,
+        visit: &mut Visit<'_>,
+    ) -> Result<(), Error>;
+
+    /// The last row under `prefix`, without reading the rows before it.
+    fn last(&self, table: &'static TableDef, prefix: &[u8]) -> Result<Option<OwnedRow>, Error>;
+
+    /// Removes every row under each prefix, in one append after everything
+    /// appended before it; returns its seq. Once it returns, no read finds
+    /// the rows. A row appended under a prefix after this call stays.
+    fn remove(&self, prefixes: Vec<(&'static TableDef, Vec<u8>)>) -> Result<u64, Error>;
+
+    /// Every stored row of `table` (for `scan` and `verify`), after every
+    /// append so far has reached the store.
+    fn walk(&self, table: &'static TableDef, visit: &mut WalkVisit<'_>) -> Result<(), Error>;
+
+    /// The engine's own entries (its format, epoch, seq) that are not as
+    /// they must be, as (what, key in hex, why).
+    fn check_own(&self) -> Result<Vec<(String, String, String)>, Error>;
+
+    fn counters(&self) -> Counters;
+
+    /// The faults a test can inject (all off unless switched on).
+    fn faults(&self) -> &Faults;
+
+    /// At the close, leave to the engine's log what its store has not taken
+    /// yet, for the next open (a node's shutdown: its process then ends
+    /// without waiting for the store). Engines without a log ignore it.
+    fn leave_unapplied_at_close(&self) {}
+
+    /// Writes the store's own buffers out, for a process that ends without
+    /// closing the journal. Engines without buffers of their own ignore it.
+    fn flush_store(&self) -> Result<(), Error> {
+        Ok(())
+    }
+}

@@ -1,0 +1,567 @@
+//! The journal handle every caller holds: records in, records out, over an
+//! `Engine` (engine.rs) that stores their bytes. Everything that is the same
+//! for every engine is here, once: a record's table, key and encoding
+//! (table.rs), the epoch check (I-41), group commit's wait, typed reads,
+//! `scan`, `verify` and `forget`.
+//!
+//! Invariants (beside the engine's, engine.rs):
+//! 1. An append whose records carry any epoch but this open's is refused
+//!    whole, before anything is written (I-41).
+//! 2. A record that cannot be encoded refuses its whole append.
+//! 3. `commit` returns only once a flush covers its records (I-29).
+//! 4. A read fails on a stored value that does not decode, naming its table
+//!    and key; `scan` and `verify` list every such value (I-35).
+
+use crate::Error;
+use crate::codec;
+use crate::engine::{Counters, Engine, Span};
+use crate::faults::Faults;
+use crate::record::{
+    DelegationRecord, JobRecord, LedgerRecord, Record, RunRecord, SandboxRecord, SandboxState,
+    SteerRecord,
+};
+use crate::sled_engine::SledEngine;
+use crate::table::{self, AnyTable, JOURNAL_TABLES, Key, KeyedBy, Row, TABLES, Table, TableDef};
+use crate::verify::{self, VerifyReport};
+use arbor_protocol::{Event, JobId, ParentRef, RunId};
+use std::path::Path;
+use std::sync::{Arc, OnceLock};
+
+/// A handle on the journal; clone it freely.
+#[derive(Clone)]
+pub struct Journal {
+    engine: Arc<dyn Engine>,
+    commit_observer: Arc<OnceLock<CommitObserver>>,
+}
+
+type CommitObserver = Box<dyn Fn(std::time::Duration) + Send + Sync>;
+
+/// What `Journal::scan` found.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ScanReport {
+    /// Records that decoded and sit under the key their content implies.
+    pub records: u64,
+    /// Everything else, the engine's own entries included.
+    pub undecodable: Vec<Undecodable>,
+}
+
+/// One stored entry that does not decode, named by table and key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Undecodable {
+    pub tree: String,
+    pub key_hex: String,
+    pub error: String,
+}
+
+/// Records encoded for an append (`Journal::prepare`), and why the append
+/// must be refused, if something found that.
+pub struct Prepared {
+    rows: Vec<Row>,
+    epochs: Option<Error>,
+    unencoded: Option<Error>,
+}
+
+impl Prepared {
+    /// `more` after these, in one append.
+    pub fn extend(&mut self, more: Prepared) {
+        self.rows.extend(more.rows);
+        if self.epochs.is_none() {
+            self.epochs = more.epochs;
+        }
+        if self.unencoded.is_none() {
+            self.unencoded = more.unencoded;
+        }
+    }
+}
+
+impl Journal {
+    /// Opens (creating) the journal at `dir` on sled and its write-ahead
+    /// log: checks the format, begins a new epoch, replays the log.
+    pub fn open(dir: &Path) -> Result<Journal, Error> {
+        Ok(Journal::new(Arc::new(SledEngine::open(dir)?)))
+    }
+
+    /// Opens the journal to read it: no new epoch, and every write refused
+    /// (`Error::ReadOnly`). For `arbor journal verify` and `inspect`.
+    pub fn open_read_only(dir: &Path) -> Result<Journal, Error> {
+        Ok(Journal::new(Arc::new(SledEngine::open_read_only(dir)?)))
+    }
+
+    /// A journal over `engine`.
+    pub fn new(engine: Arc<dyn Engine>) -> Journal {
+        Journal {
+            engine,
+            commit_observer: Arc::new(OnceLock::new()),
+        }
+    }
+
+    /// This open's epoch: 1 on the first open of a journal, +1 on each reopen.
+    pub fn epoch(&self) -> u64 {
+        self.engine.epoch()
+    }
+
+    /// Applies `records` now, atomically and in order, and returns the seq of
+    /// the last one (each record takes one seq). Reads see them at once; they
+    /// are not durable until a flush covers them (see `commit`). An empty
+    /// list applies nothing and returns the last seq handed out.
+    ///
+    /// Refused whole, with nothing written: a record of another open's epoch
+    /// (`StaleEpoch`, `FutureEpoch`), a record that cannot be encoded, and
+    /// every append once the journal has failed (`Failed`).
+    pub fn append(&self, records: Vec<Record>) -> Result<u64, Error> {
+        self.append_prepared(self.prepare(records))
+    }
+
+    /// Encodes `records` for an append, outside any lock of the engine's: an
+    /// event bus that must append under its own lock, so that journal order
+    /// is emission order, prepares its records first. What would refuse the
+    /// append is kept for `append_prepared` to tell.
+    pub fn prepare(&self, records: Vec<Record>) -> Prepared {
+        let epochs = check_epochs(&records, self.epoch()).err();
+        let mut rows = Vec::with_capacity(records.len());
+        let mut unencoded = None;
+        for record in records {
+            match row(record) {
+                Ok(row) => rows.push(row),
+                Err(e) => {
+                    unencoded.get_or_insert(e);
+                }
+            }
+        }
+        Prepared {
+            rows,
+            epochs,
+            unencoded,
+        }
+    }
+
+    /// `append`, of records `prepare` encoded.
+    pub fn append_prepared(&self, prepared: Prepared) -> Result<u64, Error> {
+        if let Some(refusal) = self.engine.refusal() {
+            return Err(refusal);
+        }
+        if prepared.rows.is_empty() && prepared.unencoded.is_none() {
+            return self.engine.append(Vec::new());
+        }
+        if let Some(e) = prepared.epochs.or(prepared.unencoded) {
+            return Err(e);
+        }
+        self.engine.append(prepared.rows)
+    }
+
+    /// `append`, then wait until a flush covers the records (I-29: the journal
+    /// is written before anything acts on it). Concurrent commits share flushes.
+    pub async fn commit(&self, records: Vec<Record>) -> Result<u64, Error> {
+        let began = std::time::Instant::now();
+        let seq = self.append(records)?;
+        self.wait_durable(seq).await?;
+        if let Some(observe) = self.commit_observer.get() {
+            observe(began.elapsed());
+        }
+        Ok(seq)
+    }
+
+    /// Waits until a flush covers `seq` (a seq `append` returned): what
+    /// `commit` does after its append, for a caller that must answer later
+    /// without holding up its own work meanwhile.
+    pub async fn wait_durable(&self, seq: u64) -> Result<(), Error> {
+        self.engine.wait_durable(seq).await
+    }
+
+    /// Waits for a flush covering everything appended so far.
+    pub async fn flush(&self) -> Result<(), Error> {
+        self.wait_durable(self.applied_seq()).await
+    }
+
+    /// Calls `observe` with the latency of every successful commit from now
+    /// on (append to durable), for the service's metrics. Set once; a second
+    /// observer is refused (`false`).
+    pub fn on_commit(&self, observe: impl Fn(std::time::Duration) + Send + Sync + 'static) -> bool {
+        self.commit_observer.set(Box::new(observe)).is_ok()
+    }
+
+    /// Highest seq applied (readable, not necessarily durable). It never goes
+    /// back, not even across a reopen: the next open continues from it.
+    pub fn applied_seq(&self) -> u64 {
+        self.engine.applied_seq()
+    }
+
+    /// Highest seq covered by a completed flush.
+    pub fn durable_seq(&self) -> u64 {
+        self.engine.durable_seq()
+    }
+
+    /// How many flushes have made something durable, each with its sync.
+    pub fn flush_count(&self) -> u64 {
+        self.engine.counters().flushes
+    }
+
+    /// How many times the log was synced by its writer (once per flush that
+    /// synced; the syncs at open and at checkpoints not counted).
+    pub fn sync_count(&self) -> u64 {
+        self.engine.counters().syncs
+    }
+
+    /// How many checkpoints have completed.
+    pub fn checkpoint_count(&self) -> u64 {
+        self.engine.counters().checkpoints
+    }
+
+    pub fn counters(&self) -> Counters {
+        self.engine.counters()
+    }
+
+    /// The faults a test can inject into this journal; all off unless a test
+    /// switches them on.
+    pub fn faults(&self) -> &Faults {
+        self.engine.faults()
+    }
+
+    /// The first write or flush that failed, if one has: from then on the
+    /// journal refuses every append with `Error::Failed` carrying this.
+    pub fn failed(&self) -> Option<String> {
+        self.engine.failed()
+    }
+
+    /// See `Engine::leave_unapplied_at_close`.
+    pub fn leave_unapplied_at_close(&self) {
+        self.engine.leave_unapplied_at_close()
+    }
+
+    /// See `Engine::flush_store`.
+    pub fn flush_store(&self) -> Result<(), Error> {
+        self.engine.flush_store()
+    }
+
+    /// Every record of `table` under `prefix`, in key order.
+    pub fn read<R>(&self, table: &'static Table<R>, prefix: &[u8]) -> Result<Vec<R>, Error> {
+        self.read_span(table, Span::Prefix(prefix))
+    }
+
+    fn read_span<R>(&self, table: &'static Table<R>, span: Span<'_>) -> Result<Vec<R>, Error> {
+        let mut records = Vec::new();
+        self.engine.scan(&table.def, span, &mut |key, value| {
+            let record = table
+                .decode(value)
+                .map_err(|error| codec::undecodable(table.def.name, key, error))?;
+            records.push(record);
+            Ok(())
+        })?;
+        Ok(records)
+    }
+
+    /// The record of `table` under `key`, if there is one.
+    pub fn read_one<R>(&self, table: &'static Table<R>, key: &[u8]) -> Result<Option<R>, Error> {
+        let Some(value) = self.engine.get(&table.def, key)? else {
+            return Ok(None);
+        };
+        table
+            .decode(&value)
+            .map(Some)
+            .map_err(|error| codec::undecodable(table.def.name, key, error))
+    }
+
+    /// Every run, in key (creation) order.
+    pub fn runs(&self) -> Result<Vec<RunRecord>, Error> {
+        self.read(&table::RUNS, &[])
+    }
+
+    pub fn run(&self, id: RunId) -> Result<Option<RunRecord>, Error> {
+        self.read_one(&table::RUNS, &codec::run_key(id))
+    }
+
+    /// The runs whose ids were made before `ms` (milliseconds since the Unix
+    /// epoch), oldest first: a run id is a uuid v7, whose first six bytes
+    /// are the millisecond it was made, so this reads only that part.
+    pub fn runs_started_before(&self, ms: u64) -> Result<Vec<RunRecord>, Error> {
+        let mut bound = ms.min(0xFFFF_FFFF_FFFF).to_be_bytes()[2..].to_vec();
+        bound.resize(16, 0);
+        self.read_span(&table::RUNS, Span::Below(&bound))
+    }
+
+    /// Every step and job of every run, by run and then by id.
+    pub fn all_jobs(&self) -> Result<Vec<JobRecord>, Error> {
+        self.read(&table::JOBS, &[])
+    }
+
+    /// The run's steps and jobs, in id (that is, creation) order.
+    pub fn jobs(&self, run: RunId) -> Result<Vec<JobRecord>, Error> {
+        self.read(&table::JOBS, &codec::run_key(run))
+    }
+
+    pub fn job(&self, run: RunId, id: JobId) -> Result<Option<JobRecord>, Error> {
+        self.read_one(&table::JOBS, &codec::job_key(run, id))
+    }
+
+    /// One account's entries, in the order they were written.
+    pub fn ledger(&self, owner: ParentRef) -> Result<Vec<LedgerRecord>, Error> {
+        self.read(&table::LEDGER, &codec::ledger_prefix(owner))
+    }
+
+    /// The parent's delegate calls, in key order.
+    pub fn delegations(&self, parent: JobId) -> Result<Vec<DelegationRecord>, Error> {
+        self.read(&table::DELEGATIONS, parent.0.as_bytes())
+    }
+
+    /// The parent's delegate call under `key`, if there is one: a point read,
+    /// so a parent's thousandth call does not read the 999 before it.
+    pub fn delegation(&self, parent: JobId, key: &str) -> Result<Option<DelegationRecord>, Error> {
+        self.read_one(&table::DELEGATIONS, &codec::delegation_key(parent, key))
+    }
+
+    /// The job's steering messages, by message id.
+    pub fn steering(&self, job: JobId) -> Result<Vec<SteerRecord>, Error> {
+        self.read(&table::STEERING, job.0.as_bytes())
+    }
+
+    /// The run's events, by event seq.
+    pub fn events(&self, run: RunId) -> Result<Vec<Event>, Error> {
+        self.read(&table::EVENTS, &codec::run_key(run))
+    }
+
+    /// The run's newest event, without reading its whole history.
+    pub fn last_event(&self, run: RunId) -> Result<Option<Event>, Error> {
+        let events = &table::EVENTS;
+        let Some((key, value)) = self.engine.last(&events.def, &codec::run_key(run))? else {
+            return Ok(None);
+        };
+        events
+            .decode(&value)
+            .map(Some)
+            .map_err(|error| codec::undecodable(events.def.name, &key, error))
+    }
+
+    /// The job's sandbox process groups, by pgid, whatever their state.
+    pub fn sandboxes(&self, job: JobId) -> Result<Vec<SandboxRecord>, Error> {
+        self.read(&table::SANDBOXES, job.0.as_bytes())
+    }
+
+    /// Every sandbox process group still `Live`, of every job: what recovery
+    /// must kill (I-30), if it is still the process group recorded.
+    pub fn live_sandboxes(&self) -> Result<Vec<SandboxRecord>, Error> {
+        let mut all = self.read(&table::SANDBOXES, &[])?;
+        all.retain(|sandbox| sandbox.state == SandboxState::Live);
+        Ok(all)
+    }
+
+    /// Removes every record of each run in `runs`: the run, its submission,
+    /// its steps and jobs, their ledgers, delegations, steering and sandbox
+    /// records, and its events. One append, so after a crash a run is either
+    /// all there or all gone. Returns the append's seq; once it returns, no
+    /// read finds the runs.
+    ///
+    /// For runs that are over (the service's retention, `keep_finished`): a
+    /// record appended for a run after its removal would stay.
+    pub fn forget(&self, runs: &[RunId]) -> Result<u64, Error> {
+        let mut prefixes = Vec::new();
+        for &run in runs {
+            let jobs: Vec<JobId> = self.jobs(run)?.into_iter().map(|job| job.id).collect();
+            for table in &JOURNAL_TABLES {
+                match table.keyed_by {
+                    KeyedBy::Run => prefixes.push((table, codec::run_key(run))),
+                    KeyedBy::Account => {
+                        prefixes.push((table, codec::ledger_prefix(ParentRef::Run(run))));
+                        for &job in &jobs {
+                            prefixes.push((table, codec::ledger_prefix(ParentRef::Job(job))));
+                        }
+                    }
+                    KeyedBy::Job => {
+                        for job in &jobs {
+                            prefixes.push((table, job.0.as_bytes().to_vec()));
+                        }
+                    }
+                }
+            }
+        }
+        self.engine.remove(prefixes)
+    }
+
+    /// Decodes every record of every table (and checks the engine's own
+    /// entries), listing what does not decode instead of skipping it. Fails
+    /// only if the store cannot be read at all. A table whose records
+    /// another crate defines is checked for its format byte alone, unless
+    /// that crate's `Table` is passed to `scan_with`.
+    pub fn scan(&self) -> Result<ScanReport, Error> {
+        self.scan_with(&[])
+    }
+
+    /// `scan`, checking the rows of `also`'s tables as storage's own are.
+    pub fn scan_with(&self, also: &[&dyn AnyTable]) -> Result<ScanReport, Error> {
+        Ok(self.walk(also)?.0)
+    }
+
+    /// `scan`, and then the accounts: each one's ledger must balance (see
+    /// `verify.rs` for the rules). Ledger entries that do not decode are in
+    /// `undecodable` and left out of their account's totals.
+    pub fn verify(&self) -> Result<VerifyReport, Error> {
+        self.verify_with(&[])
+    }
+
+    /// `verify`, checking the rows of `also`'s tables as storage's own are.
+    pub fn verify_with(&self, also: &[&dyn AnyTable]) -> Result<VerifyReport, Error> {
+        let (scan, ledger) = self.walk(also)?;
+        // Ledger keys start with their owner, so an account's entries are
+        // contiguous and in journal order.
+        let mut accounts: Vec<(ParentRef, Vec<LedgerRecord>)> = Vec::new();
+        for record in ledger {
+            match accounts.last_mut() {
+                Some((owner, entries)) if *owner == record.owner => entries.push(record),
+                _ => accounts.push((record.owner, vec![record])),
+            }
+        }
+        Ok(VerifyReport {
+            records: scan.records,
+            undecodable: scan.undecodable,
+            accounts: accounts.len() as u64,
+            breaches: verify::account_breaches(&accounts),
+        })
+    }
+
+    /// One pass over every table: each row decoded and its key checked, the
+    /// ledger's entries kept for `verify`. The events (about half of a
+    /// journal, and JSON) are walked on a thread of their own beside the
+    /// rest, so a boot's pass takes the longer of the two, not their sum.
+    fn walk(&self, also: &[&dyn AnyTable]) -> Result<(ScanReport, Vec<LedgerRecord>), Error> {
+        let checker = |def: &TableDef| {
+            TABLES
+                .iter()
+                .copied()
+                .chain(also.iter().copied())
+                .find(|table| table.def().name == def.name)
+        };
+        let events = &table::EVENTS.def;
+        let (walked_events, rest) = std::thread::scope(|scope| {
+            let walked_events = scope.spawn(|| self.walk_table(events, checker(events)));
+            let mut rest: Result<Walked, Error> = Ok(Walked::default());
+            for def in JOURNAL_TABLES.iter().filter(|def| def.name != events.name) {
+                rest = rest.and_then(|mut walked: Walked| {
+                    walked.add(self.walk_table(def, checker(def))?);
+                    Ok(walked)
+                });
+            }
+            (walked_events.join(), rest)
+        });
+        let walked_events =
+            walked_events.unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
+        let rest = rest?;
+        let mut undecodable = rest.undecodable;
+        undecodable.extend(walked_events.undecodable);
+        // In table order, as one walk would have listed them (the sort is stable).
+        undecodable.sort_by_key(|u| table::table_index(&u.tree));
+        for (tree, key_hex, error) in self.engine.check_own()? {
+            undecodable.push(Undecodable {
+                tree,
+                key_hex,
+                error,
+            });
+        }
+        let report = ScanReport {
+            records: rest.records + walked_events.records,
+            undecodable,
+        };
+        Ok((report, rest.ledger))
+    }
+
+    /// Every row of one table, checked by `checker` (its format byte alone
+    /// without one).
+    fn walk_table(
+        &self,
+        def: &'static TableDef,
+        checker: Option<&dyn AnyTable>,
+    ) -> Result<Walked, Error> {
+        let mut walked = Walked::default();
+        let is_ledger = def.name == table::LEDGER.def.name;
+        self.engine.walk(def, &mut |key, value| {
+            let checked = value.and_then(|value| {
+                match checker {
+                    Some(table) => table.check(key, value)?,
+                    None => codec::check_version(value)?,
+                }
+                if is_ledger {
+                    walked.ledger.push(table::LEDGER.decode(value)?);
+                }
+                Ok(())
+            });
+            match checked {
+                Ok(()) => walked.records += 1,
+                Err(error) => walked.undecodable.push(Undecodable {
+                    tree: def.name.to_string(),
+                    key_hex: codec::hex(key),
+                    error,
+                }),
+            }
+        })?;
+        Ok(walked)
+    }
+}
+
+/// What walking some tables found.
+#[derive(Default)]
+struct Walked {
+    records: u64,
+    undecodable: Vec<Undecodable>,
+    /// The ledger's entries that decoded, in key order.
+    ledger: Vec<LedgerRecord>,
+}
+
+impl Walked {
+    fn add(&mut self, more: Walked) {
+        self.records += more.records;
+        self.undecodable.extend(more.undecodable);
+        self.ledger.extend(more.ledger);
+    }
+}
+
+/// A record as a row of its table.
+fn row(record: Record) -> Result<Row, Error> {
+    match record {
+        Record::Run(run) => table::RUNS.row(&run),
+        Record::Job(job) => table::JOBS.row(&job),
+        Record::Ledger(entry) => table::LEDGER.row(&entry),
+        Record::Delegation(delegation) => table::DELEGATIONS.row(&delegation),
+        Record::Steer(steer) => table::STEERING.row(&steer),
+        Record::Event(event) => table::EVENTS.row(&event),
+        // Encoded already, outside the event bus's lock.
+        Record::EncodedEvent(event) => Ok(Row {
+            table: &table::EVENTS.def,
+            key: Key::Whole(codec::event_key(event.run, event.seq)),
+            value: event.value,
+            epoch: None,
+        }),
+        Record::Sandbox(sandbox) => table::SANDBOXES.row(&sandbox),
+        Record::Row(row) => Ok(row),
+    }
+}
+
+/// I-41: every record must carry this open's epoch. The first one that does
+/// not fails the whole append.
+fn check_epochs(records: &[Record], current: u64) -> Result<(), Error> {
+    for record_epoch in records.iter().filter_map(Record::epoch) {
+        if record_epoch < current {
+            return Err(Error::StaleEpoch {
+                record_epoch,
+                current,
+            });
+        }
+        if record_epoch > current {
+            return Err(Error::FutureEpoch {
+                record_epoch,
+                current,
+            });
+        }
+    }
+    Ok(())
+}
+
+// By hand: an engine's handles may print their whole cache state.
+impl std::fmt::Debug for Journal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Journal")
+            .field("epoch", &self.epoch())
+            .field("applied_seq", &self.applied_seq())
+            .field("durable_seq", &self.durable_seq())
+            .field("counters", &self.counters())
+            .field("failed", &self.failed())
+            .finish()
+    }
+}
