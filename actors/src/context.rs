@@ -21,7 +21,7 @@ pub struct NodeContext {
     /// Sealed commands' root folders are made below this (swept at start).
     pub sandbox_roots: PathBuf,
     /// What the node's sandboxes can be: sealed, or not and why.
-    pub sandbox: Arc<crate::seal::Posture>,
+    pub sandbox: Arc<arbor_sandbox::seal::Posture>,
     /// The values of the secrets agents declare, by name (I-27). Read when a
     /// sandbox starts; never logged, journaled or shown.
     pub secrets: Arc<crate::secrets::Secrets>,

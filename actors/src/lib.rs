@@ -16,7 +16,6 @@ pub mod node;
 pub mod policy;
 pub mod run;
 pub mod sandbox;
-pub mod seal;
 pub mod secrets;
 
 pub use account::{Account, AccountMsg, CallHold, GrantAsk, Ledger, Share, SpentMeter};

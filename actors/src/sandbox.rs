@@ -23,8 +23,11 @@
 //!    its CPU and left a thousand empty folders behind. So a job that fails
 //!    to start, or never uses its sandbox, leaves no folder (I-06).
 
-use crate::seal::{self, Posture, SandboxIsolation, SandboxUser, SealSpec, Spawned, SpawnedStatus};
 use crate::secrets::Secrets;
+use arbor_sandbox::files::{confine, is_file_beneath, read_confined, write_confined};
+use arbor_sandbox::seal::{
+    self, Posture, SandboxIsolation, SandboxUser, SealSpec, Spawned, SpawnedStatus,
+};
 use arbor_storage::{SandboxRecord, SandboxState as GroupState};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::collections::{BTreeMap, BTreeSet};
@@ -36,8 +39,6 @@ use tokio_util::sync::CancellationToken;
 
 /// The most of stdout and of stderr a command returns to the model.
 pub const OUTPUT_LIMIT: usize = 64 * 1024;
-/// The largest file `read_file` returns.
-pub const READ_LIMIT: u64 = 1024 * 1024;
 /// How many workdir entries an artifact scan looks at before it stops.
 const SCAN_LIMIT: usize = 10_000;
 
@@ -359,7 +360,7 @@ impl ProcessGroups {
     /// Registers a started group and makes its record durable. Returns false
     /// (and kills the group) if the sandbox has already ended.
     async fn register(&self, pgid: i32) -> bool {
-        let start = arbor_storage::process_start(pgid);
+        let start = arbor_sandbox::process_start(pgid);
         let (recorder, closed) = {
             let mut inner = self.0.lock().unwrap_or_else(|p| p.into_inner());
             if !inner.closed {
@@ -624,215 +625,9 @@ fn rlimits(r: &arbor_protocol::Resources) -> Vec<(nix::sys::resource::Resource, 
     .collect()
 }
 
-/// Joins a model-given relative path to the workdir, refusing what could leave it.
-pub fn confine(workdir: &Path, path: &str) -> Result<PathBuf, String> {
-    if path.trim().is_empty() {
-        return Err("the path is empty".into());
-    }
-    let p = Path::new(path);
-    if p.is_absolute() {
-        return Err(format!(
-            "{path:?} is absolute: give a path relative to the workdir"
-        ));
-    }
-    for c in p.components() {
-        match c {
-            Component::Normal(_) | Component::CurDir => {}
-            _ => return Err(format!("{path:?} leaves the workdir: `..` is refused")),
-        }
-    }
-    // No symlink on the way may lead out, not even one the job made itself.
-    let mut at = workdir.to_path_buf();
-    for c in p.components() {
-        at.push(c);
-        if let Ok(meta) = at.symlink_metadata()
-            && meta.file_type().is_symlink()
-        {
-            return Err(format!("{path:?} goes through a symlink: refused"));
-        }
-    }
-    Ok(workdir.join(p))
-}
-
-/// How every file below a workdir is opened: resolved by the kernel beneath
-/// the workdir's descriptor, through no symlink and no magic link (openat2,
-/// Linux 5.6+). `confine` has already refused `..`, absolute paths and the
-/// symlinks it saw, with words; this closes the race in which a command
-/// swaps a directory for a symlink between that check and the open.
-fn open_beneath(
-    dir: &impl std::os::fd::AsFd,
-    path: &Path,
-    flags: nix::fcntl::OFlag,
-) -> Result<std::os::fd::OwnedFd, nix::Error> {
-    use nix::fcntl::{OFlag, OpenHow, ResolveFlag, openat2};
-    let mut how = OpenHow::new()
-        .flags(flags | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW)
-        .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS);
-    // openat2 refuses a mode without O_CREAT.
-    if flags.contains(OFlag::O_CREAT) {
-        how = how.mode(nix::sys::stat::Mode::from_bits_truncate(0o644));
-    }
-    openat2(dir, path, how)
-}
-
-fn open_workdir(workdir: &Path) -> Result<std::fs::File, String> {
-    std::fs::File::open(workdir).map_err(|e| format!("the workdir: {e}"))
-}
-
-/// Says why an open beneath the workdir failed, in the tool's words.
-fn beneath_error(path: &str, e: nix::Error) -> String {
-    match e {
-        nix::Error::EXDEV | nix::Error::ELOOP => {
-            format!("{path:?} leads out of the workdir (through a symlink or `..`): refused")
-        }
-        nix::Error::ENOSYS => {
-            "this kernel has no openat2 (Linux 5.6 or newer is needed): file tools are refused"
-                .into()
-        }
-        other => format!("{path}: {}", std::io::Error::from(other)),
-    }
-}
-
-/// Whether `path` is a regular file beneath the workdir, reached through no symlink.
-pub fn is_file_beneath(workdir: &Path, path: &str) -> bool {
-    let Ok(dir) = open_workdir(workdir) else {
-        return false;
-    };
-    open_beneath(&dir, Path::new(path), nix::fcntl::OFlag::O_PATH)
-        .map(std::fs::File::from)
-        .ok()
-        .and_then(|f| f.metadata().ok())
-        .is_some_and(|m| m.is_file())
-}
-
-pub fn read_confined(workdir: &Path, path: &str) -> Result<String, String> {
-    confine(workdir, path)?;
-    let dir = open_workdir(workdir)?;
-    let file = open_beneath(&dir, Path::new(path), nix::fcntl::OFlag::O_RDONLY)
-        .map(std::fs::File::from)
-        .map_err(|e| beneath_error(path, e))?;
-    let meta = file.metadata().map_err(|e| format!("{path}: {e}"))?;
-    if !meta.is_file() {
-        return Err(format!("{path} is not a file"));
-    }
-    if meta.len() > READ_LIMIT {
-        return Err(format!(
-            "{path} is {} bytes; read_file returns at most {READ_LIMIT}",
-            meta.len()
-        ));
-    }
-    let mut bytes = vec![];
-    std::io::Read::read_to_end(&mut std::io::Read::take(&file, READ_LIMIT), &mut bytes)
-        .map_err(|e| format!("{path}: {e}"))?;
-    Ok(String::from_utf8_lossy(&bytes).into_owned())
-}
-
-/// Writes a file below the workdir; on a root node, what it makes belongs to
-/// the sandbox's user, so the job's commands can change it.
-pub fn write_confined(
-    workdir: &Path,
-    path: &str,
-    content: &str,
-    owner: Option<SandboxUser>,
-) -> Result<(), String> {
-    let chown = |fd: &dyn std::os::fd::AsFd| match owner {
-        Some(SandboxUser(id)) => {
-            std::os::unix::fs::fchown(fd, Some(id), Some(id)).map_err(|e| format!("{path}: {e}"))
-        }
-        None => Ok(()),
-    };
-    use nix::fcntl::OFlag;
-    confine(workdir, path)?;
-    let rel = Path::new(path);
-    let name = rel
-        .file_name()
-        .ok_or_else(|| format!("{path:?} names no file"))?;
-    // Each directory on the way is made and then opened beneath the last.
-    let mut dir: std::os::fd::OwnedFd = open_workdir(workdir)?.into();
-    for part in rel.parent().into_iter().flat_map(|p| p.components()) {
-        let Component::Normal(part) = part else {
-            continue;
-        };
-        let made = match nix::sys::stat::mkdirat(
-            &dir,
-            part,
-            nix::sys::stat::Mode::from_bits_truncate(0o755),
-        ) {
-            Ok(()) => true,
-            Err(nix::Error::EEXIST) => false,
-            Err(e) => return Err(beneath_error(path, e)),
-        };
-        dir = open_beneath(&dir, Path::new(part), OFlag::O_DIRECTORY | OFlag::O_RDONLY)
-            .map_err(|e| beneath_error(path, e))?;
-        if made {
-            chown(&dir)?;
-        }
-    }
-    let file = open_beneath(
-        &dir,
-        Path::new(name),
-        OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_TRUNC,
-    )
-    .map(std::fs::File::from)
-    .map_err(|e| beneath_error(path, e))?;
-    chown(&file)?;
-    std::io::Write::write_all(&mut &file, content.as_bytes()).map_err(|e| format!("{path}: {e}"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn confine_refuses_what_leaves_the_workdir() {
-        let dir = tempfile::tempdir().unwrap();
-        let root = dir.path();
-        std::os::unix::fs::symlink("/etc", root.join("out")).unwrap();
-        let check = |path: &str, ok: bool| {
-            assert_eq!(confine(root, path).is_ok(), ok, "{path}");
-        };
-        check("notes/a.txt", true);
-        check("./a.txt", true);
-        check("/etc/passwd", false);
-        check("../x", false);
-        check("a/../../x", false);
-        check("out/passwd", false);
-        check("", false);
-    }
-
-    /// The kernel's half on its own: what `confine` would have refused by
-    /// words is refused by openat2 too, for a symlink made after any check.
-    #[test]
-    fn openat2_refuses_symlinks_and_dot_dot_by_itself() {
-        let dir = tempfile::tempdir().unwrap();
-        let root = dir.path();
-        std::fs::create_dir(root.join("real")).unwrap();
-        std::fs::write(root.join("real/f.txt"), "x").unwrap();
-        std::os::unix::fs::symlink("/etc", root.join("out")).unwrap();
-        std::os::unix::fs::symlink(root.join("real/f.txt"), root.join("inner-link")).unwrap();
-        let fd = std::fs::File::open(root).unwrap();
-        let open = |p: &str| open_beneath(&fd, Path::new(p), nix::fcntl::OFlag::O_RDONLY);
-        assert!(open("real/f.txt").is_ok());
-        for p in [
-            "out/passwd",
-            "inner-link",
-            "../x",
-            "real/../../x",
-            "/etc/passwd",
-        ] {
-            let e = open(p).expect_err(p);
-            assert!(
-                matches!(e, nix::Error::EXDEV | nix::Error::ELOOP),
-                "{p}: {e}"
-            );
-        }
-        assert!(is_file_beneath(root, "real/f.txt"));
-        assert!(
-            !is_file_beneath(root, "inner-link"),
-            "a symlink is no file here"
-        );
-        assert!(!is_file_beneath(root, "real"), "nor a directory");
-    }
 
     fn args(workdir: &Path, posture: Posture, runs_commands: bool) -> SandboxArgs {
         SandboxArgs {
@@ -982,13 +777,5 @@ mod tests {
         );
         assert!(outcome.stdout.bytes().all(|b| b == b'a'));
         sandbox.stop(None);
-    }
-
-    #[test]
-    fn write_then_read_round_trips_inside_the_workdir() {
-        let dir = tempfile::tempdir().unwrap();
-        write_confined(dir.path(), "sub/dir/f.txt", "hello", None).unwrap();
-        assert_eq!(read_confined(dir.path(), "sub/dir/f.txt").unwrap(), "hello");
-        assert!(read_confined(dir.path(), "missing.txt").is_err());
     }
 }

@@ -7,9 +7,9 @@
 use crate::providers::Models;
 use crate::recovery::{self, RecoveryReport, RunOutcome};
 use crate::workspace::Workspace;
-use arbor_actors::seal::Posture;
 use arbor_actors::{EventBus, ModelFactory, Node, NodeArgs, NodeContext, NodeMsg};
 use arbor_protocol::{JobId, Refusal, RunId, RunSpec, Tree};
+use arbor_sandbox::seal::Posture;
 use arbor_storage::Journal;
 use ractor::ActorRef;
 use std::path::{Path, PathBuf};

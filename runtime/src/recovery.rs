@@ -234,7 +234,7 @@ fn retell_lost_ends(
 /// still the same process, and every member that outlived it.
 fn kill_if_same(sandbox: &SandboxRecord) -> bool {
     use nix::sys::signal::{Signal, kill};
-    let members = arbor_storage::group_members(sandbox.pgid, sandbox.start_ticks, &sandbox.boot_id);
+    let members = arbor_sandbox::group_members(sandbox.pgid, sandbox.start_ticks, &sandbox.boot_id);
     for pid in &members {
         let _ = kill(nix::unistd::Pid::from_raw(*pid), Signal::SIGKILL);
     }

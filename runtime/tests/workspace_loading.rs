@@ -564,7 +564,7 @@ fn secret_names_must_be_environment_names_and_sandbox_keys_are_checked() {
     };
     let c = config("[sandbox]\nmode = \"none\"\nsecrets_file = \"s.env\"\nmemory = \"1GiB\"\n")
         .unwrap();
-    assert_eq!(c.isolation, arbor_actors::seal::SandboxIsolation::None);
+    assert_eq!(c.isolation, arbor_sandbox::seal::SandboxIsolation::None);
     assert_eq!(c.secrets_file, Some(PathBuf::from("ws/s.env")));
     assert_eq!(c.sandbox.memory_bytes, Some(1 << 30));
     assert_eq!(

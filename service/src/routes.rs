@@ -846,8 +846,8 @@ async fn node_status(State(shared): S) -> Reply {
                 let posture = shared.node.sandbox();
                 SandboxPosture {
                     mode: match posture.mode {
-                        arbor_actors::seal::SandboxIsolation::Sealed => "sealed",
-                        arbor_actors::seal::SandboxIsolation::None => "none",
+                        arbor_sandbox::seal::SandboxIsolation::Sealed => "sealed",
+                        arbor_sandbox::seal::SandboxIsolation::None => "none",
                     }
                     .into(),
                     sealed: posture.sealed,

@@ -75,7 +75,6 @@ mod engine;
 mod error;
 mod faults;
 mod journal;
-mod proc_start;
 mod record;
 mod sled_engine;
 mod table;
@@ -86,7 +85,6 @@ pub use engine::{Counters, Durable, Engine, OwnedRow, Span, Visit, WalkVisit};
 pub use error::Error;
 pub use faults::{Crash, CrashKind, CrashPoint, Faults};
 pub use journal::{Journal, Prepared, ScanReport, Undecodable};
-pub use proc_start::{group_members, process_start, same_process};
 pub use record::{
     DelegationRecord, JobRecord, LedgerOp, LedgerRecord, LedgerTotals, Record, RunRecord,
     SandboxRecord, SandboxState, SteerRecord, SteerState, ledger_of, ledger_totals, usd_totals,

@@ -5,9 +5,10 @@
 //! accounts that do not balance.
 
 use arbor_protocol::{JobId, ParentRef, RunId};
+use arbor_sandbox::{process_start, same_process};
 use arbor_storage::{
     Error, Journal, LedgerOp, LedgerRecord, Record, SandboxRecord, SandboxState, SteerRecord,
-    SteerState, process_start, same_process,
+    SteerState,
 };
 use std::future::Future;
 use std::os::unix::process::CommandExt;

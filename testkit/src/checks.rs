@@ -102,10 +102,10 @@ pub fn recovered(journal: &Journal, seen: &mut Seen) -> Checked {
             for g in groups {
                 // I-17: a killed process is gone within 2 s.
                 let deadline = Instant::now() + Duration::from_secs(2);
-                let mut alive = arbor_storage::group_members(g.pgid, g.start_ticks, &g.boot_id);
+                let mut alive = arbor_sandbox::group_members(g.pgid, g.start_ticks, &g.boot_id);
                 while !alive.is_empty() && Instant::now() < deadline {
                     std::thread::sleep(Duration::from_millis(10));
-                    alive = arbor_storage::group_members(g.pgid, g.start_ticks, &g.boot_id);
+                    alive = arbor_sandbox::group_members(g.pgid, g.start_ticks, &g.boot_id);
                 }
                 if !alive.is_empty() {
                     fail(format!(

@@ -22,8 +22,8 @@
 //!   after its first command.
 
 use arbor_actors::sandbox::SandboxArgs;
-use arbor_actors::seal::{Posture, SandboxIsolation};
 use arbor_actors::{Sandbox, SandboxMsg};
+use arbor_sandbox::seal::{Posture, SandboxIsolation};
 use arbor_tests::measure::{self, Latency};
 use ractor::Actor;
 use std::path::Path;

@@ -18,8 +18,8 @@ async fn lone_account(dir: &std::path::Path, grant: u64) -> (ActorRefAccount, Jo
         models: Arc::new(DefaultModels),
         work_root: dir.join("work"),
         sandbox_roots: dir.join("roots"),
-        sandbox: Arc::new(arbor_actors::seal::Posture::assumed(
-            arbor_actors::seal::SandboxIsolation::Sealed,
+        sandbox: Arc::new(arbor_sandbox::seal::Posture::assumed(
+            arbor_sandbox::seal::SandboxIsolation::Sealed,
         )),
         secrets: Default::default(),
     });
