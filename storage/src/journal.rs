@@ -17,8 +17,7 @@ use crate::codec;
 use crate::engine::{Counters, Engine, Span};
 use crate::faults::Faults;
 use crate::record::{
-    DelegationRecord, JobRecord, LedgerRecord, Record, RunRecord, SandboxRecord, SandboxState,
-    SteerRecord,
+    DelegationRecord, JobRecord, LedgerRecord, RunRecord, SandboxRecord, SandboxState, SteerRecord,
 };
 use crate::sled_engine::SledEngine;
 use crate::table::{self, AnyTable, JOURNAL_TABLES, Key, KeyedBy, Row, TABLES, Table, TableDef};
@@ -35,6 +34,39 @@ pub struct Journal {
 }
 
 type CommitObserver = Box<dyn Fn(std::time::Duration) + Send + Sync>;
+
+/// Everything the journal stores, as handed to `Journal::append`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Record {
+    Run(RunRecord),
+    Job(JobRecord),
+    Ledger(LedgerRecord),
+    Delegation(DelegationRecord),
+    Steer(SteerRecord),
+    Event(Event),
+    /// An event whose value the emitter encoded already (`EncodedEvent`).
+    EncodedEvent(codec::EncodedEvent),
+    Sandbox(SandboxRecord),
+    /// A row of a table whose records another crate defines (`Table::row`).
+    Row(Row),
+}
+
+impl Record {
+    /// The boot epoch the record was written in; `None` for events, which
+    /// carry no epoch (their run's records do).
+    pub fn epoch(&self) -> Option<u64> {
+        match self {
+            Record::Run(run) => Some(run.epoch),
+            Record::Job(job) => Some(job.epoch),
+            Record::Ledger(entry) => Some(entry.epoch),
+            Record::Delegation(delegation) => Some(delegation.epoch),
+            Record::Steer(steer) => Some(steer.epoch),
+            Record::Event(_) | Record::EncodedEvent(_) => None,
+            Record::Sandbox(sandbox) => Some(sandbox.epoch),
+            Record::Row(row) => row.epoch,
+        }
+    }
+}
 
 /// What `Journal::scan` found.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

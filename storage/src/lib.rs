@@ -84,10 +84,10 @@ pub use codec::{EncodedEvent, EventTail};
 pub use engine::{Counters, Durable, Engine, OwnedRow, Span, Visit, WalkVisit};
 pub use error::Error;
 pub use faults::{Crash, CrashKind, CrashPoint, Faults};
-pub use journal::{Journal, Prepared, ScanReport, Undecodable};
+pub use journal::{Journal, Prepared, Record, ScanReport, Undecodable};
 pub use record::{
-    DelegationRecord, JobRecord, LedgerOp, LedgerRecord, LedgerTotals, Record, RunRecord,
-    SandboxRecord, SandboxState, SteerRecord, SteerState, ledger_of, ledger_totals, usd_totals,
+    DelegationRecord, JobRecord, LedgerOp, LedgerRecord, LedgerTotals, RunRecord, SandboxRecord,
+    SandboxState, SteerRecord, SteerState, ledger_of, ledger_totals, usd_totals,
 };
 pub use sled_engine::{SledEngine, open_db};
 pub use table::{

@@ -16,42 +16,9 @@
 //! 4. Sandbox records are states too: one per process group, `Live` until
 //!    the group is known to have ended.
 
-use arbor_protocol::{ErrorClass, Event, JobId, NodeKind, ParentRef, RunId, Status, TaskStatus};
+use arbor_protocol::{ErrorClass, JobId, NodeKind, ParentRef, RunId, Status, TaskStatus};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-
-/// Everything the journal stores, as handed to `Journal::append`.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Record {
-    Run(RunRecord),
-    Job(JobRecord),
-    Ledger(LedgerRecord),
-    Delegation(DelegationRecord),
-    Steer(SteerRecord),
-    Event(Event),
-    /// An event whose value the emitter encoded already (`EncodedEvent`).
-    EncodedEvent(crate::codec::EncodedEvent),
-    Sandbox(SandboxRecord),
-    /// A row of a table whose records another crate defines (`Table::row`).
-    Row(crate::table::Row),
-}
-
-impl Record {
-    /// The boot epoch the record was written in; `None` for events, which
-    /// carry no epoch (their run's records do).
-    pub fn epoch(&self) -> Option<u64> {
-        match self {
-            Record::Run(run) => Some(run.epoch),
-            Record::Job(job) => Some(job.epoch),
-            Record::Ledger(entry) => Some(entry.epoch),
-            Record::Delegation(delegation) => Some(delegation.epoch),
-            Record::Steer(steer) => Some(steer.epoch),
-            Record::Event(_) | Record::EncodedEvent(_) => None,
-            Record::Sandbox(sandbox) => Some(sandbox.epoch),
-            Record::Row(row) => row.epoch,
-        }
-    }
-}
 
 /// The latest state of one run.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

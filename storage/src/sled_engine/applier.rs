@@ -2,8 +2,9 @@
 //! them to sled in batches, each one transaction with `meta/seq`; flushes
 //! and syncs sled at checkpoints (`overlay.rs` has the invariants).
 
+use super::handle::{META, META_SEQ, Progress, Trees};
 use super::overlay::{Overlay, Work};
-use super::{META, META_SEQ, Progress, Trees, chunk, fsync::DiskSync, wal};
+use super::{chunk, fsync::DiskSync, wal};
 use crate::Error;
 use crate::faults::Faults;
 use crate::table::{JOURNAL_TABLES, Shape};

@@ -3,9 +3,9 @@
 //! `fdatasync`, publishes the last seq they carry as durable and wakes the
 //! waiters; it starts new log segments and asks the applier for checkpoints.
 
+use super::handle::{Pending, Progress, Waiter};
 use super::overlay::Work;
 use super::wal::{self, Wal};
-use super::{Pending, Progress, Waiter};
 use crate::Error;
 use crate::faults::{CrashKind, CrashPoint, Faults};
 use std::sync::atomic::Ordering;

@@ -5,11 +5,11 @@
 use super::applier::{APPLY_STEP, Applier};
 use super::flusher::{Flusher, start_thread};
 use super::fsync::DiskSync;
-use super::overlay::Overlay;
-use super::wal::{self, Wal};
-use super::{
+use super::handle::{
     META, META_EPOCH, META_FORMAT, META_SEQ, Pending, Progress, SledEngine, Trees, Unstarted,
 };
+use super::overlay::Overlay;
+use super::wal::{self, Wal};
 use crate::Error;
 use crate::codec;
 use crate::faults::Faults;

@@ -2,8 +2,9 @@
 //! overlay's lock (`overlay.rs`, invariant 1), and a history table's chunks
 //! unpacked into rows (`chunk.rs`).
 
+use super::chunk;
+use super::handle::{META, META_EPOCH, META_FORMAT, META_SEQ, SledEngine};
 use super::overlay::Work;
-use super::{META, META_EPOCH, META_FORMAT, META_SEQ, SledEngine, chunk};
 use crate::Error;
 use crate::codec;
 use crate::engine::{OwnedRow, Visit, WalkVisit};
