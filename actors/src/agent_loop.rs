@@ -14,7 +14,6 @@
 
 use crate::account::{AccountMsg, CallHold};
 use crate::context::NodeContext;
-use crate::job::JobMsg;
 use crate::model::{
     CallMeter, Message, Model, ModelError, ModelInfo, ModelReply, ModelRequest, ToolCall,
 };
@@ -22,8 +21,8 @@ use crate::sandbox::SandboxMsg;
 use arbor_protocol::tools::parse_duration_arg;
 use arbor_protocol::{
     AgentDef, Amount, CallFacts, CollectArgs, DelegateArgs, ErrorClass, EventKind, ExecArgs, JobId,
-    ReadFileArgs, Refusal, RunId, SendMessageArgs, StopChildArgs, SubmitOutputArgs, TaskStatus,
-    ToolName, Usage, WriteFileArgs,
+    ReadFileArgs, Refusal, ResultEnvelope, RunId, SendMessageArgs, StopChildArgs, SubmitOutputArgs,
+    TaskStatus, ToolName, Usage, WriteFileArgs,
 };
 use futures::FutureExt;
 use ractor::{ActorRef, RpcReplyPort};
@@ -32,17 +31,60 @@ use std::collections::BTreeMap;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 /// The notice a model request carries once spend has crossed the wind-down share.
 pub const WIND_DOWN_NOTICE: &str = "Budget notice: most of your budget is spent. Finish now: submit your best answer with submit_output, and list what is missing in limitations.";
 
+/// What the loop asks of its job. The loop's own words: the Job wraps them
+/// (`JobMsg::Loop`), so the loop names no type of the job's.
+pub enum LoopMsg {
+    Delegate {
+        args: DelegateArgs,
+        call_id: String,
+        reply: RpcReplyPort<Result<Vec<ChildHandle>, Refusal>>,
+    },
+    Collect {
+        children: Vec<String>,
+        timeout: Option<Duration>,
+        /// A waiting delegate call: children still running at the timeout are stopped.
+        stop_on_timeout: bool,
+        reply: RpcReplyPort<Result<Vec<ResultEnvelope>, Refusal>>,
+    },
+    StopChild {
+        child: String,
+        reply: RpcReplyPort<Result<String, Refusal>>,
+    },
+    SendMessage {
+        child: String,
+        text: String,
+        reply: RpcReplyPort<Result<u64, Refusal>>,
+    },
+    TakeSteering {
+        turn: u32,
+        reply: RpcReplyPort<Vec<String>>,
+    },
+}
+
+/// What `delegate` returns for each child it started.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ChildHandle {
+    pub label: String,
+    pub id: JobId,
+    pub agent: String,
+    pub grant_tokens: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grant_usd_micros: Option<u64>,
+}
+
 pub struct LoopArgs {
     pub ctx: Arc<NodeContext>,
     pub run: RunId,
     pub id: JobId,
-    pub job: ActorRef<JobMsg>,
+    /// Its job, spoken to in the loop's own words (`LoopMsg`).
+    pub job: ractor::DerivedActorRef<LoopMsg>,
     pub account: ActorRef<AccountMsg>,
     /// None when no tool that uses a sandbox is offered (`ToolName::SANDBOX`).
     pub sandbox: Option<ActorRef<SandboxMsg>>,
@@ -129,7 +171,7 @@ pub async fn run(args: LoopArgs) -> LoopOutcome {
         // after this look waits for the next boundary, as it would had it
         // come a moment later.
         let taken = if args.steering_queued.load(Ordering::Acquire) > 0 {
-            ractor::call!(args.job, |reply| JobMsg::TakeSteering { turn, reply })
+            ractor::call!(args.job, |reply| LoopMsg::TakeSteering { turn, reply })
         } else {
             Ok(vec![])
         };
@@ -769,7 +811,7 @@ async fn call_tool(args: &LoopArgs, call: &ToolCall) -> Step {
         ToolName::Delegate => delegate(args, &call.id, &call.args).await,
         ToolName::Collect => collect(args, &call.args).await,
         ToolName::StopChild => match parse::<StopChildArgs>(tool, &call.args) {
-            Ok(a) => actor_call(&args.job, |reply| JobMsg::StopChild {
+            Ok(a) => actor_call(&args.job, |reply| LoopMsg::StopChild {
                 child: a.child,
                 reply,
             })
@@ -778,7 +820,7 @@ async fn call_tool(args: &LoopArgs, call: &ToolCall) -> Step {
             Err(e) => Err(e),
         },
         ToolName::SendMessage => match parse::<SendMessageArgs>(tool, &call.args) {
-            Ok(a) => actor_call(&args.job, |reply| JobMsg::SendMessage {
+            Ok(a) => actor_call(&args.job, |reply| LoopMsg::SendMessage {
                 child: a.child,
                 text: a.message,
                 reply,
@@ -849,7 +891,7 @@ async fn delegate(
     let delegate: DelegateArgs = parse(ToolName::Delegate, raw)?;
     let timeout = parse_duration_arg("timeout", delegate.timeout.as_deref())?;
     let wait = delegate.wait;
-    let handles = actor_call(&args.job, |reply| JobMsg::Delegate {
+    let handles = actor_call(&args.job, |reply| LoopMsg::Delegate {
         args: delegate,
         call_id: call_id.to_string(),
         reply,
@@ -859,7 +901,7 @@ async fn delegate(
         return Ok(serde_json::to_value(&handles).unwrap_or_default());
     }
     let labels = handles.iter().map(|h| h.label.clone()).collect();
-    let results = actor_call(&args.job, |reply| JobMsg::Collect {
+    let results = actor_call(&args.job, |reply| LoopMsg::Collect {
         children: labels,
         timeout,
         stop_on_timeout: true,
@@ -872,7 +914,7 @@ async fn delegate(
 async fn collect(args: &LoopArgs, raw: &serde_json::Value) -> Result<serde_json::Value, String> {
     let collect: CollectArgs = parse(ToolName::Collect, raw)?;
     let timeout = parse_duration_arg("timeout", collect.timeout.as_deref())?;
-    let results = actor_call(&args.job, |reply| JobMsg::Collect {
+    let results = actor_call(&args.job, |reply| LoopMsg::Collect {
         children: collect.children,
         timeout,
         stop_on_timeout: false,
@@ -884,8 +926,8 @@ async fn collect(args: &LoopArgs, raw: &serde_json::Value) -> Result<serde_json:
 
 /// Calls the job actor; a refusal or a gone actor becomes the tool's error text.
 async fn actor_call<T: Send + 'static>(
-    job: &ActorRef<JobMsg>,
-    msg: impl FnOnce(RpcReplyPort<Result<T, Refusal>>) -> JobMsg,
+    job: &ractor::DerivedActorRef<LoopMsg>,
+    msg: impl FnOnce(RpcReplyPort<Result<T, Refusal>>) -> LoopMsg,
 ) -> Result<T, String> {
     match job.call(msg, None).await {
         Ok(ractor::rpc::CallResult::Success(Ok(v))) => Ok(v),

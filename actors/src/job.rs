@@ -27,27 +27,28 @@
 
 mod children;
 mod delegation;
+mod messages;
 mod settlement;
 mod steering;
 
-pub use delegation::delegation_digest;
-pub(crate) use settlement::{Terminal, dead_envelope, final_envelope};
+pub use messages::{Brief, JobMsg};
 
 use children::Children;
 
 use crate::account::{Account, AccountArgs, AccountMsg, Grant, SpentMeter};
-use crate::agent_loop::{self, LoopArgs, LoopEnd, LoopOutcome};
+pub use crate::agent_loop::ChildHandle;
+use crate::agent_loop::{self, LoopArgs, LoopEnd, LoopMsg, LoopOutcome};
 use crate::context::{NodeContext, RunContext};
+use crate::parent::{ChildReport, Parent};
 use crate::policy::Policy;
-use crate::run::RunMsg;
 use crate::sandbox::{Sandbox, SandboxArgs, SandboxMsg};
 use arbor_protocol::{
-    AgentDef, DelegateArgs, ErrorClass, EventKind, JobId, NodeKind, ParentRef, Refusal,
-    ResultEnvelope, RunId, Status, TaskStatus, ToolName,
+    AgentDef, ErrorClass, EventKind, JobId, NodeKind, ParentRef, ResultEnvelope, RunId, Status,
+    TaskStatus, ToolName,
 };
 use arbor_storage::{JobRecord, Record, SteerState};
 use futures::FutureExt;
-use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
+use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use std::collections::{BTreeMap, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
@@ -79,36 +80,6 @@ pub struct Lineage {
     pub label: Option<String>,
 }
 
-/// What the job is asked to do, resolved from the request and the agent.
-#[derive(Clone, Debug)]
-pub struct Brief {
-    pub request: String,
-    pub max_turns: u32,
-    pub timeout: Option<Duration>,
-    pub output_schema: Option<serde_json::Value>,
-    pub require_artifacts: Vec<String>,
-}
-
-#[derive(Clone)]
-pub enum ParentHandle {
-    Run(ActorRef<RunMsg>),
-    Job(ActorRef<JobMsg>),
-}
-
-impl ParentHandle {
-    fn report(&self, report: ChildReport) {
-        // A parent that is gone has nobody left to tell.
-        match self {
-            ParentHandle::Run(run) => {
-                let _ = run.cast(RunMsg::ChildEnded { report });
-            }
-            ParentHandle::Job(job) => {
-                let _ = job.cast(JobMsg::ChildEnded { report });
-            }
-        }
-    }
-}
-
 pub struct JobStart {
     pub ctx: Arc<NodeContext>,
     pub run_ctx: Arc<RunContext>,
@@ -118,93 +89,13 @@ pub struct JobStart {
     pub policy: Policy,
     pub grant: Grant,
     pub workdir: PathBuf,
-    pub parent: ParentHandle,
+    /// What it reports its end to: its Run or its parent Job, the same way.
+    pub parent: Parent,
     /// A child of the parent's token: a stop anywhere above cancels in-flight work here at once.
     pub cancel: CancellationToken,
     pub meter: SpentMeter,
     /// The journal seq of its durable admission record.
     pub record_seq: u64,
-}
-
-/// A child's final word to its parent.
-#[derive(Clone, Debug)]
-pub struct ChildReport {
-    pub id: JobId,
-    pub envelope: ResultEnvelope,
-}
-
-/// What `delegate` returns for each child it started.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct ChildHandle {
-    pub label: String,
-    pub id: JobId,
-    pub agent: String,
-    pub grant_tokens: u64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub grant_usd_micros: Option<u64>,
-}
-
-pub enum JobMsg {
-    // From its own loop.
-    Delegate {
-        args: DelegateArgs,
-        call_id: String,
-        reply: RpcReplyPort<Result<Vec<ChildHandle>, Refusal>>,
-    },
-    Collect {
-        children: Vec<String>,
-        timeout: Option<Duration>,
-        /// A waiting delegate call: children still running at the timeout are stopped.
-        stop_on_timeout: bool,
-        reply: RpcReplyPort<Result<Vec<ResultEnvelope>, Refusal>>,
-    },
-    StopChild {
-        child: String,
-        reply: RpcReplyPort<Result<String, Refusal>>,
-    },
-    SendMessage {
-        child: String,
-        text: String,
-        reply: RpcReplyPort<Result<u64, Refusal>>,
-    },
-    TakeSteering {
-        turn: u32,
-        reply: RpcReplyPort<Vec<String>>,
-    },
-    LoopEnded {
-        outcome: LoopOutcome,
-    },
-    // From its parent or an operator.
-    Steer {
-        text: String,
-        reply: Option<RpcReplyPort<Result<u64, Refusal>>>,
-    },
-    Stop {
-        reason: String,
-        propagated: bool,
-    },
-    /// An operator stops one of this job's children by id.
-    StopChildById {
-        id: JobId,
-        reason: String,
-    },
-    // From its children and timers.
-    ChildEnded {
-        report: ChildReport,
-    },
-    /// A child's actor ended; if it never reported, it failed.
-    ChildGone {
-        actor: ractor::ActorId,
-        why: String,
-    },
-    WaitTimedOut {
-        waiter: u64,
-    },
-    /// The children's ends appended so far are durable (or the journal failed).
-    EndsDurable {
-        result: Result<(), String>,
-    },
-    TimedOut,
 }
 
 impl Actor for Job {
@@ -388,21 +279,21 @@ impl Actor for Job {
         // inline, these made every job hold 8.5 KB for its whole life
         // (docs/benchmarks.md, P4); boxed, it holds their pointers.
         match message {
-            JobMsg::Delegate {
+            JobMsg::Loop(LoopMsg::Delegate {
                 args,
                 call_id,
                 reply,
-            } => {
+            }) => {
                 let result = Box::pin(state.delegate(&myself, args, &call_id)).await;
                 let _ = reply.send(result);
             }
-            JobMsg::Collect {
+            JobMsg::Loop(LoopMsg::Collect {
                 children,
                 timeout,
                 stop_on_timeout,
                 reply,
-            } => state.collect(&myself, children, timeout, stop_on_timeout, reply),
-            JobMsg::StopChild { child, reply } => {
+            }) => state.collect(&myself, children, timeout, stop_on_timeout, reply),
+            JobMsg::Loop(LoopMsg::StopChild { child, reply }) => {
                 let result = state.children.resolve(&child).and_then(|label| {
                     state.stop_child_label(&label, "stopped by its parent", false)
                 });
@@ -413,8 +304,10 @@ impl Actor for Job {
                     let _ = state.stop_child_label(&label, &reason, false);
                 }
             }
-            JobMsg::SendMessage { child, text, reply } => state.send_message(child, text, reply),
-            JobMsg::TakeSteering { turn, reply } => {
+            JobMsg::Loop(LoopMsg::SendMessage { child, text, reply }) => {
+                state.send_message(child, text, reply)
+            }
+            JobMsg::Loop(LoopMsg::TakeSteering { turn, reply }) => {
                 let texts = state.deliver_steering(turn);
                 let _ = reply.send(texts);
             }
@@ -562,7 +455,7 @@ pub struct JobState {
     offered: Arc<BTreeMap<ToolName, Result<(), String>>>,
     grant: Grant,
     workdir: PathBuf,
-    parent: ParentHandle,
+    parent: Parent,
     cancel: CancellationToken,
     /// Cancels the subtree's in-flight work even when ractor kills this actor
     /// and skips post_stop: the state is dropped either way.
@@ -606,7 +499,7 @@ impl JobState {
             ctx: self.ctx.clone(),
             run: self.lineage.run,
             id: self.lineage.id,
-            job: myself.clone(),
+            job: myself.get_derived(),
             account: self.account.clone(),
             sandbox: self.sandbox.clone(),
             model,
@@ -793,7 +686,8 @@ impl JobState {
             reason = envelope.error.as_deref().unwrap_or(""),
             "job ended"
         );
-        self.parent.report(ChildReport {
+        // A parent that is gone has nobody left to tell.
+        let _ = self.parent.send_message(ChildReport {
             id: self.lineage.id,
             envelope,
         });

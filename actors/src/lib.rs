@@ -13,6 +13,7 @@ pub mod events;
 pub mod job;
 pub mod model;
 pub mod node;
+pub mod parent;
 pub mod policy;
 pub mod run;
 pub mod sandbox;

@@ -12,7 +12,8 @@
 use crate::account::{Account, AccountArgs, AccountMsg, Grant, GrantAsk, Share, SpentMeter};
 use crate::context::{NodeContext, RunContext};
 use crate::ends::Ends;
-use crate::job::{self, Brief, ChildReport, Job, JobMsg, JobStart, Lineage, ParentHandle};
+use crate::job::{self, Brief, Job, JobMsg, JobStart, Lineage};
+use crate::parent::{ChildEnd, ChildReport, StopReason, record_child_end};
 use crate::policy::Policy;
 use arbor_protocol::{
     ErrorClass, EventKind, JobId, NodeKind, ParentRef, ResultEnvelope, RunId, RunSpec, Status,
@@ -51,6 +52,23 @@ pub struct Resume {
     pub spent: arbor_protocol::Amount,
     /// Spawns the run had counted (I-05: never reset by a restart).
     pub spawned: u64,
+}
+
+/// A step's report arrives as `RunMsg::ChildEnded` (`parent::Parent`).
+impl From<ChildReport> for RunMsg {
+    fn from(report: ChildReport) -> Self {
+        RunMsg::ChildEnded { report }
+    }
+}
+
+impl TryFrom<RunMsg> for ChildReport {
+    type Error = ();
+    fn try_from(message: RunMsg) -> Result<Self, ()> {
+        match message {
+            RunMsg::ChildEnded { report } => Ok(report),
+            _ => Err(()),
+        }
+    }
 }
 
 pub enum RunMsg {
@@ -293,7 +311,7 @@ struct StepEntry {
     actor: Option<ActorRef<JobMsg>>,
     grant: Grant,
     meter: SpentMeter,
-    stop_reason: Option<(String, bool)>,
+    stop_reason: Option<StopReason>,
     envelope: Option<ResultEnvelope>,
 }
 
@@ -457,8 +475,8 @@ impl RunState {
                 },
                 policy: Policy::root(&agent),
                 grant,
-                workdir: self.ctx.work_root.join(self.id.to_string()).join(&label),
-                parent: ParentHandle::Run(myself.clone()),
+                workdir: self.step_workdir(&label, attempt),
+                parent: myself.get_derived(),
                 cancel: self.cancel.child_token(),
                 meter: meter.clone(),
                 agent: agent.clone(),
@@ -503,7 +521,7 @@ impl RunState {
         })?;
         Some(ChildReport {
             id: step.id,
-            envelope: job::dead_envelope(
+            envelope: crate::parent::dead_envelope(
                 step.id,
                 &step.label,
                 1,
@@ -540,7 +558,7 @@ impl RunState {
             && step.envelope.is_none()
             && step.stop_reason.is_none()
         {
-            step.stop_reason = Some((reason.to_string(), propagated));
+            step.stop_reason = Some(StopReason::new(reason, propagated));
             let Some(actor) = &step.actor else { return };
             let _ = actor.cast(JobMsg::Stop {
                 reason: reason.to_string(),
@@ -585,30 +603,27 @@ impl RunState {
         if step.envelope.is_some() {
             return Ok(());
         }
-        // I-16: a stopped step's output never reaches the run's result.
-        let envelope = job::final_envelope(&step.stop_reason, report.envelope);
-        let _ = ractor::call!(self.account, |reply| AccountMsg::Settle {
-            child: step.id,
-            spent: envelope.spent(),
-            reply
-        });
         // Appended, not committed (I-29): steps that end together share one
         // sync. Their `NodeFinished` waits in `ended` until a flush covers
         // it; the next group's admission and the run's own end are commits,
         // which cover every end appended before them.
-        let (record, finished) = job::Terminal {
-            run: self.id,
-            parent: ParentRef::Run(self.id),
-            agent: &step.agent,
-            kind: NodeKind::Step,
-            depth: 0,
-            envelope: &envelope,
-            grant: step.grant.tokens,
-            propagated: step.stop_reason.as_ref().is_some_and(|r| r.1),
-        }
-        .record(&self.ctx);
-        let seq = self.ctx.journal.append(vec![record])?;
-        self.ended.push(seq, finished);
+        let envelope = record_child_end(
+            &self.ctx,
+            &self.account,
+            &mut self.ended,
+            ChildEnd {
+                id: step.id,
+                run: self.id,
+                parent: ParentRef::Run(self.id),
+                agent: &step.agent,
+                kind: NodeKind::Step,
+                depth: 0,
+                grant_tokens: step.grant.tokens,
+                stop: step.stop_reason.as_ref(),
+            },
+            report.envelope,
+        )
+        .await?;
         let label = step.label.clone();
         if let Some(step) = self.steps.get_mut(&report.id) {
             step.envelope = Some(envelope.clone());

@@ -4,9 +4,10 @@
 //! is awaited for its spend only) or settled; a job reports to its parent
 //! only once all are settled (I-14).
 
-use super::settlement::dead_envelope;
-use super::{Brief, ChildReport, JobMsg};
+use super::messages::{Brief, JobMsg};
 use crate::account::{Grant, SpentMeter};
+use crate::parent::ChildReport;
+use crate::parent::dead_envelope;
 use crate::policy::Policy;
 use arbor_protocol::{AgentDef, JobId, OnFailure, Refusal, ResultEnvelope};
 use ractor::{ActorRef, RpcReplyPort};
@@ -46,7 +47,7 @@ pub(super) struct ChildEntry {
     pub(super) grant: Grant,
     pub(super) meter: SpentMeter,
     pub(super) state: ChildState,
-    pub(super) stop_reason: Option<(String, bool)>,
+    pub(super) stop_reason: Option<crate::parent::StopReason>,
     pub(super) envelope: Option<ResultEnvelope>,
     pub(super) plan: PlannedChild,
     pub(super) retries_left: u32,

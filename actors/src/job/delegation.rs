@@ -6,11 +6,12 @@
 //! has its hold released and its record marked failed (I-06).
 
 use super::children::{ChildEntry, ChildState, FanOut, PlannedChild};
+use super::messages::{Brief, JobMsg};
 use super::{
-    Brief, ChildHandle, DEFAULT_MAX_TURNS, Job, JobMsg, JobStart, JobState, Lineage, MAX_RETRIES,
-    ParentHandle, RESERVED_KEY_PREFIX,
+    DEFAULT_MAX_TURNS, Job, JobStart, JobState, Lineage, MAX_RETRIES, RESERVED_KEY_PREFIX,
 };
 use crate::account::{AccountMsg, Grant, GrantAsk, Share, SpentMeter};
+use crate::agent_loop::ChildHandle;
 use arbor_protocol::tools::parse_duration_arg;
 use arbor_protocol::{
     Amount, DelegateArgs, ErrorClass, EventKind, JobId, NodeKind, ParentRef, Refusal, SandboxMode,
@@ -399,7 +400,7 @@ impl JobState {
             policy: plan.policy.clone(),
             grant,
             workdir: self.child_workdir(plan),
-            parent: ParentHandle::Job(myself.clone()),
+            parent: myself.get_derived(),
             cancel: self.cancel.child_token(),
             meter: meter.clone(),
             record_seq,

@@ -1,19 +1,21 @@
 //! Stopping, collecting and settling children. The parent is the only writer
-//! of a child's final status (`Terminal`, shared with the Run): a child
-//! is charged (I-10) and its terminal record made durable (I-29); a child its
-//! parent stopped has no output, whatever it sent (I-16); one whose actor died
+//! of a child's final status (`parent::record_child_end`, shared with the
+//! Run): a child is charged (I-10) and its terminal record made durable
+//! (I-29); a child its parent stopped has no output, whatever it sent (I-16);
+//! one whose actor died
 //! without reporting failed, class `panicked` (I-38). A failed child may be
 //! retried (I-23) or stop its siblings (I-42), if that is the rule.
 
+use super::JobState;
 use super::children::{ChildState, PlannedChild, Waiter};
-use super::{ChildReport, JobMsg, JobState};
+use super::messages::JobMsg;
 use crate::account::{AccountMsg, Grant, GrantAsk, Share};
-use crate::context::NodeContext;
+use crate::parent::ChildReport;
+use crate::parent::{ChildEnd, StopReason, record_child_end};
 use arbor_protocol::{
-    Amount, ErrorClass, EventKind, JobId, NodeKind, OnFailure, ParentRef, Refusal, ResultEnvelope,
-    RunId, Status, TaskStatus,
+    Amount, ErrorClass, JobId, NodeKind, OnFailure, ParentRef, Refusal, ResultEnvelope, Status,
 };
-use arbor_storage::{JobRecord, Record};
+use arbor_storage::Record;
 use ractor::{ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::time::Duration;
 
@@ -35,7 +37,7 @@ impl JobState {
         match entry.state {
             ChildState::Running => {
                 entry.state = ChildState::Stopping;
-                entry.stop_reason = Some((reason.to_string(), propagated));
+                entry.stop_reason = Some(StopReason::new(reason, propagated));
                 let _ = entry.actor.cast(JobMsg::Stop {
                     reason: reason.to_string(),
                     propagated,
@@ -167,35 +169,29 @@ impl JobState {
         // answered before its own Stop arrived) was stopped all the same: its
         // output must not become a result (I-16).
         if entry.stop_reason.is_none() && self.cancel.is_cancelled() {
-            let reason = ("stopped: an ancestor is stopping".to_string(), true);
+            let reason = StopReason::new("stopped: an ancestor is stopping", true);
             entry.stop_reason = Some(reason.clone());
             if let Some(e) = self.children.by_id.get_mut(&entry.id) {
                 e.stop_reason = Some(reason);
             }
         }
-        let envelope = final_envelope(&entry.stop_reason, report.envelope);
-        let _ = ractor::call!(self.account, |reply| AccountMsg::Settle {
-            child: entry.id,
-            spent: envelope.spent(),
-            reply
-        });
-        // Appended, not committed: a stop that ends 10,000 children must not
-        // wait for 10,000 syncs one after another. Nothing acts on the end
-        // until it is durable (I-29): its event, the answers to collect and
-        // this job's own report wait for `Ended` to drain.
-        let (record, finished) = Terminal {
-            run: self.lineage.run,
-            parent: ParentRef::Job(self.lineage.id),
-            agent: &entry.plan.agent.name,
-            kind: NodeKind::Job,
-            depth: self.lineage.depth + 1,
-            envelope: &envelope,
-            grant: entry.grant.tokens,
-            propagated: entry.stop_reason.as_ref().is_some_and(|r| r.1),
-        }
-        .record(&self.ctx);
-        let seq = self.ctx.journal.append(vec![record])?;
-        self.ended.push(seq, finished);
+        let envelope = record_child_end(
+            &self.ctx,
+            &self.account,
+            &mut self.ended,
+            ChildEnd {
+                id: entry.id,
+                run: self.lineage.run,
+                parent: ParentRef::Job(self.lineage.id),
+                agent: &entry.plan.agent.name,
+                kind: NodeKind::Job,
+                depth: self.lineage.depth + 1,
+                grant_tokens: entry.grant.tokens,
+                stop: entry.stop_reason.as_ref(),
+            },
+            report.envelope,
+        )
+        .await?;
         self.children.settle(entry.id, envelope.clone());
         let class = envelope.error_class.unwrap_or(ErrorClass::Task);
         let retry = envelope.status == Status::Failed
@@ -336,124 +332,5 @@ impl JobState {
                 self.run_ctx.uncount_spawns(1);
                 Refusal::Invalid { message }
             })
-    }
-}
-
-/// I-16: a child its parent stopped has no output, whatever it sent.
-pub(crate) fn final_envelope(
-    stop: &Option<(String, bool)>,
-    mut envelope: ResultEnvelope,
-) -> ResultEnvelope {
-    if let Some((reason, propagated)) = stop {
-        envelope.status = Status::Stopped;
-        envelope.task_status = None;
-        envelope.output = serde_json::Value::Null;
-        envelope.error_class = None;
-        envelope.error = Some(if *propagated {
-            format!("{reason} (propagated)")
-        } else {
-            reason.clone()
-        });
-    }
-    envelope
-}
-
-/// The envelope of a child whose actor died without reporting (I-38): failed,
-/// class `panicked`, charged what its account had spent.
-pub(crate) fn dead_envelope(
-    id: JobId,
-    label: &str,
-    attempt: u32,
-    agent: &str,
-    error: &str,
-    spent: Amount,
-) -> ResultEnvelope {
-    ResultEnvelope {
-        job: id,
-        label: Some(label.to_string()),
-        attempt,
-        agent: agent.to_string(),
-        status: Status::Failed,
-        task_status: Some(TaskStatus::Failed),
-        output: serde_json::Value::Null,
-        error: Some(error.to_string()),
-        error_class: Some(ErrorClass::Panicked),
-        limitations: vec![],
-        artifacts: vec![],
-        tokens_spent: spent.tokens,
-        usd_micros_spent: spent.usd_micros,
-        turns: 0,
-        workdir: String::new(),
-    }
-}
-
-/// A child's end, as its parent writes it: the parent is the only writer of
-/// a child's final status (shared by the Run, for steps, and Jobs, for their
-/// children).
-#[derive(Clone, Copy)]
-pub(crate) struct Terminal<'a> {
-    pub run: RunId,
-    pub parent: ParentRef,
-    pub agent: &'a str,
-    pub kind: NodeKind,
-    pub depth: u32,
-    pub envelope: &'a ResultEnvelope,
-    pub grant: u64,
-    /// Stopped because a stop above it came down.
-    pub propagated: bool,
-}
-
-impl Terminal<'_> {
-    /// The terminal record and the `NodeFinished` that tells of it.
-    pub(crate) fn record(&self, ctx: &NodeContext) -> (Record, EventKind) {
-        let Terminal {
-            run,
-            parent,
-            agent,
-            kind,
-            depth,
-            envelope,
-            grant,
-            propagated,
-        } = *self;
-        let reason = match envelope.status {
-            Status::Done => None,
-            _ => envelope.error.clone(),
-        };
-        let record = JobRecord {
-            id: envelope.job,
-            run,
-            parent,
-            kind,
-            agent: agent.to_string(),
-            label: envelope.label.clone(),
-            depth,
-            attempt: envelope.attempt,
-            grant_tokens: grant,
-            workdir: envelope.workdir.clone(),
-            status: envelope.status,
-            task_status: envelope.task_status,
-            error_class: envelope.error_class,
-            reason: reason.clone(),
-            output_json: envelope.output.to_string(),
-            tokens_spent: envelope.tokens_spent,
-            epoch: ctx.journal.epoch(),
-        };
-        let finished = EventKind::NodeFinished {
-            id: envelope.job,
-            status: envelope.status,
-            task_status: envelope.task_status,
-            error_class: envelope.error_class,
-            reason,
-            propagated,
-            output: envelope.output.clone(),
-            error: envelope.error.clone(),
-            limitations: envelope.limitations.clone(),
-            artifacts: envelope.artifacts.clone(),
-            turns: envelope.turns,
-            tokens_spent: envelope.tokens_spent,
-            usd_micros_spent: envelope.usd_micros_spent,
-        };
-        (Record::Job(record), finished)
     }
 }

@@ -5,8 +5,9 @@
 //! child is passed on to it: the child answers the loop itself, so this
 //! mailbox never waits on a child.
 
+use super::JobState;
 use super::children::ChildState;
-use super::{JobMsg, JobState};
+use super::messages::JobMsg;
 use arbor_protocol::{EventKind, Refusal};
 use arbor_storage::{Record, SteerRecord, SteerState};
 use ractor::RpcReplyPort;

@@ -1,0 +1,95 @@
+//! The Job's messages: what its loop asks (`JobMsg::Loop`, in the loop's own
+//! words), what its parent, an operator or its children tell it, and what
+//! it is asked to do (`Brief`). A leaf of the job's files: the actor
+//! (`job.rs`) and its parts (`job/`) all speak these, and these name none of
+//! them.
+
+use crate::agent_loop::{LoopMsg, LoopOutcome};
+use crate::parent::ChildReport;
+use arbor_protocol::{JobId, Refusal};
+use ractor::RpcReplyPort;
+use std::time::Duration;
+
+/// What the job is asked to do, resolved from the request and the agent.
+#[derive(Clone, Debug)]
+pub struct Brief {
+    pub request: String,
+    pub max_turns: u32,
+    pub timeout: Option<Duration>,
+    pub output_schema: Option<serde_json::Value>,
+    pub require_artifacts: Vec<String>,
+}
+
+/// The loop's requests arrive as `JobMsg::Loop`.
+impl From<LoopMsg> for JobMsg {
+    fn from(message: LoopMsg) -> Self {
+        JobMsg::Loop(message)
+    }
+}
+
+impl TryFrom<JobMsg> for LoopMsg {
+    type Error = ();
+    fn try_from(message: JobMsg) -> Result<Self, ()> {
+        match message {
+            JobMsg::Loop(message) => Ok(message),
+            _ => Err(()),
+        }
+    }
+}
+
+/// A child's report arrives as `JobMsg::ChildEnded` (`Parent`).
+impl From<ChildReport> for JobMsg {
+    fn from(report: ChildReport) -> Self {
+        JobMsg::ChildEnded { report }
+    }
+}
+
+impl TryFrom<JobMsg> for ChildReport {
+    type Error = ();
+    fn try_from(message: JobMsg) -> Result<Self, ()> {
+        match message {
+            JobMsg::ChildEnded { report } => Ok(report),
+            _ => Err(()),
+        }
+    }
+}
+
+pub enum JobMsg {
+    /// From its own loop, in the loop's words.
+    Loop(LoopMsg),
+    /// Its loop's task has ended, with the loop's outcome.
+    LoopEnded {
+        outcome: LoopOutcome,
+    },
+    // From its parent or an operator.
+    Steer {
+        text: String,
+        reply: Option<RpcReplyPort<Result<u64, Refusal>>>,
+    },
+    Stop {
+        reason: String,
+        propagated: bool,
+    },
+    /// An operator stops one of this job's children by id.
+    StopChildById {
+        id: JobId,
+        reason: String,
+    },
+    // From its children and timers.
+    ChildEnded {
+        report: ChildReport,
+    },
+    /// A child's actor ended; if it never reported, it failed.
+    ChildGone {
+        actor: ractor::ActorId,
+        why: String,
+    },
+    WaitTimedOut {
+        waiter: u64,
+    },
+    /// The children's ends appended so far are durable (or the journal failed).
+    EndsDurable {
+        result: Result<(), String>,
+    },
+    TimedOut,
+}
