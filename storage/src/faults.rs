@@ -249,8 +249,9 @@ mod tests {
         assert!(!faults.wait_until_flush_held(Duration::ZERO));
     }
 
-    #[test]
-    fn a_held_flusher_parks_until_released() {
+    /// Faults holding flushes, and a thread standing for the flusher, parked
+    /// on the hold.
+    fn a_held_flusher() -> (Arc<Faults>, thread::JoinHandle<bool>) {
         let faults = Arc::new(Faults::default());
         faults.hold_flushes(true);
         let flusher = {
@@ -258,6 +259,12 @@ mod tests {
             thread::spawn(move || faults.wait_while_held())
         };
         assert!(faults.wait_until_flush_held(Duration::from_secs(30)));
+        (faults, flusher)
+    }
+
+    #[test]
+    fn a_held_flusher_parks_until_released() {
+        let (faults, flusher) = a_held_flusher();
         assert!(!flusher.is_finished());
         faults.hold_flushes(false);
         assert!(flusher.join().unwrap(), "released, not closing: flush");
@@ -266,13 +273,7 @@ mod tests {
 
     #[test]
     fn closing_wakes_a_held_flusher_and_tells_it_not_to_flush() {
-        let faults = Arc::new(Faults::default());
-        faults.hold_flushes(true);
-        let flusher = {
-            let faults = Arc::clone(&faults);
-            thread::spawn(move || faults.wait_while_held())
-        };
-        assert!(faults.wait_until_flush_held(Duration::from_secs(30)));
+        let (faults, flusher) = a_held_flusher();
         faults.close();
         assert!(!flusher.join().unwrap());
         // Once closing, a hold never parks again.

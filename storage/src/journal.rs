@@ -505,14 +505,17 @@ impl Journal {
         let is_ledger = def.name == table::LEDGER.def.name;
         self.engine.walk(def, &mut |key, value| {
             let checked = value.and_then(|value| {
-                match checker {
-                    Some(table) => table.check(key, value)?,
-                    None => codec::check_version(value)?,
-                }
                 if is_ledger {
-                    walked.ledger.push(table::LEDGER.decode(value)?);
+                    // Decoded once: checked, then kept for the accounts.
+                    let entry = table::LEDGER.decode(value)?;
+                    table::LEDGER.check_key(key, &entry)?;
+                    walked.ledger.push(entry);
+                    return Ok(());
                 }
-                Ok(())
+                match checker {
+                    Some(table) => table.check(key, value),
+                    None => codec::check_version(value),
+                }
             });
             match checked {
                 Ok(()) => walked.records += 1,

@@ -166,15 +166,21 @@ where
     }
 
     fn check(&self, key: &[u8], value: &[u8]) -> Result<(), String> {
-        let record = self.decode(value)?;
+        self.check_key(key, &self.decode(value)?)
+    }
+}
+
+impl<R> Table<R> {
+    /// Checks that `record` is stored under `key` (invariant 1).
+    pub fn check_key(&self, key: &[u8], record: &R) -> Result<(), String> {
         let (expected, fits) = match &self.key {
             KeyOf::Whole(of) => {
-                let expected = of(&record);
+                let expected = of(record);
                 let fits = expected == key;
                 (expected, fits)
             }
             KeyOf::Seq(owner) => {
-                let owner = owner(&record);
+                let owner = owner(record);
                 let fits = key.len() == owner.len() + 8 && key.starts_with(&owner);
                 (owner, fits)
             }
@@ -197,20 +203,20 @@ const fn state(name: &'static str, keyed_by: KeyedBy) -> TableDef {
     }
 }
 
+const fn history(name: &'static str, owner_bytes: usize, keyed_by: KeyedBy) -> TableDef {
+    TableDef {
+        name,
+        shape: Shape::History { owner_bytes },
+        keyed_by,
+    }
+}
+
 const RUNS_TABLE: TableDef = state("runs", KeyedBy::Run);
 const JOBS_TABLE: TableDef = state("jobs", KeyedBy::Run);
-const LEDGER_TABLE: TableDef = TableDef {
-    name: "ledger",
-    shape: Shape::History { owner_bytes: 17 },
-    keyed_by: KeyedBy::Account,
-};
+const LEDGER_TABLE: TableDef = history("ledger", 17, KeyedBy::Account);
 const DELEGATIONS_TABLE: TableDef = state("delegations", KeyedBy::Job);
 const STEERING_TABLE: TableDef = state("steering", KeyedBy::Job);
-const EVENTS_TABLE: TableDef = TableDef {
-    name: "events",
-    shape: Shape::History { owner_bytes: 16 },
-    keyed_by: KeyedBy::Run,
-};
+const EVENTS_TABLE: TableDef = history("events", 16, KeyedBy::Run);
 const SANDBOXES_TABLE: TableDef = state("sandboxes", KeyedBy::Job);
 /// The service's admission queue (`arbor-service` defines its records).
 pub const SUBMISSIONS_TABLE: TableDef = state("submissions", KeyedBy::Run);
