@@ -12,6 +12,20 @@ use crate::table::{Shape, TableDef};
 use std::collections::BTreeMap;
 use std::sync::{PoisonError, mpsc};
 
+/// Visits each row of one stored value (a chunk's, or the value itself).
+fn visit_rows(
+    table: &TableDef,
+    key: &[u8],
+    value: &[u8],
+    visit: &mut Visit<'_>,
+) -> Result<(), Error> {
+    let rows = chunk::unpack(key, value).map_err(|e| codec::undecodable(table.name, key, e))?;
+    for (key, value) in rows {
+        visit(&key, value)?;
+    }
+    Ok(())
+}
+
 impl SledEngine {
     /// Every row under `prefix`, in key order.
     pub(super) fn read_prefix(
@@ -46,11 +60,7 @@ impl SledEngine {
             // sled's chunks alone are in key order and never overlap: an
             // owner's later chunk starts past its earlier one's last row.
             for (key, value) in &stored {
-                let rows = chunk::unpack(key, value)
-                    .map_err(|e| codec::undecodable(table.name, key, e))?;
-                for (key, value) in rows {
-                    visit(&key, value)?;
-                }
+                visit_rows(table, key, value, visit)?;
             }
             return Ok(());
         }
@@ -82,11 +92,7 @@ impl SledEngine {
         self.drain();
         for stored in self.trees.get(table.name).range(..bound) {
             let (key, value) = stored?;
-            let rows =
-                chunk::unpack(&key, &value).map_err(|e| codec::undecodable(table.name, &key, e))?;
-            for (key, value) in rows {
-                visit(&key, value)?;
-            }
+            visit_rows(table, &key, &value, visit)?;
         }
         Ok(())
     }
