@@ -448,7 +448,7 @@ fn the_run_document_over_http_is_the_document_arbor_run_json_prints() {
 }
 
 /// The document without what differs between two runs of the same flow:
-/// ids, times and paths.
+/// ids, times, paths and the figures of accounts.
 fn shape(doc: &serde_json::Value) -> serde_json::Value {
     match doc {
         serde_json::Value::Object(map) => map
@@ -459,7 +459,19 @@ fn shape(doc: &serde_json::Value) -> serde_json::Value {
                     "id" | "workdir" | "started_at_ms" | "ended_at_ms"
                 )
             })
-            .map(|(k, v)| (k.clone(), shape(v)))
+            .map(|(k, v)| match (k.as_str(), v) {
+                // What a job spends depends on when a steer reached it (the
+                // example's scout is steered while it waits 300 ms), so of
+                // an account only its fields are compared.
+                ("account", serde_json::Value::Object(fields)) => (
+                    k.clone(),
+                    fields
+                        .keys()
+                        .map(|f| (f.clone(), serde_json::Value::Bool(true)))
+                        .collect(),
+                ),
+                _ => (k.clone(), shape(v)),
+            })
             .collect(),
         serde_json::Value::Array(items) => items.iter().map(shape).collect(),
         other => other.clone(),

@@ -4,15 +4,16 @@
 //! Invariant: nothing here parses argv or prints; `arbor-bin` does that.
 
 pub mod check;
+pub mod models;
 pub mod node;
-pub mod providers;
 pub mod recovery;
 pub mod scripted;
 pub mod secrets;
 pub mod workspace;
 
+pub use arbor_providers::{Provider, ProviderKind};
+pub use models::Models;
 pub use node::{EmbeddedNode, Error};
-pub use providers::{Models, Provider, ProviderKind};
 pub use recovery::{RecoveryReport, RunOutcome};
 pub use scripted::{DefaultModels, ScriptedModel};
 pub use workspace::{Config, LoadError, Workspace};

@@ -4,7 +4,7 @@
 //! Layout of a data dir: `journal/` (sled), `work/<run>/...` (workdirs) and
 //! `roots/` (sealed commands' root folders, swept at every start).
 
-use crate::providers::Models;
+use crate::models::Models;
 use crate::recovery::{self, RecoveryReport, RunOutcome};
 use crate::workspace::Workspace;
 use arbor_actors::{EventBus, ModelFactory, Node, NodeArgs, NodeContext, NodeMsg};

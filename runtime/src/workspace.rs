@@ -21,13 +21,13 @@
 //! 5. Loading is deterministic: files are checked in name order, so the same
 //!    broken workspace always reports the same problem.
 
-use crate::providers::{Provider, ProviderFile, check_provider};
 use arbor_protocol::agent::{FrontMatter, ScriptCallSpec, ScriptTurnSpec};
 use arbor_protocol::tools::parse_duration_arg;
 use arbor_protocol::{
     AgentDef, BudgetArg, FlowSpec, Limits, ModelRef, Resources, ResourcesSpec, RunSpec,
     SandboxMode, ScriptCall, ScriptTurn, ToolName,
 };
+use arbor_providers::{Provider, ProviderFile, check_provider};
 use arbor_sandbox::seal::SandboxIsolation;
 use serde::Deserialize;
 use std::collections::{BTreeMap, BTreeSet};

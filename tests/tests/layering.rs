@@ -1,5 +1,5 @@
-//! The files of a crate import one way: no two modules of actors/ or
-//! storage/ name each other, directly or through others. A module names
+//! The files of a crate import one way: no two modules of one product
+//! crate name each other, directly or through others. A module names
 //! another by a `crate::` path, a `super::` path (a sibling, or its parent),
 //! or a path that starts with one of its own children. Test code (after
 //! `#[cfg(test)]`) is left out: a test may reach anywhere.
@@ -137,13 +137,21 @@ fn a_loop(graph: &BTreeMap<&str, BTreeSet<String>>) -> Option<Vec<String>> {
 }
 
 #[test]
-fn no_two_files_of_actors_or_storage_import_each_other() {
+fn no_two_files_of_a_crate_import_each_other() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("the repository");
-    for krate in ["actors", "storage"] {
+    for krate in [
+        "protocol",
+        "storage",
+        "sandbox",
+        "actors",
+        "providers",
+        "runtime",
+        "service",
+    ] {
         let mods = modules(&root.join(krate).join("src"));
-        assert!(mods.len() > 5, "{krate}: too few modules found: {mods:?}");
+        assert!(mods.len() > 3, "{krate}: too few modules found: {mods:?}");
         let graph = imports(&mods);
         if let Some(cycle) = a_loop(&graph) {
             panic!("{krate}/src: these modules import each other in a loop: {cycle:?}");
@@ -169,4 +177,39 @@ fn a_loop_between_two_modules_is_found() {
     ]
     .into();
     assert_eq!(a_loop(&imports(&one_way)), None);
+}
+
+/// The crates `cargo tree` finds under `package` (normal dependencies only).
+fn dependencies(package: &str, features: &[&str]) -> String {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = std::process::Command::new(cargo)
+        .args([
+            "tree",
+            "--locked",
+            "--offline",
+            "-e",
+            "normal",
+            "-p",
+            package,
+        ])
+        .args(features)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("cargo tree runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8")
+}
+
+/// An embedder of runtime that leaves out the HTTP providers builds no HTTP
+/// client; the default build has one (so the check can see it).
+#[test]
+fn runtime_without_its_http_feature_builds_no_reqwest() {
+    let lean = dependencies("arbor-runtime", &["--no-default-features"]);
+    assert!(lean.contains("arbor-providers"), "{lean}");
+    assert!(!lean.contains("reqwest"), "{lean}");
+    assert!(dependencies("arbor-runtime", &[]).contains("reqwest v"));
 }

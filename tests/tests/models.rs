@@ -140,7 +140,7 @@ async fn delegating_flow(format: Format, extra: &str) {
         Format::Anthropic => {
             assert_eq!(
                 second.headers["anthropic-version"],
-                arbor_runtime::providers::ANTHROPIC_VERSION
+                arbor_providers::ANTHROPIC_VERSION
             );
             let last = second.body["messages"].as_array().unwrap().last().unwrap();
             assert_eq!(last["role"], "user");

@@ -3,7 +3,7 @@
 //! requires), a whole answer, and a streamed one (usage from
 //! `message_start` and `message_delta`). Pure, like `openai`.
 
-use super::http::{error_in_stream, parse_json, protocol_error, system_prompt, tool_arguments};
+use crate::wire::{error_in_stream, parse_json, protocol_error, system_prompt, tool_arguments};
 use arbor_actors::model::{CallMeter, Message, ModelError, ModelReply, ModelRequest, ToolCall};
 use arbor_protocol::Usage;
 use serde_json::{Value, json};
@@ -237,7 +237,7 @@ impl Stream {
 
     pub fn finish(self) -> Result<ModelReply, ModelError> {
         if !self.done {
-            return Err(super::http::dropped_mid_stream());
+            return Err(crate::wire::dropped_mid_stream());
         }
         let usage = match (self.input_tokens, self.output_tokens) {
             (Some(input_tokens), Some(output_tokens)) => Some(Usage {

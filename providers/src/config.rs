@@ -1,6 +1,4 @@
-//! Model providers: `[providers.NAME]` in arbor.toml, read and checked, and
-//! the `ModelFactory` that gives each agent its model (the scripted one, or
-//! an HTTP client of its provider).
+//! `[providers.NAME]` in arbor.toml, read and checked.
 //!
 //! ```toml
 //! [providers.local]
@@ -25,19 +23,9 @@
 //!    It reaches the HTTP header and nothing else: no event, log line,
 //!    journal record or error message.
 
-mod anthropic;
-mod http;
-mod openai;
-
-pub use anthropic::API_VERSION as ANTHROPIC_VERSION;
-pub use http::{HttpModel, classify};
-
-use crate::scripted::ScriptedModel;
-use arbor_actors::model::{Model, ModelFactory, Price, RetryPolicy};
-use arbor_protocol::{AgentDef, ModelRef};
+use arbor_actors::model::{Price, RetryPolicy};
 use serde::Deserialize;
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::Duration;
 
 /// Requests in flight to one provider when arbor.toml does not say.
@@ -98,7 +86,7 @@ impl Provider {
 /// The block as written.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(crate) struct ProviderFile {
+pub struct ProviderFile {
     kind: ProviderKind,
     base_url: String,
     api_key_env: Option<String>,
@@ -112,7 +100,7 @@ pub(crate) struct ProviderFile {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(crate) struct ModelFile {
+pub struct ModelFile {
     id: String,
     context_window: i64,
     max_output_tokens: i64,
@@ -121,7 +109,7 @@ pub(crate) struct ModelFile {
 }
 
 /// Checks one block; the error names the key (`providers.NAME.KEY`).
-pub(crate) fn check_provider(name: &str, file: ProviderFile) -> Result<Provider, String> {
+pub fn check_provider(name: &str, file: ProviderFile) -> Result<Provider, String> {
     let key = |k: &str| format!("providers.{name}.{k}");
     if !is_plain_name(name) {
         return Err(format!(
@@ -129,7 +117,7 @@ pub(crate) fn check_provider(name: &str, file: ProviderFile) -> Result<Provider,
         ));
     }
     let base_url = file.base_url.trim().trim_end_matches('/').to_string();
-    match reqwest::Url::parse(&base_url) {
+    match url::Url::parse(&base_url) {
         Ok(url) if matches!(url.scheme(), "http" | "https") && url.has_host() => {}
         Ok(_) => {
             return Err(format!(
@@ -284,9 +272,11 @@ fn is_plain_name(name: &str) -> bool {
 
 /// The key, as read from the environment. It prints as `***`.
 #[derive(Clone)]
+#[cfg_attr(not(feature = "http"), allow(dead_code))]
 pub struct ApiKey(String);
 
 impl ApiKey {
+    #[cfg_attr(not(feature = "http"), allow(dead_code))]
     pub(crate) fn expose(&self) -> &str {
         &self.0
     }
@@ -313,61 +303,6 @@ pub fn api_key(provider: &Provider) -> Result<Option<ApiKey>, String> {
             "provider {}: the environment variable {var} (api_key_env) is not set",
             provider.name
         )),
-    }
-}
-
-/// Gives each agent its model: the scripted one, or an HTTP client of the
-/// provider it names. Clients (and their connection pools and concurrency
-/// limits) are made once per provider and shared by every job.
-pub struct Models {
-    providers: BTreeMap<String, Arc<http::ProviderClient>>,
-}
-
-impl Models {
-    pub fn new(providers: &BTreeMap<String, Provider>) -> Self {
-        Self {
-            providers: providers
-                .iter()
-                .map(|(name, p)| (name.clone(), Arc::new(http::ProviderClient::new(p.clone()))))
-                .collect(),
-        }
-    }
-
-    fn provider<'a>(
-        &'a self,
-        agent: &'a AgentDef,
-    ) -> Result<Option<(&'a Arc<http::ProviderClient>, &'a str)>, String> {
-        match &agent.model {
-            ModelRef::Scripted => Ok(None),
-            ModelRef::Provider { provider, model } => match self.providers.get(provider) {
-                Some(client) if client.config.models.contains_key(model) => {
-                    Ok(Some((client, model.as_str())))
-                }
-                _ => Err(format!(
-                    "agent {}: model {provider}/{model} is not configured in arbor.toml",
-                    agent.name
-                )),
-            },
-        }
-    }
-}
-
-impl ModelFactory for Models {
-    fn model_for(&self, agent: &AgentDef) -> Result<Arc<dyn Model>, String> {
-        match self.provider(agent)? {
-            None => Ok(Arc::new(ScriptedModel::new(Arc::clone(&agent.script)))),
-            Some((client, model)) => {
-                let key = api_key(&client.config)?;
-                Ok(Arc::new(HttpModel::new(client.clone(), model, key)))
-            }
-        }
-    }
-
-    fn preflight(&self, agent: &AgentDef) -> Result<(), String> {
-        if let Some((client, _)) = self.provider(agent)? {
-            api_key(&client.config)?;
-        }
-        Ok(())
     }
 }
 

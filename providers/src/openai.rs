@@ -2,7 +2,7 @@
 //! and a streamed one (`stream_options.include_usage` asks for usage last).
 //! Pure: bytes in, values out, so every shape is tested from fixtures.
 
-use super::http::{parse_json, protocol_error, system_prompt, tool_arguments};
+use crate::wire::{parse_json, protocol_error, system_prompt, tool_arguments};
 use arbor_actors::model::{CallMeter, Message, ModelError, ModelReply, ModelRequest, ToolCall};
 use arbor_protocol::Usage;
 use serde_json::{Value, json};
@@ -151,7 +151,7 @@ impl Stream {
         }
         let chunk = parse_json(data.as_bytes())?;
         if let Some(error) = chunk.get("error") {
-            return Err(super::http::error_in_stream(error));
+            return Err(crate::wire::error_in_stream(error));
         }
         if let Some(u) = usage(chunk.get("usage")) {
             meter.report_usage(Some(u.input_tokens), Some(u.output_tokens));
@@ -205,7 +205,7 @@ impl Stream {
     /// The answer, once the stream has ended.
     pub fn finish(self, turn: u32) -> Result<ModelReply, ModelError> {
         if !self.done && self.finish_reason.is_none() {
-            return Err(super::http::dropped_mid_stream());
+            return Err(crate::wire::dropped_mid_stream());
         }
         let calls = self
             .calls

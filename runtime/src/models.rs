@@ -1,0 +1,41 @@
+//! The `ModelFactory` that gives each agent its model: the scripted one, or
+//! its provider's (arbor-providers; HTTP unless built without it).
+
+use crate::scripted::ScriptedModel;
+use arbor_actors::model::{Model, ModelFactory};
+use arbor_protocol::{AgentDef, ModelRef};
+use arbor_providers::{Provider, Providers};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+pub struct Models {
+    providers: Providers,
+}
+
+impl Models {
+    pub fn new(providers: &BTreeMap<String, Provider>) -> Self {
+        Self {
+            providers: Providers::new(providers),
+        }
+    }
+}
+
+impl ModelFactory for Models {
+    fn model_for(&self, agent: &AgentDef) -> Result<Arc<dyn Model>, String> {
+        match &agent.model {
+            ModelRef::Scripted => Ok(Arc::new(ScriptedModel::new(Arc::clone(&agent.script)))),
+            ModelRef::Provider { provider, model } => {
+                self.providers.model(&agent.name, provider, model)
+            }
+        }
+    }
+
+    fn preflight(&self, agent: &AgentDef) -> Result<(), String> {
+        match &agent.model {
+            ModelRef::Scripted => Ok(()),
+            ModelRef::Provider { provider, model } => {
+                self.providers.preflight(&agent.name, provider, model)
+            }
+        }
+    }
+}
