@@ -10,13 +10,12 @@
 //! document) or `jsonl` (one JSON value a line); diagnostics go to stderr.
 
 use crate::render;
-use anyhow::Context;
-use arbor_protocol::{Event, NodeKind, RunId, Status, Tree, TreeNode};
-use arbor_service::api::{RunCreated, RunDocument, RunList, StreamEvent};
+use arbor_protocol::{BudgetArg, Event, NodeKind, RunId, Status, Tree, TreeNode};
+use arbor_service::api::{StreamEvent, SubmitRun};
+use arbor_service::client as api;
 use arbor_service::status::NodeStatus;
 use clap::{Args, ValueEnum};
 use comfy_table::{Cell, Color, ContentArrangement, Table, presets};
-use futures::StreamExt;
 use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -97,9 +96,7 @@ impl From<anyhow::Error> for Failed {
 pub type Outcome = Result<ExitCode, Failed>;
 
 pub struct Client {
-    http: reqwest::Client,
-    base: String,
-    token: Option<String>,
+    api: api::Client,
     pub output: Output,
     colour: bool,
 }
@@ -111,13 +108,6 @@ impl Client {
             .clone()
             .or_else(|| std::env::var("ARBOR_URL").ok())
             .unwrap_or_else(|| DEFAULT_URL.to_string());
-        let base = base.trim_end_matches('/').to_string();
-        if reqwest::Url::parse(&base).is_err() {
-            return Err(Failed::new(
-                exit::USAGE,
-                format!("{base:?} is not a URL, e.g. http://127.0.0.1:7878"),
-            ));
-        }
         let token = conn
             .token
             .clone()
@@ -130,6 +120,8 @@ impl Client {
                     .ok()
                     .map(|t| t.trim().to_string())
             });
+        let api =
+            api::Client::new(&base, token).map_err(|e| Failed::new(exit::USAGE, e.to_string()))?;
         let colour = match conn.color {
             ColorWhen::Always => true,
             ColorWhen::Never => false,
@@ -143,87 +135,42 @@ impl Client {
         } else {
             anstream::ColorChoice::Never
         });
-        let http = reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs(5))
-            .build()
-            .map_err(|e| Failed::new(exit::USAGE, e.to_string()))?;
         Ok(Self {
-            http,
-            base,
-            token,
+            api,
             output: conn.output,
             colour,
         })
     }
 
-    fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
-        let request = self.http.request(method, format!("{}{path}", self.base));
-        match &self.token {
-            Some(token) => request.bearer_auth(token),
-            None => request,
-        }
-    }
-
-    /// Sends, and turns every kind of failure into its exit code.
-    async fn send(&self, request: reqwest::RequestBuilder) -> Result<reqwest::Response, Failed> {
-        let response = request.send().await.map_err(|e| {
-            Failed::new(
-                exit::UNREACHABLE,
-                format!("cannot reach arbord at {}: {}", self.base, root_cause(&e)),
-            )
-        })?;
-        let status = response.status();
-        if status.is_success() {
-            return Ok(response);
-        }
-        let text = response.text().await.unwrap_or_default();
-        let message = serde_json::from_str::<serde_json::Value>(&text)
-            .ok()
-            .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
-            .unwrap_or(text);
-        let code = match status.as_u16() {
-            401 => {
-                let why = match &self.token {
-                    None => {
-                        "no token was found: give --token, set ARBOR_TOKEN or ARBOR_TOKEN_FILE, \
-                             or run from the workspace arbord serves (it reads ./.arbor/token)"
-                            .to_string()
-                    }
-                    Some(_) => format!("arbord refused the token: {message}"),
-                };
-                return Err(Failed::new(exit::UNAUTHORIZED, why));
+    /// Every kind of failure as its exit code.
+    fn failed(&self, e: api::Error) -> Failed {
+        let code = match &e {
+            api::Error::BadUrl(_) => exit::USAGE,
+            api::Error::Unreachable { .. } | api::Error::BadReply(_) | api::Error::Broken(_) => {
+                exit::UNREACHABLE
             }
-            404 => exit::NOT_FOUND,
-            409 => exit::RUN_FAILED,
-            503 => exit::UNREACHABLE,
-            400..=499 => exit::USAGE,
-            _ => exit::UNREACHABLE,
+            api::Error::Refused {
+                status: 401,
+                message,
+            } => {
+                let why = if self.api.has_token() {
+                    format!("arbord refused the token: {message}")
+                } else {
+                    "no token was found: give --token, set ARBOR_TOKEN or ARBOR_TOKEN_FILE, \
+                     or run from the workspace arbord serves (it reads ./.arbor/token)"
+                        .to_string()
+                };
+                return Failed::new(exit::UNAUTHORIZED, why);
+            }
+            api::Error::Refused { status, .. } => match status {
+                404 => exit::NOT_FOUND,
+                409 => exit::RUN_FAILED,
+                503 => exit::UNREACHABLE,
+                400..=499 => exit::USAGE,
+                _ => exit::UNREACHABLE,
+            },
         };
-        Err(Failed::new(code, message))
-    }
-
-    async fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T, Failed> {
-        let response = self.send(self.request(reqwest::Method::GET, path)).await?;
-        response
-            .json()
-            .await
-            .map_err(|e| Failed::new(exit::UNREACHABLE, format!("a reply that is not JSON: {e}")))
-    }
-
-    async fn post(
-        &self,
-        path: &str,
-        body: Option<serde_json::Value>,
-    ) -> Result<serde_json::Value, Failed> {
-        let mut request = self.request(reqwest::Method::POST, path);
-        if let Some(body) = body {
-            request = request.json(&body);
-        }
-        let response = self.send(request).await?;
-        response
-            .json()
-            .await
-            .map_err(|e| Failed::new(exit::UNREACHABLE, format!("a reply that is not JSON: {e}")))
+        Failed::new(code, e.to_string())
     }
 
     fn print_json(&self, value: &impl serde::Serialize) -> Result<(), Failed> {
@@ -235,14 +182,6 @@ impl Client {
         outln!("{text}");
         Ok(())
     }
-}
-
-fn root_cause(e: &dyn std::error::Error) -> String {
-    let mut cause = e;
-    while let Some(next) = cause.source() {
-        cause = next;
-    }
-    cause.to_string()
 }
 
 fn parse_run(text: &str) -> Result<RunId, Failed> {
@@ -289,7 +228,7 @@ impl FoldWhat {
 }
 
 pub async fn status(client: &Client, args: StatusArgs) -> Outcome {
-    let status: NodeStatus = client.get("/v1/status").await?;
+    let status: NodeStatus = client.api.status().await.map_err(|e| client.failed(e))?;
     if client.output != Output::Text {
         client.print_json(&status)?;
         return Ok(ExitCode::SUCCESS);
@@ -452,11 +391,11 @@ pub struct RunsArgs {
 }
 
 pub async fn runs(client: &Client, args: RunsArgs) -> Outcome {
-    let mut path = format!("/v1/runs?limit={}", args.limit);
-    if let Some(status) = &args.status {
-        path.push_str(&format!("&status={status}"));
-    }
-    let list: RunList = client.get(&path).await?;
+    let list = client
+        .api
+        .runs(args.status.as_deref(), args.limit, None)
+        .await
+        .map_err(|e| client.failed(e))?;
     match client.output {
         Output::Json => client.print_json(&list)?,
         Output::Jsonl => {
@@ -499,7 +438,7 @@ pub async fn runs(client: &Client, args: RunsArgs) -> Outcome {
 
 pub async fn show(client: &Client, run: &str, view: StatusArgs) -> Outcome {
     let run = parse_run(run)?;
-    let doc: RunDocument = client.get(&format!("/v1/runs/{run}")).await?;
+    let doc = client.api.run(run).await.map_err(|e| client.failed(e))?;
     if client.output != Output::Text {
         client.print_json(&doc)?;
     } else {
@@ -540,34 +479,21 @@ pub struct SubmitArgs {
 }
 
 pub async fn submit(client: &Client, args: SubmitArgs) -> Outcome {
-    let mut body = serde_json::Map::new();
-    if let Some(flow) = &args.flow {
-        body.insert("flow".into(), flow.clone().into());
-    }
-    if let (Some(agent), Some(input)) = (&args.agent, &args.input) {
-        body.insert("agent".into(), agent.clone().into());
-        body.insert("input".into(), input.clone().into());
-    }
-    let mut budget = serde_json::Map::new();
-    if let Some(tokens) = args.budget_tokens {
-        budget.insert("tokens".into(), tokens.into());
-    }
-    if let Some(usd) = args.budget_usd {
-        budget.insert("usd".into(), usd.into());
-    }
-    if !budget.is_empty() {
-        body.insert("budget".into(), budget.into());
-    }
-    let mut request = client
-        .request(reqwest::Method::POST, "/v1/runs")
-        .json(&serde_json::Value::Object(body));
-    if let Some(key) = &args.idempotency_key {
-        request = request.header("Idempotency-Key", key);
-    }
-    let created: RunCreated =
-        client.send(request).await?.json().await.map_err(|e| {
-            Failed::new(exit::UNREACHABLE, format!("a reply that is not JSON: {e}"))
-        })?;
+    let budget = (args.budget_tokens.is_some() || args.budget_usd.is_some()).then(|| BudgetArg {
+        tokens: args.budget_tokens.map(Into::into),
+        usd: args.budget_usd,
+    });
+    let run = SubmitRun {
+        flow: args.flow.clone(),
+        agent: args.agent.clone(),
+        input: args.input.clone(),
+        budget,
+    };
+    let created = client
+        .api
+        .submit(&run, args.idempotency_key.as_deref())
+        .await
+        .map_err(|e| client.failed(e))?;
     if client.output != Output::Text {
         client.print_json(&created)?;
     } else {
@@ -593,47 +519,44 @@ pub async fn stop(client: &Client, id: &str) -> Outcome {
             format!("{id:?} is not a run or job id (a UUID)"),
         ));
     }
-    let reply = match client.post(&format!("/v1/runs/{id}/stop"), None).await {
-        Err(f) if f.code == exit::NOT_FOUND => {
-            client.post(&format!("/v1/jobs/{id}/stop"), None).await?
-        }
-        other => other?,
-    };
+    let reply = match client.api.stop_run(id).await {
+        Err(e) if e.status() == Some(404) => client.api.stop_job(id).await,
+        other => other,
+    }
+    .map_err(|e| client.failed(e))?;
     if client.output != Output::Text {
         client.print_json(&reply)?;
     } else {
-        outln!("{id}: {}", reply["state"].as_str().unwrap_or("stopping"));
+        outln!("{id}: {}", reply.state);
     }
     Ok(ExitCode::SUCCESS)
 }
 
 pub async fn steer(client: &Client, job: &str, message: &str) -> Outcome {
     let reply = client
-        .post(
-            &format!("/v1/jobs/{job}/messages"),
-            Some(serde_json::json!({ "text": message })),
-        )
-        .await?;
+        .api
+        .steer(job, message)
+        .await
+        .map_err(|e| client.failed(e))?;
     if client.output != Output::Text {
         client.print_json(&reply)?;
     } else {
-        outln!("{job}: message {} queued", reply["message_id"]);
+        outln!("{job}: message {} queued", reply.message_id);
     }
     Ok(ExitCode::SUCCESS)
 }
 
 pub async fn continue_job(client: &Client, job: &str) -> Outcome {
     let reply = client
-        .post(&format!("/v1/jobs/{job}/continue"), None)
-        .await?;
+        .api
+        .continue_job(job)
+        .await
+        .map_err(|e| client.failed(e))?;
     if client.output != Output::Text {
         client.print_json(&reply)?;
     } else {
-        outln!("{}", reply["run"].as_str().unwrap_or_default());
-        anstream::eprintln!(
-            "arbor: {job} continues as run {}",
-            reply["run"].as_str().unwrap_or_default()
-        );
+        outln!("{}", reply.run);
+        anstream::eprintln!("arbor: {job} continues as run {}", reply.run);
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -651,33 +574,29 @@ async fn follow_events(
     let mut last: u64 = 0;
     let mut reconnects = 0;
     loop {
-        let mut request = client.request(
-            reqwest::Method::GET,
-            &format!("/v1/runs/{run}/events?follow={follow}"),
-        );
-        if last > 0 {
-            request = request.header("Last-Event-ID", last.to_string());
-        }
-        let response = match client.send(request).await {
-            Ok(response) => response,
+        let after = (last > 0).then_some(last);
+        let mut stream = match client.api.events(run, follow, after).await {
+            Ok(stream) => stream,
             // arbord is restarting under a watcher: try again, from the last event.
-            Err(f) if f.code == exit::UNREACHABLE && reconnects > 0 && reconnects <= 20 => {
+            Err(e @ api::Error::Unreachable { .. }) if reconnects > 0 && reconnects <= 20 => {
+                drop(e);
                 reconnects += 1;
                 tokio::time::sleep(Duration::from_millis(200 * reconnects)).await;
                 continue;
             }
-            Err(f) => return Err(f),
+            Err(e) => return Err(client.failed(e)),
         };
-        let mut stream = eventsource_stream::EventStream::new(response.bytes_stream());
         let mut ended = false;
         let mut broken = false;
-        while let Some(message) = stream.next().await {
-            let Ok(message) = message else {
-                broken = true;
-                break;
+        while let Some(event) = stream.next().await {
+            let event = match event {
+                Ok(event) => event,
+                Err(api::Error::Broken(_)) => {
+                    broken = true;
+                    break;
+                }
+                Err(e) => return Err(client.failed(e)),
             };
-            let event: StreamEvent = serde_json::from_str(&message.data)
-                .with_context(|| format!("event {}: not an arbor event", message.id))?;
             last = event.index;
             ended = matches!(
                 event.event.kind,

@@ -12,6 +12,8 @@
 pub mod admission;
 pub mod api;
 pub mod auth;
+#[cfg(feature = "client")]
+pub mod client;
 pub mod config;
 pub mod error;
 pub mod extract;

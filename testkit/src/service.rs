@@ -1,6 +1,6 @@
 //! arbord in-process on a loopback port, for tests over real HTTP: a
-//! `Service` on a temporary data dir, served by axum on 127.0.0.1:0, and a
-//! reqwest client that carries its token.
+//! `Service` on a temporary data dir, served by axum on 127.0.0.1:0, and
+//! arbord's typed client (`arbor_service::client`) carrying its token.
 //!
 //! ```
 //! # #[tokio::main] async fn main() {
@@ -26,8 +26,8 @@
 use crate::WAIT_LIMIT;
 use arbor_protocol::{RunId, Status};
 use arbor_runtime::Workspace;
+use arbor_service::client::{Client, Method};
 use arbor_service::{Flags, Service, config};
-use futures::StreamExt;
 use std::path::{Path, PathBuf};
 
 /// A workspace as texts: arbor.toml, agents (name, agent.md) and flows (name, TOML).
@@ -83,7 +83,8 @@ impl Texts {
 pub struct TestService {
     pub url: String,
     pub token: String,
-    pub client: reqwest::Client,
+    /// arbord's typed client, with the token.
+    pub api: Client,
     pub service: Service,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     serving: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
@@ -121,10 +122,11 @@ impl TestService {
         let serving = tokio::spawn(service.clone().serve(listener, async {
             let _ = stopped.await;
         }));
+        let token = service.token().to_string();
         Self {
+            api: Client::new(&url, Some(token.clone())).expect("a loopback URL"),
             url,
-            token: service.token().to_string(),
-            client: reqwest::Client::new(),
+            token,
             service,
             stop: Some(stop),
             serving: Some(serving),
@@ -143,32 +145,33 @@ impl TestService {
         self.dir.as_ref().expect("the dir").path().join("data")
     }
 
+    /// A request with the token, built by hand (headers, methods).
     pub fn get(&self, path: &str) -> reqwest::RequestBuilder {
-        self.client
-            .get(format!("{}{path}", self.url))
-            .bearer_auth(&self.token)
+        self.api.request(Method::GET, path)
     }
 
     pub fn post(&self, path: &str) -> reqwest::RequestBuilder {
-        self.client
-            .post(format!("{}{path}", self.url))
-            .bearer_auth(&self.token)
+        self.api.request(Method::POST, path)
+    }
+
+    /// A client without the token.
+    pub fn http(&self) -> &reqwest::Client {
+        self.api.http()
     }
 
     /// POSTs JSON and returns the status and the body as JSON.
     pub async fn post_json(&self, path: &str, body: serde_json::Value) -> (u16, serde_json::Value) {
-        let response = self
-            .post(path)
-            .json(&body)
-            .send()
+        self.api
+            .post_json(path, &body)
             .await
-            .expect("a response");
-        read(response).await
+            .unwrap_or_else(|e| panic!("POST {path}: {e}"))
     }
 
     pub async fn get_json(&self, path: &str) -> (u16, serde_json::Value) {
-        let response = self.get(path).send().await.expect("a response");
-        read(response).await
+        self.api
+            .get_json(path)
+            .await
+            .unwrap_or_else(|e| panic!("GET {path}: {e}"))
     }
 
     /// Submits and returns the new run's id (fails the test unless 201).
@@ -195,20 +198,15 @@ impl TestService {
         after: Option<u64>,
         mut stop: impl FnMut(&serde_json::Value) -> bool,
     ) -> Vec<(u64, serde_json::Value)> {
-        let mut request = self.get(&format!("/v1/runs/{run}/events"));
-        if let Some(after) = after {
-            request = request.header("Last-Event-ID", after.to_string());
-        }
         let follow = async {
-            let response = request.send().await.expect("a response");
-            assert_eq!(response.status(), 200);
-            let mut stream = eventsource_stream::EventStream::new(response.bytes_stream());
+            let mut stream = self
+                .api
+                .events(run, true, after)
+                .await
+                .unwrap_or_else(|e| panic!("the event stream of {run}: {e}"));
             let mut seen = vec![];
-            while let Some(event) = stream.next().await {
-                let event = event.expect("a well-formed event stream");
-                let data: serde_json::Value =
-                    serde_json::from_str(&event.data).expect("each data is JSON");
-                let id = event.id.parse().expect("each id is a number");
+            while let Some(event) = stream.next_json().await {
+                let (id, data) = event.expect("a well-formed event stream");
                 let done = stop(&data);
                 seen.push((id, data));
                 if done {
@@ -265,14 +263,6 @@ impl TestService {
         let dir = self.stop().await;
         Self::start_in(dir, texts).await
     }
-}
-
-async fn read(response: reqwest::Response) -> (u16, serde_json::Value) {
-    let status = response.status().as_u16();
-    let text = response.text().await.expect("a body");
-    let body = serde_json::from_str(&text)
-        .unwrap_or_else(|_| panic!("a {status} whose body is not JSON: {text:?}"));
-    (status, body)
 }
 
 /// The status of a run document's root.

@@ -5,7 +5,7 @@
 //! to a scripted leaf that answers at once, then submits.
 //!
 //! - http: an in-process `Service` on a loopback port (axum, the real
-//!   router, the bearer token); each client is a reqwest client that POSTs
+//!   router, the bearer token); each client is arbord's typed client (`arbor_service::client`) that POSTs
 //!   /v1/runs and follows /v1/runs/{id}/events (SSE) to the run's end.
 //! - embedded: the same K clients call `EmbeddedNode::start_run` and follow
 //!   the event bus.
@@ -28,8 +28,8 @@
 
 use arbor_protocol::{EventKind, JobId, NodeKind, RunId, Status};
 use arbor_runtime::{EmbeddedNode, Workspace};
+use arbor_service::api::SubmitRun;
 use arbor_service::{Flags, Service, config};
-use futures::StreamExt;
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -176,42 +176,28 @@ async fn drive_http(load: Load, dir: &std::path::Path) -> (Samples, Duration) {
     let samples = Arc::new(Mutex::new(Samples::default()));
     let began = Instant::now();
     let deadline = began + Duration::from_secs(load.seconds);
-    let client = reqwest::Client::new();
+    let client = arbor_service::client::Client::new(&url, Some(token)).unwrap();
     let tasks: Vec<_> = (0..load.clients)
         .map(|_| {
-            let (client, url, token, samples) =
-                (client.clone(), url.clone(), token.clone(), samples.clone());
+            let (client, samples) = (client.clone(), samples.clone());
             tokio::spawn(async move {
+                let run = SubmitRun {
+                    flow: None,
+                    agent: Some("fan".into()),
+                    input: Some("go".into()),
+                    budget: None,
+                };
                 while Instant::now() < deadline {
                     let started = Instant::now();
-                    let created: serde_json::Value = client
-                        .post(format!("{url}/v1/runs"))
-                        .bearer_auth(&token)
-                        .json(&serde_json::json!({"agent": "fan", "input": "go"}))
-                        .send()
-                        .await
-                        .unwrap()
-                        .json()
-                        .await
-                        .unwrap();
-                    let run: RunId = created["id"].as_str().unwrap().parse().unwrap();
-                    let response = client
-                        .get(format!("{url}/v1/runs/{run}/events"))
-                        .bearer_auth(&token)
-                        .send()
-                        .await
-                        .unwrap();
-                    let mut stream = eventsource_stream::EventStream::new(response.bytes_stream());
+                    let created = client.submit(&run, None).await.unwrap();
+                    let mut stream = client.events(created.id, true, None).await.unwrap();
                     let mut follow = Follow::new(started);
-                    while let Some(message) = stream.next().await {
-                        let data: serde_json::Value =
-                            serde_json::from_str(&message.unwrap().data).unwrap();
-                        let kind: EventKind = serde_json::from_value(data["kind"].clone()).unwrap();
-                        if follow.see(&kind) {
+                    while let Some(event) = stream.next().await {
+                        if follow.see(&event.unwrap().event.kind) {
                             break;
                         }
                     }
-                    follow.record(&samples, run);
+                    follow.record(&samples, created.id);
                 }
             })
         })
@@ -220,7 +206,7 @@ async fn drive_http(load: Load, dir: &std::path::Path) -> (Samples, Duration) {
         task.await.unwrap();
     }
     let wall = began.elapsed();
-    check_http(&client, &url, &token, &service).await;
+    check_http(&client, &service).await;
     let _ = stop.send(());
     serving.await.unwrap().unwrap();
     let samples = std::mem::take(&mut *samples.lock().unwrap());
@@ -228,31 +214,18 @@ async fn drive_http(load: Load, dir: &std::path::Path) -> (Samples, Duration) {
 }
 
 /// Every run the API lists is terminal, and the journal says the same of each.
-async fn check_http(client: &reqwest::Client, url: &str, token: &str, service: &Service) {
+async fn check_http(client: &arbor_service::client::Client, service: &Service) {
     let mut listed = vec![];
-    let mut after: Option<String> = None;
+    let mut after = None;
     loop {
-        let mut path = format!("{url}/v1/runs?limit=500");
-        if let Some(after) = &after {
-            path.push_str(&format!("&after={after}"));
-        }
-        let page: serde_json::Value = client
-            .get(path)
-            .bearer_auth(token)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        for run in page["runs"].as_array().unwrap() {
-            listed.push((
-                run["id"].as_str().unwrap().to_string(),
-                run["status"].as_str().unwrap().to_string(),
-            ));
-        }
-        match page["next"].as_str() {
-            Some(next) => after = Some(next.to_string()),
+        let page = client.runs(None, 500, after).await.unwrap();
+        listed.extend(
+            page.runs
+                .iter()
+                .map(|run| (run.id.to_string(), run.status.as_str().to_string())),
+        );
+        match page.next {
+            Some(next) => after = Some(next),
             None => break,
         }
     }

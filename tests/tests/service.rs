@@ -425,7 +425,7 @@ async fn inv_36_bad_input_gets_a_clear_4xx_and_changes_nothing() {
         let mut request = match *method {
             "POST" => svc.post(path),
             "DELETE" => svc
-                .client
+                .http()
                 .delete(format!("{}{path}", svc.url))
                 .bearer_auth(&svc.token),
             _ => svc.get(path),
@@ -550,8 +550,8 @@ async fn inv_37_every_route_but_the_health_checks_refuses_a_missing_or_wrong_tok
         for token in [None, Some(wrong.as_str()), Some(""), Some("Bearer")] {
             let url = format!("{}{path}", svc.url);
             let mut request = match *method {
-                "POST" => svc.client.post(&url),
-                _ => svc.client.get(&url),
+                "POST" => svc.http().post(&url),
+                _ => svc.http().get(&url),
             };
             if let Some(token) = token {
                 request = request.header("authorization", format!("Bearer {token}"));
@@ -570,7 +570,7 @@ async fn inv_37_every_route_but_the_health_checks_refuses_a_missing_or_wrong_tok
     }
     // Basic auth with the right token is not a bearer token either.
     let response = svc
-        .client
+        .http()
         .get(format!("{}/v1/status", svc.url))
         .basic_auth("arbor", Some(&svc.token))
         .send()
@@ -579,7 +579,7 @@ async fn inv_37_every_route_but_the_health_checks_refuses_a_missing_or_wrong_tok
     assert_eq!(response.status(), 401);
     for path in ["/healthz", "/readyz"] {
         let response = svc
-            .client
+            .http()
             .get(format!("{}{path}", svc.url))
             .send()
             .await
@@ -796,7 +796,7 @@ async fn inv_40_a_drain_refuses_new_work_and_leaves_a_consistent_journal() {
     let svc = TestService::start(texts()).await;
     let run = svc.submit(json!({"agent": "slow", "input": "wait"})).await;
     svc.wait_running(run).await;
-    let probe = svc.client.clone();
+    let probe = svc.http().clone();
     let url = svc.url.clone();
     let service = svc.service.clone();
     let draining = tokio::spawn(async move { service.drain().await });
