@@ -13,6 +13,7 @@ pub mod spec;
 pub mod status;
 pub mod tools;
 pub mod tree;
+pub mod view;
 
 mod duration_str;
 
@@ -32,3 +33,4 @@ pub use tools::{
     SendMessageArgs, StopChildArgs, SubmitOutputArgs, ToolName, WriteFileArgs,
 };
 pub use tree::{AccountView, Tree, TreeNode};
+pub use view::{ActorView, SandboxPosture};

@@ -8,9 +8,11 @@ use crate::models::Models;
 use crate::recovery::{self, RecoveryReport, RunOutcome};
 use crate::workspace::Workspace;
 use arbor_actors::{EventBus, ModelFactory, Node, NodeArgs, NodeContext, NodeMsg};
-use arbor_protocol::{JobId, Refusal, RunId, RunSpec, Tree};
-use arbor_sandbox::seal::Posture;
-use arbor_storage::Journal;
+use arbor_protocol::{
+    ActorView, ErrorClass, EventKind, JobId, Refusal, RunId, RunSpec, SandboxPosture, Status, Tree,
+};
+use arbor_sandbox::seal::{Posture, SandboxIsolation};
+use arbor_storage::{Journal, Record, RunRecord};
 use ractor::ActorRef;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -251,14 +253,36 @@ impl EmbeddedNode {
         self.join.lock().unwrap_or_else(|p| p.into_inner()).take()
     }
 
-    /// The root of the actor tree, to walk the supervision tree.
+    /// The supervision tree, from the Node actor down, as it stands.
+    pub fn actors(&self) -> ActorView {
+        fn view(cell: &ractor::ActorCell) -> ActorView {
+            ActorView {
+                name: cell.get_name(),
+                status: format!("{:?}", cell.get_status()),
+                children: cell.get_children().iter().map(view).collect(),
+            }
+        }
+        view(&self.node.get_cell())
+    }
+
+    /// The Node actor's cell, for a harness that awaits actors' exits (the
+    /// benches); everything else reads `actors`.
     pub fn root_actor(&self) -> ractor::ActorCell {
         self.node.get_cell()
     }
 
     /// What this node's sandboxes are: sealed, or not and why.
-    pub fn sandbox(&self) -> &Posture {
-        &self.ctx.sandbox
+    pub fn sandbox(&self) -> SandboxPosture {
+        let posture = &self.ctx.sandbox;
+        SandboxPosture {
+            mode: match posture.mode {
+                SandboxIsolation::Sealed => "sealed",
+                SandboxIsolation::None => "none",
+            }
+            .into(),
+            sealed: posture.sealed,
+            detail: posture.detail.clone(),
+        }
     }
 
     pub fn data_dir(&self) -> &Path {
@@ -301,6 +325,44 @@ impl EmbeddedNode {
         })
         .map_err(|e| Error::Start(e.to_string()))?
         .map_err(Error::Refused)
+    }
+
+    /// Ends a run that never started (stopped in a queue, or refused at its
+    /// start): its `RunRecord` is committed together with `with` (the
+    /// caller's own rows, say the queue's), then a `RunFinished` is emitted,
+    /// so that every reader sees it end. `spec` is None when the caller could
+    /// not read it back.
+    pub async fn end_unstarted(
+        &self,
+        run: RunId,
+        spec: Option<&RunSpec>,
+        (status, error_class, reason): (Status, Option<ErrorClass>, &str),
+        with: Vec<Record>,
+    ) -> Result<(), arbor_storage::Error> {
+        let journal = &self.ctx.journal;
+        let record = RunRecord {
+            id: run,
+            flow: spec.map(|s| s.flow.clone()).unwrap_or_default(),
+            budget_tokens: spec.map(|s| s.budget_tokens).unwrap_or_default(),
+            status,
+            error_class,
+            reason: Some(reason.to_string()),
+            output_json: "null".into(),
+            epoch: journal.epoch(),
+        };
+        let mut records = with;
+        records.push(Record::Run(record));
+        journal.commit(records).await?;
+        self.ctx.events.emit(
+            run,
+            EventKind::RunFinished {
+                status,
+                error_class,
+                reason: Some(reason.to_string()),
+                output: serde_json::Value::Null,
+            },
+        );
+        Ok(())
     }
 
     pub async fn stop_run(&self, run: RunId, reason: &str) -> Result<(), Error> {

@@ -15,7 +15,6 @@
 use crate::submission::{self, SubmissionRecord, SubmissionState};
 use arbor_protocol::{ErrorClass, EventKind, RunId, RunSpec, Status};
 use arbor_runtime::EmbeddedNode;
-use arbor_storage::{Record, RunRecord};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -336,31 +335,16 @@ impl Admission {
         error_class: Option<ErrorClass>,
         reason: &str,
     ) -> Result<(), arbor_storage::Error> {
-        let journal = self.node.journal();
         let spec: Option<RunSpec> = serde_json::from_str(&sub.spec_json).ok();
-        sub.epoch = journal.epoch();
-        let record = RunRecord {
-            id: sub.run,
-            flow: spec.as_ref().map(|s| s.flow.clone()).unwrap_or_default(),
-            budget_tokens: spec.as_ref().map(|s| s.budget_tokens).unwrap_or_default(),
-            status,
-            error_class,
-            reason: Some(reason.to_string()),
-            output_json: "null".into(),
-            epoch: journal.epoch(),
-        };
-        journal
-            .commit(vec![sub.record()?, Record::Run(record)])
+        sub.epoch = self.node.journal().epoch();
+        self.node
+            .end_unstarted(
+                sub.run,
+                spec.as_ref(),
+                (status, error_class, reason),
+                vec![sub.record()?],
+            )
             .await?;
-        self.node.events().emit(
-            sub.run,
-            EventKind::RunFinished {
-                status,
-                error_class,
-                reason: Some(reason.to_string()),
-                output: serde_json::Value::Null,
-            },
-        );
         Ok(())
     }
 }

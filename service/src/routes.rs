@@ -842,18 +842,7 @@ async fn node_status(State(shared): S) -> Reply {
             started_at_ms: shared.started_at_ms,
             uptime_ms: shared.started.elapsed().as_millis() as u64,
             accepting: shared.accepting.load(Ordering::SeqCst),
-            sandbox: {
-                let posture = shared.node.sandbox();
-                SandboxPosture {
-                    mode: match posture.mode {
-                        arbor_sandbox::seal::SandboxIsolation::Sealed => "sealed",
-                        arbor_sandbox::seal::SandboxIsolation::None => "none",
-                    }
-                    .into(),
-                    sealed: posture.sealed,
-                    detail: posture.detail.clone(),
-                }
-            },
+            sandbox: shared.node.sandbox(),
         },
         admission: AdmissionInfo {
             max_running_runs: shared.config.max_running_runs,
@@ -877,7 +866,7 @@ async fn node_status(State(shared): S) -> Reply {
             breaches: recovery.breaches.clone(),
         },
         runs,
-        actors: actor_tree(&node.root_actor()),
+        actors: node.actors(),
         sandboxes: journal
             .live_sandboxes()?
             .into_iter()

@@ -3,7 +3,7 @@
 //! has it, the sandboxes' process groups, the queue, the journal, and what
 //! the last recovery did.
 
-use arbor_protocol::{JobId, RunId, TreeNode};
+use arbor_protocol::{ActorView, JobId, RunId, SandboxPosture, TreeNode};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -33,17 +33,6 @@ pub struct NodeInfo {
     pub accepting: bool,
     /// What the node's sandboxes are.
     pub sandbox: SandboxPosture,
-}
-
-/// The node's sandbox posture, found at start.
-#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
-pub struct SandboxPosture {
-    /// `sealed` or `none`, as `[sandbox] mode` says.
-    pub mode: String,
-    /// Whether commands run sealed; false for `none`, and for a sealed node
-    /// whose kernel refused (its jobs that run commands are refused).
-    pub sealed: bool,
-    pub detail: String,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
@@ -80,26 +69,8 @@ pub struct RecoveryInfo {
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
-pub struct ActorView {
-    /// The registered name (`arbor-run-ID`, `arbor-job-ID`), if it has one.
-    pub name: Option<String>,
-    /// ractor's status: `Running`, `Stopping`, ...
-    pub status: String,
-    pub children: Vec<ActorView>,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
 pub struct SandboxView {
     pub run: RunId,
     pub job: JobId,
     pub pgid: i32,
-}
-
-/// The supervision tree below `cell`, as ractor reports it.
-pub fn actor_tree(cell: &ractor::ActorCell) -> ActorView {
-    ActorView {
-        name: cell.get_name(),
-        status: format!("{:?}", cell.get_status()),
-        children: cell.get_children().iter().map(actor_tree).collect(),
-    }
 }
