@@ -19,7 +19,7 @@
 use crate::context::NodeContext;
 use crate::model::Price;
 use arbor_protocol::{AccountView, Amount, EventKind, JobId, ParentRef, Refusal, RunId};
-use arbor_storage::{LedgerOp, LedgerRecord, Record};
+use arbor_storage::{LedgerOp, LedgerRecord, Record, Unit};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -27,13 +27,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 pub struct Account;
 
+/// One ledger change and the unit it is in.
+type Entry = (Unit, LedgerOp);
+
 pub struct AccountArgs {
     pub ctx: Arc<NodeContext>,
     pub run: RunId,
     pub owner: ParentRef,
     pub grant: u64,
     /// The grant in micro-dollars, if the account has a usd ceiling.
-    pub grant_usd: Option<u64>,
+    pub grant_usd_micros: Option<u64>,
     /// I-12: the share of the grant after which model requests wind down.
     pub wind_down: f64,
     pub meter: SpentMeter,
@@ -74,15 +77,15 @@ pub struct GrantAsk {
     /// The agent's front-matter budget: the most one of its jobs may be granted.
     pub agent_max: Option<u64>,
     /// The same two, in micro-dollars.
-    pub asked_usd: Option<u64>,
-    pub agent_max_usd: Option<u64>,
+    pub asked_usd_micros: Option<u64>,
+    pub agent_max_usd_micros: Option<u64>,
 }
 
 /// One child's grant: tokens, and micro-dollars when it has a usd ceiling.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Grant {
     pub tokens: u64,
-    pub usd: Option<u64>,
+    pub usd_micros: Option<u64>,
 }
 
 /// How a reservation divides the available budget.
@@ -97,10 +100,9 @@ pub enum Share {
 /// A model call's reservation (I-11).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CallHold {
-    pub reserved: u64,
-    /// The call's worst-case cost in micro-dollars (0 on an unpriced model
-    /// when the account has no usd ceiling).
-    pub reserved_usd: u64,
+    /// The call's worst case: its tokens, and its cost in micro-dollars (0
+    /// on an unpriced model when the account has no usd ceiling).
+    pub reserved: Amount,
     pub max_output: u64,
     /// I-12: spend had crossed the wind-down share when the call was reserved.
     pub wind_down: bool,
@@ -186,11 +188,14 @@ impl Actor for Account {
         if opened {
             return Ok(state);
         }
-        let mut ops = vec![LedgerOp::Open {
-            grant: state.ledger.grant,
-        }];
-        if let Some(grant) = state.ledger.grant_usd() {
-            ops.push(LedgerOp::in_usd(true, LedgerOp::Open { grant }));
+        let mut ops = vec![(
+            Unit::Tokens,
+            LedgerOp::Open {
+                grant: state.ledger.grant,
+            },
+        )];
+        if let Some(grant) = state.ledger.grant_usd_micros() {
+            ops.push((Unit::UsdMicros, LedgerOp::Open { grant }));
         }
         // Appended: the owner's first act outside (a model call's
         // reservation, a delegation's admission) commits after it, and so
@@ -214,16 +219,19 @@ impl Actor for Account {
                     let usd = state.ledger.usd.is_some();
                     let mut ops = vec![];
                     for (ask, grant) in asks.iter().zip(grants) {
-                        ops.push(LedgerOp::Hold {
-                            child: ask.child,
-                            tokens: grant.tokens,
-                        });
-                        if let (true, Some(micros)) = (usd, grant.usd) {
-                            ops.push(LedgerOp::in_usd(
-                                true,
+                        ops.push((
+                            Unit::Tokens,
+                            LedgerOp::Hold {
+                                child: ask.child,
+                                amount: grant.tokens,
+                            },
+                        ));
+                        if let (true, Some(micros)) = (usd, grant.usd_micros) {
+                            ops.push((
+                                Unit::UsdMicros,
                                 LedgerOp::Hold {
                                     child: ask.child,
-                                    tokens: micros,
+                                    amount: micros,
                                 },
                             ));
                         }
@@ -249,15 +257,12 @@ impl Actor for Account {
                     .ledger
                     .plan_call(input_estimate, max_output_limit, price);
                 if let Ok(hold) = &result {
-                    let reserved = Amount {
-                        tokens: hold.reserved,
-                        usd_micros: hold.reserved_usd,
-                    };
+                    let reserved = hold.reserved;
                     let ops = state.ledger.ops(reserved, |tokens| {
                         if billed {
-                            LedgerOp::BilledCallReserve { tokens }
+                            LedgerOp::BilledCallReserve { amount: tokens }
                         } else {
-                            LedgerOp::CallReserve { tokens }
+                            LedgerOp::CallReserve { amount: tokens }
                         }
                     });
                     // Durable before the request goes out: a crash after it
@@ -366,7 +371,7 @@ impl AccountState {
             owner: args.owner,
             ledger: Ledger::resumed(
                 args.grant,
-                args.grant_usd,
+                args.grant_usd_micros,
                 args.wind_down,
                 args.resume_spent.unwrap_or_default(),
             ),
@@ -377,23 +382,24 @@ impl AccountState {
 
     /// Appends the account's entries; the next commit of anything makes
     /// them durable (seq order is durability order).
-    fn append_entries(&self, ops: Vec<LedgerOp>) -> Result<(), ActorProcessingErr> {
+    fn append_entries(&self, ops: Vec<Entry>) -> Result<(), ActorProcessingErr> {
         self.ctx.journal.append(self.records(ops))?;
         Ok(())
     }
 
     /// Commits the account's entries: back only once they are durable.
-    async fn commit_entries(&self, ops: Vec<LedgerOp>) -> Result<(), ActorProcessingErr> {
+    async fn commit_entries(&self, ops: Vec<Entry>) -> Result<(), ActorProcessingErr> {
         self.ctx.journal.commit(self.records(ops)).await?;
         Ok(())
     }
 
-    fn records(&self, ops: Vec<LedgerOp>) -> Vec<Record> {
+    fn records(&self, ops: Vec<Entry>) -> Vec<Record> {
         let epoch = self.ctx.journal.epoch();
         ops.into_iter()
-            .map(|op| {
+            .map(|(unit, op)| {
                 Record::Ledger(LedgerRecord {
                     owner: self.owner,
+                    unit,
                     op,
                     epoch,
                 })
@@ -413,7 +419,7 @@ impl AccountState {
     /// handler tells of, if any) and the account's new figures.
     fn append_and_publish(
         &mut self,
-        ops: Vec<LedgerOp>,
+        ops: Vec<Entry>,
         first: Option<EventKind>,
     ) -> Result<(), ActorProcessingErr> {
         let changed = self.changed();
@@ -557,8 +563,13 @@ impl Purse {
 impl Ledger {
     /// An account reopened after a restart: what it spent before is settled
     /// spend of its (ended) children; nothing is held.
-    pub fn resumed(grant: u64, grant_usd: Option<u64>, wind_down: f64, spent: Amount) -> Self {
-        let mut ledger = Self::with_usd(grant, grant_usd, wind_down);
+    pub fn resumed(
+        grant: u64,
+        grant_usd_micros: Option<u64>,
+        wind_down: f64,
+        spent: Amount,
+    ) -> Self {
+        let mut ledger = Self::with_usd(grant, grant_usd_micros, wind_down);
         ledger.tokens.children_spent = spent.tokens;
         match &mut ledger.usd {
             Some(usd) => usd.children_spent = spent.usd_micros,
@@ -571,17 +582,17 @@ impl Ledger {
         Self::with_usd(grant, None, wind_down)
     }
 
-    pub fn with_usd(grant: u64, grant_usd: Option<u64>, wind_down: f64) -> Self {
+    pub fn with_usd(grant: u64, grant_usd_micros: Option<u64>, wind_down: f64) -> Self {
         Self {
             grant,
             tokens: Purse::new(grant, wind_down),
-            usd: grant_usd.map(|g| Purse::new(g, wind_down)),
+            usd: grant_usd_micros.map(|g| Purse::new(g, wind_down)),
             usd_metered: 0,
             closed: false,
         }
     }
 
-    pub fn grant_usd(&self) -> Option<u64> {
+    pub fn grant_usd_micros(&self) -> Option<u64> {
         self.usd.as_ref().map(|u| u.grant)
     }
 
@@ -635,18 +646,18 @@ impl Ledger {
     }
 
     /// The ledger entries of one change, in both units where the account has them.
-    fn ops(&self, amount: Amount, op: impl Fn(u64) -> LedgerOp) -> Vec<LedgerOp> {
-        let mut ops = vec![op(amount.tokens)];
+    fn ops(&self, amount: Amount, op: impl Fn(u64) -> LedgerOp) -> Vec<Entry> {
+        let mut ops = vec![(Unit::Tokens, op(amount.tokens))];
         if self.usd.is_some() {
-            ops.push(LedgerOp::in_usd(true, op(amount.usd_micros)));
+            ops.push((Unit::UsdMicros, op(amount.usd_micros)));
         }
         ops
     }
 
-    fn ops_pair(&self, a: Amount, b: Amount, op: impl Fn(u64, u64) -> LedgerOp) -> Vec<LedgerOp> {
-        let mut ops = vec![op(a.tokens, b.tokens)];
+    fn ops_pair(&self, a: Amount, b: Amount, op: impl Fn(u64, u64) -> LedgerOp) -> Vec<Entry> {
+        let mut ops = vec![(Unit::Tokens, op(a.tokens, b.tokens))];
         if self.usd.is_some() {
-            ops.push(LedgerOp::in_usd(true, op(a.usd_micros, b.usd_micros)));
+            ops.push((Unit::UsdMicros, op(a.usd_micros, b.usd_micros)));
         }
         ops
     }
@@ -669,7 +680,7 @@ impl Ledger {
             Some(purse) => {
                 let usd_asks: Vec<_> = asks
                     .iter()
-                    .map(|a| (a.asked_usd, a.agent_max_usd))
+                    .map(|a| (a.asked_usd_micros, a.agent_max_usd_micros))
                     .collect();
                 purse
                     .plan(&usd_asks, share, "micro-dollars", &agents)?
@@ -681,19 +692,19 @@ impl Ledger {
             // or its agent sets one; nothing is held for it in this unit.
             None => asks
                 .iter()
-                .map(|a| a.asked_usd.or(a.agent_max_usd))
+                .map(|a| a.asked_usd_micros.or(a.agent_max_usd_micros))
                 .collect(),
         };
         Ok(tokens
             .into_iter()
             .zip(usd)
-            .map(|(tokens, usd)| Grant { tokens, usd })
+            .map(|(tokens, usd_micros)| Grant { tokens, usd_micros })
             .collect())
     }
 
     fn hold_child(&mut self, child: JobId, grant: Grant) {
         self.tokens.held_children.insert(child, grant.tokens);
-        if let (Some(purse), Some(micros)) = (&mut self.usd, grant.usd) {
+        if let (Some(purse), Some(micros)) = (&mut self.usd, grant.usd_micros) {
             purse.held_children.insert(child, micros);
         }
     }
@@ -744,8 +755,10 @@ impl Ledger {
             }
         }
         Ok(CallHold {
-            reserved: input_estimate + max_output,
-            reserved_usd: price.map_or(0, |p| p.micros(input_estimate, max_output)),
+            reserved: Amount {
+                tokens: input_estimate + max_output,
+                usd_micros: price.map_or(0, |p| p.micros(input_estimate, max_output)),
+            },
             max_output,
             wind_down: self.past_wind_down(),
         })
@@ -790,8 +803,8 @@ mod tests {
             agent: "a".into(),
             asked,
             agent_max,
-            asked_usd: None,
-            agent_max_usd: None,
+            asked_usd_micros: None,
+            agent_max_usd_micros: None,
         }
     }
 
@@ -803,7 +816,7 @@ mod tests {
         match (ledger.plan_grants(&asks, share), expected) {
             (Ok(got), Ok(want)) => {
                 assert_eq!(got.iter().map(|g| g.tokens).collect::<Vec<_>>(), want);
-                assert!(got.iter().all(|g| g.usd.is_none()));
+                assert!(got.iter().all(|g| g.usd_micros.is_none()));
             }
             (Err(got), Err(words)) => assert!(got.to_string().contains(words), "{got}"),
             (got, want) => panic!("got {got:?}, want {want:?}"),
@@ -886,16 +899,16 @@ mod tests {
         let mut ledger = Ledger::new(1000, 0.8);
         let hold = ledger.plan_call(300, 4096, None).unwrap();
         assert_eq!(
-            (hold.reserved, hold.max_output),
+            (hold.reserved.tokens, hold.max_output),
             (1000, 700),
             "output cut to what is left"
         );
-        ledger.hold_call(tokens(hold.reserved));
+        ledger.hold_call(hold.reserved);
         assert!(
             ledger.plan_call(1, 10, None).is_err(),
             "nothing left while the call is out"
         );
-        ledger.settle_call(tokens(hold.reserved), tokens(400));
+        ledger.settle_call(hold.reserved, tokens(400));
         assert_eq!(
             ledger.view(),
             arbor_protocol::AccountView {
@@ -918,7 +931,7 @@ mod tests {
             child,
             Grant {
                 tokens: 400,
-                usd: None,
+                usd_micros: None,
             },
         );
         assert_eq!(ledger.available(), 600);
@@ -946,14 +959,14 @@ mod usd_tests {
         output_picos_per_token: 600_000,
     };
 
-    fn ask(asked_usd: Option<u64>, agent_max_usd: Option<u64>) -> GrantAsk {
+    fn ask(asked_usd_micros: Option<u64>, agent_max_usd_micros: Option<u64>) -> GrantAsk {
         GrantAsk {
             child: JobId::new(),
             agent: "a".into(),
             asked: None,
             agent_max: None,
-            asked_usd,
-            agent_max_usd,
+            asked_usd_micros,
+            agent_max_usd_micros,
         }
     }
 
@@ -964,8 +977,8 @@ mod usd_tests {
         let grants = ledger
             .plan_grants(&[ask(None, None), ask(Some(50_000), None)], half)
             .unwrap();
-        assert_eq!(grants[0].usd, Some(200_000));
-        assert_eq!(grants[1].usd, Some(50_000));
+        assert_eq!(grants[0].usd_micros, Some(200_000));
+        assert_eq!(grants[1].usd_micros, Some(50_000));
         let refused = ledger
             .plan_grants(&[ask(Some(250_001), None)], half)
             .unwrap_err();
@@ -979,7 +992,10 @@ mod usd_tests {
         let grants = plain
             .plan_grants(&[ask(None, None), ask(None, Some(7))], half)
             .unwrap();
-        assert_eq!((grants[0].usd, grants[1].usd), (None, Some(7)));
+        assert_eq!(
+            (grants[0].usd_micros, grants[1].usd_micros),
+            (None, Some(7))
+        );
     }
 
     #[test]
@@ -989,16 +1005,16 @@ mod usd_tests {
         let hold = ledger.plan_call(2_000, 4_096, Some(PRICE)).unwrap();
         // (1,000 - 300) / 0.6 = 1,166 output tokens.
         assert_eq!(hold.max_output, 1_166);
-        assert_eq!(hold.reserved_usd, PRICE.micros(2_000, 1_166));
-        assert!(hold.reserved_usd <= 1_000);
+        assert_eq!(hold.reserved.usd_micros, PRICE.micros(2_000, 1_166));
+        assert!(hold.reserved.usd_micros <= 1_000);
         ledger.hold_call(Amount {
-            tokens: hold.reserved,
-            usd_micros: hold.reserved_usd,
+            tokens: hold.reserved.tokens,
+            usd_micros: hold.reserved.usd_micros,
         });
         ledger.settle_call(
             Amount {
-                tokens: hold.reserved,
-                usd_micros: hold.reserved_usd,
+                tokens: hold.reserved.tokens,
+                usd_micros: hold.reserved.usd_micros,
             },
             Amount {
                 tokens: 2_500,
@@ -1032,7 +1048,7 @@ mod usd_tests {
             child,
             Grant {
                 tokens: 100,
-                usd: None,
+                usd_micros: None,
             },
         );
         ledger.settle_child(child, cost(5));

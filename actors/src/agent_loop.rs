@@ -310,8 +310,8 @@ pub async fn run(args: LoopArgs) -> LoopOutcome {
 /// exactly once: the loop when the call returns or is cancelled, the job
 /// when it aborted the loop mid-call.
 pub struct InFlight {
-    pub reserved: u64,
-    pub reserved_usd: u64,
+    /// What the call's reservation holds, in both units.
+    pub reserved: Amount,
     pub input_reserved: u64,
     pub max_output: u64,
     pub wind_down: bool,
@@ -340,7 +340,7 @@ pub async fn settle_cut(account: &ActorRef<AccountMsg>, id: JobId, call: InFligh
     let estimated = usage.total() > 0;
     let event = model_called(id, &call, usage, false, estimated, outcome);
     let _ = ractor::call!(account, |reply| AccountMsg::SettleCall {
-        reserved: call.reserved_amount(),
+        reserved: call.reserved,
         spent: call.cost(usage),
         event: Some(event),
         reply
@@ -348,13 +348,6 @@ pub async fn settle_cut(account: &ActorRef<AccountMsg>, id: JobId, call: InFligh
 }
 
 impl InFlight {
-    fn reserved_amount(&self) -> Amount {
-        Amount {
-            tokens: self.reserved,
-            usd_micros: self.reserved_usd,
-        }
-    }
-
     /// What `usage` costs, in both units.
     fn cost(&self, usage: Usage) -> Amount {
         Amount {
@@ -379,7 +372,7 @@ fn model_called(
     EventKind::ModelCalled {
         id,
         turn: call.turn,
-        reserved: call.reserved,
+        reserved: call.reserved.tokens,
         input_tokens: usage.input_tokens,
         output_tokens: usage.output_tokens,
         truncated,
@@ -549,7 +542,6 @@ async fn call_model(
             &args.in_flight,
             InFlight {
                 reserved: hold.reserved,
-                reserved_usd: hold.reserved_usd,
                 input_reserved: input_estimate,
                 max_output: hold.max_output,
                 wind_down: hold.wind_down,
@@ -603,13 +595,13 @@ async fn call_model(
                 };
                 span.record("gen_ai.usage.input_tokens", usage.input_tokens);
                 span.record("gen_ai.usage.output_tokens", usage.output_tokens);
-                if usage.total() > call.reserved {
+                if usage.total() > call.reserved.tokens {
                     args.ctx.events.emit(
                         args.run,
                         EventKind::BudgetOverrun {
                             id: args.id,
                             turn,
-                            reserved: call.reserved,
+                            reserved: call.reserved.tokens,
                             reported: usage.total(),
                         },
                     );
@@ -617,7 +609,7 @@ async fn call_model(
                 let event = model_called(args.id, &call, usage, reply.truncated, estimated, "ok");
                 Box::pin(settle_with(
                     args,
-                    call.reserved_amount(),
+                    call.reserved,
                     call.cost(usage),
                     Some(event),
                 ))

@@ -152,7 +152,7 @@ impl Actor for Run {
                 run: args.id,
                 owner: ParentRef::Run(args.id),
                 grant: args.spec.budget_tokens,
-                grant_usd: args.spec.budget_usd_micros,
+                grant_usd_micros: args.spec.budget_usd_micros,
                 wind_down: ctx.limits.wind_down,
                 meter: meter.clone(),
                 resume_spent: resume_given.then_some(resume.spent),
@@ -173,7 +173,7 @@ impl Actor for Run {
                     actor: None,
                     grant: Grant {
                         tokens: 0,
-                        usd: None,
+                        usd_micros: None,
                     },
                     meter: SpentMeter::default(),
                     stop_reason: None,
@@ -383,8 +383,8 @@ impl RunState {
                 agent: agent.name.clone(),
                 asked: None,
                 agent_max: agent.budget_tokens,
-                asked_usd: None,
-                agent_max_usd: agent.budget_usd_micros,
+                asked_usd_micros: None,
+                agent_max_usd_micros: agent.budget_usd_micros,
             })
             .collect();
         let grants = match ractor::call!(self.account, |reply| AccountMsg::Reserve {

@@ -140,8 +140,8 @@ struct RunArgs {
     budget_tokens: Option<u64>,
     /// The run's ceiling in dollars, e.g. 0.50 (overrides the flow and
     /// arbor.toml); every model it reaches needs a price.
-    #[arg(long, value_parser = parse_usd)]
-    budget_usd: Option<u64>,
+    #[arg(long = "budget-usd", value_parser = parse_usd)]
+    budget_usd_micros: Option<u64>,
     /// Print one JSON document (the run's tree) on stdout and nothing else there.
     #[arg(long)]
     json: bool,
@@ -312,7 +312,7 @@ async fn run(args: RunArgs) -> Result<ExitCode, Failure> {
             }
         },
     };
-    let spec = match args.budget_usd {
+    let spec = match args.budget_usd_micros {
         Some(micros) => workspace.with_usd_ceiling(spec, micros).map_err(bad)?,
         None => spec,
     };

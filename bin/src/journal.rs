@@ -79,7 +79,7 @@ pub fn inspect(data_dir: &Path, run: Option<&str>, json: bool) -> Result<ExitCod
         let mut ledgers = vec![];
         for owner in owners {
             let entries = journal.ledger(owner).map_err(read)?;
-            let totals = ledger_totals(&entries);
+            let totals = ledger_totals(&entries, arbor_storage::Unit::Tokens);
             let usd = usd_totals(&entries);
             ledgers.push((owner, entries, totals, usd));
         }

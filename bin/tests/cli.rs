@@ -290,6 +290,7 @@ fn journal_verify_passes_a_clean_journal_and_catches_one_edited_to_break_conserv
             .append(vec![arbor_storage::Record::Ledger(
                 arbor_storage::LedgerRecord {
                     owner: arbor_protocol::ParentRef::Job(writer),
+                    unit: arbor_storage::Unit::Tokens,
                     op: arbor_storage::LedgerOp::CallSettle {
                         reserved: 0,
                         spent: 1_000_000_000,

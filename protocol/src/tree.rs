@@ -69,7 +69,7 @@ struct Entry {
     /// Tokens its own model calls spent, to check that spent = own + settled children.
     own_spent: u64,
     /// Micro-dollars its own model calls cost.
-    own_usd: u64,
+    own_usd_micros: u64,
     events: u64,
 }
 
@@ -80,7 +80,7 @@ pub struct Tree {
     root: TreeNode,
     root_children: Vec<JobId>,
     root_own_spent: u64,
-    root_own_usd: u64,
+    root_own_usd_micros: u64,
     entries: HashMap<JobId, Entry>,
     /// Every event applied, as the run's bounded timeline would keep them.
     timeline_len: u64,
@@ -116,7 +116,7 @@ impl Tree {
             },
             root_children: vec![],
             root_own_spent: 0,
-            root_own_usd: 0,
+            root_own_usd_micros: 0,
             entries: HashMap::new(),
             timeline_len: 0,
         }
@@ -237,7 +237,7 @@ impl Tree {
                         parent: parent_job,
                         children: vec![],
                         own_spent: 0,
-                        own_usd: 0,
+                        own_usd_micros: 0,
                         events: 1,
                     },
                 );
@@ -308,7 +308,7 @@ impl Tree {
             } => {
                 if let Some(e) = self.entries.get_mut(id) {
                     e.own_spent += input_tokens + output_tokens;
-                    e.own_usd += call.usd_micros;
+                    e.own_usd_micros += call.usd_micros;
                 }
             }
             _ => {}
@@ -451,7 +451,7 @@ impl Tree {
             };
             if let Some(acct) = view(&self.root) {
                 let own = if usd {
-                    self.root_own_usd
+                    self.root_own_usd_micros
                 } else {
                     self.root_own_spent
                 };
@@ -467,7 +467,7 @@ impl Tree {
                         acct.held
                     ));
                 }
-                let own = if usd { e.own_usd } else { e.own_spent };
+                let own = if usd { e.own_usd_micros } else { e.own_spent };
                 check(
                     format!("{} {}", e.node.kind.as_str(), id),
                     acct,

@@ -30,7 +30,7 @@ use arbor_protocol::{
 };
 use arbor_storage::{
     JobRecord, Journal, LedgerOp, LedgerRecord, Record, RunRecord, SandboxRecord, SandboxState,
-    Undecodable, ledger_of, ledger_totals, usd_totals,
+    Undecodable, Unit, ledger_of, ledger_totals, usd_totals,
 };
 use std::collections::{BTreeMap, HashMap};
 
@@ -257,14 +257,17 @@ fn open_calls(entries: &[LedgerRecord]) -> (BTreeMap<JobId, u64>, u64, u64) {
     let mut calls: std::collections::VecDeque<(u64, bool)> = Default::default();
     for entry in entries {
         match &entry.op {
-            LedgerOp::Hold { child, tokens } => {
+            LedgerOp::Hold {
+                child,
+                amount: tokens,
+            } => {
                 holds.insert(*child, *tokens);
             }
             LedgerOp::Release { child, .. } => {
                 holds.remove(child);
             }
-            LedgerOp::CallReserve { tokens } => calls.push_back((*tokens, false)),
-            LedgerOp::BilledCallReserve { tokens } => calls.push_back((*tokens, true)),
+            LedgerOp::CallReserve { amount: tokens } => calls.push_back((*tokens, false)),
+            LedgerOp::BilledCallReserve { amount: tokens } => calls.push_back((*tokens, true)),
             LedgerOp::CallSettle { reserved, .. } => {
                 let mut left = *reserved;
                 while left > 0 {
@@ -287,16 +290,29 @@ fn open_calls(entries: &[LedgerRecord]) -> (BTreeMap<JobId, u64>, u64, u64) {
     (holds, billed, unbilled)
 }
 
-fn ledger(epoch: u64, owner: ParentRef, op: LedgerOp) -> Record {
-    Record::Ledger(LedgerRecord { owner, op, epoch })
+fn ledger(epoch: u64, owner: ParentRef, unit: Unit, op: LedgerOp) -> Record {
+    Record::Ledger(LedgerRecord {
+        owner,
+        unit,
+        op,
+        epoch,
+    })
 }
 
 /// The ledgers an account has: tokens, and micro-dollars if it was opened with them.
-fn units(entries: &[LedgerRecord]) -> Vec<bool> {
+fn units(entries: &[LedgerRecord]) -> &'static [Unit] {
     if usd_totals(entries).is_some() {
-        vec![false, true]
+        &Unit::BOTH
     } else {
-        vec![false]
+        &Unit::BOTH[..1]
+    }
+}
+
+/// `amount`'s figure in `unit`.
+fn figure(amount: &mut Amount, unit: Unit) -> &mut u64 {
+    match unit {
+        Unit::Tokens => &mut amount.tokens,
+        Unit::UsdMicros => &mut amount.usd_micros,
     }
 }
 
@@ -315,10 +331,10 @@ fn release_orphans(
     let mut records = vec![];
     let mut released = 0;
     let mut charged = Amount::ZERO;
-    for usd in units(&entries) {
-        let (holds, billed, unbilled) = open_calls(&ledger_of(&entries, usd));
+    for &unit in units(&entries) {
+        let (holds, billed, unbilled) = open_calls(&ledger_of(&entries, unit));
         let calls = billed + unbilled;
-        let op = |op| ledger(epoch, owner, LedgerOp::in_usd(usd, op));
+        let op = |op| ledger(epoch, owner, unit, op);
         for (child, granted) in holds {
             if !known.contains_key(&child) {
                 records.push(op(LedgerOp::Release {
@@ -326,7 +342,7 @@ fn release_orphans(
                     granted,
                     spent: 0,
                 }));
-                released += u32::from(!usd);
+                released += u32::from(unit == Unit::Tokens);
             }
         }
         if calls > 0 {
@@ -336,12 +352,8 @@ fn release_orphans(
                 reserved: calls,
                 spent: billed,
             }));
-            released += u32::from(!usd);
-            if usd {
-                charged.usd_micros = billed;
-            } else {
-                charged.tokens = billed;
-            }
+            released += u32::from(unit == Unit::Tokens);
+            *figure(&mut charged, unit) = billed;
         }
     }
     journal.append(records)?;
@@ -376,7 +388,7 @@ fn publish_account(
     owner: ParentRef,
 ) -> Result<Amount, arbor_storage::Error> {
     let entries = journal.ledger(owner)?;
-    let totals = ledger_totals(&entries);
+    let totals = ledger_totals(&entries, Unit::Tokens);
     let usd = usd_totals(&entries);
     events.emit(
         run,
@@ -429,33 +441,28 @@ fn recover_run(
         let parent_entries = journal.ledger(job.parent)?;
         let mut records = vec![];
         let mut spent = Amount::ZERO;
-        for usd in units(&entries) {
-            let unit_spent = ledger_totals(&ledger_of(&entries, usd)).spent;
-            if usd {
-                spent.usd_micros = unit_spent;
-            } else {
-                spent.tokens = unit_spent;
-            }
+        for &unit in units(&entries) {
+            let unit_spent = ledger_totals(&entries, unit).spent;
+            *figure(&mut spent, unit) = unit_spent;
             records.push(ledger(
                 epoch,
                 owner,
-                LedgerOp::in_usd(usd, LedgerOp::Close { spent: unit_spent }),
+                unit,
+                LedgerOp::Close { spent: unit_spent },
             ));
-            let (parent_holds, _) = open_holds(&ledger_of(&parent_entries, usd));
+            let (parent_holds, _) = open_holds(&ledger_of(&parent_entries, unit));
             if let Some(granted) = parent_holds.get(&job.id) {
                 records.push(ledger(
                     epoch,
                     job.parent,
-                    LedgerOp::in_usd(
-                        usd,
-                        LedgerOp::Release {
-                            child: job.id,
-                            granted: *granted,
-                            spent: unit_spent,
-                        },
-                    ),
+                    unit,
+                    LedgerOp::Release {
+                        child: job.id,
+                        granted: *granted,
+                        spent: unit_spent,
+                    },
                 ));
-                released += u32::from(!usd);
+                released += u32::from(unit == Unit::Tokens);
             }
         }
         records.push(Record::Job(JobRecord {
@@ -531,17 +538,14 @@ fn recover_run(
         let output = serde_json::Value::Null;
         let run_entries = journal.ledger(ParentRef::Run(run.id))?;
         let mut records: Vec<Record> = units(&run_entries)
-            .into_iter()
-            .map(|usd| {
-                let spent = if usd {
-                    run_spent.usd_micros
-                } else {
-                    run_spent.tokens
-                };
+            .iter()
+            .map(|&unit| {
+                let spent = *figure(&mut { run_spent }, unit);
                 ledger(
                     epoch,
                     ParentRef::Run(run.id),
-                    LedgerOp::in_usd(usd, LedgerOp::Close { spent }),
+                    unit,
+                    LedgerOp::Close { spent },
                 )
             })
             .collect();

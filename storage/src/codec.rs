@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 /// The version byte that starts every record value. 2: a history table's
 /// chunks carry each row's key and whole value (`sled_engine/chunk.rs`).
-pub(crate) const FORMAT_VERSION: u8 = 2;
+pub(crate) const FORMAT_VERSION: u8 = 3;
 
 const OWNER_RUN: u8 = 0;
 const OWNER_JOB: u8 = 1;
@@ -298,6 +298,7 @@ mod tests {
     fn unknown_version_empty_value_and_trailing_bytes_are_undecodable() {
         let entry = LedgerRecord {
             owner: ParentRef::Job(JobId::new()),
+            unit: crate::Unit::Tokens,
             op: LedgerOp::Open { grant: 5 },
             epoch: 1,
         };
@@ -308,11 +309,11 @@ mod tests {
                 .unwrap_err()
                 .contains("trailing")
         );
-        bytes[0] = 3;
+        bytes[0] = 4;
         assert!(
             decode_bincode::<LedgerRecord>(&bytes)
                 .unwrap_err()
-                .contains("version 3")
+                .contains("version 4")
         );
         assert!(decode_bincode::<LedgerRecord>(&[]).is_err());
     }
@@ -445,6 +446,7 @@ mod golden {
         };
         let ledger = LedgerRecord {
             owner: ParentRef::Job(job_id()),
+            unit: crate::Unit::Tokens,
             op: LedgerOp::Release {
                 child: job_id(),
                 granted: 1_000,
@@ -472,23 +474,23 @@ mod golden {
         check(
             "RunRecord",
             encode_bincode(&run).unwrap().to_vec(),
-            "021001890a5dac96774bbcceb302099a80580166fb2c01010101010172027b7d02",
+            "031001890a5dac96774bbcceb302099a80580166fb2c01010101010172027b7d02",
         );
         check(
             "JobRecord",
             encode_bincode(&job).unwrap().to_vec(),
-            "021001890a5dac96774bbcceb302099a80571001890a5dac96774bbcceb302099a8058001001890a5dac96\
+            "031001890a5dac96774bbcceb302099a80571001890a5dac96774bbcceb302099a8058001001890a5dac96\
              774bbcceb302099a805802016101016c0102fc70110100022f77020103000001310503",
         );
         check(
             "LedgerRecord",
             encode_bincode(&ledger).unwrap().to_vec(),
-            "02011001890a5dac96774bbcceb302099a8057021001890a5dac96774bbcceb302099a8057fbe803fbfb0001",
+            "03011001890a5dac96774bbcceb302099a805700021001890a5dac96774bbcceb302099a8057fbe803fbfb0001",
         );
         check(
             "DelegationRecord",
             encode_bincode(&delegation).unwrap().to_vec(),
-            "021001890a5dac96774bbcceb302099a8057016b0164011001890a5dac96774bbcceb302099a805701",
+            "031001890a5dac96774bbcceb302099a8057016b0164011001890a5dac96774bbcceb302099a805701",
         );
         let sandbox = SandboxRecord {
             run: run_id(),
@@ -502,12 +504,12 @@ mod golden {
         check(
             "SandboxRecord",
             encode_bincode(&sandbox).unwrap().to_vec(),
-            "021001890a5dac96774bbcceb302099a80581001890a5dac96774bbcceb302099a8057fb2421fc06120f0001620105",
+            "031001890a5dac96774bbcceb302099a80581001890a5dac96774bbcceb302099a8057fb2421fc06120f0001620105",
         );
         check(
             "SteerRecord",
             encode_bincode(&steer).unwrap().to_vec(),
-            "021001890a5dac96774bbcceb302099a80570901740204",
+            "031001890a5dac96774bbcceb302099a80570901740204",
         );
     }
 }

@@ -29,7 +29,7 @@
 //! | `meta`        | `format` (u32 BE), `epoch` (u64 BE), `seq` (u64 BE)          | bare integers (the sled engine's own) |
 //!
 //! Ids are uuid v7, so every prefix scan returns records in creation order.
-//! Every record value is one format-version byte (2) followed by the bincode
+//! Every record value is one format-version byte (3) followed by the bincode
 //! serde encoding of the record, except events: they are the version byte
 //! followed by the event's JSON, because bincode's serde mode cannot carry
 //! `serde_json::Value` or internally tagged enums.
@@ -87,7 +87,7 @@ pub use faults::{Crash, CrashKind, CrashPoint, Faults};
 pub use journal::{Journal, Prepared, Record, ScanReport, Undecodable};
 pub use record::{
     DelegationRecord, JobRecord, LedgerOp, LedgerRecord, LedgerTotals, RunRecord, SandboxRecord,
-    SandboxState, SteerRecord, SteerState, ledger_of, ledger_totals, usd_totals,
+    SandboxState, SteerRecord, SteerState, Unit, ledger_of, ledger_totals, usd_totals,
 };
 pub use sled_engine::{SledEngine, open_db};
 pub use table::{

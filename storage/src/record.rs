@@ -55,21 +55,37 @@ pub struct JobRecord {
     pub epoch: u64,
 }
 
-/// One change to an account. Keyed by owner and journal seq, so an owner's
-/// entries come back in the order they were written.
+/// One change to an account, in one unit. Keyed by owner and journal seq, so
+/// an owner's entries come back in the order they were written.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LedgerRecord {
     pub owner: ParentRef,
+    pub unit: Unit,
     pub op: LedgerOp,
     pub epoch: u64,
 }
 
+/// What a ledger counts. Every account has a ledger of tokens; one opened
+/// with a usd ceiling has a second, of micro-dollars, and every change to it
+/// is written in the same batch as its tokens' change.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Unit {
+    Tokens,
+    UsdMicros,
+}
+
+impl Unit {
+    /// Both, in the order an account writes them.
+    pub const BOTH: [Unit; 2] = [Unit::Tokens, Unit::UsdMicros];
+}
+
+/// Every amount is in the record's `unit`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum LedgerOp {
     /// The account was opened with this grant.
     Open { grant: u64 },
     /// A child's grant held.
-    Hold { child: JobId, tokens: u64 },
+    Hold { child: JobId, amount: u64 },
     /// The child settled: `spent` charged, the rest of `granted` returned.
     Release {
         child: JobId,
@@ -77,59 +93,29 @@ pub enum LedgerOp {
         spent: u64,
     },
     /// A model call's worst case held.
-    CallReserve { tokens: u64 },
+    CallReserve { amount: u64 },
+    /// A model call's worst case held, for a request to a provider that
+    /// bills what it receives: if a crash leaves it open, recovery charges it
+    /// in full (its usage is unknown, and may have been billed). Folds like
+    /// `CallReserve`.
+    BilledCallReserve { amount: u64 },
     /// The call's real usage charged; its reservation released.
     CallSettle { reserved: u64, spent: u64 },
     /// The account closed with this final spent.
     Close { spent: u64 },
-    /// The same operation in micro-dollars. An account has this second
-    /// ledger only when it was opened with a usd grant (`Usd(Open)`), and
-    /// every change to it is written in the same batch as its tokens' change.
-    /// (A variant added last, so records written before it still decode.)
-    Usd(Box<LedgerOp>),
-    /// A model call's worst case held, for a request to a provider that
-    /// bills what it receives: if a crash leaves it open, recovery charges it
-    /// in full (its usage is unknown, and may have been billed). Folds like
-    /// `CallReserve`. (Added after `Usd`, so older records still decode.)
-    BilledCallReserve { tokens: u64 },
 }
 
-impl LedgerOp {
-    /// Wraps `op` as a micro-dollar operation when `usd`.
-    pub fn in_usd(usd: bool, op: LedgerOp) -> LedgerOp {
-        if usd { LedgerOp::Usd(Box::new(op)) } else { op }
-    }
-
-    /// This operation as one of the chosen ledger (tokens, or micro-dollars), if it is one.
-    pub fn of(&self, usd: bool) -> Option<&LedgerOp> {
-        match (self, usd) {
-            (LedgerOp::Usd(inner), true) => Some(inner),
-            (LedgerOp::Usd(_), false) | (_, true) => None,
-            (op, false) => Some(op),
-        }
-    }
-}
-
-/// One account's entries of the chosen ledger, unwrapped.
-pub fn ledger_of(entries: &[LedgerRecord], usd: bool) -> Vec<LedgerRecord> {
-    entries
-        .iter()
-        .filter_map(|e| {
-            e.op.of(usd).map(|op| LedgerRecord {
-                owner: e.owner,
-                op: op.clone(),
-                epoch: e.epoch,
-            })
-        })
-        .collect()
+/// One account's entries of `unit`, in order.
+pub fn ledger_of(entries: &[LedgerRecord], unit: Unit) -> Vec<LedgerRecord> {
+    entries.iter().filter(|e| e.unit == unit).cloned().collect()
 }
 
 /// The micro-dollar totals of an account, if it has that ledger.
 pub fn usd_totals(entries: &[LedgerRecord]) -> Option<LedgerTotals> {
-    let usd = ledger_of(entries, true);
-    usd.iter()
-        .any(|e| matches!(e.op, LedgerOp::Open { .. }))
-        .then(|| ledger_totals(&usd))
+    entries
+        .iter()
+        .any(|e| e.unit == Unit::UsdMicros && matches!(e.op, LedgerOp::Open { .. }))
+        .then(|| ledger_totals(entries, Unit::UsdMicros))
 }
 
 /// A delegate call's outcome, so that a repeated call (same `key`, same
@@ -199,38 +185,37 @@ pub struct LedgerTotals {
     pub held: u64,
 }
 
-/// Folds one account's entries, in journal order, into its totals (of
-/// tokens: its micro-dollar entries are `usd_totals`').
+/// Folds one account's entries of `unit`, in journal order, into its totals.
 ///
 /// `Close` changes nothing here: its `spent` is the account's own claim, which
 /// a caller checks against the recomputed `spent`. Arithmetic saturates rather
 /// than panics: a ledger that would underflow is a fault to report, and the
 /// caller sees it as totals that do not balance.
-pub fn ledger_totals(entries: &[LedgerRecord]) -> LedgerTotals {
+pub fn ledger_totals(entries: &[LedgerRecord], unit: Unit) -> LedgerTotals {
     let mut totals = LedgerTotals::default();
     // Holds are per child so that a Release frees exactly what was held for
     // that child, whatever `granted` it reports.
     let mut holds: HashMap<JobId, u64> = HashMap::new();
     let mut calls_reserved: u64 = 0;
-    for entry in entries {
+    for entry in entries.iter().filter(|e| e.unit == unit) {
         match entry.op {
             LedgerOp::Open { grant } => totals.grant = totals.grant.saturating_add(grant),
-            LedgerOp::Hold { child, tokens } => {
+            LedgerOp::Hold { child, amount } => {
                 let held = holds.entry(child).or_default();
-                *held = held.saturating_add(tokens);
+                *held = held.saturating_add(amount);
             }
             LedgerOp::Release { child, spent, .. } => {
                 holds.remove(&child);
                 totals.spent = totals.spent.saturating_add(spent);
             }
-            LedgerOp::CallReserve { tokens } | LedgerOp::BilledCallReserve { tokens } => {
-                calls_reserved = calls_reserved.saturating_add(tokens);
+            LedgerOp::CallReserve { amount } | LedgerOp::BilledCallReserve { amount } => {
+                calls_reserved = calls_reserved.saturating_add(amount);
             }
             LedgerOp::CallSettle { reserved, spent } => {
                 calls_reserved = calls_reserved.saturating_sub(reserved);
                 totals.spent = totals.spent.saturating_add(spent);
             }
-            LedgerOp::Close { .. } | LedgerOp::Usd(_) => {}
+            LedgerOp::Close { .. } => {}
         }
     }
     totals.held = holds
@@ -244,8 +229,13 @@ mod tests {
     use super::*;
 
     fn entry(op: LedgerOp) -> LedgerRecord {
+        in_unit(Unit::Tokens, op)
+    }
+
+    fn in_unit(unit: Unit, op: LedgerOp) -> LedgerRecord {
         LedgerRecord {
             owner: ParentRef::Run(RunId::new()),
+            unit,
             op,
             epoch: 1,
         }
@@ -253,7 +243,11 @@ mod tests {
 
     fn check(ops: Vec<LedgerOp>, expected: LedgerTotals) {
         let entries: Vec<_> = ops.into_iter().map(entry).collect();
-        assert_eq!(ledger_totals(&entries), expected, "ledger: {entries:#?}");
+        assert_eq!(
+            ledger_totals(&entries, Unit::Tokens),
+            expected,
+            "ledger: {entries:#?}"
+        );
     }
 
     fn totals(grant: u64, spent: u64, held: u64) -> LedgerTotals {
@@ -263,22 +257,19 @@ mod tests {
     #[test]
     fn micro_dollars_are_a_second_ledger_beside_the_tokens() {
         let child = JobId::new();
-        let usd = |op| LedgerOp::in_usd(true, op);
+        let usd = |op| in_unit(Unit::UsdMicros, op);
         let entries: Vec<_> = vec![
-            LedgerOp::Open { grant: 1000 },
+            entry(LedgerOp::Open { grant: 1000 }),
             usd(LedgerOp::Open { grant: 500_000 }),
-            LedgerOp::Hold { child, tokens: 400 },
+            entry(LedgerOp::Hold { child, amount: 400 }),
             usd(LedgerOp::Hold {
                 child,
-                tokens: 200_000,
+                amount: 200_000,
             }),
-            LedgerOp::CallReserve { tokens: 100 },
-            usd(LedgerOp::CallReserve { tokens: 90 }),
-        ]
-        .into_iter()
-        .map(entry)
-        .collect();
-        assert_eq!(ledger_totals(&entries), totals(1000, 0, 500));
+            entry(LedgerOp::CallReserve { amount: 100 }),
+            usd(LedgerOp::CallReserve { amount: 90 }),
+        ];
+        assert_eq!(ledger_totals(&entries, Unit::Tokens), totals(1000, 0, 500));
         assert_eq!(usd_totals(&entries), Some(totals(500_000, 0, 200_090)));
         assert_eq!(
             usd_totals(&entries[..1]),
@@ -300,11 +291,11 @@ mod tests {
                 LedgerOp::Open { grant: 1000 },
                 LedgerOp::Hold {
                     child: a,
-                    tokens: 300,
+                    amount: 300,
                 },
                 LedgerOp::Hold {
                     child: b,
-                    tokens: 200,
+                    amount: 200,
                 },
                 LedgerOp::Release {
                     child: a,
@@ -321,12 +312,12 @@ mod tests {
         check(
             vec![
                 LedgerOp::Open { grant: 500 },
-                LedgerOp::CallReserve { tokens: 100 },
+                LedgerOp::CallReserve { amount: 100 },
                 LedgerOp::CallSettle {
                     reserved: 100,
                     spent: 40,
                 },
-                LedgerOp::CallReserve { tokens: 80 },
+                LedgerOp::CallReserve { amount: 80 },
             ],
             totals(500, 40, 80),
         );
@@ -338,13 +329,13 @@ mod tests {
         check(
             vec![
                 LedgerOp::Open { grant: 1000 },
-                LedgerOp::CallReserve { tokens: 100 },
+                LedgerOp::CallReserve { amount: 100 },
                 LedgerOp::CallSettle {
                     reserved: 100,
                     spent: 30,
                 },
-                LedgerOp::Hold { child, tokens: 400 },
-                LedgerOp::CallReserve { tokens: 100 },
+                LedgerOp::Hold { child, amount: 400 },
+                LedgerOp::CallReserve { amount: 100 },
                 LedgerOp::Release {
                     child,
                     granted: 400,

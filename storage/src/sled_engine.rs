@@ -229,7 +229,8 @@ mod tests {
         let entry = |owner, n| {
             Record::Ledger(LedgerRecord {
                 owner,
-                op: LedgerOp::CallReserve { tokens: n },
+                unit: crate::Unit::Tokens,
+                op: LedgerOp::CallReserve { amount: n },
                 epoch: 1,
             })
         };
@@ -241,7 +242,7 @@ mod tests {
         let tokens = |owner| -> Vec<u64> {
             let ops = journal.ledger(owner).unwrap().into_iter().map(|e| e.op);
             ops.map(|op| match op {
-                LedgerOp::CallReserve { tokens } => tokens,
+                LedgerOp::CallReserve { amount: tokens } => tokens,
                 other => panic!("{other:?}"),
             })
             .collect()
@@ -273,6 +274,7 @@ mod tests {
         let open = |grant| {
             Record::Ledger(LedgerRecord {
                 owner,
+                unit: crate::Unit::Tokens,
                 op: LedgerOp::Open { grant },
                 epoch: 1,
             })

@@ -11,7 +11,9 @@
 //!    account adds up to, when the child's ledger is in the journal.
 
 use crate::Undecodable;
-use crate::record::{LedgerOp, LedgerRecord, LedgerTotals, ledger_of, ledger_totals, usd_totals};
+use crate::record::{
+    LedgerOp, LedgerRecord, LedgerTotals, Unit, ledger_of, ledger_totals, usd_totals,
+};
 use arbor_protocol::{JobId, ParentRef};
 use std::collections::HashMap;
 
@@ -40,24 +42,33 @@ impl VerifyReport {
 /// order of `accounts`, each account's in the order of the rules.
 /// Every breach of either ledger: tokens, then micro-dollars (named `usd`).
 pub(crate) fn account_breaches(accounts: &[(ParentRef, Vec<LedgerRecord>)]) -> Vec<String> {
-    let mut breaches = dimension_breaches(accounts, "");
+    let tokens: Vec<(ParentRef, Vec<LedgerRecord>)> = accounts
+        .iter()
+        .map(|(owner, entries)| (*owner, ledger_of(entries, Unit::Tokens)))
+        .collect();
+    let mut breaches = dimension_breaches(&tokens, Unit::Tokens, "");
     let usd: Vec<(ParentRef, Vec<LedgerRecord>)> = accounts
         .iter()
         .filter(|(_, entries)| usd_totals(entries).is_some())
-        .map(|(owner, entries)| (*owner, ledger_of(entries, true)))
+        .map(|(owner, entries)| (*owner, ledger_of(entries, Unit::UsdMicros)))
         .collect();
-    breaches.extend(dimension_breaches(&usd, "usd "));
+    breaches.extend(dimension_breaches(&usd, Unit::UsdMicros, "usd "));
     breaches
 }
 
-fn dimension_breaches(accounts: &[(ParentRef, Vec<LedgerRecord>)], unit: &str) -> Vec<String> {
+/// The breaches of one ledger; `accounts` holds only entries of `unit`.
+fn dimension_breaches(
+    accounts: &[(ParentRef, Vec<LedgerRecord>)],
+    unit: Unit,
+    prefix: &str,
+) -> Vec<String> {
     let totals: HashMap<ParentRef, LedgerTotals> = accounts
         .iter()
-        .map(|(owner, entries)| (*owner, ledger_totals(entries)))
+        .map(|(owner, entries)| (*owner, ledger_totals(entries, unit)))
         .collect();
     let mut breaches = Vec::new();
     for (owner, entries) in accounts {
-        let name = format!("{unit}{}", owner_name(*owner));
+        let name = format!("{prefix}{}", owner_name(*owner));
         let LedgerTotals { grant, spent, held } = totals[owner];
         if spent.saturating_add(held) > grant {
             breaches.push(format!(
@@ -118,6 +129,7 @@ mod tests {
             .into_iter()
             .map(|op| LedgerRecord {
                 owner,
+                unit: Unit::Tokens,
                 op,
                 epoch: 1,
             })
@@ -147,7 +159,7 @@ mod tests {
                 run,
                 vec![
                     LedgerOp::Open { grant: 1000 },
-                    LedgerOp::Hold { child, tokens: 400 },
+                    LedgerOp::Hold { child, amount: 400 },
                     LedgerOp::Release {
                         child,
                         granted: 400,
@@ -162,7 +174,7 @@ mod tests {
                 ParentRef::Job(child),
                 vec![
                     LedgerOp::Open { grant: 400 },
-                    LedgerOp::CallReserve { tokens: 400 },
+                    LedgerOp::CallReserve { amount: 400 },
                     LedgerOp::CallSettle {
                         reserved: 400,
                         spent: child_spent,
@@ -191,7 +203,7 @@ mod tests {
                         reserved: 0,
                         spent: 80,
                     },
-                    LedgerOp::CallReserve { tokens: 30 },
+                    LedgerOp::CallReserve { amount: 30 },
                 ],
             )],
             &[&format!(
@@ -209,7 +221,7 @@ mod tests {
                 owner,
                 vec![
                     LedgerOp::Open { grant: 100 },
-                    LedgerOp::CallReserve { tokens: 10 },
+                    LedgerOp::CallReserve { amount: 10 },
                     LedgerOp::CallSettle {
                         reserved: 0,
                         spent: 20,

@@ -32,7 +32,12 @@ fn steer(job: JobId, message_id: u64, epoch: u64) -> Record {
 }
 
 fn ledger(owner: ParentRef, op: LedgerOp, epoch: u64) -> Record {
-    Record::Ledger(LedgerRecord { owner, op, epoch })
+    Record::Ledger(LedgerRecord {
+        owner,
+        unit: arbor_storage::Unit::Tokens,
+        op,
+        epoch,
+    })
 }
 
 /// Polls a future once, without a runtime: a commit appends and queues its
@@ -68,7 +73,7 @@ fn write_ledger_behind_the_journals_back(dir: &Path, entry: &LedgerRecord) {
         ParentRef::Job(id) => (1u8, id.0),
     };
     let key = [&[tag][..], uuid.as_bytes(), &seq.to_be_bytes()].concat();
-    let mut value = vec![2u8]; // format version
+    let mut value = vec![3u8]; // format version
     value.extend(bincode::serde::encode_to_vec(entry, bincode::config::standard()).unwrap());
     db.open_tree("ledger").unwrap().insert(key, value).unwrap();
     meta.insert("seq", &seq.to_be_bytes()).unwrap();
@@ -383,14 +388,14 @@ async fn a_balanced_journal_verifies_clean() {
         run,
         vec![
             LedgerOp::Open { grant: 1_000 },
-            LedgerOp::Hold { child, tokens: 400 },
+            LedgerOp::Hold { child, amount: 400 },
         ],
     );
     records.extend(ops(
         ParentRef::Job(child),
         vec![
             LedgerOp::Open { grant: 400 },
-            LedgerOp::CallReserve { tokens: 300 },
+            LedgerOp::CallReserve { amount: 300 },
             LedgerOp::CallSettle {
                 reserved: 300,
                 spent: 120,
@@ -443,6 +448,7 @@ async fn a_journal_edited_to_break_conservation_names_the_account() {
     // Someone charges 70 more than the account was ever given.
     let overcharge = LedgerRecord {
         owner,
+        unit: arbor_storage::Unit::Tokens,
         op: LedgerOp::CallSettle {
             reserved: 0,
             spent: 110,
@@ -533,6 +539,7 @@ async fn a_snapshot_a_crash_left_half_written_does_not_stop_the_next_open() {
             .commit(vec![arbor_storage::Record::Ledger(
                 arbor_storage::LedgerRecord {
                     owner: ParentRef::Run(run),
+                    unit: arbor_storage::Unit::Tokens,
                     op: arbor_storage::LedgerOp::Open { grant: 7 },
                     epoch,
                 },

@@ -48,6 +48,7 @@ fn job_record(run: RunId, id: JobId) -> JobRecord {
 fn ledger(owner: ParentRef, op: LedgerOp) -> LedgerRecord {
     LedgerRecord {
         owner,
+        unit: arbor_storage::Unit::Tokens,
         op,
         epoch: 1,
     }
@@ -81,10 +82,10 @@ async fn every_record_kind_round_trips() {
             run_account,
             LedgerOp::Hold {
                 child: step,
-                tokens: 4_000,
+                amount: 4_000,
             },
         ),
-        ledger(run_account, LedgerOp::CallReserve { tokens: 500 }),
+        ledger(run_account, LedgerOp::CallReserve { amount: 500 }),
         ledger(
             run_account,
             LedgerOp::CallSettle {
@@ -329,7 +330,7 @@ async fn concurrent_commits_share_flushes() {
         let (journal, start) = (journal.clone(), Arc::clone(&start));
         tasks.spawn(async move {
             start.wait().await;
-            let op = LedgerOp::CallReserve { tokens: n };
+            let op = LedgerOp::CallReserve { amount: n };
             let seq = journal
                 .commit(vec![Record::Ledger(ledger(owner, op))])
                 .await
@@ -410,25 +411,32 @@ fn set_format(dir: &std::path::Path, format: u32) {
 fn a_journal_of_a_newer_format_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     drop(Journal::open(dir.path()).unwrap());
-    set_format(dir.path(), 3);
+    set_format(dir.path(), 4);
     match Journal::open(dir.path()) {
         Err(Error::FormatVersion {
-            found: 3,
-            supported: 2,
+            found: 4,
+            supported: 3,
             ..
         }) => {}
         other => panic!("expected a format version error, got {:?}", other.err()),
     }
 }
 
-/// Format 1 packed a history table's chunks without each row's key: a
-/// journal of it is refused, saying where it is, what to do, and that
-/// nothing changed (its epoch is not bumped).
+/// Format 1 packed a history table's chunks without each row's key, and
+/// format 2 wrote a micro-dollar ledger entry as an operation wrapped in
+/// another: a journal of either is refused, saying where it is, what to do,
+/// and that nothing changed (its epoch is not bumped).
 #[test]
-fn a_journal_of_format_1_is_refused_with_what_to_do_and_left_as_it_was() {
+fn a_journal_of_an_older_format_is_refused_with_what_to_do_and_left_as_it_was() {
+    for old in [1, 2] {
+        refused_as_older(old);
+    }
+}
+
+fn refused_as_older(old: u32) {
     let dir = tempfile::tempdir().unwrap();
     drop(Journal::open(dir.path()).unwrap());
-    set_format(dir.path(), 1);
+    set_format(dir.path(), old);
     let epoch = || {
         let db = arbor_storage::open_db(dir.path()).unwrap();
         let meta = db.open_tree("meta").unwrap();
@@ -441,17 +449,17 @@ fn a_journal_of_format_1_is_refused_with_what_to_do_and_left_as_it_was() {
         matches!(
             error,
             Error::FormatVersion {
-                found: 1,
-                supported: 2,
+                found,
+                supported: 3,
                 ..
-            }
+            } if found == old
         ),
         "{message}"
     );
     for words in [
         dir.path().display().to_string().as_str(),
-        "format 1",
-        "reads format 2",
+        &format!("format {old}"),
+        "reads format 3",
         "earlier arbor",
         "nothing was changed",
     ] {
@@ -460,7 +468,7 @@ fn a_journal_of_format_1_is_refused_with_what_to_do_and_left_as_it_was() {
     // Refused again, the same way: the first refusal changed nothing.
     assert!(matches!(
         Journal::open_read_only(dir.path()),
-        Err(Error::FormatVersion { found: 1, .. })
+        Err(Error::FormatVersion { found, .. }) if found == old
     ));
     assert_eq!(epoch(), epoch_before, "the refused opens began no epoch");
 }
@@ -474,20 +482,20 @@ async fn ledger_totals_balance_an_account_read_back_from_the_journal() {
     let (a, b) = (JobId::new(), JobId::new());
     let ops = [
         LedgerOp::Open { grant: 4_000 },
-        LedgerOp::CallReserve { tokens: 600 },
+        LedgerOp::CallReserve { amount: 600 },
         LedgerOp::CallSettle {
             reserved: 600,
             spent: 250,
         },
         LedgerOp::Hold {
             child: a,
-            tokens: 1_000,
+            amount: 1_000,
         },
         LedgerOp::Hold {
             child: b,
-            tokens: 800,
+            amount: 800,
         },
-        LedgerOp::CallReserve { tokens: 600 },
+        LedgerOp::CallReserve { amount: 600 },
         LedgerOp::Release {
             child: a,
             granted: 1_000,
@@ -503,7 +511,7 @@ async fn ledger_totals_balance_an_account_read_back_from_the_journal() {
         .await
         .unwrap();
 
-    let totals = ledger_totals(&journal.ledger(owner).unwrap());
+    let totals = ledger_totals(&journal.ledger(owner).unwrap(), arbor_storage::Unit::Tokens);
     // spent: 250 own + 700 from a; held: b's 800 + the open call's 600.
     assert_eq!(
         totals,

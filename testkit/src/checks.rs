@@ -2,7 +2,7 @@
 //! crash driver's random kills and `explore_crashes`' commit points.
 
 use arbor_protocol::{ErrorClass, JobId, ParentRef, RunId, Status};
-use arbor_storage::{JobRecord, Journal, LedgerOp, ledger_totals};
+use arbor_storage::{JobRecord, Journal, LedgerOp, Unit, ledger_totals};
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
@@ -131,7 +131,9 @@ pub fn recovered(journal: &Journal, seen: &mut Seen) -> Checked {
             ));
         }
         let owner = ParentRef::Job(job.id);
-        let totals = journal.ledger(owner).map(|l| ledger_totals(&l));
+        let totals = journal
+            .ledger(owner)
+            .map(|l| ledger_totals(&l, Unit::Tokens));
         if let Ok(t) = totals
             && t.held != 0
         {
@@ -140,7 +142,7 @@ pub fn recovered(journal: &Journal, seen: &mut Seen) -> Checked {
     }
     // One spawn per delegation key; no child charged twice.
     let mut spawned: HashSet<JobId> = HashSet::new();
-    let mut released: HashMap<ParentRef, HashSet<JobId>> = HashMap::new();
+    let mut released: HashMap<(ParentRef, Unit), HashSet<JobId>> = HashMap::new();
     let mut owners: Vec<ParentRef> = runs.iter().map(|r| ParentRef::Run(*r)).collect();
     owners.extend(jobs.iter().map(|j| ParentRef::Job(j.id)));
     for owner in &owners {
@@ -158,9 +160,15 @@ pub fn recovered(journal: &Journal, seen: &mut Seen) -> Checked {
         let ledger = journal.ledger(*owner).unwrap_or_default();
         for entry in &ledger {
             if let LedgerOp::Release { child, .. } = entry.op
-                && !released.entry(*owner).or_default().insert(child)
+                && !released
+                    .entry((*owner, entry.unit))
+                    .or_default()
+                    .insert(child)
             {
-                fail(format!("{owner:?} released (charged) {child} twice"));
+                fail(format!(
+                    "{owner:?} released (charged) {child} twice in {:?}",
+                    entry.unit
+                ));
             }
         }
         // Durable before, durable after: a ledger never shrinks.

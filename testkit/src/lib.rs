@@ -684,7 +684,7 @@ impl TestNode {
         );
         for (owner, view, usd) in owners {
             let entries = self.ledger(owner);
-            let totals = ledger_totals(&entries);
+            let totals = ledger_totals(&entries, arbor_storage::Unit::Tokens);
             assert_eq!(
                 (totals.grant, totals.spent, totals.held),
                 (view.grant, view.spent, view.held),

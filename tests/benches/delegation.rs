@@ -327,7 +327,8 @@ async fn journal_commits(commits: usize) -> (Vec<Duration>, Cpu) {
     for _ in 0..commits {
         let record = Record::Ledger(LedgerRecord {
             owner,
-            op: LedgerOp::CallReserve { tokens: 4_096 },
+            unit: arbor_storage::Unit::Tokens,
+            op: LedgerOp::CallReserve { amount: 4_096 },
             epoch: journal.epoch(),
         });
         let start = Instant::now();

@@ -640,7 +640,8 @@ fn raw_fsyncs(fsyncs: usize, how: RawWrite) -> Durable {
 fn ledger_record(journal: &Journal, owner: ParentRef) -> Record {
     Record::Ledger(LedgerRecord {
         owner,
-        op: LedgerOp::CallReserve { tokens: 4_096 },
+        unit: arbor_storage::Unit::Tokens,
+        op: LedgerOp::CallReserve { amount: 4_096 },
         epoch: journal.epoch(),
     })
 }

@@ -304,6 +304,7 @@ impl<'a> Writer<'a> {
     fn ledger(&mut self, owner: ParentRef, op: LedgerOp) {
         self.push(Record::Ledger(LedgerRecord {
             owner,
+            unit: arbor_storage::Unit::Tokens,
             op,
             epoch: self.epoch,
         }));
@@ -366,7 +367,7 @@ impl<'a> Writer<'a> {
         self.ledger(
             owner,
             LedgerOp::CallReserve {
-                tokens: CALL_RESERVED,
+                amount: CALL_RESERVED,
             },
         );
         self.ledger(
@@ -481,7 +482,7 @@ impl<'a> Writer<'a> {
             run_account,
             LedgerOp::Hold {
                 child: step,
-                tokens: RUN_GRANT,
+                amount: RUN_GRANT,
             },
         );
         self.push(self.job_record(run, step, run_account, Status::Running, 0));
@@ -499,7 +500,7 @@ impl<'a> Writer<'a> {
                 step_account,
                 LedgerOp::Hold {
                     child,
-                    tokens: CHILD_GRANT,
+                    amount: CHILD_GRANT,
                 },
             );
             self.push(self.job_record(run, child, step_account, Status::Pending, 0));
@@ -529,7 +530,7 @@ impl<'a> Writer<'a> {
                 self.ledger(
                     child_account,
                     LedgerOp::CallReserve {
-                        tokens: CALL_RESERVED,
+                        amount: CALL_RESERVED,
                     },
                 );
                 continue;
@@ -559,7 +560,7 @@ impl<'a> Writer<'a> {
                 step_account,
                 LedgerOp::Hold {
                     child: JobId::new(),
-                    tokens: CHILD_GRANT,
+                    amount: CHILD_GRANT,
                 },
             );
             return;

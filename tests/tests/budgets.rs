@@ -28,7 +28,7 @@ async fn lone_account(dir: &std::path::Path, grant: u64) -> (ActorRefAccount, Jo
         None,
         Account,
         AccountArgs {
-            grant_usd: None,
+            grant_usd_micros: None,
             ctx,
             run,
             owner: ParentRef::Run(run),
@@ -58,8 +58,8 @@ async fn inv_07_concurrent_reservations_never_overgrant() {
         for _ in 0..callers {
             let asks: Vec<GrantAsk> = (0..rng.between(1, 4))
                 .map(|_| GrantAsk {
-                    agent_max_usd: None,
-                    asked_usd: None,
+                    agent_max_usd_micros: None,
+                    asked_usd_micros: None,
                     child: JobId::new(),
                     agent: "a".into(),
                     asked: rng
@@ -133,7 +133,10 @@ async fn inv_07_concurrent_reservations_never_overgrant() {
             "seed {seed}: I-14 after settling"
         );
         journal.flush().await.unwrap();
-        let totals = ledger_totals(&journal.ledger(ParentRef::Run(run)).unwrap());
+        let totals = ledger_totals(
+            &journal.ledger(ParentRef::Run(run)).unwrap(),
+            arbor_storage::Unit::Tokens,
+        );
         assert_eq!(
             (totals.grant, totals.spent, totals.held),
             (grant, spent_total, 0),
@@ -453,7 +456,10 @@ async fn inv_14_conservation_holds_for_every_account_of_the_example() {
         "the run's spent is its steps'"
     );
     for (id, n) in tree.nodes() {
-        let totals = ledger_totals(&node.journal().ledger(ParentRef::Job(id)).unwrap());
+        let totals = ledger_totals(
+            &node.journal().ledger(ParentRef::Job(id)).unwrap(),
+            arbor_storage::Unit::Tokens,
+        );
         assert_eq!(
             (totals.grant, totals.spent, totals.held),
             (n.account.grant, n.account.spent, n.account.held)

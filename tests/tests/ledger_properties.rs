@@ -73,7 +73,7 @@ async fn run_case(
             run: RunId::new(),
             owner,
             grant,
-            grant_usd: None,
+            grant_usd_micros: None,
             wind_down: 0.8,
             meter: SpentMeter::default(),
             resume_spent: None,
@@ -101,12 +101,9 @@ async fn run_case(
                             reply,
                         });
                         if let Ok(Ok(hold)) = hold {
-                            let spent = hold.reserved * spent_permille / 1000;
+                            let spent = hold.reserved.tokens * spent_permille / 1000;
                             let settled = ractor::call!(account, |reply| AccountMsg::SettleCall {
-                                reserved: Amount {
-                                    tokens: hold.reserved,
-                                    usd_micros: 0
-                                },
+                                reserved: hold.reserved,
                                 spent: Amount {
                                     tokens: spent,
                                     usd_micros: 0
@@ -131,8 +128,8 @@ async fn run_case(
                                 agent: "child".into(),
                                 asked,
                                 agent_max: None,
-                                asked_usd: None,
-                                agent_max_usd: None,
+                                asked_usd_micros: None,
+                                agent_max_usd_micros: None,
                             }],
                             share: Share::Fraction(0.5),
                             reply,
@@ -175,7 +172,7 @@ async fn run_case(
 
     let ledger = ctx.journal.ledger(owner).map_err(|e| e.to_string())?;
     for n in 1..=ledger.len() {
-        let t = ledger_totals(&ledger[..n]);
+        let t = ledger_totals(&ledger[..n], arbor_storage::Unit::Tokens);
         if t.held + t.spent > t.grant {
             return Err(format!(
                 "over-granted after entry {n} ({:?}): held {} + spent {} > grant {}",
@@ -200,7 +197,7 @@ async fn run_case(
                     ));
                 }
             }
-            LedgerOp::CallReserve { tokens } => reserved += tokens,
+            LedgerOp::CallReserve { amount: tokens } => reserved += tokens,
             LedgerOp::CallSettle { reserved: r, .. } => {
                 released += r;
                 if closed_at.is_some() {
@@ -221,7 +218,7 @@ async fn run_case(
     if let Some((child, n)) = refunds.iter().find(|(_, n)| **n > 1) {
         return Err(format!("child {child} refunded {n} times"));
     }
-    let totals = ledger_totals(&ledger);
+    let totals = ledger_totals(&ledger, arbor_storage::Unit::Tokens);
     if totals.held != 0 || closed.tokens.held != 0 {
         return Err(format!(
             "the closed account still holds {} (journal) / {} (actor)",

@@ -981,7 +981,11 @@ async fn inv_31_a_call_to_a_provider_in_flight_at_a_crash_is_charged_its_reserva
         .ledger(arbor_protocol::ParentRef::Job(first))
         .iter()
         .find_map(|e| match e.op {
-            arbor_storage::LedgerOp::BilledCallReserve { tokens } => Some(tokens),
+            arbor_storage::LedgerOp::BilledCallReserve { amount: tokens }
+                if e.unit == arbor_storage::Unit::Tokens =>
+            {
+                Some(tokens)
+            }
             _ => None,
         })
         .expect("a provider call's reservation is marked as billed");

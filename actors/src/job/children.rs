@@ -20,7 +20,7 @@ pub(super) struct PlannedChild {
     pub(super) id: JobId,
     pub(super) label: String,
     pub(super) asked: Option<u64>,
-    pub(super) asked_usd: Option<u64>,
+    pub(super) asked_usd_micros: Option<u64>,
     pub(super) brief: Brief,
     pub(super) policy: Policy,
     pub(super) agent: Arc<AgentDef>,

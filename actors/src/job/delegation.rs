@@ -132,7 +132,7 @@ impl JobState {
                 id: c.id,
                 agent: c.agent.clone(),
                 grant_tokens: c.grant.tokens,
-                grant_usd_micros: c.grant.usd,
+                grant_usd_micros: c.grant.usd_micros,
             })
             .collect();
         Ok(Some(handles))
@@ -181,7 +181,7 @@ impl JobState {
         let budget_refused = |message: String| Refusal::Budget {
             message: format!("jobs[{index}]: {message}"),
         };
-        let (asked, asked_usd) = match &job.budget {
+        let (asked, asked_usd_micros) = match &job.budget {
             Some(b) => (
                 b.tokens().map_err(budget_refused)?,
                 b.usd_micros().map_err(budget_refused)?,
@@ -223,7 +223,7 @@ impl JobState {
             id: JobId::new(),
             label,
             asked,
-            asked_usd,
+            asked_usd_micros,
             brief: Brief {
                 request: job.request.clone(),
                 max_turns,
@@ -256,8 +256,8 @@ impl JobState {
                 agent: p.agent.name.clone(),
                 asked: p.asked,
                 agent_max: p.agent.budget_tokens,
-                asked_usd: p.asked_usd,
-                agent_max_usd: p.agent.budget_usd_micros,
+                asked_usd_micros: p.asked_usd_micros,
+                agent_max_usd_micros: p.agent.budget_usd_micros,
             })
             .collect();
         let share = Share::Fraction(self.ctx.limits.grant_fraction);
@@ -428,7 +428,7 @@ impl JobState {
                     id: plan.id,
                     agent: plan.agent.name.clone(),
                     grant_tokens: grant.tokens,
-                    grant_usd_micros: grant.usd,
+                    grant_usd_micros: grant.usd_micros,
                 })
             }
             Err(e) => {

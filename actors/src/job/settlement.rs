@@ -205,7 +205,7 @@ impl JobState {
             plan.attempt += 1;
             plan.retries = entry.retries_left - 1;
             plan.asked = None;
-            plan.asked_usd = None;
+            plan.asked_usd_micros = None;
             plan.brief.request = format!(
                 "{}\n\nA previous attempt failed: {}{}",
                 entry.plan.brief.request,
@@ -289,8 +289,8 @@ impl JobState {
             agent: plan.agent.name.clone(),
             asked: None,
             agent_max: Some(previous_grant.tokens),
-            asked_usd: None,
-            agent_max_usd: previous_grant.usd,
+            asked_usd_micros: None,
+            agent_max_usd_micros: previous_grant.usd_micros,
         }];
         let share = Share::Fraction(self.ctx.limits.grant_fraction);
         let grant = match ractor::call!(self.account, |reply| AccountMsg::Reserve {

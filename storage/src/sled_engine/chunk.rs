@@ -208,7 +208,8 @@ mod tests {
         let key = |owner, seq: u64| [ledger_prefix(owner), seq.to_be_bytes().to_vec()].concat();
         let record = |tokens| LedgerRecord {
             owner,
-            op: LedgerOp::CallReserve { tokens },
+            unit: crate::Unit::Tokens,
+            op: LedgerOp::CallReserve { amount: tokens },
             epoch: 2,
         };
         let lone: Vec<(Vec<u8>, Vec<u8>)> = [(3, 30), (8, 80), (9, 90)]
@@ -236,6 +237,7 @@ mod tests {
         let other = ParentRef::Run(RunId::new());
         let stranger = encode_bincode(&LedgerRecord {
             owner: other,
+            unit: crate::Unit::Tokens,
             ..record(1)
         })
         .unwrap();
@@ -259,7 +261,7 @@ mod tests {
         ]);
         assert_eq!(
             crate::codec::hex(&packed),
-            "82\
+            "83\
              0000000000000102000000030261\
              62\
              00000000000001030000000102"
