@@ -201,7 +201,7 @@ impl Actor for Account {
         // reservation, a delegation's admission) commits after it, and so
         // makes it durable first.
         state.append_entries(ops)?;
-        // No event here: the opening figures are in the owner's NodeSpawned
+        // No event here: the opening figures are in the owner's JobSpawned
         // (or RunStarted), which the tree folds.
         Ok(state)
     }

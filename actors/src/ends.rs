@@ -4,7 +4,7 @@
 //! child's terminal record instead of committing it: many children that end
 //! together (a stop of 10,000, 64 steps finishing at once) then share one
 //! sync instead of waiting for one each, in a row. Nothing outside hears of
-//! an end before it is durable: its `NodeFinished` waits here, and so does
+//! an end before it is durable: its `JobFinished` waits here, and so does
 //! anything the parent would do on it (answer a `collect`, report, end the
 //! run) until `is_empty`.
 
@@ -14,7 +14,7 @@ use arbor_storage::Error;
 
 #[derive(Default)]
 pub(crate) struct Ends {
-    /// The held `NodeFinished` events, in the order the ends were appended.
+    /// The held `JobFinished` events, in the order the ends were appended.
     events: Vec<EventKind>,
     /// The journal seq that covers every one of them.
     upto: u64,

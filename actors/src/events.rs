@@ -297,7 +297,7 @@ mod tests {
         let bus = EventBus::new(Journal::open(dir.path()).unwrap());
         let run = RunId::new();
         let mut ends = bus.ends();
-        let running = || EventKind::NodeRunning {
+        let running = || EventKind::JobRunning {
             id: arbor_protocol::JobId::new(),
         };
         bus.emit(run, running());
@@ -337,7 +337,7 @@ mod tests {
                     for _ in 0..500 {
                         bus.emit(
                             run,
-                            EventKind::NodeRunning {
+                            EventKind::JobRunning {
                                 id: arbor_protocol::JobId::new(),
                             },
                         );

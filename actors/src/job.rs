@@ -182,7 +182,7 @@ impl Actor for Job {
         let (account, sandbox) = setup.await?;
         ctx.events.emit(
             lineage.run,
-            EventKind::NodeSpawned {
+            EventKind::JobSpawned {
                 id: lineage.id,
                 parent: lineage.parent,
                 kind: lineage.kind,
@@ -239,7 +239,7 @@ impl Actor for Job {
         state.ctx.events.emit_with(
             state.lineage.run,
             vec![running],
-            [EventKind::NodeRunning {
+            [EventKind::JobRunning {
                 id: state.lineage.id,
             }],
         )?;

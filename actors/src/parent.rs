@@ -123,21 +123,14 @@ pub(crate) fn dead_envelope(
     spent: Amount,
 ) -> ResultEnvelope {
     ResultEnvelope {
-        job: id,
         label: Some(label.to_string()),
         attempt,
-        agent: agent.to_string(),
-        status: Status::Failed,
         task_status: Some(TaskStatus::Failed),
-        output: serde_json::Value::Null,
         error: Some(error.to_string()),
         error_class: Some(ErrorClass::Panicked),
-        limitations: vec![],
-        artifacts: vec![],
         tokens_spent: spent.tokens,
         usd_micros_spent: spent.usd_micros,
-        turns: 0,
-        workdir: String::new(),
+        ..ResultEnvelope::bare(id, agent, Status::Failed)
     }
 }
 
@@ -158,7 +151,7 @@ pub(crate) struct Terminal<'a> {
 }
 
 impl Terminal<'_> {
-    /// The terminal record and the `NodeFinished` that tells of it.
+    /// The terminal record and the `JobFinished` that tells of it.
     pub(crate) fn record(&self, ctx: &NodeContext) -> (Record, EventKind) {
         let Terminal {
             run,
@@ -193,20 +186,11 @@ impl Terminal<'_> {
             tokens_spent: envelope.tokens_spent,
             epoch: ctx.journal.epoch(),
         };
-        let finished = EventKind::NodeFinished {
+        let finished = EventKind::JobFinished {
             id: envelope.job,
-            status: envelope.status,
-            task_status: envelope.task_status,
-            error_class: envelope.error_class,
             reason,
             propagated,
-            output: envelope.output.clone(),
-            error: envelope.error.clone(),
-            limitations: envelope.limitations.clone(),
-            artifacts: envelope.artifacts.clone(),
-            turns: envelope.turns,
-            tokens_spent: envelope.tokens_spent,
-            usd_micros_spent: envelope.usd_micros_spent,
+            result: Box::new(envelope.clone()),
         };
         (Record::Job(record), finished)
     }

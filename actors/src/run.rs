@@ -604,7 +604,7 @@ impl RunState {
             return Ok(());
         }
         // Appended, not committed (I-29): steps that end together share one
-        // sync. Their `NodeFinished` waits in `ended` until a flush covers
+        // sync. Their `JobFinished` waits in `ended` until a flush covers
         // it; the next group's admission and the run's own end are commits,
         // which cover every end appended before them.
         let envelope = record_child_end(

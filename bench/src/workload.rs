@@ -100,9 +100,9 @@ pub fn temp_dir() -> String {
 /// Counts of what one node emitted, since it started.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Counts {
-    /// `NodeRunning`: steps and jobs that started.
+    /// `JobRunning`: steps and jobs that started.
     pub running: u64,
-    /// `NodeFinished`: steps and jobs that ended.
+    /// `JobFinished`: steps and jobs that ended.
     pub finished: u64,
     pub runs_finished: u64,
     /// A step's or job's first model call reserved (its account holds
@@ -206,14 +206,11 @@ impl TallyInner {
         };
         let stopping = self.stopping.load(Ordering::Acquire);
         match kind {
-            EventKind::NodeRunning { .. } => add(&self.running),
-            EventKind::NodeFinished {
-                id,
-                status,
-                reason,
-                error,
-                ..
+            EventKind::JobRunning { .. } => add(&self.running),
+            EventKind::JobFinished {
+                id, reason, result, ..
             } => {
+                let (status, error) = (&result.status, &result.error);
                 add(&self.finished);
                 if stopping && *status == Status::Done {
                     let mut late = self.late.lock().unwrap();

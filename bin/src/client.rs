@@ -630,12 +630,15 @@ fn event_line(event: &Event) -> String {
         .as_str()
         .map(|s| format!(" {s}"))
         .unwrap_or_default();
+    let ended = |status: &Status, reason: &Option<String>| {
+        let reason = reason.as_ref().map(|r| format!(": {r}"));
+        format!(" {status}{}", reason.unwrap_or_default())
+    };
     let detail = match &event.kind {
-        arbor_protocol::EventKind::NodeFinished { status, reason, .. }
-        | arbor_protocol::EventKind::RunFinished { status, reason, .. } => {
-            let reason = reason.as_ref().map(|r| format!(": {r}"));
-            format!(" {status}{}", reason.unwrap_or_default())
+        arbor_protocol::EventKind::JobFinished { result, reason, .. } => {
+            ended(&result.status, reason)
         }
+        arbor_protocol::EventKind::RunFinished { status, reason, .. } => ended(status, reason),
         arbor_protocol::EventKind::ToolCalled { tool, ok, .. } => {
             format!(" {tool} {}", if *ok { "ok" } else { "refused or failed" })
         }

@@ -243,7 +243,7 @@ mod tests {
     fn tree() -> (Tree, [JobId; 4]) {
         let run = RunId::new();
         let ids = [JobId::new(), JobId::new(), JobId::new(), JobId::new()];
-        let spawned = |id, parent, label: &str| EventKind::NodeSpawned {
+        let spawned = |id, parent, label: &str| EventKind::JobSpawned {
             id,
             parent,
             kind: if matches!(parent, ParentRef::Run(_)) {
@@ -309,7 +309,7 @@ mod tests {
             seq: 9,
             run: tree.run_id(),
             at_ms: 0,
-            kind: EventKind::NodeRunning { id: s1 },
+            kind: EventKind::JobRunning { id: s1 },
         });
         let lines = view.frame(&tree).lines;
         assert_eq!(lines.len(), 1, "{lines:?}");

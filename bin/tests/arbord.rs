@@ -157,7 +157,7 @@ impl Arbord {
         let id = loop {
             let line = rx.recv_timeout(LIMIT).expect("a step starts running");
             let event: serde_json::Value = serde_json::from_str(&line).unwrap();
-            if event["kind"]["type"] == "node_running"
+            if event["kind"]["type"] == "job_running"
                 && !seen.contains(&event["kind"]["id"].as_str().unwrap())
             {
                 break event["kind"]["id"].as_str().unwrap().to_string();

@@ -1,7 +1,7 @@
 //! Events: every state change of a run emits one (I-39). They are journaled,
 //! streamed to watchers, and folded into a `Tree` by whoever wants the picture.
 
-use crate::{ErrorClass, JobId, Refusal, RunId, Status, TaskStatus};
+use crate::{ErrorClass, JobId, Refusal, RunId, Status};
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -89,7 +89,7 @@ pub enum EventKind {
         output: serde_json::Value,
     },
     /// A step or job was admitted: its grant is held and its record is durable.
-    NodeSpawned {
+    JobSpawned {
         id: JobId,
         parent: ParentRef,
         kind: NodeKind,
@@ -108,26 +108,19 @@ pub enum EventKind {
         #[serde(default)]
         request: String,
     },
-    NodeRunning {
+    JobRunning {
         id: JobId,
     },
-    NodeFinished {
+    /// A step or job ended: its result whole (flattened: its fields are the
+    /// event's), and how it came to end.
+    JobFinished {
         id: JobId,
-        status: Status,
-        task_status: Option<TaskStatus>,
-        error_class: Option<ErrorClass>,
         /// Why it failed or was stopped, in words.
         reason: Option<String>,
         /// A stop that came from above (the parent ended or was stopped).
         propagated: bool,
-        output: serde_json::Value,
-        error: Option<String>,
-        limitations: Vec<String>,
-        artifacts: Vec<String>,
-        turns: u32,
-        tokens_spent: u64,
-        #[serde(default)]
-        usd_micros_spent: u64,
+        #[serde(flatten)]
+        result: Box<crate::ResultEnvelope>,
     },
     /// An account's figures after a change; `available = grant - spent - held`.
     AccountChanged {
@@ -212,9 +205,9 @@ impl EventKind {
     pub fn job(&self) -> Option<JobId> {
         use EventKind::*;
         match self {
-            NodeSpawned { id, .. }
-            | NodeRunning { id }
-            | NodeFinished { id, .. }
+            JobSpawned { id, .. }
+            | JobRunning { id }
+            | JobFinished { id, .. }
             | ModelCalled { id, .. }
             | BudgetOverrun { id, .. }
             | ContextCompacted { id, .. }

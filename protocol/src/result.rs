@@ -29,6 +29,28 @@ impl Amount {
 }
 
 impl ResultEnvelope {
+    /// An end that says only whose it is and how it ended; the caller sets
+    /// what else it knows (`..ResultEnvelope::bare(..)`).
+    pub fn bare(job: JobId, agent: &str, status: Status) -> Self {
+        Self {
+            job,
+            label: None,
+            attempt: 1,
+            agent: agent.to_string(),
+            status,
+            task_status: None,
+            output: serde_json::Value::Null,
+            error: None,
+            error_class: None,
+            limitations: vec![],
+            artifacts: vec![],
+            tokens_spent: 0,
+            usd_micros_spent: 0,
+            turns: 0,
+            workdir: String::new(),
+        }
+    }
+
     pub fn spent(&self) -> Amount {
         Amount {
             tokens: self.tokens_spent,

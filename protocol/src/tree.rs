@@ -179,7 +179,7 @@ impl Tree {
                     _ => None,
                 };
             }
-            EventKind::NodeSpawned {
+            EventKind::JobSpawned {
                 id,
                 parent,
                 kind,
@@ -242,38 +242,28 @@ impl Tree {
                     },
                 );
             }
-            EventKind::NodeRunning { id } => {
+            EventKind::JobRunning { id } => {
                 if let Some(e) = self.entries.get_mut(id)
                     && !e.node.status.is_terminal()
                 {
                     e.node.status = Status::Running;
                 }
             }
-            EventKind::NodeFinished {
-                id,
-                status,
-                task_status,
-                error_class,
-                reason,
-                output,
-                error,
-                limitations,
-                artifacts,
-                turns,
-                ..
+            EventKind::JobFinished {
+                id, reason, result, ..
             } => {
                 if let Some(e) = self.entries.get_mut(id) {
                     let n = &mut e.node;
-                    n.status = *status;
+                    n.status = result.status;
                     n.ended_at_ms = Some(event.at_ms);
-                    n.task_status = *task_status;
-                    n.error_class = *error_class;
+                    n.task_status = result.task_status;
+                    n.error_class = result.error_class;
                     n.reason = reason.clone();
-                    n.output = output.clone();
-                    n.error = error.clone();
-                    n.limitations = limitations.clone();
-                    n.artifacts = artifacts.clone();
-                    n.turns = *turns;
+                    n.output = result.output.clone();
+                    n.error = result.error.clone();
+                    n.limitations = result.limitations.clone();
+                    n.artifacts = result.artifacts.clone();
+                    n.turns = result.turns;
                 }
             }
             EventKind::AccountChanged {
@@ -500,7 +490,7 @@ mod tests {
     }
 
     fn spawned(run: RunId, id: JobId, parent: ParentRef, grant: u64) -> EventKind {
-        EventKind::NodeSpawned {
+        EventKind::JobSpawned {
             grant_usd_micros: None,
             id,
             parent,
@@ -517,20 +507,27 @@ mod tests {
     }
 
     fn finished(id: JobId, spent: u64) -> EventKind {
-        EventKind::NodeFinished {
-            usd_micros_spent: 0,
+        EventKind::JobFinished {
             id,
-            status: Status::Done,
-            task_status: Some(TaskStatus::Completed),
-            error_class: None,
             reason: None,
             propagated: false,
-            output: serde_json::Value::Null,
-            error: None,
-            limitations: vec![],
-            artifacts: vec![],
-            turns: 1,
-            tokens_spent: spent,
+            result: Box::new(crate::ResultEnvelope {
+                job: id,
+                label: None,
+                attempt: 1,
+                agent: "a".into(),
+                status: Status::Done,
+                task_status: Some(TaskStatus::Completed),
+                output: serde_json::Value::Null,
+                error: None,
+                error_class: None,
+                limitations: vec![],
+                artifacts: vec![],
+                tokens_spent: spent,
+                usd_micros_spent: 0,
+                turns: 1,
+                workdir: "/w".into(),
+            }),
         }
     }
 

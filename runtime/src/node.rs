@@ -176,7 +176,7 @@ impl EmbeddedNode {
             .events(record.run)?
             .into_iter()
             .find_map(|e| match e.kind {
-                arbor_protocol::EventKind::NodeSpawned { id, request, .. } if id == job => {
+                arbor_protocol::EventKind::JobSpawned { id, request, .. } if id == job => {
                     Some(request)
                 }
                 _ => None,

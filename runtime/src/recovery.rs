@@ -151,7 +151,7 @@ pub mod sabotage {
     }
 }
 
-/// An end is told (`NodeFinished`, `RunFinished`) only after its record is
+/// An end is told (`JobFinished`, `RunFinished`) only after its record is
 /// durable (I-29), so a crash between the two leaves a record that says
 /// ended and events that say running: the run's tree would show it running
 /// for ever. Tells each such end again, from its record, and returns how
@@ -166,7 +166,7 @@ fn retell_lost_ends(
     let told: std::collections::HashSet<JobId> = history
         .iter()
         .filter_map(|e| match &e.kind {
-            EventKind::NodeFinished { id, .. } => Some(*id),
+            EventKind::JobFinished { id, .. } => Some(*id),
             _ => None,
         })
         .collect();
@@ -176,7 +176,7 @@ fn retell_lost_ends(
     let spawned: std::collections::HashSet<JobId> = history
         .iter()
         .filter_map(|e| match &e.kind {
-            EventKind::NodeSpawned { id, .. } => Some(*id),
+            EventKind::JobSpawned { id, .. } => Some(*id),
             _ => None,
         })
         .collect();
@@ -192,25 +192,17 @@ fn retell_lost_ends(
     lost.sort_by_key(|j| std::cmp::Reverse(j.depth));
     let mut retold = 0;
     for job in lost {
-        let output = serde_json::from_str(&job.output_json).unwrap_or(serde_json::Value::Null);
+        let spent = Amount {
+            tokens: job.tokens_spent,
+            usd_micros: 0,
+        };
         events.emit(
             run.id,
-            EventKind::NodeFinished {
+            EventKind::JobFinished {
                 id: job.id,
-                status: job.status,
-                task_status: job.task_status,
-                error_class: job.error_class,
                 reason: job.reason.clone(),
                 propagated: false,
-                output,
-                error: (job.status != Status::Done)
-                    .then(|| job.reason.clone())
-                    .flatten(),
-                limitations: vec![],
-                artifacts: vec![],
-                turns: 0,
-                tokens_spent: job.tokens_spent,
-                usd_micros_spent: 0,
+                result: Box::new(end_of(job, spent)),
             },
         );
         retold += 1;
@@ -288,6 +280,25 @@ fn open_calls(entries: &[LedgerRecord]) -> (BTreeMap<JobId, u64>, u64, u64) {
     let billed = calls.iter().filter(|c| c.1).map(|c| c.0).sum();
     let unbilled = calls.iter().filter(|c| !c.1).map(|c| c.0).sum();
     (holds, billed, unbilled)
+}
+
+/// A job's end as its record tells it; what a record does not keep (its
+/// artifacts, limitations and turns) is empty.
+fn end_of(job: &JobRecord, spent: Amount) -> ResultEnvelope {
+    ResultEnvelope {
+        label: job.label.clone(),
+        attempt: job.attempt,
+        task_status: job.task_status,
+        output: serde_json::from_str(&job.output_json).unwrap_or(serde_json::Value::Null),
+        error: (job.status != Status::Done)
+            .then(|| job.reason.clone())
+            .flatten(),
+        error_class: job.error_class,
+        tokens_spent: spent.tokens,
+        usd_micros_spent: spent.usd_micros,
+        workdir: job.workdir.clone(),
+        ..ResultEnvelope::bare(job.id, &job.agent, job.status)
+    }
 }
 
 fn ledger(epoch: u64, owner: ParentRef, unit: Unit, op: LedgerOp) -> Record {
@@ -480,20 +491,18 @@ fn recover_run(
         publish_account(journal, events, run.id, job.parent)?;
         events.emit(
             run.id,
-            EventKind::NodeFinished {
+            EventKind::JobFinished {
                 id: job.id,
-                status: Status::Failed,
-                task_status: Some(arbor_protocol::TaskStatus::Failed),
-                error_class: Some(ErrorClass::Interrupted),
                 reason: Some(INTERRUPTED.into()),
                 propagated: false,
-                output: serde_json::Value::Null,
-                error: Some(INTERRUPTED.into()),
-                limitations: vec![],
-                artifacts: vec![],
-                turns: 0,
-                tokens_spent: spent.tokens,
-                usd_micros_spent: spent.usd_micros,
+                result: Box::new(ResultEnvelope {
+                    status: Status::Failed,
+                    task_status: Some(arbor_protocol::TaskStatus::Failed),
+                    error_class: Some(ErrorClass::Interrupted),
+                    error: Some(INTERRUPTED.into()),
+                    output: serde_json::Value::Null,
+                    ..end_of(job, spent)
+                }),
             },
         );
         report.jobs_failed.push(job.id);

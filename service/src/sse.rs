@@ -151,7 +151,7 @@ mod tests {
         for _ in 0..3 {
             bus.emit(
                 run,
-                EventKind::NodeRunning {
+                EventKind::JobRunning {
                     id: arbor_protocol::JobId::new(),
                 },
             );

@@ -253,14 +253,14 @@ mod tests {
     fn an_event_encoded_in_two_parts_is_the_event_encoded_whole() {
         let run = RunId::new();
         let kinds = [
-            EventKind::NodeRunning { id: JobId::new() },
+            EventKind::JobRunning { id: JobId::new() },
             EventKind::RunFinished {
                 status: Status::Failed,
                 error_class: None,
                 reason: Some("a \"quoted\" reason\nover two lines".into()),
                 output: serde_json::json!({"answer": [1, 2], "note": "é"}),
             },
-            EventKind::NodeSpawned {
+            EventKind::JobSpawned {
                 id: JobId::new(),
                 parent: ParentRef::Run(run),
                 kind: NodeKind::Job,

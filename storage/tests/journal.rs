@@ -131,20 +131,18 @@ async fn every_record_kind_round_trips() {
         event(
             run,
             2,
-            EventKind::NodeFinished {
-                usd_micros_spent: 0,
+            EventKind::JobFinished {
                 id: step,
-                status: Status::Done,
-                task_status: Some(TaskStatus::Completed),
-                error_class: None,
                 reason: None,
                 propagated: false,
-                output: serde_json::json!({"files": ["a.rs"], "n": 2}),
-                error: None,
-                limitations: vec![],
-                artifacts: vec!["report.md".into()],
-                turns: 3,
-                tokens_spent: 1_234,
+                result: Box::new(arbor_protocol::ResultEnvelope {
+                    task_status: Some(TaskStatus::Completed),
+                    output: serde_json::json!({"files": ["a.rs"], "n": 2}),
+                    artifacts: vec!["report.md".into()],
+                    turns: 3,
+                    tokens_spent: 1_234,
+                    ..arbor_protocol::ResultEnvelope::bare(step, "reviewer", Status::Done)
+                }),
             },
         ),
     ];
@@ -237,8 +235,8 @@ async fn reads_are_scoped_to_their_owner() {
                 ParentRef::Job(JobId(a.0)),
                 LedgerOp::Open { grant: 2 },
             )),
-            Record::Event(event(a, 1, EventKind::NodeRunning { id: job_a })),
-            Record::Event(event(b, 2, EventKind::NodeRunning { id: job_b })),
+            Record::Event(event(a, 1, EventKind::JobRunning { id: job_a })),
+            Record::Event(event(b, 2, EventKind::JobRunning { id: job_b })),
         ])
         .await
         .unwrap();

@@ -707,7 +707,7 @@ impl TestNode {
         self.events(run)
             .into_iter()
             .find_map(|e| match e.kind {
-                EventKind::NodeSpawned { id, workdir, .. } if id == job => {
+                EventKind::JobSpawned { id, workdir, .. } if id == job => {
                     Some(PathBuf::from(workdir))
                 }
                 _ => None,

@@ -231,13 +231,10 @@ impl TestService {
     /// Waits until a step or job of the run is running; returns its id.
     pub async fn wait_running(&self, run: RunId) -> String {
         let seen = self
-            .events_until(run, None, |e| e["kind"]["type"] == "node_running")
+            .events_until(run, None, |e| e["kind"]["type"] == "job_running")
             .await;
         let last = seen.last().expect("an event");
-        assert_eq!(
-            last.1["kind"]["type"], "node_running",
-            "the run ended first"
-        );
+        assert_eq!(last.1["kind"]["type"], "job_running", "the run ended first");
         last.1["kind"]["id"].as_str().expect("an id").to_string()
     }
 

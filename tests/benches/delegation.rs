@@ -397,7 +397,7 @@ fn observe(node: &TestNode) -> (Arc<Mutex<Seen>>, Arc<tokio::sync::Notify>) {
             flushes: journal.flush_count(),
         };
         match &event.kind {
-            EventKind::NodeSpawned {
+            EventKind::JobSpawned {
                 id,
                 kind: NodeKind::Step,
                 ..

@@ -121,14 +121,14 @@ impl Follow {
     /// True at the run's end.
     fn see(&mut self, kind: &EventKind) -> bool {
         match kind {
-            EventKind::NodeSpawned {
+            EventKind::JobSpawned {
                 id,
                 kind: NodeKind::Job,
                 ..
             } => {
                 self.jobs.insert(*id);
             }
-            EventKind::NodeRunning { id } if self.jobs.contains(id) => {
+            EventKind::JobRunning { id } if self.jobs.contains(id) => {
                 self.first_job.get_or_insert(self.started.elapsed());
             }
             EventKind::RunFinished { status, .. } => {

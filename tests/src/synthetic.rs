@@ -35,7 +35,8 @@
 
 use arbor_actors::EventBus;
 use arbor_protocol::{
-    Event, EventKind, JobId, NodeKind, ParentRef, RunId, RunSpec, Status, TaskStatus,
+    Event, EventKind, JobId, NodeKind, ParentRef, ResultEnvelope, RunId, RunSpec, Status,
+    TaskStatus,
 };
 use arbor_runtime::{RecoveryReport, recovery};
 use arbor_storage::{
@@ -422,7 +423,7 @@ impl<'a> Writer<'a> {
         let who = Who::of(run, id, parent);
         self.event(
             run,
-            EventKind::NodeSpawned {
+            EventKind::JobSpawned {
                 grant_usd_micros: None,
                 id,
                 parent,
@@ -442,20 +443,17 @@ impl<'a> Writer<'a> {
     fn finished(&mut self, run: RunId, id: JobId, turns: u32, spent: u64) {
         self.event(
             run,
-            EventKind::NodeFinished {
-                usd_micros_spent: 0,
+            EventKind::JobFinished {
                 id,
-                status: Status::Done,
-                task_status: Some(TaskStatus::Completed),
-                error_class: None,
                 reason: None,
                 propagated: false,
-                output: serde_json::json!("ok"),
-                error: None,
-                limitations: vec![],
-                artifacts: vec![],
-                turns,
-                tokens_spent: spent,
+                result: Box::new(ResultEnvelope {
+                    task_status: Some(TaskStatus::Completed),
+                    output: serde_json::json!("ok"),
+                    turns,
+                    tokens_spent: spent,
+                    ..ResultEnvelope::bare(id, "leaf", Status::Done)
+                }),
             },
         );
     }
@@ -489,7 +487,7 @@ impl<'a> Writer<'a> {
         self.jobs += 1;
         self.spawned(run, step, run_account);
         self.ledger(step_account, LedgerOp::Open { grant: RUN_GRANT });
-        self.event(run, EventKind::NodeRunning { id: step });
+        self.event(run, EventKind::JobRunning { id: step });
 
         // Turn 1: the delegate call. Holds first, then the records, durable
         // before any child starts (I-29).
@@ -525,7 +523,7 @@ impl<'a> Writer<'a> {
             let child_account = ParentRef::Job(child);
             self.ledger(child_account, LedgerOp::Open { grant: CHILD_GRANT });
             self.rewrite(self.job_record(run, child, step_account, Status::Running, 0));
-            self.event(run, EventKind::NodeRunning { id: child });
+            self.event(run, EventKind::JobRunning { id: child });
             if crashed && n > 0 {
                 self.ledger(
                     child_account,

@@ -107,8 +107,8 @@ async fn inv_16_a_stop_wins_the_race_against_a_result_already_on_its_way() {
                 "seed {seed}: not in the journal as a result"
             );
             let leaked = node.events(run).iter().any(|e| match &e.kind {
-                EventKind::NodeFinished { output, .. } => {
-                    output.to_string().contains("SECRET-OUTPUT")
+                EventKind::JobFinished { result, .. } => {
+                    result.output.to_string().contains("SECRET-OUTPUT")
                 }
                 _ => false,
             });
@@ -233,7 +233,7 @@ async fn inv_18_a_parent_that_ends_stops_its_running_children_first() {
         .events(run)
         .into_iter()
         .filter_map(|e| match e.kind {
-            EventKind::NodeFinished { id, .. } => Some(id),
+            EventKind::JobFinished { id, .. } => Some(id),
             _ => None,
         })
         .collect();

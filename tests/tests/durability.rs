@@ -17,7 +17,7 @@ async fn inv_29_a_delegation_and_its_grant_are_durable_before_the_child_starts()
     let log = checked.clone();
     // Looked at in the very moment each node is spawned, before it runs.
     node.observe(move |e| {
-        if let EventKind::NodeSpawned {
+        if let EventKind::JobSpawned {
             id,
             parent,
             record_seq,
@@ -65,7 +65,7 @@ async fn inv_29_a_delegation_and_its_grant_are_durable_before_the_child_starts()
 
 /// I-29 for a child's end: its parent appends the terminal record without
 /// waiting (a stop of 10,000 children does not wait for 10,000 syncs in a
-/// row), and tells nobody of it, no `NodeFinished` and no answer to the
+/// row), and tells nobody of it, no `JobFinished` and no answer to the
 /// delegate call waiting on it, until a flush covers it.
 #[tokio::test]
 async fn inv_29_a_childs_end_is_told_only_once_it_is_durable() {
@@ -115,9 +115,7 @@ async fn inv_29_a_childs_end_is_told_only_once_it_is_durable() {
     let told = |events: &[arbor_protocol::Event]| {
         events
             .iter()
-            .filter(
-                |e| matches!(&e.kind, EventKind::NodeFinished { id, .. } if leaves.contains(id)),
-            )
+            .filter(|e| matches!(&e.kind, EventKind::JobFinished { id, .. } if leaves.contains(id)))
             .count()
     };
     let events = node.events(run);
@@ -202,7 +200,7 @@ async fn inv_29_a_steps_end_is_told_only_once_it_is_durable() {
     let told = |events: &[arbor_protocol::Event]| {
         events
             .iter()
-            .filter(|e| matches!(&e.kind, EventKind::NodeFinished { id, .. } if steps.contains(id)))
+            .filter(|e| matches!(&e.kind, EventKind::JobFinished { id, .. } if steps.contains(id)))
             .count()
     };
     assert_eq!(

@@ -727,11 +727,11 @@ async fn a_usd_budgeted_run_charges_exact_micro_dollars_at_every_level() {
         .events(run)
         .into_iter()
         .find_map(|e| match e.kind {
-            EventKind::NodeFinished {
-                id,
-                usd_micros_spent,
-                ..
-            } if tree.node(id).unwrap().label.as_deref() == Some("r") => Some(usd_micros_spent),
+            EventKind::JobFinished { id, result, .. }
+                if tree.node(id).unwrap().label.as_deref() == Some("r") =>
+            {
+                Some(result.usd_micros_spent)
+            }
             _ => None,
         })
         .unwrap();
@@ -938,11 +938,10 @@ async fn without_a_ceiling_costs_are_still_metered_in_events_and_envelopes() {
         .events(run)
         .into_iter()
         .filter_map(|e| match e.kind {
-            EventKind::NodeFinished {
-                id,
-                usd_micros_spent,
-                ..
-            } => Some((tree.node(id).unwrap().label.clone(), usd_micros_spent)),
+            EventKind::JobFinished { id, result, .. } => Some((
+                tree.node(id).unwrap().label.clone(),
+                result.usd_micros_spent,
+            )),
             _ => None,
         })
         .collect();

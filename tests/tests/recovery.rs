@@ -395,7 +395,7 @@ async fn inv_33_an_interrupted_job_stays_failed_until_continued_as_a_new_attempt
         .events(continued)
         .into_iter()
         .filter_map(|e| match e.kind {
-            EventKind::NodeSpawned { request, .. } => Some(request),
+            EventKind::JobSpawned { request, .. } => Some(request),
             _ => None,
         })
         .collect();

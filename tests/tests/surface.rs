@@ -78,9 +78,9 @@ async fn inv_39_every_state_change_emits_an_event() {
         let mine: Vec<&str> = events
             .iter()
             .filter_map(|e| match &e.kind {
-                EventKind::NodeSpawned { id: i, .. } if *i == id => Some("spawned"),
-                EventKind::NodeRunning { id: i } if *i == id => Some("running"),
-                EventKind::NodeFinished { id: i, .. } if *i == id => Some("finished"),
+                EventKind::JobSpawned { id: i, .. } if *i == id => Some("spawned"),
+                EventKind::JobRunning { id: i } if *i == id => Some("running"),
+                EventKind::JobFinished { id: i, .. } if *i == id => Some("finished"),
                 _ => None,
             })
             .collect();
@@ -95,7 +95,7 @@ async fn inv_39_every_state_change_emits_an_event() {
         EventKind::RunFinished { .. }
     ));
     // Every change of every account is one event: each message that changed it
-    // (a reservation of several holds is one change; opening is in NodeSpawned).
+    // (a reservation of several holds is one change; opening is in JobSpawned).
     let mut owners = vec![(ParentRef::Run(run), 1)];
     owners.extend(tree.nodes().map(|(id, _)| {
         (

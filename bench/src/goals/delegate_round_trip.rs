@@ -129,7 +129,7 @@ impl Marks {
             let at = Instant::now();
             let mut inner = inner.lock().unwrap();
             match &event.kind {
-                EventKind::NodeSpawned {
+                EventKind::JobSpawned {
                     id,
                     kind: NodeKind::Step,
                     ..

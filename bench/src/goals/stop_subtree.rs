@@ -8,7 +8,7 @@
 //! supervision tree of the run is taken (the run, its account, and each
 //! job's job and account actors: these agents are offered no tool that
 //! uses a sandbox, so they have none), and the clock runs from
-//! `stop_run` until the run's `RunFinished`, every job's `NodeFinished` and
+//! `stop_run` until the run's `RunFinished`, every job's `JobFinished` and
 //! the exit of every one of those actors (ractor's own exit notice, no
 //! polling). Afterwards the journal must hold every job terminal, and no
 //! output may have come after the stop: a step or job that calls
@@ -105,7 +105,7 @@ pub async fn run(sizes: &Sizes) -> anyhow::Result<Outcome> {
         ));
     }
     notes.push(
-        "arbor's stop: from stop_run until RunFinished, every job's NodeFinished and every actor of the run's supervision tree exited; the journal checked afterwards".into(),
+        "arbor's stop: from stop_run until RunFinished, every job's JobFinished and every actor of the run's supervision tree exited; the journal checked afterwards".into(),
     );
     node.shutdown().await;
     Ok(Outcome {
