@@ -56,6 +56,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 use tokio_util::sync::{CancellationToken, DropGuard};
+use tokio_util::task::AbortOnDropHandle;
 
 /// Turns a job may take when neither its request nor its agent says.
 pub const DEFAULT_MAX_TURNS: u32 = 50;
@@ -465,7 +466,8 @@ pub struct JobState {
     /// None for a job offered no tool that uses one (`ToolName::SANDBOX`).
     sandbox: Option<ActorRef<SandboxMsg>>,
     model: Option<Arc<dyn crate::model::Model>>,
-    loop_task: Option<AbortOnDrop>,
+    /// Aborted when dropped, so a killed job leaves no loop running.
+    loop_task: Option<AbortOnDropHandle<()>>,
     /// The loop's model call in flight, settled here if an abort cuts it short.
     in_flight: agent_loop::InFlightSlot,
     children: Children,
@@ -479,15 +481,6 @@ pub struct JobState {
     finish: Option<Finish>,
     /// Children's ends not yet durable, held back from everything outside.
     ended: crate::ends::Ends,
-}
-
-/// Aborts the loop task when dropped, so a killed job leaves no loop running.
-struct AbortOnDrop(tokio::task::AbortHandle);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }
 
 impl JobState {
@@ -525,7 +518,7 @@ impl JobState {
             };
             let _ = myself.cast(JobMsg::LoopEnded { outcome });
         });
-        self.loop_task = Some(AbortOnDrop(handle.abort_handle()));
+        self.loop_task = Some(AbortOnDropHandle::new(handle));
     }
 
     fn abort_loop(&mut self) {

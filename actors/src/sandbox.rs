@@ -527,7 +527,8 @@ impl ExecJob {
 
 /// What a command wrote to one pipe, redacted of every secret value (I-27).
 async fn take_output(task: tokio::task::JoinHandle<(Vec<u8>, bool)>, secrets: &Secrets) -> String {
-    let abort = task.abort_handle();
+    // A reader still waiting when the time is up is dropped, and so aborted.
+    let task = tokio_util::task::AbortOnDropHandle::new(task);
     match tokio::time::timeout(Duration::from_millis(200), task).await {
         Ok(Ok((bytes, cut))) => {
             let text = String::from_utf8_lossy(&bytes);
@@ -538,10 +539,7 @@ async fn take_output(task: tokio::task::JoinHandle<(Vec<u8>, bool)>, secrets: &S
                 secrets.redact(&text)
             }
         }
-        _ => {
-            abort.abort();
-            String::new()
-        }
+        _ => String::new(),
     }
 }
 

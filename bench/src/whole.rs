@@ -3,7 +3,8 @@
 //! one call: 1,088 steps and jobs), each on a fresh copy of the workspace,
 //! its journal in the temporary directory, stdout to nowhere (plain output,
 //! as a pipe or a log file gets). A run's figure is its wall time from the
-//! spawn to the exit; its CPU is the process's, every thread (`wait4`).
+//! spawn to the exit; its CPU is the process's, every thread (`getrusage` of
+//! the children reaped).
 //!
 //! One warm-up run with `--json` checks what the timed runs then only
 //! count on: that the run completes with every step and job done. The
@@ -14,7 +15,7 @@
 //! There is no baseline: the goal is absolute, P2's figure (10,000 jobs/s)
 //! for the whole process.
 
-use anyhow::{Context, bail, ensure};
+use anyhow::{Context, ensure};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -64,7 +65,7 @@ pub fn run(arbor: PathBuf, runs: usize) -> anyhow::Result<Whole> {
             .stderr(Stdio::null())
             .spawn()
             .with_context(|| format!("starting {}", arbor.display()))?;
-        let (status, cpu) = wait(child.id())?;
+        let (status, cpu) = wait(child)?;
         let wall = start.elapsed();
         ensure!(status == 0, "run {n}: arbor exited with status {status}");
         walls.push(wall);
@@ -138,27 +139,22 @@ fn copy_dir(from: &Path, to: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Waits for the child, returning its exit status and CPU time.
-fn wait(pid: u32) -> anyhow::Result<(i32, Duration)> {
-    let mut status = 0;
-    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-    // SAFETY: wait4 writes the status to the int and one whole rusage to
-    // the pointer, which points at one; both are read only on success.
-    let usage = unsafe {
-        if libc::wait4(pid as libc::pid_t, &mut status, 0, usage.as_mut_ptr()) < 0 {
-            bail!("waiting for arbor: {}", std::io::Error::last_os_error());
-        }
-        usage.assume_init()
+/// Waits for the child, returning its exit status and CPU time: what the
+/// children reaped in between used, every thread (this waits for one at a
+/// time, so that is this child, and what it reaped itself).
+fn wait(mut child: std::process::Child) -> anyhow::Result<(i32, Duration)> {
+    use nix::sys::resource::{UsageWho, getrusage};
+    use nix::sys::time::TimeValLike;
+    let cpu = || -> anyhow::Result<Duration> {
+        let usage = getrusage(UsageWho::RUSAGE_CHILDREN)?;
+        let micros = usage.user_time().num_microseconds() + usage.system_time().num_microseconds();
+        Ok(Duration::from_micros(micros as u64))
     };
-    let exit = if libc::WIFEXITED(status) {
-        libc::WEXITSTATUS(status)
-    } else {
-        -1
-    };
-    let time = |t: libc::timeval| {
-        Duration::from_secs(t.tv_sec as u64) + Duration::from_micros(t.tv_usec as u64)
-    };
-    Ok((exit, time(usage.ru_utime) + time(usage.ru_stime)))
+    let before = cpu()?;
+    let status = child
+        .wait()
+        .map_err(|e| anyhow::anyhow!("waiting for arbor: {e}"))?;
+    Ok((status.code().unwrap_or(-1), cpu()? - before))
 }
 
 fn median(values: &[Duration]) -> Duration {
@@ -177,7 +173,7 @@ impl Whole {
         use crate::report::{Unit, figure, verdict};
         let secs = |d: &Duration| figure(d.as_secs_f64(), Unit::Seconds);
         println!(
-            "W each run: `{} run examples/fanout --flow fanout` on a fresh copy, {} steps and jobs, stdout to /dev/null; wall from spawn to exit, CPU from wait4",
+            "W each run: `{} run examples/fanout --flow fanout` on a fresh copy, {} steps and jobs, stdout to /dev/null; wall from spawn to exit, CPU from getrusage(RUSAGE_CHILDREN)",
             self.arbor.display(),
             self.jobs
         );

@@ -68,20 +68,10 @@ pub fn syncs_off(node: &TestNode) {
 
 /// The kind of filesystem `path` is on: `ext4`, `tmpfs`, ... or its magic number.
 pub fn filesystem(path: &Path) -> String {
-    use std::os::unix::ffi::OsStrExt;
-    let Ok(name) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+    let Ok(stats) = nix::sys::statfs::statfs(path) else {
         return "unknown".into();
     };
-    let mut stats = std::mem::MaybeUninit::<libc::statfs>::uninit();
-    // SAFETY: statfs reads a NUL-terminated path and writes one whole statfs
-    // to the pointer, which points at one; it is read only on success.
-    let stats = unsafe {
-        if libc::statfs(name.as_ptr(), stats.as_mut_ptr()) != 0 {
-            return "unknown".into();
-        }
-        stats.assume_init()
-    };
-    match stats.f_type as u64 {
+    match stats.filesystem_type().0 as u64 {
         0xEF53 => "ext4".into(),
         0x0102_1994 => "tmpfs".into(),
         0x5846_5342 => "xfs".into(),

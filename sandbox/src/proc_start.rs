@@ -20,22 +20,24 @@
 //!
 //! Linux only: elsewhere there is no `/proc`, and every answer is `None`/`false`.
 
-use std::fs;
+use procfs::process::{Process, Stat};
 
-const BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
+/// `/proc/<pid>/stat`, parsed by procfs (field 2, the command's name, may
+/// hold spaces and `)`; procfs counts the fields from the last `)`).
+fn stat(pid: i32) -> Option<Stat> {
+    Process::new(pid).ok()?.stat().ok()
+}
 
-/// The start time of process `pid` (field 22 of `/proc/<pid>/stat`, clock
-/// ticks since boot) and the current boot id, or `None` if the process does
-/// not exist or `/proc` cannot be read.
+/// The start time of process `pid` (`starttime`, field 22 of
+/// `/proc/<pid>/stat`, clock ticks since boot) and the current boot id, or
+/// `None` if the process does not exist or `/proc` cannot be read.
 pub fn process_start(pid: i32) -> Option<(u64, String)> {
     if pid <= 0 {
         // 0 and negative numbers name groups or "self" to the kernel, never
         // one process.
         return None;
     }
-    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let start_ticks = start_ticks_from_stat(&stat)?;
-    Some((start_ticks, boot_id()?))
+    Some((stat(pid)?.starttime, boot_id()?))
 }
 
 /// Whether the process now running as `record_pgid` (a group's leader, whose
@@ -66,88 +68,28 @@ pub fn group_members(pgid: i32, start_ticks: u64, boot: &str) -> Vec<i32> {
     {
         return vec![];
     }
-    let Ok(entries) = fs::read_dir("/proc") else {
+    let Ok(all) = procfs::process::all_processes() else {
         return vec![];
     };
-    entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| {
-            fs::read_to_string(format!("/proc/{pid}/stat"))
-                .ok()
-                .and_then(|stat| group_fields(&stat))
-                .is_some_and(|(state, group, start)| {
-                    state != 'Z' && group == pgid && start >= start_ticks
-                })
-        })
+    all.flatten()
+        .filter_map(|process| process.stat().ok())
+        .filter(|s| s.state != 'Z' && s.pgrp == pgid && s.starttime >= start_ticks)
+        .map(|s| s.pid)
         .collect()
-}
-
-/// (state, pgrp, starttime) of a `/proc/<pid>/stat` line: fields 3, 5 and 22.
-fn group_fields(stat: &str) -> Option<(char, i32, u64)> {
-    let (_, after_comm) = stat.rsplit_once(')')?;
-    let fields: Vec<&str> = after_comm.split_ascii_whitespace().collect();
-    let state = fields.first()?.chars().next()?;
-    let group = fields.get(5 - 3)?.parse().ok()?;
-    let start = fields.get(22 - 3)?.parse().ok()?;
-    Some((state, group, start))
 }
 
 /// The kernel's id for this boot, trimmed.
 fn boot_id() -> Option<String> {
-    let id = fs::read_to_string(BOOT_ID_PATH).ok()?;
+    let id = procfs::sys::kernel::random::boot_id().ok()?;
     let id = id.trim();
     (!id.is_empty()).then(|| id.to_string())
-}
-
-/// Field 22 (`starttime`) of a `/proc/<pid>/stat` line.
-///
-/// Field 2 (`comm`) is the executable's name in parentheses and may itself
-/// hold spaces and `)`, so the fields are counted from the *last* `)`: after
-/// it come field 3 (`state`), field 4, and so on.
-fn start_ticks_from_stat(stat: &str) -> Option<u64> {
-    const STATE_FIELD: usize = 3;
-    const STARTTIME_FIELD: usize = 22;
-    let (_, after_comm) = stat.rsplit_once(')')?;
-    after_comm
-        .split_ascii_whitespace()
-        .nth(STARTTIME_FIELD - STATE_FIELD)?
-        .parse()
-        .ok()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::process::CommandExt;
     use std::process::{Command, Stdio};
-
-    /// A stat line as the kernel writes it, with `comm` and `starttime` filled in.
-    fn stat_line(comm: &str, starttime: u64) -> String {
-        let mut fields: Vec<String> = (3..=52).map(|n| n.to_string()).collect();
-        fields[0] = "S".into();
-        fields[22 - 3] = starttime.to_string();
-        format!("1234 ({comm}) {}\n", fields.join(" "))
-    }
-
-    #[test]
-    fn start_ticks_are_field_22_whatever_the_command_is_called() {
-        for comm in ["sleep", "a b c", "x) 1 2 3 (y", ")", "((", "tab\there"] {
-            assert_eq!(
-                start_ticks_from_stat(&stat_line(comm, 424_242)),
-                Some(424_242),
-                "comm {comm:?}"
-            );
-        }
-    }
-
-    #[test]
-    fn a_short_or_garbled_stat_line_is_no_answer() {
-        assert_eq!(start_ticks_from_stat(""), None);
-        assert_eq!(start_ticks_from_stat("1234 (sleep S 1 2 3"), None);
-        assert_eq!(start_ticks_from_stat("1234 (sleep) S 1 2 3"), None);
-        let garbled = stat_line("sleep", 7).replace(" 7 ", " seven ");
-        assert_eq!(start_ticks_from_stat(&garbled), None);
-    }
 
     #[test]
     fn this_process_matches_itself_and_nothing_else() {
@@ -159,6 +101,41 @@ mod tests {
         assert!(!same_process(pid, ticks, "another-boot"));
         assert_eq!(process_start(0), None);
         assert_eq!(process_start(-1), None);
+    }
+
+    /// The command's name is field 2 of the stat line and may hold spaces
+    /// and `)`: a process named so is still found, with its group.
+    #[test]
+    fn a_process_whose_name_holds_parentheses_and_spaces_is_found() {
+        let dir = tempfile::tempdir().unwrap();
+        let odd = dir.path().join("a) 1 2 (b");
+        std::fs::copy("/bin/sleep", &odd).expect("a copy of sleep");
+        // Another test's fork may still hold the copy open for writing for a
+        // moment (ETXTBSY): try again, a bounded number of times.
+        let mut child = (0..100)
+            .find_map(|_| {
+                match Command::new(&odd)
+                    .arg("1000")
+                    .stdin(Stdio::null())
+                    .process_group(0)
+                    .spawn()
+                {
+                    Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy => {
+                        std::thread::yield_now();
+                        None
+                    }
+                    other => Some(other),
+                }
+            })
+            .expect("the copy is not busy for long")
+            .expect("the copy starts");
+        let pid = child.id() as i32;
+        let (ticks, boot) = process_start(pid).expect("found by its pid");
+        assert_eq!(stat(pid).map(|s| s.comm), Some("a) 1 2 (b".to_string()));
+        assert_eq!(group_members(pid, ticks, &boot), vec![pid]);
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(group_members(pid, ticks, &boot).is_empty());
     }
 
     #[test]

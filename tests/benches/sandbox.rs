@@ -101,7 +101,7 @@ async fn run(sizes: Sizes, quick: bool, workers: usize) {
         "arbor sandbox benchmark ({}, tokio multi-thread, {workers} workers, {})",
         if quick { "--quick" } else { "default sizes" },
         // SAFETY: geteuid cannot fail.
-        if unsafe { libc::geteuid() } == 0 {
+        if nix::unistd::geteuid().is_root() {
             "as root"
         } else {
             "not root"

@@ -36,19 +36,13 @@ pub struct Cpu {
 
 impl Cpu {
     pub fn now() -> Cpu {
-        let mut usage = std::mem::MaybeUninit::<libc::rusage>::uninit();
-        // SAFETY: getrusage writes a whole rusage to the pointer it is given,
-        // which points at one; it is read only if the call succeeded.
-        let usage = unsafe {
-            assert_eq!(libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()), 0);
-            usage.assume_init()
-        };
-        let of = |t: libc::timeval| {
-            Duration::from_secs(t.tv_sec as u64) + Duration::from_micros(t.tv_usec as u64)
-        };
+        use nix::sys::resource::{UsageWho, getrusage};
+        use nix::sys::time::TimeValLike;
+        let usage = getrusage(UsageWho::RUSAGE_SELF).expect("getrusage of this process");
+        let of = |t: nix::sys::time::TimeVal| Duration::from_micros(t.num_microseconds() as u64);
         Cpu {
-            user: of(usage.ru_utime),
-            system: of(usage.ru_stime),
+            user: of(usage.user_time()),
+            system: of(usage.system_time()),
         }
     }
 

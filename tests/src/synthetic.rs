@@ -656,12 +656,11 @@ impl Mix {
 /// its threads outlive the last handle for a moment; a copy or a delete
 /// before then could see a half-written file.
 pub fn wait_until_released(dir: &Path) {
-    use std::os::fd::AsRawFd;
+    use nix::fcntl::{Flock, FlockArg};
     let file = File::open(dir.join("db")).expect("sled's db file");
-    // SAFETY: flock takes an open fd, which `file` owns for the whole call.
-    let locked = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
-    assert_eq!(locked, 0, "flock: {}", std::io::Error::last_os_error());
-    // Closing the file releases the lock.
+    let locked = Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, errno)| errno);
+    locked.expect("flock");
+    // Dropping the lock (and the file) releases it.
 }
 
 /// Copies a directory tree (a journal) file by file.

@@ -236,8 +236,9 @@ fn rss_bytes() -> anyhow::Result<u64> {
         .nth(1)
         .and_then(|p| p.parse().ok())
         .context("/proc/self/statm has no resident field")?;
-    // SAFETY: sysconf takes a constant and returns a number.
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    let page = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+        .context("sysconf(PAGE_SIZE)")?
+        .context("no page size")?;
     Ok(pages * page.max(1) as u64)
 }
 
