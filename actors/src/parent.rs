@@ -186,12 +186,7 @@ impl Terminal<'_> {
             tokens_spent: envelope.tokens_spent,
             epoch: ctx.journal.epoch(),
         };
-        let finished = EventKind::JobFinished {
-            id: envelope.job,
-            reason,
-            propagated,
-            result: Box::new(envelope.clone()),
-        };
+        let finished = EventKind::job_finished(envelope.clone(), reason, propagated);
         (Record::Job(record), finished)
     }
 }

@@ -197,10 +197,8 @@ impl TallyInner {
         let stopping = self.stopping.load(Ordering::Acquire);
         match kind {
             EventKind::JobRunning { .. } => add(&self.running),
-            EventKind::JobFinished {
-                id, reason, result, ..
-            } => {
-                let (status, error) = (&result.status, &result.error);
+            EventKind::JobFinished { reason, result, .. } => {
+                let (id, status, error) = (&result.job, &result.status, &result.error);
                 add(&self.finished);
                 if stopping && *status == Status::Done {
                     let mut late = self.late.lock().unwrap();

@@ -112,7 +112,9 @@ pub enum EventKind {
         id: JobId,
     },
     /// A step or job ended: its result whole (flattened: its fields are the
-    /// event's), and how it came to end.
+    /// event's), and how it came to end. Made by `EventKind::job_finished`,
+    /// so `id` (which every job's event carries) is the result's `job`.
+    #[serde(deserialize_with = "job_finished_flat")]
     JobFinished {
         id: JobId,
         /// Why it failed or was stopped, in words.
@@ -201,6 +203,20 @@ pub enum EventKind {
 }
 
 impl EventKind {
+    /// A step's or job's end, named by its result.
+    pub fn job_finished(
+        result: crate::ResultEnvelope,
+        reason: Option<String>,
+        propagated: bool,
+    ) -> Self {
+        EventKind::JobFinished {
+            id: result.job,
+            reason,
+            propagated,
+            result: Box::new(result),
+        }
+    }
+
     /// The step or job an event is about, if any.
     pub fn job(&self) -> Option<JobId> {
         use EventKind::*;
@@ -222,5 +238,114 @@ impl EventKind {
             },
             RunStarted { .. } | RunFinished { .. } | RunResumed { .. } | Recovered { .. } => None,
         }
+    }
+}
+
+/// `JobFinished`'s fields in order: id, reason, propagated, result.
+type JobFinishedFields = (JobId, Option<String>, bool, Box<crate::ResultEnvelope>);
+
+/// `JobFinished` read back without serde's `flatten`, which matches each of
+/// the envelope's fields against every key of the event in turn and made a
+/// journal's events half as slow again to decode (a boot's `verify` decodes
+/// all of them). The fields are the envelope's, in its order, and the two
+/// of the event; a test holds the two ways equal. An `id` that is not the
+/// result's `job` is refused: the event would name two jobs.
+fn job_finished_flat<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<JobFinishedFields, D::Error> {
+    #[derive(Deserialize)]
+    struct Flat {
+        id: JobId,
+        reason: Option<String>,
+        propagated: bool,
+        job: JobId,
+        label: Option<String>,
+        attempt: u32,
+        agent: String,
+        status: Status,
+        task_status: Option<crate::TaskStatus>,
+        output: serde_json::Value,
+        error: Option<String>,
+        error_class: Option<ErrorClass>,
+        limitations: Vec<String>,
+        artifacts: Vec<String>,
+        tokens_spent: u64,
+        usd_micros_spent: u64,
+        turns: u32,
+        workdir: String,
+    }
+    let f = Flat::deserialize(d)?;
+    if f.id != f.job {
+        return Err(serde::de::Error::custom(format!(
+            "a job_finished event names job {} as its id and {} as its result's job",
+            f.id, f.job
+        )));
+    }
+    let result = crate::ResultEnvelope {
+        job: f.job,
+        label: f.label,
+        attempt: f.attempt,
+        agent: f.agent,
+        status: f.status,
+        task_status: f.task_status,
+        output: f.output,
+        error: f.error,
+        error_class: f.error_class,
+        limitations: f.limitations,
+        artifacts: f.artifacts,
+        tokens_spent: f.tokens_spent,
+        usd_micros_spent: f.usd_micros_spent,
+        turns: f.turns,
+        workdir: f.workdir,
+    };
+    Ok((f.id, f.reason, f.propagated, Box::new(result)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ResultEnvelope, TaskStatus};
+
+    /// Written with the envelope flattened, read back field by field: the
+    /// same event, and its JSON has the envelope's fields at the top.
+    #[test]
+    fn a_job_finished_event_reads_back_as_it_was_written() {
+        let job = JobId::new();
+        let kind = EventKind::job_finished(
+            ResultEnvelope {
+                label: Some("scout".into()),
+                attempt: 2,
+                task_status: Some(TaskStatus::Partial),
+                output: serde_json::json!({"n": 1}),
+                error: Some("it was stopped".into()),
+                error_class: Some(ErrorClass::BudgetExhausted),
+                limitations: vec!["half".into()],
+                artifacts: vec!["a.csv".into()],
+                tokens_spent: 7,
+                usd_micros_spent: 9,
+                turns: 3,
+                workdir: "/w/scout".into(),
+                ..ResultEnvelope::bare(job, "scout", Status::Stopped)
+            },
+            Some("it was stopped".into()),
+            true,
+        );
+        let json = serde_json::to_value(&kind).unwrap();
+        assert_eq!(json["type"], "job_finished");
+        assert_eq!(json["id"], job.to_string());
+        assert_eq!(json["job"], job.to_string());
+        assert_eq!(json["workdir"], "/w/scout");
+        assert_eq!(json["propagated"], true);
+        assert_eq!(
+            serde_json::from_value::<EventKind>(json.clone()).unwrap(),
+            kind
+        );
+        let mut missing = json.clone();
+        missing.as_object_mut().unwrap().remove("turns");
+        assert!(serde_json::from_value::<EventKind>(missing).is_err());
+        let mut two_jobs = json;
+        two_jobs["id"] = serde_json::json!(JobId::new().to_string());
+        let refused = serde_json::from_value::<EventKind>(two_jobs).unwrap_err();
+        assert!(refused.to_string().contains("names job"), "{refused}");
     }
 }

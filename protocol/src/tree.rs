@@ -249,10 +249,8 @@ impl Tree {
                     e.node.status = Status::Running;
                 }
             }
-            EventKind::JobFinished {
-                id, reason, result, ..
-            } => {
-                if let Some(e) = self.entries.get_mut(id) {
+            EventKind::JobFinished { reason, result, .. } => {
+                if let Some(e) = self.entries.get_mut(&result.job) {
                     let n = &mut e.node;
                     n.status = result.status;
                     n.ended_at_ms = Some(event.at_ms);
@@ -507,11 +505,8 @@ mod tests {
     }
 
     fn finished(id: JobId, spent: u64) -> EventKind {
-        EventKind::JobFinished {
-            id,
-            reason: None,
-            propagated: false,
-            result: Box::new(crate::ResultEnvelope {
+        EventKind::job_finished(
+            crate::ResultEnvelope {
                 job: id,
                 label: None,
                 attempt: 1,
@@ -527,8 +522,10 @@ mod tests {
                 usd_micros_spent: 0,
                 turns: 1,
                 workdir: "/w".into(),
-            }),
-        }
+            },
+            None,
+            false,
+        )
     }
 
     fn account(owner: ParentRef, grant: u64, spent: u64, held: u64) -> EventKind {

@@ -166,7 +166,7 @@ fn retell_lost_ends(
     let told: std::collections::HashSet<JobId> = history
         .iter()
         .filter_map(|e| match &e.kind {
-            EventKind::JobFinished { id, .. } => Some(*id),
+            EventKind::JobFinished { result, .. } => Some(result.job),
             _ => None,
         })
         .collect();
@@ -198,12 +198,7 @@ fn retell_lost_ends(
         };
         events.emit(
             run.id,
-            EventKind::JobFinished {
-                id: job.id,
-                reason: job.reason.clone(),
-                propagated: false,
-                result: Box::new(end_of(job, spent)),
-            },
+            EventKind::job_finished(end_of(job, spent), job.reason.clone(), false),
         );
         retold += 1;
     }
@@ -491,19 +486,18 @@ fn recover_run(
         publish_account(journal, events, run.id, job.parent)?;
         events.emit(
             run.id,
-            EventKind::JobFinished {
-                id: job.id,
-                reason: Some(INTERRUPTED.into()),
-                propagated: false,
-                result: Box::new(ResultEnvelope {
+            EventKind::job_finished(
+                ResultEnvelope {
                     status: Status::Failed,
                     task_status: Some(arbor_protocol::TaskStatus::Failed),
                     error_class: Some(ErrorClass::Interrupted),
                     error: Some(INTERRUPTED.into()),
                     output: serde_json::Value::Null,
                     ..end_of(job, spent)
-                }),
-            },
+                },
+                Some(INTERRUPTED.into()),
+                false,
+            ),
         );
         report.jobs_failed.push(job.id);
         processes += killed_by_job.get(&job.id).copied().unwrap_or(0);

@@ -11,9 +11,7 @@
 //!    account adds up to, when the child's ledger is in the journal.
 
 use crate::Undecodable;
-use crate::record::{
-    LedgerOp, LedgerRecord, LedgerTotals, Unit, ledger_of, ledger_totals, usd_totals,
-};
+use crate::record::{LedgerOp, LedgerRecord, LedgerTotals, Unit, ledger_totals, usd_totals};
 use arbor_protocol::{JobId, ParentRef};
 use std::collections::HashMap;
 
@@ -42,32 +40,29 @@ impl VerifyReport {
 /// order of `accounts`, each account's in the order of the rules.
 /// Every breach of either ledger: tokens, then micro-dollars (named `usd`).
 pub(crate) fn account_breaches(accounts: &[(ParentRef, Vec<LedgerRecord>)]) -> Vec<String> {
-    let tokens: Vec<(ParentRef, Vec<LedgerRecord>)> = accounts
-        .iter()
-        .map(|(owner, entries)| (*owner, ledger_of(entries, Unit::Tokens)))
-        .collect();
-    let mut breaches = dimension_breaches(&tokens, Unit::Tokens, "");
-    let usd: Vec<(ParentRef, Vec<LedgerRecord>)> = accounts
+    let mut breaches = dimension_breaches(accounts, Unit::Tokens, "");
+    let usd: Vec<&(ParentRef, Vec<LedgerRecord>)> = accounts
         .iter()
         .filter(|(_, entries)| usd_totals(entries).is_some())
-        .map(|(owner, entries)| (*owner, ledger_of(entries, Unit::UsdMicros)))
         .collect();
-    breaches.extend(dimension_breaches(&usd, Unit::UsdMicros, "usd "));
+    breaches.extend(dimension_breaches(usd, Unit::UsdMicros, "usd "));
     breaches
 }
 
-/// The breaches of one ledger; `accounts` holds only entries of `unit`.
-fn dimension_breaches(
-    accounts: &[(ParentRef, Vec<LedgerRecord>)],
+/// The breaches of one ledger: each account's entries of `unit`.
+fn dimension_breaches<'a>(
+    accounts: impl IntoIterator<Item = &'a (ParentRef, Vec<LedgerRecord>)> + Clone,
     unit: Unit,
     prefix: &str,
 ) -> Vec<String> {
     let totals: HashMap<ParentRef, LedgerTotals> = accounts
-        .iter()
+        .clone()
+        .into_iter()
         .map(|(owner, entries)| (*owner, ledger_totals(entries, unit)))
         .collect();
     let mut breaches = Vec::new();
     for (owner, entries) in accounts {
+        let of_unit = || entries.iter().filter(|e| e.unit == unit);
         let name = format!("{prefix}{}", owner_name(*owner));
         let LedgerTotals { grant, spent, held } = totals[owner];
         if spent.saturating_add(held) > grant {
@@ -76,7 +71,7 @@ fn dimension_breaches(
                 spent.saturating_add(held)
             ));
         }
-        let closes = entries.iter().filter_map(|entry| match &entry.op {
+        let closes = of_unit().filter_map(|entry| match &entry.op {
             LedgerOp::Close { spent } => Some(*spent),
             _ => None,
         });
@@ -92,7 +87,7 @@ fn dimension_breaches(
         if closed && held != 0 {
             breaches.push(format!("{name}: closed with {held} still held"));
         }
-        for entry in entries {
+        for entry in of_unit() {
             let LedgerOp::Release { child, spent, .. } = &entry.op else {
                 continue;
             };

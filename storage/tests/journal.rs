@@ -131,19 +131,18 @@ async fn every_record_kind_round_trips() {
         event(
             run,
             2,
-            EventKind::JobFinished {
-                id: step,
-                reason: None,
-                propagated: false,
-                result: Box::new(arbor_protocol::ResultEnvelope {
+            EventKind::job_finished(
+                arbor_protocol::ResultEnvelope {
                     task_status: Some(TaskStatus::Completed),
                     output: serde_json::json!({"files": ["a.rs"], "n": 2}),
                     artifacts: vec!["report.md".into()],
                     turns: 3,
                     tokens_spent: 1_234,
                     ..arbor_protocol::ResultEnvelope::bare(step, "reviewer", Status::Done)
-                }),
-            },
+                },
+                None,
+                false,
+            ),
         ),
     ];
 

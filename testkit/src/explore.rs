@@ -634,7 +634,8 @@ async fn run_child(scenario: &Scenario, case: ChildCase) -> ! {
         // A job's end is told (`JobFinished`) only once it is durable.
         let acks = Arc::clone(&acks);
         node.observe(move |event| {
-            if let EventKind::JobFinished { id, result, .. } = &event.kind {
+            if let EventKind::JobFinished { result, .. } = &event.kind {
+                let id = result.job;
                 let status = serde_json::to_value(result.status).unwrap_or_default();
                 let status = status.as_str().unwrap_or("unknown");
                 let _ = (&*acks).write_all(format!("ended {id} {status}\n").as_bytes());

@@ -443,18 +443,17 @@ impl<'a> Writer<'a> {
     fn finished(&mut self, run: RunId, id: JobId, turns: u32, spent: u64) {
         self.event(
             run,
-            EventKind::JobFinished {
-                id,
-                reason: None,
-                propagated: false,
-                result: Box::new(ResultEnvelope {
+            EventKind::job_finished(
+                ResultEnvelope {
                     task_status: Some(TaskStatus::Completed),
                     output: serde_json::json!("ok"),
                     turns,
                     tokens_spent: spent,
                     ..ResultEnvelope::bare(id, "leaf", Status::Done)
-                }),
-            },
+                },
+                None,
+                false,
+            ),
         );
     }
 

@@ -233,7 +233,7 @@ async fn inv_18_a_parent_that_ends_stops_its_running_children_first() {
         .events(run)
         .into_iter()
         .filter_map(|e| match e.kind {
-            EventKind::JobFinished { id, .. } => Some(id),
+            EventKind::JobFinished { result, .. } => Some(result.job),
             _ => None,
         })
         .collect();

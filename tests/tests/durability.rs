@@ -115,7 +115,7 @@ async fn inv_29_a_childs_end_is_told_only_once_it_is_durable() {
     let told = |events: &[arbor_protocol::Event]| {
         events
             .iter()
-            .filter(|e| matches!(&e.kind, EventKind::JobFinished { id, .. } if leaves.contains(id)))
+            .filter(|e| matches!(&e.kind, EventKind::JobFinished { result, .. } if leaves.contains(&result.job)))
             .count()
     };
     let events = node.events(run);
@@ -200,7 +200,7 @@ async fn inv_29_a_steps_end_is_told_only_once_it_is_durable() {
     let told = |events: &[arbor_protocol::Event]| {
         events
             .iter()
-            .filter(|e| matches!(&e.kind, EventKind::JobFinished { id, .. } if steps.contains(id)))
+            .filter(|e| matches!(&e.kind, EventKind::JobFinished { result, .. } if steps.contains(&result.job)))
             .count()
     };
     assert_eq!(

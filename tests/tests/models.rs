@@ -727,8 +727,8 @@ async fn a_usd_budgeted_run_charges_exact_micro_dollars_at_every_level() {
         .events(run)
         .into_iter()
         .find_map(|e| match e.kind {
-            EventKind::JobFinished { id, result, .. }
-                if tree.node(id).unwrap().label.as_deref() == Some("r") =>
+            EventKind::JobFinished { result, .. }
+                if tree.node(result.job).unwrap().label.as_deref() == Some("r") =>
             {
                 Some(result.usd_micros_spent)
             }
@@ -938,8 +938,8 @@ async fn without_a_ceiling_costs_are_still_metered_in_events_and_envelopes() {
         .events(run)
         .into_iter()
         .filter_map(|e| match e.kind {
-            EventKind::JobFinished { id, result, .. } => Some((
-                tree.node(id).unwrap().label.clone(),
+            EventKind::JobFinished { result, .. } => Some((
+                tree.node(result.job).unwrap().label.clone(),
                 result.usd_micros_spent,
             )),
             _ => None,

@@ -80,7 +80,7 @@ async fn inv_39_every_state_change_emits_an_event() {
             .filter_map(|e| match &e.kind {
                 EventKind::JobSpawned { id: i, .. } if *i == id => Some("spawned"),
                 EventKind::JobRunning { id: i } if *i == id => Some("running"),
-                EventKind::JobFinished { id: i, .. } if *i == id => Some("finished"),
+                EventKind::JobFinished { result, .. } if result.job == id => Some("finished"),
                 _ => None,
             })
             .collect();
