@@ -14,10 +14,12 @@
 
 use crate::account::{AccountMsg, CallHold};
 use crate::context::NodeContext;
+use crate::mcp::{McpToolbox, result_text};
 use crate::model::{
-    CallMeter, Message, Model, ModelError, ModelInfo, ModelReply, ModelRequest, ToolCall,
+    CallMeter, Message, Model, ModelError, ModelInfo, ModelReply, ModelRequest, ToolCall, ToolSpec,
 };
-use crate::sandbox::SandboxMsg;
+use crate::policy::Policy;
+use crate::sandbox::{OUTPUT_LIMIT, SandboxMsg};
 use arbor_protocol::tools::parse_duration_arg;
 use arbor_protocol::{
     AgentDef, Amount, CallFacts, CollectArgs, DelegateArgs, ErrorClass, EventKind, ExecArgs, JobId,
@@ -93,6 +95,10 @@ pub struct LoopArgs {
     pub model: Arc<dyn Model>,
     pub agent: Arc<AgentDef>,
     pub offered: Arc<BTreeMap<ToolName, Result<(), String>>>,
+    /// Its MCP tools and its limits come from here (I-44, I-45).
+    pub policy: Arc<Policy>,
+    /// Calls counted against its limits before it started (a predecessor's).
+    pub tool_counts: BTreeMap<String, u64>,
     pub request: String,
     pub max_turns: u32,
     pub cancel: CancellationToken,
@@ -144,12 +150,26 @@ impl LoopOutcome {
 /// caught by the caller (`Job`), a panic in a tool here.
 pub async fn run(args: LoopArgs) -> LoopOutcome {
     let mut history = vec![Message::User(args.request.clone())];
-    let tools: Vec<ToolName> = args
+    // Its MCP tools are listed before its first turn: a job whose tools
+    // could not be listed would work blind, so it fails to start instead.
+    let toolbox = if args.policy.may_use_mcp() {
+        match McpToolbox::for_job(&args.ctx.mcp, &args.policy).await {
+            Ok(toolbox) => toolbox,
+            Err(why) => return LoopOutcome::failed(ErrorClass::Start, why, 0),
+        }
+    } else {
+        McpToolbox::default()
+    };
+    let tools: Arc<[ToolSpec]> = args
         .offered
         .iter()
         .filter(|(_, v)| v.is_ok())
-        .map(|(t, _)| *t)
+        .map(|(t, _)| ToolSpec::builtin(*t))
+        .chain(toolbox.specs().iter().cloned())
         .collect();
+    let mut counts = CallCounts {
+        made: args.tool_counts.clone(),
+    };
     let mut turn: u32 = 0;
     let mut last_text: Option<String> = None;
     loop {
@@ -250,10 +270,14 @@ pub async fn run(args: LoopArgs) -> LoopOutcome {
             if args.cancel.is_cancelled() {
                 return stopped(turn);
             }
-            let tool = call.tool.clone();
-            let result = AssertUnwindSafe(call_tool(&args, &call))
+            let mut tool = call.tool.clone();
+            let result = AssertUnwindSafe(call_tool(&args, &call, &toolbox, &mut counts, turn))
                 .catch_unwind()
                 .await
+                .map(|(canonical, step)| {
+                    tool = canonical;
+                    step
+                })
                 .unwrap_or_else(|panic| {
                     Step::Result(Err(format!("the tool panicked: {}", panic_message(&panic))))
                 });
@@ -412,7 +436,7 @@ const MIN_OUTPUT_ROOM: u64 = 1024;
 async fn fit_context(
     args: &LoopArgs,
     history: &mut Vec<Message>,
-    tools: &[ToolName],
+    tools: &Arc<[ToolSpec]>,
     turn: u32,
     harder: bool,
 ) -> Result<(), CallEnd> {
@@ -430,7 +454,7 @@ async fn fit_context(
             agent: args.agent.name.clone(),
             system: args.agent.prompt.clone(),
             messages: messages.to_vec(),
-            tools: tools.to_vec(),
+            tools: tools.clone(),
             max_output_tokens: room,
             wind_down: Some(WIND_DOWN_NOTICE.to_string()),
             turn,
@@ -457,7 +481,14 @@ async fn fit_context(
             }
             text = text[start..].to_string();
         }
-        let reply = call_model(args, SUMMARY_PROMPT, &[Message::User(text)], &[], turn).await?;
+        let reply = call_model(
+            args,
+            SUMMARY_PROMPT,
+            &[Message::User(text)],
+            &Arc::from([]),
+            turn,
+        )
+        .await?;
         let summary = reply.text.unwrap_or_default();
         summarized = span.len() as u32;
         crate::compaction::apply_summary(history, span, &summary);
@@ -493,7 +524,7 @@ async fn call_model(
     args: &LoopArgs,
     system: &str,
     history: &[Message],
-    tools: &[ToolName],
+    tools: &Arc<[ToolSpec]>,
     turn: u32,
 ) -> Result<ModelReply, CallEnd> {
     let info = args.model.info();
@@ -509,7 +540,7 @@ async fn call_model(
             agent: args.agent.name.clone(),
             system: system.to_string(),
             messages: history.to_vec(),
-            tools: tools.to_vec(),
+            tools: tools.clone(),
             max_output_tokens: max_output_limit,
             // Counted with the notice, so the bound holds whether it is sent or not.
             wind_down: Some(WIND_DOWN_NOTICE.to_string()),
@@ -776,25 +807,189 @@ fn parse<T: DeserializeOwned>(tool: ToolName, args: &serde_json::Value) -> Resul
     })
 }
 
-async fn call_tool(args: &LoopArgs, call: &ToolCall) -> Step {
-    let Ok(tool) = call.tool.parse::<ToolName>() else {
-        return Step::Result(Err(format!("unknown tool {:?}", call.tool)));
-    };
-    if let Some(Err(why)) = args.offered.get(&tool) {
+/// Runs one tool call; returns the tool's canonical name (what events and
+/// limits say) and what came of it.
+async fn call_tool(
+    args: &LoopArgs,
+    call: &ToolCall,
+    toolbox: &McpToolbox,
+    counts: &mut CallCounts,
+    turn: u32,
+) -> (String, Step) {
+    if let Some(entry) = toolbox.get(&call.tool) {
+        let canonical = entry.canonical.clone();
+        let step = Step::Result(mcp_call(args, call, entry, counts, turn).await);
+        return (canonical, step);
+    }
+    if let Some((canonical, why)) = toolbox.refusal(&call.tool) {
         let refusal = Refusal::ToolNotOffered {
-            tool: tool.to_string(),
+            tool: canonical.to_string(),
             why: format!(": {why}"),
         };
-        args.ctx.events.emit(
-            args.run,
-            EventKind::Refused {
-                id: args.id,
-                tool: tool.to_string(),
-                refusal: refusal.clone(),
-            },
+        return (
+            canonical.to_string(),
+            Step::Result(Err(refused(args, refusal))),
         );
-        return Step::Result(Err(refusal.to_string()));
     }
+    let Ok(tool) = call.tool.parse::<ToolName>() else {
+        return (
+            call.tool.clone(),
+            Step::Result(Err(format!("unknown tool {:?}", call.tool))),
+        );
+    };
+    let named = tool.to_string();
+    if let Some(Err(why)) = args.offered.get(&tool) {
+        let refusal = Refusal::ToolNotOffered {
+            tool: named.clone(),
+            why: format!(": {why}"),
+        };
+        return (named, Step::Result(Err(refused(args, refusal))));
+    }
+    if let Err(e) = admit(args, counts, &named, &call.id, turn, false).await {
+        return (named, Step::Result(Err(e)));
+    }
+    (named, call_builtin(args, tool, call).await)
+}
+
+/// I-45: counts the call against every limit that covers it, or refuses
+/// it. A counted call (and, with `always`, any call) is durable in the
+/// journal before it runs, so a restart reads the count back.
+async fn admit(
+    args: &LoopArgs,
+    counts: &mut CallCounts,
+    tool: &str,
+    call_id: &str,
+    turn: u32,
+    always: bool,
+) -> Result<(), String> {
+    match counts.admit(&args.policy.limits, tool, always) {
+        Err(refusal) => Err(refused(args, refusal)),
+        Ok(false) => Ok(()),
+        Ok(true) => journal_start(args, tool, call_id, turn).await,
+    }
+}
+
+/// Tells a refusal (an event) and returns the text the model reads.
+fn refused(args: &LoopArgs, refusal: Refusal) -> String {
+    let text = refusal.to_string();
+    let tool = match &refusal {
+        Refusal::ToolNotOffered { tool, .. } | Refusal::ToolLimit { tool, .. } => tool.clone(),
+        _ => String::new(),
+    };
+    args.ctx.events.emit(
+        args.run,
+        EventKind::Refused {
+            id: args.id,
+            tool,
+            refusal,
+        },
+    );
+    text
+}
+
+/// `ToolStarted`, made durable before the call goes out.
+async fn journal_start(
+    args: &LoopArgs,
+    tool: &str,
+    call_id: &str,
+    turn: u32,
+) -> Result<(), String> {
+    args.ctx.events.emit(
+        args.run,
+        EventKind::ToolStarted {
+            id: args.id,
+            turn,
+            tool: tool.to_string(),
+            call: call_id.to_string(),
+        },
+    );
+    args.ctx
+        .journal
+        .flush()
+        .await
+        .map_err(|e| format!("the call could not be journaled, so it was not run: {e}"))
+}
+
+/// An MCP call: arguments checked against the tool's schema, counted,
+/// journaled, then sent through the job's sandbox, which owns the server.
+async fn mcp_call(
+    args: &LoopArgs,
+    call: &ToolCall,
+    entry: &crate::mcp::McpToolEntry,
+    counts: &mut CallCounts,
+    turn: u32,
+) -> Result<serde_json::Value, String> {
+    let arguments = entry.check(&call.args)?;
+    admit(args, counts, &entry.canonical, &call.id, turn, true).await?;
+    let sandbox = sandbox_of(args)?;
+    let secrets = &args.ctx.secrets;
+    let outcome = ractor::call!(sandbox, |reply| SandboxMsg::McpCall {
+        server: entry.server.clone(),
+        tool: entry.own.clone(),
+        arguments,
+        reply
+    })
+    .map_err(|e| format!("the sandbox is gone: {e}"))?
+    .map_err(|e| secrets.redact(&e.to_string()))?;
+    let text = result_text(&outcome, secrets, OUTPUT_LIMIT);
+    if outcome.is_error {
+        Err(text)
+    } else {
+        Ok(serde_json::Value::String(text))
+    }
+}
+
+/// The calls one job attempt has made that its limits count (I-45), by
+/// canonical tool name.
+struct CallCounts {
+    made: BTreeMap<String, u64>,
+}
+
+impl CallCounts {
+    /// Counts a call of `tool` if every limit that covers it has room:
+    /// `Ok(true)` counted (`always`: even if no limit covers it), `Ok(false)`
+    /// no limit covers it, else the refusal. What is counted is what the
+    /// journal's `ToolStarted` events say, so a restart counts the same.
+    fn admit(
+        &mut self,
+        limits: &arbor_protocol::ToolLimits,
+        tool: &str,
+        always: bool,
+    ) -> Result<bool, Refusal> {
+        let mut counted = always;
+        for (key, most) in limits.covering(tool) {
+            let made = self.made_under(key);
+            if made >= most {
+                return Err(Refusal::ToolLimit {
+                    tool: tool.to_string(),
+                    limit: key.to_string(),
+                    most,
+                    made,
+                });
+            }
+            counted = true;
+        }
+        if counted {
+            *self.made.entry(tool.to_string()).or_default() += 1;
+        }
+        Ok(counted)
+    }
+
+    /// The calls made that `key` covers.
+    fn made_under(&self, key: &str) -> u64 {
+        self.made
+            .iter()
+            .filter(|(tool, _)| {
+                key == arbor_protocol::mcp::ALL_CALLS
+                    || arbor_protocol::mcp::name_matches(key, tool)
+            })
+            .map(|(_, n)| n)
+            .sum()
+    }
+}
+
+/// A built-in tool's call, offered and admitted.
+async fn call_builtin(args: &LoopArgs, tool: ToolName, call: &ToolCall) -> Step {
     let result = match tool {
         ToolName::SubmitOutput => match parse::<SubmitOutputArgs>(tool, &call.args) {
             Ok(submitted) => return Step::Submit(submitted),

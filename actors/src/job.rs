@@ -97,6 +97,9 @@ pub struct JobStart {
     pub meter: SpentMeter,
     /// The journal seq of its durable admission record.
     pub record_seq: u64,
+    /// Calls already counted against its limits (I-45): those of the
+    /// attempt a restart interrupted, when this one takes over from it.
+    pub tool_counts: BTreeMap<String, u64>,
 }
 
 impl Actor for Job {
@@ -123,9 +126,10 @@ impl Actor for Job {
         // A Sandbox only for a job that may use one: most jobs of a wide
         // fan-out only think and answer, and an actor each (its spawn, its
         // calls at the end, its stop) was a good part of their cost.
-        let needs_sandbox = ToolName::SANDBOX
-            .iter()
-            .any(|tool| offered.get(tool).is_some_and(Result::is_ok));
+        let needs_sandbox = start.policy.may_use_mcp()
+            || ToolName::SANDBOX
+                .iter()
+                .any(|tool| offered.get(tool).is_some_and(Result::is_ok));
         let setup = async {
             let (account, _) = Actor::spawn_linked(
                 None,
@@ -152,6 +156,7 @@ impl Actor for Job {
                 SandboxArgs {
                     record: Some(crate::sandbox::GroupRecorder {
                         journal: ctx.journal.clone(),
+                        events: ctx.events.clone(),
                         run: lineage.run,
                         job: lineage.id,
                     }),
@@ -161,8 +166,7 @@ impl Actor for Job {
                     resources: start.agent.resources,
                     network: start.policy.network,
                     posture: ctx.sandbox.clone(),
-                    runs_commands: start.policy.allowed.contains(&ToolName::Exec)
-                        && !start.policy.denied.contains(ToolName::Exec.as_str()),
+                    runs_commands: start.policy.runs_commands(),
                     env,
                     secrets: ctx.secrets.clone(),
                     roots: Some(ctx.sandbox_roots.clone()),
@@ -204,8 +208,9 @@ impl Actor for Job {
             lineage,
             agent: start.agent,
             brief: start.brief,
-            policy: start.policy,
+            policy: Arc::new(start.policy),
             offered: Arc::new(offered),
+            tool_counts: start.tool_counts,
             grant: start.grant,
             workdir: start.workdir,
             parent: start.parent,
@@ -451,9 +456,11 @@ pub struct JobState {
     lineage: Lineage,
     agent: Arc<AgentDef>,
     brief: Brief,
-    policy: Policy,
+    policy: Arc<Policy>,
     /// Shared with its loop, which it starts once.
     offered: Arc<BTreeMap<ToolName, Result<(), String>>>,
+    /// Handed to its loop when it starts.
+    tool_counts: BTreeMap<String, u64>,
     grant: Grant,
     workdir: PathBuf,
     parent: Parent,
@@ -498,6 +505,8 @@ impl JobState {
             model,
             agent: self.agent.clone(),
             offered: self.offered.clone(),
+            policy: self.policy.clone(),
+            tool_counts: std::mem::take(&mut self.tool_counts),
             request: self.brief.request.clone(),
             max_turns: self.brief.max_turns,
             cancel: self.cancel.clone(),

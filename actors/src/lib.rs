@@ -11,6 +11,8 @@ pub mod context;
 mod ends;
 pub mod events;
 pub mod job;
+pub mod mcp;
+mod mcp_server;
 pub mod model;
 pub mod node;
 pub mod parent;
@@ -23,7 +25,9 @@ pub use account::{Account, AccountMsg, CallHold, GrantAsk, Ledger, Share, SpentM
 pub use context::{NodeContext, RunContext};
 pub use events::EventBus;
 pub use job::{ChildHandle, Job, JobMsg};
-pub use model::{Message, Model, ModelError, ModelFactory, ModelReply, ModelRequest, ToolCall};
+pub use model::{
+    Message, Model, ModelError, ModelFactory, ModelReply, ModelRequest, ToolCall, ToolSpec,
+};
 pub use node::{Node, NodeArgs, NodeMsg};
 pub use policy::Policy;
 pub use run::{Run, RunMsg};

@@ -23,7 +23,8 @@ pub struct ModelRequest {
     pub agent: String,
     pub system: String,
     pub messages: Vec<Message>,
-    pub tools: Vec<ToolName>,
+    /// What the model may call, made once per job (`ToolSpec`).
+    pub tools: Arc<[ToolSpec]>,
     /// What the account can still cover (I-11); a provider cuts output to it.
     pub max_output_tokens: u64,
     /// I-12: the wind-down notice. Sent with this request only, never stored in the history.
@@ -32,6 +33,41 @@ pub struct ModelRequest {
     pub turn: u32,
     /// Filled by the adapter while the call is in flight.
     pub meter: CallMeter,
+}
+
+/// One tool as a model is shown it: its name, what it does, and the JSON
+/// Schema of its arguments.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ToolSpec {
+    pub name: Arc<str>,
+    pub description: Arc<str>,
+    pub parameters: Arc<serde_json::Value>,
+}
+
+impl ToolSpec {
+    /// A built-in tool, as `ToolName` describes it: made once per process,
+    /// so a job's list costs a few reference counts.
+    pub fn builtin(tool: ToolName) -> Self {
+        static SPECS: std::sync::OnceLock<Vec<ToolSpec>> = std::sync::OnceLock::new();
+        let specs = SPECS.get_or_init(|| {
+            ToolName::ALL
+                .iter()
+                .map(|t| ToolSpec {
+                    name: t.as_str().into(),
+                    description: t.description().into(),
+                    parameters: Arc::new(t.parameters().clone()),
+                })
+                .collect()
+        });
+        let index = ToolName::ALL.iter().position(|t| *t == tool).unwrap_or(0);
+        specs[index].clone()
+    }
+}
+
+impl From<ToolName> for ToolSpec {
+    fn from(tool: ToolName) -> Self {
+        ToolSpec::builtin(tool)
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]

@@ -5,29 +5,41 @@
 //! policy denied, whatever the child's definition or the job's arguments say;
 //! and, below a shared sandbox, never a network or a secret its input lacked.
 
-use arbor_protocol::{AgentDef, Limits, Network, NodeKind, SandboxMode, ToolName};
+use arbor_protocol::mcp::name_matches;
+use arbor_protocol::{
+    AgentDef, Limits, McpPattern, Network, NodeKind, SandboxMode, ToolLimits, ToolName,
+};
 use std::collections::{BTreeMap, BTreeSet};
 
-/// The tools an agent may use: an allowlist of sandbox tools and a deny list
-/// of any tool names (sandbox or delegation tools alike).
+/// The tools an agent may use: an allowlist of sandbox tools, MCP tool
+/// patterns, and a deny list of names and patterns (any tool alike).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Policy {
     pub allowed: BTreeSet<ToolName>,
+    /// The MCP tools it may use: `mcp__SERVER__TOOL` or all of a server's.
+    pub mcp: BTreeSet<McpPattern>,
+    /// Tool names, or prefixes ending in `*` (`mcp__fs__*`).
     pub denied: BTreeSet<String>,
     /// Whether its commands may reach the network (I-28).
     pub network: Network,
     /// The secrets its sandbox holds, by name (I-27).
     pub secrets: BTreeSet<String>,
+    /// The most calls one job attempt may make (I-45); never above any
+    /// ancestor's.
+    pub limits: ToolLimits,
 }
 
 impl Policy {
-    /// A step's policy: its agent's own tools and denies.
-    pub fn root(agent: &AgentDef) -> Self {
+    /// A step's policy: its agent's own tools and denies, its limits within
+    /// the node's `[limits.tools]`.
+    pub fn root(agent: &AgentDef, limits: &Limits) -> Self {
         Self {
             allowed: agent.tools.iter().copied().collect(),
+            mcp: agent.mcp.iter().cloned().collect(),
             denied: agent.deny.iter().cloned().collect(),
             network: agent.network,
             secrets: agent.secrets.iter().cloned().collect(),
+            limits: agent.limits.tighter(&limits.tools),
         }
     }
 
@@ -36,14 +48,25 @@ impl Policy {
     /// a `sandbox: own` agent, which keeps its own declared tools (I-26) but
     /// still inherits every deny. Network and secrets follow the tools: a
     /// shared sandbox gets what both it and its parent have, an own sandbox
-    /// what it declares.
+    /// what it declares. Limits are the tighter of the child's and the
+    /// parent's, own sandbox or not.
     pub fn narrow(&self, child: &AgentDef, job_deny: &[String]) -> Self {
         let declared: BTreeSet<ToolName> = child.tools.iter().copied().collect();
         let secrets: BTreeSet<String> = child.secrets.iter().cloned().collect();
-        let (allowed, network, secrets) = match child.sandbox {
-            SandboxMode::Own => (declared, child.network, secrets),
+        let (allowed, mcp, network, secrets) = match child.sandbox {
+            SandboxMode::Own => (
+                declared,
+                child.mcp.iter().cloned().collect(),
+                child.network,
+                secrets,
+            ),
             SandboxMode::Shared => (
                 declared.intersection(&self.allowed).copied().collect(),
+                child
+                    .mcp
+                    .iter()
+                    .flat_map(|c| self.mcp.iter().filter_map(|p| c.intersect(p)))
+                    .collect(),
                 if self.network == Network::Open && child.network == Network::Open {
                     Network::Open
                 } else {
@@ -57,10 +80,39 @@ impl Policy {
         denied.extend(job_deny.iter().cloned());
         Self {
             allowed,
+            mcp,
             denied,
             network,
             secrets,
+            limits: self.limits.tighter(&child.limits),
         }
+    }
+
+    /// Whether a deny covers the tool of this (canonical) name.
+    pub fn is_denied(&self, tool: &str) -> bool {
+        self.denied.iter().any(|d| name_matches(d, tool))
+    }
+
+    /// Whether it may use the server's tool of this canonical name (without
+    /// the `mcp__SERVER__` prefix), or why not.
+    pub fn mcp_verdict(&self, server: &str, tool: &str, canonical: &str) -> Result<(), String> {
+        if self.is_denied(canonical) {
+            Err(format!("{canonical} is denied to this agent"))
+        } else if self.mcp.iter().any(|p| p.covers(server, tool)) {
+            Ok(())
+        } else {
+            Err(format!("{canonical} is not among this agent's tools"))
+        }
+    }
+
+    /// Whether any MCP tool may be offered at all (a job then needs a sandbox).
+    pub fn may_use_mcp(&self) -> bool {
+        !self.mcp.is_empty()
+    }
+
+    /// Whether it may run commands: `exec`, not denied.
+    pub fn runs_commands(&self) -> bool {
+        self.allowed.contains(&ToolName::Exec) && !self.is_denied(ToolName::Exec.as_str())
     }
 
     /// Every tool, offered (`Ok`) or not with the reason. `submit_output` is
@@ -76,7 +128,7 @@ impl Policy {
         for tool in ToolName::ALL {
             let verdict = if tool == ToolName::SubmitOutput {
                 Ok(())
-            } else if self.denied.contains(tool.as_str()) {
+            } else if self.is_denied(tool.as_str()) {
                 Err(format!("{tool} is denied to this agent"))
             } else if ToolName::DELEGATION.contains(&tool) {
                 if agent.subagents.is_empty() {
@@ -113,6 +165,8 @@ mod tests {
             description: Some("d".into()),
             model: ModelRef::Scripted,
             tools: tools.to_vec(),
+            mcp: vec![],
+            limits: Default::default(),
             deny: deny.iter().map(|s| s.to_string()).collect(),
             subagents: vec!["b".into()],
             sandbox,
@@ -131,7 +185,10 @@ mod tests {
     #[test]
     fn inv_25_a_child_can_narrow_but_never_widen() {
         use ToolName::*;
-        let parent = Policy::root(&agent(&[ReadFile], &["exec"], SandboxMode::Shared));
+        let parent = Policy::root(
+            &agent(&[ReadFile], &["exec"], SandboxMode::Shared),
+            &Limits::default(),
+        );
         // The child names exec and write_file; neither is the parent's to give.
         let child = parent.narrow(
             &agent(
@@ -160,7 +217,10 @@ mod tests {
     #[test]
     fn own_sandbox_keeps_its_tools_but_inherits_denies_and_cannot_delegate() {
         use ToolName::*;
-        let parent = Policy::root(&agent(&[], &["write_file"], SandboxMode::Shared));
+        let parent = Policy::root(
+            &agent(&[], &["write_file"], SandboxMode::Shared),
+            &Limits::default(),
+        );
         let own = agent(&[Exec, WriteFile], &[], SandboxMode::Own);
         let child = parent.narrow(&own, &[]);
         let offered = child.offered(&own, NodeKind::Job, 1, &Limits::default());
@@ -178,6 +238,8 @@ mod tests {
         #[derive(Clone, Debug)]
         struct Link {
             tools: Vec<ToolName>,
+            /// MCP tools it names: `mcp__SERVER__TOOL` and `mcp__SERVER__*`.
+            mcp: Vec<String>,
             deny: Vec<String>,
             own: bool,
             job_deny: Vec<String>,
@@ -185,14 +247,31 @@ mod tests {
             secrets: Vec<String>,
         }
 
+        /// The MCP tools a chain may meet: two servers of two tools each.
+        const MCP_TOOLS: [&str; 4] = [
+            "mcp__fs__read",
+            "mcp__fs__write",
+            "mcp__gh__read",
+            "mcp__gh__write",
+        ];
+
+        /// Names and patterns a `tools:` may hold for MCP.
+        fn mcp_names() -> impl Strategy<Value = Vec<String>> {
+            let mut all: Vec<String> = MCP_TOOLS.iter().map(|t| t.to_string()).collect();
+            all.extend(["mcp__fs__*".to_string(), "mcp__gh__*".to_string()]);
+            proptest::sample::subsequence(all, 0..=3)
+        }
+
+        /// Names and patterns a deny may hold: built-in tools, MCP tools,
+        /// a server's pattern, every MCP tool.
         fn tool_names() -> impl Strategy<Value = Vec<String>> {
-            proptest::sample::subsequence(
-                ToolName::ALL
-                    .iter()
-                    .map(|t| t.as_str().to_string())
-                    .collect::<Vec<_>>(),
-                0..=4,
-            )
+            let mut all: Vec<String> = ToolName::ALL
+                .iter()
+                .map(|t| t.as_str().to_string())
+                .collect();
+            all.extend(MCP_TOOLS.iter().map(|t| t.to_string()));
+            all.extend(["mcp__fs__*".to_string(), "mcp__*".to_string()]);
+            proptest::sample::subsequence(all, 0..=4)
         }
 
         fn sandbox_tools() -> impl Strategy<Value = Vec<ToolName>> {
@@ -202,6 +281,7 @@ mod tests {
         fn link() -> impl Strategy<Value = Link> {
             (
                 sandbox_tools(),
+                mcp_names(),
                 tool_names(),
                 proptest::bool::weighted(0.2),
                 tool_names(),
@@ -211,8 +291,9 @@ mod tests {
                     0..=4,
                 ),
             )
-                .prop_map(|(tools, deny, own, job_deny, network, secrets)| Link {
+                .prop_map(|(tools, mcp, deny, own, job_deny, network, secrets)| Link {
                     tools,
+                    mcp,
                     deny,
                     own,
                     job_deny,
@@ -235,18 +316,31 @@ mod tests {
                     Network::None
                 },
                 secrets: link.secrets.clone(),
+                mcp: link
+                    .mcp
+                    .iter()
+                    .map(|m| McpPattern::parse(m).unwrap().unwrap())
+                    .collect(),
                 ..agent(&link.tools, &deny, mode)
             }
         }
 
-        /// What a holder of `policy` may use, by name.
+        /// What a holder of `policy` may use, by name: built-in and MCP tools.
         fn usable(policy: &Policy) -> BTreeSet<String> {
-            policy
+            let builtin = policy
                 .allowed
                 .iter()
                 .map(|t| t.as_str().to_string())
-                .filter(|t| !policy.denied.contains(t))
-                .collect()
+                .filter(|t| !policy.is_denied(t));
+            let mcp = MCP_TOOLS.iter().filter_map(|name| {
+                let p = McpPattern::parse(name).unwrap().unwrap();
+                let tool = p.tool.as_deref().unwrap();
+                policy
+                    .mcp_verdict(&p.server, tool, name)
+                    .is_ok()
+                    .then(|| name.to_string())
+            });
+            builtin.chain(mcp).collect()
         }
 
         proptest! {
@@ -260,7 +354,7 @@ mod tests {
             /// never offers a denied tool.
             #[test]
             fn inv_25_no_chain_widens_a_descendant(root in link(), links in proptest::collection::vec(link(), 1..6)) {
-                let mut chain = vec![Policy::root(&def(&root))];
+                let mut chain = vec![Policy::root(&def(&root), &Limits::default())];
                 for l in &links {
                     let next = chain.last().unwrap().narrow(&def(l), &l.job_deny);
                     // The override and the definition's own denies both hold.
@@ -272,7 +366,9 @@ mod tests {
                 for (n, policy) in chain.iter().enumerate() {
                     for (a, ancestor) in chain[..n].iter().enumerate() {
                         prop_assert!(ancestor.denied.is_subset(&policy.denied));
-                        prop_assert!(usable(policy).is_disjoint(&ancestor.denied));
+                        for name in usable(policy) {
+                            prop_assert!(!ancestor.is_denied(&name), "{name} usable below a deny");
+                        }
                         // links[k] made chain[k + 1]: an own link between a and n resets the allowlist.
                         let own_between = links[a..n].iter().any(|l| l.own);
                         if !own_between {
@@ -302,7 +398,7 @@ mod tests {
     #[test]
     fn inv_03_no_delegation_at_the_depth_cap() {
         let a = agent(&[], &[], SandboxMode::Shared);
-        let p = Policy::root(&a);
+        let p = Policy::root(&a, &Limits::default());
         let limits = Limits::default();
         assert!(p.offered(&a, NodeKind::Job, 1, &limits)[&ToolName::Delegate].is_ok());
         assert!(p.offered(&a, NodeKind::Job, 2, &limits)[&ToolName::Delegate].is_err());

@@ -52,6 +52,9 @@ pub struct Resume {
     pub spent: arbor_protocol::Amount,
     /// Spawns the run had counted (I-05: never reset by a restart).
     pub spawned: u64,
+    /// By step label: the calls its interrupted attempts made that limits
+    /// count (I-45), so the attempt that takes over starts from them.
+    pub tool_counts: std::collections::HashMap<String, BTreeMap<String, u64>>,
 }
 
 /// A step's report arrives as `RunMsg::ChildEnded` (`parent::Parent`).
@@ -193,6 +196,7 @@ impl Actor for Run {
             } else {
                 args.attempts
             },
+            tool_counts: resume.tool_counts,
             ctx,
             id: args.id,
             spec: args.spec,
@@ -331,6 +335,9 @@ pub struct RunState {
     labels: Vec<Vec<String>>,
     /// Attempts so far by label, from before a restart.
     attempts: std::collections::HashMap<String, u32>,
+    /// Counted calls by label, from before a restart; taken by the step's
+    /// next attempt.
+    tool_counts: std::collections::HashMap<String, BTreeMap<String, u64>>,
     account: ActorRef<AccountMsg>,
     meter: SpentMeter,
     group: usize,
@@ -473,7 +480,7 @@ impl RunState {
                     output_schema: None,
                     require_artifacts: vec![],
                 },
-                policy: Policy::root(&agent),
+                policy: Policy::root(&agent, &self.ctx.limits),
                 grant,
                 workdir: self.step_workdir(&label, attempt),
                 parent: myself.get_derived(),
@@ -481,6 +488,7 @@ impl RunState {
                 meter: meter.clone(),
                 agent: agent.clone(),
                 record_seq,
+                tool_counts: self.tool_counts.remove(&label).unwrap_or_default(),
             };
             let name = format!("arbor-job-{id}");
             match Actor::spawn_linked(Some(name), Job, start, myself.get_cell()).await {

@@ -23,14 +23,18 @@
 //!    its CPU and left a thousand empty folders behind. So a job that fails
 //!    to start, or never uses its sandbox, leaves no folder (I-06).
 
+use crate::events::EventBus;
+use crate::mcp_server::{LiveServer, ServerLaunch};
 use crate::secrets::Secrets;
+use arbor_mcp::{McpClient, McpError, McpOutcome};
+use arbor_protocol::{EventKind, McpServerSpec, McpServerState};
 use arbor_sandbox::files::{confine, is_file_beneath, read_confined, write_confined};
 use arbor_sandbox::seal::{
     self, Posture, SandboxIsolation, SandboxUser, SealSpec, Spawned, SpawnedStatus,
 };
 use arbor_storage::{SandboxRecord, SandboxState as GroupState};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
@@ -41,6 +45,12 @@ use tokio_util::sync::CancellationToken;
 pub const OUTPUT_LIMIT: usize = 64 * 1024;
 /// How many workdir entries an artifact scan looks at before it stops.
 const SCAN_LIMIT: usize = 10_000;
+/// How long an MCP server has to answer anything after one of its calls
+/// timed out and was cancelled, before it is killed.
+pub const MCP_GRACE: Duration = Duration::from_secs(2);
+/// At a stop mid-call: how long the cancel gets to reach the server before
+/// the server is killed (well inside I-17's 2 s).
+const MCP_CANCEL_FLUSH: Duration = Duration::from_millis(250);
 
 pub struct Sandbox;
 
@@ -95,6 +105,34 @@ pub enum SandboxMsg {
     KillAll {
         reply: RpcReplyPort<usize>,
     },
+    /// Call a tool of one of its MCP servers: started at its first call,
+    /// and again at the next call after it ended. The call runs in a task
+    /// of its own, so `KillAll` is served meanwhile.
+    McpCall {
+        server: Arc<McpServerSpec>,
+        /// The server's own name for the tool.
+        tool: String,
+        arguments: serde_json::Map<String, serde_json::Value>,
+        reply: RpcReplyPort<Result<McpOutcome, McpCallError>>,
+    },
+}
+
+/// Why an MCP call gave no result. Each is a tool error the model reads;
+/// none fails the job.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum McpCallError {
+    #[error("the MCP server {server} could not start: {why}")]
+    Start { server: String, why: String },
+    #[error("timed_out: the call did not end within {after}; it was cancelled")]
+    TimedOut { after: String },
+    #[error(
+        "the MCP server {server} ended during the call ({why}); it starts again at the next call"
+    )]
+    Died { server: String, why: String },
+    #[error("stopped: the job was stopped during the call")]
+    Stopped,
+    #[error("the MCP server {server} refused the call: {why}")]
+    Refused { server: String, why: String },
 }
 
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
@@ -157,6 +195,7 @@ impl Actor for Sandbox {
             exec_timeout: args.exec_timeout,
             groups: ProcessGroups::new(args.record),
             artifacts: BTreeSet::new(),
+            servers: HashMap::new(),
         })
     }
 
@@ -240,7 +279,36 @@ impl Actor for Sandbox {
                 let _ = reply.send(present);
             }
             SandboxMsg::KillAll { reply } => {
+                // A stop's cancels reach their servers before the servers
+                // die: each call in flight has seen the job's token and is
+                // flushing its cancel; bounded, well inside I-17's 2 s.
+                let deadline = tokio::time::Instant::now() + MCP_CANCEL_FLUSH * 2;
+                for slot in state.servers.values() {
+                    slot.calls_settled(deadline).await;
+                }
                 let _ = reply.send(state.groups.kill_all());
+            }
+            SandboxMsg::McpCall {
+                server,
+                tool,
+                arguments,
+                reply,
+            } => {
+                let slot = state
+                    .servers
+                    .entry(server.name.clone())
+                    .or_default()
+                    .clone();
+                let job = McpCallJob {
+                    how: state.how.clone(),
+                    groups: state.groups.clone(),
+                    cancel: state.cancel.clone(),
+                    slot,
+                    spec: server,
+                };
+                tokio::spawn(async move {
+                    let _ = reply.send(job.run(&tool, arguments).await);
+                });
             }
         }
         Ok(())
@@ -254,6 +322,8 @@ pub struct SandboxState {
     exec_timeout: Duration,
     groups: ProcessGroups,
     artifacts: BTreeSet<String>,
+    /// Its MCP servers, by name, as far as they have been started.
+    servers: HashMap<String, Arc<ServerSlot>>,
 }
 
 /// A sandbox's workdir, made at its first use (invariant 4).
@@ -315,10 +385,12 @@ impl Drop for SandboxState {
     }
 }
 
-/// Journals a sandbox's process groups: live when started, ended when killed.
+/// Journals a sandbox's process groups (live when started, ended when
+/// killed), and tells its MCP servers' changes.
 #[derive(Clone)]
 pub struct GroupRecorder {
     pub journal: arbor_storage::Journal,
+    pub events: EventBus,
     pub run: arbor_protocol::RunId,
     pub job: arbor_protocol::JobId,
 }
@@ -406,11 +478,252 @@ impl ProcessGroups {
     }
 }
 
+impl ProcessGroups {
+    /// Kills one group and forgets it: its leader has been killed and will
+    /// be reaped, so its id may name another group later.
+    fn release(&self, pgid: i32) {
+        kill_group(pgid);
+        let mut inner = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(at) = inner.live.iter().position(|(g, _)| *g == pgid) else {
+            return;
+        };
+        let (_, start) = inner.live.remove(at);
+        if let (Some(recorder), Some(start)) = (&inner.recorder, start) {
+            let ended = recorder.record(pgid, &start, GroupState::Ended);
+            if let Err(error) = recorder.journal.append(vec![ended]) {
+                tracing::error!(%error, "could not journal an ended process group");
+            }
+        }
+    }
+
+    /// Tells an MCP server's change as an event of its job, while the
+    /// sandbox still records (a closed one tells nothing more).
+    fn tell(&self, server: &str, state: McpServerState, restarts: u32, detail: Option<String>) {
+        let recorder = self
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .recorder
+            .clone();
+        if let Some(r) = recorder {
+            r.events.emit(
+                r.run,
+                EventKind::McpServer {
+                    id: r.job,
+                    server: server.to_string(),
+                    state,
+                    restarts,
+                    detail,
+                },
+            );
+        }
+    }
+}
+
 fn kill_group(pgid: i32) {
     use nix::sys::signal::{Signal, killpg};
     use nix::unistd::Pid;
     // ESRCH (already gone) is the common, fine case.
     let _ = killpg(Pid::from_raw(pgid), Signal::SIGKILL);
+}
+
+/// One MCP server of a sandbox: its process and connection while it runs,
+/// and how many times it was started.
+#[derive(Default)]
+struct ServerSlot {
+    /// Held while a call starts it, so two calls never start two.
+    live: tokio::sync::Mutex<Option<LiveServer>>,
+    starts: std::sync::atomic::AtomicU32,
+    /// Calls not yet settled, and a wake-up each time one settles.
+    in_flight: std::sync::atomic::AtomicUsize,
+    settled: tokio::sync::Notify,
+}
+
+impl ServerSlot {
+    /// Waits until no call is in flight, or until `deadline`.
+    async fn calls_settled(&self, deadline: tokio::time::Instant) {
+        use std::sync::atomic::Ordering;
+        loop {
+            let settled = self.settled.notified();
+            tokio::pin!(settled);
+            settled.as_mut().enable();
+            if self.in_flight.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, settled).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// Counts a call in flight on its slot while it lives.
+struct InFlight(Arc<ServerSlot>);
+
+impl InFlight {
+    fn new(slot: &Arc<ServerSlot>) -> Self {
+        slot.in_flight
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        Self(slot.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0
+            .in_flight
+            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        self.0.settled.notify_waiters();
+    }
+}
+
+struct McpCallJob {
+    how: Arc<HowCommandsRun>,
+    groups: ProcessGroups,
+    cancel: CancellationToken,
+    slot: Arc<ServerSlot>,
+    spec: Arc<McpServerSpec>,
+}
+
+impl McpCallJob {
+    async fn run(
+        self,
+        tool: &str,
+        arguments: serde_json::Map<String, serde_json::Value>,
+    ) -> Result<McpOutcome, McpCallError> {
+        if self.cancel.is_cancelled() {
+            return Err(McpCallError::Stopped);
+        }
+        let _in_flight = InFlight::new(&self.slot);
+        let client = tokio::select! {
+            client = self.connection() => client?,
+            _ = self.cancel.cancelled() => return Err(McpCallError::Stopped),
+        };
+        let timeout = self.spec.call_timeout;
+        // The call is dropped when the select ends without it, which
+        // cancels it at the server (`arbor_mcp` invariant 2).
+        let result = tokio::select! {
+            result = client.call(tool, arguments, timeout) => Some(result),
+            _ = self.cancel.cancelled() => None,
+        };
+        let server = self.spec.name.clone();
+        match result {
+            None => {
+                // I-16: whatever the server answers now reaches no one. The
+                // short wait lets the cancel out before the kill (I-17).
+                let _ = client.answers_within(MCP_CANCEL_FLUSH).await;
+                self.end(
+                    &client,
+                    McpServerState::Killed,
+                    "the job was stopped during a call",
+                )
+                .await;
+                Err(McpCallError::Stopped)
+            }
+            Some(Ok(outcome)) => Ok(outcome),
+            Some(Err(McpError::TimedOut(_))) => {
+                if !client.answers_within(MCP_GRACE).await {
+                    let why = format!(
+                        "it answered nothing within {} after a call timed out",
+                        humantime::format_duration(MCP_GRACE)
+                    );
+                    self.end(&client, McpServerState::Killed, &why).await;
+                }
+                Err(McpCallError::TimedOut {
+                    after: humantime::format_duration(timeout).to_string(),
+                })
+            }
+            Some(Err(McpError::Refused(why))) => Err(McpCallError::Refused { server, why }),
+            Some(Err(e)) => {
+                let why = self
+                    .end(&client, McpServerState::Died, &e.to_string())
+                    .await;
+                Err(McpCallError::Died { server, why })
+            }
+        }
+    }
+
+    /// The server's connection: the one that runs, or a new one.
+    async fn connection(&self) -> Result<Arc<McpClient>, McpCallError> {
+        let mut live = self.slot.live.lock().await;
+        if let Some(server) = live.as_ref()
+            && server.client.is_closed()
+        {
+            let why = self.ended(server, "its connection closed");
+            self.tell(McpServerState::Died, Some(why));
+            *live = None;
+        }
+        if let Some(server) = live.as_ref() {
+            return Ok(server.client.clone());
+        }
+        let start_error = |why: String| McpCallError::Start {
+            server: self.spec.name.clone(),
+            why,
+        };
+        self.slot
+            .starts
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        let workdir = self.how.workdir.make().map_err(start_error)?.to_path_buf();
+        let launch = ServerLaunch {
+            workdir,
+            sealed: self.how.sealed,
+            user: self.how.user,
+            resources: self.how.resources,
+            roots: self.how.roots.clone(),
+        };
+        let child = launch
+            .spawn(&self.spec, &self.how.secrets)
+            .await
+            .map_err(start_error)?;
+        let pid = child.pid();
+        if !self.groups.register(pid).await {
+            return Err(McpCallError::Stopped);
+        }
+        match LiveServer::connect(child, &self.spec, &self.how.secrets).await {
+            Ok(server) => {
+                let client = server.client.clone();
+                *live = Some(server);
+                self.tell(McpServerState::Running, None);
+                Ok(client)
+            }
+            Err(why) => {
+                self.groups.release(pid);
+                self.tell(McpServerState::Killed, Some(why.clone()));
+                Err(start_error(why))
+            }
+        }
+    }
+
+    /// Kills the server whose connection is `client` (if it is still the
+    /// one that runs) and tells it; returns why, with its stderr's end.
+    async fn end(&self, client: &Arc<McpClient>, state: McpServerState, why: &str) -> String {
+        let mut live = self.slot.live.lock().await;
+        let Some(server) = live.as_ref().filter(|s| Arc::ptr_eq(&s.client, client)) else {
+            return why.to_string();
+        };
+        let why = self.ended(server, why);
+        self.tell(state, Some(why.clone()));
+        *live = None;
+        why
+    }
+
+    /// Kills a server's group and forgets it; `why`, with its stderr's end.
+    fn ended(&self, server: &LiveServer, why: &str) -> String {
+        server.kill();
+        self.groups.release(server.pid());
+        let said = server.stderr_tail(&self.how.secrets);
+        if said.is_empty() {
+            why.to_string()
+        } else {
+            format!("{why}; its stderr ends: {said}")
+        }
+    }
+
+    fn tell(&self, state: McpServerState, detail: Option<String>) {
+        let starts = self.slot.starts.load(std::sync::atomic::Ordering::Acquire);
+        let restarts = starts.saturating_sub(1);
+        self.groups.tell(&self.spec.name, state, restarts, detail);
+    }
 }
 
 struct ExecJob {
@@ -505,6 +818,8 @@ impl ExecJob {
                 resources: self.how.resources,
                 env: self.how.env.clone(),
                 roots: self.how.roots.clone(),
+                read_only: vec![],
+                stdin: false,
             };
             return seal::spawn(&spec, command)
                 .await
@@ -519,7 +834,7 @@ impl ExecJob {
             ("LANG".into(), "C.UTF-8".into()),
         ];
         env.extend(self.how.env.iter().cloned());
-        seal::spawn_host(workdir, env, rlimits(&self.how.resources), command)
+        seal::spawn_host(workdir, env, &self.how.resources, command, false)
             .await
             .map_err(|e| format!("could not start the command: {e}"))
     }
@@ -609,20 +924,6 @@ fn normalize(path: &str) -> String {
 
 /// The rlimits to set in a command's process before it execs (soft and hard
 /// alike, so it cannot raise them again).
-fn rlimits(r: &arbor_protocol::Resources) -> Vec<(nix::sys::resource::Resource, u64)> {
-    use nix::sys::resource::Resource;
-    [
-        (Resource::RLIMIT_AS, r.memory_bytes),
-        (Resource::RLIMIT_CPU, r.cpu_secs),
-        (Resource::RLIMIT_FSIZE, r.file_size_bytes),
-        (Resource::RLIMIT_NOFILE, r.open_files),
-        (Resource::RLIMIT_NPROC, r.processes),
-    ]
-    .into_iter()
-    .filter_map(|(resource, limit)| limit.map(|l| (resource, l)))
-    .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

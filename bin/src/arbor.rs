@@ -191,7 +191,7 @@ fn main() -> ExitCode {
             Command::Continue(args) => {
                 with_client(&conn, |c| Box::pin(client::continue_job(c, &args.job))).await
             }
-            Command::Check { dir } => Ok(check(&dir, conn.output)),
+            Command::Check { dir } => Ok(check(&dir, conn.output).await),
             Command::Status(args) => {
                 with_client(&conn, |c| Box::pin(client::status(c, args))).await
             }
@@ -376,9 +376,9 @@ fn report_recovery(node: &EmbeddedNode) {
 }
 
 /// `arbor check DIR`: findings on stdout, errors first; exit 1 on an error.
-fn check(dir: &std::path::Path, output: client::Output) -> ExitCode {
+async fn check(dir: &std::path::Path, output: client::Output) -> ExitCode {
     use arbor_runtime::check::Level;
-    let findings = arbor_runtime::check::check(dir);
+    let findings = arbor_runtime::check::check_servers(dir).await;
     let count = |level| findings.iter().filter(|f| f.level == level).count();
     let (errors, warnings, info) = (
         count(Level::Error),

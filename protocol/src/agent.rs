@@ -3,6 +3,7 @@
 //! The shapes here are what the file says; `arbor-runtime` reads the file and
 //! checks what the types cannot (a sub-agent needs a description, say).
 
+use crate::mcp::{McpPattern, ToolLimits, ToolRef};
 use crate::tools::{BudgetArg, ToolName};
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
@@ -15,6 +16,13 @@ pub struct AgentDef {
     pub model: ModelRef,
     /// The sandbox tools it may use (`exec`, `read_file`, `write_file`).
     pub tools: Vec<ToolName>,
+    /// The MCP tools it may use: `mcp: [SERVER]` and the `mcp__` names of
+    /// `tools:`, as patterns.
+    #[serde(default)]
+    pub mcp: Vec<McpPattern>,
+    /// The most calls one of its jobs may make, per tool and in all.
+    #[serde(default)]
+    pub limits: ToolLimits,
     /// Tools this agent and everything below it may not use (I-25).
     pub deny: Vec<String>,
     pub subagents: Vec<String>,
@@ -81,7 +89,14 @@ pub struct FrontMatter {
     pub description: Option<String>,
     pub model: Option<String>,
     #[serde(default)]
-    pub tools: Vec<ToolName>,
+    pub tools: Vec<ToolRef>,
+    /// MCP servers (arbor.toml `[mcp.servers.NAME]`) whose every tool it may use.
+    #[serde(default)]
+    pub mcp: Vec<String>,
+    /// Tools whose calls wait for a person (refused until approvals exist).
+    #[serde(default)]
+    pub approve: Vec<String>,
+    pub limits: Option<ToolLimits>,
     #[serde(default)]
     pub deny: Vec<String>,
     #[serde(default)]

@@ -41,6 +41,18 @@ pub struct CallFacts {
     pub usage_estimated: bool,
 }
 
+/// An MCP server of a job's sandbox: started at the job's first call of
+/// one of its tools, started again at the next call after it ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum McpServerState {
+    Running,
+    /// It exited or broke the protocol by itself.
+    Died,
+    /// arbor killed it: it did not answer after a call timed out, or failed to start.
+    Killed,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum NodeKind {
@@ -174,12 +186,33 @@ pub enum EventKind {
         reserved: u64,
         reported: u64,
     },
+    /// A call that must be on record before it runs (an MCP call, or one
+    /// a limit counts) is durable: a restart reads the counts back from these.
+    ToolStarted {
+        id: JobId,
+        turn: u32,
+        /// The canonical name (`exec`, `mcp__fs__read_file`).
+        tool: String,
+        /// The model's id for the call.
+        call: String,
+    },
     ToolCalled {
         id: JobId,
         turn: u32,
         tool: String,
         ok: bool,
         detail: String,
+    },
+    /// One of a job's MCP servers changed state.
+    McpServer {
+        id: JobId,
+        server: String,
+        state: McpServerState,
+        /// How many times it was started again after it died or was killed.
+        restarts: u32,
+        /// Why it ended, when it did.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        detail: Option<String>,
     },
     Refused {
         id: JobId,
@@ -227,7 +260,9 @@ impl EventKind {
             | ModelCalled { id, .. }
             | BudgetOverrun { id, .. }
             | ContextCompacted { id, .. }
+            | ToolStarted { id, .. }
             | ToolCalled { id, .. }
+            | McpServer { id, .. }
             | Refused { id, .. }
             | SteerQueued { id, .. }
             | SteerDelivered { id, .. }

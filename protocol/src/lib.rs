@@ -7,6 +7,7 @@ pub mod agent;
 pub mod event;
 pub mod ids;
 pub mod limits;
+pub mod mcp;
 pub mod refusal;
 pub mod result;
 pub mod spec;
@@ -21,9 +22,10 @@ pub use agent::{
     AgentDef, ModelRef, Network, Resources, ResourcesSpec, SandboxMode, ScriptCall, ScriptTurn,
     ScriptUsage,
 };
-pub use event::{CallFacts, Event, EventKind, NodeKind, ParentRef};
+pub use event::{CallFacts, Event, EventKind, McpServerState, NodeKind, ParentRef};
 pub use ids::{JobId, RunId};
 pub use limits::Limits;
+pub use mcp::{McpPattern, McpServerSpec, ToolLimits, ToolRef};
 pub use refusal::Refusal;
 pub use result::{Amount, ResultEnvelope, Usage};
 pub use spec::{FlowGroup, FlowSpec, RunSpec, StepSpec};
@@ -32,5 +34,5 @@ pub use tools::{
     BudgetArg, CollectArgs, DelegateArgs, ExecArgs, JobArgs, OnFailure, ReadFileArgs,
     SendMessageArgs, StopChildArgs, SubmitOutputArgs, ToolName, WriteFileArgs,
 };
-pub use tree::{AccountView, Tree, TreeNode};
+pub use tree::{AccountView, McpServerView, Tree, TreeNode};
 pub use view::{ActorView, SandboxPosture};

@@ -19,6 +19,9 @@ pub struct Limits {
     pub wind_down: f64,
     /// The most output tokens one model call may ask for; the account may allow fewer.
     pub max_output_tokens: u64,
+    /// `[limits.tools]`: the most calls a job may make, per tool and in all
+    /// (`calls`), unless its agent says fewer. None by default.
+    pub tools: crate::mcp::ToolLimits,
 }
 
 impl Default for Limits {
@@ -31,6 +34,7 @@ impl Default for Limits {
             grant_fraction: 0.5,
             wind_down: 0.8,
             max_output_tokens: 4096,
+            tools: Default::default(),
         }
     }
 }
@@ -64,6 +68,6 @@ impl Limits {
         if self.max_output_tokens == 0 {
             return Err("limits.max_output_tokens must be at least 1".into());
         }
-        Ok(())
+        self.tools.check("limits.tools.")
     }
 }

@@ -38,6 +38,16 @@ pub enum Refusal {
         "delegation key {key:?} was already used for a different request (conflict); nothing changed"
     )]
     KeyConflict { key: String },
+    #[error(
+        "limit reached: {limit} is at most {most} call(s) a job and this job has made {made}; the call was not run"
+    )]
+    ToolLimit {
+        tool: String,
+        /// The key of `limits` that refused it (`exec`, `mcp__fs__*`, `calls`).
+        limit: String,
+        most: u64,
+        made: u64,
+    },
     #[error("this job is stopping; nothing new starts under it")]
     Stopping,
     #[error("{message}")]

@@ -1,10 +1,10 @@
 //! The run as a tree, folded from its events. This is what `arbor run --json`
 //! prints, what the live view draws and what tests read.
 
-use crate::event::{Event, EventKind, NodeKind, ParentRef};
+use crate::event::{Event, EventKind, McpServerState, NodeKind, ParentRef};
 use crate::{ErrorClass, JobId, RunId, Status, TaskStatus};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 /// I-39: a job's events relayed into the run's timeline are bounded; past this
 /// many, one elision marker counts the rest.
@@ -34,6 +34,12 @@ pub struct TreeNode {
     /// Where its artifacts are: artifacts are relative to this folder.
     pub workdir: Option<String>,
     pub turns: u32,
+    /// Its tool calls so far, per tool (canonical names), whatever their outcome.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub tools: BTreeMap<String, u64>,
+    /// Its MCP servers, by name: what each is now, and its restarts.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub mcp: BTreeMap<String, McpServerView>,
     pub events_elided: u64,
     /// When it was admitted (a run: started), in ms since the Unix epoch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -42,6 +48,13 @@ pub struct TreeNode {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ended_at_ms: Option<u64>,
     pub children: Vec<TreeNode>,
+}
+
+/// One MCP server of a job, as its events tell it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct McpServerView {
+    pub state: McpServerState,
+    pub restarts: u32,
 }
 
 /// Tokens: granted to the node, spent by it and its settled descendants, held
@@ -109,6 +122,8 @@ impl Tree {
                 artifacts: vec![],
                 workdir: None,
                 turns: 0,
+                tools: BTreeMap::new(),
+                mcp: BTreeMap::new(),
                 events_elided: 0,
                 started_at_ms: None,
                 ended_at_ms: None,
@@ -230,6 +245,8 @@ impl Tree {
                 node.task_status = None;
                 node.workdir = Some(workdir.clone());
                 node.children = vec![];
+                node.tools = BTreeMap::new();
+                node.mcp = BTreeMap::new();
                 self.entries.insert(
                     *id,
                     Entry {
@@ -285,6 +302,26 @@ impl Tree {
                     if usd.is_some() {
                         node.usd = *usd;
                     }
+                }
+            }
+            EventKind::ToolCalled { id, tool, .. } => {
+                if let Some(e) = self.entries.get_mut(id) {
+                    *e.node.tools.entry(tool.clone()).or_default() += 1;
+                }
+            }
+            EventKind::McpServer {
+                id,
+                server,
+                state,
+                restarts,
+                ..
+            } => {
+                if let Some(e) = self.entries.get_mut(id) {
+                    let view = McpServerView {
+                        state: *state,
+                        restarts: *restarts,
+                    };
+                    e.node.mcp.insert(server.clone(), view);
                 }
             }
             EventKind::ModelCalled {

@@ -65,9 +65,9 @@ pub fn body(model_id: &str, request: &ModelRequest, max_tokens: u64, stream: boo
             .iter()
             .map(|t| {
                 json!({
-                    "name": t.as_str(),
-                    "description": t.description(),
-                    "input_schema": t.parameters().clone(),
+                    "name": t.name,
+                    "description": t.description,
+                    "input_schema": t.parameters.as_ref(),
                 })
             })
             .collect();
@@ -302,7 +302,7 @@ mod tests {
                 },
                 Message::User("Message from your parent: hurry".into()),
             ],
-            tools: vec![ToolName::Exec],
+            tools: [ToolName::Exec].map(Into::into).into(),
             max_output_tokens: 50,
             wind_down: None,
             turn: 1,

@@ -54,9 +54,9 @@ pub fn body(model_id: &str, request: &ModelRequest, max_tokens: u64, stream: boo
                 json!({
                     "type": "function",
                     "function": {
-                        "name": t.as_str(),
-                        "description": t.description(),
-                        "parameters": t.parameters().clone(),
+                        "name": t.name,
+                        "description": t.description,
+                        "parameters": t.parameters.as_ref(),
                     },
                 })
             })
@@ -252,7 +252,9 @@ mod tests {
                     is_error: true,
                 },
             ],
-            tools: vec![ToolName::Exec, ToolName::SubmitOutput],
+            tools: [ToolName::Exec, ToolName::SubmitOutput]
+                .map(Into::into)
+                .into(),
             max_output_tokens: 77,
             wind_down: Some("Finish now.".into()),
             turn: 1,

@@ -17,6 +17,11 @@
 //!   its secrets away);
 //! - info: a `sandbox: own` sub-agent holding tools, network or secrets its
 //!   parent lacks (it keeps them, by I-26).
+//!
+//! `check_servers` adds what only the MCP servers can tell: a server whose
+//! command is not on the sandbox's PATH, one that does not start and list
+//! its tools, and an agent naming a tool its server does not list. It runs
+//! each server an agent names, sealed, as a job would.
 
 use crate::workspace::{Workspace, parse_agent, subagent_problems};
 use arbor_protocol::{AgentDef, Network, SandboxMode};
@@ -113,6 +118,127 @@ pub fn check(dir: &Path) -> Vec<Finding> {
     }
     findings.sort_by(|a, b| (a.level, &a.file).cmp(&(b.level, &b.file)));
     findings
+}
+
+/// `check`, and then, for a workspace that loads, its MCP servers: each
+/// one an agent names is started (sealed, in a folder of its own below
+/// the temporary directory) and asked for its tools.
+pub async fn check_servers(dir: &Path) -> Vec<Finding> {
+    let mut findings = check(dir);
+    if findings.iter().any(|f| f.level == Level::Error) {
+        return findings;
+    }
+    let Ok(workspace) = Workspace::load(dir) else {
+        return findings;
+    };
+    findings.extend(server_findings(&workspace).await);
+    findings.sort_by(|a, b| (a.level, &a.file).cmp(&(b.level, &b.file)));
+    findings
+}
+
+async fn server_findings(workspace: &Workspace) -> Vec<Finding> {
+    use arbor_actors::mcp::McpCatalog;
+    let mut findings = vec![];
+    let named: BTreeSet<&str> = workspace
+        .agents
+        .values()
+        .flat_map(|a| a.mcp.iter().map(|p| p.server.as_str()))
+        .collect();
+    if named.is_empty() {
+        return findings;
+    }
+    let error = |file: String, message: String| Finding {
+        level: Level::Error,
+        file,
+        message,
+    };
+    let secrets = match crate::secrets::load(workspace) {
+        Ok(secrets) => std::sync::Arc::new(secrets),
+        Err(message) => return vec![error("arbor.toml".into(), message)],
+    };
+    let scratch = match tempfile::tempdir() {
+        Ok(dir) => dir,
+        Err(e) => return vec![error(String::new(), format!("a temporary folder: {e}"))],
+    };
+    let posture = arbor_sandbox::seal::Posture::probe(workspace.config.isolation).await;
+    let catalog = McpCatalog::new(
+        workspace.config.mcp.clone(),
+        scratch.path().join("mcp"),
+        std::sync::Arc::new(posture),
+        workspace.config.sandbox,
+        Some(scratch.path().join("roots")),
+        secrets,
+    );
+    for server in named {
+        let Some(spec) = workspace.config.mcp.get(server) else {
+            continue;
+        };
+        if let Err(message) = command_found(&spec.command) {
+            findings.push(error(
+                "arbor.toml".into(),
+                format!("mcp.servers.{server}: {message}"),
+            ));
+            continue;
+        }
+        let listed = match catalog.tools(server).await {
+            Ok(listed) => listed,
+            Err(message) => {
+                findings.push(error(
+                    "arbor.toml".into(),
+                    format!("mcp.servers.{server}: it did not start and list its tools: {message}"),
+                ));
+                continue;
+            }
+        };
+        let names: BTreeSet<String> = listed
+            .iter()
+            .map(|t| arbor_protocol::mcp::canonical_name(server, &t.name))
+            .collect();
+        for (agent, def) in &workspace.agents {
+            for pattern in def.mcp.iter().filter(|p| p.server == server) {
+                if pattern.tool.is_some() && !names.contains(&pattern.to_string()) {
+                    findings.push(error(
+                        agent_file(agent),
+                        format!(
+                            "tools: {pattern}: the server {server} lists no such tool (it lists: {})",
+                            names.iter().cloned().collect::<Vec<_>>().join(", ")
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    findings
+}
+
+/// The sandbox's PATH: where a server's command is looked up.
+const SANDBOX_PATH: [&str; 3] = ["/usr/local/bin", "/usr/bin", "/bin"];
+
+/// Whether a server's command names a program a sandbox can run.
+fn command_found(command: &str) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    let runnable = |p: &Path| {
+        p.metadata()
+            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    if command.contains('/') {
+        return if runnable(Path::new(command)) {
+            Ok(())
+        } else {
+            Err(format!("command `{command}` is not a program that can run"))
+        };
+    }
+    if SANDBOX_PATH
+        .iter()
+        .any(|dir| runnable(&Path::new(dir).join(command)))
+    {
+        Ok(())
+    } else {
+        Err(format!(
+            "command `{command}` is not found on the sandbox's PATH ({})",
+            SANDBOX_PATH.join(":")
+        ))
+    }
 }
 
 /// The checks that look from one agent to another.

@@ -7,6 +7,7 @@
 use crate::models::Models;
 use crate::recovery::{self, RecoveryReport, RunOutcome};
 use crate::workspace::Workspace;
+use arbor_actors::mcp::McpCatalog;
 use arbor_actors::{EventBus, ModelFactory, Node, NodeArgs, NodeContext, NodeMsg};
 use arbor_protocol::{
     ActorView, ErrorClass, EventKind, JobId, Refusal, RunId, RunSpec, SandboxPosture, Status, Tree,
@@ -85,6 +86,15 @@ impl EmbeddedNode {
                 .await
                 .map_err(|e| Error::Start(format!("the sandbox probe failed: {e}")))?,
         );
+        let secrets = Arc::new(secrets);
+        let mcp = Arc::new(McpCatalog::new(
+            workspace.config.mcp.clone(),
+            data_dir.join("mcp"),
+            sandbox.clone(),
+            workspace.config.sandbox,
+            Some(data_dir.join("roots")),
+            secrets.clone(),
+        ));
         let ctx = Arc::new(NodeContext {
             journal,
             events,
@@ -98,7 +108,8 @@ impl EmbeddedNode {
             work_root: data_dir.join("work"),
             sandbox_roots: data_dir.join("roots"),
             sandbox,
-            secrets: Arc::new(secrets),
+            secrets,
+            mcp,
         });
         // Root folders a crash left: their commands died with the node, or
         // recovery just killed them; nothing new has started.
@@ -115,8 +126,7 @@ impl EmbeddedNode {
             if let RunOutcome::Resume { spec, resume: plan } = &run.outcome
                 && resume(spec)
             {
-                let resume = plan;
-                let (id, spec, resume) = (run.run, spec.clone(), resume.clone());
+                let (id, spec, resume) = (run.run, spec.clone(), plan.as_ref().clone());
                 let again = spec.clone();
                 ractor::call!(node, |reply| NodeMsg::ResumeRun {
                     id,

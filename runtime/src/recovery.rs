@@ -60,7 +60,7 @@ pub struct RunRecovery {
 #[derive(Clone, Debug)]
 pub enum RunOutcome {
     /// To be resumed by the node, with its spec.
-    Resume { spec: RunSpec, resume: Resume },
+    Resume { spec: RunSpec, resume: Box<Resume> },
     /// Ended by recovery: it cannot go on.
     Ended {
         status: Status,
@@ -530,7 +530,7 @@ fn recover_run(
             class: Some(ErrorClass::Interrupted),
             reason: "interrupted: its spec was not journaled, so it cannot resume".into(),
         },
-        Some(spec) => plan_resume(spec, &jobs, run_spent),
+        Some(spec) => plan_resume(spec, &jobs, run_spent, &tool_counts(&history)),
     };
     if let RunOutcome::Ended {
         status,
@@ -575,7 +575,28 @@ fn recover_run(
 }
 
 /// I-34: where the run picks up, or why it cannot. Pure.
-pub fn plan_resume(spec: RunSpec, jobs: &[JobRecord], spent: Amount) -> RunOutcome {
+/// Each job's counted calls (I-45), from the `ToolStarted` events that made
+/// each durable before it ran.
+pub fn tool_counts(history: &[arbor_protocol::Event]) -> HashMap<JobId, BTreeMap<String, u64>> {
+    let mut counts: HashMap<JobId, BTreeMap<String, u64>> = HashMap::new();
+    for event in history {
+        if let EventKind::ToolStarted { id, tool, .. } = &event.kind {
+            *counts
+                .entry(*id)
+                .or_default()
+                .entry(tool.clone())
+                .or_default() += 1;
+        }
+    }
+    counts
+}
+
+pub fn plan_resume(
+    spec: RunSpec,
+    jobs: &[JobRecord],
+    spent: Amount,
+    counts: &HashMap<JobId, BTreeMap<String, u64>>,
+) -> RunOutcome {
     let latest = |label: &str| {
         jobs.iter()
             .filter(|j| j.kind == NodeKind::Step && j.label.as_deref() == Some(label))
@@ -594,6 +615,29 @@ pub fn plan_resume(spec: RunSpec, jobs: &[JobRecord], spent: Amount) -> RunOutco
             *e = (*e).max(a);
             m
         });
+    // I-45: a step's next attempt starts from the calls its interrupted
+    // attempts made, back to the last attempt that ended otherwise; a
+    // restart never resets a limit.
+    let mut tool_counts: HashMap<String, BTreeMap<String, u64>> = HashMap::new();
+    let mut steps: Vec<&JobRecord> = jobs.iter().filter(|j| j.kind == NodeKind::Step).collect();
+    steps.sort_by_key(|j| std::cmp::Reverse(j.attempt));
+    let mut closed: std::collections::HashSet<&str> = Default::default();
+    for step in steps {
+        let Some(label) = step.label.as_deref() else {
+            continue;
+        };
+        if closed.contains(label) {
+            continue;
+        }
+        if step.error_class != Some(ErrorClass::Interrupted) {
+            closed.insert(label);
+            continue;
+        }
+        let made = tool_counts.entry(label.to_string()).or_default();
+        for (tool, n) in counts.get(&step.id).into_iter().flatten() {
+            *made.entry(tool.clone()).or_default() += n;
+        }
+    }
     let labels = spec.step_labels();
     let mut previous = vec![];
     for (g, (group, labels)) in spec.groups.iter().zip(&labels).enumerate() {
@@ -643,26 +687,28 @@ pub fn plan_resume(spec: RunSpec, jobs: &[JobRecord], spent: Amount) -> RunOutco
         }
         return RunOutcome::Resume {
             spec: spec.clone(),
-            resume: Resume {
+            resume: Box::new(Resume {
                 group: g,
                 previous,
                 kept,
                 attempts,
                 spent,
                 spawned,
-            },
+                tool_counts,
+            }),
         };
     }
     // Every group had finished: only the run's own end was lost.
     RunOutcome::Resume {
-        resume: Resume {
+        resume: Box::new(Resume {
             group: spec.groups.len(),
             previous,
             kept: vec![],
             attempts,
             spent,
             spawned,
-        },
+            tool_counts,
+        }),
         spec,
     }
 }

@@ -120,7 +120,7 @@ mod tests {
             agent: "a".into(),
             system: "sys".into(),
             messages: vec![],
-            tools: vec![],
+            tools: Arc::new([]),
             max_output_tokens: max_output,
             wind_down: None,
             turn,

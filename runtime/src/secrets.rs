@@ -1,5 +1,6 @@
 //! Where a node's secret values come from (I-27): `[sandbox] secrets_file`,
-//! then the node's environment. Only the names agents declare are read.
+//! then the node's environment. Only the names agents and MCP servers
+//! declare are read.
 //!
 //! Invariant: no error here shows a value; each names the file, the line or
 //! the secret.
@@ -11,10 +12,16 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
-/// The values of every secret the workspace's agents declare. A name with no
-/// value is no error here: the run that needs it is refused (`missing`).
+/// The values of every secret the workspace's agents and MCP servers
+/// declare. A name with no value is no error here: the run that needs it is
+/// refused (`missing`), and a server that needs it does not start.
 pub fn load(workspace: &Workspace) -> Result<Secrets, String> {
-    let names: BTreeSet<&String> = workspace.agents.values().flat_map(|a| &a.secrets).collect();
+    let names: BTreeSet<&String> = workspace
+        .agents
+        .values()
+        .flat_map(|a| &a.secrets)
+        .chain(workspace.config.mcp.values().flat_map(|s| &s.secrets))
+        .collect();
     let from_file = match &workspace.config.secrets_file {
         Some(path) => read_file(path)?,
         None => BTreeMap::new(),

@@ -22,16 +22,18 @@
 //!    broken workspace always reports the same problem.
 
 use arbor_protocol::agent::{FrontMatter, ScriptCallSpec, ScriptTurnSpec};
+use arbor_protocol::mcp::{DEFAULT_CALL_TIMEOUT, DEFAULT_START_TIMEOUT, check_server_name};
 use arbor_protocol::tools::parse_duration_arg;
 use arbor_protocol::{
-    AgentDef, BudgetArg, FlowSpec, Limits, ModelRef, Resources, ResourcesSpec, RunSpec,
-    SandboxMode, ScriptCall, ScriptTurn, ToolName,
+    AgentDef, BudgetArg, FlowSpec, Limits, McpPattern, McpServerSpec, ModelRef, Network, Resources,
+    ResourcesSpec, RunSpec, SandboxMode, ScriptCall, ScriptTurn, ToolName, ToolRef,
 };
 use arbor_providers::{Provider, ProviderFile, check_provider};
 use arbor_sandbox::seal::SandboxIsolation;
 use serde::Deserialize;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// A run's root grant when neither the flow, arbor.toml nor the caller gives one.
 pub const DEFAULT_BUDGET_TOKENS: u64 = 1_000_000;
@@ -67,6 +69,8 @@ pub struct Config {
     /// lines, readable by its owner only. Values not in it come from the
     /// node's environment.
     pub secrets_file: Option<PathBuf>,
+    /// `[mcp.servers.NAME]`: the MCP servers agents may name.
+    pub mcp: BTreeMap<String, Arc<McpServerSpec>>,
 }
 
 /// The node's sandbox limits when arbor.toml's `[sandbox]` does not say.
@@ -129,6 +133,7 @@ impl Default for Config {
             sandbox: DEFAULT_SANDBOX,
             isolation: SandboxIsolation::Sealed,
             secrets_file: None,
+            mcp: BTreeMap::new(),
         }
     }
 }
@@ -204,7 +209,7 @@ impl Workspace {
         flows: &[(&str, &str)],
     ) -> Result<Workspace, LoadError> {
         let mut config = match arbor_toml {
-            Some(text) => parse_config(text)?,
+            Some(text) => parse_config(text, &root)?,
             None => Config::default(),
         };
         config.secrets_file = config.secrets_file.map(|f| root.join(f));
@@ -223,6 +228,7 @@ impl Workspace {
             }
         }
         check_subagents(&agent_defs)?;
+        check_mcp_servers(&agent_defs, &config)?;
         check_resources(&mut agent_defs, &config)?;
         check_models(&agent_defs, &config)?;
         check_agent_prices(&agent_defs, &config)?;
@@ -397,6 +403,38 @@ struct ConfigFile {
     service: toml::Table,
     #[serde(default)]
     sandbox: SandboxFile,
+    #[serde(default)]
+    mcp: McpFile,
+}
+
+/// `[mcp]` as written.
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct McpFile {
+    #[serde(default)]
+    servers: BTreeMap<String, McpServerFile>,
+}
+
+/// `[mcp.servers.NAME]` as written.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct McpServerFile {
+    command: Option<String>,
+    #[serde(default)]
+    args: Vec<String>,
+    #[serde(default)]
+    env: BTreeMap<String, String>,
+    #[serde(default)]
+    secrets: Vec<String>,
+    network: Option<Network>,
+    #[serde(default)]
+    read_only: Vec<PathBuf>,
+    call_timeout: Option<String>,
+    start_timeout: Option<String>,
+    /// A streamable HTTP server: not served yet, refused by name.
+    url: Option<String>,
+    #[serde(default)]
+    headers: BTreeMap<String, String>,
 }
 
 /// `[sandbox]` as written: the mode, the secrets file and the node's limits
@@ -426,7 +464,7 @@ impl SandboxFile {
     }
 }
 
-fn parse_config(text: &str) -> Result<Config, LoadError> {
+fn parse_config(text: &str, root: &Path) -> Result<Config, LoadError> {
     let path = Path::new("arbor.toml");
     let file: ConfigFile = toml::from_str(text).map_err(|e| invalid(path, toml_error(text, &e)))?;
     file.limits.validate().map_err(|m| invalid(path, m))?;
@@ -442,6 +480,12 @@ fn parse_config(text: &str) -> Result<Config, LoadError> {
         providers.insert(name, provider);
     }
     let isolation = file.sandbox.mode.unwrap_or_default();
+    let mut mcp = BTreeMap::new();
+    for (name, block) in file.mcp.servers {
+        let server = mcp_server(&name, block, root)
+            .map_err(|m| invalid(path, format!("mcp.servers.{name}: {m}")))?;
+        mcp.insert(name, Arc::new(server));
+    }
     Ok(Config {
         limits: file.limits,
         budget_tokens,
@@ -461,7 +505,93 @@ fn parse_config(text: &str) -> Result<Config, LoadError> {
             .map_err(|m| invalid(path, m))?,
         isolation,
         secrets_file: file.sandbox.secrets_file,
+        mcp,
     })
+}
+
+/// One `[mcp.servers.NAME]`, checked: a name that splits one way in
+/// `mcp__NAME__TOOL`, a command, variables and secrets with names a
+/// process can have, timeouts that are durations above zero, and
+/// read-only folders that exist.
+fn mcp_server(name: &str, file: McpServerFile, root: &Path) -> Result<McpServerSpec, String> {
+    check_server_name(name)?;
+    if file.url.is_some() || !file.headers.is_empty() {
+        return Err(
+            "url and headers (a streamable HTTP server) are not served yet: declare a stdio \
+             server with `command` and `args`"
+                .into(),
+        );
+    }
+    let command = match file.command.as_deref().map(str::trim) {
+        Some(c) if !c.is_empty() => c.to_string(),
+        _ => return Err("`command` is required: the program that serves over stdio".into()),
+    };
+    for (key, value) in &file.env {
+        if !is_secret_name(key) {
+            return Err(format!(
+                "env: `{key}` is not a variable's name (letters, digits and `_`, none of PATH, HOME, LANG, TMPDIR)"
+            ));
+        }
+        if value.contains('\0') {
+            return Err(format!("env.{key}: holds a NUL byte"));
+        }
+    }
+    if let Some(bad) = file.secrets.iter().find(|n| !is_secret_name(n)) {
+        return Err(format!(
+            "secrets: `{bad}` is not a secret name (an environment variable's name)"
+        ));
+    }
+    if let Some(both) = file.secrets.iter().find(|n| file.env.contains_key(*n)) {
+        return Err(format!("`{both}` is both in env and in secrets: keep one"));
+    }
+    let timeout = |key: &str, text: &Option<String>, default| -> Result<_, String> {
+        Ok(parse_duration_arg(key, text.as_deref())?.unwrap_or(default))
+    };
+    let mut read_only = vec![];
+    for dir in &file.read_only {
+        let full = root.join(dir);
+        let found = std::fs::canonicalize(&full)
+            .map_err(|e| format!("read_only: {}: {e}", full.display()))?;
+        if !found.is_dir() {
+            return Err(format!("read_only: {} is not a folder", found.display()));
+        }
+        read_only.push(found);
+    }
+    Ok(McpServerSpec {
+        name: name.to_string(),
+        command,
+        args: file.args,
+        env: file.env,
+        secrets: file.secrets,
+        network: file.network.unwrap_or_default(),
+        read_only,
+        call_timeout: timeout("call_timeout", &file.call_timeout, DEFAULT_CALL_TIMEOUT)?,
+        start_timeout: timeout("start_timeout", &file.start_timeout, DEFAULT_START_TIMEOUT)?,
+    })
+}
+
+/// Every MCP server an agent names is declared in arbor.toml.
+fn check_mcp_servers(
+    agents: &BTreeMap<String, AgentDef>,
+    config: &Config,
+) -> Result<(), LoadError> {
+    for (name, agent) in agents {
+        if let Some(missing) = agent
+            .mcp
+            .iter()
+            .find(|p| !config.mcp.contains_key(&p.server))
+        {
+            return Err(invalid(
+                &agent_path(name),
+                format!(
+                    "{missing}: arbor.toml declares no [mcp.servers.{}] (declared: {})",
+                    missing.server,
+                    known(config.mcp.keys())
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn parse_flow(
@@ -662,7 +792,10 @@ fn agent_from_front_matter(
         name,
         description,
         model,
-        tools,
+        tools: named_tools,
+        mcp: servers,
+        approve,
+        limits,
         deny,
         subagents,
         sandbox,
@@ -690,12 +823,35 @@ fn agent_from_front_matter(
             "name `{name}` differs from the folder name `{folder_name}`: rename one, or leave `name` out"
         ));
     }
-    if let Some(tool) = tools.iter().find(|t| !ToolName::SANDBOX.contains(t)) {
+    let mut tools = vec![];
+    let mut mcp = vec![];
+    for tool in named_tools {
+        match tool {
+            ToolRef::Builtin(t) if ToolName::SANDBOX.contains(&t) => tools.push(t),
+            ToolRef::Builtin(t) => {
+                return Err(format!(
+                    "tools: `{t}` is not a sandbox tool (tools may name exec, read_file, write_file \
+                     and mcp__SERVER__TOOL; delegation tools are offered to agents with subagents)"
+                ));
+            }
+            ToolRef::Mcp(pattern) => mcp.push(pattern),
+        }
+    }
+    for server in &servers {
+        check_server_name(server).map_err(|m| format!("mcp: {m}"))?;
+        mcp.push(McpPattern::all(server));
+    }
+    // Fail safe: a gate that did not gate would run what its writer meant
+    // a person to see first.
+    if !approve.is_empty() {
         return Err(format!(
-            "tools: `{tool}` is not a sandbox tool (tools may name exec, read_file, write_file; \
-             delegation tools are offered to agents with subagents)"
+            "approve: {}: calls that wait for a person's approval are not served yet, and \
+             this node will not run them unapproved; leave `approve` out or empty",
+            approve.join(", ")
         ));
     }
+    let limits = limits.unwrap_or_default();
+    limits.check("limits.")?;
     if max_turns == Some(0) {
         return Err("max_turns must be at least 1".into());
     }
@@ -710,6 +866,8 @@ fn agent_from_front_matter(
         description,
         model: model_ref(model.as_deref())?,
         tools,
+        mcp,
+        limits,
         deny,
         subagents,
         sandbox: sandbox.unwrap_or_default(),

@@ -104,6 +104,8 @@ fn a_full_workspace_loads_with_every_field_mapped() {
         description: Some("Splits a question into parts".into()),
         model: ModelRef::Scripted,
         tools: vec![ToolName::Exec, ToolName::ReadFile],
+        mcp: vec![],
+        limits: Default::default(),
         deny: vec!["write_file".into()],
         subagents: vec!["researcher".into()],
         sandbox: SandboxMode::Own,
@@ -785,5 +787,176 @@ fn an_error_after_a_wide_character_is_reported_not_a_panic() {
     ] {
         let error = front_matter_error(yaml);
         assert!(error.contains("agent.md"), "{yaml}: {error}");
+    }
+}
+
+/// arbor.toml with two MCP servers, and the agents that name them.
+fn with_mcp(arbor_toml: &str, front_matter: &str) -> Result<Workspace, LoadError> {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("tools")).unwrap();
+    Workspace::from_texts(
+        dir.path().to_path_buf(),
+        Some(arbor_toml),
+        &[("user", &format!("---\n{front_matter}---\nprompt\n"))],
+        &[],
+    )
+}
+
+const SERVERS: &str = r#"
+[mcp.servers.fs]
+command = "mcp-server-filesystem"
+args = ["."]
+env = { LOG_LEVEL = "warn" }
+secrets = ["GITHUB_TOKEN"]
+network = "open"
+read_only = ["tools"]
+call_timeout = "5s"
+start_timeout = "2s"
+[mcp.servers.gh]
+command = "/usr/bin/gh-mcp"
+[limits.tools]
+calls = 100
+exec = 9
+"#;
+
+#[test]
+fn mcp_servers_and_the_agents_that_name_them_load_as_the_contract_describes() {
+    let ws = with_mcp(
+        SERVERS,
+        "tools: [exec, mcp__fs__read_file, mcp__gh__*]\nmcp: [fs]\napprove: []\nlimits: {exec: 40, mcp__fs__write_file: 5, calls: 300}\n",
+    )
+    .unwrap();
+    let fs = &ws.config.mcp["fs"];
+    assert_eq!(fs.command, "mcp-server-filesystem");
+    assert_eq!(fs.args, vec!["."]);
+    assert_eq!(fs.env["LOG_LEVEL"], "warn");
+    assert_eq!(fs.secrets, vec!["GITHUB_TOKEN"]);
+    assert_eq!(fs.network, Network::Open);
+    assert!(fs.read_only[0].is_absolute() && fs.read_only[0].ends_with("tools"));
+    assert_eq!(fs.call_timeout, std::time::Duration::from_secs(5));
+    assert_eq!(fs.start_timeout, std::time::Duration::from_secs(2));
+    let gh = &ws.config.mcp["gh"];
+    assert_eq!(gh.network, Network::None);
+    assert_eq!(gh.call_timeout, arbor_protocol::mcp::DEFAULT_CALL_TIMEOUT);
+    assert_eq!(ws.config.limits.tools.0["exec"], 9);
+
+    let user = &ws.agents["user"];
+    assert_eq!(user.tools, vec![ToolName::Exec]);
+    let mcp: Vec<String> = user.mcp.iter().map(|p| p.to_string()).collect();
+    assert_eq!(mcp, ["mcp__fs__read_file", "mcp__gh__*", "mcp__fs__*"]);
+    assert_eq!(user.limits.0["mcp__fs__write_file"], 5);
+    assert_eq!(user.limits.0["calls"], 300);
+}
+
+#[test]
+fn bad_mcp_declarations_and_names_are_refused_naming_the_key() {
+    let agent = "mcp: [fs]\n";
+    let server = |extra: &str| format!("[mcp.servers.fs]\ncommand = \"srv\"\n{extra}\n");
+    let cases: Vec<(String, &str, &str)> = vec![
+        (
+            server(""),
+            "mcp: [nope]\n",
+            "mcp__nope__*: arbor.toml declares no [mcp.servers.nope] (declared: fs)",
+        ),
+        (
+            server(""),
+            "tools: [mcp__gh__read]\n",
+            "declares no [mcp.servers.gh]",
+        ),
+        (
+            "[mcp.servers.a__b]\ncommand = \"srv\"\n".into(),
+            "",
+            "mcp.servers.a__b: \"a__b\": a server's name may not hold \"__\"",
+        ),
+        (
+            "[mcp.servers.fs]\nargs = [\"x\"]\n".into(),
+            agent,
+            "mcp.servers.fs: `command` is required",
+        ),
+        (
+            server("url = \"http://127.0.0.1:9/mcp\""),
+            agent,
+            "url and headers (a streamable HTTP server) are not served yet",
+        ),
+        (
+            server("transport = \"stdio\""),
+            agent,
+            "unknown key `transport`",
+        ),
+        (
+            server("env = { \"BAD-NAME\" = \"x\" }"),
+            agent,
+            "env: `BAD-NAME` is not a variable's name",
+        ),
+        (
+            server("secrets = [\"1X\"]"),
+            agent,
+            "secrets: `1X` is not a secret name",
+        ),
+        (
+            server("env = { K = \"1\" }\nsecrets = [\"K\"]"),
+            agent,
+            "`K` is both in env and in secrets",
+        ),
+        (
+            server("call_timeout = \"0s\""),
+            agent,
+            "call_timeout: a timeout of 0 would stop at once",
+        ),
+        (
+            server("start_timeout = \"soon\""),
+            agent,
+            "start_timeout: bad duration",
+        ),
+        (
+            server("read_only = [\"no/such/folder\"]"),
+            agent,
+            "read_only:",
+        ),
+        (
+            server("network = \"some\""),
+            agent,
+            "unknown variant `some`, expected `none` or `open`",
+        ),
+        (
+            format!("{}[limits.tools]\nexec = 0\n", server("")),
+            agent,
+            "limits.tools.exec: at least 1 (0 never means unlimited",
+        ),
+        (
+            server(""),
+            "mcp: [fs]\nlimits: {fetch: 3}\n",
+            "limits.fetch: not a tool",
+        ),
+        (
+            server(""),
+            "mcp: [fs]\nlimits: {exec: 0}\n",
+            "limits.exec: at least 1",
+        ),
+        (
+            server(""),
+            "mcp: [fs]\napprove: [mcp__fs__write]\n",
+            "approve: mcp__fs__write: calls that wait for a person's approval are not served yet",
+        ),
+        (
+            server(""),
+            "tools: [mcp__fs]\n",
+            "\"mcp__fs\" is not an MCP tool name",
+        ),
+        (
+            server(""),
+            "tools: [mcp__fs__read.file]\n",
+            "is not an MCP tool name",
+        ),
+        (
+            server(""),
+            "mcp: [\"a.b\"]\n",
+            "mcp: \"a.b\": a server's name is letters",
+        ),
+    ];
+    for (toml, front_matter, words) in cases {
+        let message = with_mcp(&toml, front_matter).unwrap_err().to_string();
+        assert!(message.contains(words), "{words:?}: {message}");
+        assert!(!message.contains('\n'), "not one line: {message}");
     }
 }

@@ -140,6 +140,8 @@ async fn probe_sealed() -> Result<(), String> {
                     resources: Resources::default(),
                     env: vec![],
                     roots: None,
+                    read_only: vec![],
+                    stdin: false,
                 };
                 let mut child = spawn(&spec, "true").await?;
                 child.wait().await.and_then(|s| match s.exit_code {
@@ -233,6 +235,12 @@ pub struct SealSpec {
     /// when it ends); None: the temporary folder. A node puts them in its
     /// data dir, so that what a crash leaves is swept at the next start.
     pub roots: Option<PathBuf>,
+    /// Host folders (absolute, existing) it sees read-only at the same
+    /// path, beyond the system's: a tool server's own files.
+    pub read_only: Vec<PathBuf>,
+    /// Whether its stdin is a pipe the caller writes (`Spawned::stdin`);
+    /// else `/dev/null`.
+    pub stdin: bool,
 }
 
 /// A command while it runs, sealed or (under `mode = "none"`) on the host.
@@ -243,9 +251,13 @@ pub struct Spawned {
     pid: i32,
     /// Names the forked process whatever happens to its pid (kill and wait are race-free).
     pidfd: tokio::io::unix::AsyncFd<OwnedFd>,
+    pub stdin: Option<tokio::net::unix::pipe::Sender>,
     pub stdout: Option<tokio::net::unix::pipe::Receiver>,
     pub stderr: Option<tokio::net::unix::pipe::Receiver>,
 }
+
+/// The pipes of a forked child: stdin, stdout, stderr.
+type Pipes = (Option<OwnedFd>, Option<OwnedFd>, Option<OwnedFd>);
 
 enum Forked {
     /// hakoniwa's process, the parent of the command's namespaces.
@@ -324,9 +336,7 @@ impl Spawned {
     /// Forks `make()`'s child on the spawner thread and tracks it.
     async fn fork(
         root: Option<PathBuf>,
-        make: impl FnOnce() -> Result<(Forked, Option<OwnedFd>, Option<OwnedFd>), String>
-        + Send
-        + 'static,
+        make: impl FnOnce() -> Result<(Forked, Pipes), String> + Send + 'static,
     ) -> Result<Spawned, String> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         spawner()
@@ -335,7 +345,7 @@ impl Spawned {
             }))
             .map_err(|_| "the spawner thread is gone")?;
         // A dropped reply: the fork panicked (and the spawner went on).
-        let (mut child, stdout, stderr) = rx
+        let (mut child, (stdin, stdout, stderr)) = rx
             .await
             .map_err(|_| "the command's fork failed inside arbor; see the node's log")??;
         let pid = match &child {
@@ -368,6 +378,7 @@ impl Spawned {
                 )
             }
             .map_err(|e| e.to_string())?,
+            stdin: stdin.map(sender).transpose()?,
             stdout: stdout.map(receiver).transpose()?,
             stderr: stderr.map(receiver).transpose()?,
         })
@@ -434,7 +445,12 @@ pub async fn spawn(spec: &SealSpec, command: &str) -> Result<Spawned, String> {
         .collect::<Result<Vec<_>, std::ffi::NulError>>()
         .map_err(|_| "an environment variable holds a NUL byte")?;
     let workdir = spec.workdir.to_str().ok_or("the workdir is not UTF-8")?;
-    let null = std::fs::File::open("/dev/null").map_err(|e| format!("/dev/null: {e}"))?;
+    let stdin = if spec.stdin {
+        hakoniwa::Stdio::piped()
+    } else {
+        let null = std::fs::File::open("/dev/null").map_err(|e| format!("/dev/null: {e}"))?;
+        hakoniwa::Stdio::from(null)
+    };
     let mut container = container(spec)?;
     // Made last: nothing after it fails before the fork, which removes it.
     let root = match &spec.roots {
@@ -455,7 +471,7 @@ pub async fn spawn(spec: &SealSpec, command: &str) -> Result<Spawned, String> {
         .env("HOME", workdir)
         .env("LANG", "C.UTF-8")
         .env("TMPDIR", "/tmp")
-        .stdin(null)
+        .stdin(stdin)
         .stdout(hakoniwa::Stdio::piped())
         .stderr(hakoniwa::Stdio::piped());
     let made = root.clone();
@@ -466,12 +482,12 @@ pub async fn spawn(spec: &SealSpec, command: &str) -> Result<Spawned, String> {
         // (I-30); it never execs, so the parent may still set it.
         // SAFETY: a plain syscall on our own unreaped child.
         unsafe { libc::setpgid(pid, pid) };
-        let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
-        Ok((
-            Forked::Sealed(Box::new(child)),
-            stdout.map(OwnedFd::from),
-            stderr.map(OwnedFd::from),
-        ))
+        let pipes = (
+            child.stdin.take().map(OwnedFd::from),
+            child.stdout.take().map(OwnedFd::from),
+            child.stderr.take().map(OwnedFd::from),
+        );
+        Ok((Forked::Sealed(Box::new(child)), pipes))
     })
     .await;
     if spawned.is_err() {
@@ -503,13 +519,16 @@ fn remove_root(root: Option<PathBuf>) {
 
 /// Starts `command` under `/bin/sh -c` on the host, unsealed (`mode =
 /// "none"`): in `workdir`, in a process group of its own, with `env` as its
-/// whole environment and `limits` as its rlimits.
+/// whole environment and `resources` as its rlimits; its stdin a pipe if
+/// `stdin`, else `/dev/null`.
 pub async fn spawn_host(
     workdir: &Path,
     env: Vec<(String, String)>,
-    limits: Vec<(nix::sys::resource::Resource, u64)>,
+    resources: &Resources,
     command: &str,
+    stdin: bool,
 ) -> Result<Spawned, String> {
+    let limits = rlimits(resources);
     use std::os::unix::process::CommandExt;
     let mut cmd = std::process::Command::new("/bin/sh");
     cmd.arg("-c")
@@ -517,7 +536,11 @@ pub async fn spawn_host(
         .current_dir(workdir)
         .env_clear()
         .envs(env)
-        .stdin(std::process::Stdio::null())
+        .stdin(if stdin {
+            std::process::Stdio::piped()
+        } else {
+            std::process::Stdio::null()
+        })
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .process_group(0);
@@ -535,14 +558,29 @@ pub async fn spawn_host(
     }
     Spawned::fork(None, move || {
         let mut child = cmd.spawn().map_err(|e| e.to_string())?;
-        let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
-        Ok((
-            Forked::Host(child),
-            stdout.map(OwnedFd::from),
-            stderr.map(OwnedFd::from),
-        ))
+        let pipes = (
+            child.stdin.take().map(OwnedFd::from),
+            child.stdout.take().map(OwnedFd::from),
+            child.stderr.take().map(OwnedFd::from),
+        );
+        Ok((Forked::Host(child), pipes))
     })
     .await
+}
+
+/// `resources` as setrlimit's arguments, for a command on the host.
+fn rlimits(r: &Resources) -> Vec<(nix::sys::resource::Resource, u64)> {
+    use nix::sys::resource::Resource;
+    [
+        (Resource::RLIMIT_AS, r.memory_bytes),
+        (Resource::RLIMIT_CPU, r.cpu_secs),
+        (Resource::RLIMIT_FSIZE, r.file_size_bytes),
+        (Resource::RLIMIT_NOFILE, r.open_files),
+        (Resource::RLIMIT_NPROC, r.processes),
+    ]
+    .into_iter()
+    .filter_map(|(resource, limit)| limit.map(|l| (resource, l)))
+    .collect()
 }
 
 /// The namespace's init, between hakoniwa's set-up (mounts, rlimits,
@@ -594,6 +632,10 @@ fn init(
 
 fn receiver(pipe: OwnedFd) -> Result<tokio::net::unix::pipe::Receiver, String> {
     tokio::net::unix::pipe::Receiver::from_owned_fd(pipe).map_err(|e| e.to_string())
+}
+
+fn sender(pipe: OwnedFd) -> Result<tokio::net::unix::pipe::Sender, String> {
+    tokio::net::unix::pipe::Sender::from_owned_fd(pipe).map_err(|e| e.to_string())
 }
 
 fn container(spec: &SealSpec) -> Result<hakoniwa::Container, String> {
@@ -661,6 +703,12 @@ fn container(spec: &SealSpec) -> Result<hakoniwa::Container, String> {
         MountOptions::NOSUID | MountOptions::NODEV,
         Some(format!("size={tmp_size},mode=1777")),
     );
+    for dir in &spec.read_only {
+        let path = dir
+            .to_str()
+            .ok_or("a read-only folder's path is not UTF-8")?;
+        c.bindmount_ro(path, path);
+    }
     let workdir = spec.workdir.to_str().ok_or("the workdir is not UTF-8")?;
     c.mount(
         workdir,
@@ -770,6 +818,8 @@ mod tests {
             resources: Resources::default(),
             env: vec![("GREETING".into(), "hi".into())],
             roots: Some(dir.path().join("roots")),
+            read_only: vec![],
+            stdin: false,
         };
         let (code, out, err) = run(
             &spec,

@@ -22,6 +22,7 @@ async fn lone_account(dir: &std::path::Path, grant: u64) -> (ActorRefAccount, Jo
             arbor_sandbox::seal::SandboxIsolation::Sealed,
         )),
         secrets: Default::default(),
+        mcp: Arc::new(arbor_actors::mcp::McpCatalog::empty()),
     });
     let run = RunId::new();
     let (account, _) = ractor::Actor::spawn(

@@ -404,6 +404,7 @@ impl JobState {
             cancel: self.cancel.child_token(),
             meter: meter.clone(),
             record_seq,
+            tool_counts: Default::default(),
         };
         let name = format!("arbor-job-{}", plan.id);
         match Actor::spawn_linked(Some(name), Job, start, myself.get_cell()).await {

@@ -1,0 +1,198 @@
+//! arbor's MCP client: one connection to one tool server, over the pipes of
+//! a process someone else started (the sandbox seals and owns it).
+//!
+//! The rest of arbor speaks only the types here (`McpClient`, `McpTool`,
+//! `McpOutcome`, `McpError`); rmcp, which speaks the protocol, stays inside
+//! this crate, so a change of SDK touches one file.
+//!
+//! Invariants:
+//! 1. Every request is bounded in time: a server that never answers costs
+//!    its caller the timeout, never a hang.
+//! 2. A call given up on (its timeout, or its caller dropped the future at
+//!    a stop) is cancelled at the server with `notifications/cancelled`; its
+//!    late answer, if one comes, is dropped by the SDK and reaches no one.
+//! 3. One line from the server is at most `MAX_MESSAGE` bytes: a server that
+//!    floods its stdout without a newline ends its connection, not the node.
+
+use rmcp::ServiceExt;
+use rmcp::model::{CallToolRequestParams, ClientRequest, ContentBlock, PingRequest};
+use rmcp::service::{RoleClient, RunningService};
+use rmcp::transport::async_rw::AsyncRwTransport;
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite};
+
+/// The largest message (one line of JSON-RPC) read from a server.
+pub const MAX_MESSAGE: usize = 16 * 1024 * 1024;
+
+/// A tool a server lists.
+#[derive(Clone, Debug, PartialEq)]
+pub struct McpTool {
+    /// The server's own name for it.
+    pub name: String,
+    pub description: String,
+    /// The JSON Schema its arguments must match (an object schema).
+    pub input_schema: serde_json::Value,
+}
+
+/// What a call returned.
+#[derive(Clone, Debug, PartialEq)]
+pub struct McpOutcome {
+    /// The server says the tool failed (`isError`): its text says why.
+    pub is_error: bool,
+    /// The content, as text: text blocks as they are, other blocks as a
+    /// line that says what they were.
+    pub text: String,
+    /// The structured result, when the server gave one.
+    pub structured: Option<serde_json::Value>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum McpError {
+    /// The connection is gone: the server exited, closed its pipes or
+    /// broke the protocol. A new connection is needed.
+    #[error("the server's connection closed: {0}")]
+    Closed(String),
+    /// The server did not start talking within its start timeout.
+    #[error("the server did not answer `initialize` within {}", humantime(.0))]
+    StartTimedOut(Duration),
+    #[error("the server did not answer within {}", humantime(.0))]
+    TimedOut(Duration),
+    /// The server answered with a JSON-RPC error.
+    #[error("the server refused: {0}")]
+    Refused(String),
+    /// The server answered with something the protocol does not allow here.
+    #[error("the server answered out of protocol: {0}")]
+    Protocol(String),
+}
+
+fn humantime(d: &Duration) -> String {
+    format!("{:.1}s", d.as_secs_f64())
+}
+
+/// One initialized connection to a server.
+pub struct McpClient {
+    service: RunningService<RoleClient, rmcp::model::ClientConfig>,
+}
+
+impl McpClient {
+    /// Speaks `initialize` over the server's stdout (`read`) and stdin
+    /// (`write`), within `timeout`.
+    pub async fn connect<R, W>(read: R, write: W, timeout: Duration) -> Result<Self, McpError>
+    where
+        R: AsyncRead + Send + Unpin + 'static,
+        W: AsyncWrite + Send + Unpin + 'static,
+    {
+        let transport = AsyncRwTransport::<RoleClient, R, W>::new(read, write)
+            .with_max_line_length(MAX_MESSAGE);
+        let mut config = rmcp::model::ClientConfig::default();
+        config.client_info = rmcp::model::Implementation::new("arbor", env!("CARGO_PKG_VERSION"));
+        let service = match tokio::time::timeout(timeout, config.serve(transport)).await {
+            Err(_) => return Err(McpError::StartTimedOut(timeout)),
+            Ok(Err(e)) => return Err(McpError::Closed(e.to_string())),
+            Ok(Ok(service)) => service,
+        };
+        Ok(Self { service })
+    }
+
+    /// Every tool the server lists, all pages, within `timeout`.
+    pub async fn list_tools(&self, timeout: Duration) -> Result<Vec<McpTool>, McpError> {
+        let listed = tokio::time::timeout(timeout, self.service.peer().list_all_tools())
+            .await
+            .map_err(|_| McpError::TimedOut(timeout))?
+            .map_err(service_error)?;
+        Ok(listed
+            .into_iter()
+            .map(|tool| McpTool {
+                name: tool.name.to_string(),
+                description: tool.description.map(|d| d.to_string()).unwrap_or_default(),
+                input_schema: serde_json::Value::Object((*tool.input_schema).clone()),
+            })
+            .collect())
+    }
+
+    /// Calls `tool` with `arguments`, within `timeout`. Past it, or when the
+    /// caller drops this future, the server is told the call is cancelled
+    /// (invariant 2).
+    pub async fn call(
+        &self,
+        tool: &str,
+        arguments: serde_json::Map<String, serde_json::Value>,
+        timeout: Duration,
+    ) -> Result<McpOutcome, McpError> {
+        let params = CallToolRequestParams::new(tool.to_string()).with_arguments(arguments);
+        let result = tokio::time::timeout(timeout, self.service.peer().call_tool(params))
+            .await
+            .map_err(|_| McpError::TimedOut(timeout))?
+            .map_err(service_error)?;
+        let text = result
+            .content
+            .iter()
+            .map(block_text)
+            .collect::<Vec<_>>()
+            .join("\n");
+        Ok(McpOutcome {
+            is_error: result.is_error.unwrap_or(false),
+            text,
+            structured: result.structured_content,
+        })
+    }
+
+    /// Whether the server answers a request at all within `grace`: a ping,
+    /// which a server that does not know it refuses, and a refusal is an
+    /// answer too. A server stuck on a cancelled call answers nothing.
+    pub async fn answers_within(&self, grace: Duration) -> bool {
+        let ping = ClientRequest::PingRequest(PingRequest::default());
+        match tokio::time::timeout(grace, self.service.peer().send_request(ping)).await {
+            Ok(Ok(_)) | Ok(Err(rmcp::service::ServiceError::McpError(_))) => true,
+            Ok(Err(_)) | Err(_) => false,
+        }
+    }
+
+    /// Whether the connection has ended (the server exited or broke the protocol).
+    pub fn is_closed(&self) -> bool {
+        self.service.is_closed()
+    }
+}
+
+fn service_error(e: rmcp::service::ServiceError) -> McpError {
+    use rmcp::service::ServiceError;
+    match e {
+        ServiceError::McpError(data) => McpError::Refused(data.message.to_string()),
+        ServiceError::Timeout { timeout } => McpError::TimedOut(timeout),
+        ServiceError::UnexpectedResponse => {
+            McpError::Protocol("an answer of the wrong kind".into())
+        }
+        ServiceError::TransportClosed | ServiceError::TransportSend(_) => {
+            McpError::Closed(e.to_string())
+        }
+        other => McpError::Protocol(other.to_string()),
+    }
+}
+
+/// One content block as the text a model reads.
+fn block_text(block: &ContentBlock) -> String {
+    match block {
+        ContentBlock::Text(text) => text.text.clone(),
+        other => {
+            // Images, audio and resources are described, not inlined: their
+            // base64 would fill a context window and say nothing to a model.
+            let mut value = serde_json::to_value(other).unwrap_or_default();
+            let kind = value["type"].as_str().unwrap_or("content").to_string();
+            if let Some(map) = value.as_object_mut() {
+                for key in ["data", "blob"] {
+                    if let Some(serde_json::Value::String(data)) = map.get(key) {
+                        let note = format!("({} bytes of base64, not shown)", data.len());
+                        map.insert(key.into(), serde_json::Value::String(note));
+                    }
+                }
+                if let Some(serde_json::Value::Object(resource)) = map.get_mut("resource")
+                    && let Some(serde_json::Value::String(blob)) = resource.get("blob")
+                {
+                    let note = format!("({} bytes of base64, not shown)", blob.len());
+                    resource.insert("blob".into(), serde_json::Value::String(note));
+                }
+            }
+            format!("[{kind}] {value}")
+        }
+    }
+}
