@@ -832,6 +832,16 @@ async fn call_tool(
         );
     }
     let Ok(tool) = call.tool.parse::<ToolName>() else {
+        if call.tool.starts_with(arbor_protocol::mcp::MCP_PREFIX) {
+            // Named like an MCP tool this job was not given: say why it may not be.
+            let refusal = Refusal::ToolNotOffered {
+                tool: call.tool.clone(),
+                why: ": it is not among this job's MCP tools (a shared sandbox gets only \
+                      what its parent may use)"
+                    .into(),
+            };
+            return (call.tool.clone(), Step::Result(Err(refused(args, refusal))));
+        }
         return (
             call.tool.clone(),
             Step::Result(Err(format!("unknown tool {:?}", call.tool))),

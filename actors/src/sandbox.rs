@@ -286,6 +286,16 @@ impl Actor for Sandbox {
                 for slot in state.servers.values() {
                     slot.calls_settled(deadline).await;
                 }
+                // Told before the kill, which closes the recorder: a server
+                // that still runs ends with its job.
+                for (name, slot) in &state.servers {
+                    let running = slot.live.try_lock().map_or(true, |live| live.is_some());
+                    if running {
+                        let starts = slot.starts.load(std::sync::atomic::Ordering::Acquire);
+                        let restarts = starts.saturating_sub(1);
+                        state.groups.tell(name, McpServerState::Stopped, restarts, None);
+                    }
+                }
                 let _ = reply.send(state.groups.kill_all());
             }
             SandboxMsg::McpCall {

@@ -317,7 +317,7 @@ pub fn tree_table(client: &Client, runs: &[TreeNode], args: &StatusArgs) -> Tabl
         .set_content_arrangement(ContentArrangement::Disabled)
         .set_header(vec![
             "TREE", "KIND", "AGENT", "STATUS", "DEPTH", "SPENT", "HELD", "GRANTED", "COST", "AGE",
-            "REASON",
+            "TOOLS", "REASON",
         ]);
     if client.colour {
         table.enforce_styling();
@@ -328,6 +328,31 @@ pub fn tree_table(client: &Client, runs: &[TreeNode], args: &StatusArgs) -> Tabl
         add_rows(&mut table, run, "", "", 0, args);
     }
     table
+}
+
+/// A node's tool calls in all, and each MCP server's state and restarts:
+/// `12 calls; fs running; gh killed+1` (per tool: `-o json`).
+fn tools(node: &TreeNode) -> String {
+    let calls: u64 = node.tools.values().sum();
+    let mut parts = vec![];
+    if calls > 0 {
+        parts.push(format!("{calls} calls"));
+    }
+    for (server, view) in &node.mcp {
+        let state = serde_json::to_value(view.state).unwrap_or_default();
+        let state = state.as_str().unwrap_or("?").to_string();
+        let restarts = if view.restarts > 0 {
+            format!("+{}", view.restarts)
+        } else {
+            String::new()
+        };
+        parts.push(format!("{server} {state}{restarts}"));
+    }
+    if parts.is_empty() {
+        "-".into()
+    } else {
+        parts.join("; ")
+    }
 }
 
 fn add_rows(
@@ -358,6 +383,7 @@ fn add_rows(
         Cell::new(node.account.grant),
         Cell::new(cost),
         Cell::new(age(node)),
+        Cell::new(tools(node)),
         Cell::new(node.reason.clone().unwrap_or_default()),
     ]);
     if args.fold.is_some_and(|f| f.folds(node.status)) && !node.children.is_empty() {

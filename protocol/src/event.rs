@@ -49,8 +49,11 @@ pub enum McpServerState {
     Running,
     /// It exited or broke the protocol by itself.
     Died,
-    /// arbor killed it: it did not answer after a call timed out, or failed to start.
+    /// arbor killed it: it did not answer after a call timed out, failed
+    /// to start, or its job was stopped during a call.
     Killed,
+    /// It ended with its job, as every server of a job does.
+    Stopped,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]

@@ -526,6 +526,17 @@ fn mcp_server(name: &str, file: McpServerFile, root: &Path) -> Result<McpServerS
         Some(c) if !c.is_empty() => c.to_string(),
         _ => return Err("`command` is required: the program that serves over stdio".into()),
     };
+    // A relative path is the workspace's (the server runs in a job's
+    // workdir, where it would mean nothing); a bare name is looked up on
+    // the sandbox's PATH.
+    let command = if command.contains('/') && !Path::new(&command).is_absolute() {
+        std::path::absolute(root.join(&command))
+            .map_err(|e| format!("command: {e}"))?
+            .display()
+            .to_string()
+    } else {
+        command
+    };
     for (key, value) in &file.env {
         if !is_secret_name(key) {
             return Err(format!(

@@ -102,7 +102,7 @@ async fn an_agent_calls_an_mcp_tool_and_reads_its_answer() {
     // The tree shows the calls per tool and the server.
     let step = tree.node(tree.find("user").unwrap()).unwrap();
     assert_eq!(step.tools.get("mcp__t__echo"), Some(&2), "{:?}", step.tools);
-    assert_eq!(step.mcp["t"].state, McpServerState::Running);
+    assert_eq!(step.mcp["t"].state, McpServerState::Stopped, "it ended with its job");
     assert_eq!(step.mcp["t"].restarts, 0);
 }
 
@@ -454,4 +454,22 @@ async fn arbor_check_starts_each_named_server_and_reports_missing_commands_and_u
             .any(|s| s.contains("mcp.servers.gone: command `no-such-mcp-server` is not found")),
         "{said:#?}"
     );
+}
+
+#[tokio::test]
+async fn a_server_that_writes_what_is_not_json_to_stdout_does_not_take_the_job_down() {
+    let agent = agent_md(&format!(
+        "mcp: [t]\nscript:\n{}{}{SUBMIT}",
+        call("mcp__t__noise", "{}"),
+        call("mcp__t__echo", "{text: still here}"),
+    ));
+    let node = TestNode::start_with_config(&server(""), &[("noisy", &agent)]).await;
+    let run = node.run_agent("noisy", "go").await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Done, "{:?}", tree.root());
+    let echo = called(&node, run, "mcp__t__echo");
+    assert!(echo[0].0 && echo[0].1.contains("still here"), "{echo:?}");
+    // The stray line is skipped; the call it came with still answers.
+    let noise = called(&node, run, "mcp__t__noise");
+    assert!(noise[0].0 && noise[0].1.contains("made noise"), "{noise:?}");
 }
