@@ -294,17 +294,16 @@ impl McpToolbox {
     }
 }
 
-/// A call's result as the model reads it: its text, and its structured
-/// part after it; secrets cut out (I-27) and the whole clipped to `limit`
-/// bytes, saying so.
+/// A call's result as the model reads it: its text, or, when it has none,
+/// its structured part (a server that gives both repeats the one in the
+/// other, as the protocol asks); secrets cut out (I-27) and the whole
+/// clipped to `limit` bytes, saying so.
 pub fn result_text(outcome: &arbor_mcp::McpOutcome, secrets: &Secrets, limit: usize) -> String {
     let mut text = outcome.text.clone();
-    if let Some(structured) = &outcome.structured {
-        if !text.is_empty() {
-            text.push('\n');
-        }
-        text.push_str("structured: ");
-        text.push_str(&structured.to_string());
+    if text.trim().is_empty()
+        && let Some(structured) = &outcome.structured
+    {
+        text = structured.to_string();
     }
     if text.len() <= limit {
         return secrets.redact(&text);
@@ -319,4 +318,45 @@ pub fn result_text(outcome: &arbor_mcp::McpOutcome, secrets: &Secrets, limit: us
         "{}\n[cut: the result was {total} bytes, {limit} are shown]",
         secrets.redact_cut(&text)
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arbor_mcp::McpOutcome;
+
+    fn outcome(text: &str, structured: Option<serde_json::Value>) -> McpOutcome {
+        McpOutcome {
+            is_error: false,
+            text: text.into(),
+            structured,
+        }
+    }
+
+    #[test]
+    fn inv_27_a_result_is_redacted_clipped_and_says_it_was_cut() {
+        let secrets = Secrets::new(BTreeMap::from([(
+            "TOKEN".to_string(),
+            "s3cr3t-value".to_string(),
+        )]));
+        let said = result_text(&outcome("token is s3cr3t-value", None), &secrets, 100);
+        assert_eq!(said, "token is [secret TOKEN]");
+        // Cut in the middle of the value: neither it nor its start is left.
+        let long = format!("{}s3cr3t-value and more", "x".repeat(90));
+        let said = result_text(&outcome(&long, None), &secrets, 95);
+        assert!(!said.contains("s3cr3"), "{said}");
+        assert!(
+            said.ends_with("[cut: the result was 111 bytes, 95 are shown]"),
+            "{said}"
+        );
+    }
+
+    #[test]
+    fn structured_content_stands_in_only_for_missing_text() {
+        let secrets = Secrets::default();
+        let both = outcome("7", Some(serde_json::json!({"sum": 7})));
+        assert_eq!(result_text(&both, &secrets, 100), "7");
+        let only = outcome("", Some(serde_json::json!({"sum": 7})));
+        assert_eq!(result_text(&only, &secrets, 100), r#"{"sum":7}"#);
+    }
 }

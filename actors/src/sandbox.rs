@@ -293,7 +293,9 @@ impl Actor for Sandbox {
                     if running {
                         let starts = slot.starts.load(std::sync::atomic::Ordering::Acquire);
                         let restarts = starts.saturating_sub(1);
-                        state.groups.tell(name, McpServerState::Stopped, restarts, None);
+                        state
+                            .groups
+                            .tell(name, McpServerState::Stopped, restarts, None);
                     }
                 }
                 let _ = reply.send(state.groups.kill_all());

@@ -84,9 +84,16 @@ pub fn inspect(data_dir: &Path, run: Option<&str>, json: bool) -> Result<ExitCod
             ledgers.push((owner, entries, totals, usd));
         }
         if json {
+            // One run's document holds its events too: what each tool call
+            // returned, each MCP server's life, each refusal.
+            let events = match run {
+                Some(_) => journal.events(r.id).map_err(read)?,
+                None => vec![],
+            };
             docs.push(serde_json::json!({
                 "run": r,
                 "jobs": jobs,
+                "events": events,
                 "ledger": ledgers.iter().filter(|_| run.is_some()).map(|(owner, entries, t, usd)| serde_json::json!({
                     "owner": owner, "grant": t.grant, "spent": t.spent, "held": t.held,
                     "usd": usd.map(|u| serde_json::json!({"grant": u.grant, "spent": u.spent, "held": u.held})),

@@ -16,7 +16,7 @@
 
 use rmcp::ServiceExt;
 use rmcp::model::{CallToolRequestParams, ClientRequest, ContentBlock, PingRequest};
-use rmcp::service::{RoleClient, RunningService};
+use rmcp::service::{ClientInitializeError, RoleClient, RunningService};
 use rmcp::transport::async_rw::AsyncRwTransport;
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -88,7 +88,15 @@ impl McpClient {
         config.client_info = rmcp::model::Implementation::new("arbor", env!("CARGO_PKG_VERSION"));
         let service = match tokio::time::timeout(timeout, config.serve(transport)).await {
             Err(_) => return Err(McpError::StartTimedOut(timeout)),
-            Ok(Err(e)) => return Err(McpError::Closed(e.to_string())),
+            // A server that exits at once breaks the pipe under the
+            // request; what it wrote to stderr (the caller's) says why.
+            Ok(Err(ClientInitializeError::ConnectionClosed(_)))
+            | Ok(Err(ClientInitializeError::TransportError { .. })) => {
+                return Err(McpError::Closed(
+                    "the server ended before it answered initialize".into(),
+                ));
+            }
+            Ok(Err(e)) => return Err(McpError::Protocol(e.to_string())),
             Ok(Ok(service)) => service,
         };
         Ok(Self { service })

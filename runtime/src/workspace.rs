@@ -530,10 +530,7 @@ fn mcp_server(name: &str, file: McpServerFile, root: &Path) -> Result<McpServerS
     // workdir, where it would mean nothing); a bare name is looked up on
     // the sandbox's PATH.
     let command = if command.contains('/') && !Path::new(&command).is_absolute() {
-        std::path::absolute(root.join(&command))
-            .map_err(|e| format!("command: {e}"))?
-            .display()
-            .to_string()
+        workspace_path(root, &command)?.display().to_string()
     } else {
         command
     };
@@ -579,6 +576,21 @@ fn mcp_server(name: &str, file: McpServerFile, root: &Path) -> Result<McpServerS
         call_timeout: timeout("call_timeout", &file.call_timeout, DEFAULT_CALL_TIMEOUT)?,
         start_timeout: timeout("start_timeout", &file.start_timeout, DEFAULT_START_TIMEOUT)?,
     })
+}
+
+/// `path` of the workspace as a sandbox can reach it: absolute, through no
+/// `..` (a sandbox sees only the folders bound into it, not their
+/// parents). Its folder is resolved if it exists; a missing program is
+/// `arbor check`'s to report.
+fn workspace_path(root: &Path, path: &str) -> Result<PathBuf, String> {
+    let joined = std::path::absolute(root.join(path)).map_err(|e| format!("{path}: {e}"))?;
+    match (joined.parent(), joined.file_name()) {
+        (Some(folder), Some(name)) => match std::fs::canonicalize(folder) {
+            Ok(folder) => Ok(folder.join(name)),
+            Err(_) => Ok(joined),
+        },
+        _ => Ok(joined),
+    }
 }
 
 /// Every MCP server an agent names is declared in arbor.toml.

@@ -102,7 +102,11 @@ async fn an_agent_calls_an_mcp_tool_and_reads_its_answer() {
     // The tree shows the calls per tool and the server.
     let step = tree.node(tree.find("user").unwrap()).unwrap();
     assert_eq!(step.tools.get("mcp__t__echo"), Some(&2), "{:?}", step.tools);
-    assert_eq!(step.mcp["t"].state, McpServerState::Stopped, "it ended with its job");
+    assert_eq!(
+        step.mcp["t"].state,
+        McpServerState::Stopped,
+        "it ended with its job"
+    );
     assert_eq!(step.mcp["t"].restarts, 0);
 }
 

@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# MCP servers as real peers, each run by `arbor run` on the scripted model:
+# 1. examples/mcp on the npm reference servers (filesystem, everything),
+#    pinned in tests/mcp/package-lock.json: a delegating flow with a call
+#    that times out and one stopped half-way;
+# 2. tests/mcp/hostile: servers written with the `mcp` package from PyPI,
+#    one per way a server misbehaves (stdout noise, silence, an exit
+#    mid-call, a flood, a grandchild left behind, names like arbor's own).
+# After both, no process is left in their data dirs. Needs target/debug/arbor
+# built; run from the repository (CI: .ci/run).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+install() { apt-get update -qq && apt-get install -y -qq "$@" >/dev/null; }
+
+command -v npm >/dev/null 2>&1 || install nodejs npm
+npm ci --prefix tests/mcp --no-audit --no-fund --loglevel=error
+
+# Debian's python3: a sandbox sees /usr, and a virtualenv's python is a link
+# to the python it was made with.
+venv=target/mcp-venv
+if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import mcp' 2>/dev/null; then
+  [ -x /usr/bin/python3 ] || install python3
+  rm -rf "$venv"
+  /usr/bin/python3 -m venv "$venv" 2>/dev/null || { install python3-venv; /usr/bin/python3 -m venv "$venv"; }
+  "$venv/bin/pip" install -q mcp==2.3.0
+fi
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+# run NAME WORKSPACE [ARGS]: the run's tree in $work/NAME.json, its events in $work/NAME.events.json
+run() {
+  local name=$1 ws=$2
+  shift 2
+  if ! target/debug/arbor run "$ws" "$@" --json --data-dir "$work/$name" >"$work/$name.json" 2>"$work/$name.err"; then
+    echo "mcp: the run of $ws failed:" >&2
+    cat "$work/$name.err" "$work/$name.json" >&2
+    exit 1
+  fi
+  local id
+  id=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["run"]["id"])' "$work/$name.json")
+  target/debug/arbor journal inspect --data-dir "$work/$name" --run "$id" --json >"$work/$name.events.json"
+}
+
+run example examples/mcp
+run hostile tests/mcp/hostile --flow hostile
+
+python3 - "$work" <<'PY'
+import json, os, sys
+
+work = sys.argv[1]
+
+def load(name):
+    tree = json.load(open(f"{work}/{name}.json"))["run"]
+    doc = json.load(open(f"{work}/{name}.events.json"))
+    doc = doc["runs"][0] if "runs" in doc else doc
+    return tree, [e["kind"] for e in doc["events"]]
+
+def nodes(tree):
+    yield tree
+    for child in tree["children"]:
+        yield from nodes(child)
+
+def by_label(tree):
+    return {n["label"]: n for n in nodes(tree) if n.get("label")}
+
+def calls(events, node, tool):
+    return [e for e in events if e["type"] == "tool_called" and e["id"] == node["id"] and e["tool"] == tool]
+
+def one(events, node, tool, ok, words):
+    found = calls(events, node, tool)
+    assert len(found) == 1, (tool, found)
+    assert found[0]["ok"] == ok, (tool, found[0])
+    assert words in found[0]["detail"], (tool, words, found[0]["detail"])
+
+# 1. The reference servers.
+tree, events = load("example")
+n = by_label(tree)
+assert tree["status"] == "done", tree
+one(events, n["scribe"], "mcp__files__write_file", True, "notes.md")
+one(events, n["scribe"], "mcp__files__list_directory", True, "notes.md")
+one(events, n["scribe"], "mcp__files__read_text_file", True, "Tide pools hold anemones")
+notes = os.path.join(n["scribe"]["workdir"], "notes.md")
+assert open(notes).read().startswith("Tide pools"), notes
+one(events, n["adder"], "mcp__everything__get-sum", True, "7")
+one(events, n["adder"], "mcp__everything__echo", True, "7 anemones")
+one(events, n["slow"], "mcp__everything__trigger-long-running-operation", False, "timed_out")
+assert n["slow"]["task_status"] == "partial", n["slow"]
+# The waiter was stopped with its call in flight: started, never answered.
+waiter = n["waiter"]
+assert waiter["status"] == "stopped", waiter
+started = [e for e in events if e["type"] == "tool_started" and e["id"] == waiter["id"]]
+assert len(started) == 1, started
+assert calls(events, waiter, "mcp__everything__trigger-long-running-operation") == []
+assert waiter["mcp"]["everything"]["state"] == "killed", waiter["mcp"]
+for label in ("scribe", "adder", "slow"):
+    assert all(s["state"] == "stopped" for s in n[label]["mcp"].values()), n[label]["mcp"]
+assert tree["account"]["held"] == 0, tree["account"]
+print(f"mcp: examples/mcp on the reference servers: done, {len([e for e in events if e['type'] == 'tool_called'])} tool calls, one timed out, one stopped mid-call")
+
+# 2. The hostile servers: every step survives with the model told what happened.
+tree, events = load("hostile")
+n = by_label(tree)
+assert tree["status"] == "done", tree
+for label, node in n.items():
+    assert node["status"] == "done" and node["output"] == "survived", (label, node)
+speak = calls(events, n["noisy"], "mcp__noisy__speak")
+assert len(speak) == 2 and all(c["ok"] and "spoke" in c["detail"] for c in speak), speak
+one(events, n["silent"], "mcp__silent__wait", False, "timed_out")
+one(events, n["silent"], "mcp__silent__ok", True, "ok")
+assert n["silent"]["mcp"]["silent"]["restarts"] == 1, n["silent"]["mcp"]
+one(events, n["exits"], "mcp__exits__die", False, "ended during the call")
+one(events, n["exits"], "mcp__exits__ok", True, "ok")
+assert n["exits"]["mcp"]["exits"]["restarts"] == 1, n["exits"]["mcp"]
+one(events, n["huge"], "mcp__huge__flood", False, "")
+one(events, n["huge"], "mcp__huge__ok", True, "ok")
+one(events, n["forker"], "mcp__forker__fork", False, "ended during the call")
+one(events, n["collide"], "mcp__collide__exec", True, "the server's exec")
+one(events, n["collide"], "mcp__collide__submit_output", True, "the server's submit_output")
+one(events, n["collide"], "exec", True, "arbors exec")
+print("mcp: hostile servers: noise, silence, an exit mid-call, a flood, a grandchild, arbor's names: every step done")
+
+# 3. Nothing of any server is left running: no process works in their data dirs.
+left = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        continue
+    if cwd.startswith(work):
+        left.append((pid, cwd))
+assert not left, f"processes outlived their jobs: {left}"
+print("mcp: no server process, nor any process a server started, outlived its job")
+PY
