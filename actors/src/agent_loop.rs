@@ -271,6 +271,7 @@ pub async fn run(args: LoopArgs) -> LoopOutcome {
                 return stopped(turn);
             }
             let mut tool = call.tool.clone();
+            let began = std::time::Instant::now();
             let result = AssertUnwindSafe(call_tool(&args, &call, &toolbox, &mut counts, turn))
                 .catch_unwind()
                 .await
@@ -291,6 +292,7 @@ pub async fn run(args: LoopArgs) -> LoopOutcome {
                             tool,
                             ok: true,
                             detail: "submitted".into(),
+                            latency_ms: began.elapsed().as_millis() as u64,
                         },
                     );
                     return LoopOutcome {
@@ -316,6 +318,7 @@ pub async fn run(args: LoopArgs) -> LoopOutcome {
                             tool,
                             ok,
                             detail: clip(&content, 300),
+                            latency_ms: began.elapsed().as_millis() as u64,
                         },
                     );
                     history.push(Message::ToolResult {

@@ -205,6 +205,9 @@ pub enum EventKind {
         tool: String,
         ok: bool,
         detail: String,
+        /// How long the call took, from its checks to its result.
+        #[serde(default)]
+        latency_ms: u64,
     },
     /// One of a job's MCP servers changed state.
     McpServer {

@@ -1,8 +1,9 @@
 //! `GET /metrics`, in the OpenMetrics text format Prometheus scrapes.
 //!
-//! Labels are bounded: a status (five values), a provider's name (as
-//! arbor.toml configures them), an outcome (`ok`, `stopped` or an error
-//! class). Never a run's or job's id.
+//! Labels are bounded: a status (five values), a provider's or an MCP
+//! server's name (as arbor.toml configures them), an outcome (`ok`,
+//! `stopped` or an error class; for MCP calls `ok`, `error`, `timed_out`,
+//! `refused`). Never a run's or job's id, never a call's arguments.
 //!
 //! Counters fed by events (model calls, tokens, cost) count since this
 //! start; gauges of runs and jobs by status are read from the journal at
@@ -25,6 +26,19 @@ struct StatusLabel {
     status: String,
 }
 
+/// An MCP server's name (as arbor.toml declares it) and a call's outcome:
+/// `ok`, `error` (the tool's or the server's), `timed_out`, `refused`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct McpLabel {
+    server: String,
+    outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ServerLabel {
+    server: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CallLabel {
     provider: String,
@@ -40,6 +54,8 @@ pub struct Metrics {
     tokens: Counter,
     usd_micros: Counter,
     calls: Family<CallLabel, Counter>,
+    mcp_calls: Family<McpLabel, Counter>,
+    mcp_seconds: Family<ServerLabel, Histogram>,
     commit_seconds: Histogram,
     fsyncs: Counter,
     flushes: Counter,
@@ -54,6 +70,11 @@ impl Metrics {
         let tokens = Counter::default();
         let usd_micros = Counter::default();
         let calls = Family::<CallLabel, Counter>::default();
+        let mcp_calls = Family::<McpLabel, Counter>::default();
+        // 1 millisecond to about 9 minutes.
+        let mcp_seconds = Family::<ServerLabel, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.001, 2.0, 20))
+        });
         // 50 microseconds to about 3 seconds.
         let commit_seconds = Histogram::new(exponential_buckets(0.000_05, 2.0, 17));
         let fsyncs = Counter::default();
@@ -87,6 +108,16 @@ impl Metrics {
             calls.clone(),
         );
         registry.register(
+            "mcp_calls",
+            "MCP tool calls by server and outcome since this start",
+            mcp_calls.clone(),
+        );
+        registry.register(
+            "mcp_call_seconds",
+            "MCP tool calls' time, checks to result, by server",
+            mcp_seconds.clone(),
+        );
+        registry.register(
             "journal_commit_seconds",
             "Time from a journal append to its flush being durable",
             commit_seconds.clone(),
@@ -110,6 +141,8 @@ impl Metrics {
             tokens,
             usd_micros,
             calls,
+            mcp_calls,
+            mcp_seconds,
             commit_seconds,
             fsyncs,
             flushes,
@@ -118,6 +151,37 @@ impl Metrics {
 
     /// Called for every event (an `EventBus` observer): quick, no locks of ours.
     pub fn observe(&self, event: &Event) {
+        match &event.kind {
+            EventKind::ToolCalled {
+                tool,
+                ok,
+                detail,
+                latency_ms,
+                ..
+            } => {
+                if let Some(server) = mcp_server_of(tool) {
+                    let outcome = match (ok, detail.starts_with("timed_out")) {
+                        (true, _) => "ok",
+                        (false, true) => "timed_out",
+                        (false, false) => "error",
+                    };
+                    self.mcp_call(server, outcome);
+                    self.mcp_seconds
+                        .get_or_create(&ServerLabel {
+                            server: server.to_string(),
+                        })
+                        .observe(*latency_ms as f64 / 1000.0);
+                }
+                return;
+            }
+            EventKind::Refused { tool, .. } => {
+                if let Some(server) = mcp_server_of(tool) {
+                    self.mcp_call(server, "refused");
+                }
+                return;
+            }
+            _ => {}
+        }
         if let EventKind::ModelCalled {
             input_tokens,
             output_tokens,
@@ -134,6 +198,15 @@ impl Metrics {
                 })
                 .inc();
         }
+    }
+
+    fn mcp_call(&self, server: &str, outcome: &str) {
+        self.mcp_calls
+            .get_or_create(&McpLabel {
+                server: server.to_string(),
+                outcome: outcome.to_string(),
+            })
+            .inc();
     }
 
     pub fn observe_commit(&self, latency: std::time::Duration) {
@@ -184,9 +257,83 @@ impl Metrics {
 
 /// Counters cannot be set; one that mirrors a count kept elsewhere is moved
 /// up to it.
+/// The server of an MCP tool's canonical name (`mcp__SERVER__TOOL`).
+fn mcp_server_of(tool: &str) -> Option<&str> {
+    let rest = tool.strip_prefix(arbor_protocol::mcp::MCP_PREFIX)?;
+    rest.split_once("__").map(|(server, _)| server)
+}
+
 fn catch_up(counter: &Counter, now: u64) {
     let have = counter.get();
     if now > have {
         counter.inc_by(now - have);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arbor_protocol::{JobId, Refusal, RunId};
+
+    fn event(kind: EventKind) -> Event {
+        Event {
+            seq: 1,
+            run: RunId::new(),
+            at_ms: 0,
+            kind,
+        }
+    }
+
+    fn called(tool: &str, ok: bool, detail: &str, latency_ms: u64) -> Event {
+        event(EventKind::ToolCalled {
+            id: JobId::new(),
+            turn: 1,
+            tool: tool.into(),
+            ok,
+            detail: detail.into(),
+            latency_ms,
+        })
+    }
+
+    #[test]
+    fn mcp_calls_are_counted_per_server_and_outcome_and_timed_per_server() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(&dir.path().join("journal")).unwrap();
+        let metrics = Metrics::new();
+        metrics.observe(&called("mcp__fs__read_file", true, "\"hi\"", 40));
+        metrics.observe(&called("mcp__fs__read_file", true, "\"hi\"", 60));
+        metrics.observe(&called(
+            "mcp__fs__write",
+            false,
+            "timed_out: the call",
+            3000,
+        ));
+        metrics.observe(&called("mcp__gh__list", false, "the server refused", 5));
+        metrics.observe(&called("exec", true, "{}", 5));
+        metrics.observe(&event(EventKind::Refused {
+            id: JobId::new(),
+            tool: "mcp__fs__write".into(),
+            refusal: Refusal::ToolLimit {
+                tool: "mcp__fs__write".into(),
+                limit: "calls".into(),
+                most: 1,
+                made: 1,
+            },
+        }));
+        let text = metrics.render(&journal, 0).unwrap();
+        for needle in [
+            "arbor_mcp_calls_total{server=\"fs\",outcome=\"ok\"} 2",
+            "arbor_mcp_calls_total{server=\"fs\",outcome=\"timed_out\"} 1",
+            "arbor_mcp_calls_total{server=\"fs\",outcome=\"refused\"} 1",
+            "arbor_mcp_calls_total{server=\"gh\",outcome=\"error\"} 1",
+            "arbor_mcp_call_seconds_count{server=\"fs\"} 3",
+            "arbor_mcp_call_seconds_sum{server=\"fs\"} 3.1",
+        ] {
+            assert!(text.contains(needle), "{needle} in\n{text}");
+        }
+        assert!(
+            !text.contains("exec"),
+            "a built-in tool is not an MCP server"
+        );
     }
 }

@@ -402,6 +402,7 @@ impl<'a> Writer<'a> {
                 tool: tool.into(),
                 ok: true,
                 detail: format!("{tool}: ok"),
+                latency_ms: 0,
             },
         );
     }
