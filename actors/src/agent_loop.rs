@@ -865,8 +865,9 @@ async fn call_tool(
 }
 
 /// I-45: counts the call against every limit that covers it, or refuses
-/// it. A counted call (and, with `always`, any call) is durable in the
-/// journal before it runs, so a restart reads the count back.
+/// it. A call a limit counts is durable in the journal before it runs, so
+/// a restart reads the count back; with `always` (an MCP call) any call is
+/// in the journal before it is sent, durable or not.
 async fn admit(
     args: &LoopArgs,
     counts: &mut CallCounts,
@@ -877,9 +878,15 @@ async fn admit(
 ) -> Result<(), String> {
     match counts.admit(&args.policy.limits, tool, always) {
         Err(refusal) => Err(refused(args, refusal)),
-        Ok(false) => Ok(()),
-        Ok(true) => journal_start(args, tool, call_id, turn).await,
+        Ok(Counted::No) => Ok(()),
+        Ok(Counted::Yes { limited }) => journal_start(args, tool, call_id, turn, limited).await,
     }
+}
+
+/// Whether `CallCounts::admit` counted a call, and whether a limit did.
+enum Counted {
+    No,
+    Yes { limited: bool },
 }
 
 /// Tells a refusal (an event) and returns the text the model reads.
@@ -900,12 +907,14 @@ fn refused(args: &LoopArgs, refusal: Refusal) -> String {
     text
 }
 
-/// `ToolStarted`, made durable before the call goes out.
+/// `ToolStarted`, in the journal before the call goes out; made durable
+/// first when a limit counts the call.
 async fn journal_start(
     args: &LoopArgs,
     tool: &str,
     call_id: &str,
     turn: u32,
+    durable: bool,
 ) -> Result<(), String> {
     args.ctx.events.emit(
         args.run,
@@ -916,6 +925,9 @@ async fn journal_start(
             call: call_id.to_string(),
         },
     );
+    if !durable {
+        return Ok(());
+    }
     args.ctx
         .journal
         .flush()
@@ -959,17 +971,17 @@ struct CallCounts {
 }
 
 impl CallCounts {
-    /// Counts a call of `tool` if every limit that covers it has room:
-    /// `Ok(true)` counted (`always`: even if no limit covers it), `Ok(false)`
-    /// no limit covers it, else the refusal. What is counted is what the
-    /// journal's `ToolStarted` events say, so a restart counts the same.
+    /// Counts a call of `tool` if every limit that covers it has room (and,
+    /// with `always`, even if none covers it), else the refusal. What is
+    /// counted is what the journal's `ToolStarted` events say, so a restart
+    /// counts the same.
     fn admit(
         &mut self,
         limits: &arbor_protocol::ToolLimits,
         tool: &str,
         always: bool,
-    ) -> Result<bool, Refusal> {
-        let mut counted = always;
+    ) -> Result<Counted, Refusal> {
+        let mut limited = false;
         for (key, most) in limits.covering(tool) {
             let made = self.made_under(key);
             if made >= most {
@@ -980,12 +992,13 @@ impl CallCounts {
                     made,
                 });
             }
-            counted = true;
+            limited = true;
         }
-        if counted {
-            *self.made.entry(tool.to_string()).or_default() += 1;
+        if !(limited || always) {
+            return Ok(Counted::No);
         }
-        Ok(counted)
+        *self.made.entry(tool.to_string()).or_default() += 1;
+        Ok(Counted::Yes { limited })
     }
 
     /// The calls made that `key` covers.
