@@ -23,8 +23,8 @@ pub enum NodeMsg {
         spec: RunSpec,
         /// The run's id when the caller must journal it first (a continuation).
         id: Option<RunId>,
-        /// Attempts already made by step label (a continued job's next attempt).
-        attempts: std::collections::HashMap<String, u32>,
+        /// What a continued job's run takes over from it (attempts, counts).
+        carried: crate::run::Carried,
         reply: RpcReplyPort<Result<RunId, String>>,
     },
     /// Resumes a run recovery found interrupted (I-34).
@@ -88,10 +88,10 @@ impl Actor for Node {
             NodeMsg::StartRun {
                 spec,
                 id,
-                attempts,
+                carried,
                 reply,
             } => {
-                let result = state.start_run(&myself, spec, id, attempts).await;
+                let result = state.start_run(&myself, spec, id, carried).await;
                 let _ = reply.send(result);
             }
             NodeMsg::ResumeRun {
@@ -236,7 +236,7 @@ impl NodeState {
         myself: &ActorRef<NodeMsg>,
         spec: RunSpec,
         id: Option<RunId>,
-        attempts: std::collections::HashMap<String, u32>,
+        carried: crate::run::Carried,
     ) -> Result<RunId, String> {
         if self.closing {
             return Err("the node is shutting down; no new run starts".into());
@@ -271,7 +271,7 @@ impl NodeState {
         {
             return Err(format!("run {id} was already started"));
         }
-        self.spawn_run(myself, id.unwrap_or_default(), spec, None, attempts)
+        self.spawn_run(myself, id.unwrap_or_default(), spec, None, carried)
             .await
     }
 
@@ -302,14 +302,14 @@ impl NodeState {
         id: RunId,
         spec: RunSpec,
         resume: Option<crate::run::Resume>,
-        attempts: std::collections::HashMap<String, u32>,
+        carried: crate::run::Carried,
     ) -> Result<RunId, String> {
         let args = RunArgs {
             ctx: self.ctx.clone(),
             id,
             spec: spec.clone(),
             resume,
-            attempts,
+            carried,
         };
         let (actor, _) = Actor::spawn_linked(
             Some(format!("arbor-run-{id}")),

@@ -32,9 +32,19 @@ pub struct RunArgs {
     pub spec: RunSpec,
     /// Set when a restart resumes an interrupted run (I-34).
     pub resume: Option<Resume>,
-    /// Attempts already made, by step label, for a new run that continues
-    /// an interrupted job (I-33): its step is the next attempt.
+    /// What a new run that continues an interrupted job takes over from it (I-33).
+    pub carried: Carried,
+}
+
+/// What a new run carries over from the interrupted job it continues
+/// (I-33): its step is the job's next attempt, and starts from the calls
+/// the job's limits had counted (I-45).
+#[derive(Clone, Debug, Default)]
+pub struct Carried {
+    /// Attempts already made, by step label.
     pub attempts: std::collections::HashMap<String, u32>,
+    /// Calls counted by limits, by step label.
+    pub tool_counts: std::collections::HashMap<String, BTreeMap<String, u64>>,
 }
 
 /// Where an interrupted run picks up, as recovery read it from the journal.
@@ -194,9 +204,13 @@ impl Actor for Run {
             attempts: if resume_given {
                 resume.attempts
             } else {
-                args.attempts
+                args.carried.attempts
             },
-            tool_counts: resume.tool_counts,
+            tool_counts: if resume_given {
+                resume.tool_counts
+            } else {
+                args.carried.tool_counts
+            },
             ctx,
             id: args.id,
             spec: args.spec,

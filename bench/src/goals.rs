@@ -1,9 +1,10 @@
-//! The seven goals, by id, and the sizes each runs at.
+//! The goals, by id, and the sizes each runs at.
 
 mod cpu_per_job;
 mod delegate_round_trip;
 mod durable_fan_out;
 pub mod idle_memory;
+mod mcp_call;
 mod restart;
 mod steering;
 mod stop_subtree;
@@ -20,10 +21,12 @@ pub enum Goal {
     P5,
     P6,
     P7,
+    /// An MCP call beside a bare rmcp client's (needs `npm ci --prefix tests/mcp`).
+    M1,
 }
 
 impl Goal {
-    pub const ALL: [Goal; 7] = [
+    pub const ALL: [Goal; 8] = [
         Goal::P1,
         Goal::P2,
         Goal::P3,
@@ -31,6 +34,7 @@ impl Goal {
         Goal::P5,
         Goal::P6,
         Goal::P7,
+        Goal::M1,
     ];
 
     /// `P3` or `p3`.
@@ -49,6 +53,7 @@ impl Goal {
             Goal::P5 => "P5",
             Goal::P6 => "P6",
             Goal::P7 => "P7",
+            Goal::M1 => "M1",
         }
     }
 
@@ -62,6 +67,7 @@ impl Goal {
             Goal::P5 => restart::run(sizes).await,
             Goal::P6 => steering::run(sizes).await,
             Goal::P7 => cpu_per_job::run(sizes).await,
+            Goal::M1 => mcp_call::run(sizes).await,
         }
     }
 }
@@ -86,6 +92,8 @@ pub struct Sizes {
     pub steer_senders: usize,
     pub steers_each: usize,
     pub casts_each: usize,
+    /// M1: MCP calls one after another, in each repetition of each side.
+    pub mcp_calls: usize,
 }
 
 /// A fan-out workload: `runs` runs at once, each a step that delegates
@@ -122,6 +130,7 @@ impl Sizes {
             steer_senders: 64,
             steers_each: 50,
             casts_each: 2_000,
+            mcp_calls: 200,
         }
     }
 
@@ -142,6 +151,7 @@ impl Sizes {
             steer_senders: 4,
             steers_each: 5,
             casts_each: 100,
+            mcp_calls: 10,
         }
     }
 }

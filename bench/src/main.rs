@@ -63,6 +63,7 @@
 //! | P5 | `Journal::open` + `recovery::recover` on 1,000,000 records with 10,000 jobs open | sled open + a walk of every entry | <= 1.5 |
 //! | P6 | steering messages to one running step, 64 concurrent senders; msgs/s | casts to one bare actor from 64 senders | >= 0.5 |
 //! | P7 | process CPU per delegated job, P2's workload | a bare spawn + call + stop of as many actors | <= 20 |
+//! | M1 | one MCP call (the everything reference server's `echo`) from the model's reply to the tool result, 200 in a row | the same call from a bare rmcp client to the same server, unsealed | <= 1.5 (and the sealed start, a note) |
 //!
 //! Each goal's module says exactly what it measures.
 //!
@@ -93,9 +94,9 @@ use std::panic::AssertUnwindSafe;
 use std::process::ExitCode;
 
 #[derive(Parser, Debug)]
-#[command(about = "arbor's performance goals (P1-P7), each beside its baseline")]
+#[command(about = "arbor's performance goals (P1-P7, M1), each beside its baseline")]
 struct Args {
-    /// `all`, or goal ids: P1 ... P7.
+    /// `all`, or goal ids: P1 ... P7, M1.
     goals: Vec<String>,
     /// Small sizes: checks that each goal runs and reports, not its speed.
     #[arg(long)]
@@ -178,7 +179,7 @@ enum Whole {
 /// The goals named on the command line, in goal order, and W.
 fn chosen(names: &[String]) -> Result<(Vec<Goal>, Whole), String> {
     if names.is_empty() {
-        return Err("name the goals to run: `all`, W, or P1 ... P7".into());
+        return Err("name the goals to run: `all`, W, or P1 ... P7, M1".into());
     }
     let (mut goals, mut whole) = (vec![], Whole::No);
     for name in names {
@@ -194,7 +195,8 @@ fn chosen(names: &[String]) -> Result<(Vec<Goal>, Whole), String> {
             continue;
         }
         goals.push(
-            Goal::parse(name).ok_or_else(|| format!("no goal {name:?}: P1 ... P7, W or all"))?,
+            Goal::parse(name)
+                .ok_or_else(|| format!("no goal {name:?}: P1 ... P7, M1, W or all"))?,
         );
     }
     goals.sort();

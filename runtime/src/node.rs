@@ -182,12 +182,12 @@ impl EmbeddedNode {
         {
             return Ok(run);
         }
-        let request = journal
-            .events(record.run)?
-            .into_iter()
-            .find_map(|e| match e.kind {
-                arbor_protocol::EventKind::JobSpawned { id, request, .. } if id == job => {
-                    Some(request)
+        let history = journal.events(record.run)?;
+        let request = history
+            .iter()
+            .find_map(|e| match &e.kind {
+                arbor_protocol::EventKind::JobSpawned { id, request, .. } if *id == job => {
+                    Some(request.clone())
                 }
                 _ => None,
             })
@@ -210,7 +210,14 @@ impl EmbeddedNode {
             budget_tokens: record.grant_tokens,
             timeout: None,
         };
-        let attempts = std::collections::HashMap::from([(label, record.attempt)]);
+        // The counts its limits made, from its journaled calls (I-45).
+        let made = crate::recovery::tool_counts(&history)
+            .remove(&job)
+            .unwrap_or_default();
+        let carried = arbor_actors::run::Carried {
+            attempts: std::collections::HashMap::from([(label.clone(), record.attempt)]),
+            tool_counts: std::collections::HashMap::from([(label, made)]),
+        };
         // Recorded before the run starts (I-29): a crash in between leaves a
         // record naming a run that never started, never two runs.
         let run = RunId::new();
@@ -227,7 +234,7 @@ impl EmbeddedNode {
         let started = ractor::call!(self.node, |reply| NodeMsg::StartRun {
             spec,
             id: Some(run),
-            attempts,
+            carried,
             reply
         })
         .map_err(|e| Error::Start(e.to_string()))
@@ -330,7 +337,7 @@ impl EmbeddedNode {
         ractor::call!(self.node, |reply| NodeMsg::StartRun {
             spec,
             id,
-            attempts: Default::default(),
+            carried: Default::default(),
             reply
         })
         .map_err(|e| Error::Start(e.to_string()))?

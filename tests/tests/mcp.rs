@@ -477,3 +477,50 @@ async fn a_server_that_writes_what_is_not_json_to_stdout_does_not_take_the_job_d
     let noise = called(&node, run, "mcp__t__noise");
     assert!(noise[0].0 && noise[0].1.contains("made noise"), "{noise:?}");
 }
+
+#[tokio::test]
+async fn inv_45_a_continued_job_starts_from_the_calls_its_interrupted_attempt_made() {
+    let boss = agent_md(
+        "mcp: [t]\nsubagents: [counter]\nscript:\n  - call: {tool: delegate, args: {jobs: [{agent: counter, request: count, label: c}]}}\n  - call: {tool: submit_output, args: {output: done}}\n",
+    );
+    let counter = agent_md(&format!(
+        "description: counts\nmcp: [t]\nlimits: {{calls: 2}}\nscript:\n{}{}  - say: thinking\n    delay: 1h\n{}{SUBMIT}",
+        call("mcp__t__pid", "{}"),
+        call("mcp__t__pid", "{}"),
+        call("mcp__t__pid", "{}"),
+    ));
+    let flow = "[[group]]\nsteps = [{ agent = \"boss\", instruction = \"go\", retries = 0 }]\n";
+    let node = TestNode::start_workspace(
+        Some(&server("")),
+        &[("boss", &boss), ("counter", &counter)],
+        &[("work", flow)],
+        std::sync::Arc::new(arbor_testkit::DefaultModels),
+    )
+    .await;
+    let run = node.run_flow("work").await;
+    node.wait_until(run, |_| called(&node, run, "mcp__t__pid").len() == 2)
+        .await;
+    let job = node.wait_for(run, "c").await;
+    let node = node.crash_and_restart().await;
+    node.wait_run(run).await;
+
+    // The same script again: its two calls, then it thinks.
+    let continued = node.node().continue_job(job).await.unwrap();
+    let tree = node
+        .wait_until(continued, |_| {
+            called(&node, continued, "mcp__t__pid").len() == 2
+        })
+        .await;
+    // Its two calls were made before the restart: the next attempt may make none.
+    let again = called(&node, continued, "mcp__t__pid");
+    assert!(
+        again
+            .iter()
+            .all(|(ok, d)| !ok && d.contains("limit reached")),
+        "{again:?}"
+    );
+    assert_eq!(started(&node, continued, "mcp__t__pid"), 0);
+    let step = tree.node(tree.find("c").unwrap()).unwrap();
+    assert_eq!(step.attempt, 2);
+    node.stop_run(continued).await;
+}
