@@ -6,10 +6,10 @@
 
 use crate::trial::Rep;
 use anyhow::bail;
-use arbor_protocol::{EventKind, JobId, ParentRef, Status};
+use arbor_protocol::{EventKind, JobId, NodeKind, ParentRef, RunId, Status};
 use arbor_testkit::{TestNode, agent_md};
 use ractor::ActorCell;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -301,4 +301,78 @@ pub async fn all_exited(cells: &[ActorCell]) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// When each step's model calls returned and each of its good calls of one
+/// tool did, by run, as an observer in the emitting task saw them: a call's
+/// time is from the model reply that asked for it to its result, the model
+/// turn around it excluded (event timestamps in the journal are
+/// milliseconds).
+#[derive(Clone)]
+pub struct Marks {
+    tool: Arc<str>,
+    inner: Arc<Mutex<MarksInner>>,
+}
+
+#[derive(Default)]
+struct MarksInner {
+    steps: HashSet<JobId>,
+    model_calls: HashMap<RunId, Vec<Instant>>,
+    calls: HashMap<RunId, Vec<Instant>>,
+}
+
+impl Marks {
+    pub fn install(node: &TestNode, tool: &str) -> Marks {
+        let marks = Marks {
+            tool: tool.into(),
+            inner: Default::default(),
+        };
+        let (inner, tool) = (marks.inner.clone(), marks.tool.clone());
+        node.observe(move |event| {
+            let at = Instant::now();
+            let mut inner = inner.lock().unwrap();
+            match &event.kind {
+                EventKind::JobSpawned {
+                    id,
+                    kind: NodeKind::Step,
+                    ..
+                } => {
+                    inner.steps.insert(*id);
+                }
+                EventKind::ModelCalled { id, .. } if inner.steps.contains(id) => {
+                    inner.model_calls.entry(event.run).or_default().push(at);
+                }
+                EventKind::ToolCalled {
+                    tool: t, ok: true, ..
+                } if **t == *tool => {
+                    inner.calls.entry(event.run).or_default().push(at);
+                }
+                _ => {}
+            }
+        });
+        marks
+    }
+
+    /// Each call of the run, in seconds, from the step's model call that
+    /// asked for it to its result; the run made `calls` and one last turn.
+    pub fn calls(&self, run: RunId, calls: usize) -> anyhow::Result<Vec<f64>> {
+        let inner = self.inner.lock().unwrap();
+        let none = vec![];
+        let model_calls = inner.model_calls.get(&run).unwrap_or(&none);
+        let made = inner.calls.get(&run).unwrap_or(&none);
+        if made.len() != calls || model_calls.len() != calls + 1 {
+            bail!(
+                "expected {calls} good {} calls and {} model calls of the step, saw {} and {}",
+                self.tool,
+                calls + 1,
+                made.len(),
+                model_calls.len()
+            );
+        }
+        Ok(made
+            .iter()
+            .zip(model_calls)
+            .map(|(result, asked)| (*result - *asked).as_secs_f64())
+            .collect())
+    }
 }

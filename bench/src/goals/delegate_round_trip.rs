@@ -15,14 +15,12 @@
 use crate::goals::Sizes;
 use crate::report::{Bound, Outcome, Unit, figure, verdict};
 use crate::trial::interleaved;
-use crate::workload::{BUDGET_TOKENS, Flushes, Tally, filesystem};
-use anyhow::{bail, ensure};
-use arbor_protocol::{EventKind, JobId, NodeKind, RunId, Status};
+use crate::workload::{BUDGET_TOKENS, Flushes, Marks, Tally, filesystem};
+use anyhow::ensure;
+use arbor_protocol::Status;
 use arbor_testkit::TestNode;
 use arbor_tests::agents::{leaf_at_once, serial_parent};
 use arbor_tests::measure::{RawLog, RawWrite, median};
-use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The raw write of the baseline, in bytes.
@@ -36,7 +34,7 @@ pub async fn run(sizes: &Sizes) -> anyhow::Result<Outcome> {
     let parent = serial_parent(calls);
     let node = TestNode::start(&[("parent", &parent), ("leaf", &leaf_at_once())]).await;
     let tally = Tally::install(&node);
-    let marks = Marks::install(&node);
+    let marks = Marks::install(&node, "delegate");
     let mut log = RawLog::create(&node.data_dir());
     let record = [0x5a_u8; RAW_WRITE];
     let mut flushes = Flushes::default();
@@ -105,68 +103,4 @@ pub async fn run(sizes: &Sizes) -> anyhow::Result<Outcome> {
         conditions: vec![],
         notes,
     })
-}
-
-/// When each step's model calls returned and each of its delegate calls
-/// did, by run, as the observer saw them.
-#[derive(Clone, Default)]
-struct Marks {
-    inner: Arc<Mutex<MarksInner>>,
-}
-
-#[derive(Default)]
-struct MarksInner {
-    steps: HashSet<JobId>,
-    model_calls: HashMap<RunId, Vec<Instant>>,
-    delegates: HashMap<RunId, Vec<Instant>>,
-}
-
-impl Marks {
-    fn install(node: &TestNode) -> Marks {
-        let marks = Marks::default();
-        let inner = marks.inner.clone();
-        node.observe(move |event| {
-            let at = Instant::now();
-            let mut inner = inner.lock().unwrap();
-            match &event.kind {
-                EventKind::JobSpawned {
-                    id,
-                    kind: NodeKind::Step,
-                    ..
-                } => {
-                    inner.steps.insert(*id);
-                }
-                EventKind::ModelCalled { id, .. } if inner.steps.contains(id) => {
-                    inner.model_calls.entry(event.run).or_default().push(at);
-                }
-                EventKind::ToolCalled { tool, .. } if tool == "delegate" => {
-                    inner.delegates.entry(event.run).or_default().push(at);
-                }
-                _ => {}
-            }
-        });
-        marks
-    }
-
-    /// Each delegate call of the run, in seconds: from the step's model
-    /// call that asked for it to its result.
-    fn calls(&self, run: RunId, calls: usize) -> anyhow::Result<Vec<f64>> {
-        let inner = self.inner.lock().unwrap();
-        let none = vec![];
-        let model_calls = inner.model_calls.get(&run).unwrap_or(&none);
-        let delegates = inner.delegates.get(&run).unwrap_or(&none);
-        if delegates.len() != calls || model_calls.len() != calls + 1 {
-            bail!(
-                "expected {calls} delegate calls and {} model calls of the step, saw {} and {}",
-                calls + 1,
-                delegates.len(),
-                model_calls.len()
-            );
-        }
-        Ok(delegates
-            .iter()
-            .zip(model_calls)
-            .map(|(result, asked)| (*result - *asked).as_secs_f64())
-            .collect())
-    }
 }

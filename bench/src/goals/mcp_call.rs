@@ -18,13 +18,12 @@
 use crate::goals::Sizes;
 use crate::report::{Bound, Outcome, Unit, figure};
 use crate::trial::interleaved;
+use crate::workload::Marks;
 use anyhow::{Context, bail};
-use arbor_protocol::{EventKind, JobId, NodeKind, RunId, Status};
+use arbor_protocol::Status;
 use arbor_testkit::{TestNode, agent_md};
 use arbor_tests::measure::median;
-use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 const TOOL: &str = "mcp__everything__echo";
@@ -49,7 +48,7 @@ pub async fn run(sizes: &Sizes) -> anyhow::Result<Outcome> {
     }
     script.push_str("  - call: {tool: submit_output, args: {output: done}}");
     let node = TestNode::start_with_config(&config, &[("caller", &agent_md(&script))]).await;
-    let marks = Marks::install(&node);
+    let marks = Marks::install(&node, TOOL);
     let (mut arbor_all, mut bare_all) = (vec![], vec![]);
     let (mut arbor_starts, mut bare_starts) = (vec![], vec![]);
 
@@ -163,67 +162,4 @@ async fn bare_calls(server: &PathBuf, calls: usize) -> anyhow::Result<(f64, Vec<
     let _ = client.cancel().await;
     let _ = child.kill().await;
     Ok((start, samples))
-}
-
-/// When the step's model calls returned and its echo calls did, by run.
-#[derive(Clone, Default)]
-struct Marks {
-    inner: Arc<Mutex<MarksInner>>,
-}
-
-#[derive(Default)]
-struct MarksInner {
-    steps: HashSet<JobId>,
-    model_calls: HashMap<RunId, Vec<Instant>>,
-    echoes: HashMap<RunId, Vec<Instant>>,
-}
-
-impl Marks {
-    fn install(node: &TestNode) -> Marks {
-        let marks = Marks::default();
-        let inner = marks.inner.clone();
-        node.observe(move |event| {
-            let at = Instant::now();
-            let mut inner = inner.lock().unwrap();
-            match &event.kind {
-                EventKind::JobSpawned {
-                    id,
-                    kind: NodeKind::Step,
-                    ..
-                } => {
-                    inner.steps.insert(*id);
-                }
-                EventKind::ModelCalled { id, .. } if inner.steps.contains(id) => {
-                    inner.model_calls.entry(event.run).or_default().push(at);
-                }
-                EventKind::ToolCalled { tool, ok, .. } if tool == TOOL && *ok => {
-                    inner.echoes.entry(event.run).or_default().push(at);
-                }
-                _ => {}
-            }
-        });
-        marks
-    }
-
-    /// Each echo call of the run, in seconds: from the model call that
-    /// asked for it to its result.
-    fn calls(&self, run: RunId, calls: usize) -> anyhow::Result<Vec<f64>> {
-        let inner = self.inner.lock().unwrap();
-        let none = vec![];
-        let model_calls = inner.model_calls.get(&run).unwrap_or(&none);
-        let echoes = inner.echoes.get(&run).unwrap_or(&none);
-        if echoes.len() != calls || model_calls.len() != calls + 1 {
-            bail!(
-                "expected {calls} good echo calls and {} model calls of the step, saw {} and {}",
-                calls + 1,
-                echoes.len(),
-                model_calls.len()
-            );
-        }
-        Ok(echoes
-            .iter()
-            .zip(model_calls)
-            .map(|(result, asked)| (*result - *asked).as_secs_f64())
-            .collect())
-    }
 }
