@@ -8,10 +8,11 @@
 //!    refused with the reason, at every depth below a deny (I-44).
 //! 2. Within one job, a model name stands for exactly one tool: a second
 //!    tool that would take a name already given is left out, with a warning.
-//! 3. A listing runs the server as a job's call would (sealed, its declared
-//!    secrets only) in a folder of the node's own, and is killed once it
-//!    has answered; a node that cannot seal lists nothing (no server ever
-//!    runs unsealed but under `[sandbox] mode = "none"`).
+//! 3. A listing reaches the server as a job's call would: a stdio server
+//!    runs sealed, with its declared secrets only, in a folder of the
+//!    node's own, and is killed once it has answered; a node that cannot
+//!    seal lists no stdio server (none ever runs unsealed but under
+//!    `[sandbox] mode = "none"`).
 
 use crate::mcp_server::{LiveServer, ServerLaunch};
 use crate::model::ToolSpec;
@@ -19,7 +20,7 @@ use crate::policy::Policy;
 use crate::secrets::Secrets;
 use arbor_mcp::McpTool;
 use arbor_protocol::mcp::{canonical_name, model_name};
-use arbor_protocol::{McpServerSpec, Resources};
+use arbor_protocol::{McpServerSpec, McpTransport, Resources, StdioServer};
 use arbor_sandbox::seal::{Posture, SandboxIsolation, SandboxUser};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
@@ -100,6 +101,25 @@ impl McpCatalog {
     }
 
     async fn list(&self, spec: Arc<McpServerSpec>) -> Result<Arc<[McpTool]>, String> {
+        // Dropped at the end of this function: the listing server is
+        // killed, or its session ended.
+        let server = match &spec.transport {
+            McpTransport::Stdio(stdio) => self.start(&spec, stdio).await?,
+            McpTransport::Http(http) => {
+                LiveServer::connect_http(http, &spec, &self.secrets).await?
+            }
+        };
+        let tools = server
+            .client
+            .list_tools(spec.start_timeout)
+            .await
+            .map_err(|e| e.to_string())?;
+        server.kill();
+        Ok(tools.into())
+    }
+
+    /// Starts a stdio server to list its tools, as a job would.
+    async fn start(&self, spec: &McpServerSpec, stdio: &StdioServer) -> Result<LiveServer, String> {
         let sealed = match self.posture.mode {
             SandboxIsolation::None => false,
             SandboxIsolation::Sealed if self.posture.sealed => true,
@@ -129,15 +149,8 @@ impl McpCatalog {
             resources: self.resources,
             roots: self.roots.clone(),
         };
-        let child = launch.spawn(&spec, &self.secrets).await?;
-        // Dropped at the end of this function: the listing server is killed.
-        let server = LiveServer::connect(child, &spec, &self.secrets).await?;
-        let tools = server
-            .client
-            .list_tools(spec.start_timeout)
-            .await
-            .map_err(|e| e.to_string())?;
-        Ok(tools.into())
+        let child = launch.spawn(spec, stdio, &self.secrets).await?;
+        LiveServer::connect(child, spec, &self.secrets).await
     }
 }
 

@@ -1,20 +1,22 @@
-//! One MCP server's process and its connection: started as a sandbox's
-//! commands are (sealed in namespaces of its own, in the job's workdir, with
-//! the job's rlimits), and spoken to over its stdin and stdout (`arbor_mcp`).
+//! One MCP server's connection, and its process when arbor runs it: a
+//! stdio server is started as a sandbox's commands are (sealed in
+//! namespaces of its own, in the job's workdir, with the job's rlimits) and
+//! spoken to over its stdin and stdout; an HTTP server is reached at its
+//! URL from the node, with its declared headers (`arbor_mcp`).
 //!
 //! Invariants:
 //! 1. A server is never started through a bare process spawn: only through
 //!    `seal::spawn` (or, under `[sandbox] mode = "none"`, `seal::spawn_host`),
 //!    the spawner every command goes through, so it dies with its node.
-//! 2. Its environment is the allowlist, its declared `env` and its declared
-//!    secrets (I-27): never the job's own secrets, never the node's.
+//! 2. Its environment (or its headers) holds its declared secrets only
+//!    (I-27): never the job's own secrets, never the node's.
 //! 3. Its stderr is read as it comes (a server that logs must not block on
 //!    a full pipe) and only the last `STDERR_TAIL` bytes are kept, redacted,
 //!    to say why a server that failed did.
 
 use crate::secrets::Secrets;
 use arbor_mcp::McpClient;
-use arbor_protocol::{McpServerSpec, Resources};
+use arbor_protocol::{HttpServer, McpServerSpec, Resources, StdioServer};
 use arbor_sandbox::seal::{self, SandboxUser, SealSpec, Spawned};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -37,9 +39,14 @@ pub struct ServerLaunch {
 impl ServerLaunch {
     /// Starts `spec`'s process with `secrets`' values of its declared
     /// secrets; its pipes are left for `LiveServer::connect`.
-    pub async fn spawn(&self, spec: &McpServerSpec, secrets: &Secrets) -> Result<Spawned, String> {
+    pub async fn spawn(
+        &self,
+        spec: &McpServerSpec,
+        stdio: &StdioServer,
+        secrets: &Secrets,
+    ) -> Result<Spawned, String> {
         let names = spec.secrets.iter().cloned().collect();
-        let mut env: Vec<(String, String)> = spec
+        let mut env: Vec<(String, String)> = stdio
             .env
             .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
@@ -47,7 +54,7 @@ impl ServerLaunch {
         env.extend(secrets.env_for(&names)?);
         // `exec`, so that the server is the process the shell was: its
         // pipes, its exit, its group.
-        let words = std::iter::once(&spec.command).chain(&spec.args);
+        let words = std::iter::once(&stdio.command).chain(&stdio.args);
         let quoted: Result<Vec<String>, _> = words
             .map(|w| shlex::try_quote(w).map(|q| q.into_owned()))
             .collect();
@@ -61,11 +68,11 @@ impl ServerLaunch {
             let spec = SealSpec {
                 workdir: self.workdir.clone(),
                 user: self.user,
-                network: spec.network,
+                network: stdio.network,
                 resources: self.resources,
                 env,
                 roots: self.roots.clone(),
-                read_only: spec.read_only.clone(),
+                read_only: stdio.read_only.clone(),
                 stdin: true,
             };
             return seal::spawn(&spec, &command).await;
@@ -83,9 +90,15 @@ impl ServerLaunch {
     }
 }
 
-/// A started server, initialized: its connection and its process.
+/// A started server, initialized: its connection, and its process when
+/// arbor runs it.
 pub struct LiveServer {
     pub client: Arc<McpClient>,
+    /// None for an HTTP server, which runs elsewhere.
+    process: Option<ServerProcess>,
+}
+
+struct ServerProcess {
     /// Killed when this is dropped (`Spawned`'s own drop).
     child: Spawned,
     stderr: Arc<Mutex<Vec<u8>>>,
@@ -120,8 +133,7 @@ impl LiveServer {
         match McpClient::connect(stdout, stdin, spec.start_timeout).await {
             Ok(client) => Ok(Self {
                 client: Arc::new(client),
-                child,
-                stderr,
+                process: Some(ServerProcess { child, stderr }),
             }),
             Err(e) => {
                 child.kill();
@@ -137,19 +149,46 @@ impl LiveServer {
         }
     }
 
+    /// Speaks `initialize` to `http`'s URL within the server's start
+    /// timeout, with its headers' secrets filled in.
+    pub async fn connect_http(
+        http: &HttpServer,
+        spec: &McpServerSpec,
+        secrets: &Secrets,
+    ) -> Result<Self, String> {
+        let names = spec.secrets.iter().cloned().collect();
+        let values: std::collections::BTreeMap<String, String> =
+            secrets.env_for(&names)?.into_iter().collect();
+        let headers = http.headers_with(|name| values.get(name).cloned())?;
+        let client = McpClient::connect_http(&http.url, &headers, spec.start_timeout)
+            .await
+            .map_err(|e| secrets.redact(&e.to_string()))?;
+        Ok(Self {
+            client: Arc::new(client),
+            process: None,
+        })
+    }
+
     /// The pid of its process, which leads its process group.
-    pub fn pid(&self) -> i32 {
-        self.child.pid()
+    pub fn pid(&self) -> Option<i32> {
+        self.process.as_ref().map(|p| p.child.pid())
     }
 
     /// The end of what it wrote to stderr, redacted (I-27).
     pub fn stderr_tail(&self, secrets: &Secrets) -> String {
-        tail_text(&self.stderr, secrets)
+        self.process
+            .as_ref()
+            .map(|p| tail_text(&p.stderr, secrets))
+            .unwrap_or_default()
     }
 
-    /// Kills its process (and, sealed, everything in its namespaces).
+    /// Ends it: kills its process (and, sealed, everything in its
+    /// namespaces), or ends its HTTP session.
     pub fn kill(&self) {
-        self.child.kill();
+        match &self.process {
+            Some(process) => process.child.kill(),
+            None => self.client.close(),
+        }
     }
 }
 

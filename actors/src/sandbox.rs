@@ -27,7 +27,7 @@ use crate::events::EventBus;
 use crate::mcp_server::{LiveServer, ServerLaunch};
 use crate::secrets::Secrets;
 use arbor_mcp::{McpClient, McpError, McpOutcome};
-use arbor_protocol::{EventKind, McpServerSpec, McpServerState};
+use arbor_protocol::{EventKind, McpServerSpec, McpServerState, McpTransport};
 use arbor_sandbox::files::{confine, is_file_beneath, read_confined, write_confined};
 use arbor_sandbox::seal::{
     self, Posture, SandboxIsolation, SandboxUser, SealSpec, Spawned, SpawnedStatus,
@@ -289,13 +289,21 @@ impl Actor for Sandbox {
                 // Told before the kill, which closes the recorder: a server
                 // that still runs ends with its job.
                 for (name, slot) in &state.servers {
-                    let running = slot.live.try_lock().map_or(true, |live| live.is_some());
+                    let (running, server) = match slot.live.try_lock() {
+                        Ok(mut live) => (live.is_some(), live.take()),
+                        Err(_) => (true, None),
+                    };
                     if running {
                         let starts = slot.starts.load(std::sync::atomic::Ordering::Acquire);
                         let restarts = starts.saturating_sub(1);
                         state
                             .groups
                             .tell(name, McpServerState::Stopped, restarts, None);
+                    }
+                    // An HTTP session ends here; a process ends with its
+                    // group just below.
+                    if let Some(server) = server {
+                        server.kill();
                     }
                 }
                 let _ = reply.send(state.groups.kill_all());
@@ -675,6 +683,23 @@ impl McpCallJob {
         self.slot
             .starts
             .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        let stdio = match &self.spec.transport {
+            McpTransport::Stdio(stdio) => stdio,
+            McpTransport::Http(http) => {
+                return match LiveServer::connect_http(http, &self.spec, &self.how.secrets).await {
+                    Ok(server) => {
+                        let client = server.client.clone();
+                        *live = Some(server);
+                        self.tell(McpServerState::Running, None);
+                        Ok(client)
+                    }
+                    Err(why) => {
+                        self.tell(McpServerState::Died, Some(why.clone()));
+                        Err(start_error(why))
+                    }
+                };
+            }
+        };
         let workdir = self.how.workdir.make().map_err(start_error)?.to_path_buf();
         let launch = ServerLaunch {
             workdir,
@@ -684,7 +709,7 @@ impl McpCallJob {
             roots: self.how.roots.clone(),
         };
         let child = launch
-            .spawn(&self.spec, &self.how.secrets)
+            .spawn(&self.spec, stdio, &self.how.secrets)
             .await
             .map_err(start_error)?;
         let pid = child.pid();
@@ -722,7 +747,9 @@ impl McpCallJob {
     /// Kills a server's group and forgets it; `why`, with its stderr's end.
     fn ended(&self, server: &LiveServer, why: &str) -> String {
         server.kill();
-        self.groups.release(server.pid());
+        if let Some(pid) = server.pid() {
+            self.groups.release(pid);
+        }
         let said = server.stderr_tail(&self.how.secrets);
         if said.is_empty() {
             why.to_string()

@@ -1,5 +1,6 @@
 //! arbor's MCP client: one connection to one tool server, over the pipes of
-//! a process someone else started (the sandbox seals and owns it).
+//! a process someone else started (the sandbox seals and owns it), or over
+//! streamable HTTP to an endpoint someone else runs.
 //!
 //! The rest of arbor speaks only the types here (`McpClient`, `McpTool`,
 //! `McpOutcome`, `McpError`); rmcp, which speaks the protocol, stays inside
@@ -18,6 +19,9 @@ use rmcp::ServiceExt;
 use rmcp::model::{CallToolRequestParams, ClientRequest, ContentBlock, PingRequest};
 use rmcp::service::{ClientInitializeError, RoleClient, RunningService};
 use rmcp::transport::async_rw::AsyncRwTransport;
+use rmcp::transport::streamable_http_client::{
+    StreamableHttpClientTransport, StreamableHttpClientTransportConfig,
+};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 
@@ -84,17 +88,65 @@ impl McpClient {
     {
         let transport = AsyncRwTransport::<RoleClient, R, W>::new(read, write)
             .with_max_line_length(MAX_MESSAGE);
+        // A server that exits at once breaks the pipe under the request;
+        // what it wrote to stderr (the caller's) says why.
+        Self::start(transport, timeout, || {
+            "the server ended before it answered initialize".into()
+        })
+        .await
+    }
+
+    /// Speaks `initialize` to the streamable HTTP endpoint `url`, sending
+    /// `headers` with every request, within `timeout`.
+    pub async fn connect_http(
+        url: &str,
+        headers: &[(String, String)],
+        timeout: Duration,
+    ) -> Result<Self, McpError> {
+        use reqwest::header::{HeaderName, HeaderValue};
+        let mut custom = std::collections::HashMap::new();
+        for (name, value) in headers {
+            let name = HeaderName::from_bytes(name.as_bytes())
+                .map_err(|_| McpError::Protocol(format!("`{name}` is not a header's name")))?;
+            // The value may hold a secret: the error names the header only.
+            let mut value = HeaderValue::from_str(value)
+                .map_err(|_| McpError::Protocol(format!("header `{name}`: not a header value")))?;
+            value.set_sensitive(true);
+            custom.insert(name, value);
+        }
+        let http = reqwest::Client::builder()
+            .connect_timeout(timeout)
+            .build()
+            .map_err(|e| McpError::Protocol(format!("an HTTP client: {e}")))?;
+        let config = StreamableHttpClientTransportConfig::with_uri(url)
+            .custom_headers(custom)
+            .max_sse_event_size(MAX_MESSAGE)
+            .max_json_response_size(MAX_MESSAGE);
+        let transport = StreamableHttpClientTransport::with_client(http, config);
+        Self::start(transport, timeout, || {
+            format!("the server at {url} did not answer initialize")
+        })
+        .await
+    }
+
+    async fn start<T, E, A>(
+        transport: T,
+        timeout: Duration,
+        closed: impl FnOnce() -> String,
+    ) -> Result<Self, McpError>
+    where
+        T: rmcp::transport::IntoTransport<RoleClient, E, A>,
+        E: std::error::Error + Send + Sync + 'static,
+    {
         let mut config = rmcp::model::ClientConfig::default();
         config.client_info = rmcp::model::Implementation::new("arbor", env!("CARGO_PKG_VERSION"));
         let service = match tokio::time::timeout(timeout, config.serve(transport)).await {
             Err(_) => return Err(McpError::StartTimedOut(timeout)),
-            // A server that exits at once breaks the pipe under the
-            // request; what it wrote to stderr (the caller's) says why.
-            Ok(Err(ClientInitializeError::ConnectionClosed(_)))
-            | Ok(Err(ClientInitializeError::TransportError { .. })) => {
-                return Err(McpError::Closed(
-                    "the server ended before it answered initialize".into(),
-                ));
+            Ok(Err(ClientInitializeError::ConnectionClosed(_))) => {
+                return Err(McpError::Closed(closed()));
+            }
+            Ok(Err(ClientInitializeError::TransportError { error, .. })) => {
+                return Err(McpError::Closed(format!("{}: {error}", closed())));
             }
             Ok(Err(e)) => return Err(McpError::Protocol(e.to_string())),
             Ok(Ok(service)) => service,
@@ -154,6 +206,12 @@ impl McpClient {
             Ok(Ok(_)) | Ok(Err(rmcp::service::ServiceError::McpError(_))) => true,
             Ok(Err(_)) | Err(_) => false,
         }
+    }
+
+    /// Ends the connection (an HTTP session is ended at the server as
+    /// well, best effort); calls still in flight end with `Closed`.
+    pub fn close(&self) {
+        self.service.cancellation_token().cancel();
     }
 
     /// Whether the connection has ended (the server exited or broke the protocol).

@@ -25,7 +25,9 @@ pub use agent::{
 pub use event::{CallFacts, Event, EventKind, McpServerState, NodeKind, ParentRef};
 pub use ids::{JobId, RunId};
 pub use limits::Limits;
-pub use mcp::{McpPattern, McpServerSpec, ToolLimits, ToolRef};
+pub use mcp::{
+    HttpServer, McpPattern, McpServerSpec, McpTransport, StdioServer, ToolLimits, ToolRef,
+};
 pub use refusal::Refusal;
 pub use result::{Amount, ResultEnvelope, Usage};
 pub use spec::{FlowGroup, FlowSpec, RunSpec, StepSpec};

@@ -35,19 +35,106 @@ pub const DEFAULT_START_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct McpServerSpec {
     pub name: String,
+    pub transport: McpTransport,
+    /// Secret names: their values reach the server's environment (stdio)
+    /// or its headers (HTTP) only (I-27).
+    pub secrets: Vec<String>,
+    pub call_timeout: Duration,
+    pub start_timeout: Duration,
+}
+
+/// How a server is reached.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum McpTransport {
+    /// A program a job's sandbox starts, sealed, and speaks to over its
+    /// stdin and stdout.
+    Stdio(StdioServer),
+    /// A streamable HTTP endpoint someone else runs, reached from the node.
+    Http(HttpServer),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StdioServer {
     /// The program, found on the sandbox's PATH unless it holds a `/`.
     pub command: String,
     pub args: Vec<String>,
     /// Variables beyond the sandbox's allowlist.
     pub env: BTreeMap<String, String>,
-    /// Secret names: their values reach the server's environment only (I-27).
-    pub secrets: Vec<String>,
     pub network: Network,
     /// Host folders the server sees, read-only, at the same path (its
     /// program's own files, where they are not below `/usr`).
     pub read_only: Vec<PathBuf>,
-    pub call_timeout: Duration,
-    pub start_timeout: Duration,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HttpServer {
+    /// `http://` or `https://`: the endpoint of its streamable HTTP transport.
+    pub url: String,
+    /// Sent with every request; `${NAME}` in a value stands for the
+    /// declared secret NAME's value.
+    pub headers: BTreeMap<String, String>,
+}
+
+impl HttpServer {
+    /// The headers with each `${NAME}` replaced by `value(NAME)`; `Err`
+    /// names the first secret without a value.
+    pub fn headers_with(
+        &self,
+        value: impl Fn(&str) -> Option<String>,
+    ) -> Result<Vec<(String, String)>, String> {
+        let mut out = Vec::with_capacity(self.headers.len());
+        for (name, template) in &self.headers {
+            let mut text = String::new();
+            for piece in placeholders(template)? {
+                match piece {
+                    Piece::Text(t) => text.push_str(t),
+                    Piece::Secret(secret) => text.push_str(&value(secret).ok_or_else(|| {
+                        format!("the secret {secret} (header {name}) has no value on this node")
+                    })?),
+                }
+            }
+            out.push((name.clone(), text));
+        }
+        Ok(out)
+    }
+}
+
+/// Headers the transport sets itself, which a declaration may not.
+pub const RESERVED_HEADERS: [&str; 5] = [
+    "accept",
+    "content-type",
+    "mcp-session-id",
+    "mcp-protocol-version",
+    "last-event-id",
+];
+
+/// A header value's parts: text as it is, and `${NAME}` secrets.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Piece<'a> {
+    Text(&'a str),
+    Secret(&'a str),
+}
+
+/// `template` cut into its parts; an unclosed `${` is an error (a value
+/// meant to hold a secret must not go out holding its name instead).
+pub fn placeholders(template: &str) -> Result<Vec<Piece<'_>>, String> {
+    let mut pieces = vec![];
+    let mut rest = template;
+    while let Some(start) = rest.find("${") {
+        if start > 0 {
+            pieces.push(Piece::Text(&rest[..start]));
+        }
+        let after = &rest[start + 2..];
+        let end = after
+            .find('}')
+            .ok_or_else(|| format!("{template:?}: a `${{` is never closed"))?;
+        pieces.push(Piece::Secret(&after[..end]));
+        rest = &after[end + 1..];
+    }
+    if !rest.is_empty() {
+        pieces.push(Piece::Text(rest));
+    }
+    Ok(pieces)
 }
 
 /// `mcp__SERVER__TOOL`, or `mcp__SERVER__*` (every tool of the server).
@@ -297,6 +384,36 @@ impl ToolLimits {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_header_takes_its_secrets_values_and_refuses_a_missing_one() {
+        let server = HttpServer {
+            url: "http://127.0.0.1:9/mcp".into(),
+            headers: BTreeMap::from([
+                ("Authorization".into(), "Bearer ${TOKEN}".into()),
+                ("X-Pair".into(), "${A}:${B}".into()),
+                ("X-Plain".into(), "as is".into()),
+            ]),
+        };
+        let values = BTreeMap::from([("TOKEN", "t0k"), ("A", "a"), ("B", "b")]);
+        let got = server
+            .headers_with(|n| values.get(n).map(|v| v.to_string()))
+            .unwrap();
+        assert_eq!(
+            got,
+            vec![
+                ("Authorization".to_string(), "Bearer t0k".to_string()),
+                ("X-Pair".into(), "a:b".into()),
+                ("X-Plain".into(), "as is".into()),
+            ]
+        );
+        let missing = server.headers_with(|n| (n != "B").then(|| "v".to_string()));
+        assert_eq!(
+            missing,
+            Err("the secret B (header X-Pair) has no value on this node".into())
+        );
+        assert!(placeholders("Bearer ${TOKEN").is_err());
+    }
 
     #[test]
     fn tool_refs_read_as_agent_md_writes_them() {

@@ -173,7 +173,9 @@ async fn server_findings(workspace: &Workspace) -> Vec<Finding> {
         let Some(spec) = workspace.config.mcp.get(server) else {
             continue;
         };
-        if let Err(message) = command_found(&spec.command) {
+        if let arbor_protocol::McpTransport::Stdio(stdio) = &spec.transport
+            && let Err(message) = command_found(&stdio.command)
+        {
             findings.push(error(
                 "arbor.toml".into(),
                 format!("mcp.servers.{server}: {message}"),

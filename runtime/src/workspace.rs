@@ -22,7 +22,10 @@
 //!    broken workspace always reports the same problem.
 
 use arbor_protocol::agent::{FrontMatter, ScriptCallSpec, ScriptTurnSpec};
-use arbor_protocol::mcp::{DEFAULT_CALL_TIMEOUT, DEFAULT_START_TIMEOUT, check_server_name};
+use arbor_protocol::mcp::{
+    DEFAULT_CALL_TIMEOUT, DEFAULT_START_TIMEOUT, HttpServer, McpTransport, Piece, RESERVED_HEADERS,
+    StdioServer, check_server_name, placeholders,
+};
 use arbor_protocol::tools::parse_duration_arg;
 use arbor_protocol::{
     AgentDef, BudgetArg, FlowSpec, Limits, McpPattern, McpServerSpec, ModelRef, Network, Resources,
@@ -431,7 +434,7 @@ struct McpServerFile {
     read_only: Vec<PathBuf>,
     call_timeout: Option<String>,
     start_timeout: Option<String>,
-    /// A streamable HTTP server: not served yet, refused by name.
+    /// A streamable HTTP server's endpoint, in place of `command`.
     url: Option<String>,
     #[serde(default)]
     headers: BTreeMap<String, String>,
@@ -515,16 +518,101 @@ fn parse_config(text: &str, root: &Path) -> Result<Config, LoadError> {
 /// read-only folders that exist.
 fn mcp_server(name: &str, file: McpServerFile, root: &Path) -> Result<McpServerSpec, String> {
     check_server_name(name)?;
-    if file.url.is_some() || !file.headers.is_empty() {
-        return Err(
-            "url and headers (a streamable HTTP server) are not served yet: declare a stdio \
-             server with `command` and `args`"
-                .into(),
-        );
+    if let Some(bad) = file.secrets.iter().find(|n| !is_secret_name(n)) {
+        return Err(format!(
+            "secrets: `{bad}` is not a secret name (an environment variable's name)"
+        ));
+    }
+    let timeout = |key: &str, text: &Option<String>, default| -> Result<_, String> {
+        Ok(parse_duration_arg(key, text.as_deref())?.unwrap_or(default))
+    };
+    let call_timeout = timeout("call_timeout", &file.call_timeout, DEFAULT_CALL_TIMEOUT)?;
+    let start_timeout = timeout("start_timeout", &file.start_timeout, DEFAULT_START_TIMEOUT)?;
+    let transport = match file.url.clone() {
+        Some(url) => McpTransport::Http(http_server(url, &file)?),
+        None => McpTransport::Stdio(stdio_server(&file, root)?),
+    };
+    Ok(McpServerSpec {
+        name: name.to_string(),
+        transport,
+        secrets: file.secrets,
+        call_timeout,
+        start_timeout,
+    })
+}
+
+/// A `url` server's keys: an http(s) URL, headers a request can carry,
+/// and each declared secret used in a header (the only way it reaches
+/// the server), none of a process's keys.
+fn http_server(url: String, file: &McpServerFile) -> Result<HttpServer, String> {
+    let process_keys = [
+        ("command", file.command.is_some()),
+        ("args", !file.args.is_empty()),
+        ("env", !file.env.is_empty()),
+        ("network", file.network.is_some()),
+        ("read_only", !file.read_only.is_empty()),
+    ];
+    if let Some((key, _)) = process_keys.iter().find(|(_, set)| *set) {
+        return Err(format!(
+            "`{key}` belongs to a server arbor starts, and a `url` server runs elsewhere: declare `command` or `url`, not both kinds of key"
+        ));
+    }
+    let parsed = url::Url::parse(&url).map_err(|e| format!("url: {url:?}: {e}"))?;
+    if !matches!(parsed.scheme(), "http" | "https") || parsed.host().is_none() {
+        return Err(format!(
+            "url: {url:?}: a streamable HTTP endpoint is http:// or https:// with a host"
+        ));
+    }
+    let mut used = BTreeSet::new();
+    for (header, value) in &file.headers {
+        let token = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
+        if header.is_empty() || !header.bytes().all(token) {
+            return Err(format!("headers: `{header}` is not a header's name"));
+        }
+        if RESERVED_HEADERS.contains(&header.to_ascii_lowercase().as_str()) {
+            return Err(format!(
+                "headers: `{header}` is set by the transport itself and cannot be declared"
+            ));
+        }
+        if value.bytes().any(|b| b.is_ascii_control() && b != b'\t') {
+            return Err(format!("headers.{header}: holds a control character"));
+        }
+        for piece in placeholders(value).map_err(|e| format!("headers.{header}: {e}"))? {
+            if let Piece::Secret(secret) = piece {
+                if !file.secrets.iter().any(|s| s == secret) {
+                    return Err(format!(
+                        "headers.{header}: `${{{secret}}}` is not in this server's secrets: declare it there"
+                    ));
+                }
+                used.insert(secret.to_string());
+            }
+        }
+    }
+    if let Some(unused) = file.secrets.iter().find(|s| !used.contains(*s)) {
+        return Err(format!(
+            "secrets: `{unused}` is in no header; a `url` server gets a secret only as `${{{unused}}}` in `headers`"
+        ));
+    }
+    Ok(HttpServer {
+        url,
+        headers: file.headers.clone(),
+    })
+}
+
+/// A `command` server's keys: a program, variables and secrets with
+/// names a process can have, and read-only folders that exist.
+fn stdio_server(file: &McpServerFile, root: &Path) -> Result<StdioServer, String> {
+    if !file.headers.is_empty() {
+        return Err("`headers` are for a `url` server; a `command` server takes `env`".into());
     }
     let command = match file.command.as_deref().map(str::trim) {
         Some(c) if !c.is_empty() => c.to_string(),
-        _ => return Err("`command` is required: the program that serves over stdio".into()),
+        _ => {
+            return Err(
+                "`command` (a program that serves over stdio) or `url` (a streamable HTTP endpoint) is required"
+                    .into(),
+            );
+        }
     };
     // A relative path is the workspace's (the server runs in a job's
     // workdir, where it would mean nothing); a bare name is looked up on
@@ -544,17 +632,9 @@ fn mcp_server(name: &str, file: McpServerFile, root: &Path) -> Result<McpServerS
             return Err(format!("env.{key}: holds a NUL byte"));
         }
     }
-    if let Some(bad) = file.secrets.iter().find(|n| !is_secret_name(n)) {
-        return Err(format!(
-            "secrets: `{bad}` is not a secret name (an environment variable's name)"
-        ));
-    }
     if let Some(both) = file.secrets.iter().find(|n| file.env.contains_key(*n)) {
         return Err(format!("`{both}` is both in env and in secrets: keep one"));
     }
-    let timeout = |key: &str, text: &Option<String>, default| -> Result<_, String> {
-        Ok(parse_duration_arg(key, text.as_deref())?.unwrap_or(default))
-    };
     let mut read_only = vec![];
     for dir in &file.read_only {
         let full = root.join(dir);
@@ -565,16 +645,12 @@ fn mcp_server(name: &str, file: McpServerFile, root: &Path) -> Result<McpServerS
         }
         read_only.push(found);
     }
-    Ok(McpServerSpec {
-        name: name.to_string(),
+    Ok(StdioServer {
         command,
-        args: file.args,
-        env: file.env,
-        secrets: file.secrets,
+        args: file.args.clone(),
+        env: file.env.clone(),
         network: file.network.unwrap_or_default(),
         read_only,
-        call_timeout: timeout("call_timeout", &file.call_timeout, DEFAULT_CALL_TIMEOUT)?,
-        start_timeout: timeout("start_timeout", &file.start_timeout, DEFAULT_START_TIMEOUT)?,
     })
 }
 

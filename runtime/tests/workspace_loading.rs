@@ -1,8 +1,8 @@
 //! Loading a user's workspace: what loads, and the one-line error for what doesn't.
 
 use arbor_protocol::{
-    AgentDef, FlowGroup, ModelRef, Network, SandboxMode, ScriptCall, ScriptTurn, ScriptUsage,
-    StepSpec, ToolName,
+    AgentDef, FlowGroup, McpTransport, ModelRef, Network, SandboxMode, ScriptCall, ScriptTurn,
+    ScriptUsage, StepSpec, ToolName,
 };
 use arbor_runtime::workspace::{LoadError, Workspace, parse_agent};
 use serde_json::json;
@@ -814,6 +814,10 @@ call_timeout = "5s"
 start_timeout = "2s"
 [mcp.servers.gh]
 command = "/usr/bin/gh-mcp"
+[mcp.servers.web]
+url = "https://mcp.example.com/mcp"
+headers = { Authorization = "Bearer ${WEB_TOKEN}", X-Team = "core" }
+secrets = ["WEB_TOKEN"]
 [limits.tools]
 calls = 100
 exec = 9
@@ -827,16 +831,26 @@ fn mcp_servers_and_the_agents_that_name_them_load_as_the_contract_describes() {
     )
     .unwrap();
     let fs = &ws.config.mcp["fs"];
-    assert_eq!(fs.command, "mcp-server-filesystem");
-    assert_eq!(fs.args, vec!["."]);
-    assert_eq!(fs.env["LOG_LEVEL"], "warn");
+    let McpTransport::Stdio(stdio) = &fs.transport else {
+        panic!("fs is a stdio server: {fs:?}");
+    };
+    assert_eq!(stdio.command, "mcp-server-filesystem");
+    assert_eq!(stdio.args, vec!["."]);
+    assert_eq!(stdio.env["LOG_LEVEL"], "warn");
     assert_eq!(fs.secrets, vec!["GITHUB_TOKEN"]);
-    assert_eq!(fs.network, Network::Open);
-    assert!(fs.read_only[0].is_absolute() && fs.read_only[0].ends_with("tools"));
+    assert_eq!(stdio.network, Network::Open);
+    assert!(stdio.read_only[0].is_absolute() && stdio.read_only[0].ends_with("tools"));
     assert_eq!(fs.call_timeout, std::time::Duration::from_secs(5));
     assert_eq!(fs.start_timeout, std::time::Duration::from_secs(2));
     let gh = &ws.config.mcp["gh"];
-    assert_eq!(gh.network, Network::None);
+    assert!(matches!(&gh.transport, McpTransport::Stdio(s) if s.network == Network::None));
+    let web = &ws.config.mcp["web"];
+    let McpTransport::Http(http) = &web.transport else {
+        panic!("web is an HTTP server: {web:?}");
+    };
+    assert_eq!(http.url, "https://mcp.example.com/mcp");
+    assert_eq!(http.headers["Authorization"], "Bearer ${WEB_TOKEN}");
+    assert_eq!(web.secrets, vec!["WEB_TOKEN"]);
     assert_eq!(gh.call_timeout, arbor_protocol::mcp::DEFAULT_CALL_TIMEOUT);
     assert_eq!(ws.config.limits.tools.0["exec"], 9);
 
@@ -852,6 +866,8 @@ fn mcp_servers_and_the_agents_that_name_them_load_as_the_contract_describes() {
 fn bad_mcp_declarations_and_names_are_refused_naming_the_key() {
     let agent = "mcp: [fs]\n";
     let server = |extra: &str| format!("[mcp.servers.fs]\ncommand = \"srv\"\n{extra}\n");
+    let web =
+        |extra: &str| format!("[mcp.servers.fs]\nurl = \"http://127.0.0.1:9/mcp\"\n{extra}\n");
     let cases: Vec<(String, &str, &str)> = vec![
         (
             server(""),
@@ -871,12 +887,57 @@ fn bad_mcp_declarations_and_names_are_refused_naming_the_key() {
         (
             "[mcp.servers.fs]\nargs = [\"x\"]\n".into(),
             agent,
-            "mcp.servers.fs: `command` is required",
+            "mcp.servers.fs: `command` (a program that serves over stdio) or `url` (a streamable HTTP endpoint) is required",
         ),
         (
             server("url = \"http://127.0.0.1:9/mcp\""),
             agent,
-            "url and headers (a streamable HTTP server) are not served yet",
+            "mcp.servers.fs: `command` belongs to a server arbor starts, and a `url` server runs elsewhere",
+        ),
+        (
+            web("network = \"open\""),
+            agent,
+            "`network` belongs to a server arbor starts",
+        ),
+        (
+            "[mcp.servers.fs]\nurl = \"ftp://host/mcp\"\n".into(),
+            agent,
+            "url: \"ftp://host/mcp\": a streamable HTTP endpoint is http:// or https://",
+        ),
+        (
+            "[mcp.servers.fs]\nurl = \"not a url\"\n".into(),
+            agent,
+            "url: \"not a url\": relative URL without a base",
+        ),
+        (
+            web("headers = { Authorization = \"Bearer ${TOKEN}\" }"),
+            agent,
+            "headers.Authorization: `${TOKEN}` is not in this server's secrets",
+        ),
+        (
+            web("headers = { X = \"${TOKEN\" }\nsecrets = [\"TOKEN\"]"),
+            agent,
+            "headers.X: \"${TOKEN\": a `${` is never closed",
+        ),
+        (
+            web("secrets = [\"TOKEN\"]"),
+            agent,
+            "secrets: `TOKEN` is in no header",
+        ),
+        (
+            web("headers = { Mcp-Session-Id = \"x\" }"),
+            agent,
+            "headers: `Mcp-Session-Id` is set by the transport itself",
+        ),
+        (
+            web("headers = { \"Bad Name\" = \"x\" }"),
+            agent,
+            "headers: `Bad Name` is not a header's name",
+        ),
+        (
+            server("headers = { X = \"1\" }"),
+            agent,
+            "`headers` are for a `url` server",
         ),
         (
             server("transport = \"stdio\""),

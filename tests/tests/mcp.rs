@@ -524,3 +524,143 @@ async fn inv_45_a_continued_job_starts_from_the_calls_its_interrupted_attempt_ma
     assert_eq!(step.attempt, 2);
     node.stop_run(continued).await;
 }
+
+/// The test server serving streamable HTTP on a loopback port, in a folder
+/// of its own (where it logs its calls and cancels); killed when dropped.
+struct HttpPeer {
+    url: String,
+    dir: tempfile::TempDir,
+    _child: tokio::process::Child,
+}
+
+impl HttpPeer {
+    async fn start() -> Self {
+        use tokio::io::AsyncBufReadExt;
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_mcp-test-server"))
+            .arg("--http")
+            .current_dir(dir.path())
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let mut url = String::new();
+        tokio::io::BufReader::new(stdout)
+            .read_line(&mut url)
+            .await
+            .unwrap();
+        Self {
+            url: url.trim().to_string(),
+            dir,
+            _child: child,
+        }
+    }
+
+    /// The `[mcp.servers.w]` block that names it, with `extra` keys.
+    fn config(&self, extra: &str) -> String {
+        format!("[mcp.servers.w]\nurl = {:?}\n{extra}\n", self.url)
+    }
+}
+
+#[tokio::test]
+async fn inv_27_an_http_servers_secret_header_reaches_it_and_never_the_model() {
+    let peer = HttpPeer::start().await;
+    let secrets = tempfile::tempdir().unwrap();
+    let value = "http-tok-8088-feed";
+    let config = secrets_file(secrets.path(), &format!("WEB_TOKEN={value}\n"), 0o600);
+    let config = format!(
+        "{config}{}",
+        peer.config(
+            "secrets = [\"WEB_TOKEN\"]\nheaders = { Authorization = \"Bearer ${WEB_TOKEN}\", X-Team = \"core\" }"
+        )
+    );
+    let agent = agent_md(&format!(
+        "mcp: [w]\nscript:\n{}{}{}{SUBMIT}",
+        call("mcp__w__echo", "{text: over http}"),
+        call("mcp__w__header", "{name: authorization}"),
+        call("mcp__w__header", "{name: x-team}"),
+    ));
+    let models = RecordingModels::new();
+    let node = TestNode::start_full(Some(&config), &[("web", &agent)], models.clone()).await;
+    let run = node.run_agent("web", "go").await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Done, "{:?}", tree.root());
+
+    let echo = called(&node, run, "mcp__w__echo");
+    assert!(echo[0].0 && echo[0].1.contains("over http"), "{echo:?}");
+    let header = called(&node, run, "mcp__w__header");
+    // The server got the header with the secret's value in it; the model
+    // reads its name.
+    assert!(
+        header[0].0 && header[0].1.contains("Bearer [secret WEB_TOKEN]"),
+        "{header:?}"
+    );
+    assert!(header[1].0 && header[1].1.contains("core"), "{header:?}");
+    let context = format!("{:?}", models.requests("web"));
+    assert!(!context.contains(value), "the model saw the value");
+    let events = serde_json::to_string(&node.events(run)).unwrap();
+    assert!(!events.contains(value), "an event holds the value");
+
+    let step = tree.node(tree.find("web").unwrap()).unwrap();
+    assert_eq!(step.mcp["w"].state, McpServerState::Stopped);
+    assert_eq!(step.tools.get("mcp__w__header"), Some(&2));
+}
+
+#[tokio::test]
+async fn inv_16_a_stop_mid_call_on_an_http_server_sends_the_cancel_and_keeps_nothing() {
+    let peer = HttpPeer::start().await;
+    let agent = agent_md(&format!(
+        "mcp: [w]\nscript:\n{}{SUBMIT}",
+        call("mcp__w__sleep", "{ms: 600000}")
+    ));
+    let node = TestNode::start_with_config(&peer.config(""), &[("sleeper", &agent)]).await;
+    let run = node.run_agent("sleeper", "go").await;
+    server_began(peer.dir.path(), "sleep").await;
+    node.stop_run(run).await;
+    let tree = node.wait_run(run).await;
+
+    let step = tree.node(tree.find("sleeper").unwrap()).unwrap();
+    assert_eq!(step.status, Status::Stopped);
+    assert_eq!(step.output, serde_json::Value::Null);
+    assert!(
+        called(&node, run, "mcp__w__sleep")
+            .iter()
+            .all(|(ok, _)| !ok),
+        "a result came back after the stop"
+    );
+    let log = std::fs::read_to_string(peer.dir.path().join("mcp-cancelled.log"))
+        .unwrap_or_default();
+    assert!(log.contains("cancelled"), "the server was not told: {log:?}");
+}
+
+#[tokio::test]
+async fn an_http_server_nobody_answers_at_fails_its_job_saying_where_and_the_node_goes_on() {
+    // A port that was free a moment ago: nothing listens there.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let config = format!(
+        "[mcp.servers.w]\nurl = \"http://127.0.0.1:{port}/mcp\"\nstart_timeout = \"5s\"\n"
+    );
+    let lost = agent_md(&format!(
+        "mcp: [w]\nscript:\n{}{SUBMIT}",
+        call("mcp__w__echo", "{text: anyone}")
+    ));
+    let fine = agent_md(&format!("script:\n{SUBMIT}"));
+    let node = TestNode::start_with_config(&config, &[("lost", &lost), ("fine", &fine)]).await;
+    let run = node.run_agent("lost", "go").await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Failed, "{:?}", tree.root());
+    let why = format!("{:?}", tree.root());
+    assert!(
+        why.contains("the MCP server w could not list its tools")
+            && why.contains(&format!("127.0.0.1:{port}/mcp")),
+        "{why}"
+    );
+    let run = node.run_agent("fine", "go").await;
+    assert_eq!(node.wait_run(run).await.run_status(), Status::Done);
+}

@@ -1,5 +1,7 @@
-//! An MCP server over stdio for arbor's scenario suites: real JSON-RPC
-//! through rmcp's server, one tool per behaviour a test needs, good and bad.
+//! An MCP server for arbor's scenario suites: real JSON-RPC through rmcp's
+//! server, one tool per behaviour a test needs, good and bad. Over stdio by
+//! default; `--http` serves streamable HTTP on a loopback port instead and
+//! prints its URL as the first line on stdout.
 //!
 //! Each call appends its tool's name to `mcp-calls.log` in the working
 //! directory as it begins. Tools (none writes outside that directory):
@@ -16,6 +18,8 @@
 //! - `big {bytes}`: that many bytes of text.
 //! - `noise {}`: writes a line that is not JSON to stdout, then answers ok.
 //! - `fail {}`: a result with `isError`.
+//! - `header {name}`: over HTTP, the value of that header of the request
+//!   that carried the call ("" if absent).
 
 use rmcp::model::*;
 use rmcp::service::{RequestContext, RoleServer};
@@ -109,6 +113,11 @@ impl ServerHandler for TestServer {
             ),
             tool("noise", "Writes a line that is not JSON to stdout.", none()),
             tool("fail", "Fails.", none()),
+            tool(
+                "header",
+                "A header of the HTTP request that carried the call.",
+                object(serde_json::json!({"name": {"type": "string"}}), &["name"]),
+            ),
         ]))
     }
 
@@ -177,6 +186,14 @@ impl ServerHandler for TestServer {
             "fail" => {
                 Ok(CallToolResult::error(vec![ContentBlock::text("it failed, as asked")]).into())
             }
+            "header" => {
+                let parts = context.extensions.get::<axum::http::request::Parts>();
+                let value = parts
+                    .and_then(|p| p.headers.get(str_arg("name")))
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("");
+                text(value)
+            }
             other => Err(ErrorData::invalid_params(format!("no tool {other}"), None)),
         }
     }
@@ -187,6 +204,10 @@ fn main() {
         .enable_all()
         .build()
         .expect("a runtime");
+    if std::env::args().nth(1).as_deref() == Some("--http") {
+        runtime.block_on(serve_http());
+        return;
+    }
     runtime.block_on(async {
         let service = TestServer
             .serve(rmcp::transport::stdio())
@@ -194,4 +215,31 @@ fn main() {
             .expect("the client initializes");
         let _ = service.waiting().await;
     });
+}
+
+/// Streamable HTTP at `/mcp` on a loopback port; the URL is the first line
+/// on stdout. Ends when stdin closes, so it dies with whoever started it.
+async fn serve_http() {
+    use rmcp::transport::streamable_http_server::{
+        StreamableHttpServerConfig, StreamableHttpService, session::local::LocalSessionManager,
+    };
+    let service = StreamableHttpService::new(
+        || Ok(TestServer),
+        Arc::new(LocalSessionManager::default()),
+        StreamableHttpServerConfig::default(),
+    );
+    let app = axum::Router::new().nest_service("/mcp", service);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("a loopback port");
+    let addr = listener.local_addr().expect("its address");
+    println!("http://{addr}/mcp");
+    let _ = std::io::stdout().flush();
+    let stdin_closed = async {
+        let mut sink = Vec::new();
+        let _ = tokio::io::AsyncReadExt::read_to_end(&mut tokio::io::stdin(), &mut sink).await;
+    };
+    let _ = axum::serve(listener, app)
+        .with_graceful_shutdown(stdin_closed)
+        .await;
 }
