@@ -56,6 +56,10 @@ pub enum McpError {
     /// broke the protocol. A new connection is needed.
     #[error("the server's connection closed: {0}")]
     Closed(String),
+    /// No session could be opened: the server ended, was not there, or
+    /// refused the handshake. The text says which.
+    #[error("{0}")]
+    Start(String),
     /// The server did not start talking within its start timeout.
     #[error("the server did not answer `initialize` within {}", humantime(.0))]
     StartTimedOut(Duration),
@@ -140,13 +144,20 @@ impl McpClient {
     {
         let mut config = rmcp::model::ClientConfig::default();
         config.client_info = rmcp::model::Implementation::new("arbor", env!("CARGO_PKG_VERSION"));
+        // arbor speaks the `initialize` handshake, so it offers the newest
+        // version that has one; a server answers with the one it speaks.
+        config.protocol_version = rmcp::model::ProtocolVersion::LATEST_WITH_INITIALIZE;
         let service = match tokio::time::timeout(timeout, config.serve(transport)).await {
             Err(_) => return Err(McpError::StartTimedOut(timeout)),
             Ok(Err(ClientInitializeError::ConnectionClosed(_))) => {
-                return Err(McpError::Closed(closed()));
+                return Err(McpError::Start(closed()));
             }
             Ok(Err(ClientInitializeError::TransportError { error, .. })) => {
-                return Err(McpError::Closed(format!("{}: {error}", closed())));
+                return Err(McpError::Start(format!(
+                    "{}: {}",
+                    closed(),
+                    transport_error(&error)
+                )));
             }
             Ok(Err(e)) => return Err(McpError::Protocol(e.to_string())),
             Ok(Ok(service)) => service,
@@ -228,10 +239,38 @@ fn service_error(e: rmcp::service::ServiceError) -> McpError {
         ServiceError::UnexpectedResponse => {
             McpError::Protocol("an answer of the wrong kind".into())
         }
-        ServiceError::TransportClosed | ServiceError::TransportSend(_) => {
-            McpError::Closed(e.to_string())
-        }
+        ServiceError::TransportSend(error) => McpError::Closed(transport_error(&error)),
+        ServiceError::TransportClosed => McpError::Closed(e.to_string()),
         other => McpError::Protocol(other.to_string()),
+    }
+}
+
+/// What went wrong under the protocol, said without the SDK's type names:
+/// an HTTP server's refusal of its credentials plainly, an error with its
+/// causes (a refused connection is a cause of reqwest's error, not in it).
+fn transport_error(e: &rmcp::transport::DynamicTransportError) -> String {
+    use rmcp::transport::streamable_http_client::StreamableHttpError;
+    match e.error.downcast_ref::<StreamableHttpError<reqwest::Error>>() {
+        Some(StreamableHttpError::AuthRequired(_)) => {
+            "the server requires authorization (HTTP 401): arbor sends the headers the \
+             server's declaration names and runs no OAuth flow; put a token in `headers`"
+                .into()
+        }
+        Some(StreamableHttpError::InsufficientScope(_)) => {
+            "the server refused the credentials' scope (HTTP 403)".into()
+        }
+        _ => {
+            let mut text = e.error.to_string();
+            let mut source = e.error.source();
+            while let Some(cause) = source {
+                let said = cause.to_string();
+                if !text.contains(&said) {
+                    text = format!("{text}: {said}");
+                }
+                source = cause.source();
+            }
+            text
+        }
     }
 }
 

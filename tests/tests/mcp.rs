@@ -630,9 +630,12 @@ async fn inv_16_a_stop_mid_call_on_an_http_server_sends_the_cancel_and_keeps_not
             .all(|(ok, _)| !ok),
         "a result came back after the stop"
     );
-    let log = std::fs::read_to_string(peer.dir.path().join("mcp-cancelled.log"))
-        .unwrap_or_default();
-    assert!(log.contains("cancelled"), "the server was not told: {log:?}");
+    let log =
+        std::fs::read_to_string(peer.dir.path().join("mcp-cancelled.log")).unwrap_or_default();
+    assert!(
+        log.contains("cancelled"),
+        "the server was not told: {log:?}"
+    );
 }
 
 #[tokio::test]
@@ -643,9 +646,8 @@ async fn an_http_server_nobody_answers_at_fails_its_job_saying_where_and_the_nod
         .local_addr()
         .unwrap()
         .port();
-    let config = format!(
-        "[mcp.servers.w]\nurl = \"http://127.0.0.1:{port}/mcp\"\nstart_timeout = \"5s\"\n"
-    );
+    let config =
+        format!("[mcp.servers.w]\nurl = \"http://127.0.0.1:{port}/mcp\"\nstart_timeout = \"5s\"\n");
     let lost = agent_md(&format!(
         "mcp: [w]\nscript:\n{}{SUBMIT}",
         call("mcp__w__echo", "{text: anyone}")
