@@ -160,13 +160,24 @@ impl LiveServer {
         let values: std::collections::BTreeMap<String, String> =
             secrets.env_for(&names)?.into_iter().collect();
         let headers = http.headers_with(|name| values.get(name).cloned())?;
-        let client = McpClient::connect_http(&http.url, &headers, spec.start_timeout)
-            .await
-            .map_err(|e| secrets.redact(&e.to_string()))?;
-        Ok(Self {
-            client: Arc::new(client),
-            process: None,
-        })
+        #[cfg(feature = "http")]
+        {
+            let client = McpClient::connect_http(&http.url, &headers, spec.start_timeout)
+                .await
+                .map_err(|e| secrets.redact(&e.to_string()))?;
+            Ok(Self {
+                client: Arc::new(client),
+                process: None,
+            })
+        }
+        #[cfg(not(feature = "http"))]
+        {
+            let _ = headers;
+            Err(format!(
+                "{} is an HTTP server, and this node was built without HTTP (arbor-runtime's `http` feature)",
+                http.url
+            ))
+        }
     }
 
     /// The pid of its process, which leads its process group.

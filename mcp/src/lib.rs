@@ -19,9 +19,6 @@ use rmcp::ServiceExt;
 use rmcp::model::{CallToolRequestParams, ClientRequest, ContentBlock, PingRequest};
 use rmcp::service::{ClientInitializeError, RoleClient, RunningService};
 use rmcp::transport::async_rw::AsyncRwTransport;
-use rmcp::transport::streamable_http_client::{
-    StreamableHttpClientTransport, StreamableHttpClientTransportConfig,
-};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 
@@ -102,6 +99,7 @@ impl McpClient {
 
     /// Speaks `initialize` to the streamable HTTP endpoint `url`, sending
     /// `headers` with every request, within `timeout`.
+    #[cfg(feature = "http")]
     pub async fn connect_http(
         url: &str,
         headers: &[(String, String)],
@@ -122,6 +120,9 @@ impl McpClient {
             .connect_timeout(timeout)
             .build()
             .map_err(|e| McpError::Protocol(format!("an HTTP client: {e}")))?;
+        use rmcp::transport::streamable_http_client::{
+            StreamableHttpClientTransport, StreamableHttpClientTransportConfig,
+        };
         let config = StreamableHttpClientTransportConfig::with_uri(url)
             .custom_headers(custom)
             .max_sse_event_size(MAX_MESSAGE)
@@ -249,29 +250,35 @@ fn service_error(e: rmcp::service::ServiceError) -> McpError {
 /// an HTTP server's refusal of its credentials plainly, an error with its
 /// causes (a refused connection is a cause of reqwest's error, not in it).
 fn transport_error(e: &rmcp::transport::DynamicTransportError) -> String {
-    use rmcp::transport::streamable_http_client::StreamableHttpError;
-    match e.error.downcast_ref::<StreamableHttpError<reqwest::Error>>() {
-        Some(StreamableHttpError::AuthRequired(_)) => {
-            "the server requires authorization (HTTP 401): arbor sends the headers the \
-             server's declaration names and runs no OAuth flow; put a token in `headers`"
-                .into()
-        }
-        Some(StreamableHttpError::InsufficientScope(_)) => {
-            "the server refused the credentials' scope (HTTP 403)".into()
-        }
-        _ => {
-            let mut text = e.error.to_string();
-            let mut source = e.error.source();
-            while let Some(cause) = source {
-                let said = cause.to_string();
-                if !text.contains(&said) {
-                    text = format!("{text}: {said}");
-                }
-                source = cause.source();
+    #[cfg(feature = "http")]
+    {
+        use rmcp::transport::streamable_http_client::StreamableHttpError;
+        match e
+            .error
+            .downcast_ref::<StreamableHttpError<reqwest::Error>>()
+        {
+            Some(StreamableHttpError::AuthRequired(_)) => {
+                return "the server requires authorization (HTTP 401): arbor sends the headers \
+                        the server's declaration names and runs no OAuth flow; put a token in \
+                        `headers`"
+                    .into();
             }
-            text
+            Some(StreamableHttpError::InsufficientScope(_)) => {
+                return "the server refused the credentials' scope (HTTP 403)".into();
+            }
+            _ => {}
         }
     }
+    let mut text = e.error.to_string();
+    let mut source = e.error.source();
+    while let Some(cause) = source {
+        let said = cause.to_string();
+        if !text.contains(&said) {
+            text = format!("{text}: {said}");
+        }
+        source = cause.source();
+    }
+    text
 }
 
 /// One content block as the text a model reads.
