@@ -331,7 +331,9 @@ impl EmbeddedNode {
             .iter()
             .flat_map(|g| &g.steps)
             .map(|s| s.agent.as_str());
-        if let Some(why) = crate::secrets::missing(&self.ctx.agents, steps, &self.ctx.secrets) {
+        if let Some(why) =
+            crate::secrets::missing(&self.ctx.agents, steps, &self.ctx.mcp, &self.ctx.secrets)
+        {
             return Err(Error::Refused(why));
         }
         ractor::call!(self.node, |reply| NodeMsg::StartRun {

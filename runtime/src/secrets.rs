@@ -70,10 +70,12 @@ fn read_file(path: &Path) -> Result<BTreeMap<String, String>, String> {
 }
 
 /// The first secret that an agent of this run (its steps and every
-/// sub-agent below them) declares and that has no value, as an error.
+/// sub-agent below them), or an MCP server one of them names, declares and
+/// that has no value, as an error.
 pub fn missing<'a>(
     agents: &'a BTreeMap<String, std::sync::Arc<AgentDef>>,
     steps: impl IntoIterator<Item = &'a str>,
+    servers: &arbor_actors::mcp::McpCatalog,
     secrets: &Secrets,
 ) -> Option<String> {
     let mut seen = BTreeSet::new();
@@ -90,6 +92,16 @@ pub fn missing<'a>(
                 "agents/{name}/agent.md: the secret {secret} has no value: set {secret} in the \
                  node's environment or in [sandbox] secrets_file"
             ));
+        }
+        for server in agent.mcp.iter().filter_map(|p| servers.server(&p.server)) {
+            if let Some(secret) = server.secrets.iter().find(|s| !secrets.has(s)) {
+                return Some(format!(
+                    "arbor.toml: mcp.servers.{}: the secret {secret} has no value (agents/{name} \
+                     uses the server): set {secret} in the node's environment or in [sandbox] \
+                     secrets_file",
+                    server.name
+                ));
+            }
         }
         todo.extend(agent.subagents.iter().map(String::as_str));
     }

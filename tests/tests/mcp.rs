@@ -666,3 +666,21 @@ async fn an_http_server_nobody_answers_at_fails_its_job_saying_where_and_the_nod
     let run = node.run_agent("fine", "go").await;
     assert_eq!(node.wait_run(run).await.run_status(), Status::Done);
 }
+
+#[tokio::test]
+async fn inv_27_a_run_whose_mcp_server_needs_a_secret_without_a_value_never_starts() {
+    let config = server("secrets = [\"NOBODY_SET_THIS\"]");
+    let agent = agent_md(&format!("mcp: [t]\nscript:\n{SUBMIT}"));
+    let node = TestNode::start_with_config(&config, &[("needy", &agent)]).await;
+    let spec = node.workspace.agent_run("needy", "go", None).unwrap();
+    let refused = node.node().start_run(spec).await.unwrap_err().to_string();
+    assert!(
+        refused.contains("mcp.servers.t: the secret NOBODY_SET_THIS has no value")
+            && refused.contains("agents/needy"),
+        "{refused}"
+    );
+    assert!(
+        node.node().journal().runs().unwrap().is_empty(),
+        "a run was recorded"
+    );
+}
