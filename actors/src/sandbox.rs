@@ -835,8 +835,11 @@ impl ExecJob {
                 outcome.error = Some("stopped: the job was stopped".into());
             }
         }
-        // A background process the command left behind may keep the pipes
-        // open; what it has written by now is what the model gets.
+        // The command has ended, and what it left behind ends with it, as it
+        // does in its own pid namespace when sealed. Forgotten now, its group
+        // id cannot name another process's group at the job's end.
+        self.groups.release(pgid);
+        // What it has written by now is what the model gets.
         outcome.stdout = take_output(stdout, &self.how.secrets).await;
         outcome.stderr = take_output(stderr, &self.how.secrets).await;
         let after = snapshot(&workdir);
@@ -1081,6 +1084,53 @@ mod tests {
             std::fs::read_to_string(by_write.join("a.txt")).unwrap(),
             "x"
         );
+        sandbox.stop(None);
+    }
+
+    /// A command's process group is forgotten when the command ends, with
+    /// what it left running in it: its id, free again, must not name
+    /// another process's group when the job ends and its groups are killed.
+    #[tokio::test]
+    async fn an_ended_commands_group_is_killed_and_forgotten() {
+        let dir = tempfile::tempdir().unwrap();
+        let (sandbox, _) = Actor::spawn(
+            None,
+            Sandbox,
+            args(
+                &dir.path().join("w"),
+                Posture::assumed(SandboxIsolation::None),
+                true,
+            ),
+        )
+        .await
+        .unwrap();
+        let outcome = ractor::call!(sandbox, |reply| SandboxMsg::Exec {
+            command: "sleep 300 >/dev/null 2>&1 & echo $!".into(),
+            timeout: None,
+            reply
+        })
+        .unwrap();
+        assert_eq!(outcome.exit_code, Some(0), "{outcome:?}");
+        let left: i32 = outcome.stdout.trim().parse().unwrap();
+        let killed = ractor::call!(sandbox, |reply| SandboxMsg::KillAll { reply }).unwrap();
+        assert_eq!(killed, 0, "an ended command's group was still held");
+        // Its background process went with it (as in its own pid namespace).
+        let gone = || {
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(left), None).is_err()
+                || std::fs::read_to_string(format!("/proc/{left}/stat")).is_ok_and(|s| {
+                    s.rsplit(')')
+                        .next()
+                        .is_some_and(|r| r.trim_start().starts_with('Z'))
+                })
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !gone() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "process {left} outlived its command"
+            );
+            tokio::task::yield_now().await;
+        }
         sandbox.stop(None);
     }
 
