@@ -683,40 +683,37 @@ impl McpCallJob {
         self.slot
             .starts
             .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-        let stdio = match &self.spec.transport {
-            McpTransport::Stdio(stdio) => stdio,
-            McpTransport::Http(http) => {
-                return match LiveServer::connect_http(http, &self.spec, &self.how.secrets).await {
-                    Ok(server) => {
-                        let client = server.client.clone();
-                        *live = Some(server);
-                        self.tell(McpServerState::Running, None);
-                        Ok(client)
-                    }
-                    Err(why) => {
-                        self.tell(McpServerState::Died, Some(why.clone()));
-                        Err(start_error(why))
-                    }
+        // A process arbor started is killed when it fails to connect; an
+        // HTTP server someone else runs is only unreachable.
+        let (connected, pid) = match &self.spec.transport {
+            McpTransport::Http(http) => (
+                LiveServer::connect_http(http, &self.spec, &self.how.secrets).await,
+                None,
+            ),
+            McpTransport::Stdio(stdio) => {
+                let workdir = self.how.workdir.make().map_err(start_error)?.to_path_buf();
+                let launch = ServerLaunch {
+                    workdir,
+                    sealed: self.how.sealed,
+                    user: self.how.user,
+                    resources: self.how.resources,
+                    roots: self.how.roots.clone(),
                 };
+                let child = launch
+                    .spawn(&self.spec, stdio, &self.how.secrets)
+                    .await
+                    .map_err(start_error)?;
+                let pid = child.pid();
+                if !self.groups.register(pid).await {
+                    return Err(McpCallError::Stopped);
+                }
+                (
+                    LiveServer::connect(child, &self.spec, &self.how.secrets).await,
+                    Some(pid),
+                )
             }
         };
-        let workdir = self.how.workdir.make().map_err(start_error)?.to_path_buf();
-        let launch = ServerLaunch {
-            workdir,
-            sealed: self.how.sealed,
-            user: self.how.user,
-            resources: self.how.resources,
-            roots: self.how.roots.clone(),
-        };
-        let child = launch
-            .spawn(&self.spec, stdio, &self.how.secrets)
-            .await
-            .map_err(start_error)?;
-        let pid = child.pid();
-        if !self.groups.register(pid).await {
-            return Err(McpCallError::Stopped);
-        }
-        match LiveServer::connect(child, &self.spec, &self.how.secrets).await {
+        match connected {
             Ok(server) => {
                 let client = server.client.clone();
                 *live = Some(server);
@@ -724,8 +721,14 @@ impl McpCallJob {
                 Ok(client)
             }
             Err(why) => {
-                self.groups.release(pid);
-                self.tell(McpServerState::Killed, Some(why.clone()));
+                let state = match pid {
+                    Some(pid) => {
+                        self.groups.release(pid);
+                        McpServerState::Killed
+                    }
+                    None => McpServerState::Died,
+                };
+                self.tell(state, Some(why.clone()));
                 Err(start_error(why))
             }
         }
