@@ -409,8 +409,12 @@ fn add_rows(
 #[derive(Args, Clone, Debug)]
 pub struct RunsArgs {
     /// Only runs in this status: pending, running, done, failed, stopped.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "failed")]
     pub status: Option<String>,
+    /// Only failed runs, each with the step or job its failure began at
+    /// and its error class (`--status failed`).
+    #[arg(long)]
+    pub failed: bool,
     /// At most this many (1 to 500).
     #[arg(long, default_value_t = 50)]
     pub limit: u32,
@@ -419,7 +423,15 @@ pub struct RunsArgs {
 pub async fn runs(client: &Client, args: RunsArgs) -> Outcome {
     let list = client
         .api
-        .runs(args.status.as_deref(), args.limit, None)
+        .runs(
+            if args.failed {
+                Some("failed")
+            } else {
+                args.status.as_deref()
+            },
+            args.limit,
+            None,
+        )
         .await
         .map_err(|e| client.failed(e))?;
     match client.output {
@@ -434,13 +446,31 @@ pub async fn runs(client: &Client, args: RunsArgs) -> Outcome {
             table
                 .load_style(presets::NOTHING)
                 .set_content_arrangement(ContentArrangement::Disabled)
-                .set_header(vec!["RUN", "FLOW", "STATUS", "BUDGET", "REASON"]);
+                .set_header(if args.failed {
+                    vec!["RUN", "FLOW", "CLASS", "FAILED FIRST", "REASON"]
+                } else {
+                    vec!["RUN", "FLOW", "STATUS", "BUDGET", "REASON"]
+                });
             if client.colour {
                 table.enforce_styling();
             } else {
                 table.force_no_tty();
             }
-            for run in &list.runs {
+            for run in list.runs.iter().filter(|_| args.failed) {
+                let first = run.failed_job.as_ref();
+                let class = run.error_class.or(first.and_then(|j| j.error_class));
+                table.add_row(vec![
+                    Cell::new(run.id),
+                    Cell::new(&run.flow),
+                    Cell::new(class.map(|c| c.to_string()).unwrap_or_default()),
+                    Cell::new(first.map_or(String::new(), |j| {
+                        let name = j.label.as_deref().or(j.agent.as_deref()).unwrap_or("?");
+                        format!("{name} ({})", j.id)
+                    })),
+                    Cell::new(run.reason.clone().unwrap_or_default()),
+                ]);
+            }
+            for run in list.runs.iter().filter(|_| !args.failed) {
                 let status = match run.queue_position {
                     Some(p) => format!("{} (queue #{})", run.status, p + 1),
                     None => run.status.to_string(),

@@ -21,7 +21,8 @@ const SLOW: &str = "---\ndescription: blocks\ntools: [exec]\nscript:\n  - call: 
 /// A workspace on disk: the quick and slow agents, a flow, `[service]` settings.
 fn workspace(service: &str) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    for (name, text) in [("quick", QUICK), ("slow", SLOW)] {
+    let empty = "---\ndescription: runs out of script at once\nscript: []\n---\nYou fail.\n";
+    for (name, text) in [("quick", QUICK), ("slow", SLOW), ("empty", empty)] {
         std::fs::create_dir_all(dir.path().join("agents").join(name)).unwrap();
         std::fs::write(dir.path().join("agents").join(name).join("agent.md"), text).unwrap();
     }
@@ -369,6 +370,17 @@ fn the_status_cli_exit_codes() {
     assert_eq!(code(&arbord.arbor(&["stop", &stopped])), 0);
     assert_eq!(code(&arbord.arbor(&["watch", &stopped])), 1);
     assert_eq!(code(&arbord.arbor(&["show", &stopped])), 1);
+    let failed = arbord.submit(&["--agent", "empty", "--input", "go"]);
+    assert_eq!(code(&arbord.arbor(&["watch", &failed])), 1);
+    // The dead letters: only the failed run, with where it failed and why.
+    let dead = arbord.arbor(&["runs", "--failed"]);
+    assert_eq!(code(&dead), 0);
+    let dead = String::from_utf8_lossy(&dead.stdout);
+    assert!(
+        dead.contains("FAILED FIRST") && dead.contains(&failed) && dead.contains("empty ("),
+        "{dead}"
+    );
+    assert!(!dead.contains(&stopped), "{dead}");
     // 2: bad usage, and input the service refuses.
     assert_eq!(code(&arbord.arbor(&["show"])), 2);
     assert_eq!(code(&arbord.arbor(&["show", "not-a-uuid"])), 2);
@@ -397,7 +409,7 @@ fn the_status_cli_exit_codes() {
     // Data on stdout, diagnostics on stderr.
     let json = arbord.arbor(&["runs", "-o", "json"]);
     let list: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
-    assert_eq!(list["runs"].as_array().unwrap().len(), 2);
+    assert_eq!(list["runs"].as_array().unwrap().len(), 3);
     let lines = arbord.arbor(&["events", &done, "-o", "jsonl"]);
     let text = String::from_utf8(lines.stdout).unwrap();
     assert!(

@@ -80,6 +80,42 @@ pub struct RunSummary {
     /// Its place in the queue (0 starts next), while it waits.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queue_position: Option<usize>,
+    /// A failed run's first failing step or job: where its failure began.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed_job: Option<FailedJob>,
+}
+
+/// The step or job a failed run's failure began at: the first to fail.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct FailedJob {
+    pub id: String,
+    pub agent: Option<String>,
+    pub label: Option<String>,
+    pub error_class: Option<ErrorClass>,
+    pub error: Option<String>,
+}
+
+impl FailedJob {
+    /// The first step or job of `tree` to end failed (the others failed
+    /// after it, most often because of it), if one did.
+    pub fn first_in(tree: &arbor_protocol::Tree) -> Option<Self> {
+        tree.nodes()
+            .map(|(_, node)| node)
+            .filter(|node| node.status == Status::Failed)
+            .min_by_key(|node| {
+                (
+                    node.ended_at_ms.unwrap_or(u64::MAX),
+                    std::cmp::Reverse(node.depth),
+                )
+            })
+            .map(|node| Self {
+                id: node.id.clone(),
+                agent: node.agent.clone(),
+                label: node.label.clone(),
+                error_class: node.error_class,
+                error: node.error.clone().or_else(|| node.reason.clone()),
+            })
+    }
 }
 
 /// `GET /v1/runs`, newest first.

@@ -34,6 +34,12 @@ struct McpLabel {
     outcome: String,
 }
 
+/// A failed run's error class (`none` when it has none): a bounded set.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ClassLabel {
+    class: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ServerLabel {
     server: String,
@@ -48,6 +54,7 @@ struct CallLabel {
 pub struct Metrics {
     registry: Mutex<Registry>,
     runs: Family<StatusLabel, Gauge>,
+    runs_failed: Family<ClassLabel, Counter>,
     jobs: Family<StatusLabel, Gauge>,
     running_jobs: Gauge,
     queued_runs: Gauge,
@@ -64,6 +71,7 @@ pub struct Metrics {
 impl Metrics {
     pub fn new() -> Arc<Self> {
         let runs = Family::<StatusLabel, Gauge>::default();
+        let runs_failed = Family::<ClassLabel, Counter>::default();
         let jobs = Family::<StatusLabel, Gauge>::default();
         let running_jobs = Gauge::default();
         let queued_runs = Gauge::default();
@@ -81,6 +89,11 @@ impl Metrics {
         let flushes = Counter::default();
         let mut registry = Registry::with_prefix("arbor");
         registry.register("runs", "Runs by status", runs.clone());
+        registry.register(
+            "runs_failed",
+            "Runs that ended failed since this start, by error class",
+            runs_failed.clone(),
+        );
         registry.register("jobs", "Steps and jobs by status", jobs.clone());
         registry.register(
             "running_jobs",
@@ -135,6 +148,7 @@ impl Metrics {
         Arc::new(Self {
             registry: Mutex::new(registry),
             runs,
+            runs_failed,
             jobs,
             running_jobs,
             queued_runs,
@@ -178,6 +192,15 @@ impl Metrics {
                 if let Some(server) = mcp_server_of(tool) {
                     self.mcp_call(server, "refused");
                 }
+                return;
+            }
+            EventKind::RunFinished {
+                status: Status::Failed,
+                error_class,
+                ..
+            } => {
+                let class = error_class.map_or("none".to_string(), |c| c.to_string());
+                self.runs_failed.get_or_create(&ClassLabel { class }).inc();
                 return;
             }
             _ => {}

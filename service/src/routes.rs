@@ -623,6 +623,7 @@ async fn list_runs(State(shared): S, Query(query): Query<RunQuery>) -> Reply {
                 reason: None,
                 budget_tokens: spec.map(|s| s.budget_tokens).unwrap_or_default(),
                 queue_position: Some(position),
+                failed_job: None,
             }
         })
         .collect();
@@ -640,6 +641,7 @@ async fn list_runs(State(shared): S, Query(query): Query<RunQuery>) -> Reply {
                 reason: r.reason,
                 budget_tokens: r.budget_tokens,
                 queue_position: None,
+                failed_job: None,
             }),
     );
     // Ids are uuid v7: newest first is id order, reversed.
@@ -654,6 +656,12 @@ async fn list_runs(State(shared): S, Query(query): Query<RunQuery>) -> Reply {
         page.truncate(limit as usize);
         page.last().map(|r| r.id)
     });
+    // A dead letter says where it died: its tree is read for that only.
+    for run in page.iter_mut().filter(|r| r.status == Status::Failed) {
+        if let Some(tree) = run_tree(&shared, run.id).await? {
+            run.failed_job = FailedJob::first_in(&tree);
+        }
+    }
     Ok(json(
         StatusCode::OK,
         RunList {

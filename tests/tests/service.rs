@@ -1067,3 +1067,51 @@ fn keep_finished_is_a_duration_or_forever_and_never_zero() {
         assert!(error.contains("keep_finished"), "{bad}: {error}");
     }
 }
+
+#[tokio::test]
+async fn a_failed_run_is_listed_with_the_job_its_failure_began_at_and_counted_by_class() {
+    // The worker's script runs out (it fails); its boss reads that, then
+    // runs out too: the worker failed first.
+    let boss = agent_md(
+        "subagents: [worker]\nscript:\n  - call: {tool: delegate, args: {jobs: [{agent: worker, request: go, label: digger}]}}\n  - call: {tool: collect, args: {}}",
+    );
+    let worker = agent_md("description: fails\nscript: []");
+    let svc = TestService::start(Texts::new(
+        &[("boss", &boss), ("worker", &worker), ("quick", &quick())],
+        &[],
+    ))
+    .await;
+    let failed = svc.submit(json!({"agent": "boss", "input": "dig"})).await;
+    assert_eq!(status_of(&svc.wait_run(failed).await), Status::Failed);
+    let fine = svc.submit(json!({"agent": "quick", "input": "hi"})).await;
+    svc.wait_run(fine).await;
+
+    let (status, list) = svc.get_json("/v1/runs?status=failed").await;
+    assert_eq!(status, 200, "{list}");
+    let runs = list["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 1, "{list}");
+    assert_eq!(runs[0]["id"], failed.to_string());
+    assert!(
+        runs[0]["reason"].as_str().is_some_and(|r| !r.is_empty()),
+        "{list}"
+    );
+    let first = &runs[0]["failed_job"];
+    assert_eq!(first["label"], "digger", "{list}");
+    assert_eq!(first["agent"], "worker", "{list}");
+    assert!(first["error_class"].is_string(), "{list}");
+    // Only a failed run carries one.
+    let (_, done) = svc.get_json("/v1/runs?status=done").await;
+    assert!(done["runs"][0].get("failed_job").is_none(), "{done}");
+
+    let text = svc
+        .get("/metrics")
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let class = runs[0]["error_class"].as_str().unwrap_or("none");
+    let needle = format!("arbor_runs_failed_total{{class=\"{class}\"}} 1");
+    assert!(text.contains(&needle), "{needle} in\n{text}");
+}
