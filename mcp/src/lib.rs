@@ -116,8 +116,11 @@ impl McpClient {
             value.set_sensitive(true);
             custom.insert(name, value);
         }
+        // No redirect is followed: one would carry the headers, secrets
+        // among them, to wherever the server points.
         let http = reqwest::Client::builder()
             .connect_timeout(timeout)
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| McpError::Protocol(format!("an HTTP client: {e}")))?;
         use rmcp::transport::streamable_http_client::{
