@@ -59,15 +59,30 @@ conformance=tests/mcp/node_modules/.bin/conformance
 mkdir -p "$work/conformance/logs"
 "$conformance" list | sed -n '/Client scenarios/,$p' | sed -n 's/^  - //p' >"$work/conformance/scenarios"
 [ -s "$work/conformance/scenarios" ] || { echo "mcp: conformance lists no client scenario" >&2; exit 1; }
+# sse-retry races rmcp's standalone GET stream, opened as a session starts,
+# against the scenario's closing the call's stream 50 ms in: when the GET
+# comes first, the scenario answers the call on it, the client has nothing
+# to reconnect for, and the runner reports the timing unmeasured (a
+# failure in 0.1.13). It gets up to 8 tries; the others get one.
 while read -r scenario; do
   log="$work/conformance/logs/${scenario//\//_}.log"
-  if ! "$conformance" client --scenario "$scenario" \
-    --command "$PWD/target/debug/mcp-conformance-probe" \
-    --expected-failures tests/mcp/conformance-baseline.yml \
-    -o "$work/conformance" >"$log" 2>&1; then
-    echo "mcp: conformance scenario $scenario failed unexpectedly:" >&2
-    grep -v 'INFO' "$log" >&2
-    exit 1
+  tries=1
+  [ "$scenario" = sse-retry ] && tries=8
+  for try in $(seq 1 "$tries"); do
+    if "$conformance" client --scenario "$scenario" \
+      --command "$PWD/target/debug/mcp-conformance-probe" \
+      --expected-failures tests/mcp/conformance-baseline.yml \
+      -o "$work/conformance/try$try" >"$log" 2>&1; then
+      break
+    fi
+    if [ "$try" = "$tries" ]; then
+      echo "mcp: conformance scenario $scenario failed unexpectedly ($tries tries):" >&2
+      grep -v 'INFO' "$log" >&2
+      exit 1
+    fi
+  done
+  if [ "$tries" -gt 1 ]; then
+    echo "mcp: conformance: $scenario passed at try $try of $tries"
   fi
 done <"$work/conformance/scenarios"
 
@@ -161,7 +176,7 @@ for scenario in scenarios:
 for core in ("initialize", "tools_call", "sse-retry"):
     assert core in passed, (core, passed, failed)
 def said(scenario):
-    base = os.path.join(work, "conformance", os.path.dirname(scenario))
+    base = os.path.join(work, "conformance", "try1", os.path.dirname(scenario))
     name = os.path.basename(scenario)
     runs = [d for d in os.listdir(base) if d.startswith(name + "-") and d[len(name) + 1].isdigit()]
     assert len(runs) == 1, (scenario, runs)
