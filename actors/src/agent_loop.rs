@@ -68,6 +68,9 @@ pub enum LoopMsg {
         turn: u32,
         reply: RpcReplyPort<Vec<String>>,
     },
+    /// It waits on a person's approval (true) or no longer does: the job's
+    /// wall timeout is paused meanwhile (the card's deadline is its own).
+    Waiting(bool),
 }
 
 /// What `delegate` returns for each child it started.
@@ -85,6 +88,8 @@ pub struct LoopArgs {
     pub ctx: Arc<NodeContext>,
     pub run: RunId,
     pub id: JobId,
+    /// The labels from the root to it (an approval card's lineage).
+    pub path: Arc<[String]>,
     /// Its job, spoken to in the loop's own words (`LoopMsg`).
     pub job: ractor::DerivedActorRef<LoopMsg>,
     pub account: ActorRef<AccountMsg>,
@@ -861,8 +866,116 @@ async fn call_tool(
     if let Err(e) = admit(args, counts, &named, &call.id, turn, false).await {
         return (named, Step::Result(Err(e)));
     }
+    if args.policy.asks(&named) {
+        let check: crate::approvals::ArgsCheck = Arc::new(move |a| builtin_check(tool, a));
+        match ask_person(args, &named, call, check).await {
+            Err(e) => return (named, Step::Result(Err(e))),
+            Ok(Some(edited)) => {
+                let call = ToolCall {
+                    args: edited,
+                    ..call.clone()
+                };
+                return (named, call_builtin(args, tool, &call).await);
+            }
+            Ok(None) => {}
+        }
+    }
     (named, call_builtin(args, tool, call).await)
 }
+
+/// Whether `args` are arguments the built-in `tool` accepts.
+fn builtin_check(tool: ToolName, args: &serde_json::Value) -> Result<(), String> {
+    match tool {
+        ToolName::Delegate => parse::<DelegateArgs>(tool, args).map(|_| ()),
+        ToolName::Collect => parse::<CollectArgs>(tool, args).map(|_| ()),
+        ToolName::StopChild => parse::<StopChildArgs>(tool, args).map(|_| ()),
+        ToolName::SendMessage => parse::<SendMessageArgs>(tool, args).map(|_| ()),
+        ToolName::SubmitOutput => parse::<SubmitOutputArgs>(tool, args).map(|_| ()),
+        ToolName::Exec => parse::<ExecArgs>(tool, args)
+            .and_then(|a| parse_duration_arg("timeout", a.timeout.as_deref()).map(|_| ())),
+        ToolName::ReadFile => parse::<ReadFileArgs>(tool, args).map(|_| ()),
+        ToolName::WriteFile => parse::<WriteFileArgs>(tool, args).map(|_| ()),
+    }
+}
+
+/// I-46: stages a call for a person and waits for the card's one outcome.
+/// `Ok(None)` runs the call as the model asked, `Ok(Some(args))` with a
+/// person's edited arguments; `Err` is what the model reads instead, and
+/// the call does not run. While it waits the job holds no reservation (no
+/// model call is in flight between turns) and its wall timeout is paused.
+async fn ask_person(
+    args: &LoopArgs,
+    tool: &str,
+    call: &ToolCall,
+    check: crate::approvals::ArgsCheck,
+) -> Result<Option<serde_json::Value>, String> {
+    use crate::approvals::{Answer, Ask, GateMsg};
+    // Fail safe: with no gate, a call meant to wait for a person does not run.
+    let Some(gate) = args.ctx.gate.get() else {
+        return Err(format!(
+            "{tool} needs a person's approval and this node has no approval gate, so it did not run"
+        ));
+    };
+    let ask = Ask {
+        run: args.run,
+        job: args.id,
+        lineage: args.path.to_vec(),
+        agent: args.agent.name.clone(),
+        tool: tool.to_string(),
+        call: call.id.clone(),
+        args: card_args(&call.args, &args.ctx.secrets),
+        cancel: args.cancel.clone(),
+        check,
+    };
+    let _ = args.job.cast(LoopMsg::Waiting(true));
+    let answer = tokio::select! {
+        answer = gate.call(|reply| GateMsg::Ask { ask: Box::new(ask), reply }, None) => answer,
+        _ = args.cancel.cancelled() => {
+            return Err("the job was stopped while the call waited for approval".into());
+        }
+    };
+    let _ = args.job.cast(LoopMsg::Waiting(false));
+    let answer = match answer {
+        Ok(ractor::rpc::CallResult::Success(answer)) => answer,
+        _ => Answer::Failed("the approval gate is gone, so the call did not run".into()),
+    };
+    // A stop after the approval still wins: nothing runs once it came.
+    if args.cancel.is_cancelled() {
+        return Err("the job was stopped, so the approved call did not run".into());
+    }
+    match answer {
+        Answer::Approved { edited } => Ok(edited),
+        Answer::Rejected { by, reason } => Err(format!(
+            "a person ({by}) rejected this call, so it did not run: {reason}"
+        )),
+        Answer::Expired => Err(
+            "no one decided on this call before its approval deadline, so it did not run. \
+             This is not a rejection: go on without it, or ask again later"
+                .into(),
+        ),
+        Answer::Cancelled => Err("the call's approval was cancelled, so it did not run".into()),
+        Answer::Failed(why) => Err(format!("the call could not be staged for approval: {why}")),
+    }
+}
+
+/// The arguments as a card shows them: every secret's value cut out, long
+/// strings clipped, so a card is safe to show anyone who may decide.
+fn card_args(args: &serde_json::Value, secrets: &crate::secrets::Secrets) -> serde_json::Value {
+    use serde_json::Value;
+    match args {
+        Value::String(s) => Value::String(clip(&secrets.redact(s), CARD_STRING_LIMIT)),
+        Value::Array(items) => Value::Array(items.iter().map(|v| card_args(v, secrets)).collect()),
+        Value::Object(map) => Value::Object(
+            map.iter()
+                .map(|(k, v)| (secrets.redact(k), card_args(v, secrets)))
+                .collect(),
+        ),
+        other => other.clone(),
+    }
+}
+
+/// The longest string of a card's arguments, in bytes.
+pub const CARD_STRING_LIMIT: usize = 2000;
 
 /// I-45: counts the call against every limit that covers it, or refuses
 /// it. A call a limit counts is durable in the journal before it runs, so
@@ -944,8 +1057,15 @@ async fn mcp_call(
     counts: &mut CallCounts,
     turn: u32,
 ) -> Result<serde_json::Value, String> {
-    let arguments = entry.check(&call.args)?;
+    let mut arguments = entry.check(&call.args)?;
     admit(args, counts, &entry.canonical, &call.id, turn, true).await?;
+    if args.policy.asks(&entry.canonical) {
+        let schema = entry.clone();
+        let check: crate::approvals::ArgsCheck = Arc::new(move |a| schema.check(a).map(|_| ()));
+        if let Some(edited) = ask_person(args, &entry.canonical, call, check).await? {
+            arguments = entry.check(&edited)?;
+        }
+    }
     let sandbox = sandbox_of(args)?;
     let secrets = &args.ctx.secrets;
     let outcome = ractor::call!(sandbox, |reply| SandboxMsg::McpCall {

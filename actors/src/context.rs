@@ -27,6 +27,11 @@ pub struct NodeContext {
     pub secrets: Arc<crate::secrets::Secrets>,
     /// The node's MCP servers and the tools each lists.
     pub mcp: Arc<crate::mcp::McpCatalog>,
+    /// `[approvals]`: what every agent asks about, how long a card waits.
+    pub approvals: arbor_protocol::ApprovalSettings,
+    /// The node's approval gate, set once when the node starts; a call that
+    /// must wait for a person is refused while there is none (fail safe).
+    pub gate: std::sync::OnceLock<ractor::ActorRef<crate::approvals::GateMsg>>,
 }
 
 impl NodeContext {

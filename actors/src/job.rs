@@ -79,6 +79,9 @@ pub struct Lineage {
     pub depth: u32,
     pub attempt: u32,
     pub label: Option<String>,
+    /// The labels from the root: its step's, then each delegated child's
+    /// down to its own (what an approval card shows).
+    pub path: Arc<[String]>,
 }
 
 pub struct JobStart {
@@ -229,6 +232,7 @@ impl Actor for Job {
             turns: 0,
             finish: None,
             ended: Default::default(),
+            wall: None,
         })
     }
 
@@ -259,7 +263,13 @@ impl Actor for Job {
             "job started"
         );
         if let Some(timeout) = state.brief.timeout {
-            myself.send_after(timeout, || JobMsg::TimedOut);
+            state.wall = Some(WallTimer {
+                left: timeout,
+                since: std::time::Instant::now(),
+                paused: false,
+                generation: 0,
+            });
+            myself.send_after(timeout, || JobMsg::TimedOut { generation: 0 });
         }
         state.start_loop(myself);
         Ok(())
@@ -333,8 +343,14 @@ impl Actor for Job {
                 }
                 state.maybe_complete(&myself).await?;
             }
-            JobMsg::TimedOut => {
-                if state.finish.is_none() {
+            JobMsg::Loop(LoopMsg::Waiting(waiting)) => {
+                if let Some(wall) = &mut state.wall {
+                    wall.pause(&myself, waiting);
+                }
+            }
+            JobMsg::TimedOut { generation } => {
+                let current = state.wall.as_ref().map(|w| (w.generation, w.paused));
+                if current == Some((generation, false)) && state.finish.is_none() {
                     state.abort_loop();
                     let timeout = state.brief.timeout.unwrap_or_default();
                     let reason = format!("timed out after {}", humantime::format_duration(timeout));
@@ -488,6 +504,35 @@ pub struct JobState {
     finish: Option<Finish>,
     /// Children's ends not yet durable, held back from everything outside.
     ended: crate::ends::Ends,
+    /// Its wall timeout (I-19), if it has one.
+    wall: Option<WallTimer>,
+}
+
+/// A job's wall timeout, paused while it waits for a person (I-46): the
+/// card's deadline is its own. Each pause and resume starts a new
+/// generation, so a timer armed before is ignored when it fires.
+struct WallTimer {
+    left: Duration,
+    since: std::time::Instant,
+    paused: bool,
+    generation: u64,
+}
+
+impl WallTimer {
+    fn pause(&mut self, myself: &ActorRef<JobMsg>, pause: bool) {
+        if pause == self.paused {
+            return;
+        }
+        self.generation += 1;
+        self.paused = pause;
+        if pause {
+            self.left = self.left.saturating_sub(self.since.elapsed());
+        } else {
+            self.since = std::time::Instant::now();
+            let generation = self.generation;
+            myself.send_after(self.left, move || JobMsg::TimedOut { generation });
+        }
+    }
 }
 
 impl JobState {
@@ -499,6 +544,7 @@ impl JobState {
             ctx: self.ctx.clone(),
             run: self.lineage.run,
             id: self.lineage.id,
+            path: self.lineage.path.clone(),
             job: myself.get_derived(),
             account: self.account.clone(),
             sandbox: self.sandbox.clone(),

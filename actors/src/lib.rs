@@ -6,6 +6,7 @@
 
 pub mod account;
 pub mod agent_loop;
+pub mod approvals;
 pub mod compaction;
 pub mod context;
 mod ends;
@@ -22,6 +23,7 @@ pub mod sandbox;
 pub mod secrets;
 
 pub use account::{Account, AccountMsg, CallHold, GrantAsk, Ledger, Share, SpentMeter};
+pub use approvals::{Gate, GateArgs, GateMsg};
 pub use context::{NodeContext, RunContext};
 pub use events::EventBus;
 pub use job::{ChildHandle, Job, JobMsg};

@@ -20,6 +20,10 @@ pub struct Policy {
     pub mcp: BTreeSet<McpPattern>,
     /// Tool names, or prefixes ending in `*` (`mcp__fs__*`).
     pub denied: BTreeSet<String>,
+    /// Tools whose calls wait for a person (I-46), names or patterns as
+    /// `denied`. A tool both asked and denied is denied: down a chain a tool
+    /// moves allow -> ask -> deny, never back.
+    pub ask: BTreeSet<String>,
     /// Whether its commands may reach the network (I-28).
     pub network: Network,
     /// The secrets its sandbox holds, by name (I-27).
@@ -30,13 +34,15 @@ pub struct Policy {
 }
 
 impl Policy {
-    /// A step's policy: its agent's own tools and denies, its limits within
-    /// the node's `[limits.tools]`.
-    pub fn root(agent: &AgentDef, limits: &Limits) -> Self {
+    /// A step's policy: its agent's own tools, denies and asks (with the
+    /// node's `[approvals] tools`), its limits within the node's
+    /// `[limits.tools]`.
+    pub fn root(agent: &AgentDef, limits: &Limits, node_ask: &[String]) -> Self {
         Self {
             allowed: agent.tools.iter().copied().collect(),
             mcp: agent.mcp.iter().cloned().collect(),
             denied: agent.deny.iter().cloned().collect(),
+            ask: agent.approve.iter().chain(node_ask).cloned().collect(),
             network: agent.network,
             secrets: agent.secrets.iter().cloned().collect(),
             limits: agent.limits.tighter(&limits.tools),
@@ -78,10 +84,15 @@ impl Policy {
         let mut denied = self.denied.clone();
         denied.extend(child.deny.iter().cloned());
         denied.extend(job_deny.iter().cloned());
+        // Asks union like denies, own sandbox or not: what a parent gates
+        // stays gated below it.
+        let mut ask = self.ask.clone();
+        ask.extend(child.approve.iter().cloned());
         Self {
             allowed,
             mcp,
             denied,
+            ask,
             network,
             secrets,
             limits: self.limits.tighter(&child.limits),
@@ -91,6 +102,13 @@ impl Policy {
     /// Whether a deny covers the tool of this (canonical) name.
     pub fn is_denied(&self, tool: &str) -> bool {
         self.denied.iter().any(|d| name_matches(d, tool))
+    }
+
+    /// Whether a call of the tool of this (canonical) name waits for a
+    /// person first. Asked only of a tool that may be used at all: a denied
+    /// one is refused before it could be asked about.
+    pub fn asks(&self, tool: &str) -> bool {
+        self.ask.iter().any(|a| name_matches(a, tool))
     }
 
     /// Whether it may use the server's tool of this canonical name (without
@@ -168,6 +186,7 @@ mod tests {
             mcp: vec![],
             limits: Default::default(),
             deny: deny.iter().map(|s| s.to_string()).collect(),
+            approve: vec![],
             subagents: vec!["b".into()],
             sandbox,
             network: Network::None,
@@ -188,6 +207,7 @@ mod tests {
         let parent = Policy::root(
             &agent(&[ReadFile], &["exec"], SandboxMode::Shared),
             &Limits::default(),
+            &[],
         );
         // The child names exec and write_file; neither is the parent's to give.
         let child = parent.narrow(
@@ -215,11 +235,33 @@ mod tests {
     }
 
     #[test]
+    fn inv_46_a_deny_below_an_ask_is_never_widened_back() {
+        use ToolName::*;
+        let mut asking = agent(&[Exec, WriteFile], &[], SandboxMode::Shared);
+        asking.approve = vec!["exec".into()];
+        let parent = Policy::root(&asking, &Limits::default(), &["mcp__pay__*".into()]);
+        assert!(parent.asks("exec") && parent.asks("mcp__pay__send"));
+        assert!(!parent.asks("write_file"));
+        // The child denies what its parent asked about; its own child, with
+        // a sandbox of its own, names it again and asks nothing.
+        let child = parent.narrow(&agent(&[Exec], &["exec"], SandboxMode::Shared), &[]);
+        let own = agent(&[Exec, WriteFile], &[], SandboxMode::Own);
+        let grandchild = child.narrow(&own, &[]);
+        assert!(grandchild.is_denied("exec"));
+        let offered = grandchild.offered(&own, NodeKind::Job, 2, &Limits::default());
+        assert!(offered[&Exec].is_err(), "a deny below an ask came back");
+        // What was asked about above is still asked about below an own sandbox.
+        assert!(grandchild.asks("mcp__pay__send"));
+        assert!(offered[&WriteFile].is_ok() && !grandchild.asks("write_file"));
+    }
+
+    #[test]
     fn own_sandbox_keeps_its_tools_but_inherits_denies_and_cannot_delegate() {
         use ToolName::*;
         let parent = Policy::root(
             &agent(&[], &["write_file"], SandboxMode::Shared),
             &Limits::default(),
+            &[],
         );
         let own = agent(&[Exec, WriteFile], &[], SandboxMode::Own);
         let child = parent.narrow(&own, &[]);
@@ -245,6 +287,7 @@ mod tests {
             job_deny: Vec<String>,
             network: bool,
             secrets: Vec<String>,
+            approve: Vec<String>,
         }
 
         /// The MCP tools a chain may meet: two servers of two tools each.
@@ -290,16 +333,20 @@ mod tests {
                     vec!["A".to_string(), "B".into(), "C".into(), "D".into()],
                     0..=4,
                 ),
+                tool_names(),
             )
-                .prop_map(|(tools, mcp, deny, own, job_deny, network, secrets)| Link {
-                    tools,
-                    mcp,
-                    deny,
-                    own,
-                    job_deny,
-                    network,
-                    secrets,
-                })
+                .prop_map(
+                    |(tools, mcp, deny, own, job_deny, network, secrets, approve)| Link {
+                        tools,
+                        mcp,
+                        deny,
+                        own,
+                        job_deny,
+                        network,
+                        secrets,
+                        approve,
+                    },
+                )
         }
 
         fn def(link: &Link) -> AgentDef {
@@ -316,6 +363,7 @@ mod tests {
                     Network::None
                 },
                 secrets: link.secrets.clone(),
+                approve: link.approve.clone(),
                 mcp: link
                     .mcp
                     .iter()
@@ -351,10 +399,12 @@ mod tests {
             /// a descendant may use only what each ancestor above it (up to
             /// the nearest `sandbox: own`) may, reach the network only if each
             /// of them may, and hold only secrets each of them holds. `offered`
-            /// never offers a denied tool.
+            /// never offers a denied tool. I-46: a tool an ancestor asks about
+            /// is asked about below, `sandbox: own` or not (allow -> ask ->
+            /// deny, never back), and a deny below an ask wins.
             #[test]
             fn inv_25_no_chain_widens_a_descendant(root in link(), links in proptest::collection::vec(link(), 1..6)) {
-                let mut chain = vec![Policy::root(&def(&root), &Limits::default())];
+                let mut chain = vec![Policy::root(&def(&root), &Limits::default(), &[])];
                 for l in &links {
                     let next = chain.last().unwrap().narrow(&def(l), &l.job_deny);
                     // The override and the definition's own denies both hold.
@@ -366,8 +416,12 @@ mod tests {
                 for (n, policy) in chain.iter().enumerate() {
                     for (a, ancestor) in chain[..n].iter().enumerate() {
                         prop_assert!(ancestor.denied.is_subset(&policy.denied));
+                        prop_assert!(ancestor.ask.is_subset(&policy.ask));
                         for name in usable(policy) {
                             prop_assert!(!ancestor.is_denied(&name), "{name} usable below a deny");
+                            if ancestor.asks(&name) {
+                                prop_assert!(policy.asks(&name), "{name} asked above, not below");
+                            }
                         }
                         // links[k] made chain[k + 1]: an own link between a and n resets the allowlist.
                         let own_between = links[a..n].iter().any(|l| l.own);
@@ -398,7 +452,7 @@ mod tests {
     #[test]
     fn inv_03_no_delegation_at_the_depth_cap() {
         let a = agent(&[], &[], SandboxMode::Shared);
-        let p = Policy::root(&a, &Limits::default());
+        let p = Policy::root(&a, &Limits::default(), &[]);
         let limits = Limits::default();
         assert!(p.offered(&a, NodeKind::Job, 1, &limits)[&ToolName::Delegate].is_ok());
         assert!(p.offered(&a, NodeKind::Job, 2, &limits)[&ToolName::Delegate].is_err());

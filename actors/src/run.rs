@@ -486,6 +486,7 @@ impl RunState {
                     depth: 0,
                     attempt,
                     label: Some(label.clone()),
+                    path: Arc::from([label.clone()]),
                 },
                 brief: Brief {
                     request: format!("{instruction}{context}"),
@@ -494,7 +495,7 @@ impl RunState {
                     output_schema: None,
                     require_artifacts: vec![],
                 },
-                policy: Policy::root(&agent, &self.ctx.limits),
+                policy: Policy::root(&agent, &self.ctx.limits, &self.ctx.approvals.tools),
                 grant,
                 workdir: self.step_workdir(&label, attempt),
                 parent: myself.get_derived(),
@@ -723,6 +724,13 @@ impl RunState {
             return Ok(());
         }
         let finish = self.finish.take().expect("checked above");
+        // No card of an ended run stays pending: closed before its end is told.
+        if let Some(gate) = self.ctx.gate.get() {
+            let _ = ractor::call!(gate, |reply| crate::approvals::GateMsg::RunEnded {
+                run: self.id,
+                reply
+            });
+        }
         let view = ractor::call!(self.account, |reply| AccountMsg::Close { reply }).ok();
         let _ = view.map(|v| v.spent()).unwrap_or(self.meter.amount());
         let record = RunRecord {

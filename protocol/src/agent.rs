@@ -25,6 +25,9 @@ pub struct AgentDef {
     pub limits: ToolLimits,
     /// Tools this agent and everything below it may not use (I-25).
     pub deny: Vec<String>,
+    /// Tools whose calls wait for a person, here and everywhere below (I-46).
+    #[serde(default)]
+    pub approve: Vec<String>,
     pub subagents: Vec<String>,
     pub sandbox: SandboxMode,
     pub network: Network,
@@ -93,7 +96,7 @@ pub struct FrontMatter {
     /// MCP servers (arbor.toml `[mcp.servers.NAME]`) whose every tool it may use.
     #[serde(default)]
     pub mcp: Vec<String>,
-    /// Tools whose calls wait for a person (refused until approvals exist).
+    /// Tools whose calls wait for a person's approval (names or `*` patterns).
     #[serde(default)]
     pub approve: Vec<String>,
     pub limits: Option<ToolLimits>,

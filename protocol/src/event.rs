@@ -239,6 +239,29 @@ pub enum EventKind {
         id: JobId,
         message_id: u64,
     },
+    /// I-46: a gated call's card is durable and waits for a person; the
+    /// job spends nothing meanwhile and its wall timeout is paused.
+    ApprovalRequested {
+        id: JobId,
+        card: crate::CardId,
+        tool: String,
+        deadline_ms: u64,
+    },
+    /// The card has passed `[approvals] warn_at` of its wait.
+    ApprovalExpiring {
+        id: JobId,
+        card: crate::CardId,
+        deadline_ms: u64,
+    },
+    /// The card's one outcome, durable before anyone acts on it.
+    ApprovalDecided {
+        id: JobId,
+        card: crate::CardId,
+        state: crate::CardState,
+        by: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
+    },
 }
 
 impl EventKind {
@@ -272,7 +295,10 @@ impl EventKind {
             | Refused { id, .. }
             | SteerQueued { id, .. }
             | SteerDelivered { id, .. }
-            | SteerDiscarded { id, .. } => Some(*id),
+            | SteerDiscarded { id, .. }
+            | ApprovalRequested { id, .. }
+            | ApprovalExpiring { id, .. }
+            | ApprovalDecided { id, .. } => Some(*id),
             AccountChanged { owner, .. } | WindDown { owner, .. } => match owner {
                 ParentRef::Job(id) => Some(*id),
                 ParentRef::Run(_) => None,

@@ -49,3 +49,7 @@ id_type!(
     /// attempt gets a new one.
     JobId
 );
+id_type!(
+    /// One approval card: a gated tool call waiting for a person (I-46).
+    CardId
+);

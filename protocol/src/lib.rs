@@ -4,6 +4,7 @@
 //! serde data that can cross a process boundary or be printed.
 
 pub mod agent;
+pub mod approval;
 pub mod event;
 pub mod ids;
 pub mod limits;
@@ -22,8 +23,9 @@ pub use agent::{
     AgentDef, ModelRef, Network, Resources, ResourcesSpec, SandboxMode, ScriptCall, ScriptTurn,
     ScriptUsage,
 };
+pub use approval::{ApprovalSettings, Card, CardState, Decision, Verdict};
 pub use event::{CallFacts, Event, EventKind, McpServerState, NodeKind, ParentRef};
-pub use ids::{JobId, RunId};
+pub use ids::{CardId, JobId, RunId};
 pub use limits::Limits;
 pub use mcp::{
     HttpServer, McpPattern, McpServerSpec, McpTransport, StdioServer, ToolLimits, ToolRef,
@@ -36,5 +38,5 @@ pub use tools::{
     BudgetArg, CollectArgs, DelegateArgs, ExecArgs, JobArgs, OnFailure, ReadFileArgs,
     SendMessageArgs, StopChildArgs, SubmitOutputArgs, ToolName, WriteFileArgs,
 };
-pub use tree::{AccountView, McpServerView, Tree, TreeNode};
+pub use tree::{AccountView, McpServerView, Tree, TreeNode, WaitingView};
 pub use view::{ActorView, SandboxPosture};

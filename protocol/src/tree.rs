@@ -41,6 +41,9 @@ pub struct TreeNode {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub mcp: BTreeMap<String, McpServerView>,
     pub events_elided: u64,
+    /// The approval card it waits on, if it waits on one (I-46).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting: Option<WaitingView>,
     /// When it was admitted (a run: started), in ms since the Unix epoch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub started_at_ms: Option<u64>,
@@ -48,6 +51,17 @@ pub struct TreeNode {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ended_at_ms: Option<u64>,
     pub children: Vec<TreeNode>,
+}
+
+/// The card a job waits on.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct WaitingView {
+    pub card: crate::CardId,
+    pub tool: String,
+    pub deadline_ms: u64,
+    /// Past `[approvals] warn_at` of its wait.
+    #[serde(default)]
+    pub expiring: bool,
 }
 
 /// One MCP server of a job, as its events tell it.
@@ -125,6 +139,7 @@ impl Tree {
                 tools: BTreeMap::new(),
                 mcp: BTreeMap::new(),
                 events_elided: 0,
+                waiting: None,
                 started_at_ms: None,
                 ended_at_ms: None,
                 children: vec![],
@@ -279,6 +294,7 @@ impl Tree {
                     n.limitations = result.limitations.clone();
                     n.artifacts = result.artifacts.clone();
                     n.turns = result.turns;
+                    n.waiting = None;
                 }
             }
             EventKind::AccountChanged {
@@ -322,6 +338,38 @@ impl Tree {
                         restarts: *restarts,
                     };
                     e.node.mcp.insert(server.clone(), view);
+                }
+            }
+            EventKind::ApprovalRequested {
+                id,
+                card,
+                tool,
+                deadline_ms,
+            } => {
+                if let Some(e) = self.entries.get_mut(id) {
+                    e.node.waiting = Some(WaitingView {
+                        card: *card,
+                        tool: tool.clone(),
+                        deadline_ms: *deadline_ms,
+                        expiring: false,
+                    });
+                }
+            }
+            EventKind::ApprovalExpiring { id, card, .. } => {
+                if let Some(w) = self
+                    .entries
+                    .get_mut(id)
+                    .and_then(|e| e.node.waiting.as_mut())
+                    && w.card == *card
+                {
+                    w.expiring = true;
+                }
+            }
+            EventKind::ApprovalDecided { id, card, .. } => {
+                if let Some(e) = self.entries.get_mut(id)
+                    && e.node.waiting.as_ref().is_some_and(|w| w.card == *card)
+                {
+                    e.node.waiting = None;
                 }
             }
             EventKind::ModelCalled {

@@ -11,6 +11,7 @@ pub mod scripted;
 pub mod secrets;
 pub mod workspace;
 
+pub use arbor_actors::approvals::{Decide, DecideError};
 pub use arbor_providers::{Provider, ProviderKind};
 pub use models::Models;
 pub use node::{EmbeddedNode, Error};

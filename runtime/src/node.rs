@@ -7,10 +7,14 @@
 use crate::models::Models;
 use crate::recovery::{self, RecoveryReport, RunOutcome};
 use crate::workspace::Workspace;
+use arbor_actors::approvals::{Decide, DecideError};
 use arbor_actors::mcp::McpCatalog;
-use arbor_actors::{EventBus, ModelFactory, Node, NodeArgs, NodeContext, NodeMsg};
+use arbor_actors::{
+    EventBus, Gate, GateArgs, GateMsg, ModelFactory, Node, NodeArgs, NodeContext, NodeMsg,
+};
 use arbor_protocol::{
-    ActorView, ErrorClass, EventKind, JobId, Refusal, RunId, RunSpec, SandboxPosture, Status, Tree,
+    ActorView, Card, CardId, CardState, ErrorClass, EventKind, JobId, Refusal, RunId, RunSpec,
+    SandboxPosture, Status, Tree,
 };
 use arbor_sandbox::seal::{Posture, SandboxIsolation};
 use arbor_storage::{Journal, Record, RunRecord};
@@ -110,6 +114,8 @@ impl EmbeddedNode {
             sandbox,
             secrets,
             mcp,
+            approvals: workspace.config.approvals.clone(),
+            gate: Default::default(),
         });
         // Root folders a crash left: their commands died with the node, or
         // recovery just killed them; nothing new has started.
@@ -121,6 +127,31 @@ impl EmbeddedNode {
         let (node, join) = ractor::Actor::spawn(None, Node, NodeArgs { ctx: ctx.clone() })
             .await
             .map_err(|e| Error::Start(format!("the node could not start: {e}")))?;
+        // The gate before any run: a resumed job may ask at once.
+        let (gate, _) = ractor::Actor::spawn_linked(
+            None,
+            Gate,
+            GateArgs {
+                journal: ctx.journal.clone(),
+                events: ctx.events.clone(),
+                settings: ctx.approvals.clone(),
+                carried: recovery
+                    .carried_cards
+                    .iter()
+                    .filter(|card| {
+                        recovery.runs.iter().any(|r| {
+                            r.run == card.run
+                                && matches!(&r.outcome, RunOutcome::Resume { spec, .. } if resume(spec))
+                        })
+                    })
+                    .cloned()
+                    .collect(),
+            },
+            node.get_cell(),
+        )
+        .await
+        .map_err(|e| Error::Start(format!("the approval gate could not start: {e}")))?;
+        let _ = ctx.gate.set(gate);
         let mut resumed = vec![];
         for run in &recovery.runs {
             if let RunOutcome::Resume { spec, resume: plan } = &run.outcome
@@ -244,6 +275,77 @@ impl EmbeddedNode {
             return Err(e);
         }
         Ok(run)
+    }
+
+    /// Approval cards, oldest first: of one run or all, in one state or any.
+    /// Read from the journal, where a card is before anyone can see it.
+    pub fn approvals(
+        &self,
+        run: Option<RunId>,
+        state: Option<CardState>,
+    ) -> Result<Vec<Card>, Error> {
+        let records = match run {
+            Some(run) => self.ctx.journal.approvals(run)?,
+            None => self.ctx.journal.all_approvals()?,
+        };
+        let mut cards: Vec<Card> = records
+            .iter()
+            .filter(|r| state.is_none_or(|s| r.state == s))
+            .map(|r| r.card())
+            .collect();
+        cards.sort_by_key(|c| c.id);
+        Ok(cards)
+    }
+
+    /// One card, by id.
+    pub fn approval(&self, id: CardId) -> Result<Option<Card>, Error> {
+        Ok(self
+            .ctx
+            .journal
+            .all_approvals()?
+            .into_iter()
+            .find(|r| r.id == id)
+            .map(|r| r.card()))
+    }
+
+    /// A person's decision on a pending card (I-46): committed before the
+    /// call it approves may run, refused whole if the card is closed, not
+    /// known, or the decision is not whole.
+    pub async fn decide(&self, id: CardId, decide: Decide) -> Result<Card, DecideError> {
+        let known = self
+            .approval(id)
+            .map_err(|e| DecideError::Journal(e.to_string()))?
+            .ok_or(DecideError::Unknown(id))?;
+        if !known.state.is_pending() {
+            return Err(DecideError::Closed {
+                id,
+                state: known.state,
+            });
+        }
+        let Some(gate) = self.ctx.gate.get() else {
+            return Err(DecideError::Invalid(
+                "this node has no approval gate".into(),
+            ));
+        };
+        match ractor::call!(gate, |reply| GateMsg::Decide {
+            card: id,
+            decide,
+            reply
+        }) {
+            // Closed between the read above and the gate's turn, or pending
+            // in a run this node does not run (not resumed by this start).
+            Ok(Err(DecideError::Unknown(_))) => match self.approval(id) {
+                Ok(Some(card)) if !card.state.is_pending() => Err(DecideError::Closed {
+                    id,
+                    state: card.state,
+                }),
+                _ => Err(DecideError::Idle(id)),
+            },
+            Ok(result) => result,
+            Err(e) => Err(DecideError::Journal(format!(
+                "the approval gate did not answer: {e}"
+            ))),
+        }
     }
 
     /// What recovery found and did when this node started.

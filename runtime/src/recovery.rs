@@ -25,12 +25,12 @@
 use arbor_actors::EventBus;
 use arbor_actors::run::Resume;
 use arbor_protocol::{
-    Amount, ErrorClass, EventKind, JobId, NodeKind, ParentRef, ResultEnvelope, RunId, RunSpec,
-    Status,
+    Amount, Card, CardState, Decision, ErrorClass, EventKind, JobId, NodeKind, ParentRef,
+    ResultEnvelope, RunId, RunSpec, Status,
 };
 use arbor_storage::{
-    JobRecord, Journal, LedgerOp, LedgerRecord, Record, RunRecord, SandboxRecord, SandboxState,
-    Undecodable, Unit, ledger_of, ledger_totals, usd_totals,
+    ApprovalRecord, JobRecord, Journal, LedgerOp, LedgerRecord, Record, RunRecord, SandboxRecord,
+    SandboxState, Undecodable, Unit, ledger_of, ledger_totals, usd_totals,
 };
 use std::collections::{BTreeMap, HashMap};
 
@@ -49,6 +49,9 @@ pub struct RecoveryReport {
     /// Ends (of steps, jobs and runs) durable in their records whose events a
     /// crash lost, told again from the records.
     pub ends_retold: u32,
+    /// Approval cards of runs to resume: pending with their deadlines, or
+    /// expired here; the runs' jobs adopt them instead of asking again (I-47).
+    pub carried_cards: Vec<Card>,
 }
 
 #[derive(Clone, Debug)]
@@ -121,6 +124,7 @@ pub async fn recover(
             outcome,
         });
     }
+    recover_cards(journal, events, &mut report)?;
     journal.flush().await?;
     // One full read at the end serves both checks: undecodable records are
     // reported by key (I-35), and every account must add up (I-14).
@@ -589,6 +593,67 @@ pub fn tool_counts(history: &[arbor_protocol::Event]) -> HashMap<JobId, BTreeMap
         }
     }
     counts
+}
+
+/// I-47: every pending card keeps its id and its deadline. A card whose
+/// deadline fell due while the node was down is expired now; one whose run
+/// will not go on is cancelled. Cards of runs to resume are carried to the
+/// gate, so the job that makes the same call again waits on the same card
+/// (or hears its expiry) rather than asking again.
+fn recover_cards(
+    journal: &Journal,
+    events: &EventBus,
+    report: &mut RecoveryReport,
+) -> Result<(), arbor_storage::Error> {
+    let resumable: std::collections::HashSet<RunId> = report
+        .runs
+        .iter()
+        .filter(|r| matches!(r.outcome, RunOutcome::Resume { .. }))
+        .map(|r| r.run)
+        .collect();
+    let now = arbor_actors::approvals::now_ms();
+    for record in journal.all_approvals()? {
+        if !record.state.is_pending() {
+            continue;
+        }
+        let mut card = record.card();
+        let (state, reason) = if !resumable.contains(&card.run) {
+            (CardState::Cancelled, "its run ended")
+        } else if card.deadline_ms <= now {
+            (
+                CardState::Expired,
+                "no decision by the deadline, which fell due while the node was down",
+            )
+        } else {
+            report.carried_cards.push(card);
+            continue;
+        };
+        card.state = state;
+        card.decision = Some(Decision {
+            by: arbor_actors::approvals::NODE.into(),
+            reason: Some(reason.into()),
+            at_ms: now,
+            edited: false,
+        });
+        journal.append(vec![Record::Approval(ApprovalRecord::of(
+            &card,
+            report.epoch,
+        ))])?;
+        events.emit(
+            card.run,
+            EventKind::ApprovalDecided {
+                id: card.job,
+                card: card.id,
+                state,
+                by: arbor_actors::approvals::NODE.into(),
+                reason: Some(reason.into()),
+            },
+        );
+        if state == CardState::Expired {
+            report.carried_cards.push(card);
+        }
+    }
+    Ok(())
 }
 
 pub fn plan_resume(

@@ -28,8 +28,9 @@ use arbor_protocol::mcp::{
 };
 use arbor_protocol::tools::parse_duration_arg;
 use arbor_protocol::{
-    AgentDef, BudgetArg, FlowSpec, Limits, McpPattern, McpServerSpec, ModelRef, Network, Resources,
-    ResourcesSpec, RunSpec, SandboxMode, ScriptCall, ScriptTurn, ToolName, ToolRef,
+    AgentDef, ApprovalSettings, BudgetArg, FlowSpec, Limits, McpPattern, McpServerSpec, ModelRef,
+    Network, Resources, ResourcesSpec, RunSpec, SandboxMode, ScriptCall, ScriptTurn, ToolName,
+    ToolRef,
 };
 use arbor_providers::{Provider, ProviderFile, check_provider};
 use arbor_sandbox::seal::SandboxIsolation;
@@ -74,6 +75,8 @@ pub struct Config {
     pub secrets_file: Option<PathBuf>,
     /// `[mcp.servers.NAME]`: the MCP servers agents may name.
     pub mcp: BTreeMap<String, Arc<McpServerSpec>>,
+    /// `[approvals]`: tools every agent asks about, a card's wait, its warning.
+    pub approvals: ApprovalSettings,
 }
 
 /// The node's sandbox limits when arbor.toml's `[sandbox]` does not say.
@@ -137,6 +140,7 @@ impl Default for Config {
             isolation: SandboxIsolation::Sealed,
             secrets_file: None,
             mcp: BTreeMap::new(),
+            approvals: ApprovalSettings::default(),
         }
     }
 }
@@ -408,6 +412,44 @@ struct ConfigFile {
     sandbox: SandboxFile,
     #[serde(default)]
     mcp: McpFile,
+    #[serde(default)]
+    approvals: ApprovalsFile,
+}
+
+/// `[approvals]` as written.
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ApprovalsFile {
+    #[serde(default)]
+    tools: Vec<String>,
+    timeout: Option<String>,
+    warn_at: Option<f64>,
+}
+
+impl ApprovalsFile {
+    fn check(self) -> Result<ApprovalSettings, String> {
+        for entry in &self.tools {
+            arbor_protocol::approval::check_approve_entry(entry)
+                .map_err(|m| format!("approvals.tools: {m}"))?;
+        }
+        let mut settings = ApprovalSettings {
+            tools: self.tools,
+            ..Default::default()
+        };
+        if let Some(timeout) = parse_duration_arg("approvals.timeout", self.timeout.as_deref())? {
+            settings.timeout = timeout;
+        }
+        if let Some(warn_at) = self.warn_at {
+            if !(warn_at > 0.0 && warn_at < 1.0) {
+                return Err(format!(
+                    "approvals.warn_at must be a share of the wait between 0 and 1, not {warn_at} \
+                     (0.8 warns when 80% of it has passed)"
+                ));
+            }
+            settings.warn_at = warn_at;
+        }
+        Ok(settings)
+    }
 }
 
 /// `[mcp]` as written.
@@ -489,7 +531,9 @@ fn parse_config(text: &str, root: &Path) -> Result<Config, LoadError> {
             .map_err(|m| invalid(path, format!("mcp.servers.{name}: {m}")))?;
         mcp.insert(name, Arc::new(server));
     }
+    let approvals = file.approvals.check().map_err(|m| invalid(path, m))?;
     Ok(Config {
+        approvals,
         limits: file.limits,
         budget_tokens,
         budget_usd_micros,
@@ -940,14 +984,9 @@ fn agent_from_front_matter(
         check_server_name(server).map_err(|m| format!("mcp: {m}"))?;
         mcp.push(McpPattern::all(server));
     }
-    // Fail safe: a gate that did not gate would run what its writer meant
-    // a person to see first.
-    if !approve.is_empty() {
-        return Err(format!(
-            "approve: {}: calls that wait for a person's approval are not served yet, and \
-             this node will not run them unapproved; leave `approve` out or empty",
-            approve.join(", ")
-        ));
+    for entry in &approve {
+        arbor_protocol::approval::check_approve_entry(entry)
+            .map_err(|m| format!("approve: {m}"))?;
     }
     let limits = limits.unwrap_or_default();
     limits.check("limits.")?;
@@ -968,6 +1007,7 @@ fn agent_from_front_matter(
         mcp,
         limits,
         deny,
+        approve,
         subagents,
         sandbox: sandbox.unwrap_or_default(),
         network: network.unwrap_or_default(),

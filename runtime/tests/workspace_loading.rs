@@ -107,6 +107,7 @@ fn a_full_workspace_loads_with_every_field_mapped() {
         mcp: vec![],
         limits: Default::default(),
         deny: vec!["write_file".into()],
+        approve: vec![],
         subagents: vec!["researcher".into()],
         sandbox: SandboxMode::Own,
         network: Network::Open,
@@ -244,6 +245,51 @@ fn limits_out_of_range_are_refused() {
         message.to_string(),
         "arbor.toml: limits.grant_fraction must be in (0, 1], got 1.5"
     );
+}
+
+#[test]
+fn approvals_are_read_and_a_bad_setting_is_named() {
+    let ws = workspace(
+        Some(
+            "[approvals]\ntools = [\"exec\", \"mcp__pay__*\"]\ntimeout = \"15m\"\nwarn_at = 0.5\n",
+        ),
+        FLOW,
+    )
+    .unwrap();
+    assert_eq!(ws.config.approvals.tools, ["exec", "mcp__pay__*"]);
+    assert_eq!(ws.config.approvals.timeout, Duration::from_secs(900));
+    assert_eq!(ws.config.approvals.warn_at, 0.5);
+    let defaults = workspace(None, FLOW).unwrap().config.approvals;
+    assert_eq!(
+        (defaults.timeout, defaults.warn_at),
+        (Duration::from_secs(3600), 0.8)
+    );
+    for (toml, expected) in [
+        (
+            "warn_at = 1.5",
+            "approvals.warn_at must be a share of the wait between 0 and 1",
+        ),
+        ("warn_at = 0", "approvals.warn_at must be a share"),
+        ("timeout = \"0s\"", "approvals.timeout: a timeout of 0"),
+        ("timeout = \"soon\"", "approvals.timeout:"),
+        (
+            "tools = [\"submit_output\"]",
+            "approvals.tools: submit_output cannot wait",
+        ),
+        (
+            "tools = [\"depoly\"]",
+            "approvals.tools: \"depoly\" is not a tool",
+        ),
+        ("tool = [\"exec\"]", "unknown key `tool`"),
+    ] {
+        let message = workspace(Some(&format!("[approvals]\n{toml}\n")), FLOW)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            message.starts_with("arbor.toml: ") && message.contains(expected),
+            "{toml}: {message}"
+        );
+    }
 }
 
 #[test]
@@ -996,8 +1042,18 @@ fn bad_mcp_declarations_and_names_are_refused_naming_the_key() {
         ),
         (
             server(""),
-            "mcp: [fs]\napprove: [mcp__fs__write]\n",
-            "approve: mcp__fs__write: calls that wait for a person's approval are not served yet",
+            "mcp: [fs]\napprove: [submit_output]\n",
+            "approve: submit_output cannot wait for a person",
+        ),
+        (
+            server(""),
+            "mcp: [fs]\napprove: [deploy]\n",
+            "approve: \"deploy\" is not a tool",
+        ),
+        (
+            server(""),
+            "mcp: [fs]\napprove: [mcp__fs]\n",
+            "approve: \"mcp__fs\" is not an MCP tool name",
         ),
         (
             server(""),

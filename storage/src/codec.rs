@@ -12,7 +12,7 @@
 //!    the wrong key.
 
 use crate::Error;
-use arbor_protocol::{Event, EventKind, JobId, ParentRef, RunId};
+use arbor_protocol::{CardId, Event, EventKind, JobId, ParentRef, RunId};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::sync::Arc;
@@ -43,6 +43,10 @@ pub(crate) fn ledger_prefix(owner: ParentRef) -> Vec<u8> {
 
 pub(crate) fn delegation_key(parent: JobId, key: &str) -> Vec<u8> {
     [parent.0.as_bytes().as_slice(), key.as_bytes()].concat()
+}
+
+pub(crate) fn approval_key(run: RunId, card: CardId) -> Vec<u8> {
+    [run.0.as_bytes().as_slice(), card.0.as_bytes()].concat()
 }
 
 pub(crate) fn steer_key(job: JobId, message_id: u64) -> Vec<u8> {

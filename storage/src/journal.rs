@@ -17,12 +17,13 @@ use crate::codec;
 use crate::engine::{Counters, Engine, Span};
 use crate::faults::Faults;
 use crate::record::{
-    DelegationRecord, JobRecord, LedgerRecord, RunRecord, SandboxRecord, SandboxState, SteerRecord,
+    ApprovalRecord, DelegationRecord, JobRecord, LedgerRecord, RunRecord, SandboxRecord,
+    SandboxState, SteerRecord,
 };
 use crate::sled_engine::SledEngine;
 use crate::table::{self, AnyTable, JOURNAL_TABLES, Key, KeyedBy, Row, TABLES, Table, TableDef};
 use crate::verify::{self, VerifyReport};
-use arbor_protocol::{Event, JobId, ParentRef, RunId};
+use arbor_protocol::{CardId, Event, JobId, ParentRef, RunId};
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
@@ -47,6 +48,7 @@ pub enum Record {
     /// An event whose value the emitter encoded already (`EncodedEvent`).
     EncodedEvent(codec::EncodedEvent),
     Sandbox(SandboxRecord),
+    Approval(ApprovalRecord),
     /// A row of a table whose records another crate defines (`Table::row`).
     Row(Row),
 }
@@ -63,6 +65,7 @@ impl Record {
             Record::Steer(steer) => Some(steer.epoch),
             Record::Event(_) | Record::EncodedEvent(_) => None,
             Record::Sandbox(sandbox) => Some(sandbox.epoch),
+            Record::Approval(card) => Some(card.epoch),
             Record::Row(row) => row.epoch,
         }
     }
@@ -376,6 +379,20 @@ impl Journal {
         Ok(all)
     }
 
+    /// The run's approval cards, in id (that is, asking) order.
+    pub fn approvals(&self, run: RunId) -> Result<Vec<ApprovalRecord>, Error> {
+        self.read(&table::APPROVALS, &codec::run_key(run))
+    }
+
+    /// Every approval card of every run, by run and then by id.
+    pub fn all_approvals(&self) -> Result<Vec<ApprovalRecord>, Error> {
+        self.read(&table::APPROVALS, &[])
+    }
+
+    pub fn approval(&self, run: RunId, card: CardId) -> Result<Option<ApprovalRecord>, Error> {
+        self.read_one(&table::APPROVALS, &codec::approval_key(run, card))
+    }
+
     /// Removes every record of each run in `runs`: the run, its submission,
     /// its steps and jobs, their ledgers, delegations, steering and sandbox
     /// records, and its events. One append, so after a crash a run is either
@@ -564,6 +581,7 @@ fn row(record: Record) -> Result<Row, Error> {
             epoch: None,
         }),
         Record::Sandbox(sandbox) => table::SANDBOXES.row(&sandbox),
+        Record::Approval(card) => table::APPROVALS.row(&card),
         Record::Row(row) => Ok(row),
     }
 }

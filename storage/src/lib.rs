@@ -86,8 +86,9 @@ pub use error::Error;
 pub use faults::{Crash, CrashKind, CrashPoint, Faults};
 pub use journal::{Journal, Prepared, Record, ScanReport, Undecodable};
 pub use record::{
-    DelegationRecord, JobRecord, LedgerOp, LedgerRecord, LedgerTotals, RunRecord, SandboxRecord,
-    SandboxState, SteerRecord, SteerState, Unit, ledger_of, ledger_totals, usd_totals,
+    ApprovalRecord, DelegationRecord, JobRecord, LedgerOp, LedgerRecord, LedgerTotals, RunRecord,
+    SandboxRecord, SandboxState, SteerRecord, SteerState, Unit, ledger_of, ledger_totals,
+    usd_totals,
 };
 pub use sled_engine::{SledEngine, open_db};
 pub use table::{

@@ -16,7 +16,10 @@
 //! 4. Sandbox records are states too: one per process group, `Live` until
 //!    the group is known to have ended.
 
-use arbor_protocol::{ErrorClass, JobId, NodeKind, ParentRef, RunId, Status, TaskStatus};
+use arbor_protocol::{
+    Card, CardId, CardState, Decision, ErrorClass, JobId, NodeKind, ParentRef, RunId, Status,
+    TaskStatus,
+};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 
@@ -172,6 +175,75 @@ pub enum SandboxState {
     Live,
     /// Killed or exited; nothing left to do.
     Ended,
+}
+
+/// An approval card's latest state (I-46, I-47): written when it is asked,
+/// and again at its one outcome, each time durable before anyone acts on it.
+/// The arguments are JSON text: bincode cannot carry an untyped value.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ApprovalRecord {
+    pub id: CardId,
+    pub run: RunId,
+    pub job: JobId,
+    pub lineage: Vec<String>,
+    pub agent: String,
+    pub tool: String,
+    pub call: String,
+    pub args_json: String,
+    pub state: CardState,
+    pub asked_at_ms: u64,
+    pub deadline_ms: u64,
+    pub decided_by: Option<String>,
+    pub reason: Option<String>,
+    pub decided_at_ms: Option<u64>,
+    pub edited: bool,
+    pub epoch: u64,
+}
+
+impl ApprovalRecord {
+    pub fn of(card: &Card, epoch: u64) -> Self {
+        let decision = card.decision.as_ref();
+        Self {
+            id: card.id,
+            run: card.run,
+            job: card.job,
+            lineage: card.lineage.clone(),
+            agent: card.agent.clone(),
+            tool: card.tool.clone(),
+            call: card.call.clone(),
+            args_json: card.args.to_string(),
+            state: card.state,
+            asked_at_ms: card.asked_at_ms,
+            deadline_ms: card.deadline_ms,
+            decided_by: decision.map(|d| d.by.clone()),
+            reason: decision.and_then(|d| d.reason.clone()),
+            decided_at_ms: decision.map(|d| d.at_ms),
+            edited: decision.is_some_and(|d| d.edited),
+            epoch,
+        }
+    }
+
+    pub fn card(&self) -> Card {
+        Card {
+            id: self.id,
+            run: self.run,
+            job: self.job,
+            lineage: self.lineage.clone(),
+            agent: self.agent.clone(),
+            tool: self.tool.clone(),
+            call: self.call.clone(),
+            args: serde_json::from_str(&self.args_json).unwrap_or(serde_json::Value::Null),
+            state: self.state,
+            asked_at_ms: self.asked_at_ms,
+            deadline_ms: self.deadline_ms,
+            decision: self.decided_at_ms.map(|at_ms| Decision {
+                by: self.decided_by.clone().unwrap_or_default(),
+                reason: self.reason.clone(),
+                at_ms,
+                edited: self.edited,
+            }),
+        }
+    }
 }
 
 /// Conservation of one account recomputed from its ledger.

@@ -25,7 +25,8 @@
 
 use crate::codec;
 use crate::record::{
-    DelegationRecord, JobRecord, LedgerRecord, RunRecord, SandboxRecord, SteerRecord,
+    ApprovalRecord, DelegationRecord, JobRecord, LedgerRecord, RunRecord, SandboxRecord,
+    SteerRecord,
 };
 use arbor_protocol::Event;
 use serde::Serialize;
@@ -220,10 +221,11 @@ const EVENTS_TABLE: TableDef = history("events", 16, KeyedBy::Run);
 const SANDBOXES_TABLE: TableDef = state("sandboxes", KeyedBy::Job);
 /// The service's admission queue (`arbor-service` defines its records).
 pub const SUBMISSIONS_TABLE: TableDef = state("submissions", KeyedBy::Run);
+const APPROVALS_TABLE: TableDef = state("approvals", KeyedBy::Run);
 
 /// Every table of a journal, whoever owns its records, in the order the log
 /// numbers them (invariant 2).
-pub static JOURNAL_TABLES: [TableDef; 8] = [
+pub static JOURNAL_TABLES: [TableDef; 9] = [
     RUNS_TABLE,
     JOBS_TABLE,
     LEDGER_TABLE,
@@ -232,6 +234,7 @@ pub static JOURNAL_TABLES: [TableDef; 8] = [
     EVENTS_TABLE,
     SANDBOXES_TABLE,
     SUBMISSIONS_TABLE,
+    APPROVALS_TABLE,
 ];
 
 pub static RUNS: Table<RunRecord> =
@@ -269,8 +272,14 @@ pub static SANDBOXES: Table<SandboxRecord> = Table::bincode(
     |s| s.epoch,
 );
 
+pub static APPROVALS: Table<ApprovalRecord> = Table::bincode(
+    APPROVALS_TABLE,
+    |a| codec::approval_key(a.run, a.id),
+    |a| a.epoch,
+);
+
 /// The tables whose records storage defines, for `scan` and `verify`.
-pub static TABLES: [&dyn AnyTable; 7] = [
+pub static TABLES: [&dyn AnyTable; 8] = [
     &RUNS,
     &JOBS,
     &LEDGER,
@@ -278,6 +287,7 @@ pub static TABLES: [&dyn AnyTable; 7] = [
     &STEERING,
     &EVENTS,
     &SANDBOXES,
+    &APPROVALS,
 ];
 
 /// `name`'s place in `JOURNAL_TABLES` (invariant 2).

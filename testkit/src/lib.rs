@@ -569,6 +569,54 @@ impl TestNode {
         self.journal().events(run).expect("events decode")
     }
 
+    /// The models the node was started with, for a node `open`ed on its data later.
+    pub fn models(&self) -> Arc<dyn ModelFactory> {
+        self.models.clone()
+    }
+
+    /// Waits until the run has an approval card that is pending, and returns
+    /// the oldest such (I-46). The card is in the journal before its event.
+    pub async fn wait_card(&self, run: RunId) -> arbor_protocol::Card {
+        let mut found = None;
+        self.wait_until(run, |_| {
+            found = self
+                .node
+                .approvals(Some(run), Some(arbor_protocol::CardState::Pending))
+                .expect("cards decode")
+                .into_iter()
+                .next();
+            found.is_some()
+        })
+        .await;
+        found.expect("found above")
+    }
+
+    /// Every approval card of the run, oldest first, whatever its state.
+    pub fn cards(&self, run: RunId) -> Vec<arbor_protocol::Card> {
+        self.node.approvals(Some(run), None).expect("cards decode")
+    }
+
+    /// Decides a card as the person named `by` would through the API.
+    pub async fn decide(
+        &self,
+        card: arbor_protocol::CardId,
+        verdict: arbor_protocol::Verdict,
+        reason: Option<&str>,
+        args: Option<serde_json::Value>,
+    ) -> Result<arbor_protocol::Card, arbor_runtime::DecideError> {
+        self.node
+            .decide(
+                card,
+                arbor_runtime::Decide {
+                    verdict,
+                    reason: reason.map(str::to_string),
+                    args,
+                    by: "tester".into(),
+                },
+            )
+            .await
+    }
+
     /// The error texts of the run's failed calls to `tool`, in order.
     ///
     /// ```

@@ -23,6 +23,8 @@ async fn lone_account(dir: &std::path::Path, grant: u64) -> (ActorRefAccount, Jo
         )),
         secrets: Default::default(),
         mcp: Arc::new(arbor_actors::mcp::McpCatalog::empty()),
+        approvals: Default::default(),
+        gate: Default::default(),
     });
     let run = RunId::new();
     let (account, _) = ractor::Actor::spawn(

@@ -394,6 +394,13 @@ impl JobState {
                 depth: self.lineage.depth + 1,
                 attempt: plan.attempt,
                 label: Some(plan.label.clone()),
+                path: self
+                    .lineage
+                    .path
+                    .iter()
+                    .cloned()
+                    .chain([plan.label.clone()])
+                    .collect(),
             },
             agent: plan.agent.clone(),
             brief: plan.brief.clone(),

@@ -91,5 +91,8 @@ pub enum JobMsg {
     EndsDurable {
         result: Result<(), String>,
     },
-    TimedOut,
+    /// Its wall timeout's timer, of the generation it was armed in.
+    TimedOut {
+        generation: u64,
+    },
 }

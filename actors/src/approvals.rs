@@ -1,0 +1,533 @@
+//! The gate (I-46, I-47): one actor per node through which every change of
+//! every approval card passes, so each card has exactly one outcome whatever
+//! races. A card is asked by a job's loop, decided by a person (through
+//! `EmbeddedNode::decide`), expired by its timer, or cancelled when its job
+//! is stopped or its run ends.
+//!
+//! Invariants:
+//! 1. A card is durable in the journal before anyone can see it (its event,
+//!    the queue), and each outcome is durable before its waiter or its
+//!    decider hears of it: the tool never runs without a committed approval.
+//! 2. Only a pending card changes, and only here, one message at a time: a
+//!    second decision, a decision after the deadline's expiry or after a
+//!    stop finds the card closed and is refused.
+//! 3. A stop wins: once the waiting job's token is cancelled, a decision that
+//!    comes before the gate has heard of the stop closes the card as
+//!    cancelled instead.
+//! 4. A card a restart carried over keeps its id and deadline; the resumed
+//!    job that makes the same call (same lineage, tool and arguments) waits
+//!    on it rather than asking again.
+
+use crate::events::EventBus;
+use arbor_protocol::{
+    ApprovalSettings, Card, CardId, CardState, Decision, EventKind, JobId, RunId, Verdict,
+};
+use arbor_storage::{ApprovalRecord, Journal, Record};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio_util::sync::CancellationToken;
+
+/// Who closes a card when no person does: an expiry, a stop, a run's end.
+pub const NODE: &str = "arbor";
+
+pub struct Gate;
+
+pub struct GateArgs {
+    pub journal: Journal,
+    pub events: EventBus,
+    pub settings: ApprovalSettings,
+    /// Cards of resumed runs that a restart found pending, or expired at
+    /// recovery: their jobs' next attempts adopt them (invariant 4).
+    pub carried: Vec<Card>,
+}
+
+/// Checks edited arguments against the tool's schema; `Err` says why not.
+pub type ArgsCheck = Arc<dyn Fn(&serde_json::Value) -> Result<(), String> + Send + Sync>;
+
+/// A gated call, as its loop asks for it.
+pub struct Ask {
+    pub run: RunId,
+    pub job: JobId,
+    pub lineage: Vec<String>,
+    pub agent: String,
+    pub tool: String,
+    pub call: String,
+    /// As the card shows them: secrets redacted, long strings clipped.
+    pub args: serde_json::Value,
+    /// The waiting job's token: cancelled, the card is.
+    pub cancel: CancellationToken,
+    pub check: ArgsCheck,
+}
+
+/// What the loop hears back.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Answer {
+    /// Run it, with these arguments if a person edited them.
+    Approved {
+        edited: Option<serde_json::Value>,
+    },
+    Rejected {
+        by: String,
+        reason: String,
+    },
+    Expired,
+    Cancelled,
+    /// The card could not be made durable, so the call does not run.
+    Failed(String),
+}
+
+/// A person's decision.
+#[derive(Clone, Debug)]
+pub struct Decide {
+    pub verdict: Verdict,
+    pub reason: Option<String>,
+    pub args: Option<serde_json::Value>,
+    /// The API token's name.
+    pub by: String,
+}
+
+/// Why a decision was refused; nothing changed.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum DecideError {
+    #[error("no card {0} waits on this node")]
+    Unknown(CardId),
+    #[error("card {id} is {state} already")]
+    Closed { id: CardId, state: CardState },
+    #[error(
+        "card {0} is pending, but its run is not running on this node: it is decided once the run resumes"
+    )]
+    Idle(CardId),
+    #[error("{0}")]
+    Invalid(String),
+    #[error("the decision could not be journaled: {0}")]
+    Journal(String),
+}
+
+pub enum GateMsg {
+    Ask {
+        ask: Box<Ask>,
+        reply: RpcReplyPort<Answer>,
+    },
+    Decide {
+        card: CardId,
+        decide: Decide,
+        reply: RpcReplyPort<Result<Card, DecideError>>,
+    },
+    /// The card's `warn_at` has come.
+    Warn { card: CardId },
+    /// Its deadline has come.
+    Expire { card: CardId },
+    /// Its job's token was cancelled.
+    Stopped { card: CardId },
+    /// The run ended: nothing of it waits any more.
+    RunEnded { run: RunId, reply: RpcReplyPort<()> },
+}
+
+struct Entry {
+    card: Card,
+    waiter: Option<Waiter>,
+}
+
+struct Waiter {
+    reply: RpcReplyPort<Answer>,
+    cancel: CancellationToken,
+    check: ArgsCheck,
+    /// Ends the task that watches `cancel` once the card is closed.
+    closed: CancellationToken,
+}
+
+pub struct GateState {
+    journal: Journal,
+    events: EventBus,
+    settings: ApprovalSettings,
+    /// Pending cards, and carried cards closed before their job came back.
+    cards: HashMap<CardId, Entry>,
+}
+
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+impl Actor for Gate {
+    type Msg = GateMsg;
+    type State = GateState;
+    type Arguments = GateArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<GateMsg>,
+        args: GateArgs,
+    ) -> Result<GateState, ActorProcessingErr> {
+        let mut state = GateState {
+            journal: args.journal,
+            events: args.events,
+            settings: args.settings,
+            cards: HashMap::new(),
+        };
+        for card in args.carried {
+            if card.state.is_pending() {
+                state.arm(&myself, &card);
+            }
+            state.cards.insert(card.id, Entry { card, waiter: None });
+        }
+        Ok(state)
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<GateMsg>,
+        message: GateMsg,
+        state: &mut GateState,
+    ) -> Result<(), ActorProcessingErr> {
+        match message {
+            GateMsg::Ask { ask, reply } => Box::pin(state.ask(&myself, *ask, reply)).await,
+            GateMsg::Decide {
+                card,
+                decide,
+                reply,
+            } => {
+                let result = Box::pin(state.decide(card, decide)).await;
+                let _ = reply.send(result);
+            }
+            GateMsg::Warn { card } => state.warn(card),
+            GateMsg::Expire { card } => {
+                let reason = "no decision by the deadline".to_string();
+                let _ =
+                    Box::pin(state.close(card, CardState::Expired, NODE, Some(reason), None)).await;
+            }
+            GateMsg::Stopped { card } => {
+                let reason = "its job was stopped".to_string();
+                let _ = Box::pin(state.close(card, CardState::Cancelled, NODE, Some(reason), None))
+                    .await;
+            }
+            GateMsg::RunEnded { run, reply } => {
+                let ids: Vec<CardId> = state
+                    .cards
+                    .values()
+                    .filter(|e| e.card.run == run)
+                    .map(|e| e.card.id)
+                    .collect();
+                for id in ids {
+                    let reason = "its run ended".to_string();
+                    let _ =
+                        Box::pin(state.close(id, CardState::Cancelled, NODE, Some(reason), None))
+                            .await;
+                    state.cards.remove(&id);
+                }
+                let _ = reply.send(());
+            }
+        }
+        Ok(())
+    }
+}
+
+impl GateState {
+    /// Timers for a pending card: its warning (if still to come) and its expiry.
+    fn arm(&self, myself: &ActorRef<GateMsg>, card: &Card) {
+        let now = now_ms();
+        let wait = card.deadline_ms.saturating_sub(card.asked_at_ms);
+        let warn_ms = card.asked_at_ms + (wait as f64 * self.settings.warn_at) as u64;
+        let id = card.id;
+        if warn_ms > now && warn_ms < card.deadline_ms {
+            myself.send_after(Duration::from_millis(warn_ms - now), move || {
+                GateMsg::Warn { card: id }
+            });
+        }
+        myself.send_after(
+            Duration::from_millis(card.deadline_ms.saturating_sub(now)),
+            move || GateMsg::Expire { card: id },
+        );
+    }
+
+    async fn ask(&mut self, myself: &ActorRef<GateMsg>, ask: Ask, reply: RpcReplyPort<Answer>) {
+        if ask.cancel.is_cancelled() {
+            let _ = reply.send(Answer::Cancelled);
+            return;
+        }
+        // Invariant 4: the same call of the same job's lineage, carried over.
+        let carried = self.cards.values().find(|e| {
+            e.waiter.is_none()
+                && e.card.run == ask.run
+                && e.card.lineage == ask.lineage
+                && e.card.tool == ask.tool
+                && e.card.args == ask.args
+        });
+        if let Some(entry) = carried {
+            let id = entry.card.id;
+            if !entry.card.state.is_pending() {
+                let entry = self.cards.remove(&id).expect("found above");
+                let _ = reply.send(answer_of(&entry.card));
+                return;
+            }
+            let mut card = entry.card.clone();
+            card.job = ask.job;
+            card.call = ask.call.clone();
+            if let Err(e) = self.commit(&card).await {
+                let _ = reply.send(Answer::Failed(e));
+                return;
+            }
+            self.requested(&card);
+            let waiter = self.waiter(myself, id, reply, ask.cancel, ask.check);
+            self.cards.insert(
+                id,
+                Entry {
+                    card,
+                    waiter: Some(waiter),
+                },
+            );
+            return;
+        }
+        let asked_at_ms = now_ms();
+        let card = Card {
+            id: CardId::new(),
+            run: ask.run,
+            job: ask.job,
+            lineage: ask.lineage,
+            agent: ask.agent,
+            tool: ask.tool,
+            call: ask.call,
+            args: ask.args,
+            state: CardState::Pending,
+            asked_at_ms,
+            deadline_ms: asked_at_ms + self.settings.timeout.as_millis() as u64,
+            decision: None,
+        };
+        // Invariant 1: durable before anyone can see it.
+        if let Err(e) = self.commit(&card).await {
+            let _ = reply.send(Answer::Failed(e));
+            return;
+        }
+        self.requested(&card);
+        self.arm(myself, &card);
+        let waiter = self.waiter(myself, card.id, reply, ask.cancel, ask.check);
+        self.cards.insert(
+            card.id,
+            Entry {
+                card,
+                waiter: Some(waiter),
+            },
+        );
+    }
+
+    fn requested(&self, card: &Card) {
+        self.events.emit(
+            card.run,
+            EventKind::ApprovalRequested {
+                id: card.job,
+                card: card.id,
+                tool: card.tool.clone(),
+                deadline_ms: card.deadline_ms,
+            },
+        );
+        tracing::info!(
+            run = %card.run,
+            job = %card.job,
+            card = %card.id,
+            tool = %card.tool,
+            "approval requested"
+        );
+    }
+
+    /// A waiter, and a task that tells the gate when its job is stopped.
+    fn waiter(
+        &self,
+        myself: &ActorRef<GateMsg>,
+        card: CardId,
+        reply: RpcReplyPort<Answer>,
+        cancel: CancellationToken,
+        check: ArgsCheck,
+    ) -> Waiter {
+        let closed = CancellationToken::new();
+        let (stop, done, gate) = (cancel.clone(), closed.clone(), myself.clone());
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = stop.cancelled() => {
+                    let _ = gate.cast(GateMsg::Stopped { card });
+                }
+                _ = done.cancelled() => {}
+            }
+        });
+        Waiter {
+            reply,
+            cancel,
+            check,
+            closed,
+        }
+    }
+
+    async fn decide(&mut self, id: CardId, decide: Decide) -> Result<Card, DecideError> {
+        let entry = self.cards.get(&id).ok_or(DecideError::Unknown(id))?;
+        if !entry.card.state.is_pending() {
+            return Err(DecideError::Closed {
+                id,
+                state: entry.card.state,
+            });
+        }
+        // Invariant 3: the stop came first, whether or not its message has.
+        if entry
+            .waiter
+            .as_ref()
+            .is_some_and(|w| w.cancel.is_cancelled())
+        {
+            let reason = "its job was stopped".to_string();
+            self.close(id, CardState::Cancelled, NODE, Some(reason), None)
+                .await?;
+            return Err(DecideError::Closed {
+                id,
+                state: CardState::Cancelled,
+            });
+        }
+        let reason = decide
+            .reason
+            .map(|r| r.trim().to_string())
+            .filter(|r| !r.is_empty());
+        let (state, edited) = match decide.verdict {
+            Verdict::Approve => {
+                if decide.args.is_some() {
+                    return Err(DecideError::Invalid(
+                        "args are for an edit: give decision \"edit\" to run the call with them"
+                            .into(),
+                    ));
+                }
+                (CardState::Approved, None)
+            }
+            Verdict::Reject => {
+                if reason.is_none() {
+                    return Err(DecideError::Invalid(
+                        "a rejection needs a reason: the agent reads it".into(),
+                    ));
+                }
+                (CardState::Rejected, None)
+            }
+            Verdict::Edit => {
+                let Some(args) = decide.args else {
+                    return Err(DecideError::Invalid(
+                        "an edit needs args: the arguments to run the call with".into(),
+                    ));
+                };
+                let Some(waiter) = &entry.waiter else {
+                    return Err(DecideError::Invalid(
+                        "its job is not waiting on it yet (the run was resumed and has not \
+                         reached the call), so edited arguments cannot be checked: approve or \
+                         reject it, or edit once it waits"
+                            .into(),
+                    ));
+                };
+                (waiter.check)(&args).map_err(|why| {
+                    DecideError::Invalid(format!("the edited arguments are refused: {why}"))
+                })?;
+                (CardState::Approved, Some(args))
+            }
+        };
+        self.close(id, state, &decide.by, reason, edited).await
+    }
+
+    /// Closes a pending card: its one outcome, durable, then told.
+    async fn close(
+        &mut self,
+        id: CardId,
+        state: CardState,
+        by: &str,
+        reason: Option<String>,
+        edited: Option<serde_json::Value>,
+    ) -> Result<Card, DecideError> {
+        let Some(entry) = self.cards.get(&id) else {
+            return Err(DecideError::Unknown(id));
+        };
+        if !entry.card.state.is_pending() {
+            return Err(DecideError::Closed {
+                id,
+                state: entry.card.state,
+            });
+        }
+        let mut card = entry.card.clone();
+        card.state = state;
+        card.decision = Some(Decision {
+            by: by.to_string(),
+            reason: reason.clone(),
+            at_ms: now_ms(),
+            edited: edited.is_some(),
+        });
+        if let Some(args) = &edited {
+            card.args = args.clone();
+        }
+        self.commit(&card).await.map_err(DecideError::Journal)?;
+        self.events.emit(
+            card.run,
+            EventKind::ApprovalDecided {
+                id: card.job,
+                card: id,
+                state,
+                by: by.to_string(),
+                reason,
+            },
+        );
+        tracing::info!(run = %card.run, job = %card.job, card = %id, %state, by, "approval decided");
+        let entry = self.cards.remove(&id).expect("looked up above");
+        match entry.waiter {
+            Some(waiter) => {
+                waiter.closed.cancel();
+                let answer = match state {
+                    CardState::Approved => Answer::Approved { edited },
+                    _ => answer_of(&card),
+                };
+                let _ = waiter.reply.send(answer);
+            }
+            // A carried card closed before its job came back: kept, so the
+            // job hears this outcome instead of asking again.
+            None => {
+                self.cards.insert(
+                    id,
+                    Entry {
+                        card: card.clone(),
+                        waiter: None,
+                    },
+                );
+            }
+        }
+        Ok(card)
+    }
+
+    fn warn(&self, id: CardId) {
+        if let Some(entry) = self.cards.get(&id).filter(|e| e.card.state.is_pending()) {
+            self.events.emit(
+                entry.card.run,
+                EventKind::ApprovalExpiring {
+                    id: entry.card.job,
+                    card: id,
+                    deadline_ms: entry.card.deadline_ms,
+                },
+            );
+        }
+    }
+
+    async fn commit(&self, card: &Card) -> Result<(), String> {
+        let record = Record::Approval(ApprovalRecord::of(card, self.journal.epoch()));
+        self.journal
+            .commit(vec![record])
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// The answer a closed card gives its job.
+pub fn answer_of(card: &Card) -> Answer {
+    let decision = card.decision.as_ref();
+    match card.state {
+        CardState::Approved => Answer::Approved {
+            edited: decision.filter(|d| d.edited).map(|_| card.args.clone()),
+        },
+        CardState::Rejected => Answer::Rejected {
+            by: decision.map(|d| d.by.clone()).unwrap_or_default(),
+            reason: decision.and_then(|d| d.reason.clone()).unwrap_or_default(),
+        },
+        CardState::Expired => Answer::Expired,
+        CardState::Cancelled | CardState::Pending => Answer::Cancelled,
+    }
+}

@@ -1,0 +1,166 @@
+//! Approval cards (I-46, I-47): a gated tool call staged for a person, and
+//! what became of it. The card is the unit of the one queue
+//! (`GET /v1/approvals`); `[approvals]` of arbor.toml says how long a card
+//! waits and when its warning comes.
+
+use crate::ids::{CardId, JobId, RunId};
+use crate::mcp::{McpPattern, name_matches};
+use crate::tools::ToolName;
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+
+/// How long a card waits for a person when arbor.toml does not say.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(3600);
+/// The share of its wait after which a card warns (`approval_expiring`).
+pub const DEFAULT_WARN_AT: f64 = 0.8;
+
+/// Where a card is. `Pending` is the only state that changes; each of the
+/// others is its one outcome.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum CardState {
+    Pending,
+    /// A person said yes (perhaps with edited arguments); the tool may run.
+    Approved,
+    /// A person said no, with a reason the model reads.
+    Rejected,
+    /// Nobody decided by the deadline: not a rejection, and the tool did not run.
+    Expired,
+    /// Its job or run was stopped, or ended, while it waited: a stop wins.
+    Cancelled,
+}
+
+impl CardState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CardState::Pending => "pending",
+            CardState::Approved => "approved",
+            CardState::Rejected => "rejected",
+            CardState::Expired => "expired",
+            CardState::Cancelled => "cancelled",
+        }
+    }
+
+    pub fn is_pending(self) -> bool {
+        self == CardState::Pending
+    }
+}
+
+impl std::fmt::Display for CardState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for CardState {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "pending" => Ok(CardState::Pending),
+            "approved" => Ok(CardState::Approved),
+            "rejected" => Ok(CardState::Rejected),
+            "expired" => Ok(CardState::Expired),
+            "cancelled" => Ok(CardState::Cancelled),
+            other => Err(format!(
+                "unknown card state {other:?}: pending, approved, rejected, expired or cancelled"
+            )),
+        }
+    }
+}
+
+/// What a person decides.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Verdict {
+    Approve,
+    Reject,
+    /// Approve with other arguments (`args`), checked against the tool's
+    /// schema and the policy before anything is committed.
+    Edit,
+}
+
+/// Who closed a card, how and why.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct Decision {
+    /// The name of the API token that decided; `arbor` for the node itself
+    /// (an expiry, a stop).
+    pub by: String,
+    pub reason: Option<String>,
+    pub at_ms: u64,
+    /// Whether the person changed the arguments (`args` are then the edited ones).
+    pub edited: bool,
+}
+
+/// One gated call, staged. It is in the journal before anyone can see it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct Card {
+    pub id: CardId,
+    pub run: RunId,
+    pub job: JobId,
+    /// Labels from the root: the step's, then each delegated child's.
+    pub lineage: Vec<String>,
+    pub agent: String,
+    /// The canonical tool name (`exec`, `mcp__github__merge`).
+    pub tool: String,
+    /// The model's id for the call.
+    pub call: String,
+    /// The arguments, secrets redacted and long strings clipped; after an
+    /// edit, the edited arguments.
+    pub args: serde_json::Value,
+    pub state: CardState,
+    pub asked_at_ms: u64,
+    pub deadline_ms: u64,
+    /// Set once a card is decided, expired or cancelled.
+    pub decision: Option<Decision>,
+}
+
+/// `[approvals]` of arbor.toml.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ApprovalSettings {
+    /// Tools every agent of the node asks for (unioned with agent.md's `approve`).
+    pub tools: Vec<String>,
+    /// How long a card waits.
+    pub timeout: Duration,
+    /// The share of `timeout` after which `approval_expiring` is told.
+    pub warn_at: f64,
+}
+
+impl Default for ApprovalSettings {
+    fn default() -> Self {
+        Self {
+            tools: vec![],
+            timeout: DEFAULT_TIMEOUT,
+            warn_at: DEFAULT_WARN_AT,
+        }
+    }
+}
+
+/// Checks an `approve` entry: a tool a person can be asked about (any
+/// built-in but `submit_output`, which must always stay open) or an MCP
+/// tool or pattern. An entry that matched nothing would gate nothing, so a
+/// misspelt one is an error, not a silent allow.
+pub fn check_approve_entry(entry: &str) -> Result<(), String> {
+    if let Some(pattern) = McpPattern::parse(entry) {
+        return pattern.map(|_| ());
+    }
+    match entry.parse::<ToolName>() {
+        Ok(ToolName::SubmitOutput) => Err(
+            "submit_output cannot wait for a person: an agent must always be able to answer".into(),
+        ),
+        Ok(_) => Ok(()),
+        Err(_) => Err(format!(
+            "{entry:?} is not a tool: name a built-in tool (exec, write_file, delegate, ...) \
+             or an MCP tool (mcp__SERVER__TOOL, mcp__SERVER__*)"
+        )),
+    }
+}
+
+/// Whether any of `entries` (names or `*` patterns) covers `tool`.
+pub fn covers(entries: &std::collections::BTreeSet<String>, tool: &str) -> bool {
+    entries.iter().any(|e| name_matches(e, tool))
+}
+
+/// Milliseconds since the epoch as RFC 3339, for people.
+pub fn rfc3339(ms: u64) -> String {
+    humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+}
