@@ -447,10 +447,11 @@ impl GateState {
         }
         let mut card = entry.card.clone();
         card.state = state;
+        let at_ms = now_ms();
         card.decision = Some(Decision {
             by: by.to_string(),
             reason: reason.clone(),
-            at_ms: now_ms(),
+            at_ms,
             edited: edited.is_some(),
         });
         if let Some(args) = &edited {
@@ -465,6 +466,7 @@ impl GateState {
                 state,
                 by: by.to_string(),
                 reason,
+                waited_ms: at_ms.saturating_sub(card.asked_at_ms),
             },
         );
         tracing::info!(run = %card.run, job = %card.job, card = %id, %state, by, "approval decided");

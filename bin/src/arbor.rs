@@ -1,6 +1,7 @@
 //! `arbor`: the command line. `arbor run DIR` runs a flow on an embedded
 //! node; `status`, `runs`, `show`, `watch`, `submit`, `stop`, `steer`,
-//! `continue` and `events` talk to arbord (`client.rs`).
+//! `continue`, `approvals`, `approve`, `reject` and `events` talk to arbord
+//! (`client.rs`).
 //!
 //! Exit codes: 0 ok (a run it ran or waited for is done); 1 a run failed or
 //! was stopped, or the service refused as a conflict; 2 bad usage or bad
@@ -79,6 +80,24 @@ enum Command {
     Stop { id: String },
     /// Send a running step or job a message.
     Steer { job: String, message: String },
+    /// Approval cards waiting for a person (of one run, or all); --state for others.
+    Approvals(client::ApprovalsArgs),
+    /// Approve a pending approval card: its call runs.
+    Approve {
+        card: String,
+        /// Why (recorded with the decision).
+        #[arg(long)]
+        reason: Option<String>,
+        /// Run the call with these arguments instead (JSON), checked against the tool's.
+        #[arg(long)]
+        args: Option<String>,
+    },
+    /// Reject a pending approval card: its call does not run, and the agent reads the reason.
+    Reject {
+        card: String,
+        #[arg(long)]
+        reason: String,
+    },
     /// A run's events; with --follow, until it ends.
     Events {
         run: String,
@@ -208,6 +227,18 @@ fn main() -> ExitCode {
             Command::Stop { id } => with_client(&conn, |c| Box::pin(client::stop(c, &id))).await,
             Command::Steer { job, message } => {
                 with_client(&conn, |c| Box::pin(client::steer(c, &job, &message))).await
+            }
+            Command::Approvals(args) => {
+                with_client(&conn, |c| Box::pin(client::approvals(c, args))).await
+            }
+            Command::Approve { card, reason, args } => {
+                with_client(&conn, |c| {
+                    Box::pin(client::approve(c, &card, reason.clone(), args.clone()))
+                })
+                .await
+            }
+            Command::Reject { card, reason } => {
+                with_client(&conn, |c| Box::pin(client::reject(c, &card, &reason))).await
             }
             Command::Events { run, follow } => {
                 with_client(&conn, |c| Box::pin(client::events(c, &run, follow))).await
@@ -344,6 +375,31 @@ async fn run(args: RunArgs) -> Result<ExitCode, Failure> {
     follow(node, run, args.json).await
 }
 
+/// Says once per card, on stderr, that a job of an embedded run waits for
+/// a person: nobody can decide it from outside this process, so it waits
+/// until its deadline (the live view shows the same on the job's line).
+fn tell_new_cards(
+    node: &EmbeddedNode,
+    run: arbor_protocol::RunId,
+    told: &mut std::collections::HashSet<arbor_protocol::CardId>,
+) {
+    let Ok(cards) = node.approvals(Some(run), Some(arbor_protocol::CardState::Pending)) else {
+        return;
+    };
+    for card in cards {
+        if told.insert(card.id) {
+            eprintln!(
+                "arbor: {} waits for approval of {} (card {}); an embedded run has no one to \
+                 ask, so it expires at {}: serve the workspace with arbord to decide it",
+                card.lineage.join(" > "),
+                card.tool,
+                card.id,
+                arbor_protocol::approval::rfc3339(card.deadline_ms)
+            );
+        }
+    }
+}
+
 /// The node's sandbox posture, on every run: one line, loud when unsealed.
 fn report_sandbox(node: &EmbeddedNode) {
     let posture = node.sandbox();
@@ -458,6 +514,7 @@ async fn follow(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut drawn = None;
     let mut interrupted = false;
+    let mut cards_told = std::collections::HashSet::new();
     let tree = loop {
         let ended = node.events().with_tree(run, |tree| {
             tree.is_some_and(|tree| tree.run_status().is_terminal())
@@ -479,6 +536,9 @@ async fn follow(
                     let frame = node.events().with_tree(run, |tree| tree.map(|t| view.frame(t)));
                     let frame = frame.unwrap_or_else(|| view.frame(&Tree::new(run)));
                     view.draw(frame);
+                    if !live {
+                        tell_new_cards(&node, run, &mut cards_told);
+                    }
                 }
             }
             _ = tokio::signal::ctrl_c() => {

@@ -11,7 +11,7 @@
 
 use crate::render;
 use arbor_protocol::{BudgetArg, Event, NodeKind, RunId, Status, Tree, TreeNode};
-use arbor_service::api::{StreamEvent, SubmitRun};
+use arbor_service::api::{DecisionBody, StreamEvent, SubmitRun};
 use arbor_service::client as api;
 use arbor_service::status::NodeStatus;
 use clap::{Args, ValueEnum};
@@ -367,9 +367,15 @@ fn add_rows(
         NodeKind::Run => node.id.clone(),
         _ => node.label.clone().unwrap_or_else(|| node.id.clone()),
     };
-    let status = match node.task_status {
-        Some(ts) if node.status == Status::Done => format!("{} ({ts})", node.status),
+    let status = match (node.task_status, &node.waiting) {
+        (Some(ts), _) if node.status == Status::Done => format!("{} ({ts})", node.status),
+        (_, Some(_)) if node.status == Status::Running => "waiting (approval)".to_string(),
         _ => node.status.to_string(),
+    };
+    // A waiting job says on what, where its reason would go.
+    let reason = match &node.waiting {
+        Some(w) if !node.status.is_terminal() => render::waiting(w),
+        _ => node.reason.clone().unwrap_or_default(),
     };
     let cost = node.usd.map(|u| usd(u.spent)).unwrap_or_else(|| "-".into());
     table.add_row(vec![
@@ -384,7 +390,7 @@ fn add_rows(
         Cell::new(cost),
         Cell::new(age(node)),
         Cell::new(tools(node)),
-        Cell::new(node.reason.clone().unwrap_or_default()),
+        Cell::new(reason),
     ]);
     if args.fold.is_some_and(|f| f.folds(node.status)) && !node.children.is_empty() {
         return;
@@ -598,6 +604,160 @@ pub async fn steer(client: &Client, job: &str, message: &str) -> Outcome {
         client.print_json(&reply)?;
     } else {
         outln!("{job}: message {} queued", reply.message_id);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+// ---- approvals ----
+
+#[derive(Args)]
+pub struct ApprovalsArgs {
+    /// Only this run's cards.
+    pub run: Option<String>,
+    /// Cards in this state: pending (the default), approved, rejected,
+    /// expired, cancelled, or all.
+    #[arg(long, default_value = "pending")]
+    pub state: String,
+    /// Only the cards' ids, one a line (for scripts).
+    #[arg(long)]
+    pub ids: bool,
+    /// With RUN: first wait until the run has a pending card (or ends).
+    #[arg(long, requires = "run")]
+    pub wait: bool,
+}
+
+pub async fn approvals(client: &Client, args: ApprovalsArgs) -> Outcome {
+    let run = args.run.as_deref().map(parse_run).transpose()?;
+    if let Some(run) = run.filter(|_| args.wait) {
+        // Its event stream says when a card is asked: no polling.
+        let pending = client
+            .api
+            .approvals(args.run.as_deref(), Some("pending"))
+            .await
+            .map_err(|e| client.failed(e))?;
+        if pending.approvals.is_empty() {
+            let mut events = client
+                .api
+                .events(run, true, None)
+                .await
+                .map_err(|e| client.failed(e))?;
+            while let Some(event) = events.next_json().await {
+                let (_, data) = event.map_err(|e| client.failed(e))?;
+                if data["kind"]["type"] == "approval_requested" {
+                    break;
+                }
+            }
+        }
+    }
+    let state = (args.state != "all").then_some(args.state.as_str());
+    let list = client
+        .api
+        .approvals(args.run.as_deref(), state)
+        .await
+        .map_err(|e| client.failed(e))?;
+    if args.ids {
+        for card in &list.approvals {
+            outln!("{}", card.id);
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    match client.output {
+        Output::Json => client.print_json(&list)?,
+        Output::Jsonl => {
+            for card in &list.approvals {
+                client.print_json(card)?;
+            }
+        }
+        Output::Text => {
+            let mut table = Table::new();
+            table
+                .load_style(presets::NOTHING)
+                .set_content_arrangement(ContentArrangement::Disabled)
+                .set_header(vec!["CARD", "STATE", "TOOL", "LINEAGE", "DEADLINE", "ARGS"]);
+            if client.colour {
+                table.enforce_styling();
+            } else {
+                table.force_no_tty();
+            }
+            for card in &list.approvals {
+                let mut args = card.args.to_string();
+                if args.len() > 60 {
+                    let mut end = 57;
+                    while !args.is_char_boundary(end) {
+                        end -= 1;
+                    }
+                    args.truncate(end);
+                    args.push_str("...");
+                }
+                table.add_row(vec![
+                    Cell::new(card.id),
+                    Cell::new(card.state),
+                    Cell::new(&card.tool),
+                    Cell::new(card.lineage.join(" > ")),
+                    Cell::new(&card.deadline),
+                    Cell::new(args),
+                ]);
+            }
+            if list.approvals.is_empty() {
+                anstream::eprintln!("arbor: no {} approval cards", args.state);
+            } else {
+                outln!("{table}");
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn approve(
+    client: &Client,
+    card: &str,
+    reason: Option<String>,
+    args: Option<String>,
+) -> Outcome {
+    let args = args
+        .map(|text| {
+            serde_json::from_str::<serde_json::Value>(&text)
+                .map_err(|e| Failed::new(exit::USAGE, format!("--args is not JSON: {e}")))
+        })
+        .transpose()?;
+    let body = DecisionBody {
+        decision: if args.is_some() {
+            arbor_protocol::Verdict::Edit
+        } else {
+            arbor_protocol::Verdict::Approve
+        },
+        reason,
+        args,
+    };
+    decide(client, card, body).await
+}
+
+pub async fn reject(client: &Client, card: &str, reason: &str) -> Outcome {
+    let body = DecisionBody {
+        decision: arbor_protocol::Verdict::Reject,
+        reason: Some(reason.to_string()),
+        args: None,
+    };
+    decide(client, card, body).await
+}
+
+async fn decide(client: &Client, card: &str, body: DecisionBody) -> Outcome {
+    if card.parse::<arbor_protocol::CardId>().is_err() {
+        return Err(Failed::new(
+            exit::USAGE,
+            format!("{card:?} is not an approval card id (a UUID; `arbor approvals` lists them)"),
+        ));
+    }
+    let decided = client
+        .api
+        .decide(card, &body)
+        .await
+        .map_err(|e| client.failed(e))?;
+    if client.output != Output::Text {
+        client.print_json(&decided)?;
+    } else {
+        let by = decided.decision.as_ref().map_or("", |d| d.by.as_str());
+        outln!("{card}: {} by {by}", decided.state);
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -61,8 +61,9 @@ impl Redraw {
 pub struct Progress {
     live: bool,
     drawn_lines: usize,
-    /// What each node's status was when last printed, for plain mode.
-    seen: HashMap<String, Status>,
+    /// What each node's status was when last printed, and whether it
+    /// waited on an approval card, for plain mode.
+    seen: HashMap<String, (Status, bool)>,
 }
 
 /// What one draw prints: read off the tree (under the event bus's lock, for
@@ -90,14 +91,15 @@ impl Progress {
             tree.walk(|node, last| lines.push(tree_line(node, last)));
         } else {
             tree.walk(|node, _| {
+                let now = (node.status, node.waiting.is_some());
                 let changed = match self.seen.get_mut(&node.id) {
-                    Some(seen) if *seen == node.status => false,
+                    Some(seen) if *seen == now => false,
                     Some(seen) => {
-                        *seen = node.status;
+                        *seen = now;
                         true
                     }
                     None => {
-                        self.seen.insert(node.id.clone(), node.status);
+                        self.seen.insert(node.id.clone(), now);
                         true
                     }
                 };
@@ -184,6 +186,17 @@ pub fn print_output(output: &serde_json::Value) {
     }
 }
 
+/// What a job waits on: `waiting for approval of TOOL: card CARD (expires ...)`.
+pub fn waiting(w: &arbor_protocol::WaitingView) -> String {
+    format!(
+        "waiting for approval of {}: card {} (expires {}{})",
+        w.tool,
+        w.card,
+        arbor_protocol::approval::rfc3339(w.deadline_ms),
+        if w.expiring { ", soon" } else { "" }
+    )
+}
+
 /// A node's line in the drawn tree: a branch for each level above it (from
 /// `Tree::walk`'s last-of-its-siblings flags), then what `describe` says.
 fn tree_line(node: &TreeNode, last: &[bool]) -> String {
@@ -219,8 +232,9 @@ fn describe(node: &TreeNode, in_tree: bool) -> String {
     } else {
         String::new()
     };
-    let reason = match (&node.reason, node.status) {
-        (Some(r), Status::Failed | Status::Stopped) => format!(" — {r}"),
+    let reason = match (&node.reason, node.status, &node.waiting) {
+        (Some(r), Status::Failed | Status::Stopped, _) => format!(" — {r}"),
+        (_, Status::Running, Some(w)) => format!(" — {}", waiting(w)),
         _ => String::new(),
     };
     let depth = if in_tree {

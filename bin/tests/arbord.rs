@@ -108,6 +108,19 @@ impl Arbord {
             .expect("arbor runs")
     }
 
+    /// `arbor ARGS` run from `dir` with no token given: it reads ./.arbor/token.
+    fn arbor_in(&self, dir: &Path, args: &[&str]) -> Output {
+        Command::new(env!("CARGO_BIN_EXE_arbor"))
+            .args(args)
+            .current_dir(dir)
+            .env("ARBOR_URL", &self.url)
+            .env_remove("ARBOR_TOKEN")
+            .env_remove("ARBOR_TOKEN_FILE")
+            .env("NO_COLOR", "1")
+            .output()
+            .expect("arbor runs")
+    }
+
     fn json(&self, args: &[&str]) -> serde_json::Value {
         let mut all = args.to_vec();
         all.extend(["-o", "json"]);
@@ -579,4 +592,74 @@ fn log_format_json_makes_every_log_line_one_json_object() {
             "{log}"
         );
     }
+}
+
+/// Every file below `dir`, recursively.
+fn files_below(dir: &Path) -> Vec<PathBuf> {
+    let mut out = vec![];
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            out.extend(files_below(&path));
+        } else {
+            out.push(path);
+        }
+    }
+    out
+}
+
+/// examples/approvals/README.md, line by line: submit, `approvals RUN
+/// --wait`, `approvals RUN --ids`, `approve`, `watch`, from the workspace's
+/// folder with the token it finds there.
+#[test]
+fn inv_46_the_approvals_examples_readme_lines_work_as_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let ws = dir.path().join("approvals");
+    let copied = Command::new("cp")
+        .arg("-r")
+        .arg(repo().join("examples/approvals"))
+        .arg(&ws)
+        .status()
+        .unwrap();
+    assert!(copied.success());
+    let _ = std::fs::remove_dir_all(ws.join(".arbor"));
+    let arbord = Arbord::start(&ws, &ws.join(".arbor"));
+    let ok = |out: &Output| {
+        assert!(
+            out.status.success(),
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let run = ok(&arbord.arbor_in(&ws, &["submit", "--flow", "release"]))
+        .trim()
+        .to_string();
+    let listed = ok(&arbord.arbor_in(&ws, &["approvals", &run, "--wait"]));
+    assert!(listed.contains("write_file"), "{listed}");
+    assert!(listed.contains("release > customers"), "{listed}");
+    let ids = ok(&arbord.arbor_in(&ws, &["approvals", &run, "--ids"]));
+    let card = ids.lines().next().expect("a card id").trim().to_string();
+    assert_eq!(ids.lines().count(), 1, "{ids}");
+    let status = ok(&arbord.arbor_in(&ws, &["status"]));
+    assert!(status.contains("waiting (approval)"), "{status}");
+    assert!(status.contains(&card), "{status}");
+    // A rejection needs its reason; clap says so before anything is sent.
+    assert_eq!(code(&arbord.arbor_in(&ws, &["reject", &card])), 2);
+    let approved = ok(&arbord.arbor_in(&ws, &["approve", &card, "--reason", "text checked"]));
+    assert!(approved.contains("approved by operator"), "{approved}");
+    let again = arbord.arbor_in(&ws, &["approve", &card]);
+    assert_eq!(code(&again), 1, "a second decision is a conflict");
+    ok(&arbord.arbor_in(&ws, &["watch", &run]));
+    let all = arbord.json(&["approvals", "--state", "all"]);
+    let cards = all["approvals"].as_array().unwrap();
+    assert_eq!(cards.len(), 1);
+    assert_eq!(cards[0]["decision"]["by"], "operator");
+    assert_eq!(cards[0]["decision"]["reason"], "text checked");
+    let sent: Vec<PathBuf> = files_below(&ws.join(".arbor/work"))
+        .into_iter()
+        .filter(|p| p.ends_with("outbox/announcement.txt"))
+        .collect();
+    assert_eq!(sent.len(), 1, "the approved call wrote its file once");
 }

@@ -261,6 +261,8 @@ pub enum EventKind {
         by: String,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         reason: Option<String>,
+        /// From the card's asking to this outcome.
+        waited_ms: u64,
     },
 }
 

@@ -283,7 +283,7 @@ impl EmbeddedNode {
         &self,
         run: Option<RunId>,
         state: Option<CardState>,
-    ) -> Result<Vec<Card>, Error> {
+    ) -> Result<Vec<Card>, arbor_storage::Error> {
         let records = match run {
             Some(run) => self.ctx.journal.approvals(run)?,
             None => self.ctx.journal.all_approvals()?,
@@ -298,7 +298,7 @@ impl EmbeddedNode {
     }
 
     /// One card, by id.
-    pub fn approval(&self, id: CardId) -> Result<Option<Card>, Error> {
+    pub fn approval(&self, id: CardId) -> Result<Option<Card>, arbor_storage::Error> {
         Ok(self
             .ctx
             .journal

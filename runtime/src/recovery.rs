@@ -647,6 +647,7 @@ fn recover_cards(
                 state,
                 by: arbor_actors::approvals::NODE.into(),
                 reason: Some(reason.into()),
+                waited_ms: now.saturating_sub(card.asked_at_ms),
             },
         );
         if state == CardState::Expired {

@@ -1,7 +1,9 @@
 //! The API's request and response bodies. Their JSON Schemas, generated
 //! from these types, are what `/v1/openapi.json` says.
 
-use arbor_protocol::{BudgetArg, ErrorClass, Event, JobId, RunId, Status, TreeNode};
+use arbor_protocol::{
+    BudgetArg, Card, CardId, CardState, ErrorClass, Event, JobId, RunId, Status, TreeNode, Verdict,
+};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -204,6 +206,99 @@ pub struct EventsQuery {
     /// `false`: send the events so far and end, without waiting for more
     /// (default `true`: follow until the run ends).
     pub follow: Option<bool>,
+}
+
+/// The filter of `GET /v1/approvals`.
+#[derive(Clone, Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ApprovalQuery {
+    /// Only this run's cards.
+    pub run: Option<RunId>,
+    /// Only cards in this state (`pending` for what waits for a person).
+    pub state: Option<CardState>,
+}
+
+/// `POST /v1/approvals/{id}`: a person's decision on a pending card.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DecisionBody {
+    /// `approve`, `reject` (a reason is required: the agent reads it), or
+    /// `edit` (approve with `args`, checked against the tool's arguments).
+    pub decision: Verdict,
+    /// Why; recorded with the decision, and told to the agent on a rejection.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096))]
+    pub reason: Option<String>,
+    /// For `edit`: the arguments the call runs with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub args: Option<serde_json::Value>,
+}
+
+/// A card's outcome: who closed it, when and why.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct DecisionView {
+    /// The API token's name; `arbor` for an expiry or a stop.
+    pub by: String,
+    pub reason: Option<String>,
+    /// RFC 3339.
+    pub at: String,
+    /// The arguments were edited (`args` are the edited ones).
+    pub edited: bool,
+}
+
+/// One approval card (I-46).
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct CardView {
+    pub id: CardId,
+    pub run: RunId,
+    /// The step or job whose call waits.
+    pub job: JobId,
+    /// Labels from the root: the step's, then each delegated child's.
+    pub lineage: Vec<String>,
+    pub agent: String,
+    pub tool: String,
+    /// Secrets redacted, long strings clipped; after an edit, the edited ones.
+    pub args: serde_json::Value,
+    pub state: CardState,
+    /// RFC 3339.
+    pub asked_at: String,
+    /// RFC 3339: the card expires then if nobody decided.
+    pub deadline: String,
+    pub asked_at_ms: u64,
+    pub deadline_ms: u64,
+    pub decision: Option<DecisionView>,
+}
+
+impl From<Card> for CardView {
+    fn from(card: Card) -> Self {
+        use arbor_protocol::approval::rfc3339;
+        CardView {
+            id: card.id,
+            run: card.run,
+            job: card.job,
+            lineage: card.lineage,
+            agent: card.agent,
+            tool: card.tool,
+            args: card.args,
+            state: card.state,
+            asked_at: rfc3339(card.asked_at_ms),
+            deadline: rfc3339(card.deadline_ms),
+            asked_at_ms: card.asked_at_ms,
+            deadline_ms: card.deadline_ms,
+            decision: card.decision.map(|d| DecisionView {
+                by: d.by,
+                reason: d.reason,
+                at: rfc3339(d.at_ms),
+                edited: d.edited,
+            }),
+        }
+    }
+}
+
+/// `GET /v1/approvals`: the one queue of the whole node, oldest first.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct ApprovalList {
+    pub approvals: Vec<CardView>,
 }
 
 /// A path's id, as text: checked by the handler, so that a malformed id is

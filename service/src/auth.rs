@@ -2,6 +2,11 @@
 //! data dir; every route but `/healthz` and `/readyz` refuses a request
 //! without it. Compared in constant time, so the time a refusal takes says
 //! nothing of how much of a guess was right.
+//!
+//! Beside it, the data dir's `tokens` file (0600, optional) holds named
+//! tokens, one `NAME TOKEN` a line: each opens the same routes, and a
+//! decision on an approval card records the name of the token that made it
+//! (the main token's name is `operator`).
 
 use crate::error::ApiError;
 use axum::extract::Request;
@@ -16,6 +21,108 @@ use subtle::ConstantTimeEq;
 
 /// The token file's name in the data dir.
 pub const TOKEN_FILE: &str = "token";
+/// The named tokens' file in the data dir.
+pub const TOKENS_FILE: &str = "tokens";
+/// The name the main token decides under.
+pub const MAIN_TOKEN_NAME: &str = "operator";
+
+/// Every token the node takes, each with its name.
+#[derive(Clone, Debug)]
+pub struct Tokens {
+    main: Token,
+    named: Arc<[(String, Token)]>,
+}
+
+/// The name of the token a request came with (a request extension).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Caller(pub String);
+
+impl Tokens {
+    /// The main token, and the named ones of `<data_dir>/tokens` if there is
+    /// such a file: it must be 0600, each line `NAME TOKEN` (blank lines and
+    /// `#` comments aside), names and tokens distinct, tokens 32 characters
+    /// or more.
+    pub fn load(data_dir: &Path, main: Token) -> Result<Tokens, String> {
+        let path = data_dir.join(TOKENS_FILE);
+        let text = match std::fs::metadata(&path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(Tokens {
+                    main,
+                    named: Arc::from([]),
+                });
+            }
+            Err(e) => return Err(format!("{}: {e}", path.display())),
+            Ok(meta) if meta.permissions().mode() & 0o077 != 0 => {
+                return Err(format!(
+                    "{}: mode {:o} lets others read the tokens; make it 0600 (chmod 600)",
+                    path.display(),
+                    meta.permissions().mode() & 0o777
+                ));
+            }
+            Ok(_) => {
+                std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?
+            }
+        };
+        let mut named: Vec<(String, Token)> = vec![];
+        for (n, line) in text.lines().enumerate() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let at = |why: String| format!("{} line {}: {why}", path.display(), n + 1);
+            let mut parts = line.split_whitespace();
+            let (Some(name), Some(token), None) = (parts.next(), parts.next(), parts.next()) else {
+                return Err(at("expected `NAME TOKEN`".into()));
+            };
+            let name_ok = name.len() <= 64
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.');
+            if !name_ok {
+                return Err(at(format!(
+                    "{name:?} is not a token name: up to 64 letters, digits, `-`, `_` or `.`"
+                )));
+            }
+            if name == MAIN_TOKEN_NAME || named.iter().any(|(n, _)| n == name) {
+                return Err(at(format!("the name {name:?} is taken")));
+            }
+            if token.len() < 32 {
+                return Err(at(format!(
+                    "the token of {name} is too short (at least 32 characters)"
+                )));
+            }
+            if main.matches(token) || named.iter().any(|(_, t)| t.matches(token)) {
+                return Err(at(format!("the token of {name} is another name's too")));
+            }
+            named.push((name.to_string(), Token(token.into())));
+        }
+        Ok(Tokens {
+            main,
+            named: named.into(),
+        })
+    }
+
+    pub fn main(&self) -> &Token {
+        &self.main
+    }
+
+    /// The name of the token `presented` is, if it is one. Every token is
+    /// compared, in constant time each, whichever matches.
+    pub fn who(&self, presented: &str) -> Option<&str> {
+        let mut found = self.main.matches(presented).then_some(MAIN_TOKEN_NAME);
+        for (name, token) in self.named.iter() {
+            if token.matches(presented) && found.is_none() {
+                found = Some(name);
+            }
+        }
+        found
+    }
+
+    /// How many named tokens there are, beside the main one.
+    pub fn named(&self) -> usize {
+        self.named.len()
+    }
+}
 
 /// The node's secret. Its Debug never prints it.
 #[derive(Clone)]
@@ -92,8 +199,8 @@ fn random_hex(bytes: usize) -> std::io::Result<String> {
 
 /// The middleware on every protected route.
 pub async fn require_token(
-    axum::extract::State(token): axum::extract::State<Token>,
-    request: Request,
+    axum::extract::State(tokens): axum::extract::State<Tokens>,
+    mut request: Request,
     next: Next,
 ) -> Response {
     let presented = request
@@ -102,10 +209,14 @@ pub async fn require_token(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(str::trim);
-    match presented {
-        Some(p) if token.matches(p) => next.run(request).await,
-        Some(_) => ApiError::unauthorized("the bearer token is wrong").into_response(),
-        None => ApiError::unauthorized(
+    let caller = presented.and_then(|p| tokens.who(p)).map(str::to_string);
+    match (presented, caller) {
+        (_, Some(name)) => {
+            request.extensions_mut().insert(Caller(name));
+            next.run(request).await
+        }
+        (Some(_), None) => ApiError::unauthorized("the bearer token is wrong").into_response(),
+        (None, _) => ApiError::unauthorized(
             "an `Authorization: Bearer TOKEN` header is required (the token is in the data dir's `token` file)",
         )
         .into_response(),
@@ -128,6 +239,45 @@ mod tests {
         assert!(!again.matches(&first.as_str()[..63]));
         assert!(!again.matches(""));
         assert_eq!(format!("{first:?}"), "Token(***)");
+    }
+
+    #[test]
+    fn inv_37_named_tokens_are_read_from_a_0600_file_and_each_answers_to_its_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let (main, _) = Token::load_or_create(dir.path()).unwrap();
+        let none = Tokens::load(dir.path(), main.clone()).unwrap();
+        assert_eq!(none.named(), 0);
+        assert_eq!(none.who(main.as_str()), Some(MAIN_TOKEN_NAME));
+        let path = dir.path().join(TOKENS_FILE);
+        let alice = "a".repeat(40);
+        let bob = "b".repeat(40);
+        std::fs::write(
+            &path,
+            format!("# who decides\nalice {alice}\n\nbob {bob}\n"),
+        )
+        .unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let tokens = Tokens::load(dir.path(), main.clone()).unwrap();
+        assert_eq!(tokens.who(&alice), Some("alice"));
+        assert_eq!(tokens.who(&bob), Some("bob"));
+        assert_eq!(tokens.who(main.as_str()), Some(MAIN_TOKEN_NAME));
+        assert_eq!(tokens.who(&"c".repeat(40)), None);
+        for (text, why) in [
+            (format!("alice {alice}\nalice {bob}\n"), "is taken"),
+            (format!("operator {alice}\n"), "is taken"),
+            (format!("alice {alice}\nbob {alice}\n"), "another name's"),
+            ("alice short\n".to_string(), "too short"),
+            (format!("al ice {alice}\n"), "expected `NAME TOKEN`"),
+            (format!("al/ice {alice}\n"), "not a token name"),
+        ] {
+            std::fs::write(&path, &text).unwrap();
+            let err = Tokens::load(dir.path(), main.clone()).unwrap_err();
+            assert!(err.contains(why) && err.contains("line"), "{text}: {err}");
+        }
+        std::fs::write(&path, format!("alice {alice}\n")).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o640)).unwrap();
+        let err = Tokens::load(dir.path(), main).unwrap_err();
+        assert!(err.contains("0600"), "{err}");
     }
 
     #[test]

@@ -12,7 +12,8 @@
 //!    that broke (the caller may resume from the last id).
 
 use crate::api::{
-    Continued, RunCreated, RunDocument, RunList, SteerQueued, StopAccepted, StreamEvent, SubmitRun,
+    ApprovalList, CardView, Continued, DecisionBody, RunCreated, RunDocument, RunList, SteerQueued,
+    StopAccepted, StreamEvent, SubmitRun,
 };
 use crate::status::NodeStatus;
 use arbor_protocol::RunId;
@@ -202,6 +203,29 @@ impl Client {
     pub async fn continue_job(&self, job: &str) -> Result<Continued, Error> {
         self.call(self.request(Method::POST, &format!("/v1/jobs/{job}/continue")))
             .await
+    }
+
+    /// `GET /v1/approvals`: of one run or all, in one state or any (passed
+    /// as given: arbord says what it accepts).
+    pub async fn approvals(
+        &self,
+        run: Option<&str>,
+        state: Option<&str>,
+    ) -> Result<ApprovalList, Error> {
+        let mut query = vec![];
+        query.extend(run.map(|r| ("run", r.to_string())));
+        query.extend(state.map(|s| ("state", s.to_string())));
+        self.call(self.request(Method::GET, "/v1/approvals").query(&query))
+            .await
+    }
+
+    /// `POST /v1/approvals/{id}`.
+    pub async fn decide(&self, card: &str, body: &DecisionBody) -> Result<CardView, Error> {
+        self.call(
+            self.request(Method::POST, &format!("/v1/approvals/{card}"))
+                .json(body),
+        )
+        .await
     }
 
     /// `GET path`: the status and the body as JSON, whatever the status

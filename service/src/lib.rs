@@ -32,7 +32,7 @@ use admission::Admission;
 use arbor_actors::ModelFactory;
 use arbor_protocol::RunId;
 use arbor_runtime::{EmbeddedNode, Models, Workspace};
-use auth::Token;
+use auth::{Token, Tokens};
 use std::future::Future;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -61,7 +61,7 @@ pub(crate) struct Shared {
     pub node: Arc<EmbeddedNode>,
     pub workspace: Workspace,
     pub config: ServiceConfig,
-    pub token: Token,
+    pub tokens: Tokens,
     pub token_path: PathBuf,
     pub admission: Arc<Admission>,
     pub metrics: Arc<metrics::Metrics>,
@@ -93,6 +93,7 @@ impl Service {
             .map_err(|e| StartError::Token(format!("{}: {e}", config.data_dir.display())))?;
         let (token, token_path) =
             Token::load_or_create(&config.data_dir).map_err(StartError::Token)?;
+        let tokens = Tokens::load(&config.data_dir, token).map_err(StartError::Token)?;
         // Interrupted runs are resumed (I-34) and count against the limit.
         let node = Arc::new(EmbeddedNode::start_with(&workspace, &config.data_dir, models).await?);
         let posture = node.sandbox();
@@ -128,7 +129,7 @@ impl Service {
                 node,
                 workspace,
                 config,
-                token,
+                tokens,
                 token_path,
                 admission,
                 metrics,
@@ -185,7 +186,7 @@ impl Service {
     }
 
     pub fn token(&self) -> &str {
-        self.shared.token.as_str()
+        self.shared.tokens.main().as_str()
     }
 
     pub fn token_path(&self) -> &std::path::Path {

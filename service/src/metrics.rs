@@ -40,6 +40,12 @@ struct ClassLabel {
     class: String,
 }
 
+/// An approval card's outcome: approved, rejected, expired, cancelled.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabel {
+    outcome: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ServerLabel {
     server: String,
@@ -66,6 +72,9 @@ pub struct Metrics {
     commit_seconds: Histogram,
     fsyncs: Counter,
     flushes: Counter,
+    approvals_pending: Gauge,
+    approval_decisions: Family<OutcomeLabel, Counter>,
+    approval_seconds: Family<OutcomeLabel, Histogram>,
 }
 
 impl Metrics {
@@ -87,6 +96,12 @@ impl Metrics {
         let commit_seconds = Histogram::new(exponential_buckets(0.000_05, 2.0, 17));
         let fsyncs = Counter::default();
         let flushes = Counter::default();
+        let approvals_pending = Gauge::default();
+        let approval_decisions = Family::<OutcomeLabel, Counter>::default();
+        // 1 second to about 4.5 days.
+        let approval_seconds = Family::<OutcomeLabel, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(1.0, 2.0, 19))
+        });
         let mut registry = Registry::with_prefix("arbor");
         registry.register("runs", "Runs by status", runs.clone());
         registry.register(
@@ -145,6 +160,21 @@ impl Metrics {
             "Group-commit flushes since this start",
             flushes.clone(),
         );
+        registry.register(
+            "approvals_pending",
+            "Approval cards waiting for a person",
+            approvals_pending.clone(),
+        );
+        registry.register(
+            "approval_decisions",
+            "Approval cards closed since this start, by outcome",
+            approval_decisions.clone(),
+        );
+        registry.register(
+            "approval_wait_seconds",
+            "Time from a card's asking to its outcome, by outcome",
+            approval_seconds.clone(),
+        );
         Arc::new(Self {
             registry: Mutex::new(registry),
             runs,
@@ -160,6 +190,9 @@ impl Metrics {
             commit_seconds,
             fsyncs,
             flushes,
+            approvals_pending,
+            approval_decisions,
+            approval_seconds,
         })
     }
 
@@ -192,6 +225,18 @@ impl Metrics {
                 if let Some(server) = mcp_server_of(tool) {
                     self.mcp_call(server, "refused");
                 }
+                return;
+            }
+            EventKind::ApprovalDecided {
+                state, waited_ms, ..
+            } => {
+                let label = OutcomeLabel {
+                    outcome: state.as_str().into(),
+                };
+                self.approval_decisions.get_or_create(&label).inc();
+                self.approval_seconds
+                    .get_or_create(&label)
+                    .observe(*waited_ms as f64 / 1000.0);
                 return;
             }
             EventKind::RunFinished {
@@ -268,6 +313,13 @@ impl Metrics {
             }
         }
         self.queued_runs.set(queued as i64);
+        let pending = journal
+            .all_approvals()
+            .map_err(|e| e.to_string())?
+            .iter()
+            .filter(|c| c.state.is_pending())
+            .count();
+        self.approvals_pending.set(pending as i64);
         catch_up(&self.fsyncs, journal.sync_count());
         catch_up(&self.flushes, journal.flush_count());
         let mut text = String::new();

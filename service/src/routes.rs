@@ -61,7 +61,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> axum::Router {
             async move { Json((*api).clone()) }
         })
         .layer(axum::middleware::from_fn_with_state(
-            shared.token.clone(),
+            shared.tokens.clone(),
             crate::auth::require_token,
         )),
     )
@@ -112,7 +112,7 @@ fn document_info(api: aide::transform::TransformOpenApi) -> aide::transform::Tra
 }
 
 fn api_router(shared: Arc<Shared>) -> ApiRouter {
-    let token = shared.token.clone();
+    let token = shared.tokens.clone();
     let protected = protected_routes().route_layer(axum::middleware::from_fn_with_state(
         token,
         crate::auth::require_token,
@@ -327,6 +327,53 @@ fn protected_routes() -> ApiRouter<Arc<Shared>> {
                     400,
                     404,
                     409,
+                    503
+                )
+            }),
+        )
+        .api_route(
+            "/v1/approvals",
+            get_with(list_approvals, |op| {
+                errors!(
+                    secured(op)
+                        .id("listApprovals")
+                        .summary("Approval cards of every run, oldest first, by run and state")
+                        .description(
+                            "One queue for the whole tree: a card of a job at depth 3 is here \
+                             beside a step's. A card is in the journal before it is listed.",
+                        )
+                        .response_with::<200, Json<ApprovalList>, _>(|r| {
+                            linked(
+                                r.description("The cards"),
+                                "$response.body#/approvals/0/id",
+                                &["decideApproval"],
+                            )
+                        }),
+                    400,
+                    503
+                )
+            }),
+        )
+        .api_route(
+            "/v1/approvals/{id}",
+            post_with(decide_approval, |op| {
+                errors!(
+                    secured(op)
+                        .id("decideApproval")
+                        .summary("Approve, reject or edit a pending card (I-46)")
+                        .description(
+                            "The decision is committed before the call may run and records \
+                             the token's name. 409 once the card is closed (decided, expired, \
+                             or cancelled by a stop, which wins); 422 for a rejection without \
+                             a reason or edited arguments the tool does not take.",
+                        )
+                        .response::<200, Json<CardView>>(),
+                    400,
+                    404,
+                    409,
+                    413,
+                    415,
+                    422,
                     503
                 )
             }),
@@ -771,6 +818,48 @@ async fn stop_job(State(shared): S, Path(path): Path<IdPath>) -> Reply {
         .await
         .map_err(|e| ApiError::conflict(e.to_string()))?;
     Ok(stop_accepted(job, "stopping"))
+}
+
+// ---- approvals ----
+
+async fn list_approvals(State(shared): S, Query(query): Query<ApprovalQuery>) -> Reply {
+    let cards = shared.node.approvals(query.run, query.state)?;
+    Ok(json(
+        StatusCode::OK,
+        ApprovalList {
+            approvals: cards.into_iter().map(CardView::from).collect(),
+        },
+    ))
+}
+
+async fn decide_approval(
+    State(shared): S,
+    axum::Extension(caller): axum::Extension<crate::auth::Caller>,
+    Path(path): Path<IdPath>,
+    JsonBody(body): JsonBody<DecisionBody>,
+) -> Reply {
+    use arbor_runtime::{Decide, DecideError};
+    let id: arbor_protocol::CardId = path.id.parse().map_err(|_| {
+        ApiError::bad_request(format!("{:?} is not an approval card id (a UUID)", path.id))
+    })?;
+    if body.reason.as_ref().is_some_and(|r| r.len() > 4096) {
+        return Err(ApiError::refused("`reason` is longer than 4096 bytes"));
+    }
+    let decide = Decide {
+        verdict: body.decision,
+        reason: body.reason,
+        args: body.args,
+        by: caller.0,
+    };
+    match shared.node.decide(id, decide).await {
+        Ok(card) => Ok(json(StatusCode::OK, CardView::from(card))),
+        Err(e @ DecideError::Unknown(_)) => Err(ApiError::not_found(e.to_string())),
+        Err(e @ (DecideError::Closed { .. } | DecideError::Idle(_))) => {
+            Err(ApiError::conflict(e.to_string()))
+        }
+        Err(e @ DecideError::Invalid(_)) => Err(ApiError::refused(e.to_string())),
+        Err(e @ DecideError::Journal(_)) => Err(ApiError::unavailable(e.to_string())),
+    }
 }
 
 async fn steer_job(

@@ -538,6 +538,8 @@ async fn inv_37_every_route_but_the_health_checks_refuses_a_missing_or_wrong_tok
         ("POST", format!("/v1/jobs/{id}/stop")),
         ("POST", format!("/v1/jobs/{id}/messages")),
         ("POST", format!("/v1/jobs/{id}/continue")),
+        ("GET", "/v1/approvals".to_string()),
+        ("POST", format!("/v1/approvals/{id}")),
         ("GET", "/v1/status".to_string()),
         ("GET", "/metrics".to_string()),
         ("GET", "/v1/openapi.json".to_string()),
@@ -891,6 +893,8 @@ async fn status_metrics_and_the_openapi_document_describe_the_node() {
         "/v1/jobs/{id}/stop",
         "/v1/jobs/{id}/messages",
         "/v1/jobs/{id}/continue",
+        "/v1/approvals",
+        "/v1/approvals/{id}",
         "/v1/status",
         "/metrics",
         "/healthz",
@@ -1114,4 +1118,137 @@ async fn a_failed_run_is_listed_with_the_job_its_failure_began_at_and_counted_by
     let class = runs[0]["error_class"].as_str().unwrap_or("none");
     let needle = format!("arbor_runs_failed_total{{class=\"{class}\"}} 1");
     assert!(text.contains(&needle), "{needle} in\n{text}");
+}
+
+#[tokio::test]
+async fn inv_46_approvals_over_http_one_queue_a_decision_under_the_tokens_name_and_its_events() {
+    let writer = agent_md(
+        "tools: [write_file]\napprove: [write_file]\nscript:\n  - call: {tool: write_file, args: {path: out.txt, content: hello}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let dir = tempfile::tempdir().unwrap();
+    // A named token beside the main one: a decision records whose it was.
+    let alice = "a1".repeat(20);
+    std::fs::create_dir_all(dir.path().join("data")).unwrap();
+    let tokens = dir.path().join("data/tokens");
+    std::fs::write(&tokens, format!("# people who decide\nalice {alice}\n")).unwrap();
+    std::fs::set_permissions(&tokens, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let svc = TestService::start_in(dir, Texts::new(&[("writer", &writer)], &[])).await;
+    let run = svc
+        .submit(json!({"agent": "writer", "input": "write it"}))
+        .await;
+    let seen = svc
+        .events_until(run, None, |e| e["kind"]["type"] == "approval_requested")
+        .await;
+    let requested = &seen.last().unwrap().1;
+    let card_id = requested["kind"]["card"].as_str().unwrap().to_string();
+
+    let (status, list) = svc.get_json("/v1/approvals?state=pending").await;
+    assert_eq!(status, 200, "{list}");
+    let cards = list["approvals"].as_array().unwrap();
+    assert_eq!(cards.len(), 1);
+    let card = &cards[0];
+    for key in [
+        "id", "run", "job", "lineage", "tool", "args", "state", "asked_at", "deadline",
+    ] {
+        assert!(!card[key].is_null(), "{key} in {card}");
+    }
+    assert_eq!(card["id"], card_id.as_str());
+    assert_eq!(card["run"], run.to_string());
+    assert_eq!(card["lineage"], json!(["writer"]));
+    assert_eq!(card["tool"], "write_file");
+    assert_eq!(card["state"], "pending");
+    let (_, by_run) = svc.get_json(&format!("/v1/approvals?run={run}")).await;
+    assert_eq!(by_run["approvals"].as_array().unwrap().len(), 1);
+    let (_, none) = svc.get_json("/v1/approvals?state=approved").await;
+    assert_eq!(none["approvals"], json!([]));
+
+    // Bad input changes nothing.
+    let (status, _) = svc.get_json("/v1/approvals?state=maybe").await;
+    assert_eq!(status, 400);
+    let (status, _) = svc.get_json("/v1/approvals?run=nope").await;
+    assert_eq!(status, 400);
+    let path = format!("/v1/approvals/{card_id}");
+    for (body, code) in [
+        (json!({"decision": "reject"}), 422),
+        (json!({"decision": "edit", "args": {"path": 5}}), 422),
+        (json!({"decision": "approve", "args": {"path": "x"}}), 422),
+        (json!({"decision": "perhaps"}), 400),
+        (json!({"decision": "approve", "extra": 1}), 400),
+    ] {
+        let (status, reply) = svc.post_json(&path, body.clone()).await;
+        assert_eq!(status, code, "{body}: {reply}");
+    }
+    let (status, _) = svc
+        .post_json(
+            &format!("/v1/approvals/{}", arbor_protocol::CardId::new()),
+            json!({"decision": "approve"}),
+        )
+        .await;
+    assert_eq!(status, 404);
+    let (status, _) = svc
+        .post_json("/v1/approvals/not-a-card", json!({"decision": "approve"}))
+        .await;
+    assert_eq!(status, 400);
+    let (_, still) = svc.get_json("/v1/approvals?state=pending").await;
+    assert_eq!(still["approvals"].as_array().unwrap().len(), 1);
+
+    // Alice approves; a second decision is a conflict.
+    let response = svc
+        .http()
+        .post(format!("{}{path}", svc.url))
+        .bearer_auth(&alice)
+        .json(&json!({"decision": "approve", "reason": "checked the text"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let decided: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(decided["state"], "approved");
+    assert_eq!(decided["decision"]["by"], "alice");
+    assert_eq!(decided["decision"]["reason"], "checked the text");
+    let (status, again) = svc
+        .post_json(&path, json!({"decision": "reject", "reason": "too late"}))
+        .await;
+    assert_eq!(status, 409, "{again}");
+
+    let doc = svc.wait_run(run).await;
+    assert_eq!(status_of(&doc), Status::Done);
+    let events = svc.events(run, None).await;
+    let kinds: Vec<&str> = events
+        .iter()
+        .filter_map(|(_, e)| e["kind"]["type"].as_str())
+        .filter(|t| t.starts_with("approval_"))
+        .collect();
+    assert_eq!(kinds, ["approval_requested", "approval_decided"]);
+    let decided_event = &events
+        .iter()
+        .find(|(_, e)| e["kind"]["type"] == "approval_decided")
+        .unwrap()
+        .1;
+    assert_eq!(
+        (
+            &decided_event["kind"]["state"],
+            &decided_event["kind"]["by"]
+        ),
+        (&json!("approved"), &json!("alice"))
+    );
+    let event_schema = schema("event.schema.json");
+    for (_, event) in &events {
+        assert_valid(&event_schema, event);
+    }
+    let metrics = svc
+        .get("/metrics")
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(metrics.contains("arbor_approvals_pending 0"), "{metrics}");
+    assert!(
+        metrics.contains("arbor_approval_decisions_total{outcome=\"approved\"} 1"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("arbor_approval_wait_seconds_count{outcome=\"approved\"} 1"));
+    svc.stop().await;
 }
