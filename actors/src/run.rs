@@ -132,14 +132,17 @@ impl Actor for Run {
         let resume_given = args.resume.is_some();
         let resume = args.resume.unwrap_or_default();
         if resume_given {
-            ctx.journal.commit(vec![Record::Run(record)]).await?;
-            ctx.events.emit(
+            // Durable with the record, before anything of the resume acts:
+            // the next recovery counts the resumes (I-48).
+            ctx.events.emit_with(
                 args.id,
-                EventKind::RunResumed {
+                vec![Record::Run(record)],
+                [EventKind::RunResumed {
                     epoch: ctx.journal.epoch(),
                     group: resume.group as u32,
-                },
-            );
+                }],
+            )?;
+            ctx.journal.flush().await?;
         } else {
             // The spec, which a resume needs, travels in `RunStarted`: it is
             // made durable with the run's record, in one append, or a crash

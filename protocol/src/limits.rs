@@ -22,6 +22,10 @@ pub struct Limits {
     /// `[limits.tools]`: the most calls a job may make, per tool and in all
     /// (`calls`), unless its agent says fewer. None by default.
     pub tools: crate::mcp::ToolLimits,
+    /// I-48: how many times a run may be resumed after the node died under
+    /// it; the next recovery parks it instead (failed, class `parked`), so
+    /// one poison run cannot crash-loop the node.
+    pub max_recoveries: u32,
 }
 
 impl Default for Limits {
@@ -35,6 +39,7 @@ impl Default for Limits {
             wind_down: 0.8,
             max_output_tokens: 4096,
             tools: Default::default(),
+            max_recoveries: 3,
         }
     }
 }
@@ -64,6 +69,12 @@ impl Limits {
                 "limits.wind_down must be in (0, 1], got {}",
                 self.wind_down
             ));
+        }
+        if self.max_recoveries == 0 {
+            return Err(
+                "limits.max_recoveries must be at least 1 (0 would park every interrupted run)"
+                    .into(),
+            );
         }
         if self.max_output_tokens == 0 {
             return Err("limits.max_output_tokens must be at least 1".into());

@@ -110,6 +110,9 @@ pub enum ErrorClass {
     Task,
     /// The node restarted under it (I-30).
     Interrupted,
+    /// I-48: the node died under it `max_recoveries` times after resuming
+    /// it; it is not resumed again.
+    Parked,
     /// It could not start.
     Start,
 }
@@ -152,6 +155,7 @@ impl ErrorClass {
             ErrorClass::Panicked => "panicked",
             ErrorClass::Task => "task",
             ErrorClass::Interrupted => "interrupted",
+            ErrorClass::Parked => "parked",
             ErrorClass::Start => "start",
         }
     }

@@ -84,7 +84,8 @@ impl EmbeddedNode {
         let journal = Journal::open(&data_dir.join("journal"))?;
         let events = EventBus::new(journal.clone());
         // Recovery before anything new starts (I-30 to I-35).
-        let recovery = recovery::recover(&journal, &events).await?;
+        let recovery =
+            recovery::recover(&journal, &events, workspace.config.limits.max_recoveries).await?;
         let sandbox = Arc::new(
             probe
                 .await

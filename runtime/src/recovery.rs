@@ -78,6 +78,7 @@ pub const INTERRUPTED: &str = "interrupted: node restarted";
 pub async fn recover(
     journal: &Journal,
     events: &EventBus,
+    max_recoveries: u32,
 ) -> Result<RecoveryReport, arbor_storage::Error> {
     let epoch = journal.epoch();
     let mut report = RecoveryReport {
@@ -118,7 +119,14 @@ pub async fn recover(
             }
             continue;
         }
-        let outcome = recover_run(journal, events, &run, &killed_by_job, &mut report)?;
+        let outcome = recover_run(
+            journal,
+            events,
+            &run,
+            &killed_by_job,
+            max_recoveries,
+            &mut report,
+        )?;
         report.runs.push(RunRecovery {
             run: run.id,
             outcome,
@@ -425,6 +433,7 @@ fn recover_run(
     events: &EventBus,
     run: &RunRecord,
     killed_by_job: &HashMap<JobId, u32>,
+    max_recoveries: u32,
     report: &mut RecoveryReport,
 ) -> Result<RunOutcome, arbor_storage::Error> {
     let epoch = journal.epoch();
@@ -534,7 +543,21 @@ fn recover_run(
             class: Some(ErrorClass::Interrupted),
             reason: "interrupted: its spec was not journaled, so it cannot resume".into(),
         },
-        Some(spec) => plan_resume(spec, &jobs, run_spent, &tool_counts(&history)),
+        Some(spec) => match plan_resume(spec, &jobs, run_spent, &tool_counts(&history)) {
+            // I-48: each resume the node died under again counts. A drain
+            // or a shutdown ends its runs, so only a death resumes one.
+            RunOutcome::Resume { .. } if resumes(&history) >= max_recoveries => RunOutcome::Ended {
+                status: Status::Failed,
+                class: Some(ErrorClass::Parked),
+                reason: format!(
+                    "parked: the node died under this run each of the {} times it was \
+                     resumed (limits.max_recoveries = {max_recoveries}), so it is not resumed \
+                     again; its steps can be continued one by one with `arbor continue JOB`",
+                    resumes(&history)
+                ),
+            },
+            outcome => outcome,
+        },
     };
     if let RunOutcome::Ended {
         status,
@@ -578,7 +601,14 @@ fn recover_run(
     Ok(outcome)
 }
 
-/// I-34: where the run picks up, or why it cannot. Pure.
+/// How many times the run was resumed by a recovery (I-48).
+fn resumes(history: &[arbor_protocol::Event]) -> u32 {
+    history
+        .iter()
+        .filter(|e| matches!(e.kind, EventKind::RunResumed { .. }))
+        .count() as u32
+}
+
 /// Each job's counted calls (I-45), from the `ToolStarted` events that made
 /// each durable before it ran.
 pub fn tool_counts(history: &[arbor_protocol::Event]) -> HashMap<JobId, BTreeMap<String, u64>> {
@@ -657,6 +687,7 @@ fn recover_cards(
     Ok(())
 }
 
+/// I-34: where the run picks up, or why it cannot. Pure.
 pub fn plan_resume(
     spec: RunSpec,
     jobs: &[JobRecord],

@@ -245,6 +245,13 @@ fn limits_out_of_range_are_refused() {
         message.to_string(),
         "arbor.toml: limits.grant_fraction must be in (0, 1], got 1.5"
     );
+    let message = workspace(Some("[limits]\nmax_recoveries = 0\n"), FLOW).unwrap_err();
+    assert!(
+        message
+            .to_string()
+            .contains("limits.max_recoveries must be at least 1"),
+        "{message}"
+    );
 }
 
 #[test]

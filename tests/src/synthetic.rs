@@ -156,9 +156,13 @@ pub async fn boot(dir: &Path) -> Boot {
     let open = start.elapsed();
     let start = Instant::now();
     let events = EventBus::new(journal.clone());
-    let report = recovery::recover(&journal, &events)
-        .await
-        .expect("recovery runs");
+    let report = recovery::recover(
+        &journal,
+        &events,
+        arbor_protocol::Limits::default().max_recoveries,
+    )
+    .await
+    .expect("recovery runs");
     let recover = start.elapsed();
     assert!(
         report.breaches.is_empty() && report.undecodable.is_empty(),

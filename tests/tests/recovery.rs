@@ -496,3 +496,52 @@ async fn ends_whose_events_a_crash_took_are_told_again_from_their_records() {
     assert_eq!(node.node().recovery().ends_retold, 0);
     assert_eq!(node.tree(run).run_status(), Status::Done);
 }
+
+/// I-48: a run the node keeps dying under is parked after
+/// `max_recoveries` resumes: failed with class `parked` and its reason, and
+/// not resumed again by any later start.
+#[tokio::test]
+async fn inv_48_a_run_is_parked_after_max_recoveries_resumes_the_node_died_under() {
+    // Retries enough that only parking ends the run.
+    let slow = agent_md("script:\n  - say: thinking\n    delay: 1h");
+    let flow = "[[group]]\nsteps = [{ agent = \"slow\", instruction = \"go\", retries = 5 }]\n";
+    let mut node = TestNode::start_workspace(
+        Some("[limits]\nmax_recoveries = 2\n"),
+        &[("slow", &slow)],
+        &[("work", flow)],
+        Arc::new(arbor_testkit::DefaultModels),
+    )
+    .await;
+    let run = node.run_flow("work").await;
+    for attempt in 1..=3u32 {
+        node.wait_until(run, |t| {
+            t.root()
+                .children
+                .iter()
+                .any(|s| s.attempt == attempt && s.status == Status::Running)
+        })
+        .await;
+        node = node.crash_and_restart().await;
+        let resumed = node.node().resumed().iter().any(|(id, _)| *id == run);
+        assert_eq!(resumed, attempt < 3, "resumed after crash {attempt}");
+    }
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Failed);
+    let root = tree.root();
+    assert_eq!(root.error_class, Some(ErrorClass::Parked));
+    let reason = root.reason.clone().unwrap();
+    assert!(
+        reason.contains("parked") && reason.contains("max_recoveries = 2"),
+        "{reason}"
+    );
+    let record = node.journal().run(run).unwrap().unwrap();
+    assert_eq!(
+        (record.status, record.error_class),
+        (Status::Failed, Some(ErrorClass::Parked))
+    );
+    node.assert_conserved(run);
+    // Parked stays parked.
+    let node = node.crash_and_restart().await;
+    assert!(node.node().resumed().is_empty());
+    assert_eq!(node.tree(run).root().error_class, Some(ErrorClass::Parked));
+}
