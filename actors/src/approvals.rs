@@ -260,8 +260,16 @@ impl GateState {
         if let Some(entry) = carried {
             let id = entry.card.id;
             if !entry.card.state.is_pending() {
-                let entry = self.cards.remove(&id).expect("found above");
-                let _ = reply.send(answer_of(&entry.card));
+                // Decided while its job was down: the job that makes the
+                // call now is the one the card names, then it hears how.
+                let mut card = self.cards.remove(&id).expect("found above").card;
+                card.job = ask.job;
+                card.call = ask.call.clone();
+                let answer = match self.commit(&card).await {
+                    Ok(()) => answer_of(&card),
+                    Err(e) => Answer::Failed(e),
+                };
+                let _ = reply.send(answer);
                 return;
             }
             let mut card = entry.card.clone();

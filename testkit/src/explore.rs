@@ -35,6 +35,7 @@ use arbor_actors::model::ModelFactory;
 use arbor_protocol::{EventKind, JobId, RunId, Status};
 use arbor_runtime::{Models, Workspace};
 use arbor_storage::{Crash, CrashKind, CrashPoint, Journal};
+use futures::FutureExt;
 use futures::future::BoxFuture;
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -72,6 +73,9 @@ pub struct Scenario {
     source: Source,
     start: Start,
     during: Option<During>,
+    /// Runs on the recovered node too, while its runs finish: a person who
+    /// goes on deciding approval cards after a restart.
+    after_restart: Option<During>,
     models: Option<ModelsFor>,
     test: Option<String>,
 }
@@ -128,6 +132,18 @@ impl Scenario {
         self
     }
 
+    /// Runs `after` on the node that recovered from each crash, for every
+    /// run its journal holds, while the checks wait for the run to finish
+    /// (a person answering approval cards: without one, a card carried
+    /// across the crash would wait out its deadline).
+    pub fn after_restart(
+        mut self,
+        after: impl for<'a> Fn(&'a TestNode, RunId) -> BoxFuture<'a, ()> + Send + Sync + 'static,
+    ) -> Self {
+        self.after_restart = Some(Arc::new(after));
+        self
+    }
+
     /// The models the node uses (the workspace's own by default: the
     /// scripted model and its `[providers]`). Built again in every process.
     pub fn models(
@@ -160,6 +176,7 @@ impl Scenario {
             source,
             start,
             during: None,
+            after_restart: None,
             models: None,
             test: None,
         }
@@ -713,11 +730,18 @@ async fn recover_and_check(
     }
     let runs = node.journal().runs().unwrap_or_default();
     for run in runs.iter().map(|r| r.id) {
-        let finished = tokio::time::timeout(
-            WAIT_LIMIT,
-            node.node().wait_tree(run, |t| t.run_status().is_terminal()),
-        )
-        .await;
+        let after = async {
+            if let Some(after) = &scenario.after_restart {
+                after(&node, run).await;
+            }
+        };
+        let (finished, ()) = tokio::join!(
+            tokio::time::timeout(
+                WAIT_LIMIT,
+                node.node().wait_tree(run, |t| t.run_status().is_terminal()),
+            ),
+            tokio::time::timeout(WAIT_LIMIT, after).map(|_| ())
+        );
         if finished.is_err() {
             let tree = node.tree(run);
             let open: Vec<String> = tree

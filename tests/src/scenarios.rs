@@ -1,7 +1,9 @@
 //! Workloads that `explore_crashes` runs in arbor's own suites.
 
+use arbor_protocol::{CardState, RunId, Verdict};
 use arbor_testkit::faults::{FaultyModels, ModelFault};
-use arbor_testkit::{Scenario, agent_md};
+use arbor_testkit::{Scenario, TestNode, agent_md};
+use futures::future::BoxFuture;
 use std::sync::Arc;
 
 /// A step (retried up to 100 times) fans out to four workers in one call;
@@ -38,5 +40,62 @@ pub fn fan_out_with_retries_and_steer() -> Scenario {
             // workload, not something it must win.
             let _ = node.steer(worker, "be quick").await;
         })
+    })
+}
+
+/// Human gates at every commit point: a step asks about its own
+/// `write_file` and, inherited, its child's; a person approves each card as
+/// it appears, before and after a crash. A card committed and not yet
+/// decided is carried across the crash and decided after it.
+pub fn gated_delegation() -> Scenario {
+    let lead = agent_md(
+        "tools: [write_file]\napprove: [write_file]\nsubagents: [scribe]\nmax_turns: 10\nscript:\n  - call: {tool: delegate, args: {jobs: [{agent: scribe, request: note, label: s1}]}}\n  - call: {tool: write_file, args: {path: lead.txt, content: mine}}\n  - call: {tool: submit_output, args: {output: gated}}",
+    );
+    let scribe = agent_md(
+        "description: writes a note\ntools: [write_file]\nscript:\n  - usage: {input: 20, output: 5}\n    call: {tool: write_file, args: {path: note.txt, content: theirs}}\n  - call: {tool: submit_output, args: {output: noted}}",
+    );
+    Scenario::flow_texts(
+        Some("[approvals]\ntimeout = \"1h\"\n"),
+        &[("lead", &lead), ("scribe", &scribe)],
+        &[(
+            "gated",
+            "budget = { tokens = 1000000 }\n[[group]]\nsteps = [{ agent = \"lead\", instruction = \"go\", retries = 100 }]\n",
+        )],
+        "gated",
+    )
+    .during(approve_all)
+    .after_restart(approve_all)
+}
+
+/// A person who approves every card of the run as it appears, until the run ends.
+fn approve_all(node: &TestNode, run: RunId) -> BoxFuture<'_, ()> {
+    Box::pin(async move {
+        let mut decided = std::collections::HashSet::new();
+        loop {
+            // A job that waits on a card not yet decided here, or the end.
+            let tree = node
+                .node()
+                .wait_tree(run, |t| {
+                    t.run_status().is_terminal()
+                        || t.nodes().any(|(_, n)| {
+                            n.waiting
+                                .as_ref()
+                                .is_some_and(|w| !decided.contains(&w.card))
+                        })
+                })
+                .await;
+            if tree.run_status().is_terminal() {
+                return;
+            }
+            for card in node
+                .node()
+                .approvals(Some(run), Some(CardState::Pending))
+                .unwrap_or_default()
+            {
+                // A stop or the deadline may win; either is an outcome.
+                let _ = node.decide(card.id, Verdict::Approve, None, None).await;
+                decided.insert(card.id);
+            }
+        }
     })
 }

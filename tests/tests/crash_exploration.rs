@@ -23,3 +23,46 @@ async fn every_commit_point_of_a_fan_out_with_retries_and_a_steer_recovers() {
     println!("{report}");
     assert!(report.crashed > 0, "no case crashed: {report}");
 }
+
+/// I-46 and I-47 at every commit point (the card's, the decision's, and all
+/// around them), killed and powered off: the run ends done, no card is left
+/// pending, and every gated call that ran has a committed approval of its
+/// own job's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_commit_point_of_a_gated_delegation_keeps_its_cards() {
+    use arbor_protocol::{CardState, EventKind};
+    let scenario = arbor_tests::scenarios::gated_delegation();
+    let report = explore_crashes(&scenario, |node, run| {
+        let tree = node.tree(run);
+        if tree.run_status() != Status::Done {
+            return Err(format!(
+                "the run ended {}: {}",
+                tree.run_status(),
+                tree.root().reason.clone().unwrap_or_default()
+            ));
+        }
+        let cards = node.cards(run);
+        if let Some(card) = cards.iter().find(|c| c.state == CardState::Pending) {
+            return Err(format!("card {} is still pending after the run", card.id));
+        }
+        for event in node.events(run) {
+            if let EventKind::ToolCalled {
+                id, tool, ok: true, ..
+            } = &event.kind
+                && tool == "write_file"
+                && !cards
+                    .iter()
+                    .any(|c| c.job == *id && c.state == CardState::Approved)
+            {
+                return Err(format!("{id} wrote a file without a committed approval"));
+            }
+        }
+        if cards.is_empty() {
+            return Err("no card was asked".into());
+        }
+        Ok(())
+    })
+    .await;
+    println!("{report}");
+    assert!(report.crashed > 0, "no case crashed: {report}");
+}
