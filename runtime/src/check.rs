@@ -264,6 +264,9 @@ fn across(
             let Some(child) = agents.get(sub) else {
                 continue;
             };
+            if let Some(message) = unasked_own(name, agent, child) {
+                push(Level::Warning, sub, message);
+            }
             let parent_tools: BTreeSet<&str> = agent
                 .tools
                 .iter()
@@ -331,6 +334,41 @@ fn across(
             ),
         );
     }
+}
+
+/// An ask of `parent` on a tool its `sandbox: own` sub-agent keeps: under
+/// that parent the child asks too (asks are inherited), but it asks about
+/// nothing itself, so wherever it runs otherwise (as a step, or below
+/// another parent) its calls of the tool run without a person.
+fn unasked_own(name: &str, parent: &AgentDef, child: &AgentDef) -> Option<String> {
+    use arbor_protocol::mcp::name_matches;
+    if child.sandbox != SandboxMode::Own {
+        return None;
+    }
+    let reaches = |ask: &str| {
+        child.tools.iter().any(|t| name_matches(ask, t.as_str()))
+            || child.mcp.iter().any(|p| {
+                let p = p.to_string();
+                name_matches(ask, &p) || name_matches(&p, ask)
+            })
+    };
+    let asked_by_child = |ask: &str| child.approve.iter().any(|a| name_matches(a, ask));
+    let unasked: Vec<&str> = parent
+        .approve
+        .iter()
+        .map(String::as_str)
+        .filter(|ask| reaches(ask) && !asked_by_child(ask))
+        .collect();
+    if unasked.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "keeps its own tools (`sandbox: own`) and can reach {}, which its parent {name} asks a \
+         person about: below {name} it asks too, but it does not ask itself, so as a step or \
+         below another parent those calls run unapproved; add {} to its `approve`",
+        unasked.join(", "),
+        if unasked.len() == 1 { "it" } else { "them" }
+    ))
 }
 
 /// Whether `agent` holds all three of: untrusted input, secrets and a way
@@ -473,7 +511,7 @@ mod tests {
     #[test]
     fn the_examples_are_clean() {
         let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
-        for example in ["research", "local-model"] {
+        for example in ["research", "local-model", "approvals"] {
             let findings = check(&examples.join(example));
             assert!(findings.is_empty(), "{example}: {findings:#?}");
         }
@@ -487,5 +525,39 @@ mod tests {
         assert_eq!(findings.len(), 1, "{findings:#?}");
         assert_eq!(findings[0].file, "arbor.toml");
         assert!(findings[0].message.contains("limts"), "{findings:#?}");
+    }
+
+    #[test]
+    fn an_ask_an_own_sandbox_child_does_not_make_itself_is_warned_about() {
+        let dir = workspace(&[
+            (
+                "boss",
+                "tools: [write_file]\napprove: [exec, write_file]\nsubagents: [own, asks, shared]",
+            ),
+            ("own", "description: own\nsandbox: own\ntools: [exec]"),
+            (
+                "asks",
+                "description: asks\nsandbox: own\ntools: [exec]\napprove: [exec]",
+            ),
+            ("shared", "description: shared\ntools: [write_file]"),
+        ]);
+        let all = said(&check(dir.path()));
+        let about = |file: &str| {
+            all.iter()
+                .filter(|(l, f, m)| *l == Level::Warning && f == file && m.contains("unapproved"))
+                .map(|(_, _, m)| m.clone())
+                .collect::<Vec<_>>()
+        };
+        let own = about("agents/own/agent.md");
+        assert_eq!(own.len(), 1, "{all:#?}");
+        assert!(
+            own[0].contains("exec") && own[0].contains("boss"),
+            "{own:?}"
+        );
+        assert!(about("agents/asks/agent.md").is_empty(), "it asks itself");
+        assert!(
+            about("agents/shared/agent.md").is_empty(),
+            "a shared child inherits"
+        );
     }
 }

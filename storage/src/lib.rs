@@ -26,6 +26,7 @@
 //! | `events`      | run uuid ++ event seq u64 BE                                 | `Event`          |
 //! | `sandboxes`   | job uuid ++ pgid (i32 as u32 bits, BE)                       | `SandboxRecord`  |
 //! | `submissions` | run uuid                                                     | the service's `SubmissionRecord` |
+//! | `approvals`   | run uuid ++ card uuid                                        | `ApprovalRecord` |
 //! | `meta`        | `format` (u32 BE), `epoch` (u64 BE), `seq` (u64 BE)          | bare integers (the sled engine's own) |
 //!
 //! Ids are uuid v7, so every prefix scan returns records in creation order.

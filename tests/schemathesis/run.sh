@@ -28,6 +28,10 @@ fi
 
 work=$(mktemp -d)
 cp -r examples/research "$work/ws"
+# The approvals example's agents and flow too: a run of it leaves a card
+# pending for the approval routes.
+cp -r examples/approvals/agents/. "$work/ws/agents/"
+cp examples/approvals/flows/release.toml "$work/ws/flows/"
 target/debug/arbord --workspace "$work/ws" --listen 127.0.0.1:0 \
   >"$work/arbord.out" 2>"$work/arbord.log" &
 pid=$!
@@ -56,6 +60,15 @@ open(f"{work}/openapi.json", "wb").write(call("GET", "/v1/openapi.json"))
 run = json.loads(call("POST", "/v1/runs", {"flow": "research"}))["id"]
 call("GET", f"/v1/runs/{run}/events")  # follows the stream until the run ends
 job = json.loads(call("GET", f"/v1/runs/{run}"))["run"]["children"][0]["id"]
+# A run that waits on a card: the stream is read until the card is asked.
+gated = json.loads(call("POST", "/v1/runs", {"flow": "release"}))["id"]
+stream = urllib.request.urlopen(urllib.request.Request(url + f"/v1/runs/{gated}/events",
+    headers={"Authorization": "Bearer " + token}), timeout=60)
+for line in stream:
+    if b'"approval_requested"' in line:
+        break
+stream.close()
+card = json.loads(call("GET", f"/v1/approvals?run={gated}&state=pending"))["approvals"][0]["id"]
 open(f"{work}/schemathesis.toml", "w").write(f"""
 [[operations]]
 include-path = ["/v1/runs/{{id}}", "/v1/runs/{{id}}/stop", "/v1/runs/{{id}}/events"]
@@ -64,6 +77,10 @@ parameters = {{ id = "{run}" }}
 [[operations]]
 include-path = ["/v1/jobs/{{id}}", "/v1/jobs/{{id}}/stop", "/v1/jobs/{{id}}/messages", "/v1/jobs/{{id}}/continue"]
 parameters = {{ id = "{job}" }}
+
+[[operations]]
+include-path = ["/v1/approvals/{{id}}"]
+parameters = {{ id = "{card}" }}
 """)
 PY
 
