@@ -663,3 +663,51 @@ fn inv_46_the_approvals_examples_readme_lines_work_as_written() {
         .collect();
     assert_eq!(sent.len(), 1, "the approved call wrote its file once");
 }
+
+/// I-47 with a real kill -9: arbord dies while a card waits; the next start
+/// shows the same card, pending, with its deadline; the resumed run waits
+/// on it (not asked again), and an approval finishes the run.
+#[test]
+fn inv_47_a_pending_card_survives_arbord_killed_with_sigkill() {
+    let dir = tempfile::tempdir().unwrap();
+    let ws = dir.path().join("approvals");
+    let copied = Command::new("cp")
+        .arg("-r")
+        .arg(repo().join("examples/approvals"))
+        .arg(&ws)
+        .status()
+        .unwrap();
+    assert!(copied.success());
+    let _ = std::fs::remove_dir_all(ws.join(".arbor"));
+    let data = ws.join(".arbor");
+    let arbord = Arbord::start(&ws, &data);
+    let run = arbord.submit(&["--flow", "release"]);
+    let before = arbord.arbor(&["approvals", &run, "--wait", "-o", "json"]);
+    let before: serde_json::Value = serde_json::from_slice(&before.stdout).unwrap();
+    let card = before["approvals"][0].clone();
+    assert_eq!(card["state"], "pending");
+    arbord.signal(nix::sys::signal::Signal::SIGKILL);
+    assert_eq!(arbord.wait(), None, "killed");
+
+    let arbord = Arbord::start(&ws, &data);
+    let after = arbord.json(&["approvals", &run, "--wait"]);
+    let cards = after["approvals"].as_array().unwrap();
+    assert_eq!(cards.len(), 1, "not asked again: {after}");
+    for key in [
+        "id", "deadline", "asked_at", "lineage", "tool", "args", "state",
+    ] {
+        assert_eq!(cards[0][key], card[key], "{key}");
+    }
+    let card_id = card["id"].as_str().unwrap();
+    let approved = arbord.arbor(&["approve", card_id]);
+    assert_eq!(
+        code(&approved),
+        0,
+        "{}",
+        String::from_utf8_lossy(&approved.stderr)
+    );
+    assert_eq!(code(&arbord.arbor(&["watch", &run])), 0);
+    let all = arbord.json(&["approvals", &run, "--state", "all"]);
+    assert_eq!(all["approvals"].as_array().unwrap().len(), 1);
+    assert_eq!(all["approvals"][0]["state"], "approved");
+}

@@ -412,3 +412,34 @@ async fn inv_47_an_expiry_that_fell_due_while_the_node_was_down_is_applied_at_re
             .any(|f| f.contains("not a rejection"))
     );
 }
+
+#[tokio::test]
+async fn inv_27_a_card_shows_no_secrets_value_and_clips_long_arguments() {
+    let secrets = tempfile::tempdir().unwrap();
+    let value = "tok-card-5e6f7a8b";
+    let config =
+        arbor_testkit::secrets_file(secrets.path(), &format!("API_TOKEN={value}\n"), 0o600);
+    let long = "x".repeat(5000);
+    let leaker = agent_md(&format!(
+        "tools: [write_file]\nsecrets: [API_TOKEN]\napprove: [write_file]\nscript:\n  - call: {{tool: write_file, args: {{path: \"key-{value}.txt\", content: \"{value} {long}\"}}}}\n  - call: {{tool: submit_output, args: {{output: done}}}}"
+    ));
+    let node = TestNode::start_with_config(&config, &[("leaker", &leaker)]).await;
+    let run = node.run_agent("leaker", "go").await;
+    let card = node.wait_card(run).await;
+    let shown = card.args.to_string();
+    assert!(!shown.contains(value), "{shown}");
+    let content = card.args["content"].as_str().unwrap();
+    assert!(content.len() < 2100, "clipped: {} bytes", content.len());
+    // Nor is it in the journal's record or the events.
+    let events = serde_json::to_string(&node.events(run)).unwrap();
+    assert!(!events.contains(value));
+    node.decide(card.id, Verdict::Approve, None, None)
+        .await
+        .unwrap();
+    node.wait_run(run).await;
+    // The call ran with the model's own arguments, not the card's.
+    let root = node.tree(run).root();
+    let dir = node.workdir(run, root.children[0].id.parse().unwrap());
+    let written = std::fs::read_to_string(dir.join(format!("key-{value}.txt"))).unwrap();
+    assert_eq!(written, format!("{value} {long}"));
+}
