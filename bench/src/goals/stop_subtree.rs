@@ -223,7 +223,17 @@ impl Shape {
                     && c.model_calls >= before.model_calls + parents
             })
             .await?;
-        let actors = descendants(&node.node().root_actor());
+        // The run's actors alone: the node's own (its approval gate) stay.
+        let run_name = format!("arbor-run-{run}");
+        let run_cell = node
+            .node()
+            .root_actor()
+            .get_children()
+            .into_iter()
+            .find(|c| c.get_name().as_deref() == Some(run_name.as_str()))
+            .ok_or_else(|| anyhow::anyhow!("no actor {run_name} below the node"))?;
+        let mut actors = descendants(&run_cell);
+        actors.push(run_cell);
         ensure!(
             actors.len() as u64 == ACTORS_PER_JOB * nodes + 2,
             "the run's supervision tree has {} actors, not {}",
