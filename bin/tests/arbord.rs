@@ -608,21 +608,28 @@ fn files_below(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
-/// examples/approvals/README.md, line by line: submit, `approvals RUN
-/// --wait`, `approvals RUN --ids`, `approve`, `watch`, from the workspace's
-/// folder with the token it finds there.
-#[test]
-fn inv_46_the_approvals_examples_readme_lines_work_as_written() {
+/// A copy of examples/NAME in a temporary folder (kept while the first is
+/// held), without a data dir a run in the repository may have left.
+fn example_copy(name: &str) -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
-    let ws = dir.path().join("approvals");
+    let ws = dir.path().join(name);
     let copied = Command::new("cp")
         .arg("-r")
-        .arg(repo().join("examples/approvals"))
+        .arg(repo().join("examples").join(name))
         .arg(&ws)
         .status()
         .unwrap();
     assert!(copied.success());
     let _ = std::fs::remove_dir_all(ws.join(".arbor"));
+    (dir, ws)
+}
+
+/// examples/approvals/README.md, line by line: submit, `approvals RUN
+/// --wait`, `approvals RUN --ids`, `approve`, `watch`, from the workspace's
+/// folder with the token it finds there.
+#[test]
+fn inv_46_the_approvals_examples_readme_lines_work_as_written() {
+    let (_dir, ws) = example_copy("approvals");
     let arbord = Arbord::start(&ws, &ws.join(".arbor"));
     let ok = |out: &Output| {
         assert!(
@@ -669,16 +676,7 @@ fn inv_46_the_approvals_examples_readme_lines_work_as_written() {
 /// on it (not asked again), and an approval finishes the run.
 #[test]
 fn inv_47_a_pending_card_survives_arbord_killed_with_sigkill() {
-    let dir = tempfile::tempdir().unwrap();
-    let ws = dir.path().join("approvals");
-    let copied = Command::new("cp")
-        .arg("-r")
-        .arg(repo().join("examples/approvals"))
-        .arg(&ws)
-        .status()
-        .unwrap();
-    assert!(copied.success());
-    let _ = std::fs::remove_dir_all(ws.join(".arbor"));
+    let (_dir, ws) = example_copy("approvals");
     let data = ws.join(".arbor");
     let arbord = Arbord::start(&ws, &data);
     let run = arbord.submit(&["--flow", "release"]);
