@@ -18,7 +18,7 @@
 //!    job that makes the same call (same lineage, tool and arguments) waits
 //!    on it rather than asking again.
 
-use crate::events::EventBus;
+use crate::events::{EventBus, now_ms};
 use arbor_protocol::{
     ApprovalSettings, Card, CardId, CardState, Decision, EventKind, JobId, RunId, Verdict,
 };
@@ -26,7 +26,7 @@ use arbor_storage::{ApprovalRecord, Journal, Record};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 /// Who closes a card when no person does: an expiry, a stop, a run's end.
@@ -144,13 +144,6 @@ pub struct GateState {
     settings: ApprovalSettings,
     /// Pending cards, and carried cards closed before their job came back.
     cards: HashMap<CardId, Entry>,
-}
-
-pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }
 
 impl Actor for Gate {

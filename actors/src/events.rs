@@ -55,6 +55,14 @@ struct BusState {
     trees: HashMap<RunId, Tree>,
 }
 
+/// Milliseconds since the Unix epoch: an event's `at_ms`, a card's times.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
 impl EventBus {
     pub fn new(journal: Journal) -> Self {
         let (changes, _) = watch::channel(0);
@@ -97,10 +105,7 @@ impl EventBus {
         records: Vec<Record>,
         kinds: impl IntoIterator<Item = EventKind>,
     ) -> Result<(), arbor_storage::Error> {
-        let at_ms = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_millis() as u64)
-            .unwrap_or(0);
+        let at_ms = now_ms();
         // The records' values, and each event's JSON but its seq, are the
         // costly part of what is journaled, and need no seq: made here,
         // before the lock that every emitter waits on.

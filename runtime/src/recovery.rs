@@ -641,7 +641,7 @@ fn recover_cards(
         .filter(|r| matches!(r.outcome, RunOutcome::Resume { .. }))
         .map(|r| r.run)
         .collect();
-    let now = arbor_actors::approvals::now_ms();
+    let now = arbor_actors::events::now_ms();
     for record in journal.all_approvals()? {
         if !record.state.is_pending() {
             continue;

@@ -33,6 +33,17 @@ fn texts() -> Texts {
     )
 }
 
+/// `GET /metrics`, its text.
+async fn metrics_text(svc: &TestService) -> String {
+    svc.get("/metrics")
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
 fn schema(name: &str) -> jsonschema::Validator {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../docs/contract")
@@ -1107,14 +1118,7 @@ async fn a_failed_run_is_listed_with_the_job_its_failure_began_at_and_counted_by
     let (_, done) = svc.get_json("/v1/runs?status=done").await;
     assert!(done["runs"][0].get("failed_job").is_none(), "{done}");
 
-    let text = svc
-        .get("/metrics")
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = metrics_text(&svc).await;
     let class = runs[0]["error_class"].as_str().unwrap_or("none");
     let needle = format!("arbor_runs_failed_total{{class=\"{class}\"}} 1");
     assert!(text.contains(&needle), "{needle} in\n{text}");
@@ -1236,14 +1240,7 @@ async fn inv_46_approvals_over_http_one_queue_a_decision_under_the_tokens_name_a
     for (_, event) in &events {
         assert_valid(&event_schema, event);
     }
-    let metrics = svc
-        .get("/metrics")
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = metrics_text(&svc).await;
     assert!(metrics.contains("arbor_approvals_pending 0"), "{metrics}");
     assert!(
         metrics.contains("arbor_approval_decisions_total{outcome=\"approved\"} 1"),
