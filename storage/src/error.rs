@@ -70,6 +70,10 @@ pub enum Error {
     /// failure.
     #[error("the journal stopped taking writes after a failure: {0}")]
     Failed(String),
+    /// The PostgreSQL journal's server refused, failed or could not be
+    /// reached; says where (never with the password) and why.
+    #[error("PostgreSQL: {0}")]
+    Postgres(String),
     /// The journal was opened to be read only.
     #[error("the journal was opened read-only; nothing can be written")]
     ReadOnly,

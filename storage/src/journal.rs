@@ -16,6 +16,7 @@ use crate::Error;
 use crate::codec;
 use crate::engine::{Counters, Engine, Span};
 use crate::faults::Faults;
+use crate::pg_engine::{PgEngine, PgOptions};
 use crate::record::{
     ApprovalRecord, DelegationRecord, JobRecord, LedgerRecord, RunRecord, SandboxRecord,
     SandboxState, SteerRecord,
@@ -120,6 +121,17 @@ impl Journal {
     /// (`Error::ReadOnly`). For `arbor journal verify` and `inspect`.
     pub fn open_read_only(dir: &Path) -> Result<Journal, Error> {
         Ok(Journal::new(Arc::new(SledEngine::open_read_only(dir)?)))
+    }
+
+    /// Opens (creating) the journal in a PostgreSQL schema (`PgEngine`):
+    /// checks the format, begins a new epoch.
+    pub fn open_postgres(options: &PgOptions) -> Result<Journal, Error> {
+        Ok(Journal::new(Arc::new(PgEngine::open(options)?)))
+    }
+
+    /// As `open_read_only`, for a journal in PostgreSQL.
+    pub fn open_postgres_read_only(options: &PgOptions) -> Result<Journal, Error> {
+        Ok(Journal::new(Arc::new(PgEngine::open_read_only(options)?)))
     }
 
     /// A journal over `engine`.

@@ -76,6 +76,8 @@ mod engine;
 mod error;
 mod faults;
 mod journal;
+mod overlay;
+mod pg_engine;
 mod record;
 mod sled_engine;
 mod table;
@@ -86,6 +88,7 @@ pub use engine::{Counters, Durable, Engine, OwnedRow, Span, Visit, WalkVisit};
 pub use error::Error;
 pub use faults::{Crash, CrashKind, CrashPoint, Faults};
 pub use journal::{Journal, Prepared, Record, ScanReport, Undecodable};
+pub use pg_engine::{PG_LAYOUT, PgEngine, PgOptions};
 pub use record::{
     ApprovalRecord, DelegationRecord, JobRecord, LedgerOp, LedgerRecord, LedgerTotals, RunRecord,
     SandboxRecord, SandboxState, SteerRecord, SteerState, Unit, ledger_of, ledger_totals,

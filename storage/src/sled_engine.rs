@@ -56,7 +56,6 @@ mod flusher;
 mod fsync;
 mod handle;
 mod open;
-mod overlay;
 mod reads;
 mod wal;
 

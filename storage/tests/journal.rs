@@ -1,5 +1,6 @@
 //! The journal from the outside: round trips, reopen, durability, group
-//! commit, corruption and the ledger arithmetic, on real sled directories.
+//! commit, corruption and the ledger arithmetic, on real sled directories
+//! and, where `on_both!` says, in PostgreSQL (`common/mod.rs`).
 
 use arbor_protocol::{
     ErrorClass, Event, EventKind, JobId, NodeKind, ParentRef, RunId, Status, TaskStatus,
@@ -9,6 +10,9 @@ use arbor_storage::{
     RunRecord, SandboxRecord, SandboxState, SteerRecord, SteerState, ledger_totals,
 };
 use std::sync::Arc;
+
+mod common;
+use common::Store;
 
 fn run_record(id: RunId, status: Status) -> RunRecord {
     RunRecord {
@@ -67,10 +71,9 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-#[tokio::test]
-async fn every_record_kind_round_trips() {
-    let dir = tempfile::tempdir().unwrap();
-    let journal = Journal::open(dir.path()).unwrap();
+on_both!(every_record_kind_round_trips);
+async fn every_record_kind_round_trips(store: Store) {
+    let journal = store.open();
     let run = RunId::new();
     let (step, child) = (JobId::new(), JobId::new());
     let run_account = ParentRef::Run(run);
@@ -218,10 +221,9 @@ async fn every_record_kind_round_trips() {
     assert_eq!(journal.ledger(run_account).unwrap().len(), 7);
 }
 
-#[tokio::test]
-async fn reads_are_scoped_to_their_owner() {
-    let dir = tempfile::tempdir().unwrap();
-    let journal = Journal::open(dir.path()).unwrap();
+on_both!(reads_are_scoped_to_their_owner);
+async fn reads_are_scoped_to_their_owner(store: Store) {
+    let journal = store.open();
     let (a, b) = (RunId::new(), RunId::new());
     let (job_a, job_b) = (JobId::new(), JobId::new());
     journal
@@ -246,13 +248,12 @@ async fn reads_are_scoped_to_their_owner() {
     assert!(journal.steering(job_a).unwrap().is_empty());
 }
 
-#[tokio::test]
-async fn reopening_keeps_records_bumps_the_epoch_and_continues_the_seq() {
-    let dir = tempfile::tempdir().unwrap();
+on_both!(reopening_keeps_records_bumps_the_epoch_and_continues_the_seq);
+async fn reopening_keeps_records_bumps_the_epoch_and_continues_the_seq(store: Store) {
     let run = RunId::new();
     let owner = ParentRef::Run(run);
 
-    let journal = Journal::open(dir.path()).unwrap();
+    let journal = store.open();
     assert_eq!(journal.epoch(), 1);
     let first = journal
         .commit(vec![
@@ -264,7 +265,7 @@ async fn reopening_keeps_records_bumps_the_epoch_and_continues_the_seq() {
     assert_eq!(first, 2);
     drop(journal);
 
-    let journal = Journal::open(dir.path()).unwrap();
+    let journal = store.open();
     assert_eq!(journal.epoch(), 2);
     assert_eq!(journal.durable_seq(), first);
     assert_eq!(
@@ -290,13 +291,12 @@ async fn reopening_keeps_records_bumps_the_epoch_and_continues_the_seq() {
     );
     drop(journal);
 
-    assert_eq!(Journal::open(dir.path()).unwrap().epoch(), 3);
+    assert_eq!(store.open().epoch(), 3);
 }
 
-#[tokio::test]
-async fn commit_returns_only_once_its_records_are_durable() {
-    let dir = tempfile::tempdir().unwrap();
-    let journal = Journal::open(dir.path()).unwrap();
+on_both!(commit_returns_only_once_its_records_are_durable);
+async fn commit_returns_only_once_its_records_are_durable(store: Store) {
+    let journal = store.open();
     let run = RunId::new();
 
     let appended = journal
@@ -313,11 +313,14 @@ async fn commit_returns_only_once_its_records_are_durable() {
     assert!(journal.durable_seq() >= committed);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_commits_share_flushes() {
+on_both!(
+    concurrent_commits_share_flushes,
+    flavor = "multi_thread",
+    worker_threads = 4
+);
+async fn concurrent_commits_share_flushes(store: Store) {
     const COMMITS: u64 = 50;
-    let dir = tempfile::tempdir().unwrap();
-    let journal = Journal::open(dir.path()).unwrap();
+    let journal = store.open();
     let owner = ParentRef::Run(RunId::new());
     // Released together so the commits really overlap.
     let start = Arc::new(tokio::sync::Barrier::new(COMMITS as usize));
@@ -470,10 +473,9 @@ fn refused_as_older(old: u32) {
     assert_eq!(epoch(), epoch_before, "the refused opens began no epoch");
 }
 
-#[tokio::test]
-async fn ledger_totals_balance_an_account_read_back_from_the_journal() {
-    let dir = tempfile::tempdir().unwrap();
-    let journal = Journal::open(dir.path()).unwrap();
+on_both!(ledger_totals_balance_an_account_read_back_from_the_journal);
+async fn ledger_totals_balance_an_account_read_back_from_the_journal(store: Store) {
+    let journal = store.open();
     let step = JobId::new();
     let owner = ParentRef::Job(step);
     let (a, b) = (JobId::new(), JobId::new());
@@ -616,13 +618,12 @@ fn assert_forgotten(journal: &Journal, run: RunId, jobs: &[JobId]) {
     }
 }
 
+on_both!(forgetting_a_run_removes_every_record_of_it_and_nothing_else);
 /// Retention's removal: one run's records go, every one of them, and no
 /// other run's; a removal left to the log at a close is replayed by the next
 /// open, after the writes it removes.
-#[tokio::test]
-async fn forgetting_a_run_removes_every_record_of_it_and_nothing_else() {
-    let dir = tempfile::tempdir().unwrap();
-    let journal = Journal::open(dir.path()).unwrap();
+async fn forgetting_a_run_removes_every_record_of_it_and_nothing_else(store: Store) {
+    let journal = store.open();
     // sled takes appends only when drained: `forget` drains, then its
     // removal is left to the log at the close.
     journal.leave_unapplied_at_close();
@@ -644,7 +645,7 @@ async fn forgetting_a_run_removes_every_record_of_it_and_nothing_else() {
     assert!(journal.durable_seq() >= seq);
     drop(journal);
 
-    let reopened = Journal::open(dir.path()).unwrap();
+    let reopened = store.open();
     assert_forgotten(&reopened, gone, &gone_jobs);
     let kept_after = (
         reopened.run(kept).unwrap(),

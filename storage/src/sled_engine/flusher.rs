@@ -3,8 +3,8 @@
 //! `fdatasync`, publishes the last seq they carry as durable and wakes the
 //! waiters; it starts new log segments and asks the applier for checkpoints.
 
+use super::applier::Work;
 use super::handle::{Pending, Progress, Waiter};
-use super::overlay::Work;
 use super::wal::{self, Wal};
 use crate::Error;
 use crate::faults::{CrashKind, CrashPoint, Faults};

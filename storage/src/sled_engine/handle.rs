@@ -1,11 +1,12 @@
 //! The sled engine itself: its state, shared with its threads, its append
 //! (invariant 1 of `sled_engine.rs`), and the `Engine` methods.
 
-use super::overlay::{Overlay, Work};
+use super::applier::Work;
 use super::{fsync, wal};
 use crate::Error;
 use crate::engine::{Counters, Durable, Engine, OwnedRow, Span, Visit, WalkVisit};
 use crate::faults::Faults;
+use crate::overlay::Overlay;
 use crate::table::{JOURNAL_TABLES, Row, TableDef};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, mpsc};

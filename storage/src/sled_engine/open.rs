@@ -8,11 +8,11 @@ use super::fsync::DiskSync;
 use super::handle::{
     META, META_EPOCH, META_FORMAT, META_SEQ, Pending, Progress, SledEngine, Trees, Unstarted,
 };
-use super::overlay::Overlay;
 use super::wal::{self, Wal};
 use crate::Error;
 use crate::codec;
 use crate::faults::Faults;
+use crate::overlay::Overlay;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex, OnceLock, mpsc};

@@ -2,9 +2,9 @@
 //! overlay's lock (`overlay.rs`, invariant 1), and a history table's chunks
 //! unpacked into rows (`chunk.rs`).
 
+use super::applier::Work;
 use super::chunk;
 use super::handle::{META, META_EPOCH, META_FORMAT, META_SEQ, SledEngine};
-use super::overlay::Work;
 use crate::Error;
 use crate::codec;
 use crate::engine::{OwnedRow, Visit, WalkVisit};
@@ -54,7 +54,7 @@ impl SledEngine {
             }
             return Ok(());
         }
-        let pending = overlay.merge_prefix(table.name, prefix, vec![]);
+        let pending = overlay.merge_prefix::<Vec<u8>, Vec<u8>>(table.name, prefix, vec![]);
         drop(overlay);
         if pending.is_empty() {
             // sled's chunks alone are in key order and never overlap: an
@@ -111,7 +111,7 @@ impl SledEngine {
             .scan_prefix(prefix)
             .next_back()
             .transpose()?;
-        let pending = overlay.merge_prefix(table.name, prefix, vec![]);
+        let pending = overlay.merge_prefix::<Vec<u8>, Vec<u8>>(table.name, prefix, vec![]);
         drop(overlay);
         let mut last: Option<(Vec<u8>, &[u8])> = None;
         let mut consider = |key: Vec<u8>, value| {

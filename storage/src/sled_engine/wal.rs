@@ -66,21 +66,7 @@ const MAX_FRAME_BYTES: u32 = 1 << 30;
 
 const HEADER_BYTES: usize = 8;
 
-/// One record as the sled transaction writes it: tree, key, value.
-/// (tree, key, value). The value is shared, not copied, between the
-/// overlay's read index and the applier's queue.
-pub(crate) type Entry = (&'static str, Vec<u8>, std::sync::Arc<[u8]>);
-
-/// The value of a removal: every key under the entry's key, as a prefix, is
-/// removed from its tree (`Journal::forget`). No record's value is empty (each
-/// starts with its format byte), so an empty one cannot be mistaken for one.
-pub(crate) fn removal() -> std::sync::Arc<[u8]> {
-    std::sync::Arc::from(&[][..])
-}
-
-pub(crate) fn is_removal(value: &[u8]) -> bool {
-    value.is_empty()
-}
+pub(crate) use crate::overlay::{Entry, is_removal, removal};
 
 /// A frame read back from a segment.
 pub(crate) struct Frame {

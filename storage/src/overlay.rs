@@ -1,7 +1,9 @@
-//! sled applied behind the log: the appends sled has not taken yet, readable
-//! meanwhile, and the work queued for the thread that applies them (the
-//! applier, in `applier.rs`).
+//! What an engine's store has not taken yet: the appends readable at once,
+//! before the thread that writes them to the store (the sled engine's
+//! applier, `sled_engine/applier.rs`; the PostgreSQL engine's writer,
+//! `pg_engine/writer.rs`) has taken them, and its queue of them.
 //!
+//! For sled:
 //! Each sled transaction costs far more than its bytes: sled 0.34 seals and
 //! writes its current IO buffer before and after every batch it applies
 //! (`pin_log`, "rolling the io buffer before AND after"), each with a
@@ -28,11 +30,26 @@
 //!    queued, and the applier takes the queue before it acts on any request,
 //!    so it has applied them before it flushes sled.
 
-use super::wal::Entry;
 use crate::table::{JOURNAL_TABLES, Shape, table_index};
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::path::PathBuf;
-use std::sync::{Arc, mpsc};
+use std::sync::Arc;
+
+/// One row of an append as the store takes it: table, key, value. The
+/// value is shared, not copied, between the overlay's read index and the
+/// queue of whoever writes it out.
+pub(crate) type Entry = (&'static str, Vec<u8>, Arc<[u8]>);
+
+/// The value of a removal: every key under the entry's key, as a prefix, is
+/// removed from its table (`Journal::forget`). No record's value is empty
+/// (each starts with its format byte), so an empty one cannot be mistaken
+/// for one.
+pub(crate) fn removal() -> Arc<[u8]> {
+    Arc::from(&[][..])
+}
+
+pub(crate) fn is_removal(value: &[u8]) -> bool {
+    value.is_empty()
+}
 
 /// The entries appended and not yet applied to sled, by tree, and those
 /// of them the applier has not taken yet, in seq order.
@@ -139,13 +156,13 @@ impl History {
             .map(Pending::value)
     }
 
-    /// Every entry under `prefix`, in key order.
-    fn prefixed<'a>(&'a self, prefix: &[u8]) -> Vec<(&'a [u8], &'a [u8])> {
+    /// Every entry under `prefix`, in key order, with its seq.
+    fn prefixed<'a>(&'a self, prefix: &[u8]) -> Vec<(&'a [u8], u64, &'a [u8])> {
         let pick = |queue: &'a VecDeque<Pending>| {
             queue
                 .iter()
                 .filter(|p| p.key().starts_with(prefix))
-                .map(|p| (p.key(), p.value()))
+                .map(|p| (p.key(), p.seq, p.value()))
                 .collect::<Vec<_>>()
         };
         if prefix.len() >= self.owner_bytes {
@@ -198,7 +215,7 @@ impl Overlay {
     /// waking it once per append was a tenth of a fan-out's CPU.
     pub(crate) fn insert(&mut self, first_seq: u64, entries: Arc<[Entry]>) -> bool {
         for (at, ((tree, key, value), seq)) in entries.iter().zip(first_seq..).enumerate() {
-            if super::wal::is_removal(value) {
+            if is_removal(value) {
                 // Only queued: reads find the removed records in sled until
                 // the applier takes the removal (`Journal::forget`).
                 continue;
@@ -257,34 +274,40 @@ impl Overlay {
         }
     }
 
-    /// `sled`'s entries under `prefix`, in key order, with the overlay's laid
-    /// over them.
-    pub(crate) fn merge_prefix(
+    /// The store's entries under `prefix`, in key order, with the overlay's
+    /// laid over them.
+    pub(crate) fn merge_prefix<K: AsRef<[u8]>, V: AsRef<[u8]>>(
         &self,
         tree: &str,
         prefix: &[u8],
-        sled: Vec<(sled::IVec, sled::IVec)>,
+        stored: Vec<(K, V)>,
     ) -> Vec<(Vec<u8>, Vec<u8>)> {
-        let mut merged: BTreeMap<Vec<u8>, Vec<u8>> = sled
+        let mut merged: BTreeMap<Vec<u8>, Vec<u8>> = stored
             .into_iter()
-            .map(|(key, value)| (key.to_vec(), value.to_vec()))
+            .map(|(key, value)| (key.as_ref().to_vec(), value.as_ref().to_vec()))
             .collect();
-        match self.slot(tree) {
-            Slot::History(history) => {
-                for (key, value) in history.prefixed(prefix) {
-                    merged.insert(key.to_vec(), value.to_vec());
-                }
-            }
-            Slot::State(latest) => {
-                for (key, (_, value)) in latest
-                    .range(prefix.to_vec()..)
-                    .take_while(|(key, _)| key.starts_with(prefix))
-                {
-                    merged.insert(key.clone(), value.to_vec());
-                }
-            }
+        for (key, _, value) in self.pending(tree, prefix) {
+            merged.insert(key, value);
         }
         merged.into_iter().collect()
+    }
+
+    /// Every entry under `prefix` not yet applied, with the seq that wrote
+    /// it, in key order: for a store read outside the overlay's lock, which
+    /// lays these over what it read where their seq is the later.
+    pub(crate) fn pending(&self, tree: &str, prefix: &[u8]) -> Vec<(Vec<u8>, u64, Vec<u8>)> {
+        match self.slot(tree) {
+            Slot::History(history) => history
+                .prefixed(prefix)
+                .into_iter()
+                .map(|(key, seq, value)| (key.to_vec(), seq, value.to_vec()))
+                .collect(),
+            Slot::State(latest) => latest
+                .range(prefix.to_vec()..)
+                .take_while(|(key, _)| key.starts_with(prefix))
+                .map(|(key, (seq, value))| (key.clone(), *seq, value.to_vec()))
+                .collect(),
+        }
     }
 
     pub(crate) fn is_empty(&self) -> bool {
@@ -297,18 +320,6 @@ impl Overlay {
 
 fn index(tree: &str) -> usize {
     table_index(tree).unwrap_or_else(|| unreachable!("no record tree {tree:?}"))
-}
-
-/// What the applier is asked to do (invariants 2 and 4). Before it does any
-/// of it, it takes and applies what is queued in the overlay.
-pub(crate) enum Work {
-    /// Entries are queued: take them within `APPLY_EVERY`, or at once if
-    /// this is the second wake of a wait (the queue is long).
-    Wake,
-    /// Flush sled and sync its files, then remove these segments.
-    Checkpoint(Vec<PathBuf>),
-    /// Answer once everything queued before this is in sled.
-    Drain(mpsc::Sender<()>),
 }
 
 #[cfg(test)]
@@ -366,7 +377,7 @@ mod tests {
         overlay.insert(4, [(LEDGER, key(a, 4), b"a4"[..].into())].into());
         let values = |overlay: &Overlay, prefix: &[u8]| -> Vec<Vec<u8>> {
             overlay
-                .merge_prefix(LEDGER, prefix, vec![])
+                .merge_prefix::<Vec<u8>, Vec<u8>>(LEDGER, prefix, vec![])
                 .into_iter()
                 .map(|(_, v)| v)
                 .collect()

@@ -1,0 +1,424 @@
+//! The PostgreSQL engine: the journal's rows in tables of a PostgreSQL
+//! schema, shared by every node that opens it (docs/cluster.md).
+//!
+//! Behind a `PgEngine`, a small tokio runtime of its own (callers are sync,
+//! and may be on any runtime or none) with a pool of connections for reads
+//! and one writer task (`pg_engine/writer.rs`) that owns every write.
+//! `append` puts rows in the overlay (`overlay.rs`, readable at once) and
+//! wakes the writer, which takes every append queued so far and writes it
+//! in one transaction: group commit, as the sled engine's flusher does, with
+//! PostgreSQL's commit as the sync. A row is durable once that transaction
+//! has committed (the server's `synchronous_commit` decides what that means
+//! on its disks; arbor never turns it off).
+//!
+//! The layout (`pg_engine/schema.rs`): one table per journal table, `key
+//! bytea PRIMARY KEY, seq bigint, value bytea`, the record's bytes exactly as
+//! the sled engine stores them; `meta` (`format`, `layout`, `epoch`); `seqs`,
+//! the last seq each node wrote. bytea compares bytewise, so key order is the
+//! journal's key order and a prefix is a range.
+//!
+//! Invariants:
+//! 1. Seq order is write order: one mutex hands out seqs and queues the
+//!    rows in the overlay, and the writer takes the queue from its front,
+//!    whole appends in seq order, so every transaction carries a run of
+//!    seqs after everything it follows.
+//! 2. A transaction writes its rows and the node's `seqs` entry together:
+//!    after a crash the database holds every append up to some seq, whole,
+//!    and no part of a later one.
+//! 3. `durable_seq` rises only after the transaction carrying that seq has
+//!    committed; a failed transaction fails the journal (engine promise 3).
+//! 4. A read takes the overlay's rows (with their seqs) first and the
+//!    database's after, and keeps for each key the row with the later seq:
+//!    a row the writer moves in between is found in one or the other, and
+//!    no lock is held across a round trip to the server.
+//! 5. Each open is a new epoch, taken from the `meta` row in one statement,
+//!    so two nodes opening at once never share one; the seq goes on from the
+//!    highest any node wrote.
+
+mod reads;
+mod schema;
+mod writer;
+
+use crate::Error;
+use crate::engine::{Counters, Durable, Engine, OwnedRow, Span, Visit, WalkVisit};
+use crate::faults::Faults;
+use crate::overlay::{Entry, Overlay, removal};
+use crate::table::{Key, Row, TableDef};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, mpsc};
+use std::time::Duration;
+use tokio::sync::{mpsc as tmpsc, watch};
+
+pub use schema::PG_LAYOUT;
+
+/// How to reach the database and what to call this node there.
+#[derive(Clone, Debug)]
+pub struct PgOptions {
+    /// A libpq-style URL or key=value string (`postgres://user@host/db`).
+    pub url: String,
+    /// The PostgreSQL schema that holds the journal (`arbor`); one database
+    /// can hold several journals side by side, each in its own schema.
+    pub schema: String,
+    /// This node's id, under which it records the last seq it wrote.
+    pub node: String,
+    /// How long an open keeps trying a server that does not answer, with
+    /// backoff, before it gives up saying so.
+    pub connect_for: Duration,
+}
+
+impl PgOptions {
+    pub fn new(url: impl Into<String>, node: impl Into<String>) -> PgOptions {
+        PgOptions {
+            url: url.into(),
+            schema: "arbor".into(),
+            node: node.into(),
+            connect_for: Duration::from_secs(60),
+        }
+    }
+}
+
+/// The journal's engine on PostgreSQL.
+pub struct PgEngine {
+    /// `None` only while dropping.
+    runtime: Option<tokio::runtime::Runtime>,
+    pool: deadpool_postgres::Pool,
+    /// The schema's tables, quoted and qualified, and their statements.
+    sql: Arc<schema::Sql>,
+    /// Where the journal is, for messages: host, port, database, schema
+    /// (never the URL, which may carry a password).
+    place: String,
+    epoch: u64,
+    read_only: bool,
+    /// The last seq handed out, held for the whole of an append (invariant 1).
+    last_seq: Mutex<u64>,
+    overlay: Arc<Mutex<Overlay>>,
+    progress: Arc<Progress>,
+    faults: Arc<Faults>,
+    /// The writer's queue; `None` for a read-only journal, and while dropping.
+    work: Option<tmpsc::UnboundedSender<writer::Work>>,
+    /// Told by the writer as it ends, for the drop to wait on.
+    writer_done: Mutex<Option<mpsc::Receiver<()>>>,
+}
+
+/// What the engine and its writer share.
+pub(crate) struct Progress {
+    /// The last seq applied (readable).
+    applied: AtomicU64,
+    /// The last seq committed, published through `durable_tx` too.
+    durable: AtomicU64,
+    /// Woken whenever `durable` rises or the journal fails.
+    durable_tx: watch::Sender<u64>,
+    /// Transactions committed.
+    flushes: AtomicU64,
+    /// The first write that failed; set once, never cleared.
+    failure: OnceLock<String>,
+}
+
+impl Progress {
+    fn fail(&self, what: &str, error: Error) -> Error {
+        tracing::error!(error = %error, "journal: {what} failed; the journal takes no more writes");
+        let _ = self.failure.set(format!("{what} failed: {error}"));
+        self.durable_tx.send_modify(|_| {});
+        error
+    }
+}
+
+impl PgEngine {
+    /// Connects (retrying with backoff for `connect_for` while the server
+    /// does not answer), makes the schema if it is not there, checks its
+    /// format, begins a new epoch and starts the writer.
+    pub fn open(options: &PgOptions) -> Result<PgEngine, Error> {
+        Self::open_inner(options, false)
+    }
+
+    /// Opens the journal to read it: no new epoch, no writer, every write
+    /// refused (`Error::ReadOnly`); for `arbor journal verify` and `inspect`.
+    pub fn open_read_only(options: &PgOptions) -> Result<PgEngine, Error> {
+        Self::open_inner(options, true)
+    }
+
+    fn open_inner(options: &PgOptions, read_only: bool) -> Result<PgEngine, Error> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("arbor-journal-pg")
+            .enable_all()
+            .build()
+            .map_err(|e| Error::Postgres(format!("cannot start the journal's threads: {e}")))?;
+        let opened = run_on(&runtime, schema::open(options.clone(), read_only))?;
+        let schema::Opened {
+            pool,
+            sql,
+            place,
+            epoch,
+            last_seq,
+        } = opened?;
+        let (durable_tx, _) = watch::channel(last_seq);
+        let progress = Arc::new(Progress {
+            applied: AtomicU64::new(last_seq),
+            durable: AtomicU64::new(last_seq),
+            durable_tx,
+            flushes: AtomicU64::new(0),
+            failure: OnceLock::new(),
+        });
+        let overlay = Arc::new(Mutex::new(Overlay::new()));
+        let faults = Arc::new(Faults::default());
+        let sql = Arc::new(sql);
+        let (work, writer_done) = if read_only {
+            (None, None)
+        } else {
+            let (work, queue) = tmpsc::unbounded_channel();
+            let (done_tx, done) = mpsc::channel();
+            let writer = writer::Writer {
+                pool: pool.clone(),
+                sql: Arc::clone(&sql),
+                node: options.node.clone(),
+                overlay: Arc::clone(&overlay),
+                progress: Arc::clone(&progress),
+                faults: Arc::clone(&faults),
+                flush: 0,
+            };
+            runtime.spawn(async move {
+                writer.run(queue).await;
+                let _ = done_tx.send(());
+            });
+            (Some(work), Some(done))
+        };
+        Ok(PgEngine {
+            runtime: Some(runtime),
+            pool,
+            sql,
+            place,
+            epoch,
+            read_only,
+            last_seq: Mutex::new(last_seq),
+            overlay,
+            progress,
+            faults,
+            work,
+            writer_done: Mutex::new(writer_done),
+        })
+    }
+
+    /// Where the journal is: host, port, database and schema.
+    pub fn place(&self) -> &str {
+        &self.place
+    }
+
+    /// Takes seqs for `entries`, puts them in the overlay (readable at once)
+    /// and wakes the writer (invariant 1).
+    fn append_entries(
+        &self,
+        entries: impl ExactSizeIterator<Item = (&'static str, Key, Arc<[u8]>)>,
+    ) -> Result<u64, Error> {
+        let mut last_seq = self.last_seq.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(refusal) = self.refusal() {
+            return Err(refusal);
+        }
+        if entries.len() == 0 {
+            return Ok(*last_seq);
+        }
+        if self.faults.writes_fail() {
+            return Err(self.progress.fail("a write", Error::Injected("write")));
+        }
+        let first_seq = *last_seq + 1;
+        let entries: Vec<Entry> = entries
+            .zip(first_seq..)
+            .map(|((table, key, value), seq)| (table, key.at(seq), value))
+            .collect();
+        let seq = first_seq + entries.len() as u64 - 1;
+        let wake = self
+            .overlay
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(first_seq, entries.into());
+        if wake {
+            let work = self.work.as_ref().ok_or(Error::Closed)?;
+            work.send(writer::Work::Wake)
+                .map_err(|_| self.progress.fail("a write", Error::Closed))?;
+        }
+        *last_seq = seq;
+        self.progress.applied.store(seq, Ordering::Release);
+        Ok(seq)
+    }
+
+    /// Waits until the writer has written everything appended so far (for
+    /// the passes that read the tables whole, and around a removal).
+    fn drain(&self) {
+        let Some(work) = &self.work else { return };
+        let (done, wait) = mpsc::channel();
+        if work.send(writer::Work::Drain(done)).is_ok() {
+            let _ = wait.recv();
+        }
+    }
+
+    /// Runs `future` on the engine's runtime and waits for it here: callers
+    /// are sync, and may be on another runtime's thread.
+    fn block<T: Send + 'static>(
+        &self,
+        future: impl Future<Output = Result<T, Error>> + Send + 'static,
+    ) -> Result<T, Error> {
+        let runtime = self.runtime.as_ref().ok_or(Error::Closed)?;
+        run_on(runtime, future)?
+    }
+}
+
+/// Spawns `future` on `runtime` and waits for its answer on this thread
+/// (a std channel: tokio's own blocking waits refuse a runtime's thread).
+fn run_on<T: Send + 'static>(
+    runtime: &tokio::runtime::Runtime,
+    future: impl Future<Output = T> + Send + 'static,
+) -> Result<T, Error> {
+    let (reply, answer) = mpsc::sync_channel(1);
+    runtime.spawn(async move {
+        let _ = reply.send(future.await);
+    });
+    answer.recv().map_err(|_| Error::Closed)
+}
+
+impl Engine for PgEngine {
+    fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    fn refusal(&self) -> Option<Error> {
+        if self.read_only {
+            return Some(Error::ReadOnly);
+        }
+        self.progress
+            .failure
+            .get()
+            .map(|first| Error::Failed(first.clone()))
+    }
+
+    fn append(&self, rows: Vec<Row>) -> Result<u64, Error> {
+        self.append_entries(
+            rows.into_iter()
+                .map(|row| (row.table.name, row.key, row.value)),
+        )
+    }
+
+    fn wait_durable(&self, seq: u64) -> Durable<'_> {
+        Box::pin(async move {
+            let mut durable = self.progress.durable_tx.subscribe();
+            loop {
+                if self.progress.durable.load(Ordering::Acquire) >= seq {
+                    return Ok(());
+                }
+                if let Some(first) = self.progress.failure.get() {
+                    return Err(Error::Failed(first.clone()));
+                }
+                if durable.changed().await.is_err() {
+                    return Err(Error::Closed);
+                }
+            }
+        })
+    }
+
+    fn applied_seq(&self) -> u64 {
+        self.progress.applied.load(Ordering::Acquire)
+    }
+
+    fn durable_seq(&self) -> u64 {
+        self.progress.durable.load(Ordering::Acquire)
+    }
+
+    fn failed(&self) -> Option<String> {
+        self.progress.failure.get().cloned()
+    }
+
+    fn get(&self, table: &'static TableDef, key: &[u8]) -> Result<Option<Vec<u8>>, Error> {
+        self.read_one(table, key)
+    }
+
+    fn scan(
+        &self,
+        table: &'static TableDef,
+        span: Span<'_>,
+        visit: &mut Visit<'_>,
+    ) -> Result<(), Error> {
+        let rows = match span {
+            Span::Prefix(prefix) => self.read_prefix(table, prefix)?,
+            Span::Below(bound) => {
+                self.drain();
+                self.read_range(table, None, Some(bound.to_vec()))?
+            }
+        };
+        for (key, value) in &rows {
+            visit(key, value)?;
+        }
+        Ok(())
+    }
+
+    fn last(&self, table: &'static TableDef, prefix: &[u8]) -> Result<Option<OwnedRow>, Error> {
+        self.read_last(table, prefix)
+    }
+
+    fn remove(&self, prefixes: Vec<(&'static TableDef, Vec<u8>)>) -> Result<u64, Error> {
+        // As the sled engine: everything appended before the removal is
+        // written first, and the removal itself before this returns, so no
+        // read finds the rows once it has.
+        self.drain();
+        let entries = prefixes
+            .into_iter()
+            .map(|(table, prefix)| (table.name, Key::Whole(prefix), removal()));
+        let seq = self.append_entries(entries)?;
+        self.drain();
+        Ok(seq)
+    }
+
+    fn walk(&self, table: &'static TableDef, visit: &mut WalkVisit<'_>) -> Result<(), Error> {
+        self.drain();
+        for (key, value) in self.read_range(table, None, None)? {
+            visit(&key, Ok(&value));
+        }
+        Ok(())
+    }
+
+    fn check_own(&self) -> Result<Vec<(String, String, String)>, Error> {
+        let sql = Arc::clone(&self.sql);
+        let pool = self.pool.clone();
+        self.block(async move { schema::check_meta(&pool, &sql).await })
+    }
+
+    fn counters(&self) -> Counters {
+        let flushes = self.progress.flushes.load(Ordering::Acquire);
+        Counters {
+            flushes,
+            syncs: flushes,
+            checkpoints: 0,
+        }
+    }
+
+    fn faults(&self) -> &Faults {
+        &self.faults
+    }
+}
+
+/// How long a drop waits for the writer to write what is queued.
+const CLOSE_WAIT: Duration = Duration::from_secs(10);
+
+impl Drop for PgEngine {
+    fn drop(&mut self) {
+        // Closing the queue ends the writer once it has written what is
+        // queued; a parked (held) writer is woken for good first.
+        self.faults.close();
+        drop(self.work.take());
+        let done = self
+            .writer_done
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(done) = done
+            && done.recv_timeout(CLOSE_WAIT).is_err()
+        {
+            tracing::warn!(
+                "journal: the PostgreSQL writer did not finish within {CLOSE_WAIT:?}; \
+                 what it had not committed was never acknowledged"
+            );
+        }
+        // Not a blocking shutdown: the drop may be on another runtime's thread.
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}

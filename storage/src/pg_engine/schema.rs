@@ -1,0 +1,363 @@
+//! The PostgreSQL engine's layout and its open: connecting (with backoff
+//! while the server does not answer), making the schema under an advisory
+//! lock (two nodes may start at once), the format check, a new epoch, and
+//! where the seq goes on from. Also every statement the engine runs, built
+//! once per open with the schema's name in it.
+
+use crate::Error;
+use crate::codec;
+use crate::table::JOURNAL_TABLES;
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use std::time::{Duration, Instant};
+use tokio_postgres::NoTls;
+
+/// The layout of the tables this build reads and writes (`meta/layout`).
+/// A database whose layout is another is refused, saying which.
+pub const PG_LAYOUT: u32 = 1;
+
+/// Connections in the pool for reads (the writer holds one of them).
+const POOL_SIZE: usize = 8;
+
+/// The meta rows: bare integers.
+const META_FORMAT: &str = "format";
+const META_LAYOUT: &str = "layout";
+const META_EPOCH: &str = "epoch";
+
+/// Every statement, for this schema.
+pub(crate) struct Sql {
+    /// Per journal table, in `JOURNAL_TABLES` order: its qualified name.
+    pub(crate) tables: Vec<String>,
+    pub(crate) meta: String,
+    pub(crate) seqs: String,
+}
+
+impl Sql {
+    fn new(schema: &str) -> Sql {
+        let qualified = |name: &str| format!("\"{schema}\".\"{name}\"");
+        Sql {
+            tables: JOURNAL_TABLES.iter().map(|t| qualified(t.name)).collect(),
+            meta: qualified("meta"),
+            seqs: qualified("seqs"),
+        }
+    }
+
+    pub(crate) fn table(&self, name: &str) -> &str {
+        let at = crate::table::table_index(name)
+            .unwrap_or_else(|| unreachable!("no journal table {name:?}"));
+        &self.tables[at]
+    }
+
+    /// Writes rows given as three arrays (keys, seqs, values), each key
+    /// once; a key already there takes the new row.
+    pub(crate) fn upsert(&self, table: &str) -> String {
+        format!(
+            "INSERT INTO {} (key, seq, value) \
+             SELECT * FROM unnest($1::bytea[], $2::int8[], $3::bytea[]) \
+             ON CONFLICT (key) DO UPDATE SET seq = EXCLUDED.seq, value = EXCLUDED.value",
+            self.table(table)
+        )
+    }
+
+    /// The rows with `lower <= key` (and `key < upper`, if `bounded`).
+    pub(crate) fn range(&self, table: &str, what: &str, bounded: bool, tail: &str) -> String {
+        let upper = if bounded { " AND key < $2" } else { "" };
+        format!(
+            "{what} FROM {} WHERE key >= $1{upper}{tail}",
+            self.table(table)
+        )
+    }
+
+    pub(crate) fn set_seq(&self) -> String {
+        format!("UPDATE {} SET seq = $2 WHERE node = $1", self.seqs)
+    }
+}
+
+/// What an open found and began.
+pub(crate) struct Opened {
+    pub(crate) pool: Pool,
+    pub(crate) sql: Sql,
+    pub(crate) place: String,
+    pub(crate) epoch: u64,
+    pub(crate) last_seq: u64,
+}
+
+/// A schema name arbor will put in its statements: lower-case letters,
+/// digits and `_`, not starting with a digit, at most 63 bytes.
+fn check_schema_name(schema: &str) -> Result<(), Error> {
+    let ok = !schema.is_empty()
+        && schema.len() <= 63
+        && !schema.starts_with(|c: char| c.is_ascii_digit())
+        && schema
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::Postgres(format!(
+            "schema {schema:?} is not a plain name: use lower-case letters, digits and _, \
+             not starting with a digit, at most 63 of them"
+        )))
+    }
+}
+
+/// Host, port, database and schema: where the journal is, without the
+/// password a URL may carry.
+fn describe(config: &tokio_postgres::Config, schema: &str) -> String {
+    let host = config
+        .get_hosts()
+        .first()
+        .map(|host| match host {
+            tokio_postgres::config::Host::Tcp(name) => name.clone(),
+            tokio_postgres::config::Host::Unix(path) => path.display().to_string(),
+        })
+        .unwrap_or_else(|| "localhost".into());
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    let db = config
+        .get_dbname()
+        .or(config.get_user())
+        .unwrap_or("postgres");
+    format!("{host}:{port}/{db} schema {schema}")
+}
+
+/// A PostgreSQL error as a person reads it: the server's message and code,
+/// or the client's own (a refused connection, a closed socket).
+pub(crate) fn pg(error: &tokio_postgres::Error) -> String {
+    match error.as_db_error() {
+        Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
+        None => error.to_string(),
+    }
+}
+
+pub(crate) fn pool_error(error: deadpool_postgres::PoolError) -> Error {
+    match error {
+        deadpool_postgres::PoolError::Backend(e) => Error::Postgres(pg(&e)),
+        other => Error::Postgres(other.to_string()),
+    }
+}
+
+pub(crate) fn db_error(error: tokio_postgres::Error) -> Error {
+    Error::Postgres(pg(&error))
+}
+
+/// Whether a failed connection is worth trying again: the server is not
+/// there yet, or is starting, or is full. A refused login or a database
+/// that does not exist will not change by waiting.
+fn retryable(error: &deadpool_postgres::PoolError) -> bool {
+    let deadpool_postgres::PoolError::Backend(e) = error else {
+        return true;
+    };
+    match e.as_db_error() {
+        None => true,
+        Some(db) => matches!(db.code().code(), "57P03" | "53300"),
+    }
+}
+
+async fn connect(
+    pool: &Pool,
+    place: &str,
+    patience: Duration,
+) -> Result<deadpool_postgres::Object, Error> {
+    let started = Instant::now();
+    let mut pause = Duration::from_millis(250);
+    loop {
+        match pool.get().await {
+            Ok(client) => return Ok(client),
+            Err(e) if retryable(&e) && started.elapsed() + pause <= patience => {
+                let why = match &e {
+                    deadpool_postgres::PoolError::Backend(e) => pg(e),
+                    other => other.to_string(),
+                };
+                tracing::warn!(
+                    "journal: PostgreSQL at {place} does not answer ({why}); trying again in {}",
+                    humantime_ms(pause)
+                );
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(5));
+            }
+            Err(e) => {
+                let why = match &e {
+                    deadpool_postgres::PoolError::Backend(e) => pg(e),
+                    other => other.to_string(),
+                };
+                let waited = if retryable(&e) {
+                    format!(" (tried for {} s)", started.elapsed().as_secs())
+                } else {
+                    String::new()
+                };
+                return Err(Error::Postgres(format!(
+                    "cannot reach the journal at {place}{waited}: {why}"
+                )));
+            }
+        }
+    }
+}
+
+fn humantime_ms(d: Duration) -> String {
+    format!("{} ms", d.as_millis())
+}
+
+pub(crate) async fn open(options: super::PgOptions, read_only: bool) -> Result<Opened, Error> {
+    check_schema_name(&options.schema)?;
+    if options.node.is_empty() {
+        return Err(Error::Postgres("a node's id cannot be empty".into()));
+    }
+    let config: tokio_postgres::Config = options
+        .url
+        .parse()
+        .map_err(|e| Error::Postgres(format!("the database URL does not parse: {e}")))?;
+    let place = describe(&config, &options.schema);
+    let manager = Manager::from_config(
+        config,
+        NoTls,
+        ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        },
+    );
+    let pool = Pool::builder(manager)
+        .max_size(POOL_SIZE)
+        .build()
+        .map_err(|e| Error::Postgres(format!("cannot make a connection pool: {e}")))?;
+    let mut client = connect(&pool, &place, options.connect_for).await?;
+    let sql = Sql::new(&options.schema);
+
+    let exists: bool = client
+        .query_one(
+            "SELECT to_regclass($1) IS NOT NULL",
+            &[&format!("\"{}\".meta", options.schema)],
+        )
+        .await
+        .map_err(db_error)?
+        .get(0);
+    if !exists && read_only {
+        return Err(Error::Postgres(format!("no journal at {place}")));
+    }
+
+    let tx = client.transaction().await.map_err(db_error)?;
+    if !read_only {
+        // Two nodes starting at once make the schema once: the lock is
+        // the schema name's, held to the end of this transaction.
+        tx.execute(
+            "SELECT pg_advisory_xact_lock(hashtext('arbor journal ' || $1))",
+            &[&options.schema],
+        )
+        .await
+        .map_err(db_error)?;
+        if !exists {
+            let mut ddl = format!(
+                "CREATE SCHEMA IF NOT EXISTS \"{schema}\";
+                 CREATE TABLE IF NOT EXISTS {meta} (name text PRIMARY KEY, value bigint NOT NULL);
+                 CREATE TABLE IF NOT EXISTS {seqs} (node text PRIMARY KEY, seq bigint NOT NULL);
+                 INSERT INTO {meta} VALUES ('{META_FORMAT}', {format}), ('{META_LAYOUT}', {PG_LAYOUT}), ('{META_EPOCH}', 0)
+                   ON CONFLICT (name) DO NOTHING;",
+                schema = options.schema,
+                meta = sql.meta,
+                seqs = sql.seqs,
+                format = codec::FORMAT_VERSION,
+            );
+            for table in &sql.tables {
+                ddl.push_str(&format!(
+                    "CREATE TABLE IF NOT EXISTS {table} \
+                     (key bytea PRIMARY KEY, seq bigint NOT NULL, value bytea NOT NULL);"
+                ));
+            }
+            tx.batch_execute(&ddl).await.map_err(db_error)?;
+        }
+    }
+
+    let meta = tx
+        .query(&format!("SELECT name, value FROM {}", sql.meta), &[])
+        .await
+        .map_err(db_error)?;
+    let value = |name: &str| -> Option<i64> {
+        meta.iter()
+            .find(|row| row.get::<_, &str>(0) == name)
+            .map(|row| row.get(1))
+    };
+    for (name, supported) in [
+        (META_FORMAT, u32::from(codec::FORMAT_VERSION)),
+        (META_LAYOUT, PG_LAYOUT),
+    ] {
+        let found = value(name).unwrap_or(-1);
+        if found != i64::from(supported) {
+            return Err(Error::FormatVersion {
+                dir: place.clone(),
+                found: u32::try_from(found).unwrap_or(0),
+                supported,
+            });
+        }
+    }
+    let epoch = if read_only {
+        value(META_EPOCH).unwrap_or(0)
+    } else {
+        tx.query_one(
+            &format!(
+                "UPDATE {} SET value = value + 1 WHERE name = '{META_EPOCH}' RETURNING value",
+                sql.meta
+            ),
+            &[],
+        )
+        .await
+        .map_err(db_error)?
+        .get(0)
+    };
+    if !read_only {
+        tx.execute(
+            &format!(
+                "INSERT INTO {} (node, seq) VALUES ($1, 0) ON CONFLICT (node) DO NOTHING",
+                sql.seqs
+            ),
+            &[&options.node],
+        )
+        .await
+        .map_err(db_error)?;
+    }
+    let last_seq: i64 = tx
+        .query_one(
+            &format!("SELECT coalesce(max(seq), 0)::int8 FROM {}", sql.seqs),
+            &[],
+        )
+        .await
+        .map_err(db_error)?
+        .get(0);
+    tx.commit().await.map_err(db_error)?;
+    drop(client);
+    Ok(Opened {
+        pool,
+        sql,
+        place,
+        epoch: u64::try_from(epoch).unwrap_or(0),
+        last_seq: u64::try_from(last_seq).unwrap_or(0),
+    })
+}
+
+/// The engine's own rows that are not as they must be (`Engine::check_own`).
+pub(crate) async fn check_meta(
+    pool: &Pool,
+    sql: &Sql,
+) -> Result<Vec<(String, String, String)>, Error> {
+    let client = pool.get().await.map_err(pool_error)?;
+    let mut wrong = Vec::new();
+    for row in client
+        .query(&format!("SELECT name, value FROM {}", sql.meta), &[])
+        .await
+        .map_err(db_error)?
+    {
+        let (name, value): (String, i64) = (row.get(0), row.get(1));
+        if ![META_FORMAT, META_LAYOUT, META_EPOCH].contains(&name.as_str()) {
+            wrong.push(("meta".into(), name, "unknown meta row".into()));
+        } else if value < 0 {
+            wrong.push(("meta".into(), name, format!("negative value {value}")));
+        }
+    }
+    for row in client
+        .query(&format!("SELECT node, seq FROM {}", sql.seqs), &[])
+        .await
+        .map_err(db_error)?
+    {
+        let (node, seq): (String, i64) = (row.get(0), row.get(1));
+        if seq < 0 {
+            wrong.push(("seqs".into(), node, format!("negative seq {seq}")));
+        }
+    }
+    Ok(wrong)
+}

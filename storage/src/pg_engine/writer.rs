@@ -1,0 +1,187 @@
+//! The writer task: takes what is queued in the overlay, whole appends in
+//! seq order, and writes it in one transaction with the node's `seqs` row
+//! (`pg_engine.rs`, invariants 1 to 3). Commits that arrive while one
+//! transaction is under way are served together by the next.
+
+use super::Progress;
+use super::schema::{Sql, db_error, pool_error};
+use crate::Error;
+use crate::faults::{CrashPoint, Faults};
+use crate::overlay::{Entry, Overlay, is_removal};
+use deadpool_postgres::{Pool, Transaction};
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, PoisonError, mpsc};
+use tokio::sync::mpsc as tmpsc;
+
+/// At most this many rows go into one transaction, so a backlog is written
+/// in steps rather than held as one huge statement.
+const WRITE_STEP: usize = 8192;
+
+/// How many written rows leave the overlay in one hold of its lock.
+const APPLIED_AT_ONCE: usize = 256;
+
+/// What the writer is asked to do. Before anything, it writes what is queued.
+pub(crate) enum Work {
+    /// Rows are queued.
+    Wake,
+    /// Answer once everything queued before this is written.
+    Drain(mpsc::Sender<()>),
+}
+
+/// A table's rows in one statement: each key's latest seq and value.
+type Latest<'a> = HashMap<&'a [u8], (u64, &'a [u8])>;
+
+pub(crate) struct Writer {
+    pub(crate) pool: Pool,
+    pub(crate) sql: Arc<Sql>,
+    pub(crate) node: String,
+    pub(crate) overlay: Arc<Mutex<Overlay>>,
+    pub(crate) progress: Arc<Progress>,
+    pub(crate) faults: Arc<Faults>,
+    /// Transactions begun (the count `Faults::crash_at` names).
+    pub(crate) flush: u64,
+}
+
+impl Writer {
+    /// Until the queue closes (the engine is dropped), then once more.
+    pub(crate) async fn run(mut self, mut queue: tmpsc::UnboundedReceiver<Work>) {
+        while let Some(first) = queue.recv().await {
+            let mut drains = Vec::new();
+            for work in std::iter::once(first).chain(std::iter::from_fn(|| queue.try_recv().ok())) {
+                if let Work::Drain(done) = work {
+                    drains.push(done);
+                }
+            }
+            self.write_queued().await;
+            for done in drains {
+                let _ = done.send(());
+            }
+        }
+        self.write_queued().await;
+    }
+
+    /// Writes what is queued, `WRITE_STEP` rows to a transaction, until the
+    /// queue is empty or the journal has failed.
+    async fn write_queued(&mut self) {
+        loop {
+            let (first_seq, appends) = self
+                .overlay
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take_queued(WRITE_STEP);
+            let batch: Vec<&Entry> = appends.iter().flat_map(|a| a.iter()).collect();
+            if batch.is_empty() || self.progress.failure.get().is_some() {
+                return;
+            }
+            let last_seq = first_seq + batch.len() as u64 - 1;
+            self.flush += 1;
+            let faults = Arc::clone(&self.faults);
+            // A held flush parks this thread, not the runtime.
+            if !tokio::task::block_in_place(|| faults.wait_while_held()) {
+                return; // closing: what was held was never acknowledged
+            }
+            if self.faults.flushes_fail() {
+                self.progress.fail("a flush", Error::Injected("flush"));
+                return;
+            }
+            self.crash_if_due(CrashPoint::BeforeFlush);
+            if let Err(e) = self.write(&batch, last_seq).await {
+                self.progress.fail("writing to PostgreSQL", e);
+                return;
+            }
+            self.crash_if_due(CrashPoint::AfterFlush);
+            for some in batch.chunks(APPLIED_AT_ONCE) {
+                self.overlay
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .applied(some, last_seq);
+            }
+            self.progress.flushes.fetch_add(1, Ordering::AcqRel);
+            self.progress.durable.store(last_seq, Ordering::Release);
+            self.progress.durable_tx.send_replace(last_seq);
+            self.faults.durable(last_seq);
+        }
+    }
+
+    /// One transaction: the rows in seq order (a removal between the rows
+    /// before it and those after), and the node's last seq.
+    async fn write(&self, batch: &[&Entry], last_seq: u64) -> Result<(), Error> {
+        let mut client = self.pool.get().await.map_err(pool_error)?;
+        let tx = client.transaction().await.map_err(db_error)?;
+        let mut rows: Vec<(&Entry, u64)> = Vec::new();
+        let first_seq = last_seq + 1 - batch.len() as u64;
+        for (entry, seq) in batch.iter().zip(first_seq..) {
+            if is_removal(&entry.2) {
+                self.upsert(&tx, &rows).await?;
+                rows.clear();
+                self.remove(&tx, entry).await?;
+            } else {
+                rows.push((entry, seq));
+            }
+        }
+        self.upsert(&tx, &rows).await?;
+        let seq = i64::try_from(last_seq).map_err(|_| Error::Postgres("seq past i64".into()))?;
+        tx.execute(&self.sql.set_seq(), &[&self.node, &seq])
+            .await
+            .map_err(db_error)?;
+        tx.commit().await.map_err(db_error)
+    }
+
+    /// Each table's rows in one statement, each key once (its latest row:
+    /// a statement may not touch one row twice).
+    async fn upsert(&self, tx: &Transaction<'_>, rows: &[(&Entry, u64)]) -> Result<(), Error> {
+        let mut by_table: Vec<(&'static str, Latest<'_>)> = Vec::new();
+        for ((table, key, value), seq) in rows.iter().map(|(e, s)| (*e, *s)) {
+            let at = match by_table.iter().position(|(name, _)| name == table) {
+                Some(at) => at,
+                None => {
+                    by_table.push((table, HashMap::new()));
+                    by_table.len() - 1
+                }
+            };
+            by_table[at].1.insert(key, (seq, value));
+        }
+        for (table, latest) in by_table {
+            let mut keys = Vec::with_capacity(latest.len());
+            let mut seqs = Vec::with_capacity(latest.len());
+            let mut values = Vec::with_capacity(latest.len());
+            for (key, (seq, value)) in latest {
+                keys.push(key);
+                seqs.push(seq as i64);
+                values.push(value);
+            }
+            let statement = tx
+                .prepare_cached(&self.sql.upsert(table))
+                .await
+                .map_err(db_error)?;
+            tx.execute(&statement, &[&keys, &seqs, &values])
+                .await
+                .map_err(db_error)?;
+        }
+        Ok(())
+    }
+
+    async fn remove(&self, tx: &Transaction<'_>, (table, prefix, _): &Entry) -> Result<(), Error> {
+        let upper = super::reads::successor(prefix);
+        let sql = self.sql.range(table, "DELETE", upper.is_some(), "");
+        match &upper {
+            Some(upper) => tx.execute(&sql, &[prefix, upper]).await,
+            None => tx.execute(&sql, &[prefix]).await,
+        }
+        .map_err(db_error)?;
+        Ok(())
+    }
+
+    /// Fault injection (`Faults::crash_at`): the process dies here. For
+    /// this engine a power cut is a kill: what the server committed, it keeps.
+    fn crash_if_due(&self, point: CrashPoint) {
+        if self.faults.crash_due(self.flush, point).is_none() {
+            return;
+        }
+        let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
+        loop {
+            std::thread::park();
+        }
+    }
+}
