@@ -310,6 +310,11 @@ impl Overlay {
         }
     }
 
+    /// Whether anything waits for the applier (or writer) to take it.
+    pub(crate) fn has_queued(&self) -> bool {
+        !self.queued.is_empty()
+    }
+
     pub(crate) fn is_empty(&self) -> bool {
         self.tables.iter().all(|slot| match slot {
             Slot::State(latest) => latest.is_empty(),

@@ -112,9 +112,18 @@ pub(crate) struct Progress {
     flushes: AtomicU64,
     /// The first write that failed; set once, never cleared.
     failure: OnceLock<String>,
+    /// The failed transaction's last seq and its error: its own commits
+    /// are told that error, later ones that the journal has failed.
+    failed_batch: OnceLock<(u64, Error)>,
 }
 
 impl Progress {
+    /// As `fail`, for the transaction that carried the seqs up to `last`.
+    fn fail_batch(&self, what: &str, last: u64, error: Error) {
+        let _ = self.failed_batch.set((last, error.clone()));
+        self.fail(what, error);
+    }
+
     fn fail(&self, what: &str, error: Error) -> Error {
         tracing::error!(error = %error, "journal: {what} failed; the journal takes no more writes");
         let _ = self.failure.set(format!("{what} failed: {error}"));
@@ -144,14 +153,21 @@ impl PgEngine {
             .enable_all()
             .build()
             .map_err(|e| Error::Postgres(format!("cannot start the journal's threads: {e}")))?;
-        let opened = run_on(&runtime, schema::open(options.clone(), read_only))?;
+        let opened = run_on(&runtime, schema::open(options.clone(), read_only)).and_then(|r| r);
         let schema::Opened {
             pool,
             sql,
             place,
             epoch,
             last_seq,
-        } = opened?;
+        } = match opened {
+            Ok(opened) => opened,
+            Err(e) => {
+                // Not a blocking drop: the caller may be on a runtime's thread.
+                runtime.shutdown_background();
+                return Err(e);
+            }
+        };
         let (durable_tx, _) = watch::channel(last_seq);
         let progress = Arc::new(Progress {
             applied: AtomicU64::new(last_seq),
@@ -159,6 +175,7 @@ impl PgEngine {
             durable_tx,
             flushes: AtomicU64::new(0),
             failure: OnceLock::new(),
+            failed_batch: OnceLock::new(),
         });
         let overlay = Arc::new(Mutex::new(Overlay::new()));
         let faults = Arc::new(Faults::default());
@@ -299,16 +316,38 @@ impl Engine for PgEngine {
 
     fn wait_durable(&self, seq: u64) -> Durable<'_> {
         Box::pin(async move {
+            // Subscribed before the first look, so no change is missed.
             let mut durable = self.progress.durable_tx.subscribe();
+            let progress = &self.progress;
+            if progress.durable.load(Ordering::Acquire) >= seq {
+                return Ok(());
+            }
+            // The writer runs apart: the transaction carrying `seq` may
+            // have failed before this wait began; its commit is told why.
+            if let Some((last, error)) = progress.failed_batch.get()
+                && seq <= *last
+            {
+                return Err(error.clone());
+            }
+            if let Some(first) = progress.failure.get() {
+                return Err(Error::Failed(first.clone()));
+            }
             loop {
-                if self.progress.durable.load(Ordering::Acquire) >= seq {
-                    return Ok(());
-                }
-                if let Some(first) = self.progress.failure.get() {
-                    return Err(Error::Failed(first.clone()));
-                }
                 if durable.changed().await.is_err() {
                     return Err(Error::Closed);
+                }
+                if progress.durable.load(Ordering::Acquire) >= seq {
+                    return Ok(());
+                }
+                // Waiting when the transaction carrying `seq` failed: told
+                // its error, as the sled engine tells a failed flush's.
+                if let Some((last, error)) = progress.failed_batch.get()
+                    && seq <= *last
+                {
+                    return Err(error.clone());
+                }
+                if let Some(first) = progress.failure.get() {
+                    return Err(Error::Failed(first.clone()));
                 }
             }
         })

@@ -65,29 +65,37 @@ impl Writer {
     /// queue is empty or the journal has failed.
     async fn write_queued(&mut self) {
         loop {
+            let queued = self
+                .overlay
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .has_queued();
+            if !queued || self.progress.failure.get().is_some() {
+                return;
+            }
+            self.flush += 1;
+            let faults = Arc::clone(&self.faults);
+            // A held flush parks this thread, not the runtime; what is
+            // appended meanwhile goes into the same transaction.
+            if !tokio::task::block_in_place(|| faults.wait_while_held()) {
+                return; // closing: what was held was never acknowledged
+            }
             let (first_seq, appends) = self
                 .overlay
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .take_queued(WRITE_STEP);
             let batch: Vec<&Entry> = appends.iter().flat_map(|a| a.iter()).collect();
-            if batch.is_empty() || self.progress.failure.get().is_some() {
-                return;
-            }
             let last_seq = first_seq + batch.len() as u64 - 1;
-            self.flush += 1;
-            let faults = Arc::clone(&self.faults);
-            // A held flush parks this thread, not the runtime.
-            if !tokio::task::block_in_place(|| faults.wait_while_held()) {
-                return; // closing: what was held was never acknowledged
-            }
             if self.faults.flushes_fail() {
-                self.progress.fail("a flush", Error::Injected("flush"));
+                self.progress
+                    .fail_batch("a flush", last_seq, Error::Injected("flush"));
                 return;
             }
             self.crash_if_due(CrashPoint::BeforeFlush);
             if let Err(e) = self.write(&batch, last_seq).await {
-                self.progress.fail("writing to PostgreSQL", e);
+                self.progress
+                    .fail_batch("writing to PostgreSQL", last_seq, e);
                 return;
             }
             self.crash_if_due(CrashPoint::AfterFlush);

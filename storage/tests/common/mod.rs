@@ -33,6 +33,14 @@ impl Store {
         Store::Postgres(options)
     }
 
+    /// A place of the same kind where no journal is.
+    pub fn elsewhere(&self) -> Store {
+        match self {
+            Store::Sled(_) => Store::sled(),
+            Store::Postgres(_) => Store::postgres(),
+        }
+    }
+
     pub fn open(&self) -> Journal {
         self.try_open().unwrap()
     }

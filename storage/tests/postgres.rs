@@ -1,0 +1,177 @@
+//! What only the PostgreSQL journal has: a server that is not there, a
+//! database of another layout, values edited behind its back, and several
+//! nodes opening one schema. Run with `--ignored` and
+//! `ARBOR_TEST_DATABASE_URL` (see `common/mod.rs`).
+
+use arbor_protocol::JobId;
+use arbor_storage::{Error, Journal, PgOptions, Record, SteerRecord, SteerState};
+use std::time::{Duration, Instant};
+
+mod common;
+use common::Store;
+
+fn steer(job: JobId, message_id: u64, epoch: u64) -> Record {
+    Record::Steer(SteerRecord {
+        job,
+        message_id,
+        text: format!("message {message_id}"),
+        state: SteerState::Queued,
+        epoch,
+    })
+}
+
+fn options(store: &Store) -> &PgOptions {
+    match store {
+        Store::Postgres(options) => options,
+        Store::Sled(_) => unreachable!("a PostgreSQL test"),
+    }
+}
+
+/// Runs `sql` on the test server, behind the journal's back.
+async fn behind_its_back(sql: &str) {
+    let (client, connection) =
+        tokio_postgres::connect(&common::database_url(), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    let connection = tokio::spawn(connection);
+    client.batch_execute(sql).await.unwrap();
+    drop(client);
+    connection.await.unwrap().unwrap();
+}
+
+fn message_ids(journal: &Journal, job: JobId) -> Vec<u64> {
+    journal
+        .steering(job)
+        .unwrap()
+        .into_iter()
+        .map(|s| s.message_id)
+        .collect()
+}
+
+#[tokio::test]
+#[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
+async fn a_server_that_does_not_answer_is_retried_then_refused_saying_where() {
+    // A loopback port nobody listens on: bound, then let go.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut options = PgOptions::new(
+        format!("postgres://arbor:secret-password@127.0.0.1:{port}/arbor"),
+        "n1",
+    );
+    options.connect_for = Duration::from_millis(1200);
+    let started = Instant::now();
+    let error = Journal::open_postgres(&options).map(drop).unwrap_err();
+    let waited = started.elapsed();
+    let message = error.to_string();
+    assert!(
+        message.contains(&format!("127.0.0.1:{port}/arbor schema arbor")),
+        "{message}"
+    );
+    assert!(message.contains("tried for"), "{message}");
+    assert!(!message.contains("secret-password"), "{message}");
+    assert!(
+        waited >= Duration::from_millis(700),
+        "it retried with backoff before giving up ({waited:?})"
+    );
+}
+
+#[tokio::test]
+#[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
+async fn bad_options_are_refused_before_anything_is_made() {
+    let store = Store::postgres();
+    let mut options = options(&store).clone();
+    options.schema = "Robert'); DROP TABLE students;--".into();
+    let error = Journal::open_postgres(&options).map(drop).unwrap_err();
+    assert!(error.to_string().contains("not a plain name"), "{error}");
+
+    let mut options = self::options(&store).clone();
+    options.url = "postgres://[nonsense".into();
+    let error = Journal::open_postgres(&options).map(drop).unwrap_err();
+    assert!(error.to_string().contains("URL does not parse"), "{error}");
+}
+
+#[tokio::test]
+#[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
+async fn a_database_of_another_layout_is_refused_with_its_version_and_left_as_it_was() {
+    let store = Store::postgres();
+    let schema = options(&store).schema.clone();
+    drop(store.open());
+    behind_its_back(&format!(
+        "UPDATE {schema}.meta SET value = 9 WHERE name = 'layout'"
+    ))
+    .await;
+    let error = store.try_open().map(drop).unwrap_err();
+    match &error {
+        Error::FormatVersion {
+            found, supported, ..
+        } => assert_eq!((*found, *supported), (9, arbor_storage::PG_LAYOUT)),
+        other => panic!("expected a format error, got {other:?}"),
+    }
+    assert!(error.to_string().contains("newer arbor"), "{error}");
+    behind_its_back(&format!(
+        "UPDATE {schema}.meta SET value = {} WHERE name = 'layout'",
+        arbor_storage::PG_LAYOUT
+    ))
+    .await;
+    assert_eq!(store.open().epoch(), 2, "the refused open began no epoch");
+}
+
+#[tokio::test]
+#[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
+async fn a_value_edited_behind_its_back_is_reported_never_skipped() {
+    let store = Store::postgres();
+    let schema = options(&store).schema.clone();
+    let job = JobId::new();
+    let journal = store.open();
+    journal
+        .commit(vec![steer(job, 1, 1), steer(job, 2, 1)])
+        .await
+        .unwrap();
+    drop(journal);
+    behind_its_back(&format!(
+        "UPDATE {schema}.steering SET value = set_byte(value, 0, 9) \
+         WHERE key = (SELECT key FROM {schema}.steering ORDER BY key DESC LIMIT 1)"
+    ))
+    .await;
+    let journal = store.open();
+    let report = journal.scan().unwrap();
+    assert_eq!(report.undecodable.len(), 1);
+    assert_eq!(report.undecodable[0].tree, "steering");
+    assert!(matches!(
+        journal.steering(job),
+        Err(Error::Undecodable { .. })
+    ));
+}
+
+/// Two nodes on one schema: each open its own epoch, each sees what the
+/// other committed, and a node opened later goes on above every seq.
+#[tokio::test]
+#[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
+async fn nodes_on_one_schema_take_their_own_epochs_and_read_each_others_commits() {
+    let store = Store::postgres();
+    let one = store.open();
+    let mut second = options(&store).clone();
+    second.node = "n2".into();
+    let two = Journal::open_postgres(&second).unwrap();
+    assert_ne!(one.epoch(), two.epoch());
+
+    let (a, b) = (JobId::new(), JobId::new());
+    let seq_one = one.commit(vec![steer(a, 1, one.epoch())]).await.unwrap();
+    two.commit(vec![steer(b, 1, two.epoch())]).await.unwrap();
+    assert_eq!(message_ids(&two, a), [1]);
+    assert_eq!(message_ids(&one, b), [1]);
+
+    // The one node's record is refused under the other's epoch (I-41).
+    assert!(matches!(
+        two.append(vec![steer(a, 2, one.epoch())]),
+        Err(Error::StaleEpoch { .. } | Error::FutureEpoch { .. })
+    ));
+    let mut third = options(&store).clone();
+    third.node = "n3".into();
+    let three = Journal::open_postgres(&third).unwrap();
+    assert!(three.applied_seq() >= seq_one);
+    assert!(three.epoch() > one.epoch().max(two.epoch()));
+}
