@@ -126,13 +126,13 @@ enum JournalCommand {
     /// Decode every record and check every account's conservation; exit 1
     /// and list what is wrong if anything is.
     Verify {
-        #[arg(long)]
-        data_dir: PathBuf,
+        #[command(flatten)]
+        place: journal::Place,
     },
     /// Print runs, their steps and jobs, and their ledger entries.
     Inspect {
-        #[arg(long)]
-        data_dir: PathBuf,
+        #[command(flatten)]
+        place: journal::Place,
         /// Only this run, with its jobs and ledger.
         #[arg(long)]
         run: Option<String>,
@@ -167,6 +167,10 @@ struct RunArgs {
     /// Where the journal and the workdirs live (default: DIR/.arbor).
     #[arg(long)]
     data_dir: Option<PathBuf>,
+    /// This node's id in a shared journal (`[journal] backend = "postgres"`;
+    /// default: ARBOR_NODE_ID, else the host's name).
+    #[arg(long, value_parser = arbor_runtime::workspace::parse_node_id)]
+    node_id: Option<String>,
 }
 
 /// Bad usage or bad input: exit 2.
@@ -243,12 +247,10 @@ fn main() -> ExitCode {
             Command::Events { run, follow } => {
                 with_client(&conn, |c| Box::pin(client::events(c, &run, follow))).await
             }
-            Command::Journal(JournalCommand::Verify { data_dir }) => journal::verify(&data_dir),
-            Command::Journal(JournalCommand::Inspect {
-                data_dir,
-                run,
-                json,
-            }) => journal::inspect(&data_dir, run.as_deref(), json),
+            Command::Journal(JournalCommand::Verify { place }) => journal::verify(&place),
+            Command::Journal(JournalCommand::Inspect { place, run, json }) => {
+                journal::inspect(&place, run.as_deref(), json)
+            }
         }
     });
     if result.is_ok() {
@@ -321,7 +323,8 @@ fn bad(reason: impl std::fmt::Display) -> Failure {
 }
 
 async fn run(args: RunArgs) -> Result<ExitCode, Failure> {
-    let workspace = Workspace::load(&args.dir).map_err(bad)?;
+    let mut workspace = Workspace::load(&args.dir).map_err(bad)?;
+    workspace.config.journal.name_node(args.node_id.clone());
     let spec: RunSpec = match (&args.flow, &args.agent, &args.input) {
         (Some(flow), _, _) => workspace.flow_run(flow, args.budget_tokens).map_err(bad)?,
         (None, Some(agent), Some(input)) => workspace

@@ -23,6 +23,10 @@ struct Cli {
     /// Where the journal, the workdirs and the API token live (default: WORKSPACE/.arbor).
     #[arg(long)]
     data_dir: Option<PathBuf>,
+    /// This node's id in a shared journal (`[journal] backend = "postgres"`;
+    /// default: ARBOR_NODE_ID, else the host's name).
+    #[arg(long, value_parser = arbor_runtime::workspace::parse_node_id)]
+    node_id: Option<String>,
     /// The address and port to listen on (default 127.0.0.1:7878).
     #[arg(long)]
     listen: Option<String>,
@@ -106,7 +110,10 @@ async fn serve(cli: Cli) -> ExitCode {
         }
     };
     let workspace = match Workspace::load(&cli.workspace) {
-        Ok(ws) => ws,
+        Ok(mut ws) => {
+            ws.config.journal.name_node(cli.node_id.clone());
+            ws
+        }
         Err(e) => {
             eprintln!("arbord: {e}");
             return ExitCode::from(2);

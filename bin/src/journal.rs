@@ -3,11 +3,38 @@
 
 use crate::{Failure, bad};
 use arbor_protocol::{ParentRef, RunId};
-use arbor_storage::{Journal, ledger_totals, usd_totals};
-use std::path::Path;
+use arbor_storage::{Journal, PgOptions, ledger_totals, usd_totals};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-fn open(data_dir: &Path) -> Result<Journal, Failure> {
+/// Which journal: a data dir's (sled), or a PostgreSQL schema.
+#[derive(clap::Args)]
+#[group(skip)]
+pub struct Place {
+    /// A node's data dir: its sled journal.
+    #[arg(
+        long,
+        conflicts_with = "database_url",
+        required_unless_present = "database_url"
+    )]
+    data_dir: Option<PathBuf>,
+    /// A PostgreSQL journal's database (a URL, as ARBOR_DATABASE_URL gives it).
+    #[arg(long)]
+    database_url: Option<String>,
+    /// The PostgreSQL journal's schema.
+    #[arg(long, default_value = "arbor", requires = "database_url")]
+    schema: String,
+}
+
+fn open(place: &Place) -> Result<Journal, Failure> {
+    if let Some(url) = &place.database_url {
+        let mut options = PgOptions::new(url.clone(), "arbor-journal");
+        options.schema = place.schema.clone();
+        // A tool answers now or says why: no long wait for a server.
+        options.connect_for = std::time::Duration::from_secs(5);
+        return Journal::open_postgres_read_only(&options).map_err(|e| bad(e.to_string()));
+    }
+    let data_dir = place.data_dir.as_deref().unwrap_or(Path::new("."));
     let dir = data_dir.join("journal");
     if !dir.is_dir() {
         return Err(bad(format!("{}: no journal here", data_dir.display())));
@@ -16,8 +43,8 @@ fn open(data_dir: &Path) -> Result<Journal, Failure> {
     Journal::open_read_only(&dir).map_err(|e| bad(format!("{}: {e}", dir.display())))
 }
 
-pub fn verify(data_dir: &Path) -> Result<ExitCode, Failure> {
-    let journal = open(data_dir)?;
+pub fn verify(place: &Place) -> Result<ExitCode, Failure> {
+    let journal = open(place)?;
     let report = journal
         .verify_with(&[&arbor_service::SUBMISSIONS])
         .map_err(|e| Failure::Other(anyhow::anyhow!("reading the journal: {e}")))?;
@@ -53,8 +80,8 @@ pub fn verify(data_dir: &Path) -> Result<ExitCode, Failure> {
     })
 }
 
-pub fn inspect(data_dir: &Path, run: Option<&str>, json: bool) -> Result<ExitCode, Failure> {
-    let journal = open(data_dir)?;
+pub fn inspect(place: &Place, run: Option<&str>, json: bool) -> Result<ExitCode, Failure> {
+    let journal = open(place)?;
     let read =
         |e: arbor_storage::Error| Failure::Other(anyhow::anyhow!("reading the journal: {e}"));
     let runs = match run {

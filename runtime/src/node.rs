@@ -6,7 +6,7 @@
 
 use crate::models::Models;
 use crate::recovery::{self, RecoveryReport, RunOutcome};
-use crate::workspace::Workspace;
+use crate::workspace::{JournalConfig, Workspace};
 use arbor_actors::approvals::{Decide, DecideError};
 use arbor_actors::mcp::McpCatalog;
 use arbor_actors::{
@@ -17,7 +17,7 @@ use arbor_protocol::{
     SandboxPosture, Status, Tree,
 };
 use arbor_sandbox::seal::{Posture, SandboxIsolation};
-use arbor_storage::{Journal, Record, RunRecord};
+use arbor_storage::{Journal, PgOptions, Record, RunRecord};
 use ractor::ActorRef;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -47,6 +47,57 @@ pub struct EmbeddedNode {
     data_dir: PathBuf,
     recovery: RecoveryReport,
     resumed: Vec<(RunId, RunSpec)>,
+}
+
+/// Opens the journal `[journal]` names: sled in `data_dir/journal`, or the
+/// PostgreSQL schema (whose open may wait for the server, off this thread).
+async fn open_journal(config: &JournalConfig, data_dir: &Path) -> Result<Journal, Error> {
+    let JournalConfig::Postgres {
+        url,
+        schema,
+        connect_for,
+        node,
+        ..
+    } = config
+    else {
+        return Ok(Journal::open(&data_dir.join("journal"))?);
+    };
+    let url = std::env::var("ARBOR_DATABASE_URL")
+        .ok()
+        .filter(|url| !url.is_empty())
+        .or_else(|| url.clone())
+        .ok_or_else(|| {
+            Error::Start(
+                "journal.backend = \"postgres\" needs a database: set ARBOR_DATABASE_URL \
+                 (or journal.url in arbor.toml)"
+                    .into(),
+            )
+        })?;
+    let node = match node {
+        Some(node) => node.clone(),
+        None => node_id(),
+    };
+    let mut options = PgOptions::new(url, node);
+    options.schema = schema.clone();
+    options.connect_for = *connect_for;
+    tokio::task::spawn_blocking(move || Journal::open_postgres(&options))
+        .await
+        .map_err(|e| Error::Start(format!("opening the journal failed: {e}")))?
+        .map_err(Error::from)
+}
+
+/// This node's id when `--node-id` does not give one: `ARBOR_NODE_ID`, else
+/// the host's name.
+pub fn node_id() -> String {
+    std::env::var("ARBOR_NODE_ID")
+        .ok()
+        .filter(|id| !id.is_empty())
+        .or_else(|| {
+            nix::unistd::gethostname()
+                .ok()
+                .and_then(|name| name.into_string().ok())
+        })
+        .unwrap_or_else(|| "arbor".into())
 }
 
 impl EmbeddedNode {
@@ -81,7 +132,7 @@ impl EmbeddedNode {
         // journal opens and recovery runs: nothing of those needs its answer,
         // and it was the larger part of a start.
         let probe = tokio::spawn(Posture::probe(workspace.config.isolation));
-        let journal = Journal::open(&data_dir.join("journal"))?;
+        let journal = open_journal(&workspace.config.journal, data_dir).await?;
         let events = EventBus::new(journal.clone());
         // Recovery before anything new starts (I-30 to I-35).
         let recovery =

@@ -38,6 +38,7 @@ use serde::Deserialize;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// A run's root grant when neither the flow, arbor.toml nor the caller gives one.
 pub const DEFAULT_BUDGET_TOKENS: u64 = 1_000_000;
@@ -77,7 +78,59 @@ pub struct Config {
     pub mcp: BTreeMap<String, Arc<McpServerSpec>>,
     /// `[approvals]`: tools every agent asks about, a card's wait, its warning.
     pub approvals: ApprovalSettings,
+    /// `[journal]`: where the node keeps its journal.
+    pub journal: JournalConfig,
 }
+
+/// `[journal]`: the node's journal in sled under its data dir (the
+/// default), or in a PostgreSQL schema (docs/cluster.md).
+#[derive(Clone, Debug, PartialEq)]
+pub enum JournalConfig {
+    Sled,
+    Postgres {
+        /// `url`; `ARBOR_DATABASE_URL` wins over it (a URL may carry a
+        /// password, which belongs in the environment, not in a file).
+        url: Option<String>,
+        /// `schema` (`arbor`).
+        schema: String,
+        /// `lease` (10 s): how long a node owns a run without renewing.
+        lease: Duration,
+        /// `connect_timeout` (60 s): how long a start waits for the server.
+        connect_for: Duration,
+        /// This node's id: `--node-id`, else `ARBOR_NODE_ID`, else the
+        /// host's name (`node_id`).
+        node: Option<String>,
+    },
+}
+
+impl JournalConfig {
+    /// Names this node (`--node-id`); the sled journal has no use for it.
+    pub fn name_node(&mut self, id: Option<String>) {
+        if let (JournalConfig::Postgres { node, .. }, Some(id)) = (self, id) {
+            *node = Some(id);
+        }
+    }
+}
+
+/// A node's id as `--node-id` takes it: 1 to 64 letters, digits, `.`, `_`
+/// or `-` (a host's name fits).
+pub fn parse_node_id(id: &str) -> Result<String, String> {
+    let plain = !id.is_empty()
+        && id.len() <= 64
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+    if plain {
+        Ok(id.to_string())
+    } else {
+        Err(format!(
+            "{id:?} is not a node id: use 1 to 64 letters, digits, '.', '_' or '-'"
+        ))
+    }
+}
+
+/// A run's lease when `[journal] lease` does not say.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
 
 /// The node's sandbox limits when arbor.toml's `[sandbox]` does not say.
 /// A sealed command's processes are counted apart from everyone else's (a
@@ -141,6 +194,7 @@ impl Default for Config {
             secrets_file: None,
             mcp: BTreeMap::new(),
             approvals: ApprovalSettings::default(),
+            journal: JournalConfig::Sled,
         }
     }
 }
@@ -414,6 +468,83 @@ struct ConfigFile {
     mcp: McpFile,
     #[serde(default)]
     approvals: ApprovalsFile,
+    #[serde(default)]
+    journal: JournalFile,
+}
+
+/// `[journal]` as written.
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JournalFile {
+    backend: Option<String>,
+    url: Option<String>,
+    schema: Option<String>,
+    lease: Option<String>,
+    connect_timeout: Option<String>,
+}
+
+impl JournalFile {
+    fn check(self) -> Result<JournalConfig, String> {
+        let postgres = match self.backend.as_deref() {
+            None | Some("sled") => false,
+            Some("postgres") => true,
+            Some(other) => {
+                return Err(format!(
+                    "journal.backend: {other:?} is not a journal backend (sled or postgres)"
+                ));
+            }
+        };
+        if !postgres {
+            let given: Vec<&str> = [
+                ("url", self.url.is_some()),
+                ("schema", self.schema.is_some()),
+                ("lease", self.lease.is_some()),
+                ("connect_timeout", self.connect_timeout.is_some()),
+            ]
+            .into_iter()
+            .filter_map(|(key, set)| set.then_some(key))
+            .collect();
+            if let Some(key) = given.first() {
+                return Err(format!(
+                    "journal.{key} is for the postgres backend; add backend = \"postgres\" \
+                     (the sled journal lives in the data dir)"
+                ));
+            }
+            return Ok(JournalConfig::Sled);
+        }
+        let schema = self.schema.unwrap_or_else(|| "arbor".into());
+        let plain = !schema.is_empty()
+            && schema.len() <= 63
+            && !schema.starts_with(|c: char| c.is_ascii_digit())
+            && schema
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+        if !plain {
+            return Err(format!(
+                "journal.schema: {schema:?} is not a plain name (lower-case letters, digits \
+                 and _, not starting with a digit, at most 63)"
+            ));
+        }
+        let lease =
+            parse_duration_arg("journal.lease", self.lease.as_deref())?.unwrap_or(DEFAULT_LEASE);
+        if lease < Duration::from_secs(1) {
+            return Err(format!(
+                "journal.lease: {} is too short to renew a third of the way through; \
+                 give 1s or more (10s by default)",
+                humantime::format_duration(lease)
+            ));
+        }
+        let connect_for =
+            parse_duration_arg("journal.connect_timeout", self.connect_timeout.as_deref())?
+                .unwrap_or(Duration::from_secs(60));
+        Ok(JournalConfig::Postgres {
+            url: self.url,
+            schema,
+            lease,
+            connect_for,
+            node: None,
+        })
+    }
 }
 
 /// `[approvals]` as written.
@@ -532,8 +663,10 @@ fn parse_config(text: &str, root: &Path) -> Result<Config, LoadError> {
         mcp.insert(name, Arc::new(server));
     }
     let approvals = file.approvals.check().map_err(|m| invalid(path, m))?;
+    let journal = file.journal.check().map_err(|m| invalid(path, m))?;
     Ok(Config {
         approvals,
+        journal,
         limits: file.limits,
         budget_tokens,
         budget_usd_micros,

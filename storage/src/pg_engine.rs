@@ -64,6 +64,10 @@ pub struct PgOptions {
     /// How long an open keeps trying a server that does not answer, with
     /// backoff, before it gives up saying so.
     pub connect_for: Duration,
+    /// Hold the schema's node lock while open, refusing a second node
+    /// (true; a node's journal). Off, several opens share the schema, as
+    /// the leased nodes will.
+    pub exclusive: bool,
 }
 
 impl PgOptions {
@@ -73,6 +77,7 @@ impl PgOptions {
             schema: "arbor".into(),
             node: node.into(),
             connect_for: Duration::from_secs(60),
+            exclusive: true,
         }
     }
 }
@@ -96,6 +101,8 @@ pub struct PgEngine {
     faults: Arc<Faults>,
     /// The writer's queue; `None` for a read-only journal, and while dropping.
     work: Option<tmpsc::UnboundedSender<writer::Work>>,
+    /// The connection holding the node lock (`PgOptions::exclusive`).
+    holder: Option<tokio_postgres::Client>,
     /// Told by the writer as it ends, for the drop to wait on.
     writer_done: Mutex<Option<mpsc::Receiver<()>>>,
 }
@@ -160,6 +167,7 @@ impl PgEngine {
             place,
             epoch,
             last_seq,
+            holder,
         } = match opened {
             Ok(opened) => opened,
             Err(e) => {
@@ -212,6 +220,7 @@ impl PgEngine {
             progress,
             faults,
             work,
+            holder,
             writer_done: Mutex::new(writer_done),
         })
     }
@@ -454,6 +463,13 @@ impl Drop for PgEngine {
                 "journal: the PostgreSQL writer did not finish within {CLOSE_WAIT:?}; \
                  what it had not committed was never acknowledged"
             );
+        }
+        // The node lock is let go now, not when the server notices the
+        // connection gone, so a reopen right after finds it free.
+        if let (Some(holder), Some(runtime)) = (self.holder.take(), &self.runtime) {
+            let _ = run_on(runtime, async move {
+                let _ = holder.execute("SELECT pg_advisory_unlock_all()", &[]).await;
+            });
         }
         // Not a blocking shutdown: the drop may be on another runtime's thread.
         if let Some(runtime) = self.runtime.take() {

@@ -152,8 +152,10 @@ async fn a_value_edited_behind_its_back_is_reported_never_skipped() {
 #[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
 async fn nodes_on_one_schema_take_their_own_epochs_and_read_each_others_commits() {
     let store = Store::postgres();
-    let one = store.open();
-    let mut second = options(&store).clone();
+    let mut first = options(&store).clone();
+    first.exclusive = false;
+    let one = Journal::open_postgres(&first).unwrap();
+    let mut second = first.clone();
     second.node = "n2".into();
     let two = Journal::open_postgres(&second).unwrap();
     assert_ne!(one.epoch(), two.epoch());
@@ -169,9 +171,29 @@ async fn nodes_on_one_schema_take_their_own_epochs_and_read_each_others_commits(
         two.append(vec![steer(a, 2, one.epoch())]),
         Err(Error::StaleEpoch { .. } | Error::FutureEpoch { .. })
     ));
-    let mut third = options(&store).clone();
+    let mut third = first.clone();
     third.node = "n3".into();
     let three = Journal::open_postgres(&third).unwrap();
     assert!(three.applied_seq() >= seq_one);
     assert!(three.epoch() > one.epoch().max(two.epoch()));
+}
+
+/// Until runs are leased, a node holds its journal alone: a second is
+/// refused naming the first, and takes it once the first has closed.
+#[tokio::test]
+#[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
+async fn a_second_node_on_a_journal_is_refused_naming_the_first() {
+    let store = Store::postgres();
+    let first = store.open();
+    let mut other = options(&store).clone();
+    other.node = "the-other".into();
+    let error = Journal::open_postgres(&other).map(drop).unwrap_err();
+    let message = error.to_string();
+    assert!(
+        message.contains("another arbor node (node \"test-node\")"),
+        "{message}"
+    );
+    drop(first);
+    let second = Journal::open_postgres(&other).unwrap();
+    assert_eq!(second.epoch(), 2, "the refused open began no epoch");
 }

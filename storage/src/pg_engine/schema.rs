@@ -29,6 +29,7 @@ pub(crate) struct Sql {
     pub(crate) tables: Vec<String>,
     pub(crate) meta: String,
     pub(crate) seqs: String,
+    pub(crate) nodes: String,
 }
 
 impl Sql {
@@ -38,6 +39,7 @@ impl Sql {
             tables: JOURNAL_TABLES.iter().map(|t| qualified(t.name)).collect(),
             meta: qualified("meta"),
             seqs: qualified("seqs"),
+            nodes: qualified("nodes"),
         }
     }
 
@@ -79,6 +81,9 @@ pub(crate) struct Opened {
     pub(crate) place: String,
     pub(crate) epoch: u64,
     pub(crate) last_seq: u64,
+    /// The connection that holds the schema's node lock, if the open took
+    /// it (`PgOptions::exclusive`); the lock goes with the connection.
+    pub(crate) holder: Option<tokio_postgres::Client>,
 }
 
 /// A schema name arbor will put in its statements: lower-case letters,
@@ -122,10 +127,20 @@ fn describe(config: &tokio_postgres::Config, schema: &str) -> String {
 /// A PostgreSQL error as a person reads it: the server's message and code,
 /// or the client's own (a refused connection, a closed socket).
 pub(crate) fn pg(error: &tokio_postgres::Error) -> String {
-    match error.as_db_error() {
-        Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
-        None => error.to_string(),
+    if let Some(db) = error.as_db_error() {
+        return format!("{} (SQLSTATE {})", db.message(), db.code().code());
     }
+    // The client's own error names its kind; the cause says what happened.
+    let mut text = error.to_string();
+    let mut cause = std::error::Error::source(error);
+    while let Some(next) = cause {
+        let said = next.to_string();
+        if !text.contains(&said) {
+            text = format!("{text}: {said}");
+        }
+        cause = next.source();
+    }
+    text
 }
 
 pub(crate) fn pool_error(error: deadpool_postgres::PoolError) -> Error {
@@ -168,8 +183,8 @@ async fn connect(
                     other => other.to_string(),
                 };
                 tracing::warn!(
-                    "journal: PostgreSQL at {place} does not answer ({why}); trying again in {}",
-                    humantime_ms(pause)
+                    "journal: PostgreSQL at {place} does not answer ({why}); trying again in {} ms",
+                    pause.as_millis()
                 );
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_secs(5));
@@ -192,10 +207,6 @@ async fn connect(
     }
 }
 
-fn humantime_ms(d: Duration) -> String {
-    format!("{} ms", d.as_millis())
-}
-
 pub(crate) async fn open(options: super::PgOptions, read_only: bool) -> Result<Opened, Error> {
     check_schema_name(&options.schema)?;
     if options.node.is_empty() {
@@ -207,7 +218,7 @@ pub(crate) async fn open(options: super::PgOptions, read_only: bool) -> Result<O
         .map_err(|e| Error::Postgres(format!("the database URL does not parse: {e}")))?;
     let place = describe(&config, &options.schema);
     let manager = Manager::from_config(
-        config,
+        config.clone(),
         NoTls,
         ManagerConfig {
             recycling_method: RecyclingMethod::Fast,
@@ -247,11 +258,14 @@ pub(crate) async fn open(options: super::PgOptions, read_only: bool) -> Result<O
                 "CREATE SCHEMA IF NOT EXISTS \"{schema}\";
                  CREATE TABLE IF NOT EXISTS {meta} (name text PRIMARY KEY, value bigint NOT NULL);
                  CREATE TABLE IF NOT EXISTS {seqs} (node text PRIMARY KEY, seq bigint NOT NULL);
+                 CREATE TABLE IF NOT EXISTS {nodes} (id text PRIMARY KEY, epoch bigint NOT NULL,
+                   opened_at timestamptz NOT NULL DEFAULT now());
                  INSERT INTO {meta} VALUES ('{META_FORMAT}', {format}), ('{META_LAYOUT}', {PG_LAYOUT}), ('{META_EPOCH}', 0)
                    ON CONFLICT (name) DO NOTHING;",
                 schema = options.schema,
                 meta = sql.meta,
                 seqs = sql.seqs,
+                nodes = sql.nodes,
                 format = codec::FORMAT_VERSION,
             );
             for table in &sql.tables {
@@ -311,6 +325,23 @@ pub(crate) async fn open(options: super::PgOptions, read_only: bool) -> Result<O
         .await
         .map_err(db_error)?;
     }
+    let holder = if options.exclusive && !read_only {
+        Some(hold_node_lock(&config, &options, &sql, &place).await?)
+    } else {
+        None
+    };
+    if !read_only {
+        tx.execute(
+            &format!(
+                "INSERT INTO {} (id, epoch) VALUES ($1, $2) \
+                 ON CONFLICT (id) DO UPDATE SET epoch = $2, opened_at = now()",
+                sql.nodes
+            ),
+            &[&options.node, &epoch],
+        )
+        .await
+        .map_err(db_error)?;
+    }
     let last_seq: i64 = tx
         .query_one(
             &format!("SELECT coalesce(max(seq), 0)::int8 FROM {}", sql.seqs),
@@ -327,7 +358,63 @@ pub(crate) async fn open(options: super::PgOptions, read_only: bool) -> Result<O
         place,
         epoch: u64::try_from(epoch).unwrap_or(0),
         last_seq: u64::try_from(last_seq).unwrap_or(0),
+        holder,
     })
+}
+
+/// How long an open waits for the node lock, which a node that has just
+/// closed may hold for a moment more (its server process ends after it).
+const LOCK_WAIT: Duration = Duration::from_secs(2);
+
+/// Takes the schema's node lock on a connection of its own and hands that
+/// connection back: until runs are leased (docs/cluster.md), one node at a
+/// time serves a journal, and a second is refused saying which holds it.
+/// The server releases the lock when the connection ends, a node killed
+/// with SIGKILL included.
+async fn hold_node_lock(
+    config: &tokio_postgres::Config,
+    options: &super::PgOptions,
+    sql: &Sql,
+    place: &str,
+) -> Result<tokio_postgres::Client, Error> {
+    let (client, connection) = config.connect(NoTls).await.map_err(db_error)?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::warn!("journal: the node lock's connection ended: {}", pg(&e));
+        }
+    });
+    let started = Instant::now();
+    loop {
+        let held: bool = client
+            .query_one(
+                "SELECT pg_try_advisory_lock(hashtext('arbor node ' || $1))",
+                &[&options.schema],
+            )
+            .await
+            .map_err(db_error)?
+            .get(0);
+        if held {
+            return Ok(client);
+        }
+        if started.elapsed() >= LOCK_WAIT {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let holder: Option<String> = client
+        .query_opt(
+            &format!("SELECT id FROM {} ORDER BY epoch DESC LIMIT 1", sql.nodes),
+            &[],
+        )
+        .await
+        .map_err(db_error)?
+        .map(|row| row.get(0));
+    let holder = holder.map_or_else(String::new, |id| format!(" (node {id:?})"));
+    Err(Error::Postgres(format!(
+        "another arbor node{holder} serves the journal at {place}; one node at a time \
+         serves a journal until runs are leased between nodes (docs/cluster.md); \
+         give this one another journal.schema, or stop the other"
+    )))
 }
 
 /// The engine's own rows that are not as they must be (`Engine::check_own`).
