@@ -34,7 +34,7 @@ use crate::{TestNode, WAIT_LIMIT, checks};
 use arbor_actors::model::ModelFactory;
 use arbor_protocol::{EventKind, JobId, RunId, Status};
 use arbor_runtime::{Models, Workspace};
-use arbor_storage::{Crash, CrashKind, CrashPoint, Journal};
+use arbor_storage::{Crash, CrashKind, CrashPoint};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use std::collections::BTreeMap;
@@ -687,7 +687,7 @@ async fn recover_and_check(
     let found = &mut outcome.found;
     let data = dir.join("data");
     // What was acknowledged is there before recovery adds anything.
-    match Journal::open_read_only(&data.join("journal")) {
+    match crate::backend::open_journal_read_only(&data) {
         Ok(journal) => {
             if journal.applied_seq() < acks.durable {
                 found.push(format!(

@@ -18,6 +18,7 @@
 //! Every wait has a guard: past `WAIT_LIMIT` it panics with the tree, so a
 //! broken promise fails the test instead of hanging it.
 
+pub mod backend;
 pub mod checks;
 pub mod explore;
 pub mod faults;
@@ -207,11 +208,12 @@ impl TestNode {
     /// the workspace's own.
     async fn start_in(
         dir: tempfile::TempDir,
-        workspace: Workspace,
+        mut workspace: Workspace,
         models: Option<Arc<dyn ModelFactory>>,
     ) -> Self {
         let models = models.unwrap_or_else(|| Arc::new(Models::new(&workspace.config.providers)));
         let data = dir.path().join("data");
+        workspace.config.journal = backend::journal_for(&data, &workspace.config.journal);
         let node = EmbeddedNode::start_with(&workspace, &data, models.clone())
             .await
             .expect("the node starts");
@@ -228,10 +230,11 @@ impl TestNode {
     /// leaves in place): recovery runs first, and the interrupted runs that
     /// can be are resumed. An error if the node does not start.
     pub async fn open(
-        workspace: Workspace,
+        mut workspace: Workspace,
         data_dir: &std::path::Path,
         models: Arc<dyn ModelFactory>,
     ) -> Result<Self, arbor_runtime::Error> {
+        workspace.config.journal = backend::journal_for(data_dir, &workspace.config.journal);
         let node = EmbeddedNode::start_with(&workspace, data_dir, models.clone()).await?;
         Ok(Self {
             node,

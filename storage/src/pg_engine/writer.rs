@@ -77,7 +77,7 @@ impl Writer {
             let faults = Arc::clone(&self.faults);
             // A held flush parks this thread, not the runtime; what is
             // appended meanwhile goes into the same transaction.
-            if !tokio::task::block_in_place(|| faults.wait_while_held()) {
+            if faults.flushes_held() && !tokio::task::block_in_place(|| faults.wait_while_held()) {
                 return; // closing: what was held was never acknowledged
             }
             let (first_seq, appends) = self
