@@ -118,6 +118,21 @@ pub trait Engine: Send + Sync + 'static {
     /// without waiting for the store). Engines without a log ignore it.
     fn leave_unapplied_at_close(&self) {}
 
+    /// A shared journal's: resolves to why once this node has lost its
+    /// lease (it commits nothing more, and must stop its runs). `None` for
+    /// a journal that is the node's alone.
+    fn lost(&self) -> Option<tokio::sync::watch::Receiver<Option<String>>> {
+        None
+    }
+
+    /// A shared journal's: takes the runs whose owner's lease has run out
+    /// (or whose owner opened again since), each with its new run epoch,
+    /// for this node to recover and go on with. `None`: the journal is the
+    /// node's alone, and every run in it is its.
+    fn claim_orphans(&self) -> Result<Option<Vec<(Vec<u8>, u64)>>, Error> {
+        Ok(None)
+    }
+
     /// Writes the store's own buffers out, for a process that ends without
     /// closing the journal. Engines without buffers of their own ignore it.
     fn flush_store(&self) -> Result<(), Error> {

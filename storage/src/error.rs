@@ -74,6 +74,10 @@ pub enum Error {
     /// reached; says where (never with the password) and why.
     #[error("PostgreSQL: {0}")]
     Postgres(String),
+    /// This node's lease on its runs is gone (a shared journal): nothing of
+    /// it is committed any more; says why.
+    #[error("fenced: {0}")]
+    Fenced(String),
     /// The journal was opened to be read only.
     #[error("the journal was opened read-only; nothing can be written")]
     ReadOnly,

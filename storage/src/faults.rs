@@ -77,6 +77,7 @@ pub struct Crash {
 #[derive(Debug, Default)]
 pub struct Faults {
     fail_writes: AtomicBool,
+    hold_renewals: AtomicBool,
     fail_flushes: AtomicBool,
     skip_syncs: AtomicBool,
     crash: Mutex<Option<Crash>>,
@@ -108,6 +109,17 @@ impl Faults {
     /// `Error::Injected("flush")` instead of flushing.
     pub fn fail_flushes(&self, on: bool) {
         self.fail_flushes.store(on, Ordering::Release);
+    }
+
+    /// While on, a shared journal's node does not renew its lease, as a
+    /// node paused or cut off from the database would not: it loses the
+    /// lease by its own clock before the database's deadline passes.
+    pub fn hold_renewals(&self, on: bool) {
+        self.hold_renewals.store(on, Ordering::Release);
+    }
+
+    pub(crate) fn renewals_held(&self) -> bool {
+        self.hold_renewals.load(Ordering::Acquire)
     }
 
     /// While on, the flusher writes the log without syncing it (see the

@@ -134,6 +134,85 @@ impl Journal {
         Ok(Journal::new(Arc::new(PgEngine::open_read_only(options)?)))
     }
 
+    /// A shared journal's: resolves to why once this node has lost its
+    /// lease; it then commits nothing more, and must stop its runs. `None`
+    /// for a journal that is the node's alone (sled).
+    pub fn lease_lost(&self) -> Option<tokio::sync::watch::Receiver<Option<String>>> {
+        self.engine.lost()
+    }
+
+    /// A shared journal's: takes the runs whose owner's lease has run out
+    /// (or whose owner has opened again since), with each one's new run
+    /// epoch, for this node to recover (I-51). `None`: every run in the
+    /// journal is this node's (sled).
+    pub fn claim_orphans(&self) -> Result<Option<Vec<(RunId, u64)>>, Error> {
+        let Some(claimed) = self.engine.claim_orphans()? else {
+            return Ok(None);
+        };
+        claimed
+            .into_iter()
+            .map(|(key, epoch)| {
+                let id = uuid::Uuid::from_slice(&key).map_err(|_| Error::Undecodable {
+                    tree: "owners".into(),
+                    key_hex: codec::hex(&key),
+                    error: "not a run id".into(),
+                })?;
+                Ok((RunId(id), epoch))
+            })
+            .collect::<Result<Vec<_>, Error>>()
+            .map(Some)
+    }
+
+    /// `verify` over `runs` alone: their accounts (each run's and each of
+    /// its steps' and jobs'), for a node that recovered only the runs it
+    /// took over in a journal it shares.
+    pub fn verify_runs(&self, runs: &[RunId]) -> Result<VerifyReport, Error> {
+        let mut report = VerifyReport::default();
+        let mut accounts: Vec<(ParentRef, Vec<LedgerRecord>)> = Vec::new();
+        for &run in runs {
+            let mut owners = vec![ParentRef::Run(run)];
+            match self.jobs(run) {
+                Ok(jobs) => owners.extend(jobs.iter().map(|j| ParentRef::Job(j.id))),
+                Err(Error::Undecodable {
+                    tree,
+                    key_hex,
+                    error,
+                }) => {
+                    report.undecodable.push(Undecodable {
+                        tree,
+                        key_hex,
+                        error,
+                    });
+                }
+                Err(e) => return Err(e),
+            }
+            for owner in owners {
+                match self.ledger(owner) {
+                    Ok(entries) if entries.is_empty() => {}
+                    Ok(entries) => {
+                        report.records += entries.len() as u64;
+                        accounts.push((owner, entries));
+                    }
+                    Err(Error::Undecodable {
+                        tree,
+                        key_hex,
+                        error,
+                    }) => {
+                        report.undecodable.push(Undecodable {
+                            tree,
+                            key_hex,
+                            error,
+                        });
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        report.accounts = accounts.len() as u64;
+        report.breaches = verify::account_breaches(&accounts);
+        Ok(report)
+    }
+
     /// A journal over `engine`.
     pub fn new(engine: Arc<dyn Engine>) -> Journal {
         Journal {

@@ -35,6 +35,8 @@
 //!    so two nodes opening at once never share one; the seq goes on from the
 //!    highest any node wrote.
 
+mod lease;
+mod progress;
 mod reads;
 mod schema;
 mod writer;
@@ -49,38 +51,8 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError, mpsc};
 use std::time::Duration;
 use tokio::sync::{mpsc as tmpsc, watch};
 
-pub use schema::PG_LAYOUT;
-
-/// How to reach the database and what to call this node there.
-#[derive(Clone, Debug)]
-pub struct PgOptions {
-    /// A libpq-style URL or key=value string (`postgres://user@host/db`).
-    pub url: String,
-    /// The PostgreSQL schema that holds the journal (`arbor`); one database
-    /// can hold several journals side by side, each in its own schema.
-    pub schema: String,
-    /// This node's id, under which it records the last seq it wrote.
-    pub node: String,
-    /// How long an open keeps trying a server that does not answer, with
-    /// backoff, before it gives up saying so.
-    pub connect_for: Duration,
-    /// Hold the schema's node lock while open, refusing a second node
-    /// (true; a node's journal). Off, several opens share the schema, as
-    /// the leased nodes will.
-    pub exclusive: bool,
-}
-
-impl PgOptions {
-    pub fn new(url: impl Into<String>, node: impl Into<String>) -> PgOptions {
-        PgOptions {
-            url: url.into(),
-            schema: "arbor".into(),
-            node: node.into(),
-            connect_for: Duration::from_secs(60),
-            exclusive: true,
-        }
-    }
-}
+use progress::Progress;
+pub use schema::{PG_LAYOUT, PgOptions};
 
 /// The journal's engine on PostgreSQL.
 pub struct PgEngine {
@@ -101,42 +73,12 @@ pub struct PgEngine {
     faults: Arc<Faults>,
     /// The writer's queue; `None` for a read-only journal, and while dropping.
     work: Option<tmpsc::UnboundedSender<writer::Work>>,
-    /// The connection holding the node lock (`PgOptions::exclusive`).
-    holder: Option<tokio_postgres::Client>,
+    /// This node, this open's epoch and its lease.
+    holder: schema::Holder,
+    /// Says why once the lease is lost (`lease.rs`).
+    lost: watch::Receiver<Option<String>>,
     /// Told by the writer as it ends, for the drop to wait on.
     writer_done: Mutex<Option<mpsc::Receiver<()>>>,
-}
-
-/// What the engine and its writer share.
-pub(crate) struct Progress {
-    /// The last seq applied (readable).
-    applied: AtomicU64,
-    /// The last seq committed, published through `durable_tx` too.
-    durable: AtomicU64,
-    /// Woken whenever `durable` rises or the journal fails.
-    durable_tx: watch::Sender<u64>,
-    /// Transactions committed.
-    flushes: AtomicU64,
-    /// The first write that failed; set once, never cleared.
-    failure: OnceLock<String>,
-    /// The failed transaction's last seq and its error: its own commits
-    /// are told that error, later ones that the journal has failed.
-    failed_batch: OnceLock<(u64, Error)>,
-}
-
-impl Progress {
-    /// As `fail`, for the transaction that carried the seqs up to `last`.
-    fn fail_batch(&self, what: &str, last: u64, error: Error) {
-        let _ = self.failed_batch.set((last, error.clone()));
-        self.fail(what, error);
-    }
-
-    fn fail(&self, what: &str, error: Error) -> Error {
-        tracing::error!(error = %error, "journal: {what} failed; the journal takes no more writes");
-        let _ = self.failure.set(format!("{what} failed: {error}"));
-        self.durable_tx.send_modify(|_| {});
-        error
-    }
 }
 
 impl PgEngine {
@@ -154,20 +96,28 @@ impl PgEngine {
     }
 
     fn open_inner(options: &PgOptions, read_only: bool) -> Result<PgEngine, Error> {
+        let options = options.clone();
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("arbor-journal-pg")
             .enable_all()
             .build()
             .map_err(|e| Error::Postgres(format!("cannot start the journal's threads: {e}")))?;
-        let opened = run_on(&runtime, schema::open(options.clone(), read_only)).and_then(|r| r);
+        let opened = run_on(&runtime, async move {
+            let opened = schema::open(options, read_only).await?;
+            if !read_only {
+                lease::register(&opened.pool, &opened.sql, &opened.holder, &opened.place).await?;
+            }
+            Ok(opened)
+        })
+        .and_then(|r| r);
         let schema::Opened {
             pool,
             sql,
             place,
-            epoch,
-            last_seq,
+            config,
             holder,
+            last_seq,
         } = match opened {
             Ok(opened) => opened,
             Err(e) => {
@@ -188,15 +138,25 @@ impl PgEngine {
         let overlay = Arc::new(Mutex::new(Overlay::new()));
         let faults = Arc::new(Faults::default());
         let sql = Arc::new(sql);
+        let (lost_tx, lost) = watch::channel(None);
         let (work, writer_done) = if read_only {
             (None, None)
         } else {
+            runtime.spawn(lease::keep(
+                config,
+                Arc::clone(&sql),
+                holder.clone(),
+                Arc::clone(&progress),
+                Arc::clone(&faults),
+                lost_tx.clone(),
+            ));
             let (work, queue) = tmpsc::unbounded_channel();
             let (done_tx, done) = mpsc::channel();
             let writer = writer::Writer {
                 pool: pool.clone(),
                 sql: Arc::clone(&sql),
-                node: options.node.clone(),
+                holder: holder.clone(),
+                lost: lost_tx,
                 overlay: Arc::clone(&overlay),
                 progress: Arc::clone(&progress),
                 faults: Arc::clone(&faults),
@@ -213,14 +173,15 @@ impl PgEngine {
             pool,
             sql,
             place,
-            epoch,
+            epoch: u64::try_from(holder.epoch).unwrap_or(0),
+            holder,
+            lost,
             read_only,
             last_seq: Mutex::new(last_seq),
             overlay,
             progress,
             faults,
             work,
-            holder,
             writer_done: Mutex::new(writer_done),
         })
     }
@@ -440,6 +401,23 @@ impl Engine for PgEngine {
     fn faults(&self) -> &Faults {
         &self.faults
     }
+
+    fn lost(&self) -> Option<watch::Receiver<Option<String>>> {
+        Some(self.lost.clone())
+    }
+
+    fn claim_orphans(&self) -> Result<Option<Vec<(Vec<u8>, u64)>>, Error> {
+        if self.read_only {
+            return Err(Error::ReadOnly);
+        }
+        let (pool, sql, holder) = (
+            self.pool.clone(),
+            Arc::clone(&self.sql),
+            self.holder.clone(),
+        );
+        self.block(async move { lease::claim_orphans(&pool, &sql, &holder).await })
+            .map(Some)
+    }
 }
 
 /// How long a drop waits for the writer to write what is queued.
@@ -464,12 +442,23 @@ impl Drop for PgEngine {
                  what it had not committed was never acknowledged"
             );
         }
-        // The node lock is let go now, not when the server notices the
-        // connection gone, so a reopen right after finds it free.
-        if let (Some(holder), Some(runtime)) = (self.holder.take(), &self.runtime) {
-            let _ = run_on(runtime, async move {
-                let _ = holder.execute("SELECT pg_advisory_unlock_all()", &[]).await;
+        // The lease ends with a clean close: the id can open again at once,
+        // and what runs are left are another node's to take.
+        if !self.read_only
+            && self.lost.borrow().is_none()
+            && let Some(runtime) = &self.runtime
+        {
+            let (pool, sql, holder) = (
+                self.pool.clone(),
+                Arc::clone(&self.sql),
+                self.holder.clone(),
+            );
+            let released = run_on(runtime, async move {
+                lease::release(&pool, &sql, &holder).await
             });
+            if let Ok(Err(e)) = released {
+                tracing::warn!("journal: the node's lease was not released at its close: {e}");
+            }
         }
         // Not a blocking shutdown: the drop may be on another runtime's thread.
         if let Some(runtime) = self.runtime.take() {

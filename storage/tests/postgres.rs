@@ -3,8 +3,8 @@
 //! nodes opening one schema. Run with `--ignored` and
 //! `ARBOR_TEST_DATABASE_URL` (see `common/mod.rs`).
 
-use arbor_protocol::JobId;
-use arbor_storage::{Error, Journal, PgOptions, Record, SteerRecord, SteerState};
+use arbor_protocol::{JobId, RunId, Status};
+use arbor_storage::{Error, Journal, PgOptions, Record, RunRecord, SteerRecord, SteerState};
 use std::time::{Duration, Instant};
 
 mod common;
@@ -152,8 +152,7 @@ async fn a_value_edited_behind_its_back_is_reported_never_skipped() {
 #[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
 async fn nodes_on_one_schema_take_their_own_epochs_and_read_each_others_commits() {
     let store = Store::postgres();
-    let mut first = options(&store).clone();
-    first.exclusive = false;
+    let first = options(&store).clone();
     let one = Journal::open_postgres(&first).unwrap();
     let mut second = first.clone();
     second.node = "n2".into();
@@ -178,22 +177,159 @@ async fn nodes_on_one_schema_take_their_own_epochs_and_read_each_others_commits(
     assert!(three.epoch() > one.epoch().max(two.epoch()));
 }
 
-/// Until runs are leased, a node holds its journal alone: a second is
-/// refused naming the first, and takes it once the first has closed.
+fn run(id: RunId, status: Status, epoch: u64) -> Record {
+    Record::Run(RunRecord {
+        id,
+        flow: "f".into(),
+        budget_tokens: 100,
+        status,
+        error_class: None,
+        reason: None,
+        output_json: String::new(),
+        epoch,
+    })
+}
+
+/// A node with a short lease, for the lease tests.
+fn node(store: &Store, id: &str) -> Journal {
+    let mut options = options(store).clone();
+    options.node = id.into();
+    options.lease = Duration::from_secs(1);
+    Journal::open_postgres(&options).unwrap()
+}
+
+/// The lease's deadline by the database's clock, from now (ms; negative
+/// once passed).
+async fn deadline_ms(store: &Store, id: &str) -> i64 {
+    let (client, connection) =
+        tokio_postgres::connect(&common::database_url(), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    tokio::spawn(connection);
+    client
+        .query_one(
+            &format!(
+                "SELECT (extract(epoch FROM deadline - now()) * 1000)::int8 FROM {}.nodes \
+                 WHERE id = $1",
+                options(store).schema
+            ),
+            &[&id],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// Waits for the node to say it lost its lease (the limit only catches a
+/// test gone wrong: the loss is awaited, not slept for).
+async fn lost(journal: &Journal) -> String {
+    let mut lost = journal.lease_lost().expect("a shared journal");
+    let why = tokio::time::timeout(Duration::from_secs(30), lost.wait_for(|why| why.is_some()))
+        .await
+        .expect("the lease is lost in time")
+        .unwrap()
+        .clone();
+    why.unwrap()
+}
+
 #[tokio::test]
 #[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
-async fn a_second_node_on_a_journal_is_refused_naming_the_first() {
+async fn a_second_node_with_the_same_id_is_refused_while_the_first_renews() {
     let store = Store::postgres();
-    let first = store.open();
-    let mut other = options(&store).clone();
-    other.node = "the-other".into();
-    let error = Journal::open_postgres(&other).map(drop).unwrap_err();
-    let message = error.to_string();
+    let first = node(&store, "twin");
+    let mut options = options(&store).clone();
+    options.node = "twin".into();
+    options.lease = Duration::from_secs(1);
+    let error = Journal::open_postgres(&options).map(drop).unwrap_err();
     assert!(
-        message.contains("another arbor node (node \"test-node\")"),
-        "{message}"
+        error.to_string().contains("two nodes cannot share an id"),
+        "{error}"
     );
+    assert_eq!(first.failed(), None, "the first goes on");
+    // Closed cleanly, its lease ends at once: the id opens again.
     drop(first);
-    let second = Journal::open_postgres(&other).unwrap();
-    assert_eq!(second.epoch(), 2, "the refused open began no epoch");
+    let again = Journal::open_postgres(&options).unwrap();
+    assert_eq!(again.failed(), None);
+}
+
+/// I-50: a node that cannot renew (paused, cut off) stops by its own clock
+/// before the database's deadline passes, and commits nothing after.
+#[tokio::test]
+#[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
+async fn inv_50_a_node_that_cannot_renew_stops_before_its_lease_runs_out() {
+    let store = Store::postgres();
+    let journal = node(&store, "paused");
+    let job = JobId::new();
+    journal
+        .commit(vec![steer(job, 1, journal.epoch())])
+        .await
+        .unwrap();
+    journal.faults().hold_renewals(true);
+    let why = lost(&journal).await;
+    assert!(why.contains("could not renew its lease"), "{why}");
+    assert!(
+        deadline_ms(&store, "paused").await > 0,
+        "it stopped before the database's deadline"
+    );
+    let refused = journal.commit(vec![steer(job, 2, journal.epoch())]).await;
+    assert!(
+        matches!(refused, Err(Error::Failed(_) | Error::Fenced(_))),
+        "{refused:?}"
+    );
+    drop(journal);
+    assert_eq!(message_ids(&node(&store, "reader"), job), [1]);
+}
+
+/// I-50, I-51: a run whose owner's lease ran out is taken by another node at
+/// epoch + 1, once; the old owner's next commit is refused.
+#[tokio::test]
+#[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
+async fn inv_50_an_orphaned_run_is_claimed_once_at_the_next_epoch_and_fences_its_old_owner() {
+    let store = Store::postgres();
+    let a = node(&store, "a");
+    let b = node(&store, "b");
+    let (mine, done) = (RunId::new(), RunId::new());
+    a.commit(vec![run(mine, Status::Running, a.epoch())])
+        .await
+        .unwrap();
+    a.commit(vec![run(done, Status::Running, a.epoch())])
+        .await
+        .unwrap();
+    a.commit(vec![run(done, Status::Done, a.epoch())])
+        .await
+        .unwrap();
+    assert_eq!(
+        b.claim_orphans().unwrap(),
+        Some(vec![]),
+        "a's lease is live"
+    );
+
+    // a is paused past its lease: b takes what was running, not what ended.
+    a.faults().hold_renewals(true);
+    lost(&a).await;
+    let claimed = loop {
+        // The database's deadline passes a margin after a stopped itself.
+        let claimed = b.claim_orphans().unwrap().unwrap();
+        if !claimed.is_empty() {
+            break claimed;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(claimed, [(mine, 2)]);
+    assert_eq!(b.claim_orphans().unwrap(), Some(vec![]), "claimed once");
+    b.commit(vec![run(mine, Status::Done, b.epoch())])
+        .await
+        .unwrap();
+    assert!(
+        a.commit(vec![run(mine, Status::Failed, a.epoch())])
+            .await
+            .is_err()
+    );
+    drop(a);
+    assert_eq!(b.run(mine).unwrap().unwrap().status, Status::Done);
+    // A node that writes a run another node owns is fenced.
+    let c = node(&store, "c");
+    let refused = c.commit(vec![run(mine, Status::Failed, c.epoch())]).await;
+    assert!(matches!(refused, Err(Error::Fenced(_))), "{refused:?}");
+    assert_eq!(b.run(mine).unwrap().unwrap().status, Status::Done);
 }

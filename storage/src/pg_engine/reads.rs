@@ -2,7 +2,7 @@
 //! seq winning (`pg_engine.rs`, invariant 4).
 
 use super::PgEngine;
-use super::schema::{db_error, pool_error};
+use super::schema::{db_error, pool_error, successor};
 use crate::Error;
 use crate::engine::OwnedRow;
 use crate::table::TableDef;
@@ -11,19 +11,6 @@ use std::sync::{Arc, PoisonError};
 
 /// A stored row: key, seq, value.
 type SeqRow = (Vec<u8>, u64, Vec<u8>);
-
-/// The first key past every key that starts with `prefix`, if there is one
-/// (a prefix of only 0xff bytes, or none, has every key above it).
-pub(crate) fn successor(prefix: &[u8]) -> Option<Vec<u8>> {
-    let mut upper = prefix.to_vec();
-    while let Some(last) = upper.pop() {
-        if last < u8::MAX {
-            upper.push(last + 1);
-            return Some(upper);
-        }
-    }
-    None
-}
 
 /// `stored`, with each of `pending` laid over it where it is the later.
 fn merge(stored: Vec<SeqRow>, pending: Vec<SeqRow>) -> Vec<OwnedRow> {

@@ -30,6 +30,8 @@ pub(crate) struct Sql {
     pub(crate) meta: String,
     pub(crate) seqs: String,
     pub(crate) nodes: String,
+    pub(crate) owners: String,
+    pub(crate) claims: String,
 }
 
 impl Sql {
@@ -40,6 +42,8 @@ impl Sql {
             meta: qualified("meta"),
             seqs: qualified("seqs"),
             nodes: qualified("nodes"),
+            owners: qualified("owners"),
+            claims: qualified("claims"),
         }
     }
 
@@ -74,16 +78,64 @@ impl Sql {
     }
 }
 
+/// How to reach the database and what to call this node there.
+#[derive(Clone, Debug)]
+pub struct PgOptions {
+    /// A libpq-style URL or key=value string (`postgres://user@host/db`).
+    pub url: String,
+    /// The PostgreSQL schema that holds the journal (`arbor`); one database
+    /// can hold several journals side by side, each in its own schema.
+    pub schema: String,
+    /// This node's id, under which it records the last seq it wrote.
+    pub node: String,
+    /// How long an open keeps trying a server that does not answer, with
+    /// backoff, before it gives up saying so.
+    pub connect_for: Duration,
+    /// How long the node owns its runs without renewing (`lease.rs`).
+    pub lease: Duration,
+}
+
+impl PgOptions {
+    pub fn new(url: impl Into<String>, node: impl Into<String>) -> PgOptions {
+        PgOptions {
+            url: url.into(),
+            schema: "arbor".into(),
+            node: node.into(),
+            connect_for: Duration::from_secs(60),
+            lease: Duration::from_secs(10),
+        }
+    }
+}
+
+/// What a node holds: its id, the epoch of this open, its lease.
+#[derive(Clone, Debug)]
+pub(crate) struct Holder {
+    pub(crate) node: String,
+    pub(crate) epoch: i64,
+    pub(crate) lease: Duration,
+}
+
+impl Holder {
+    pub(crate) fn lease_ms(&self) -> i64 {
+        i64::try_from(self.lease.as_millis()).unwrap_or(i64::MAX)
+    }
+
+    /// How much before the database's deadline the node stops by its own
+    /// clock: a fifth of the lease, at most 2 s.
+    pub(crate) fn margin(&self) -> Duration {
+        (self.lease / 5).min(Duration::from_secs(2))
+    }
+}
+
 /// What an open found and began.
 pub(crate) struct Opened {
     pub(crate) pool: Pool,
     pub(crate) sql: Sql,
     pub(crate) place: String,
-    pub(crate) epoch: u64,
+    pub(crate) config: tokio_postgres::Config,
+    /// The node, this open's epoch, its lease.
+    pub(crate) holder: Holder,
     pub(crate) last_seq: u64,
-    /// The connection that holds the schema's node lock, if the open took
-    /// it (`PgOptions::exclusive`); the lock goes with the connection.
-    pub(crate) holder: Option<tokio_postgres::Client>,
 }
 
 /// A schema name arbor will put in its statements: lower-case letters,
@@ -259,13 +311,23 @@ pub(crate) async fn open(options: super::PgOptions, read_only: bool) -> Result<O
                  CREATE TABLE IF NOT EXISTS {meta} (name text PRIMARY KEY, value bigint NOT NULL);
                  CREATE TABLE IF NOT EXISTS {seqs} (node text PRIMARY KEY, seq bigint NOT NULL);
                  CREATE TABLE IF NOT EXISTS {nodes} (id text PRIMARY KEY, epoch bigint NOT NULL,
-                   opened_at timestamptz NOT NULL DEFAULT now());
+                   deadline timestamptz NOT NULL, lease_ms bigint NOT NULL,
+                   opened_at timestamptz NOT NULL DEFAULT now(),
+                   renewed_at timestamptz NOT NULL DEFAULT now());
+                 CREATE TABLE IF NOT EXISTS {owners} (run bytea PRIMARY KEY, node text NOT NULL,
+                   node_epoch bigint NOT NULL, epoch bigint NOT NULL, ended boolean NOT NULL);
+                 CREATE INDEX IF NOT EXISTS owners_live ON {owners} (node) WHERE NOT ended;
+                 CREATE TABLE IF NOT EXISTS {claims} (run bytea NOT NULL, epoch bigint NOT NULL,
+                   node text NOT NULL, node_epoch bigint NOT NULL,
+                   claimed_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (run, epoch));
                  INSERT INTO {meta} VALUES ('{META_FORMAT}', {format}), ('{META_LAYOUT}', {PG_LAYOUT}), ('{META_EPOCH}', 0)
                    ON CONFLICT (name) DO NOTHING;",
                 schema = options.schema,
                 meta = sql.meta,
                 seqs = sql.seqs,
                 nodes = sql.nodes,
+                owners = sql.owners,
+                claims = sql.claims,
                 format = codec::FORMAT_VERSION,
             );
             for table in &sql.tables {
@@ -325,23 +387,6 @@ pub(crate) async fn open(options: super::PgOptions, read_only: bool) -> Result<O
         .await
         .map_err(db_error)?;
     }
-    let holder = if options.exclusive && !read_only {
-        Some(hold_node_lock(&config, &options, &sql, &place).await?)
-    } else {
-        None
-    };
-    if !read_only {
-        tx.execute(
-            &format!(
-                "INSERT INTO {} (id, epoch) VALUES ($1, $2) \
-                 ON CONFLICT (id) DO UPDATE SET epoch = $2, opened_at = now()",
-                sql.nodes
-            ),
-            &[&options.node, &epoch],
-        )
-        .await
-        .map_err(db_error)?;
-    }
     let last_seq: i64 = tx
         .query_one(
             &format!("SELECT coalesce(max(seq), 0)::int8 FROM {}", sql.seqs),
@@ -352,69 +397,19 @@ pub(crate) async fn open(options: super::PgOptions, read_only: bool) -> Result<O
         .get(0);
     tx.commit().await.map_err(db_error)?;
     drop(client);
+    let holder = Holder {
+        node: options.node.clone(),
+        epoch,
+        lease: options.lease,
+    };
     Ok(Opened {
         pool,
         sql,
         place,
-        epoch: u64::try_from(epoch).unwrap_or(0),
-        last_seq: u64::try_from(last_seq).unwrap_or(0),
+        config,
         holder,
+        last_seq: u64::try_from(last_seq).unwrap_or(0),
     })
-}
-
-/// How long an open waits for the node lock, which a node that has just
-/// closed may hold for a moment more (its server process ends after it).
-const LOCK_WAIT: Duration = Duration::from_secs(2);
-
-/// Takes the schema's node lock on a connection of its own and hands that
-/// connection back: until runs are leased (docs/cluster.md), one node at a
-/// time serves a journal, and a second is refused saying which holds it.
-/// The server releases the lock when the connection ends, a node killed
-/// with SIGKILL included.
-async fn hold_node_lock(
-    config: &tokio_postgres::Config,
-    options: &super::PgOptions,
-    sql: &Sql,
-    place: &str,
-) -> Result<tokio_postgres::Client, Error> {
-    let (client, connection) = config.connect(NoTls).await.map_err(db_error)?;
-    tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            tracing::warn!("journal: the node lock's connection ended: {}", pg(&e));
-        }
-    });
-    let started = Instant::now();
-    loop {
-        let held: bool = client
-            .query_one(
-                "SELECT pg_try_advisory_lock(hashtext('arbor node ' || $1))",
-                &[&options.schema],
-            )
-            .await
-            .map_err(db_error)?
-            .get(0);
-        if held {
-            return Ok(client);
-        }
-        if started.elapsed() >= LOCK_WAIT {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let holder: Option<String> = client
-        .query_opt(
-            &format!("SELECT id FROM {} ORDER BY epoch DESC LIMIT 1", sql.nodes),
-            &[],
-        )
-        .await
-        .map_err(db_error)?
-        .map(|row| row.get(0));
-    let holder = holder.map_or_else(String::new, |id| format!(" (node {id:?})"));
-    Err(Error::Postgres(format!(
-        "another arbor node{holder} serves the journal at {place}; one node at a time \
-         serves a journal until runs are leased between nodes (docs/cluster.md); \
-         give this one another journal.schema, or stop the other"
-    )))
 }
 
 /// The engine's own rows that are not as they must be (`Engine::check_own`).
@@ -447,4 +442,17 @@ pub(crate) async fn check_meta(
         }
     }
     Ok(wrong)
+}
+
+/// The first key past every key that starts with `prefix`, if there is one
+/// (a prefix of only 0xff bytes, or none, has every key above it).
+pub(crate) fn successor(prefix: &[u8]) -> Option<Vec<u8>> {
+    let mut upper = prefix.to_vec();
+    while let Some(last) = upper.pop() {
+        if last < u8::MAX {
+            upper.push(last + 1);
+            return Some(upper);
+        }
+    }
+    None
 }

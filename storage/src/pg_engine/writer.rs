@@ -3,8 +3,9 @@
 //! (`pg_engine.rs`, invariants 1 to 3). Commits that arrive while one
 //! transaction is under way are served together by the next.
 
-use super::Progress;
-use super::schema::{Sql, db_error, pool_error};
+use super::lease;
+use super::progress::Progress;
+use super::schema::{Holder, Sql, db_error, pool_error, successor};
 use crate::Error;
 use crate::faults::{CrashPoint, Faults};
 use crate::overlay::{Entry, Overlay, is_removal};
@@ -35,7 +36,9 @@ type Latest<'a> = HashMap<&'a [u8], (u64, &'a [u8])>;
 pub(crate) struct Writer {
     pub(crate) pool: Pool,
     pub(crate) sql: Arc<Sql>,
-    pub(crate) node: String,
+    pub(crate) holder: Holder,
+    /// Told why if a transaction finds the lease gone.
+    pub(crate) lost: tokio::sync::watch::Sender<Option<String>>,
     pub(crate) overlay: Arc<Mutex<Overlay>>,
     pub(crate) progress: Arc<Progress>,
     pub(crate) faults: Arc<Faults>,
@@ -94,6 +97,9 @@ impl Writer {
             }
             self.crash_if_due(CrashPoint::BeforeFlush);
             if let Err(e) = self.write(&batch, last_seq).await {
+                if let Error::Fenced(why) = &e {
+                    self.lost.send_replace(Some(why.clone()));
+                }
                 self.progress
                     .fail_batch("writing to PostgreSQL", last_seq, e);
                 return;
@@ -117,6 +123,23 @@ impl Writer {
     async fn write(&self, batch: &[&Entry], last_seq: u64) -> Result<(), Error> {
         let mut client = self.pool.get().await.map_err(pool_error)?;
         let tx = client.transaction().await.map_err(db_error)?;
+        let holder = &self.holder;
+        // The lease first, held for the whole transaction (`lease.rs`).
+        let fence = tx
+            .prepare_cached(&lease::fence_sql(&self.sql))
+            .await
+            .map_err(db_error)?;
+        if tx
+            .query_opt(&fence, &[&holder.node, &holder.epoch])
+            .await
+            .map_err(db_error)?
+            .is_none()
+        {
+            return Err(Error::Fenced(format!(
+                "node {:?}'s lease has run out: it commits nothing more",
+                holder.node
+            )));
+        }
         let mut rows: Vec<(&Entry, u64)> = Vec::new();
         let first_seq = last_seq + 1 - batch.len() as u64;
         for (entry, seq) in batch.iter().zip(first_seq..) {
@@ -129,8 +152,9 @@ impl Writer {
             }
         }
         self.upsert(&tx, &rows).await?;
+        self.own_runs(&tx, batch).await?;
         let seq = i64::try_from(last_seq).map_err(|_| Error::Postgres("seq past i64".into()))?;
-        tx.execute(&self.sql.set_seq(), &[&self.node, &seq])
+        tx.execute(&self.sql.set_seq(), &[&holder.node, &seq])
             .await
             .map_err(db_error)?;
         tx.commit().await.map_err(db_error)
@@ -170,8 +194,50 @@ impl Writer {
         Ok(())
     }
 
+    /// A run's records make it this node's (its first) or mark it ended
+    /// (its end); refused if the run is another node's (`lease.rs`).
+    async fn own_runs(&self, tx: &Transaction<'_>, batch: &[&Entry]) -> Result<(), Error> {
+        let mut runs: Vec<(&[u8], bool)> = Vec::new();
+        for (table, key, value) in batch {
+            if *table != crate::table::RUNS.def.name || is_removal(value) {
+                continue;
+            }
+            let ended = crate::table::RUNS
+                .decode(value)
+                .map(|run| run.status.is_terminal())
+                .unwrap_or(false);
+            match runs.iter_mut().find(|(run, _)| run == key) {
+                Some(seen) => seen.1 |= ended,
+                None => runs.push((key, ended)),
+            }
+        }
+        if runs.is_empty() {
+            return Ok(());
+        }
+        let own = tx
+            .prepare_cached(&lease::own_sql(&self.sql))
+            .await
+            .map_err(db_error)?;
+        let holder = &self.holder;
+        for (run, ended) in runs {
+            let owned: i64 = tx
+                .query_one(&own, &[&run, &holder.node, &holder.epoch, &ended])
+                .await
+                .map_err(db_error)?
+                .get(0);
+            if owned == 0 {
+                return Err(Error::Fenced(format!(
+                    "run {} is another node's now: node {:?} commits nothing more of it",
+                    crate::codec::hex(run),
+                    holder.node
+                )));
+            }
+        }
+        Ok(())
+    }
+
     async fn remove(&self, tx: &Transaction<'_>, (table, prefix, _): &Entry) -> Result<(), Error> {
-        let upper = super::reads::successor(prefix);
+        let upper = successor(prefix);
         let sql = self.sql.range(table, "DELETE", upper.is_some(), "");
         match &upper {
             Some(upper) => tx.execute(&sql, &[prefix, upper]).await,

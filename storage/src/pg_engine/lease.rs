@@ -1,0 +1,277 @@
+//! Nodes, their leases, and who owns which run (docs/cluster.md).
+//!
+//! A node registers under its id with a lease whose deadline is the
+//! database's clock plus `lease`, and renews it every third of the lease.
+//! Every transaction of its writer first checks, `FOR SHARE`, that its
+//! lease is live under its epoch; a node whose lease has run out commits
+//! nothing more. A run is owned by the node that started it (`owners`), at
+//! a run epoch that only grows: another node takes it (`claim_orphans`)
+//! only from an owner whose lease has run out or whose id has since opened
+//! again, locking that owner's row `FOR UPDATE`, so the claim waits for any
+//! transaction of the owner still in flight and is refused to none after.
+//! Each claim is a row of `claims`, (run, epoch) unique: a run is owned by
+//! at most one node per epoch (I-50).
+//!
+//! The node's own clock decides when it stops: a renewal sent at `t` holds
+//! the lease until `t + lease - margin` by the node's monotonic clock (the
+//! database's deadline is later: `now()` at the server is after `t`). Past
+//! that without a renewal, the lease is lost: the journal fails (nothing
+//! more is committed) and `lost` tells the node, which stops its runs.
+
+use super::progress::Progress;
+use super::schema::{Holder, Sql, db_error, pg, pool_error};
+use crate::Error;
+use deadpool_postgres::Pool;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+/// Registers the node in the open's transaction. An id whose lease is live
+/// is another node's, or this node's previous life's: wait while it runs
+/// out (a node killed a moment ago), and refuse if it is renewed meanwhile
+/// (a second node configured with the same id).
+pub(crate) async fn register(
+    pool: &Pool,
+    sql: &Sql,
+    holder: &Holder,
+    place: &str,
+) -> Result<(), Error> {
+    let client = pool.get().await.map_err(pool_error)?;
+    let mut seen: Option<(i64, std::time::SystemTime)> = None;
+    loop {
+        let taken = client
+            .query_opt(
+                &format!(
+                    "INSERT INTO {nodes} AS n (id, epoch, deadline, lease_ms, renewed_at) \
+                     VALUES ($1, $2, now() + $3::int8 * interval '1 millisecond', $3, now()) \
+                     ON CONFLICT (id) DO UPDATE SET epoch = EXCLUDED.epoch, \
+                       deadline = EXCLUDED.deadline, lease_ms = EXCLUDED.lease_ms, \
+                       opened_at = now(), renewed_at = now() \
+                     WHERE n.deadline < now() \
+                     RETURNING 1",
+                    nodes = sql.nodes
+                ),
+                &[&holder.node, &holder.epoch, &holder.lease_ms()],
+            )
+            .await
+            .map_err(db_error)?;
+        if taken.is_some() {
+            return Ok(());
+        }
+        let row = client
+            .query_one(
+                &format!(
+                    "SELECT epoch, renewed_at, \
+                       greatest(extract(epoch FROM deadline - now()) * 1000, 0)::int8 \
+                     FROM {} WHERE id = $1",
+                    sql.nodes
+                ),
+                &[&holder.node],
+            )
+            .await
+            .map_err(db_error)?;
+        let (epoch, renewed, left_ms): (i64, std::time::SystemTime, i64) =
+            (row.get(0), row.get(1), row.get(2));
+        if seen.is_some_and(|before| before != (epoch, renewed)) {
+            return Err(Error::Postgres(format!(
+                "node id {:?} is serving the journal at {place} already (epoch {epoch}, its \
+                 lease renewed while this node waited for it): two nodes cannot share an id; \
+                 give this one another --node-id (or ARBOR_NODE_ID)",
+                holder.node
+            )));
+        }
+        if seen.is_none() {
+            tracing::warn!(
+                "journal: node id {:?} holds a lease at {place} for {left_ms} ms more (epoch \
+                 {epoch}): waiting to see whether it is renewed (a second node with this id) \
+                 or runs out (this node's previous life)",
+                holder.node
+            );
+        }
+        seen = Some((epoch, renewed));
+        let wait = Duration::from_millis(u64::try_from(left_ms).unwrap_or(0))
+            .min(holder.lease / 3)
+            .max(Duration::from_millis(50));
+        tokio::time::sleep(wait).await;
+    }
+}
+
+/// The statement every writer transaction begins with: the lease is live
+/// under this open's epoch, and stays so (the row is share-locked) until
+/// the transaction ends.
+pub(crate) fn fence_sql(sql: &Sql) -> String {
+    format!(
+        "SELECT 1 FROM {} WHERE id = $1 AND epoch = $2 AND deadline > now() FOR SHARE",
+        sql.nodes
+    )
+}
+
+/// Owns a run this node writes the record of: its first record makes it
+/// this node's at run epoch 1; its end marks it ended. Refused (a run this
+/// node does not own) if another node owns it.
+pub(crate) fn own_sql(sql: &Sql) -> String {
+    format!(
+        "WITH owned AS ( \
+           INSERT INTO {owners} AS o (run, node, node_epoch, epoch, ended) \
+           VALUES ($1, $2, $3, 1, $4) \
+           ON CONFLICT (run) DO UPDATE SET ended = o.ended OR EXCLUDED.ended \
+           WHERE o.node = EXCLUDED.node AND o.node_epoch = EXCLUDED.node_epoch \
+           RETURNING (xmax = 0) AS new, epoch) \
+         , claimed AS ( \
+           INSERT INTO {claims} (run, epoch, node, node_epoch) \
+           SELECT $1, epoch, $2, $3 FROM owned WHERE new \
+           ON CONFLICT DO NOTHING) \
+         SELECT count(*) FROM owned",
+        owners = sql.owners,
+        claims = sql.claims
+    )
+}
+
+/// Takes every run not ended whose owner's lease has run out, or whose
+/// owner's id has opened again since: each at its run epoch + 1, one
+/// `claims` row each. Skips what is locked (an owner's transaction in
+/// flight, another node claiming): those come at the next try.
+pub(crate) async fn claim_orphans(
+    pool: &Pool,
+    sql: &Sql,
+    holder: &Holder,
+) -> Result<Vec<(Vec<u8>, u64)>, Error> {
+    let mut client = pool.get().await.map_err(pool_error)?;
+    let tx = client.transaction().await.map_err(db_error)?;
+    let fenced = tx
+        .query_opt(&fence_sql(sql), &[&holder.node, &holder.epoch])
+        .await
+        .map_err(db_error)?;
+    if fenced.is_none() {
+        return Err(Error::Fenced(format!(
+            "node {:?} cannot claim runs: its lease has run out",
+            holder.node
+        )));
+    }
+    let rows = tx
+        .query(
+            &format!(
+                "WITH orphan AS ( \
+                   SELECT o.run FROM {owners} o JOIN {nodes} n ON n.id = o.node \
+                   WHERE NOT o.ended AND (n.epoch <> o.node_epoch OR n.deadline < now()) \
+                   FOR UPDATE OF o, n SKIP LOCKED), \
+                 taken AS ( \
+                   UPDATE {owners} o SET node = $1, node_epoch = $2, epoch = o.epoch + 1 \
+                   FROM orphan WHERE o.run = orphan.run RETURNING o.run, o.epoch) \
+                 INSERT INTO {claims} (run, epoch, node, node_epoch) \
+                 SELECT run, epoch, $1, $2 FROM taken RETURNING run, epoch",
+                owners = sql.owners,
+                nodes = sql.nodes,
+                claims = sql.claims
+            ),
+            &[&holder.node, &holder.epoch],
+        )
+        .await
+        .map_err(db_error)?;
+    tx.commit().await.map_err(db_error)?;
+    Ok(rows
+        .into_iter()
+        .map(|row| {
+            let epoch: i64 = row.get(1);
+            (row.get(0), epoch as u64)
+        })
+        .collect())
+}
+
+/// Renews the lease every third of it, on a connection of its own (a busy
+/// pool never starves it), until the engine is dropped or the lease is
+/// lost; tells `lost` why when it is.
+pub(crate) async fn keep(
+    config: tokio_postgres::Config,
+    sql: Arc<Sql>,
+    holder: Holder,
+    progress: Arc<Progress>,
+    faults: Arc<crate::Faults>,
+    lost: watch::Sender<Option<String>>,
+) {
+    let renew = format!(
+        "UPDATE {} SET deadline = now() + $3::int8 * interval '1 millisecond', renewed_at = now() \
+         WHERE id = $1 AND epoch = $2 AND deadline > now() RETURNING 1",
+        sql.nodes
+    );
+    let every = holder.lease / 3;
+    // The registration was sent just before this started.
+    let mut valid_until = Instant::now() + holder.lease - holder.margin();
+    let mut client: Option<tokio_postgres::Client> = None;
+    let mut last_error = String::from("no renewal answered");
+    let why = loop {
+        let next = (Instant::now() + every).min(valid_until);
+        tokio::time::sleep_until(next).await;
+        if lost.is_closed() {
+            return; // the engine is gone
+        }
+        if Instant::now() >= valid_until {
+            break format!(
+                "node {:?} could not renew its lease within {} ms ({last_error}); it stops \
+                 its runs here, and another node takes them",
+                holder.node,
+                holder.lease.as_millis()
+            );
+        }
+        let sent = Instant::now();
+        if faults.renewals_held() {
+            last_error = "renewals held (fault injection)".into();
+            continue;
+        }
+        if client.as_ref().is_none_or(|c| c.is_closed()) {
+            match tokio::time::timeout(every, config.connect(tokio_postgres::NoTls)).await {
+                Ok(Ok((c, connection))) => {
+                    tokio::spawn(connection);
+                    client = Some(c);
+                }
+                Ok(Err(e)) => {
+                    last_error = pg(&e);
+                    continue;
+                }
+                Err(_) => {
+                    last_error = "connecting took longer than a third of the lease".into();
+                    continue;
+                }
+            }
+        }
+        let Some(c) = &client else { continue };
+        let renewed = tokio::time::timeout(
+            every,
+            c.query_opt(&renew, &[&holder.node, &holder.epoch, &holder.lease_ms()]),
+        )
+        .await;
+        match renewed {
+            Ok(Ok(Some(_))) => valid_until = sent + holder.lease - holder.margin(),
+            Ok(Ok(None)) => {
+                break format!(
+                    "node {:?}'s lease ran out before it was renewed (the database's clock); \
+                     its runs may be another node's now",
+                    holder.node
+                );
+            }
+            Ok(Err(e)) => last_error = pg(&e),
+            Err(_) => last_error = "a renewal took longer than a third of the lease".into(),
+        }
+    };
+    tracing::error!("journal: {why}");
+    progress.fail("the node's lease", Error::Fenced(why.clone()));
+    lost.send_replace(Some(why));
+}
+
+/// At a clean close: the lease ends now, so this node's runs can be taken
+/// at once and its id opened again without waiting.
+pub(crate) async fn release(pool: &Pool, sql: &Sql, holder: &Holder) -> Result<(), Error> {
+    let client = pool.get().await.map_err(pool_error)?;
+    client
+        .execute(
+            &format!(
+                "UPDATE {} SET deadline = now() WHERE id = $1 AND epoch = $2",
+                sql.nodes
+            ),
+            &[&holder.node, &holder.epoch],
+        )
+        .await
+        .map_err(db_error)?;
+    Ok(())
+}
