@@ -40,6 +40,10 @@ pub type Visit<'v> = dyn FnMut(&[u8], &[u8]) -> Result<(), Error> + 'v;
 /// could not be unpacked into rows and why.
 pub type WalkVisit<'v> = dyn FnMut(&[u8], Result<&[u8], String>) + 'v;
 
+/// A run taken over (`Engine::claim_orphans`): its key (the run's id) and
+/// its new run epoch.
+pub type Claimed = (Vec<u8>, u64);
+
 /// A row's key and value, copied out of the store.
 pub type OwnedRow = (Vec<u8>, Vec<u8>);
 
@@ -129,7 +133,7 @@ pub trait Engine: Send + Sync + 'static {
     /// (or whose owner opened again since), each with its new run epoch,
     /// for this node to recover and go on with. `None`: the journal is the
     /// node's alone, and every run in it is its.
-    fn claim_orphans(&self) -> Result<Option<Vec<(Vec<u8>, u64)>>, Error> {
+    fn claim_orphans(&self) -> Result<Option<Vec<Claimed>>, Error> {
         Ok(None)
     }
 

@@ -42,7 +42,7 @@ mod schema;
 mod writer;
 
 use crate::Error;
-use crate::engine::{Counters, Durable, Engine, OwnedRow, Span, Visit, WalkVisit};
+use crate::engine::{Claimed, Counters, Durable, Engine, OwnedRow, Span, Visit, WalkVisit};
 use crate::faults::Faults;
 use crate::overlay::{Entry, Overlay, removal};
 use crate::table::{Key, Row, TableDef};
@@ -406,7 +406,7 @@ impl Engine for PgEngine {
         Some(self.lost.clone())
     }
 
-    fn claim_orphans(&self) -> Result<Option<Vec<(Vec<u8>, u64)>>, Error> {
+    fn claim_orphans(&self) -> Result<Option<Vec<Claimed>>, Error> {
         if self.read_only {
             return Err(Error::ReadOnly);
         }

@@ -136,7 +136,7 @@ pub(crate) async fn claim_orphans(
     pool: &Pool,
     sql: &Sql,
     holder: &Holder,
-) -> Result<Vec<(Vec<u8>, u64)>, Error> {
+) -> Result<Vec<crate::engine::Claimed>, Error> {
     let mut client = pool.get().await.map_err(pool_error)?;
     let tx = client.transaction().await.map_err(db_error)?;
     let fenced = tx
