@@ -135,8 +135,18 @@ impl EmbeddedNode {
         let journal = open_journal(&workspace.config.journal, data_dir).await?;
         let events = EventBus::new(journal.clone());
         // Recovery before anything new starts (I-30 to I-35).
-        let recovery =
-            recovery::recover(&journal, &events, workspace.config.limits.max_recoveries).await?;
+        // A shared journal: only the runs this node takes over are its to
+        // recover (its own previous life's among them); sled's are all its.
+        let claimed: Option<Vec<RunId>> = journal
+            .claim_orphans(true)?
+            .map(|runs| runs.into_iter().map(|(run, _)| run).collect());
+        let recovery = recovery::recover_runs(
+            &journal,
+            &events,
+            workspace.config.limits.max_recoveries,
+            claimed.as_deref(),
+        )
+        .await?;
         let sandbox = Arc::new(
             probe
                 .await

@@ -80,17 +80,48 @@ pub async fn recover(
     events: &EventBus,
     max_recoveries: u32,
 ) -> Result<RecoveryReport, arbor_storage::Error> {
+    recover_runs(journal, events, max_recoveries, None).await
+}
+
+/// `recover`, over `runs` alone when given: the runs a node took over in a
+/// journal it shares (`Journal::claim_orphans`), exactly as a restart
+/// recovers all of its own (I-51). Runs other nodes own are not touched.
+pub async fn recover_runs(
+    journal: &Journal,
+    events: &EventBus,
+    max_recoveries: u32,
+    runs: Option<&[RunId]>,
+) -> Result<RecoveryReport, arbor_storage::Error> {
     let epoch = journal.epoch();
     let mut report = RecoveryReport {
         epoch,
         ..Default::default()
     };
     let mut killed_by_job: HashMap<JobId, u32> = HashMap::new();
+    let (records, in_scope) = match runs {
+        None => (journal.runs()?, None),
+        Some(ids) => {
+            let mut records = Vec::new();
+            let mut jobs = std::collections::HashSet::new();
+            for &id in ids {
+                if let Some(run) = journal.run(id)? {
+                    jobs.extend(journal.jobs(id)?.into_iter().map(|j| j.id));
+                    records.push(run);
+                }
+            }
+            (records, Some(jobs))
+        }
+    };
     let sandboxes = if sabotage::sandbox_sweep_skipped() {
         vec![]
     } else {
         journal.live_sandboxes()?
     };
+    // Another node's processes are its own to end: only those of runs in
+    // scope, and (by `kill_if_same`) only those of this machine's boot.
+    let sandboxes = sandboxes
+        .into_iter()
+        .filter(|s| in_scope.as_ref().is_none_or(|jobs| jobs.contains(&s.job)));
     for sandbox in sandboxes {
         if kill_if_same(&sandbox) {
             report.processes_killed.push(sandbox.pgid);
@@ -102,12 +133,14 @@ pub async fn recover(
             ..sandbox
         })])?;
     }
-    for run in journal.runs()? {
+    for run in records {
         if run.status.is_terminal() {
             // Ended in the life before this one: a crash right after its end
             // was committed may have taken the events that tell it (earlier
             // lives were seen to by the recoveries after them).
-            if run.epoch + 1 == epoch
+            // (A run taken over in a shared journal is one such: it was
+            // claimed because its owner died after its end, unsettled.)
+            if (runs.is_some() || run.epoch + 1 == epoch)
                 && !matches!(
                     journal.last_event(run.id)?.map(|e| e.kind),
                     Some(EventKind::RunFinished { .. })
@@ -132,11 +165,15 @@ pub async fn recover(
             outcome,
         });
     }
-    recover_cards(journal, events, &mut report)?;
+    recover_cards(journal, events, runs, &mut report)?;
     journal.flush().await?;
     // One full read at the end serves both checks: undecodable records are
-    // reported by key (I-35), and every account must add up (I-14).
-    let verified = journal.verify()?;
+    // reported by key (I-35), and every account must add up (I-14). Runs
+    // taken over are checked alone: the others are live on other nodes.
+    let verified = match runs {
+        None => journal.verify()?,
+        Some(ids) => journal.verify_runs(ids)?,
+    };
     report.undecodable = verified.undecodable;
     report.breaches = verified.breaches;
     Ok(report)
@@ -633,6 +670,7 @@ pub fn tool_counts(history: &[arbor_protocol::Event]) -> HashMap<JobId, BTreeMap
 fn recover_cards(
     journal: &Journal,
     events: &EventBus,
+    runs: Option<&[RunId]>,
     report: &mut RecoveryReport,
 ) -> Result<(), arbor_storage::Error> {
     let resumable: std::collections::HashSet<RunId> = report
@@ -642,7 +680,17 @@ fn recover_cards(
         .map(|r| r.run)
         .collect();
     let now = arbor_actors::events::now_ms();
-    for record in journal.all_approvals()? {
+    let records = match runs {
+        None => journal.all_approvals()?,
+        Some(ids) => {
+            let mut records = Vec::new();
+            for &id in ids {
+                records.extend(journal.approvals(id)?);
+            }
+            records
+        }
+    };
+    for record in records {
         if !record.state.is_pending() {
             continue;
         }

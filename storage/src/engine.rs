@@ -131,9 +131,11 @@ pub trait Engine: Send + Sync + 'static {
 
     /// A shared journal's: takes the runs whose owner's lease has run out
     /// (or whose owner opened again since), each with its new run epoch,
-    /// for this node to recover and go on with. `None`: the journal is the
-    /// node's alone, and every run in it is its.
-    fn claim_orphans(&self) -> Result<Option<Vec<Claimed>>, Error> {
+    /// for this node to recover and go on with. `wait`: wait for rows
+    /// locked by a transaction in flight rather than leave them for the
+    /// next try. `None`: the journal is the node's alone, and every run in
+    /// it is its.
+    fn claim_orphans(&self, _wait: bool) -> Result<Option<Vec<Claimed>>, Error> {
         Ok(None)
     }
 

@@ -143,10 +143,12 @@ impl Journal {
 
     /// A shared journal's: takes the runs whose owner's lease has run out
     /// (or whose owner has opened again since), with each one's new run
-    /// epoch, for this node to recover (I-51). `None`: every run in the
-    /// journal is this node's (sled).
-    pub fn claim_orphans(&self) -> Result<Option<Vec<(RunId, u64)>>, Error> {
-        let Some(claimed) = self.engine.claim_orphans()? else {
+    /// epoch, for this node to recover (I-51). `wait`: wait out rows a
+    /// transaction in flight holds (a start, which must find every run it
+    /// is to recover) rather than leave them for the next try. `None`:
+    /// every run in the journal is this node's (sled).
+    pub fn claim_orphans(&self, wait: bool) -> Result<Option<Vec<(RunId, u64)>>, Error> {
+        let Some(claimed) = self.engine.claim_orphans(wait)? else {
             return Ok(None);
         };
         claimed

@@ -186,6 +186,24 @@ impl PgEngine {
         })
     }
 
+    /// Ends the lease of node `node` now (an operator who knows it is dead,
+    /// or a test that killed it): its runs can be taken at once. Safe on a
+    /// live node too: it is fenced at its next commit, after any commit in
+    /// flight, and stops. Says whether the id held a lease.
+    pub fn expire(options: &PgOptions, node: &str) -> Result<bool, Error> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| Error::Postgres(format!("cannot start a thread: {e}")))?;
+        let (options, node) = (options.clone(), node.to_string());
+        let expired = std::thread::spawn(move || {
+            runtime.block_on(async move { schema::expire(&options, &node).await })
+        })
+        .join()
+        .map_err(|_| Error::Closed)?;
+        expired
+    }
+
     /// Where the journal is: host, port, database and schema.
     pub fn place(&self) -> &str {
         &self.place
@@ -406,7 +424,7 @@ impl Engine for PgEngine {
         Some(self.lost.clone())
     }
 
-    fn claim_orphans(&self) -> Result<Option<Vec<Claimed>>, Error> {
+    fn claim_orphans(&self, wait: bool) -> Result<Option<Vec<Claimed>>, Error> {
         if self.read_only {
             return Err(Error::ReadOnly);
         }
@@ -415,7 +433,7 @@ impl Engine for PgEngine {
             Arc::clone(&self.sql),
             self.holder.clone(),
         );
-        self.block(async move { lease::claim_orphans(&pool, &sql, &holder).await })
+        self.block(async move { lease::claim_orphans(&pool, &sql, &holder, wait).await })
             .map(Some)
     }
 }

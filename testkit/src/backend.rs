@@ -10,10 +10,17 @@
 //! a crash test starts and the test that checks after it find the same one.
 
 use arbor_runtime::workspace::{DEFAULT_LEASE, JournalConfig};
-use arbor_storage::{Journal, PgOptions};
+use arbor_storage::{Journal, PgEngine, PgOptions};
 use std::hash::{Hash, Hasher};
 use std::path::Path;
 use std::time::Duration;
+
+/// Every test node's id.
+const TEST_NODE: &str = "test-node";
+
+/// The default lease: a shorter one is lost under a loaded machine's
+/// scheduling, and a killed node's is ended at once (`node_killed`).
+const TEST_LEASE: Duration = DEFAULT_LEASE;
 
 /// Whether this process's test nodes keep their journals in PostgreSQL.
 pub fn on_postgres() -> bool {
@@ -51,9 +58,9 @@ pub fn journal_for(data_dir: &Path, configured: &JournalConfig) -> JournalConfig
     JournalConfig::Postgres {
         url: Some(database_url()),
         schema: schema_of(data_dir),
-        lease: DEFAULT_LEASE,
+        lease: TEST_LEASE,
         connect_for: Duration::from_secs(10),
-        node: Some("test-node".into()),
+        node: Some(TEST_NODE.into()),
     }
 }
 
@@ -77,4 +84,14 @@ pub fn open_journal_read_only(data_dir: &Path) -> Result<Journal, arbor_storage:
         return Journal::open_postgres_read_only(&options(data_dir));
     }
     Journal::open_read_only(&data_dir.join("journal"))
+}
+
+/// After the test killed the node on `data_dir` (SIGKILL, seen dead): its
+/// lease ends now, as an operator who knows the node is gone would end it,
+/// so the next node takes its runs without waiting the lease out.
+pub fn node_killed(data_dir: &Path) -> Result<(), arbor_storage::Error> {
+    if on_postgres() {
+        PgEngine::expire(&options(data_dir), TEST_NODE)?;
+    }
+    Ok(())
 }

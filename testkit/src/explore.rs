@@ -596,6 +596,10 @@ impl Child<'_> {
             }
         };
         let acks = Acks::read(&acks);
+        if status.signal() == Some(9) {
+            crate::backend::node_killed(&dir.join("data"))
+                .map_err(|e| format!("the killed node's lease: {e}"))?;
+        }
         match (status.code(), status.signal()) {
             (Some(0), _) if acks.flushes.is_some() => Ok(Ended::Finished(acks)),
             (_, Some(9)) if case.is_some() => Ok(Ended::Killed(acks)),

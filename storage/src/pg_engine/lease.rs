@@ -128,14 +128,36 @@ pub(crate) fn own_sql(sql: &Sql) -> String {
     )
 }
 
-/// Takes every run not ended whose owner's lease has run out, or whose
+/// Takes every run not settled whose owner's lease has run out, or whose
 /// owner's id has opened again since: each at its run epoch + 1, one
-/// `claims` row each. Skips what is locked (an owner's transaction in
-/// flight, another node claiming): those come at the next try.
+/// `claims` row each. A run is settled once it has ended and a claimer has
+/// taken it once after, to tell again what a crash may have taken of its
+/// end (its last events, appended after the end was committed); a run not
+/// ended is taken to be recovered. What is locked (a dead owner's transaction the server
+/// has not yet aborted, another node claiming) is waited for if `wait` (a
+/// start: it must find every run it is to recover), else skipped for the
+/// next try.
 pub(crate) async fn claim_orphans(
     pool: &Pool,
     sql: &Sql,
     holder: &Holder,
+    wait: bool,
+) -> Result<Vec<crate::engine::Claimed>, Error> {
+    loop {
+        match claim_once(pool, sql, holder, wait).await {
+            // Two claimers that wait may deadlock on each other's rows; the
+            // server aborts one, which tries again.
+            Err(Error::Postgres(why)) if why.contains("SQLSTATE 40P01") => continue,
+            other => return other,
+        }
+    }
+}
+
+async fn claim_once(
+    pool: &Pool,
+    sql: &Sql,
+    holder: &Holder,
+    wait: bool,
 ) -> Result<Vec<crate::engine::Claimed>, Error> {
     let mut client = pool.get().await.map_err(pool_error)?;
     let tx = client.transaction().await.map_err(db_error)?;
@@ -154,16 +176,18 @@ pub(crate) async fn claim_orphans(
             &format!(
                 "WITH orphan AS ( \
                    SELECT o.run FROM {owners} o JOIN {nodes} n ON n.id = o.node \
-                   WHERE NOT o.ended AND (n.epoch <> o.node_epoch OR n.deadline < now()) \
-                   FOR UPDATE OF o, n SKIP LOCKED), \
+                   WHERE NOT o.settled AND (n.epoch <> o.node_epoch OR n.deadline < now()) \
+                   FOR UPDATE OF o, n{skip}), \
                  taken AS ( \
-                   UPDATE {owners} o SET node = $1, node_epoch = $2, epoch = o.epoch + 1 \
+                   UPDATE {owners} o SET node = $1, node_epoch = $2, epoch = o.epoch + 1, \
+                     settled = o.ended \
                    FROM orphan WHERE o.run = orphan.run RETURNING o.run, o.epoch) \
                  INSERT INTO {claims} (run, epoch, node, node_epoch) \
                  SELECT run, epoch, $1, $2 FROM taken RETURNING run, epoch",
                 owners = sql.owners,
                 nodes = sql.nodes,
-                claims = sql.claims
+                claims = sql.claims,
+                skip = if wait { "" } else { " SKIP LOCKED" },
             ),
             &[&holder.node, &holder.epoch],
         )

@@ -315,8 +315,9 @@ pub(crate) async fn open(options: super::PgOptions, read_only: bool) -> Result<O
                    opened_at timestamptz NOT NULL DEFAULT now(),
                    renewed_at timestamptz NOT NULL DEFAULT now());
                  CREATE TABLE IF NOT EXISTS {owners} (run bytea PRIMARY KEY, node text NOT NULL,
-                   node_epoch bigint NOT NULL, epoch bigint NOT NULL, ended boolean NOT NULL);
-                 CREATE INDEX IF NOT EXISTS owners_live ON {owners} (node) WHERE NOT ended;
+                   node_epoch bigint NOT NULL, epoch bigint NOT NULL, ended boolean NOT NULL,
+                   settled boolean NOT NULL DEFAULT false);
+                 CREATE INDEX IF NOT EXISTS owners_unsettled ON {owners} (node) WHERE NOT settled;
                  CREATE TABLE IF NOT EXISTS {claims} (run bytea NOT NULL, epoch bigint NOT NULL,
                    node text NOT NULL, node_epoch bigint NOT NULL,
                    claimed_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (run, epoch));
@@ -410,6 +411,29 @@ pub(crate) async fn open(options: super::PgOptions, read_only: bool) -> Result<O
         holder,
         last_seq: u64::try_from(last_seq).unwrap_or(0),
     })
+}
+
+/// Ends node `node`'s lease now (`PgEngine::expire`).
+pub(crate) async fn expire(options: &PgOptions, node: &str) -> Result<bool, Error> {
+    check_schema_name(&options.schema)?;
+    let config: tokio_postgres::Config = options
+        .url
+        .parse()
+        .map_err(|e| Error::Postgres(format!("the database URL does not parse: {e}")))?;
+    let (client, connection) = config.connect(NoTls).await.map_err(db_error)?;
+    tokio::spawn(connection);
+    let sql = Sql::new(&options.schema);
+    let expired = client
+        .execute(
+            &format!(
+                "UPDATE {} SET deadline = now() WHERE id = $1 AND deadline > now()",
+                sql.nodes
+            ),
+            &[&node],
+        )
+        .await
+        .map_err(db_error)?;
+    Ok(expired > 0)
 }
 
 /// The engine's own rows that are not as they must be (`Engine::check_own`).
