@@ -196,12 +196,12 @@ impl PgEngine {
             .build()
             .map_err(|e| Error::Postgres(format!("cannot start a thread: {e}")))?;
         let (options, node) = (options.clone(), node.to_string());
-        let expired = std::thread::spawn(move || {
+        // Its own thread: the caller may be on a runtime's.
+        std::thread::spawn(move || {
             runtime.block_on(async move { schema::expire(&options, &node).await })
         })
         .join()
-        .map_err(|_| Error::Closed)?;
-        expired
+        .map_err(|_| Error::Closed)?
     }
 
     /// Where the journal is: host, port, database and schema.
