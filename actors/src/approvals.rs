@@ -123,6 +123,9 @@ pub enum GateMsg {
     Stopped { card: CardId },
     /// The run ended: nothing of it waits any more.
     RunEnded { run: RunId, reply: RpcReplyPort<()> },
+    /// Cards recovery carried over for runs this node took over from
+    /// another (a shared journal), as `GateArgs::carried` at a start.
+    Carry { cards: Vec<Card> },
 }
 
 struct Entry {
@@ -162,12 +165,7 @@ impl Actor for Gate {
             settings: args.settings,
             cards: HashMap::new(),
         };
-        for card in args.carried {
-            if card.state.is_pending() {
-                state.arm(&myself, &card);
-            }
-            state.cards.insert(card.id, Entry { card, waiter: None });
-        }
+        state.carry(&myself, args.carried);
         Ok(state)
     }
 
@@ -178,6 +176,7 @@ impl Actor for Gate {
         state: &mut GateState,
     ) -> Result<(), ActorProcessingErr> {
         match message {
+            GateMsg::Carry { cards } => state.carry(&myself, cards),
             GateMsg::Ask { ask, reply } => Box::pin(state.ask(&myself, *ask, reply)).await,
             GateMsg::Decide {
                 card,
@@ -220,6 +219,16 @@ impl Actor for Gate {
 }
 
 impl GateState {
+    /// Takes cards a recovery carried over (invariant 4).
+    fn carry(&mut self, myself: &ActorRef<GateMsg>, cards: Vec<Card>) {
+        for card in cards {
+            if card.state.is_pending() {
+                self.arm(myself, &card);
+            }
+            self.cards.insert(card.id, Entry { card, waiter: None });
+        }
+    }
+
     /// Timers for a pending card: its warning (if still to come) and its expiry.
     fn arm(&self, myself: &ActorRef<GateMsg>, card: &Card) {
         let now = now_ms();

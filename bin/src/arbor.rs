@@ -375,7 +375,16 @@ async fn run(args: RunArgs) -> Result<ExitCode, Failure> {
         }
         None => node.start_run(spec).await.map_err(bad)?,
     };
-    follow(node, run, args.json).await
+    // On a shared journal, a node that loses its lease stops its runs and
+    // commits nothing more: nothing of this run's end can be told here.
+    let lost = node.lease_lost();
+    tokio::select! {
+        followed = follow(node, run, args.json) => followed,
+        why = lost => {
+            eprintln!("arbor: this node lost its lease and stopped run {run} here: {why}");
+            Ok(ExitCode::from(1))
+        }
+    }
 }
 
 /// Says once per card, on stderr, that a job of an embedded run waits for

@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 #[derive(Parser)]
 #[command(
@@ -167,13 +168,29 @@ async fn serve(cli: Cli) -> ExitCode {
         "arbord: listening on http://{address} (token in {})",
         service.token_path().display()
     );
-    let stop = async move {
-        tokio::select! {
-            _ = term.recv() => tracing::info!("SIGTERM: draining"),
-            _ = int.recv() => tracing::info!("SIGINT: draining"),
+    // A node on a shared journal that lost its lease has stopped its runs
+    // and commits nothing more: it ends, and its supervisor starts it again
+    // (a new epoch, taking runs afresh).
+    let fenced = Arc::new(std::sync::OnceLock::new());
+    let lease_lost = service.node().lease_lost();
+    let stop = {
+        let fenced = fenced.clone();
+        async move {
+            tokio::select! {
+                _ = term.recv() => tracing::info!("SIGTERM: draining"),
+                _ = int.recv() => tracing::info!("SIGINT: draining"),
+                why = lease_lost => {
+                    let _ = fenced.set(why);
+                }
+            }
         }
     };
-    match service.serve(listener, stop).await {
+    let served = service.serve(listener, stop).await;
+    if let Some(why) = fenced.get() {
+        eprintln!("arbord: this node lost its lease and stopped its runs: {why}");
+        return ExitCode::from(1);
+    }
+    match served {
         Ok(()) => {
             eprintln!("arbord: stopped cleanly");
             ExitCode::SUCCESS

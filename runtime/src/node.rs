@@ -47,6 +47,8 @@ pub struct EmbeddedNode {
     data_dir: PathBuf,
     recovery: RecoveryReport,
     resumed: Vec<(RunId, RunSpec)>,
+    /// A shared journal's: says why once this node has lost its lease.
+    lease_lost: Option<tokio::sync::watch::Receiver<Option<String>>>,
 }
 
 /// Opens the journal `[journal]` names: sled in `data_dir/journal`, or the
@@ -84,6 +86,127 @@ async fn open_journal(config: &JournalConfig, data_dir: &Path) -> Result<Journal
         .await
         .map_err(|e| Error::Start(format!("opening the journal failed: {e}")))?
         .map_err(Error::from)
+}
+
+/// Resumes what `recovery` says to (and `resume` picks), carrying its
+/// cards to the gate first: a resumed job may ask at once.
+async fn resume_runs(
+    node: &ActorRef<NodeMsg>,
+    recovery: &RecoveryReport,
+    resume: &impl Fn(&RunSpec) -> bool,
+) -> Result<Vec<(RunId, RunSpec)>, String> {
+    let mut resumed = vec![];
+    for run in &recovery.runs {
+        if let RunOutcome::Resume { spec, resume: plan } = &run.outcome
+            && resume(spec)
+        {
+            let (id, spec, resume) = (run.run, spec.clone(), plan.as_ref().clone());
+            let again = spec.clone();
+            ractor::call!(node, |reply| NodeMsg::ResumeRun {
+                id,
+                spec,
+                resume,
+                reply
+            })
+            .map_err(|e| e.to_string())??;
+            resumed.push((id, again));
+        }
+    }
+    Ok(resumed)
+}
+
+/// A node on a shared journal, every third of its lease: takes the runs of
+/// nodes whose lease has run out, recovers them as a restart would (I-51)
+/// and goes on with them here. Ends with the lease.
+async fn take_over(
+    ctx: std::sync::Weak<NodeContext>,
+    node: ActorRef<NodeMsg>,
+    mut lost: tokio::sync::watch::Receiver<Option<String>>,
+    every: std::time::Duration,
+) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = lost.wait_for(|why| why.is_some()) => return,
+        }
+        // Ends with the node: it holds nothing of it between looks, so a
+        // node that stops (or crashes) lets its journal close.
+        let stopped = matches!(
+            node.get_status(),
+            ractor::ActorStatus::Stopping | ractor::ActorStatus::Stopped
+        );
+        let Some(ctx) = ctx.upgrade().filter(|_| !stopped) else {
+            return;
+        };
+        let journal = ctx.journal.clone();
+        let claimed = tokio::task::spawn_blocking(move || journal.claim_orphans(false)).await;
+        let runs: Vec<RunId> = match claimed {
+            Ok(Ok(Some(runs))) => runs.into_iter().map(|(run, _)| run).collect(),
+            Ok(Ok(None)) => return,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "could not look for runs to take over");
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "the look for runs to take over panicked");
+                continue;
+            }
+        };
+        if runs.is_empty() {
+            continue;
+        }
+        tracing::info!(
+            runs = runs.len(),
+            "taking over the runs of a node whose lease ran out"
+        );
+        let recovery = match recovery::recover_runs(
+            &ctx.journal,
+            &ctx.events,
+            ctx.limits.max_recoveries,
+            Some(&runs),
+        )
+        .await
+        {
+            Ok(report) => report,
+            Err(e) => {
+                tracing::error!(error = %e, "recovering the runs taken over failed");
+                continue;
+            }
+        };
+        for breach in &recovery.breaches {
+            tracing::error!(%breach, "a run taken over does not balance");
+        }
+        if let Some(gate) = ctx.gate.get() {
+            let _ = gate.cast(arbor_actors::approvals::GateMsg::Carry {
+                cards: recovery.carried_cards.clone(),
+            });
+        }
+        if let Err(e) = resume_runs(&node, &recovery, &|_| true).await {
+            tracing::error!(error = %e, "resuming a run taken over failed");
+        }
+    }
+}
+
+/// Once the lease is lost, the node stops every run here: its commits are
+/// refused already (I-50), and this ends its processes and late work.
+async fn stop_when_lost(
+    node: ActorRef<NodeMsg>,
+    mut lost: tokio::sync::watch::Receiver<Option<String>>,
+) {
+    let why = match lost.wait_for(|why| why.is_some()).await {
+        Ok(why) => why.clone().unwrap_or_default(),
+        Err(_) => return,
+    };
+    tracing::error!(%why, "this node lost its lease: stopping its runs here");
+    let _ = node
+        .call(
+            |reply| NodeMsg::StopAll {
+                reason: format!("the node lost its lease: {why}"),
+                reply,
+            },
+            Some(SHUTDOWN_GRACE),
+        )
+        .await;
 }
 
 /// This node's id when `--node-id` does not give one: `ARBOR_NODE_ID`, else
@@ -214,24 +337,22 @@ impl EmbeddedNode {
         .await
         .map_err(|e| Error::Start(format!("the approval gate could not start: {e}")))?;
         let _ = ctx.gate.set(gate);
-        let mut resumed = vec![];
-        for run in &recovery.runs {
-            if let RunOutcome::Resume { spec, resume: plan } = &run.outcome
-                && resume(spec)
-            {
-                let (id, spec, resume) = (run.run, spec.clone(), plan.as_ref().clone());
-                let again = spec.clone();
-                ractor::call!(node, |reply| NodeMsg::ResumeRun {
-                    id,
-                    spec,
-                    resume,
-                    reply
-                })
-                .map_err(|e| Error::Start(e.to_string()))?
-                .map_err(Error::Start)?;
-                resumed.push((id, again));
+        let resumed = resume_runs(&node, &recovery, &resume)
+            .await
+            .map_err(Error::Start)?;
+        let lease_lost = match (ctx.journal.lease_lost(), &workspace.config.journal) {
+            (Some(lost), JournalConfig::Postgres { lease, .. }) => {
+                tokio::spawn(take_over(
+                    Arc::downgrade(&ctx),
+                    node.clone(),
+                    lost.clone(),
+                    *lease / 3,
+                ));
+                tokio::spawn(stop_when_lost(node.clone(), lost.clone()));
+                Some(lost)
             }
-        }
+            _ => None,
+        };
         Ok(Self {
             ctx,
             node,
@@ -239,6 +360,7 @@ impl EmbeddedNode {
             data_dir: data_dir.to_path_buf(),
             recovery,
             resumed,
+            lease_lost,
         })
     }
 
@@ -413,6 +535,26 @@ impl EmbeddedNode {
     /// What recovery found and did when this node started.
     pub fn recovery(&self) -> &RecoveryReport {
         &self.recovery
+    }
+
+    /// A node on a shared journal: resolves to why once it has lost its
+    /// lease (its runs are stopped here then, and it commits nothing more);
+    /// never, on a journal that is its alone.
+    pub fn lease_lost(&self) -> impl Future<Output = String> + Send + 'static {
+        let lost = self.lease_lost.clone();
+        async move {
+            let Some(mut lost) = lost else {
+                return std::future::pending().await;
+            };
+            let why = match lost.wait_for(|why| why.is_some()).await {
+                Ok(why) => why.clone(),
+                Err(_) => None,
+            };
+            match why {
+                Some(why) => why,
+                None => std::future::pending().await,
+            }
+        }
     }
 
     /// Runs this start resumed, with their specs (I-34).

@@ -93,7 +93,15 @@ const KEYS: &[&str] = &[
 
 /// `ARBOR_*` variables that are not settings of arbord but are arbor's own
 /// (the CLI's and the log filter), so they are not refused as unknown.
-const OTHER_VARIABLES: &[&str] = &["ARBOR_URL", "ARBOR_TOKEN", "ARBOR_TOKEN_FILE", "ARBOR_LOG"];
+const OTHER_VARIABLES: &[&str] = &[
+    "ARBOR_URL",
+    "ARBOR_TOKEN",
+    "ARBOR_TOKEN_FILE",
+    "ARBOR_LOG",
+    // The node's, not the service's: its journal's database and its id.
+    "ARBOR_DATABASE_URL",
+    "ARBOR_NODE_ID",
+];
 
 impl Layer {
     fn over(self, below: Layer) -> Layer {

@@ -246,6 +246,28 @@ impl PgEngine {
         Ok(seq)
     }
 
+    /// Takes seqs above `seq` from now on: what this node appends to a run
+    /// it took over must sort after what the run's last owner wrote (a
+    /// ledger's keys end with the seq). Everything appended before is
+    /// written first, so the jump never falls inside a transaction.
+    fn go_on_above(&self, seq: u64) {
+        let mut last_seq = self.last_seq.lock().unwrap_or_else(PoisonError::into_inner);
+        if *last_seq >= seq {
+            return;
+        }
+        // No append can come in meanwhile: they wait for the seq lock.
+        self.drain();
+        let written = self.progress.durable.load(Ordering::Acquire) == *last_seq;
+        *last_seq = seq;
+        self.progress.applied.store(seq, Ordering::Release);
+        // Nothing lies between the last seq written and `seq`; unless a
+        // write failed, and then nothing more is ever durable.
+        if written {
+            self.progress.durable.store(seq, Ordering::Release);
+            self.progress.durable_tx.send_replace(seq);
+        }
+    }
+
     /// Waits until the writer has written everything appended so far (for
     /// the passes that read the tables whole, and around a removal).
     fn drain(&self) {
@@ -433,8 +455,12 @@ impl Engine for PgEngine {
             Arc::clone(&self.sql),
             self.holder.clone(),
         );
-        self.block(async move { lease::claim_orphans(&pool, &sql, &holder, wait).await })
-            .map(Some)
+        let (claimed, last_seq) =
+            self.block(async move { lease::claim_orphans(&pool, &sql, &holder, wait).await })?;
+        if !claimed.is_empty() {
+            self.go_on_above(last_seq);
+        }
+        Ok(Some(claimed))
     }
 }
 

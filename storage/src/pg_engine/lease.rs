@@ -130,7 +130,8 @@ pub(crate) fn own_sql(sql: &Sql) -> String {
 
 /// Takes every run not settled whose owner's lease has run out, or whose
 /// owner's id has opened again since: each at its run epoch + 1, one
-/// `claims` row each. A run is settled once it has ended and a claimer has
+/// `claims` row each; with the highest seq any node has written. A run is
+/// settled once it has ended and a claimer has
 /// taken it once after, to tell again what a crash may have taken of its
 /// end (its last events, appended after the end was committed); a run not
 /// ended is taken to be recovered. What is locked (a dead owner's transaction the server
@@ -142,7 +143,7 @@ pub(crate) async fn claim_orphans(
     sql: &Sql,
     holder: &Holder,
     wait: bool,
-) -> Result<Vec<crate::engine::Claimed>, Error> {
+) -> Result<(Vec<crate::engine::Claimed>, u64), Error> {
     loop {
         match claim_once(pool, sql, holder, wait).await {
             // Two claimers that wait may deadlock on each other's rows; the
@@ -158,7 +159,7 @@ async fn claim_once(
     sql: &Sql,
     holder: &Holder,
     wait: bool,
-) -> Result<Vec<crate::engine::Claimed>, Error> {
+) -> Result<(Vec<crate::engine::Claimed>, u64), Error> {
     let mut client = pool.get().await.map_err(pool_error)?;
     let tx = client.transaction().await.map_err(db_error)?;
     let fenced = tx
@@ -193,14 +194,26 @@ async fn claim_once(
         )
         .await
         .map_err(db_error)?;
+    // The highest seq any node wrote, read after the dead owners' rows were
+    // locked (so after their last commit): the claimer's seqs go on above
+    // it, so that an account's entries stay in order across owners.
+    let last_seq: i64 = tx
+        .query_one(
+            &format!("SELECT coalesce(max(seq), 0)::int8 FROM {}", sql.seqs),
+            &[],
+        )
+        .await
+        .map_err(db_error)?
+        .get(0);
     tx.commit().await.map_err(db_error)?;
-    Ok(rows
+    let claimed = rows
         .into_iter()
         .map(|row| {
             let epoch: i64 = row.get(1);
             (row.get(0), epoch as u64)
         })
-        .collect())
+        .collect();
+    Ok((claimed, u64::try_from(last_seq).unwrap_or(0)))
 }
 
 /// Renews the lease every third of it, on a connection of its own (a busy
