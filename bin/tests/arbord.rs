@@ -3,6 +3,7 @@
 //! the CLI's exit codes, and the same run document as `arbor run --json`.
 
 use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
@@ -66,6 +67,10 @@ impl Arbord {
             // The test harness's own, which arbord would refuse as unknown.
             .env_remove("ARBOR_TEST_DATABASE_URL")
             .env_remove("ARBOR_TEST_JOURNAL")
+            // A group of its own: a test stops it with SIGSTOP, and a stopped
+            // process in the harness's group gets that group a SIGHUP once
+            // the group is orphaned (a CI shell that has gone on).
+            .process_group(0)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
