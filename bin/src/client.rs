@@ -261,6 +261,30 @@ pub async fn status(client: &Client, args: StatusArgs) -> Outcome {
             r.grants_released
         );
     }
+    // A shared journal's nodes: who holds a lease, for how long, and which
+    // runs each owns at which epoch (docs/cluster.md).
+    for node in status.nodes.iter().flatten() {
+        let runs: Vec<String> = node
+            .runs
+            .iter()
+            .map(|r| format!("{} (epoch {})", r.run, r.epoch))
+            .collect();
+        outln_styled!(
+            "node {} · epoch {} · {} · owns {}",
+            node.id,
+            node.epoch,
+            if node.lease_left_ms == 0 {
+                "lease run out".to_string()
+            } else {
+                format!("lease {} ms more", node.lease_left_ms)
+            },
+            if runs.is_empty() {
+                "no running runs".to_string()
+            } else {
+                runs.join(", ")
+            }
+        );
+    }
     if status.runs.is_empty() {
         outln_styled!("no runs are running or queued");
         return Ok(ExitCode::SUCCESS);
@@ -504,6 +528,9 @@ pub async fn show(client: &Client, run: &str, view: StatusArgs) -> Outcome {
     if client.output != Output::Text {
         client.print_json(&doc)?;
     } else {
+        if let (Some(owner), Some(epoch)) = (&doc.owner, doc.epoch) {
+            outln!("owned by node {owner} at epoch {epoch}");
+        }
         outln!(
             "{}",
             tree_table(client, std::slice::from_ref(&doc.run), &view)

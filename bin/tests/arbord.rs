@@ -523,7 +523,9 @@ fn arbord_refuses_bad_settings_and_a_readable_token_file() {
             .arg(ws)
             .arg("--data-dir")
             .arg(data)
-            .args(["--listen", "127.0.0.1:0"]);
+            .args(["--listen", "127.0.0.1:0"])
+            .env_remove("ARBOR_TEST_DATABASE_URL")
+            .env_remove("ARBOR_TEST_JOURNAL");
         for (k, v) in envs {
             command.env(k, v);
         }
@@ -850,6 +852,18 @@ fn inv_51_a_run_whose_owner_is_killed_is_taken_over_and_completes_balanced() {
     assert_eq!(a.wait(), None, "killed");
 
     assert_eq!(ended(&b, &run), "done");
+    let doc = b.json(&["show", &run]);
+    assert_eq!(
+        (doc["owner"].as_str(), doc["epoch"].as_u64()),
+        (Some("b"), Some(2)),
+        "the run's document says who owns it at which epoch"
+    );
+    let nodes = b.json(&["status"])["nodes"].clone();
+    let a_node = nodes
+        .as_array()
+        .and_then(|nodes| nodes.iter().find(|n| n["id"] == "a"))
+        .unwrap_or_else(|| panic!("status lists node a: {nodes}"));
+    assert_eq!(a_node["lease_left_ms"], 0, "a's lease ran out: {nodes}");
     let claims = check_the_database(&url, &schema, &run);
     assert_eq!(
         claims,

@@ -68,6 +68,12 @@ pub struct RunCreated {
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
 pub struct RunDocument {
     pub run: TreeNode,
+    /// On a shared journal ([journal] backend = "postgres"): the node that
+    /// owns the run, and the run's epoch there (docs/cluster.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epoch: Option<u64>,
 }
 
 /// One line of `GET /v1/runs`.

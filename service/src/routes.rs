@@ -723,7 +723,15 @@ async fn get_run(State(shared): S, Path(path): Path<IdPath>) -> Reply {
     let tree = run_tree(&shared, run)
         .await?
         .ok_or_else(|| ApiError::not_found(format!("no run {run}")))?;
-    Ok(json(StatusCode::OK, RunDocument { run: tree.root() }))
+    let owner = shared.node.journal().owner(run)?;
+    Ok(json(
+        StatusCode::OK,
+        RunDocument {
+            run: tree.root(),
+            epoch: owner.as_ref().map(|(_, epoch)| *epoch),
+            owner: owner.map(|(node, _)| node),
+        },
+    ))
 }
 
 async fn stop_run(State(shared): S, Path(path): Path<IdPath>) -> Reply {
@@ -963,6 +971,27 @@ async fn node_status(State(shared): S) -> Reply {
             breaches: recovery.breaches.clone(),
         },
         runs,
+        nodes: journal.nodes()?.map(|nodes| {
+            nodes
+                .into_iter()
+                .map(|n| ClusterNode {
+                    id: n.id,
+                    epoch: n.epoch,
+                    lease_left_ms: n.lease_left_ms,
+                    runs: n
+                        .runs
+                        .into_iter()
+                        .filter_map(|(key, epoch)| {
+                            let run = uuid::Uuid::from_slice(&key).ok()?;
+                            Some(OwnedRun {
+                                run: RunId(run),
+                                epoch,
+                            })
+                        })
+                        .collect(),
+                })
+                .collect()
+        }),
         actors: node.actors(),
         sandboxes: journal
             .live_sandboxes()?

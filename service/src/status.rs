@@ -16,6 +16,10 @@ pub struct NodeStatus {
     /// Every run queued or running, as its tree: the run, its steps, their
     /// jobs, each with its account (tokens and, under a usd ceiling, micro-dollars).
     pub runs: Vec<TreeNode>,
+    /// On a shared journal ([journal] backend = "postgres"): every node,
+    /// its lease, and the runs it owns at which epoch (docs/cluster.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nodes: Option<Vec<ClusterNode>>,
     /// The actor tree: Node, Runs, Jobs, Accounts, Sandboxes.
     pub actors: ActorView,
     /// Process groups the sandboxes started that are still live.
@@ -73,4 +77,22 @@ pub struct SandboxView {
     pub run: RunId,
     pub job: JobId,
     pub pgid: i32,
+}
+
+/// A node of a shared journal.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct ClusterNode {
+    pub id: String,
+    /// The epoch of the node's open that holds the id now.
+    pub epoch: u64,
+    /// How long its lease runs on, by the database's clock (0: run out).
+    pub lease_left_ms: u64,
+    /// The runs it owns that have not ended, each at its run epoch.
+    pub runs: Vec<OwnedRun>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct OwnedRun {
+    pub run: RunId,
+    pub epoch: u64,
 }

@@ -44,6 +44,18 @@ pub type WalkVisit<'v> = dyn FnMut(&[u8], Result<&[u8], String>) + 'v;
 /// its new run epoch.
 pub type Claimed = (Vec<u8>, u64);
 
+/// A node of a shared journal, as `Engine::nodes` reads it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeLease {
+    pub id: String,
+    /// The epoch of the node's open that holds the id now.
+    pub epoch: u64,
+    /// How long its lease runs on, by the database's clock (ms; 0 once run out).
+    pub lease_left_ms: u64,
+    /// The runs it owns that have not ended: each one's key and run epoch.
+    pub runs: Vec<Claimed>,
+}
+
 /// A row's key and value, copied out of the store.
 pub type OwnedRow = (Vec<u8>, Vec<u8>);
 
@@ -136,6 +148,18 @@ pub trait Engine: Send + Sync + 'static {
     /// next try. `None`: the journal is the node's alone, and every run in
     /// it is its.
     fn claim_orphans(&self, _wait: bool) -> Result<Option<Vec<Claimed>>, Error> {
+        Ok(None)
+    }
+
+    /// A shared journal's: which node owns the run under `key`, at which
+    /// run epoch. `None`: the journal is the node's alone.
+    fn owner(&self, _key: &[u8]) -> Result<Option<(String, u64)>, Error> {
+        Ok(None)
+    }
+
+    /// A shared journal's nodes and the runs each owns. `None`: the
+    /// journal is the node's alone.
+    fn nodes(&self) -> Result<Option<Vec<NodeLease>>, Error> {
         Ok(None)
     }
 

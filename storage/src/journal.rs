@@ -165,6 +165,18 @@ impl Journal {
             .map(Some)
     }
 
+    /// A shared journal's: the node that owns `run` and the run's epoch
+    /// there. `None`: the journal is this node's alone (sled).
+    pub fn owner(&self, run: RunId) -> Result<Option<(String, u64)>, Error> {
+        self.engine.owner(run.0.as_bytes())
+    }
+
+    /// A shared journal's nodes, their leases and the runs each owns.
+    /// `None`: the journal is this node's alone (sled).
+    pub fn nodes(&self) -> Result<Option<Vec<crate::NodeLease>>, Error> {
+        self.engine.nodes()
+    }
+
     /// `verify` over `runs` alone: their accounts (each run's and each of
     /// its steps' and jobs'), for a node that recovered only the runs it
     /// took over in a journal it shares.

@@ -84,7 +84,7 @@ mod table;
 mod verify;
 
 pub use codec::{EncodedEvent, EventTail};
-pub use engine::{Counters, Durable, Engine, OwnedRow, Span, Visit, WalkVisit};
+pub use engine::{Claimed, Counters, Durable, Engine, NodeLease, OwnedRow, Span, Visit, WalkVisit};
 pub use error::Error;
 pub use faults::{Crash, CrashKind, CrashPoint, Faults};
 pub use journal::{Journal, Prepared, Record, ScanReport, Undecodable};

@@ -42,7 +42,9 @@ mod schema;
 mod writer;
 
 use crate::Error;
-use crate::engine::{Claimed, Counters, Durable, Engine, OwnedRow, Span, Visit, WalkVisit};
+use crate::engine::{
+    Claimed, Counters, Durable, Engine, NodeLease, OwnedRow, Span, Visit, WalkVisit,
+};
 use crate::faults::Faults;
 use crate::overlay::{Entry, Overlay, removal};
 use crate::table::{Key, Row, TableDef};
@@ -132,6 +134,7 @@ impl PgEngine {
             durable: AtomicU64::new(last_seq),
             durable_tx,
             flushes: AtomicU64::new(0),
+            syncs: AtomicU64::new(0),
             failure: OnceLock::new(),
             failed_batch: OnceLock::new(),
         });
@@ -433,7 +436,7 @@ impl Engine for PgEngine {
         let flushes = self.progress.flushes.load(Ordering::Acquire);
         Counters {
             flushes,
-            syncs: flushes,
+            syncs: self.progress.syncs.load(Ordering::Acquire),
             checkpoints: 0,
         }
     }
@@ -444,6 +447,17 @@ impl Engine for PgEngine {
 
     fn lost(&self) -> Option<watch::Receiver<Option<String>>> {
         Some(self.lost.clone())
+    }
+
+    fn owner(&self, key: &[u8]) -> Result<Option<(String, u64)>, Error> {
+        let (pool, sql, key) = (self.pool.clone(), Arc::clone(&self.sql), key.to_vec());
+        self.block(async move { lease::owner(&pool, &sql, key).await })
+    }
+
+    fn nodes(&self) -> Result<Option<Vec<NodeLease>>, Error> {
+        let (pool, sql) = (self.pool.clone(), Arc::clone(&self.sql));
+        self.block(async move { lease::nodes(&pool, &sql).await })
+            .map(Some)
     }
 
     fn claim_orphans(&self, wait: bool) -> Result<Option<Vec<Claimed>>, Error> {

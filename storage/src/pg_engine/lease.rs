@@ -312,3 +312,70 @@ pub(crate) async fn release(pool: &Pool, sql: &Sql, holder: &Holder) -> Result<(
         .map_err(db_error)?;
     Ok(())
 }
+
+/// Which node owns the run under `key`, at which run epoch.
+pub(crate) async fn owner(
+    pool: &Pool,
+    sql: &Sql,
+    key: Vec<u8>,
+) -> Result<Option<(String, u64)>, Error> {
+    let client = pool.get().await.map_err(pool_error)?;
+    let row = client
+        .query_opt(
+            &format!("SELECT node, epoch FROM {} WHERE run = $1", sql.owners),
+            &[&key],
+        )
+        .await
+        .map_err(db_error)?;
+    Ok(row.map(|row| {
+        let epoch: i64 = row.get(1);
+        (row.get(0), epoch as u64)
+    }))
+}
+
+/// Every node, its lease, and the runs it owns that have not ended.
+pub(crate) async fn nodes(pool: &Pool, sql: &Sql) -> Result<Vec<crate::engine::NodeLease>, Error> {
+    let client = pool.get().await.map_err(pool_error)?;
+    let nodes = client
+        .query(
+            &format!(
+                "SELECT id, epoch, greatest(extract(epoch FROM deadline - now()) * 1000, 0)::int8 \
+                 FROM {} ORDER BY id",
+                sql.nodes
+            ),
+            &[],
+        )
+        .await
+        .map_err(db_error)?;
+    let owned = client
+        .query(
+            &format!(
+                "SELECT node, run, epoch FROM {} WHERE NOT ended ORDER BY run",
+                sql.owners
+            ),
+            &[],
+        )
+        .await
+        .map_err(db_error)?;
+    Ok(nodes
+        .into_iter()
+        .map(|row| {
+            let id: String = row.get(0);
+            let (epoch, left): (i64, i64) = (row.get(1), row.get(2));
+            let runs = owned
+                .iter()
+                .filter(|o| o.get::<_, &str>(0) == id)
+                .map(|o| {
+                    let epoch: i64 = o.get(2);
+                    (o.get::<_, Vec<u8>>(1), epoch as u64)
+                })
+                .collect();
+            crate::engine::NodeLease {
+                id,
+                epoch: epoch as u64,
+                lease_left_ms: left as u64,
+                runs,
+            }
+        })
+        .collect())
+}

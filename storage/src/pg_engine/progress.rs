@@ -16,6 +16,9 @@ pub(crate) struct Progress {
     pub(crate) durable_tx: watch::Sender<u64>,
     /// Transactions committed.
     pub(crate) flushes: AtomicU64,
+    /// Of those, the ones whose commit waited for the server's WAL flush
+    /// (all but under `Faults::skip_syncs`).
+    pub(crate) syncs: AtomicU64,
     /// The first write that failed; set once, never cleared.
     pub(crate) failure: OnceLock<String>,
     /// The failed transaction's last seq and its error: its own commits
