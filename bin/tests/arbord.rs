@@ -798,17 +798,14 @@ fn check_the_database(url: &str, schema: &str, run: &str) -> Vec<(i64, String)> 
     sorted.sort();
     sorted.dedup();
     assert_eq!(epochs, sorted, "epochs only grow, each once: {claims:?}");
-    let verify = Command::new(env!("CARGO_BIN_EXE_arbor"))
-        .args([
-            "journal",
-            "verify",
-            "--database-url",
-            url,
-            "--schema",
-            schema,
-        ])
-        .output()
-        .unwrap();
+    // `arbor journal VERB` on the shared journal, without a node.
+    let journal = |verb: &str| {
+        Command::new(env!("CARGO_BIN_EXE_arbor"))
+            .args(["journal", verb, "--database-url", url, "--schema", schema])
+            .output()
+            .unwrap()
+    };
+    let verify = journal("verify");
     assert_eq!(
         code(&verify),
         0,
@@ -816,17 +813,7 @@ fn check_the_database(url: &str, schema: &str, run: &str) -> Vec<(i64, String)> 
         String::from_utf8_lossy(&verify.stdout),
         String::from_utf8_lossy(&verify.stderr)
     );
-    let inspect = Command::new(env!("CARGO_BIN_EXE_arbor"))
-        .args([
-            "journal",
-            "inspect",
-            "--database-url",
-            url,
-            "--schema",
-            schema,
-        ])
-        .output()
-        .unwrap();
+    let inspect = journal("inspect");
     let text = String::from_utf8_lossy(&inspect.stdout);
     assert!(
         !text.contains("[running]") && !text.contains("[pending]"),

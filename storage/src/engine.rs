@@ -70,6 +70,15 @@ pub struct Counters {
     pub checkpoints: u64,
 }
 
+/// `Engine::refusal` for an engine opened `read_only` whose first failure,
+/// if any, is `failure` (promise 3).
+pub(crate) fn refusal(read_only: bool, failure: Option<&String>) -> Option<Error> {
+    if read_only {
+        return Some(Error::ReadOnly);
+    }
+    failure.map(|first| Error::Failed(first.clone()))
+}
+
 /// The future `wait_durable` returns.
 pub type Durable<'a> = Pin<Box<dyn Future<Output = Result<(), Error>> + Send + 'a>>;
 

@@ -181,12 +181,14 @@ impl Journal {
     /// its steps' and jobs'), for a node that recovered only the runs it
     /// took over in a journal it shares.
     pub fn verify_runs(&self, runs: &[RunId]) -> Result<VerifyReport, Error> {
-        let mut report = VerifyReport::default();
-        let mut accounts: Vec<(ParentRef, Vec<LedgerRecord>)> = Vec::new();
-        for &run in runs {
-            let mut owners = vec![ParentRef::Run(run)];
-            match self.jobs(run) {
-                Ok(jobs) => owners.extend(jobs.iter().map(|j| ParentRef::Job(j.id))),
+        /// A read that meets an undecodable record lists it (I-35) and
+        /// gives nothing; any other failure ends the check.
+        fn listed<T>(
+            read: Result<T, Error>,
+            report: &mut VerifyReport,
+        ) -> Result<Option<T>, Error> {
+            match read {
+                Ok(found) => Ok(Some(found)),
                 Err(Error::Undecodable {
                     tree,
                     key_hex,
@@ -197,28 +199,24 @@ impl Journal {
                         key_hex,
                         error,
                     });
+                    Ok(None)
                 }
-                Err(e) => return Err(e),
+                Err(e) => Err(e),
+            }
+        }
+        let mut report = VerifyReport::default();
+        let mut accounts: Vec<(ParentRef, Vec<LedgerRecord>)> = Vec::new();
+        for &run in runs {
+            let mut owners = vec![ParentRef::Run(run)];
+            if let Some(jobs) = listed(self.jobs(run), &mut report)? {
+                owners.extend(jobs.iter().map(|j| ParentRef::Job(j.id)));
             }
             for owner in owners {
-                match self.ledger(owner) {
-                    Ok(entries) if entries.is_empty() => {}
-                    Ok(entries) => {
-                        report.records += entries.len() as u64;
-                        accounts.push((owner, entries));
-                    }
-                    Err(Error::Undecodable {
-                        tree,
-                        key_hex,
-                        error,
-                    }) => {
-                        report.undecodable.push(Undecodable {
-                            tree,
-                            key_hex,
-                            error,
-                        });
-                    }
-                    Err(e) => return Err(e),
+                if let Some(entries) = listed(self.ledger(owner), &mut report)?
+                    && !entries.is_empty()
+                {
+                    report.records += entries.len() as u64;
+                    accounts.push((owner, entries));
                 }
             }
         }

@@ -311,13 +311,7 @@ impl Engine for PgEngine {
     }
 
     fn refusal(&self) -> Option<Error> {
-        if self.read_only {
-            return Some(Error::ReadOnly);
-        }
-        self.progress
-            .failure
-            .get()
-            .map(|first| Error::Failed(first.clone()))
+        crate::engine::refusal(self.read_only, self.progress.failure.get())
     }
 
     fn append(&self, rows: Vec<Row>) -> Result<u64, Error> {
@@ -331,36 +325,12 @@ impl Engine for PgEngine {
         Box::pin(async move {
             // Subscribed before the first look, so no change is missed.
             let mut durable = self.progress.durable_tx.subscribe();
-            let progress = &self.progress;
-            if progress.durable.load(Ordering::Acquire) >= seq {
-                return Ok(());
-            }
-            // The writer runs apart: the transaction carrying `seq` may
-            // have failed before this wait began; its commit is told why.
-            if let Some((last, error)) = progress.failed_batch.get()
-                && seq <= *last
-            {
-                return Err(error.clone());
-            }
-            if let Some(first) = progress.failure.get() {
-                return Err(Error::Failed(first.clone()));
-            }
             loop {
+                if let Some(outcome) = self.progress.outcome(seq) {
+                    return outcome;
+                }
                 if durable.changed().await.is_err() {
                     return Err(Error::Closed);
-                }
-                if progress.durable.load(Ordering::Acquire) >= seq {
-                    return Ok(());
-                }
-                // Waiting when the transaction carrying `seq` failed: told
-                // its error, as the sled engine tells a failed flush's.
-                if let Some((last, error)) = progress.failed_batch.get()
-                    && seq <= *last
-                {
-                    return Err(error.clone());
-                }
-                if let Some(first) = progress.failure.get() {
-                    return Err(Error::Failed(first.clone()));
                 }
             }
         })

@@ -11,7 +11,7 @@ use arbor_storage::{
     Error, Journal, LedgerOp, LedgerRecord, Record, SandboxRecord, SandboxState, SteerRecord,
     SteerState,
 };
-use common::Store;
+use common::{Store, steer};
 use std::future::Future;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
@@ -22,16 +22,6 @@ use std::time::Duration;
 
 /// Long enough never to be hit by a test that is right.
 const LIMIT: Duration = Duration::from_secs(30);
-
-fn steer(job: JobId, message_id: u64, epoch: u64) -> Record {
-    Record::Steer(SteerRecord {
-        job,
-        message_id,
-        text: format!("message {message_id}"),
-        state: SteerState::Queued,
-        epoch,
-    })
-}
 
 fn ledger(owner: ParentRef, op: LedgerOp, epoch: u64) -> Record {
     Record::Ledger(LedgerRecord {

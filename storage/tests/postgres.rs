@@ -4,21 +4,11 @@
 //! `ARBOR_TEST_DATABASE_URL` (see `common/mod.rs`).
 
 use arbor_protocol::{JobId, RunId, Status};
-use arbor_storage::{Error, Journal, PgOptions, Record, RunRecord, SteerRecord, SteerState};
+use arbor_storage::{Error, Journal, PgOptions, Record, RunRecord};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::Store;
-
-fn steer(job: JobId, message_id: u64, epoch: u64) -> Record {
-    Record::Steer(SteerRecord {
-        job,
-        message_id,
-        text: format!("message {message_id}"),
-        state: SteerState::Queued,
-        epoch,
-    })
-}
+use common::{Store, steer};
 
 fn options(store: &Store) -> &PgOptions {
     match store {

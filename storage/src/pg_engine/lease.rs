@@ -197,14 +197,7 @@ async fn claim_once(
     // The highest seq any node wrote, read after the dead owners' rows were
     // locked (so after their last commit): the claimer's seqs go on above
     // it, so that an account's entries stay in order across owners.
-    let last_seq: i64 = tx
-        .query_one(
-            &format!("SELECT coalesce(max(seq), 0)::int8 FROM {}", sql.seqs),
-            &[],
-        )
-        .await
-        .map_err(db_error)?
-        .get(0);
+    let last_seq = super::schema::highest_seq(&tx, sql).await?;
     tx.commit().await.map_err(db_error)?;
     let claimed = rows
         .into_iter()
@@ -213,7 +206,7 @@ async fn claim_once(
             (row.get(0), epoch as u64)
         })
         .collect();
-    Ok((claimed, u64::try_from(last_seq).unwrap_or(0)))
+    Ok((claimed, last_seq))
 }
 
 /// Renews the lease every third of it, on a connection of its own (a busy

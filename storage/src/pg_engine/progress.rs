@@ -3,7 +3,7 @@
 
 use crate::Error;
 use std::sync::OnceLock;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::sync::watch;
 
 /// What the engine and its writer share.
@@ -38,5 +38,24 @@ impl Progress {
         let _ = self.failure.set(format!("{what} failed: {error}"));
         self.durable_tx.send_modify(|_| {});
         error
+    }
+
+    /// What a commit waiting for `seq` is told now, if anything yet: it is
+    /// durable; or the transaction that carried it failed (its own error,
+    /// as the sled engine tells a failed flush's commits; the writer runs
+    /// apart, so it may have failed before the wait began); or the journal
+    /// failed before it.
+    pub(crate) fn outcome(&self, seq: u64) -> Option<Result<(), Error>> {
+        if self.durable.load(Ordering::Acquire) >= seq {
+            return Some(Ok(()));
+        }
+        if let Some((last, error)) = self.failed_batch.get()
+            && seq <= *last
+        {
+            return Some(Err(error.clone()));
+        }
+        self.failure
+            .get()
+            .map(|first| Err(Error::Failed(first.clone())))
     }
 }

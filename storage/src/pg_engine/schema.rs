@@ -388,14 +388,7 @@ pub(crate) async fn open(options: super::PgOptions, read_only: bool) -> Result<O
         .await
         .map_err(db_error)?;
     }
-    let last_seq: i64 = tx
-        .query_one(
-            &format!("SELECT coalesce(max(seq), 0)::int8 FROM {}", sql.seqs),
-            &[],
-        )
-        .await
-        .map_err(db_error)?
-        .get(0);
+    let last_seq = highest_seq(&tx, &sql).await?;
     tx.commit().await.map_err(db_error)?;
     drop(client);
     let holder = Holder {
@@ -409,8 +402,24 @@ pub(crate) async fn open(options: super::PgOptions, read_only: bool) -> Result<O
         place,
         config,
         holder,
-        last_seq: u64::try_from(last_seq).unwrap_or(0),
+        last_seq,
     })
+}
+
+/// The highest seq any node has written: where an open, or a claim, goes on.
+pub(crate) async fn highest_seq(
+    tx: &deadpool_postgres::Transaction<'_>,
+    sql: &Sql,
+) -> Result<u64, Error> {
+    let seq: i64 = tx
+        .query_one(
+            &format!("SELECT coalesce(max(seq), 0)::int8 FROM {}", sql.seqs),
+            &[],
+        )
+        .await
+        .map_err(db_error)?
+        .get(0);
+    Ok(u64::try_from(seq).unwrap_or(0))
 }
 
 /// Ends node `node`'s lease now (`PgEngine::expire`).

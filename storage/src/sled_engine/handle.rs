@@ -188,13 +188,7 @@ impl Engine for SledEngine {
     }
 
     fn refusal(&self) -> Option<Error> {
-        if self.read_only {
-            return Some(Error::ReadOnly);
-        }
-        self.progress
-            .failure
-            .get()
-            .map(|first| Error::Failed(first.clone()))
+        crate::engine::refusal(self.read_only, self.progress.failure.get())
     }
 
     fn append(&self, rows: Vec<Row>) -> Result<u64, Error> {

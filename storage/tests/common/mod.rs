@@ -4,7 +4,8 @@
 //! by hand). `on_both!` makes a test of each from one body.
 #![allow(dead_code)] // each test target uses its own part
 
-use arbor_storage::{Error, Journal, PgOptions};
+use arbor_protocol::JobId;
+use arbor_storage::{Error, Journal, PgOptions, Record, SteerRecord, SteerState};
 
 pub enum Store {
     Sled(tempfile::TempDir),
@@ -77,4 +78,15 @@ macro_rules! on_both {
             }
         }
     };
+}
+
+/// A steering message's record: the smallest record a test can commit.
+pub fn steer(job: JobId, message_id: u64, epoch: u64) -> Record {
+    Record::Steer(SteerRecord {
+        job,
+        message_id,
+        text: format!("message {message_id}"),
+        state: SteerState::Queued,
+        epoch,
+    })
 }
