@@ -916,3 +916,30 @@ fn inv_50_an_owner_paused_past_its_lease_stops_its_runs_and_commits_nothing() {
     b.signal(nix::sys::signal::Signal::SIGTERM);
     assert_eq!(b.wait(), Some(0));
 }
+
+/// `arbor run` on a PostgreSQL journal, twice with the same node id: the
+/// first ends its lease as it exits, so the second starts at once rather
+/// than waiting for it to run out, and finds the first run's records.
+#[test]
+#[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
+fn arbor_run_on_postgres_ends_its_lease_as_it_exits() {
+    let (ws, url, schema) = shared_workspace();
+    let run = || {
+        Command::new(env!("CARGO_BIN_EXE_arbor"))
+            .args(["run"])
+            .arg(ws.path())
+            .args(["--flow", "hello", "--node-id", "solo", "--json"])
+            .env_remove("ARBOR_TEST_DATABASE_URL")
+            .env_remove("ARBOR_TEST_JOURNAL")
+            .output()
+            .unwrap()
+    };
+    for _ in 0..2 {
+        let out = run();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(code(&out), 0, "{stderr}");
+        assert!(!stderr.contains("holds a lease"), "it waited: {stderr}");
+    }
+    let runs = query(&url, &format!("SELECT count(*) FROM {schema}.runs"));
+    assert_eq!(runs[0].get::<_, i64>(0), 2, "both runs are in the journal");
+}

@@ -9,7 +9,9 @@
 //! # Modules
 //! - `journal.rs`: the handle: append, commit, typed reads, scan, verify, forget.
 //! - `engine.rs`: what a backend implements; `sled_engine.rs` (and its folder:
-//!   open, flusher, applier, reads, overlay, chunk, wal, fsync) is the one there is.
+//!   open, flusher, applier, work, reads, chunk, wal, fsync) is the default,
+//!   `pg_engine.rs` (and its folder: schema, writer, lease, reads, progress)
+//!   the PostgreSQL one; `overlay.rs` serves both.
 //! - `table.rs`: each kind of record, its table and key (`TABLES`).
 //! - `record.rs`, `codec.rs`: the records and their bytes; `verify.rs`: the
 //!   accounts' rules; `faults.rs`: fault injection for tests.

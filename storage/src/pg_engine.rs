@@ -48,7 +48,7 @@ use crate::engine::{
 use crate::faults::Faults;
 use crate::overlay::{Entry, Overlay, removal};
 use crate::table::{Key, Row, TableDef};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, mpsc};
 use std::time::Duration;
 use tokio::sync::{mpsc as tmpsc, watch};
@@ -79,6 +79,8 @@ pub struct PgEngine {
     holder: schema::Holder,
     /// Says why once the lease is lost (`lease.rs`).
     lost: watch::Receiver<Option<String>>,
+    /// Set once the lease was ended on purpose: its keeper stops quietly.
+    released: Arc<AtomicBool>,
     /// Told by the writer as it ends, for the drop to wait on.
     writer_done: Mutex<Option<mpsc::Receiver<()>>>,
 }
@@ -142,6 +144,7 @@ impl PgEngine {
         let faults = Arc::new(Faults::default());
         let sql = Arc::new(sql);
         let (lost_tx, lost) = watch::channel(None);
+        let released = Arc::new(AtomicBool::new(false));
         let (work, writer_done) = if read_only {
             (None, None)
         } else {
@@ -151,6 +154,7 @@ impl PgEngine {
                 holder.clone(),
                 Arc::clone(&progress),
                 Arc::clone(&faults),
+                Arc::clone(&released),
                 lost_tx.clone(),
             ));
             let (work, queue) = tmpsc::unbounded_channel();
@@ -179,6 +183,7 @@ impl PgEngine {
             epoch: u64::try_from(holder.epoch).unwrap_or(0),
             holder,
             lost,
+            released,
             read_only,
             last_seq: Mutex::new(last_seq),
             overlay,
@@ -247,6 +252,29 @@ impl PgEngine {
         *last_seq = seq;
         self.progress.applied.store(seq, Ordering::Release);
         Ok(seq)
+    }
+
+    /// Ends this node's lease now, once (a clean close), unless it is lost
+    /// already or the journal was opened to read.
+    fn release(&self) {
+        if self.read_only
+            || self.lost.borrow().is_some()
+            || self.released.swap(true, Ordering::AcqRel)
+        {
+            return;
+        }
+        let Some(runtime) = &self.runtime else { return };
+        let (pool, sql, holder) = (
+            self.pool.clone(),
+            Arc::clone(&self.sql),
+            self.holder.clone(),
+        );
+        let released = run_on(runtime, async move {
+            lease::release(&pool, &sql, &holder).await
+        });
+        if let Ok(Err(e)) = released {
+            tracing::warn!("journal: the node's lease was not released at its close: {e}");
+        }
     }
 
     /// Takes seqs above `seq` from now on: what this node appends to a run
@@ -415,6 +443,15 @@ impl Engine for PgEngine {
         &self.faults
     }
 
+    /// The process ends without dropping the journal (`arbor run`): what
+    /// is queued is written, and the lease ends as at a drop, so the node's
+    /// id opens again at once.
+    fn flush_store(&self) -> Result<(), Error> {
+        self.drain();
+        self.release();
+        Ok(())
+    }
+
     fn lost(&self) -> Option<watch::Receiver<Option<String>>> {
         Some(self.lost.clone())
     }
@@ -472,22 +509,7 @@ impl Drop for PgEngine {
         }
         // The lease ends with a clean close: the id can open again at once,
         // and what runs are left are another node's to take.
-        if !self.read_only
-            && self.lost.borrow().is_none()
-            && let Some(runtime) = &self.runtime
-        {
-            let (pool, sql, holder) = (
-                self.pool.clone(),
-                Arc::clone(&self.sql),
-                self.holder.clone(),
-            );
-            let released = run_on(runtime, async move {
-                lease::release(&pool, &sql, &holder).await
-            });
-            if let Ok(Err(e)) = released {
-                tracing::warn!("journal: the node's lease was not released at its close: {e}");
-            }
-        }
+        self.release();
         // Not a blocking shutdown: the drop may be on another runtime's thread.
         if let Some(runtime) = self.runtime.take() {
             runtime.shutdown_background();

@@ -58,6 +58,7 @@ mod handle;
 mod open;
 mod reads;
 mod wal;
+mod work;
 
 pub use handle::SledEngine;
 pub use open::open_db;

@@ -218,6 +218,7 @@ pub(crate) async fn keep(
     holder: Holder,
     progress: Arc<Progress>,
     faults: Arc<crate::Faults>,
+    released: Arc<std::sync::atomic::AtomicBool>,
     lost: watch::Sender<Option<String>>,
 ) {
     let renew = format!(
@@ -233,8 +234,8 @@ pub(crate) async fn keep(
     let why = loop {
         let next = (Instant::now() + every).min(valid_until);
         tokio::time::sleep_until(next).await;
-        if lost.is_closed() {
-            return; // the engine is gone
+        if lost.is_closed() || released.load(std::sync::atomic::Ordering::Acquire) {
+            return; // the engine is gone, or ended its lease on purpose
         }
         if Instant::now() >= valid_until {
             break format!(
@@ -273,6 +274,7 @@ pub(crate) async fn keep(
         .await;
         match renewed {
             Ok(Ok(Some(_))) => valid_until = sent + holder.lease - holder.margin(),
+            Ok(Ok(None)) if released.load(std::sync::atomic::Ordering::Acquire) => return,
             Ok(Ok(None)) => {
                 break format!(
                     "node {:?}'s lease ran out before it was renewed (the database's clock); \

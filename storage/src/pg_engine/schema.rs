@@ -259,7 +259,7 @@ async fn connect(
     }
 }
 
-pub(crate) async fn open(options: super::PgOptions, read_only: bool) -> Result<Opened, Error> {
+pub(crate) async fn open(options: PgOptions, read_only: bool) -> Result<Opened, Error> {
     check_schema_name(&options.schema)?;
     if options.node.is_empty() {
         return Err(Error::Postgres("a node's id cannot be empty".into()));

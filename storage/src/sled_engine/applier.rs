@@ -3,6 +3,7 @@
 //! and syncs sled at checkpoints (`overlay.rs` has the invariants).
 
 use super::handle::{META, META_SEQ, Progress, Trees};
+use super::work::Work;
 use super::{chunk, fsync::DiskSync, wal};
 use crate::Error;
 use crate::faults::Faults;
@@ -11,7 +12,6 @@ use crate::table::{JOURNAL_TABLES, Shape};
 use sled::Transactional;
 use sled::transaction::{ConflictableTransactionError, TransactionError};
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, mpsc};
 
@@ -33,18 +33,6 @@ pub(super) const APPLY_STEP: usize = 4096;
 /// fewer, fuller chunks: a 1,088-job fan-out (about 19,000 records) took
 /// 3,800 to 5,600 sled entries at 20 ms, and about 2,700 at this (counted).
 const APPLY_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
-
-/// What the applier is asked to do (invariants 2 and 4). Before it does any
-/// of it, it takes and applies what is queued in the overlay.
-pub(crate) enum Work {
-    /// Entries are queued: take them within `APPLY_EVERY`, or at once if
-    /// this is the second wake of a wait (the queue is long).
-    Wake,
-    /// Flush sled and sync its files, then remove these segments.
-    Checkpoint(Vec<PathBuf>),
-    /// Answer once everything queued before this is in sled.
-    Drain(mpsc::Sender<()>),
-}
 
 /// The applier thread's state (`overlay.rs`).
 pub(super) struct Applier {

@@ -3,9 +3,9 @@
 //! `fdatasync`, publishes the last seq they carry as durable and wakes the
 //! waiters; it starts new log segments and asks the applier for checkpoints.
 
-use super::applier::Work;
 use super::handle::{Pending, Progress, Waiter};
 use super::wal::{self, Wal};
+use super::work::Work;
 use crate::Error;
 use crate::faults::{CrashKind, CrashPoint, Faults};
 use std::sync::atomic::Ordering;

@@ -1,7 +1,7 @@
 //! The sled engine itself: its state, shared with its threads, its append
 //! (invariant 1 of `sled_engine.rs`), and the `Engine` methods.
 
-use super::applier::Work;
+use super::work::Work;
 use super::{fsync, wal};
 use crate::Error;
 use crate::engine::{Counters, Durable, Engine, OwnedRow, Span, Visit, WalkVisit};

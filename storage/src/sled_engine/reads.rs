@@ -2,9 +2,9 @@
 //! overlay's lock (`overlay.rs`, invariant 1), and a history table's chunks
 //! unpacked into rows (`chunk.rs`).
 
-use super::applier::Work;
 use super::chunk;
 use super::handle::{META, META_EPOCH, META_FORMAT, META_SEQ, SledEngine};
+use super::work::Work;
 use crate::Error;
 use crate::codec;
 use crate::engine::{OwnedRow, Visit, WalkVisit};
