@@ -213,6 +213,16 @@ async fn deadline_ms(store: &Store, id: &str) -> i64 {
         .get(0)
 }
 
+/// `claimer`'s claim once `owner`'s lease has run out by the database's
+/// clock: the wait is for that deadline, the condition itself.
+async fn claim_once_run_out(store: &Store, claimer: &Journal, owner: &str) -> Vec<(RunId, u64)> {
+    let left = deadline_ms(store, owner).await;
+    if left >= 0 {
+        tokio::time::sleep(Duration::from_millis(left as u64 + 20)).await;
+    }
+    claimer.claim_orphans(true).unwrap().unwrap()
+}
+
 /// Waits for the node to say it lost its lease (the limit only catches a
 /// test gone wrong: the loss is awaited, not slept for).
 async fn lost(journal: &Journal) -> String {
@@ -300,14 +310,8 @@ async fn inv_50_an_orphaned_run_is_claimed_once_at_the_next_epoch_and_fences_its
     // a is paused past its lease: b takes its runs.
     a.faults().hold_renewals(true);
     lost(&a).await;
-    let claimed = loop {
-        // The database's deadline passes a margin after a stopped itself.
-        let claimed = b.claim_orphans(false).unwrap().unwrap();
-        if !claimed.is_empty() {
-            break claimed;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    // The database's deadline passes a margin after a stopped itself.
+    let claimed = claim_once_run_out(&store, &b, "a").await;
     // The ended run comes too, once: a crash may have taken its last
     // events, which the claimer tells again.
     let mut expected = vec![(mine, 2), (done, 2)];
@@ -335,4 +339,30 @@ async fn inv_50_an_orphaned_run_is_claimed_once_at_the_next_epoch_and_fences_its
     let refused = c.commit(vec![run(mine, Status::Failed, c.epoch())]).await;
     assert!(matches!(refused, Err(Error::Fenced(_))), "{refused:?}");
     assert_eq!(b.run(mine).unwrap().unwrap().status, Status::Done);
+}
+
+/// A node whose journal failed (a write it could not make: here injected)
+/// gives its lease up rather than hold its runs from the others.
+#[tokio::test]
+#[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
+async fn a_node_whose_journal_failed_gives_its_lease_up() {
+    let store = Store::postgres();
+    let journal = node(&store, "broken");
+    let run_id = RunId::new();
+    journal
+        .commit(vec![run(run_id, Status::Running, journal.epoch())])
+        .await
+        .unwrap();
+    journal.faults().fail_writes(true);
+    assert!(
+        journal
+            .append(vec![steer(JobId::new(), 1, journal.epoch())])
+            .is_err()
+    );
+    let why = lost(&journal).await;
+    assert!(why.contains("its journal failed"), "{why}");
+    // Its run goes to the next node once the lease has run out.
+    let other = node(&store, "other");
+    let claimed = claim_once_run_out(&store, &other, "broken").await;
+    assert_eq!(claimed, [(run_id, 2)]);
 }

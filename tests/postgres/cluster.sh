@@ -7,6 +7,7 @@ set -euo pipefail
 
 cmd=${1:?usage: cluster.sh start|stop DIR}
 dir=${2:?usage: cluster.sh start|stop DIR}
+dir=$(realpath -m "$dir")
 
 bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)
 if [ -z "$bin" ] || [ ! -x "$bin/initdb" ]; then
@@ -16,7 +17,8 @@ fi
 
 as_owner() {
   if [ "$(id -u)" = 0 ]; then
-    setpriv --reuid=65534 --regid=65534 --clear-groups "$@"
+    # From a folder nobody may enter, PostgreSQL's tools complain.
+    (cd / && setpriv --reuid=65534 --regid=65534 --clear-groups "$@")
   else
     "$@"
   fi

@@ -245,6 +245,15 @@ pub(crate) async fn keep(
                 holder.lease.as_millis()
             );
         }
+        // A journal that failed commits nothing more: the node must not
+        // keep its runs from the others by renewing a lease it cannot use.
+        if let Some(failure) = progress.failure.get() {
+            break format!(
+                "node {:?} stops renewing its lease: its journal failed ({failure}); its \
+                 runs go to another node once the lease runs out",
+                holder.node
+            );
+        }
         let sent = Instant::now();
         if faults.renewals_held() {
             last_error = "renewals held (fault injection)".into();
