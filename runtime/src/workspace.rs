@@ -513,18 +513,8 @@ impl JournalFile {
             return Ok(JournalConfig::Sled);
         }
         let schema = self.schema.unwrap_or_else(|| "arbor".into());
-        let plain = !schema.is_empty()
-            && schema.len() <= 63
-            && !schema.starts_with(|c: char| c.is_ascii_digit())
-            && schema
-                .chars()
-                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
-        if !plain {
-            return Err(format!(
-                "journal.schema: {schema:?} is not a plain name (lower-case letters, digits \
-                 and _, not starting with a digit, at most 63)"
-            ));
-        }
+        arbor_storage::check_schema_name(&schema)
+            .map_err(|why| format!("journal.schema: {why}"))?;
         let lease =
             parse_duration_arg("journal.lease", self.lease.as_deref())?.unwrap_or(DEFAULT_LEASE);
         if lease < Duration::from_secs(1) {

@@ -1084,3 +1084,65 @@ fn bad_mcp_declarations_and_names_are_refused_naming_the_key() {
         assert!(!message.contains('\n'), "not one line: {message}");
     }
 }
+
+#[test]
+fn the_journal_section_is_read_and_a_bad_setting_is_named() {
+    use arbor_runtime::workspace::{DEFAULT_LEASE, JournalConfig, parse_node_id};
+    assert_eq!(
+        workspace(None, FLOW).unwrap().config.journal,
+        JournalConfig::Sled
+    );
+    let ws = workspace(
+        Some("[journal]\nbackend = \"postgres\"\nschema = \"team_a\"\nlease = \"4s\"\n"),
+        FLOW,
+    )
+    .unwrap();
+    assert_eq!(
+        ws.config.journal,
+        JournalConfig::Postgres {
+            url: None,
+            schema: "team_a".into(),
+            lease: Duration::from_secs(4),
+            connect_for: Duration::from_secs(60),
+            node: None,
+        }
+    );
+    let ws = workspace(Some("[journal]\nbackend = \"postgres\"\n"), FLOW).unwrap();
+    assert!(matches!(
+        ws.config.journal,
+        JournalConfig::Postgres { lease, ref schema, .. } if lease == DEFAULT_LEASE && schema == "arbor"
+    ));
+    for (toml, expected) in [
+        (
+            "backend = \"mysql\"",
+            "journal.backend: \"mysql\" is not a journal backend",
+        ),
+        (
+            "url = \"postgres://x/y\"",
+            "journal.url is for the postgres backend",
+        ),
+        (
+            "backend = \"postgres\"\nlease = \"500ms\"",
+            "journal.lease: 500ms is too short",
+        ),
+        (
+            "backend = \"postgres\"\nschema = \"Team; DROP\"",
+            "journal.schema: \"Team; DROP\" is not a plain name",
+        ),
+        (
+            "backend = \"postgres\"\nleese = \"5s\"",
+            "unknown key `leese`",
+        ),
+    ] {
+        let message = workspace(Some(&format!("[journal]\n{toml}\n")), FLOW)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            message.starts_with("arbor.toml: ") && message.contains(expected),
+            "{toml}: {message}"
+        );
+    }
+    assert_eq!(parse_node_id("node-1.eu_west"), Ok("node-1.eu_west".into()));
+    assert!(parse_node_id("").is_err());
+    assert!(parse_node_id("a/b").unwrap_err().contains("not a node id"));
+}

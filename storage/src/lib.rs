@@ -90,7 +90,7 @@ pub use engine::{Claimed, Counters, Durable, Engine, NodeLease, OwnedRow, Span, 
 pub use error::Error;
 pub use faults::{Crash, CrashKind, CrashPoint, Faults};
 pub use journal::{Journal, Prepared, Record, ScanReport, Undecodable};
-pub use pg_engine::{PG_LAYOUT, PgEngine, PgOptions};
+pub use pg_engine::{PG_LAYOUT, PgEngine, PgOptions, check_schema_name};
 pub use record::{
     ApprovalRecord, DelegationRecord, JobRecord, LedgerOp, LedgerRecord, LedgerTotals, RunRecord,
     SandboxRecord, SandboxState, SteerRecord, SteerState, Unit, ledger_of, ledger_totals,

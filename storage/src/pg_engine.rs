@@ -54,7 +54,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc as tmpsc, watch};
 
 use progress::Progress;
-pub use schema::{PG_LAYOUT, PgOptions};
+pub use schema::{PG_LAYOUT, PgOptions, check_schema_name};
 
 /// The journal's engine on PostgreSQL.
 pub struct PgEngine {

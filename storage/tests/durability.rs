@@ -11,7 +11,7 @@ use arbor_storage::{
     Error, Journal, LedgerOp, LedgerRecord, Record, SandboxRecord, SandboxState, SteerRecord,
     SteerState,
 };
-use common::{Store, steer};
+use common::{Store, message_ids, steer};
 use std::future::Future;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
@@ -36,15 +36,6 @@ fn ledger(owner: ParentRef, op: LedgerOp, epoch: u64) -> Record {
 /// waiter on the first poll.
 fn poll_once<F: Future>(future: Pin<&mut F>) -> Poll<F::Output> {
     future.poll(&mut Context::from_waker(Waker::noop()))
-}
-
-fn message_ids(journal: &Journal, job: JobId) -> Vec<u64> {
-    journal
-        .steering(job)
-        .unwrap()
-        .into_iter()
-        .map(|s| s.message_id)
-        .collect()
 }
 
 /// Writes `entry` into the ledger straight through sled, behind the journal's

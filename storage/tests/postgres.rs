@@ -8,7 +8,7 @@ use arbor_storage::{Error, Journal, PgOptions, Record, RunRecord};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{Store, steer};
+use common::{Store, message_ids, steer};
 
 fn options(store: &Store) -> &PgOptions {
     match store {
@@ -27,15 +27,6 @@ async fn behind_its_back(sql: &str) {
     client.batch_execute(sql).await.unwrap();
     drop(client);
     connection.await.unwrap().unwrap();
-}
-
-fn message_ids(journal: &Journal, job: JobId) -> Vec<u64> {
-    journal
-        .steering(job)
-        .unwrap()
-        .into_iter()
-        .map(|s| s.message_id)
-        .collect()
 }
 
 #[tokio::test]

@@ -139,8 +139,9 @@ pub(crate) struct Opened {
 }
 
 /// A schema name arbor will put in its statements: lower-case letters,
-/// digits and `_`, not starting with a digit, at most 63 bytes.
-fn check_schema_name(schema: &str) -> Result<(), Error> {
+/// digits and `_`, not starting with a digit, at most 63 bytes. Says why
+/// not, for a message that names where the name came from.
+pub fn check_schema_name(schema: &str) -> Result<(), String> {
     let ok = !schema.is_empty()
         && schema.len() <= 63
         && !schema.starts_with(|c: char| c.is_ascii_digit())
@@ -150,10 +151,10 @@ fn check_schema_name(schema: &str) -> Result<(), Error> {
     if ok {
         Ok(())
     } else {
-        Err(Error::Postgres(format!(
-            "schema {schema:?} is not a plain name: use lower-case letters, digits and _, \
-             not starting with a digit, at most 63 of them"
-        )))
+        Err(format!(
+            "{schema:?} is not a plain name: use lower-case letters, digits and _, not \
+             starting with a digit, at most 63 of them"
+        ))
     }
 }
 
@@ -260,7 +261,7 @@ async fn connect(
 }
 
 pub(crate) async fn open(options: PgOptions, read_only: bool) -> Result<Opened, Error> {
-    check_schema_name(&options.schema)?;
+    check_schema_name(&options.schema).map_err(|why| Error::Postgres(format!("schema {why}")))?;
     if options.node.is_empty() {
         return Err(Error::Postgres("a node's id cannot be empty".into()));
     }
@@ -424,7 +425,7 @@ pub(crate) async fn highest_seq(
 
 /// Ends node `node`'s lease now (`PgEngine::expire`).
 pub(crate) async fn expire(options: &PgOptions, node: &str) -> Result<bool, Error> {
-    check_schema_name(&options.schema)?;
+    check_schema_name(&options.schema).map_err(|why| Error::Postgres(format!("schema {why}")))?;
     let config: tokio_postgres::Config = options
         .url
         .parse()

@@ -90,3 +90,13 @@ pub fn steer(job: JobId, message_id: u64, epoch: u64) -> Record {
         epoch,
     })
 }
+
+/// The ids of `job`'s steering messages, in order.
+pub fn message_ids(journal: &Journal, job: JobId) -> Vec<u64> {
+    journal
+        .steering(job)
+        .unwrap()
+        .into_iter()
+        .map(|s| s.message_id)
+        .collect()
+}
