@@ -274,6 +274,9 @@ impl EventBus {
     /// Reads the run's tree under the lock without copying it.
     /// A run this node has not seen since it started (one that ended before
     /// a restart) is folded from the journal the first time it is asked for.
+    /// On a shared journal, a run not ended that this node does not run is
+    /// another node's, and goes on changing there: it is folded at each
+    /// ask, never kept.
     pub fn with_tree<T>(&self, run: RunId, f: impl FnOnce(Option<&Tree>) -> T) -> T {
         let mut state = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
         if !state.trees.contains_key(&run)
@@ -283,6 +286,9 @@ impl EventBus {
             let mut tree = Tree::new(run);
             for event in &history {
                 tree.apply(event);
+            }
+            if self.inner.journal.is_shared() && !tree.run_status().is_terminal() {
+                return f(Some(&tree));
             }
             state.trees.insert(run, tree);
         }

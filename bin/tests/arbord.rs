@@ -215,6 +215,11 @@ impl Drop for Arbord {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if std::thread::panicking() {
+            // A failed test shows what each arbord said.
+            let said: Vec<String> = self.stderr.try_iter().collect();
+            eprintln!("arbord at {} said:\n{}", self.url, said.join("\n"));
+        }
     }
 }
 
@@ -832,9 +837,11 @@ fn inv_51_a_run_whose_owner_is_killed_is_taken_over_and_completes_balanced() {
     let (data_a, data_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let listen = ["--listen", "127.0.0.1:0", "--node-id"];
     let a = Arbord::start_with(ws.path(), data_a.path(), &[&listen[..], &["a"]].concat());
-    let b = Arbord::start_with(ws.path(), data_b.path(), &[&listen[..], &["b"]].concat());
     let run = a.submit(&["--agent", "sleepy", "--input", "think"]);
     a.wait_running(&run);
+    // b starts once a has the run: the queue is shared, and b would as
+    // soon take it.
+    let b = Arbord::start_with(ws.path(), data_b.path(), &[&listen[..], &["b"]].concat());
     a.signal(nix::sys::signal::Signal::SIGKILL);
     assert_eq!(a.wait(), None, "killed");
 
@@ -942,4 +949,59 @@ fn arbor_run_on_postgres_ends_its_lease_as_it_exits() {
     }
     let runs = query(&url, &format!("SELECT count(*) FROM {schema}.runs"));
     assert_eq!(runs[0].get::<_, i64>(0), 2, "both runs are in the journal");
+}
+
+/// I-50: two arbords share one queue; runs submitted through both race to
+/// whichever has room first: each run is claimed once, at epoch 1, by one
+/// node, both nodes take some, and either node serves every run's
+/// document and events.
+#[test]
+#[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
+fn inv_50_two_nodes_race_for_one_queue_and_each_run_is_claimed_once_per_epoch() {
+    let (ws, url, schema) = shared_workspace();
+    let brief = "---\ndescription: thinks briefly\nscript:\n  - say: thinking\n    delay: 400ms\n  - call: {tool: submit_output, args: {output: done, task_status: completed}}\n---\nYou think.\n";
+    std::fs::create_dir_all(ws.path().join("agents/brief")).unwrap();
+    std::fs::write(ws.path().join("agents/brief/agent.md"), brief).unwrap();
+    let toml = ws.path().join("arbor.toml");
+    let text = std::fs::read_to_string(&toml)
+        .unwrap()
+        .replace("[service]\n", "[service]\nmax_running_runs = 2\n");
+    std::fs::write(&toml, text).unwrap();
+    let (data_a, data_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let listen = ["--listen", "127.0.0.1:0", "--node-id"];
+    let a = Arbord::start_with(ws.path(), data_a.path(), &[&listen[..], &["a"]].concat());
+    let b = Arbord::start_with(ws.path(), data_b.path(), &[&listen[..], &["b"]].concat());
+    let runs: Vec<String> = (0..12)
+        .map(|n| [&a, &b][n % 2].submit(&["--agent", "brief", "--input", "go"]))
+        .collect();
+    for run in &runs {
+        assert_eq!(ended(&a, run), "done", "a serves run {run} wherever it ran");
+        assert_eq!(ended(&b, run), "done");
+    }
+    let mut ran_on = std::collections::BTreeSet::new();
+    for run in &runs {
+        let claims = check_the_database(&url, &schema, run);
+        assert_eq!(claims.len(), 1, "run {run} claimed once: {claims:?}");
+        assert_eq!(claims[0].0, 1, "at epoch 1");
+        ran_on.insert(claims[0].1.clone());
+        let doc = b.json(&["show", run]);
+        assert_eq!(doc["owner"].as_str(), Some(claims[0].1.as_str()));
+    }
+    assert_eq!(
+        ran_on.into_iter().collect::<Vec<_>>(),
+        ["a", "b"],
+        "the queue is shared: both nodes took runs"
+    );
+    // The events of a run the other node ran, streamed to their end.
+    let events = a.arbor(&["events", &runs[1], "-o", "jsonl"]);
+    let last = String::from_utf8_lossy(&events.stdout)
+        .lines()
+        .last()
+        .map(str::to_string)
+        .unwrap_or_default();
+    assert!(last.contains("run_finished"), "{last}");
+    for node in [a, b] {
+        node.signal(nix::sys::signal::Signal::SIGTERM);
+        assert_eq!(node.wait(), Some(0));
+    }
 }

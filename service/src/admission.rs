@@ -11,6 +11,13 @@
 //!    run has a `RunRecord` is marked started.
 //! 3. One lock covers checking a key and committing its submission, so two
 //!    requests with the same key make one run.
+//!
+//! On a shared journal (PostgreSQL) the queue is the database's, shared by
+//! every node: a submission through any node queues the run there, and
+//! each node takes queued runs as it has room (`Journal::claim_queued`,
+//! each run once per epoch), woken by the database's notification of a
+//! submission, and by the clock (`SHARED_POLL`) should one be lost. The
+//! in-memory queue is then unused.
 
 use crate::submission::{self, SubmissionRecord, SubmissionState};
 use arbor_protocol::{ErrorClass, EventKind, RunId, RunSpec, Status};
@@ -19,6 +26,10 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::{Mutex, Notify};
+
+/// How often a node looks at a shared queue without being told of a
+/// submission: the fallback for a notification lost with a connection.
+const SHARED_POLL: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// What a submission came to.
 pub enum Submitted {
@@ -53,6 +64,9 @@ pub enum Place {
 
 pub struct Admission {
     node: Arc<EmbeddedNode>,
+    /// Woken by a submission through any node: the queue is the shared
+    /// journal's. `None`: the queue is this node's own.
+    shared: Option<Arc<Notify>>,
     max_running: usize,
     max_queued: usize,
     state: Mutex<State>,
@@ -85,6 +99,7 @@ impl Admission {
         max_queued: usize,
     ) -> Result<Arc<Self>, arbor_storage::Error> {
         let journal = node.journal();
+        let shared = journal.submitted();
         let mut queue = VecDeque::new();
         let mut keys = HashMap::new();
         let mut next_order = 0;
@@ -94,7 +109,7 @@ impl Admission {
             if let Some(key) = &sub.idempotency_key {
                 keys.insert(key.clone(), (sub.digest.clone(), sub.run));
             }
-            if sub.state == SubmissionState::Queued {
+            if sub.state == SubmissionState::Queued && shared.is_none() {
                 if journal.run(sub.run)?.is_some() {
                     sub.state = SubmissionState::Started;
                     sub.epoch = journal.epoch();
@@ -119,6 +134,7 @@ impl Admission {
         }
         Ok(Arc::new(Self {
             node,
+            shared,
             max_running,
             max_queued,
             state: Mutex::new(State {
@@ -152,10 +168,14 @@ impl Admission {
         if state.closed {
             return Err(SubmitError::Closed);
         }
-        if state.queue.len() >= self.max_queued {
-            return Err(SubmitError::QueueFull(state.queue.len()));
-        }
         let journal = self.node.journal();
+        let waiting = match journal.queued_runs()? {
+            Some(shared) => shared.len(),
+            None => state.queue.len(),
+        };
+        if waiting >= self.max_queued {
+            return Err(SubmitError::QueueFull(waiting));
+        }
         let sub = SubmissionRecord {
             run: RunId::new(),
             order: state.next_order,
@@ -172,7 +192,9 @@ impl Admission {
         if let Some(key) = key {
             state.keys.insert(key, (digest, run));
         }
-        state.queue.push_back(sub);
+        if self.shared.is_none() {
+            state.queue.push_back(sub);
+        }
         drop(state);
         self.wake.notify_one();
         Ok(Submitted::New(run))
@@ -194,6 +216,11 @@ impl Admission {
             return Some(Place::Queued { position });
         }
         drop(state);
+        if let Ok(Some(shared)) = self.node.journal().queued_runs()
+            && let Some(position) = shared.iter().position(|queued| *queued == run)
+        {
+            return Some(Place::Queued { position });
+        }
         match submission::submission(self.node.journal(), run)
             .ok()
             .flatten()?
@@ -205,18 +232,31 @@ impl Admission {
     }
 
     /// The runs waiting, in order.
-    pub async fn queued(&self) -> Vec<SubmissionRecord> {
-        self.state.lock().await.queue.iter().cloned().collect()
+    pub async fn queued(&self) -> Result<Vec<SubmissionRecord>, arbor_storage::Error> {
+        let journal = self.node.journal();
+        match journal.queued_runs()? {
+            Some(shared) => Ok(shared
+                .into_iter()
+                .filter_map(|run| submission::submission(journal, run).ok().flatten())
+                .collect()),
+            None => Ok(self.state.lock().await.queue.iter().cloned().collect()),
+        }
     }
 
-    pub async fn counts(&self) -> (usize, usize) {
+    /// (queued, running here).
+    pub async fn counts(&self) -> Result<(usize, usize), arbor_storage::Error> {
+        let shared = self.node.journal().queued_runs()?;
         let state = self.state.lock().await;
-        (state.queue.len(), state.running.len())
+        let queued = shared.map_or(state.queue.len(), |queued| queued.len());
+        Ok((queued, state.running.len()))
     }
 
     /// Takes a queued run out of the queue: it ends stopped, never started.
     /// `false` if it was not queued (it started meanwhile, or never was).
     pub async fn cancel(&self, run: RunId, reason: &str) -> Result<bool, arbor_storage::Error> {
+        if self.shared.is_some() {
+            return self.cancel_shared(run, reason).await;
+        }
         let mut state = self.state.lock().await;
         let Some(at) = state.queue.iter().position(|s| s.run == run) else {
             return Ok(false);
@@ -229,6 +269,48 @@ impl Admission {
         self.end_unstarted(sub, Status::Stopped, None, reason)
             .await?;
         Ok(true)
+    }
+
+    /// A shared queue's run is this node's to end once it has claimed it:
+    /// then no other node can start it.
+    async fn cancel_shared(&self, run: RunId, reason: &str) -> Result<bool, arbor_storage::Error> {
+        let journal = self.node.journal();
+        if journal
+            .claim_queued(1, Some(run))?
+            .unwrap_or_default()
+            .is_empty()
+        {
+            return Ok(false);
+        }
+        let Some(mut sub) = submission::submission(journal, run)? else {
+            self.end_lost(run).await;
+            return Ok(true);
+        };
+        sub.state = SubmissionState::Cancelled {
+            reason: reason.to_string(),
+        };
+        self.end_unstarted(sub, Status::Stopped, None, reason)
+            .await?;
+        Ok(true)
+    }
+
+    /// Ends a run claimed from a shared queue whose submission is not in
+    /// the journal (retention took it): there is nothing to start.
+    async fn end_lost(&self, run: RunId) {
+        let reason = "its submission is no longer in the journal";
+        tracing::warn!(%run, reason, "a queued run cannot start");
+        if let Err(error) = self
+            .node
+            .end_unstarted(
+                run,
+                None,
+                (Status::Failed, Some(ErrorClass::Start), reason),
+                vec![],
+            )
+            .await
+        {
+            tracing::error!(%error, "could not journal a run that failed to start");
+        }
     }
 
     /// Takes no more submissions and starts nothing more; what is queued
@@ -252,12 +334,24 @@ impl Admission {
     /// comes while it is busy, so none is lost).
     pub async fn pump(self: Arc<Self>) {
         while self.admit_ready().await {
-            self.wake.notified().await;
+            match &self.shared {
+                None => self.wake.notified().await,
+                Some(submitted) => {
+                    tokio::select! {
+                        _ = self.wake.notified() => {}
+                        _ = submitted.notified() => {}
+                        _ = tokio::time::sleep(SHARED_POLL) => {}
+                    }
+                }
+            }
         }
     }
 
     /// One round of admission; `false` once closed.
     async fn admit_ready(&self) -> bool {
+        if self.shared.is_some() {
+            return self.admit_shared().await;
+        }
         loop {
             let next = {
                 let mut state = self.state.lock().await;
@@ -278,6 +372,53 @@ impl Admission {
                 sub
             };
             self.start(next).await;
+        }
+    }
+
+    /// One round of a shared queue's admission: claims as many runs as
+    /// there is room for, and starts them.
+    async fn admit_shared(&self) -> bool {
+        loop {
+            let room = {
+                let mut state = self.state.lock().await;
+                if state.closed {
+                    return false;
+                }
+                let events = self.node.events();
+                state.running.retain(|run| {
+                    !events.with_tree(*run, |t| t.is_some_and(|t| t.run_status().is_terminal()))
+                });
+                self.max_running.saturating_sub(state.running.len())
+            };
+            if room == 0 {
+                return true;
+            }
+            let journal = self.node.journal();
+            let claimed = match journal.claim_queued(room, None) {
+                Ok(claimed) => claimed.unwrap_or_default(),
+                Err(error) => {
+                    tracing::warn!(%error, "could not take queued runs");
+                    return true;
+                }
+            };
+            if claimed.is_empty() {
+                return true;
+            }
+            for (run, _) in claimed {
+                match submission::submission(journal, run) {
+                    Ok(Some(sub)) => {
+                        self.state.lock().await.running.insert(run);
+                        self.start(sub).await;
+                    }
+                    Ok(None) => self.end_lost(run).await,
+                    Err(error) => {
+                        // It stays this node's, not begun: should the node
+                        // die, the run goes back to the queue.
+                        tracing::error!(%error, %run, "could not read a claimed submission");
+                        return true;
+                    }
+                }
+            }
         }
     }
 

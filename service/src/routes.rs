@@ -474,6 +474,16 @@ async fn run_tree(shared: &Shared, run: RunId) -> Result<Option<Tree>, ApiError>
     if shared.admission.place(run).await.is_some() {
         return Ok(Some(Tree::new(run)));
     }
+    // Another node's run, on a shared journal: its tree from its journaled
+    // events (every event is journaled before it is sent).
+    let events = shared.node.journal().events(run)?;
+    if !events.is_empty() {
+        let mut tree = Tree::new(run);
+        for event in &events {
+            tree.apply(event);
+        }
+        return Ok(Some(tree));
+    }
     // A run with a record and no events (they were not journaled): what
     // its record says.
     if let Some(record) = shared.node.journal().run(run)? {
@@ -656,7 +666,7 @@ async fn list_runs(State(shared): S, Query(query): Query<RunQuery>) -> Reply {
     if !(1..=500).contains(&limit) {
         return Err(ApiError::bad_request("limit must be 1 to 500"));
     }
-    let queued = shared.admission.queued().await;
+    let queued = shared.admission.queued().await?;
     let mut all: Vec<RunSummary> = queued
         .iter()
         .enumerate()
@@ -788,6 +798,11 @@ async fn run_events(
         follow,
         buffer: shared.config.sse_buffer,
         stall: shared.config.sse_stall,
+        reread: shared
+            .node
+            .journal()
+            .is_shared()
+            .then_some(crate::sse::SHARED_REREAD),
         shutdown: shared.stopped.clone(),
         tasks: shared.tasks.clone(),
     });
@@ -926,9 +941,9 @@ async fn continue_job(State(shared): S, Path(path): Path<IdPath>) -> Reply {
 async fn node_status(State(shared): S) -> Reply {
     let node = &shared.node;
     let journal = node.journal();
-    let (queued, running) = shared.admission.counts().await;
+    let (queued, running) = shared.admission.counts().await?;
     let mut runs: Vec<arbor_protocol::TreeNode> = vec![];
-    for sub in shared.admission.queued().await {
+    for sub in shared.admission.queued().await? {
         runs.push(Tree::new(sub.run).root());
     }
     for record in journal.runs()? {
@@ -1007,7 +1022,7 @@ async fn node_status(State(shared): S) -> Reply {
 }
 
 async fn metrics(State(shared): S) -> Reply {
-    let (queued, _) = shared.admission.counts().await;
+    let (queued, _) = shared.admission.counts().await?;
     let text = shared
         .metrics
         .render(shared.node.journal(), queued)

@@ -9,6 +9,10 @@
 //! it may reconnect from where it was. The node's broadcast is bounded too:
 //! a producer that lags behind it reads the rest from the journal, where
 //! every event is before it is broadcast.
+//!
+//! On a shared journal the run may be another node's, whose events never
+//! reach this node's broadcast: the producer reads the journal again every
+//! `SHARED_REREAD` as well.
 
 use crate::api::StreamEvent;
 use arbor_actors::EventBus;
@@ -21,6 +25,9 @@ use std::time::Duration;
 use tokio::sync::{broadcast, mpsc};
 use tokio_util::sync::CancellationToken;
 
+/// How often a stream on a shared journal reads the run's events again.
+pub const SHARED_REREAD: Duration = Duration::from_millis(250);
+
 pub struct Source {
     pub bus: EventBus,
     pub journal: Journal,
@@ -31,6 +38,8 @@ pub struct Source {
     pub follow: bool,
     pub buffer: usize,
     pub stall: Duration,
+    /// Read the journal again this often (a shared journal's).
+    pub reread: Option<Duration>,
     pub shutdown: CancellationToken,
     /// Where the producer task is tracked (the service waits for it on a drain).
     pub tasks: tokio_util::task::TaskTracker,
@@ -74,10 +83,18 @@ async fn produce(source: Source, tx: mpsc::Sender<sse::Event>) {
         if !source.follow {
             return;
         }
+        let reread = async {
+            match source.reread {
+                Some(every) => tokio::time::sleep(every).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(reread);
         loop {
             let got = tokio::select! {
                 _ = source.shutdown.cancelled() => return,
                 _ = tx.closed() => return,
+                _ = &mut reread => break,
                 got = live.recv() => got,
             };
             match got {
@@ -142,6 +159,7 @@ mod tests {
             follow: true,
             buffer: 1,
             stall: Duration::from_millis(200),
+            reread: None,
             shutdown: CancellationToken::new(),
             tasks: tokio_util::task::TaskTracker::new(),
         }

@@ -23,6 +23,7 @@ use crate::table::{Row, TableDef};
 use crate::{Error, Faults};
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 
 /// Where a scan reads.
 #[derive(Clone, Copy, Debug)]
@@ -158,6 +159,29 @@ pub trait Engine: Send + Sync + 'static {
     /// it is its.
     fn claim_orphans(&self, _wait: bool) -> Result<Option<Vec<Claimed>>, Error> {
         Ok(None)
+    }
+
+    /// A shared journal's admission queue: takes up to `limit` queued runs
+    /// (only `only`, if given), oldest first, each with its run epoch, for
+    /// this node to start. `None`: the journal is the node's alone, and so
+    /// is its queue.
+    fn claim_queued(
+        &self,
+        _limit: usize,
+        _only: Option<&[u8]>,
+    ) -> Result<Option<Vec<Claimed>>, Error> {
+        Ok(None)
+    }
+
+    /// A shared journal's queued runs, oldest first. `None`: the journal
+    /// is the node's alone.
+    fn queued(&self) -> Result<Option<Vec<Vec<u8>>>, Error> {
+        Ok(None)
+    }
+
+    /// A shared journal's: woken when a run is submitted through any node.
+    fn submitted(&self) -> Option<Arc<tokio::sync::Notify>> {
+        None
     }
 
     /// A shared journal's: which node owns the run under `key`, at which

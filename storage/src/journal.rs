@@ -153,16 +153,56 @@ impl Journal {
         };
         claimed
             .into_iter()
-            .map(|(key, epoch)| {
-                let id = uuid::Uuid::from_slice(&key).map_err(|_| Error::Undecodable {
-                    tree: "owners".into(),
-                    key_hex: codec::hex(&key),
-                    error: "not a run id".into(),
-                })?;
-                Ok((RunId(id), epoch))
-            })
-            .collect::<Result<Vec<_>, Error>>()
+            .map(|(key, epoch)| Ok((run_id(&key)?, epoch)))
+            .collect::<Result<_, _>>()
             .map(Some)
+    }
+
+    /// A shared journal's admission queue: takes up to `limit` queued runs
+    /// (only `only`, if given), oldest first, each at its new run epoch,
+    /// for this node to start; a run is claimed once per epoch, whichever
+    /// nodes ask at once. `None`: the queue is the node's own (sled).
+    pub fn claim_queued(
+        &self,
+        limit: usize,
+        only: Option<RunId>,
+    ) -> Result<Option<Vec<(RunId, u64)>>, Error> {
+        let only = only.map(|run| run.0.into_bytes());
+        let Some(claimed) = self
+            .engine
+            .claim_queued(limit, only.as_ref().map(|b| &b[..]))?
+        else {
+            return Ok(None);
+        };
+        claimed
+            .into_iter()
+            .map(|(key, epoch)| Ok((run_id(&key)?, epoch)))
+            .collect::<Result<_, _>>()
+            .map(Some)
+    }
+
+    /// A shared journal's queued runs, oldest first. `None`: the queue is
+    /// the node's own (sled).
+    pub fn queued_runs(&self) -> Result<Option<Vec<RunId>>, Error> {
+        let Some(queued) = self.engine.queued()? else {
+            return Ok(None);
+        };
+        queued
+            .iter()
+            .map(|key| run_id(key))
+            .collect::<Result<_, _>>()
+            .map(Some)
+    }
+
+    /// Whether other nodes share this journal (PostgreSQL): its runs may be
+    /// another node's, their events written there.
+    pub fn is_shared(&self) -> bool {
+        self.engine.lost().is_some()
+    }
+
+    /// A shared journal's: woken when a run is submitted through any node.
+    pub fn submitted(&self) -> Option<std::sync::Arc<tokio::sync::Notify>> {
+        self.engine.submitted()
     }
 
     /// A shared journal's: the node that owns `run` and the run's epoch
@@ -720,4 +760,15 @@ impl std::fmt::Debug for Journal {
             .field("failed", &self.failed())
             .finish()
     }
+}
+
+/// A run's id from an `owners` key.
+fn run_id(key: &[u8]) -> Result<RunId, Error> {
+    uuid::Uuid::from_slice(key)
+        .map(RunId)
+        .map_err(|_| Error::Undecodable {
+            tree: "owners".into(),
+            key_hex: codec::hex(key),
+            error: "not a run id".into(),
+        })
 }

@@ -37,6 +37,7 @@
 
 mod lease;
 mod progress;
+mod queue;
 mod reads;
 mod schema;
 mod writer;
@@ -83,6 +84,8 @@ pub struct PgEngine {
     released: Arc<AtomicBool>,
     /// Told by the writer as it ends, for the drop to wait on.
     writer_done: Mutex<Option<mpsc::Receiver<()>>>,
+    /// Woken when a run is submitted through any node (`queue.rs`).
+    submitted: Arc<tokio::sync::Notify>,
 }
 
 impl PgEngine {
@@ -145,9 +148,15 @@ impl PgEngine {
         let sql = Arc::new(sql);
         let (lost_tx, lost) = watch::channel(None);
         let released = Arc::new(AtomicBool::new(false));
+        let submitted = Arc::new(tokio::sync::Notify::new());
         let (work, writer_done) = if read_only {
             (None, None)
         } else {
+            runtime.spawn(queue::listen(
+                config.clone(),
+                Arc::clone(&sql),
+                Arc::clone(&submitted),
+            ));
             runtime.spawn(lease::keep(
                 config,
                 Arc::clone(&sql),
@@ -191,6 +200,7 @@ impl PgEngine {
             faults,
             work,
             writer_done: Mutex::new(writer_done),
+            submitted,
         })
     }
 
@@ -482,6 +492,34 @@ impl Engine for PgEngine {
             self.go_on_above(last_seq);
         }
         Ok(Some(claimed))
+    }
+
+    fn claim_queued(
+        &self,
+        limit: usize,
+        only: Option<&[u8]>,
+    ) -> Result<Option<Vec<Claimed>>, Error> {
+        if let Some(refused) = self.refusal() {
+            return Err(refused);
+        }
+        let (pool, sql, holder) = (
+            self.pool.clone(),
+            Arc::clone(&self.sql),
+            self.holder.clone(),
+        );
+        let only = only.map(<[u8]>::to_vec);
+        self.block(async move { queue::claim(&pool, &sql, &holder, limit, only).await })
+            .map(Some)
+    }
+
+    fn queued(&self) -> Result<Option<Vec<Vec<u8>>>, Error> {
+        let (pool, sql) = (self.pool.clone(), Arc::clone(&self.sql));
+        self.block(async move { queue::queued(&pool, &sql).await })
+            .map(Some)
+    }
+
+    fn submitted(&self) -> Option<Arc<tokio::sync::Notify>> {
+        Some(Arc::clone(&self.submitted))
     }
 }
 

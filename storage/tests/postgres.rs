@@ -357,3 +357,168 @@ async fn a_node_whose_journal_failed_gives_its_lease_up() {
     let claimed = claim_once_run_out(&store, &other, "broken").await;
     assert_eq!(claimed, [(run_id, 2)]);
 }
+
+/// A run submitted through a node: its submission's first record (the
+/// service's, whose value the journal does not read) queues it.
+fn submission(run: RunId, epoch: u64) -> Record {
+    Record::Row(arbor_storage::Row {
+        table: &arbor_storage::SUBMISSIONS_TABLE,
+        key: arbor_storage::Key::Whole(run.0.as_bytes().to_vec()),
+        value: std::sync::Arc::from(&b"queued"[..]),
+        epoch: Some(epoch),
+    })
+}
+
+/// Every (run, epoch, node) ever claimed, from the database.
+async fn claims(store: &Store) -> Vec<(Vec<u8>, i64, String)> {
+    let (client, connection) =
+        tokio_postgres::connect(&common::database_url(), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    tokio::spawn(connection);
+    client
+        .query(
+            &format!(
+                "SELECT run, epoch, node FROM {}.claims ORDER BY run, epoch",
+                options(store).schema
+            ),
+            &[],
+        )
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|row| (row.get(0), row.get(1), row.get(2)))
+        .collect()
+}
+
+/// I-50: three nodes race for runs queued through one of them: each run is
+/// claimed once, at epoch 1, by one node; the others skip what one is
+/// taking rather than wait for it or take it too.
+#[tokio::test]
+#[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
+async fn inv_50_queued_runs_three_nodes_race_for_are_each_claimed_once_per_epoch() {
+    let store = Store::postgres();
+    let nodes = [node(&store, "a"), node(&store, "b"), node(&store, "c")];
+    let mut submitted: Vec<RunId> = (0..60).map(|_| RunId::new()).collect();
+    // Woken by any node's submission: first the wake of its listener's
+    // connect, then the one this commit announces.
+    let woken = nodes[2].submitted().expect("a shared queue");
+    tokio::time::timeout(Duration::from_secs(10), woken.notified())
+        .await
+        .expect("the listener connects");
+    nodes[0]
+        .commit(
+            submitted
+                .iter()
+                .map(|run| submission(*run, nodes[0].epoch()))
+                .collect(),
+        )
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(10), woken.notified())
+        .await
+        .expect("node c hears of the submission");
+    let mut queued = nodes[1].queued_runs().unwrap().unwrap();
+    queued.sort();
+    submitted.sort();
+    assert_eq!(queued, submitted, "every node sees the whole queue");
+
+    let taken: Vec<Vec<(RunId, u64)>> = std::thread::scope(|scope| {
+        let racers: Vec<_> = nodes
+            .iter()
+            .map(|node| {
+                scope.spawn(move || {
+                    let mut mine = vec![];
+                    loop {
+                        let some = node.claim_queued(2, None).unwrap().unwrap();
+                        if some.is_empty() {
+                            return mine;
+                        }
+                        mine.extend(some);
+                    }
+                })
+            })
+            .collect();
+        racers.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+    let mut all: Vec<(RunId, u64)> = taken.iter().flatten().copied().collect();
+    all.sort();
+    let expected: Vec<(RunId, u64)> = submitted.iter().map(|run| (*run, 1)).collect();
+    assert_eq!(all, expected, "each run once, at epoch 1");
+    assert_eq!(nodes[0].queued_runs().unwrap(), Some(vec![]));
+    let claims = claims(&store).await;
+    assert_eq!(claims.len(), submitted.len());
+    for ((run, epoch, node), (id, _)) in claims.iter().zip(&all) {
+        assert_eq!((&run[..], *epoch), (&id.0.as_bytes()[..], 1));
+        let holder = taken
+            .iter()
+            .position(|mine| mine.iter().any(|(r, _)| r == id))
+            .unwrap();
+        assert_eq!(
+            node,
+            ["a", "b", "c"][holder],
+            "the claims row names its taker"
+        );
+    }
+    // The owner of a claimed run is the taker, and only it may begin it.
+    let (first, _) = taken.iter().flatten().next().copied().unwrap();
+    let taker = taken.iter().position(|mine| !mine.is_empty()).unwrap();
+    let other = &nodes[(taker + 1) % 3];
+    let refused = other
+        .commit(vec![run(first, Status::Running, other.epoch())])
+        .await;
+    assert!(matches!(refused, Err(Error::Fenced(_))), "{refused:?}");
+}
+
+/// I-51: a run claimed from the queue whose claimer died before it began
+/// goes back to the queue, and is claimed again at the next epoch; a
+/// queued run can be taken by its id alone (a stop before it starts).
+#[tokio::test]
+#[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
+async fn inv_51_a_queued_run_whose_claimer_died_before_it_began_is_queued_again() {
+    let store = Store::postgres();
+    let (a, b) = (node(&store, "a"), node(&store, "b"));
+    let (first, second) = (RunId::new(), RunId::new());
+    b.commit(vec![submission(first, b.epoch())]).await.unwrap();
+    b.commit(vec![submission(second, b.epoch())]).await.unwrap();
+    assert_eq!(
+        b.queued_runs().unwrap(),
+        Some(vec![first, second]),
+        "oldest first"
+    );
+    assert_eq!(
+        a.claim_queued(5, Some(second)).unwrap(),
+        Some(vec![(second, 1)])
+    );
+    assert_eq!(
+        a.claim_queued(5, Some(second)).unwrap(),
+        Some(vec![]),
+        "once"
+    );
+    assert_eq!(a.claim_queued(1, None).unwrap(), Some(vec![(first, 1)]));
+    a.commit(vec![run(second, Status::Running, a.epoch())])
+        .await
+        .unwrap();
+
+    // a dies having begun `second` but not `first`.
+    a.faults().hold_renewals(true);
+    lost(&a).await;
+    let claimed = claim_once_run_out(&store, &b, "a").await;
+    assert_eq!(claimed, vec![(second, 2)], "what began is taken over");
+    assert_eq!(
+        b.queued_runs().unwrap(),
+        Some(vec![first]),
+        "what did not is queued"
+    );
+    assert_eq!(b.claim_queued(5, None).unwrap(), Some(vec![(first, 2)]));
+    b.commit(vec![run(first, Status::Running, b.epoch())])
+        .await
+        .unwrap();
+    let epochs: Vec<(Vec<u8>, i64)> = claims(&store)
+        .await
+        .into_iter()
+        .filter(|(run, _, _)| run[..] == first.0.as_bytes()[..])
+        .map(|(run, epoch, _)| (run, epoch))
+        .collect();
+    assert_eq!(epochs.iter().map(|e| e.1).collect::<Vec<_>>(), [1, 2]);
+}

@@ -130,7 +130,9 @@ pub(crate) fn own_sql(sql: &Sql) -> String {
 
 /// Takes every run not settled whose owner's lease has run out, or whose
 /// owner's id has opened again since: each at its run epoch + 1, one
-/// `claims` row each; with the highest seq any node has written. A run is
+/// `claims` row each; with the highest seq any node has written. A run its
+/// owner claimed from the queue but had not begun (no `runs` record) goes
+/// back to the queue, where any node takes it at the next epoch. A run is
 /// settled once it has ended and a claimer has
 /// taken it once after, to tell again what a crash may have taken of its
 /// end (its last events, appended after the end was committed); a run not
@@ -172,28 +174,54 @@ async fn claim_once(
             holder.node
         )));
     }
-    let rows = tx
+    // First lock the orphans (waiting for, or skipping, a dead owner's
+    // transaction still in flight); then, in a statement that sees what
+    // that transaction committed, take those that began and requeue those
+    // that did not.
+    let orphans: Vec<Vec<u8>> = tx
         .query(
             &format!(
+                "SELECT o.run FROM {owners} o JOIN {nodes} n ON n.id = o.node \
+                 WHERE NOT o.settled AND (n.epoch <> o.node_epoch OR n.deadline < now()) \
+                 FOR UPDATE OF o, n{skip}",
+                owners = sql.owners,
+                nodes = sql.nodes,
+                skip = if wait { "" } else { " SKIP LOCKED" },
+            ),
+            &[],
+        )
+        .await
+        .map_err(db_error)?
+        .into_iter()
+        .map(|row| row.get(0))
+        .collect();
+    let rows = if orphans.is_empty() {
+        vec![]
+    } else {
+        tx.query(
+            &format!(
                 "WITH orphan AS ( \
-                   SELECT o.run FROM {owners} o JOIN {nodes} n ON n.id = o.node \
-                   WHERE NOT o.settled AND (n.epoch <> o.node_epoch OR n.deadline < now()) \
-                   FOR UPDATE OF o, n{skip}), \
+                   SELECT o.run, EXISTS (SELECT 1 FROM {runs} r WHERE r.key = o.run) AS began \
+                   FROM {owners} o WHERE o.run = ANY($3)), \
+                 requeued AS ( \
+                   UPDATE {owners} o SET node = NULL, node_epoch = 0, queued = clock_timestamp() \
+                   FROM orphan WHERE o.run = orphan.run AND NOT orphan.began), \
                  taken AS ( \
                    UPDATE {owners} o SET node = $1, node_epoch = $2, epoch = o.epoch + 1, \
                      settled = o.ended \
-                   FROM orphan WHERE o.run = orphan.run RETURNING o.run, o.epoch) \
+                   FROM orphan WHERE o.run = orphan.run AND orphan.began \
+                   RETURNING o.run, o.epoch) \
                  INSERT INTO {claims} (run, epoch, node, node_epoch) \
                  SELECT run, epoch, $1, $2 FROM taken RETURNING run, epoch",
                 owners = sql.owners,
-                nodes = sql.nodes,
                 claims = sql.claims,
-                skip = if wait { "" } else { " SKIP LOCKED" },
+                runs = sql.table(crate::table::RUNS.def.name),
             ),
-            &[&holder.node, &holder.epoch],
+            &[&holder.node, &holder.epoch, &orphans],
         )
         .await
-        .map_err(db_error)?;
+        .map_err(db_error)?
+    };
     // The highest seq any node wrote, read after the dead owners' rows were
     // locked (so after their last commit): the claimer's seqs go on above
     // it, so that an account's entries stay in order across owners.
@@ -326,7 +354,10 @@ pub(crate) async fn owner(
     let client = pool.get().await.map_err(pool_error)?;
     let row = client
         .query_opt(
-            &format!("SELECT node, epoch FROM {} WHERE run = $1", sql.owners),
+            &format!(
+                "SELECT node, epoch FROM {} WHERE run = $1 AND node IS NOT NULL",
+                sql.owners
+            ),
             &[&key],
         )
         .await
@@ -354,7 +385,8 @@ pub(crate) async fn nodes(pool: &Pool, sql: &Sql) -> Result<Vec<crate::engine::N
     let owned = client
         .query(
             &format!(
-                "SELECT node, run, epoch FROM {} WHERE NOT ended ORDER BY run",
+                "SELECT node, run, epoch FROM {} WHERE NOT ended AND node IS NOT NULL \
+                 ORDER BY run",
                 sql.owners
             ),
             &[],

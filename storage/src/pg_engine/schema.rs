@@ -13,7 +13,7 @@ use tokio_postgres::NoTls;
 
 /// The layout of the tables this build reads and writes (`meta/layout`).
 /// A database whose layout is another is refused, saying which.
-pub const PG_LAYOUT: u32 = 1;
+pub const PG_LAYOUT: u32 = 2;
 
 /// Connections in the pool for reads (the writer holds one of them).
 const POOL_SIZE: usize = 8;
@@ -32,6 +32,8 @@ pub(crate) struct Sql {
     pub(crate) nodes: String,
     pub(crate) owners: String,
     pub(crate) claims: String,
+    /// The channel a submission is announced on (`queue.rs`).
+    pub(crate) channel: String,
 }
 
 impl Sql {
@@ -44,6 +46,12 @@ impl Sql {
             nodes: qualified("nodes"),
             owners: qualified("owners"),
             claims: qualified("claims"),
+            // A channel's name has at most 63 bytes, as a schema's.
+            channel: if schema.len() <= 57 {
+                format!("arbor.{schema}")
+            } else {
+                schema.to_string()
+            },
         }
     }
 
@@ -315,10 +323,12 @@ pub(crate) async fn open(options: PgOptions, read_only: bool) -> Result<Opened, 
                    deadline timestamptz NOT NULL, lease_ms bigint NOT NULL,
                    opened_at timestamptz NOT NULL DEFAULT now(),
                    renewed_at timestamptz NOT NULL DEFAULT now());
-                 CREATE TABLE IF NOT EXISTS {owners} (run bytea PRIMARY KEY, node text NOT NULL,
+                 CREATE TABLE IF NOT EXISTS {owners} (run bytea PRIMARY KEY, node text,
                    node_epoch bigint NOT NULL, epoch bigint NOT NULL, ended boolean NOT NULL,
-                   settled boolean NOT NULL DEFAULT false);
+                   settled boolean NOT NULL DEFAULT false, queued timestamptz,
+                   CHECK ((node IS NULL) = (queued IS NOT NULL)));
                  CREATE INDEX IF NOT EXISTS owners_unsettled ON {owners} (node) WHERE NOT settled;
+                 CREATE INDEX IF NOT EXISTS owners_queued ON {owners} (queued, run) WHERE node IS NULL;
                  CREATE TABLE IF NOT EXISTS {claims} (run bytea NOT NULL, epoch bigint NOT NULL,
                    node text NOT NULL, node_epoch bigint NOT NULL,
                    claimed_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (run, epoch));

@@ -5,6 +5,7 @@
 
 use super::lease;
 use super::progress::Progress;
+use super::queue;
 use super::schema::{Holder, Sql, db_error, pool_error, successor};
 use crate::Error;
 use crate::faults::{CrashPoint, Faults};
@@ -163,6 +164,16 @@ impl Writer {
         }
         self.upsert(&tx, &rows).await?;
         self.own_runs(&tx, batch).await?;
+        let submitted: Vec<&[u8]> = batch
+            .iter()
+            .filter(|(table, _, value)| {
+                *table == crate::SUBMISSIONS_TABLE.name && !is_removal(value)
+            })
+            .map(|(_, key, _)| key.as_slice())
+            .collect();
+        if !submitted.is_empty() {
+            queue::enqueue(&tx, &self.sql, &submitted).await?;
+        }
         let seq = i64::try_from(last_seq).map_err(|_| Error::Postgres("seq past i64".into()))?;
         tx.execute(&self.sql.set_seq(), &[&holder.node, &seq])
             .await
