@@ -1005,3 +1005,43 @@ fn inv_50_two_nodes_race_for_one_queue_and_each_run_is_claimed_once_per_epoch() 
         assert_eq!(node.wait(), Some(0));
     }
 }
+
+/// Any node's API acts on another node's run: a steering message and a
+/// stop sent through b reach the run a owns, and b answers with a's answer.
+#[test]
+#[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
+fn a_run_is_steered_and_stopped_through_a_node_that_does_not_own_it() {
+    let (ws, url, schema) = shared_workspace();
+    let (data_a, data_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let listen = ["--listen", "127.0.0.1:0", "--node-id"];
+    let a = Arbord::start_with(ws.path(), data_a.path(), &[&listen[..], &["a"]].concat());
+    let run = a.submit(&["--agent", "slow", "--input", "wait"]);
+    let step = a.wait_running(&run);
+    let b = Arbord::start_with(ws.path(), data_b.path(), &[&listen[..], &["b"]].concat());
+
+    let steer = b.arbor(&["steer", &step, "hurry up"]);
+    assert_eq!(
+        code(&steer),
+        0,
+        "{}",
+        String::from_utf8_lossy(&steer.stderr)
+    );
+    let said = String::from_utf8_lossy(&steer.stdout).to_string();
+    assert!(said.contains("message"), "a's answer, through b: {said}");
+    // A message b refuses itself (empty) is never sent.
+    let refused = b.arbor(&["steer", &step, "   "]);
+    assert_ne!(code(&refused), 0);
+
+    let stop = b.arbor(&["stop", &run]);
+    assert_eq!(code(&stop), 0, "{}", String::from_utf8_lossy(&stop.stderr));
+    assert_eq!(ended(&a, &run), "stopped", "a stopped it");
+    assert_eq!(ended(&b, &run), "stopped");
+    let again = b.arbor(&["stop", &run]);
+    assert_ne!(code(&again), 0, "a stop of an ended run is refused");
+    let claims = check_the_database(&url, &schema, &run);
+    assert_eq!(claims, [(1, "a".to_string())], "it never moved");
+    for node in [a, b] {
+        node.signal(nix::sys::signal::Signal::SIGTERM);
+        assert_eq!(node.wait(), Some(0));
+    }
+}

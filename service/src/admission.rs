@@ -64,9 +64,9 @@ pub enum Place {
 
 pub struct Admission {
     node: Arc<EmbeddedNode>,
-    /// Woken by a submission through any node: the queue is the shared
+    /// Moves on at a submission through any node: the queue is the shared
     /// journal's. `None`: the queue is this node's own.
-    shared: Option<Arc<Notify>>,
+    shared: Option<tokio::sync::watch::Receiver<u64>>,
     max_running: usize,
     max_queued: usize,
     state: Mutex<State>,
@@ -99,7 +99,7 @@ impl Admission {
         max_queued: usize,
     ) -> Result<Arc<Self>, arbor_storage::Error> {
         let journal = node.journal();
-        let shared = journal.submitted();
+        let shared = journal.woken();
         let mut queue = VecDeque::new();
         let mut keys = HashMap::new();
         let mut next_order = 0;
@@ -333,13 +333,21 @@ impl Admission {
     /// submission and on a run's end (a `Notify` keeps one wake-up that
     /// comes while it is busy, so none is lost).
     pub async fn pump(self: Arc<Self>) {
+        let mut woken = self.shared.clone();
+        if let Some(woken) = &mut woken {
+            woken.mark_unchanged();
+        }
         while self.admit_ready().await {
-            match &self.shared {
+            match &mut woken {
                 None => self.wake.notified().await,
-                Some(submitted) => {
+                Some(woken) => {
                     tokio::select! {
                         _ = self.wake.notified() => {}
-                        _ = submitted.notified() => {}
+                        changed = woken.changed() => {
+                            if changed.is_err() {
+                                tokio::time::sleep(SHARED_POLL).await;
+                            }
+                        }
                         _ = tokio::time::sleep(SHARED_POLL) => {}
                     }
                 }

@@ -17,6 +17,7 @@ pub mod client;
 pub mod config;
 pub mod error;
 pub mod extract;
+mod forward;
 pub mod metrics;
 pub mod retention;
 mod routes;
@@ -147,6 +148,11 @@ impl Service {
                 .tasks
                 .spawn(retention::keep_finished(shared, keep));
         }
+        // Calls other nodes send about this node's runs (a shared journal's).
+        service.shared.tasks.spawn(forward::serve(
+            service.shared.clone(),
+            routes::handle_forwarded,
+        ));
         Ok(service)
     }
 

@@ -7,6 +7,7 @@ use crate::admission::{SubmitError, Submitted};
 use crate::api::*;
 use crate::error::ApiError;
 use crate::extract::{JsonBody, Path, Query};
+use crate::forward::{self, Forwarded};
 use crate::status::*;
 use aide::axum::ApiRouter;
 use aide::axum::routing::{get_with, post_with};
@@ -750,7 +751,16 @@ async fn stop_run(State(shared): S, Path(path): Path<IdPath>) -> Reply {
     if shared.admission.cancel(run, reason).await? {
         return Ok(stop_accepted(run, "stopped"));
     }
-    let tree = run_tree(&shared, run)
+    if let Some(owner) = forward::elsewhere(&shared, run)? {
+        return forward::send(&shared, run, &owner, Forwarded::StopRun { run }).await;
+    }
+    stop_run_here(&shared, run).await
+}
+
+/// Stops a run this node owns (or one it has no owner for: its own).
+async fn stop_run_here(shared: &Shared, run: RunId) -> Reply {
+    let reason = "stopped by an operator (API)";
+    let tree = run_tree(shared, run)
         .await?
         .ok_or_else(|| ApiError::not_found(format!("no run {run}")))?;
     let status = tree.run_status();
@@ -828,7 +838,15 @@ async fn get_job(State(shared): S, Path(path): Path<IdPath>) -> Reply {
 
 async fn stop_job(State(shared): S, Path(path): Path<IdPath>) -> Reply {
     let job = parse_job(&path.id)?;
-    let (run, tree) = job_tree(&shared, job)?;
+    let (run, _) = job_tree(&shared, job)?;
+    if let Some(owner) = forward::elsewhere(&shared, run)? {
+        return forward::send(&shared, run, &owner, Forwarded::StopJob { run, job }).await;
+    }
+    stop_job_here(&shared, run, job).await
+}
+
+async fn stop_job_here(shared: &Shared, run: RunId, job: JobId) -> Reply {
+    let (_, tree) = job_tree(shared, job)?;
     let status = tree.node(job).map(|n| n.status).unwrap_or(Status::Done);
     if status.is_terminal() {
         return Err(ApiError::conflict(format!(
@@ -861,18 +879,43 @@ async fn decide_approval(
     Path(path): Path<IdPath>,
     JsonBody(body): JsonBody<DecisionBody>,
 ) -> Reply {
-    use arbor_runtime::{Decide, DecideError};
     let id: arbor_protocol::CardId = path.id.parse().map_err(|_| {
         ApiError::bad_request(format!("{:?} is not an approval card id (a UUID)", path.id))
     })?;
     if body.reason.as_ref().is_some_and(|r| r.len() > 4096) {
         return Err(ApiError::refused("`reason` is longer than 4096 bytes"));
     }
+    let run = shared
+        .node
+        .approvals(None, None)?
+        .into_iter()
+        .find(|card| card.id == id)
+        .map(|card| card.run);
+    if let Some(run) = run
+        && let Some(owner) = forward::elsewhere(&shared, run)?
+    {
+        let call = Forwarded::Decide {
+            card: id,
+            body,
+            by: caller.0,
+        };
+        return forward::send(&shared, run, &owner, call).await;
+    }
+    decide_here(&shared, id, body, caller.0).await
+}
+
+async fn decide_here(
+    shared: &Shared,
+    id: arbor_protocol::CardId,
+    body: DecisionBody,
+    by: String,
+) -> Reply {
+    use arbor_runtime::{Decide, DecideError};
     let decide = Decide {
         verdict: body.decision,
         reason: body.reason,
         args: body.args,
-        by: caller.0,
+        by,
     };
     match shared.node.decide(id, decide).await {
         Ok(card) => Ok(json(StatusCode::OK, CardView::from(card))),
@@ -901,7 +944,19 @@ async fn steer_job(
             shared.config.max_input_bytes
         )));
     }
-    let (_, tree) = job_tree(&shared, job)?;
+    let (run, _) = job_tree(&shared, job)?;
+    if let Some(owner) = forward::elsewhere(&shared, run)? {
+        let call = Forwarded::Steer {
+            job,
+            text: body.text,
+        };
+        return forward::send(&shared, run, &owner, call).await;
+    }
+    steer_here(&shared, job, body.text).await
+}
+
+async fn steer_here(shared: &Shared, job: JobId, text: String) -> Reply {
+    let (_, tree) = job_tree(shared, job)?;
     if let Some(status) = tree.node(job).map(|n| n.status)
         && status.is_terminal()
     {
@@ -911,10 +966,27 @@ async fn steer_job(
     }
     let message_id = shared
         .node
-        .steer(job, &body.text)
+        .steer(job, &text)
         .await
         .map_err(|refusal| ApiError::conflict(refusal.to_string()))?;
     Ok(json(StatusCode::ACCEPTED, SteerQueued { job, message_id }))
+}
+
+/// Acts on a call another node sent about a run this node owns
+/// (`forward.rs`), as this node's API would.
+pub(crate) fn handle_forwarded(
+    shared: Arc<Shared>,
+    call: Forwarded,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = Response> + Send + 'static>> {
+    Box::pin(async move {
+        let reply = match call {
+            Forwarded::StopRun { run } => stop_run_here(&shared, run).await,
+            Forwarded::StopJob { run, job } => stop_job_here(&shared, run, job).await,
+            Forwarded::Steer { job, text } => steer_here(&shared, job, text).await,
+            Forwarded::Decide { card, body, by } => decide_here(&shared, card, body, by).await,
+        };
+        reply.unwrap_or_else(IntoResponse::into_response)
+    })
 }
 
 async fn continue_job(State(shared): S, Path(path): Path<IdPath>) -> Reply {

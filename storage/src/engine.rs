@@ -23,7 +23,6 @@ use crate::table::{Row, TableDef};
 use crate::{Error, Faults};
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 
 /// Where a scan reads.
 #[derive(Clone, Copy, Debug)]
@@ -44,6 +43,9 @@ pub type WalkVisit<'v> = dyn FnMut(&[u8], Result<&[u8], String>) + 'v;
 /// A run taken over (`Engine::claim_orphans`): its key (the run's id) and
 /// its new run epoch.
 pub type Claimed = (Vec<u8>, u64);
+
+/// A request sent to a run's owner: (its id, the run's key, its body).
+pub type Request = (i64, Vec<u8>, Vec<u8>);
 
 /// A node of a shared journal, as `Engine::nodes` reads it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -179,9 +181,37 @@ pub trait Engine: Send + Sync + 'static {
         Ok(None)
     }
 
-    /// A shared journal's: woken when a run is submitted through any node.
-    fn submitted(&self) -> Option<Arc<tokio::sync::Notify>> {
+    /// A shared journal's: this node's id in it.
+    fn node_id(&self) -> Option<String> {
         None
+    }
+
+    /// A shared journal's: moves on when a run is submitted, or a request
+    /// sent or answered, through any node.
+    fn woken(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        None
+    }
+
+    /// A shared journal's: sends a request (an API call's, `body`) to the
+    /// node that owns `run`; its id. `None`: the journal is the node's alone.
+    fn send_request(&self, _run: &[u8], _body: Vec<u8>) -> Result<Option<i64>, Error> {
+        Ok(None)
+    }
+
+    /// A shared journal's: the requests not yet answered for runs this node
+    /// owns, oldest first.
+    fn take_requests(&self) -> Result<Option<Vec<Request>>, Error> {
+        Ok(None)
+    }
+
+    /// Records the answer to request `id`, and tells its sender.
+    fn answer_request(&self, _id: i64, _answer: Vec<u8>) -> Result<(), Error> {
+        Ok(())
+    }
+
+    /// The answer to request `id`, once there is one.
+    fn request_answer(&self, _id: i64) -> Result<Option<Vec<u8>>, Error> {
+        Ok(None)
     }
 
     /// A shared journal's: which node owns the run under `key`, at which

@@ -200,9 +200,45 @@ impl Journal {
         self.engine.lost().is_some()
     }
 
-    /// A shared journal's: woken when a run is submitted through any node.
-    pub fn submitted(&self) -> Option<std::sync::Arc<tokio::sync::Notify>> {
-        self.engine.submitted()
+    /// A shared journal's: this node's id in it. `None`: the journal is
+    /// the node's alone.
+    pub fn node_id(&self) -> Option<String> {
+        self.engine.node_id()
+    }
+
+    /// A shared journal's: moves on when a run is submitted, or a request
+    /// sent or answered, through any node (a notification may be lost with
+    /// a connection: look by the clock too).
+    pub fn woken(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        self.engine.woken()
+    }
+
+    /// A shared journal's: sends a request (an API call's, `body`) to the
+    /// node that owns `run`, which answers it (`take_requests`); its id.
+    /// `None`: the journal is the node's alone.
+    pub fn send_request(&self, run: RunId, body: Vec<u8>) -> Result<Option<i64>, Error> {
+        self.engine.send_request(run.0.as_bytes(), body)
+    }
+
+    /// A shared journal's: the requests not yet answered for runs this node
+    /// owns, oldest first: (id, run, body).
+    pub fn take_requests(&self) -> Result<Vec<(i64, RunId, Vec<u8>)>, Error> {
+        self.engine
+            .take_requests()?
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(id, run, body)| Ok((id, run_id(&run)?, body)))
+            .collect()
+    }
+
+    /// Records the answer to request `id`, and tells its sender.
+    pub fn answer_request(&self, id: i64, answer: Vec<u8>) -> Result<(), Error> {
+        self.engine.answer_request(id, answer)
+    }
+
+    /// The answer to request `id`, once there is one.
+    pub fn request_answer(&self, id: i64) -> Result<Option<Vec<u8>>, Error> {
+        self.engine.request_answer(id)
     }
 
     /// A shared journal's: the node that owns `run` and the run's epoch

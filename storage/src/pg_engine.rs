@@ -44,7 +44,7 @@ mod writer;
 
 use crate::Error;
 use crate::engine::{
-    Claimed, Counters, Durable, Engine, NodeLease, OwnedRow, Span, Visit, WalkVisit,
+    Claimed, Counters, Durable, Engine, NodeLease, OwnedRow, Request, Span, Visit, WalkVisit,
 };
 use crate::faults::Faults;
 use crate::overlay::{Entry, Overlay, removal};
@@ -84,8 +84,9 @@ pub struct PgEngine {
     released: Arc<AtomicBool>,
     /// Told by the writer as it ends, for the drop to wait on.
     writer_done: Mutex<Option<mpsc::Receiver<()>>>,
-    /// Woken when a run is submitted through any node (`queue.rs`).
-    submitted: Arc<tokio::sync::Notify>,
+    /// Moves on at each notification of the schema's channel: a run
+    /// submitted, a request sent or answered, through any node (`queue.rs`).
+    woken: watch::Receiver<u64>,
 }
 
 impl PgEngine {
@@ -148,15 +149,11 @@ impl PgEngine {
         let sql = Arc::new(sql);
         let (lost_tx, lost) = watch::channel(None);
         let released = Arc::new(AtomicBool::new(false));
-        let submitted = Arc::new(tokio::sync::Notify::new());
+        let (woken_tx, woken) = watch::channel(0u64);
         let (work, writer_done) = if read_only {
             (None, None)
         } else {
-            runtime.spawn(queue::listen(
-                config.clone(),
-                Arc::clone(&sql),
-                Arc::clone(&submitted),
-            ));
+            runtime.spawn(queue::listen(config.clone(), Arc::clone(&sql), woken_tx));
             runtime.spawn(lease::keep(
                 config,
                 Arc::clone(&sql),
@@ -200,7 +197,7 @@ impl PgEngine {
             faults,
             work,
             writer_done: Mutex::new(writer_done),
-            submitted,
+            woken,
         })
     }
 
@@ -518,8 +515,41 @@ impl Engine for PgEngine {
             .map(Some)
     }
 
-    fn submitted(&self) -> Option<Arc<tokio::sync::Notify>> {
-        Some(Arc::clone(&self.submitted))
+    fn node_id(&self) -> Option<String> {
+        Some(self.holder.node.clone())
+    }
+
+    fn woken(&self) -> Option<watch::Receiver<u64>> {
+        Some(self.woken.clone())
+    }
+
+    fn send_request(&self, run: &[u8], body: Vec<u8>) -> Result<Option<i64>, Error> {
+        if let Some(refused) = self.refusal() {
+            return Err(refused);
+        }
+        let (pool, sql, run) = (self.pool.clone(), Arc::clone(&self.sql), run.to_vec());
+        self.block(async move { queue::send_request(&pool, &sql, run, body).await })
+            .map(Some)
+    }
+
+    fn take_requests(&self) -> Result<Option<Vec<Request>>, Error> {
+        let (pool, sql, holder) = (
+            self.pool.clone(),
+            Arc::clone(&self.sql),
+            self.holder.clone(),
+        );
+        self.block(async move { queue::take_requests(&pool, &sql, &holder).await })
+            .map(Some)
+    }
+
+    fn answer_request(&self, id: i64, answer: Vec<u8>) -> Result<(), Error> {
+        let (pool, sql) = (self.pool.clone(), Arc::clone(&self.sql));
+        self.block(async move { queue::answer_request(&pool, &sql, id, answer).await })
+    }
+
+    fn request_answer(&self, id: i64) -> Result<Option<Vec<u8>>, Error> {
+        let (pool, sql) = (self.pool.clone(), Arc::clone(&self.sql));
+        self.block(async move { queue::request_answer(&pool, &sql, id).await })
     }
 }
 

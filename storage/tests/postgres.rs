@@ -402,10 +402,12 @@ async fn inv_50_queued_runs_three_nodes_race_for_are_each_claimed_once_per_epoch
     let mut submitted: Vec<RunId> = (0..60).map(|_| RunId::new()).collect();
     // Woken by any node's submission: first the wake of its listener's
     // connect, then the one this commit announces.
-    let woken = nodes[2].submitted().expect("a shared queue");
-    tokio::time::timeout(Duration::from_secs(10), woken.notified())
+    let mut woken = nodes[2].woken().expect("a shared queue");
+    tokio::time::timeout(Duration::from_secs(10), woken.wait_for(|n| *n > 0))
         .await
-        .expect("the listener connects");
+        .expect("the listener connects")
+        .unwrap();
+    woken.mark_unchanged();
     nodes[0]
         .commit(
             submitted
@@ -415,9 +417,10 @@ async fn inv_50_queued_runs_three_nodes_race_for_are_each_claimed_once_per_epoch
         )
         .await
         .unwrap();
-    tokio::time::timeout(Duration::from_secs(10), woken.notified())
+    tokio::time::timeout(Duration::from_secs(10), woken.changed())
         .await
-        .expect("node c hears of the submission");
+        .expect("node c hears of the submission")
+        .unwrap();
     let mut queued = nodes[1].queued_runs().unwrap().unwrap();
     queued.sort();
     submitted.sort();

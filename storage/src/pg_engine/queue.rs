@@ -7,17 +7,22 @@
 //! claimed once per epoch. A run whose claimer died before it started
 //! (no `runs` record) goes back to the queue (`lease::claim_orphans`).
 //!
-//! A submission is announced on the schema's channel in its own
-//! transaction (delivered at its commit); each node listens on a
-//! connection of its own, and looks at the queue again also by the clock,
-//! for a notification lost with a connection.
+//! A request for another node's run (a stop, a steering message, a
+//! decision, sent through any node's API) is a row of `requests`: the
+//! run's owner takes the requests of its runs, acts, and writes the answer
+//! there for the sender.
+//!
+//! A submission, a request and an answer are each announced on the
+//! schema's channel in their own transaction (delivered at its commit);
+//! each node listens on a connection of its own, and looks again also by
+//! the clock, for a notification lost with a connection.
 
 use super::schema::{Holder, Sql, db_error, pg, pool_error};
 use crate::Error;
 use deadpool_postgres::{Pool, Transaction};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::Notify;
+use tokio::sync::watch;
 
 /// Queues the runs under `keys` that no node owns yet (a submission's
 /// first record; its later ones change nothing here), and announces them.
@@ -112,21 +117,117 @@ pub(crate) async fn queued(pool: &Pool, sql: &Sql) -> Result<Vec<Vec<u8>>, Error
     Ok(rows.into_iter().map(|row| row.get(0)).collect())
 }
 
+/// Sends a request for `run` to its owner; its id.
+pub(crate) async fn send_request(
+    pool: &Pool,
+    sql: &Sql,
+    run: Vec<u8>,
+    body: Vec<u8>,
+) -> Result<i64, Error> {
+    let mut client = pool.get().await.map_err(pool_error)?;
+    let tx = client.transaction().await.map_err(db_error)?;
+    let id: i64 = tx
+        .query_one(
+            &format!(
+                "INSERT INTO {} (run, body) VALUES ($1, $2) RETURNING id",
+                sql.requests
+            ),
+            &[&run, &body],
+        )
+        .await
+        .map_err(db_error)?
+        .get(0);
+    tx.execute("SELECT pg_notify($1, '')", &[&sql.channel])
+        .await
+        .map_err(db_error)?;
+    tx.commit().await.map_err(db_error)?;
+    Ok(id)
+}
+
+/// The open requests for runs this node owns under this open's epoch.
+pub(crate) async fn take_requests(
+    pool: &Pool,
+    sql: &Sql,
+    holder: &Holder,
+) -> Result<Vec<crate::engine::Request>, Error> {
+    let client = pool.get().await.map_err(pool_error)?;
+    let rows = client
+        .query(
+            &format!(
+                "SELECT r.id, r.run, r.body FROM {requests} r JOIN {owners} o ON o.run = r.run \
+                 WHERE r.answer IS NULL AND o.node = $1 AND o.node_epoch = $2 ORDER BY r.id",
+                requests = sql.requests,
+                owners = sql.owners
+            ),
+            &[&holder.node, &holder.epoch],
+        )
+        .await
+        .map_err(db_error)?;
+    Ok(rows
+        .into_iter()
+        .map(|row| (row.get(0), row.get(1), row.get(2)))
+        .collect())
+}
+
+/// Writes the answer to request `id` (once: a second answer is ignored).
+pub(crate) async fn answer_request(
+    pool: &Pool,
+    sql: &Sql,
+    id: i64,
+    answer: Vec<u8>,
+) -> Result<(), Error> {
+    let mut client = pool.get().await.map_err(pool_error)?;
+    let tx = client.transaction().await.map_err(db_error)?;
+    tx.execute(
+        &format!(
+            "UPDATE {} SET answer = $2, answered_at = now() WHERE id = $1 AND answer IS NULL",
+            sql.requests
+        ),
+        &[&id, &answer],
+    )
+    .await
+    .map_err(db_error)?;
+    tx.execute("SELECT pg_notify($1, '')", &[&sql.channel])
+        .await
+        .map_err(db_error)?;
+    tx.commit().await.map_err(db_error)
+}
+
+pub(crate) async fn request_answer(
+    pool: &Pool,
+    sql: &Sql,
+    id: i64,
+) -> Result<Option<Vec<u8>>, Error> {
+    let client = pool.get().await.map_err(pool_error)?;
+    let row = client
+        .query_opt(
+            &format!("SELECT answer FROM {} WHERE id = $1", sql.requests),
+            &[&id],
+        )
+        .await
+        .map_err(db_error)?;
+    Ok(row.and_then(|row| row.get(0)))
+}
+
 /// Until the engine's runtime ends: listens on the schema's channel and
 /// wakes `woken` at each notification (and at each connect, which may
 /// have missed some). A lost connection is made again after a second.
-pub(crate) async fn listen(config: tokio_postgres::Config, sql: Arc<Sql>, woken: Arc<Notify>) {
+pub(crate) async fn listen(
+    config: tokio_postgres::Config,
+    sql: Arc<Sql>,
+    woken: watch::Sender<u64>,
+) {
     let listen = format!("LISTEN \"{}\"", sql.channel);
     loop {
         match config.connect(tokio_postgres::NoTls).await {
             Ok((client, mut connection)) => {
-                let woken_here = Arc::clone(&woken);
+                let woken_here = woken.clone();
                 // Polling the connection drives the client's statements too.
                 let messages = tokio::spawn(async move {
                     loop {
                         match std::future::poll_fn(|cx| connection.poll_message(cx)).await {
                             Some(Ok(tokio_postgres::AsyncMessage::Notification(_))) => {
-                                woken_here.notify_one()
+                                woken_here.send_modify(|n| *n += 1)
                             }
                             Some(Ok(_)) => {}
                             Some(Err(e)) => {
@@ -139,7 +240,7 @@ pub(crate) async fn listen(config: tokio_postgres::Config, sql: Arc<Sql>, woken:
                 });
                 match client.batch_execute(&listen).await {
                     Ok(()) => {
-                        woken.notify_one();
+                        woken.send_modify(|n| *n += 1);
                         let _ = messages.await;
                     }
                     Err(e) => {

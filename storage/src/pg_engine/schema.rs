@@ -32,6 +32,7 @@ pub(crate) struct Sql {
     pub(crate) nodes: String,
     pub(crate) owners: String,
     pub(crate) claims: String,
+    pub(crate) requests: String,
     /// The channel a submission is announced on (`queue.rs`).
     pub(crate) channel: String,
 }
@@ -46,6 +47,7 @@ impl Sql {
             nodes: qualified("nodes"),
             owners: qualified("owners"),
             claims: qualified("claims"),
+            requests: qualified("requests"),
             // A channel's name has at most 63 bytes, as a schema's.
             channel: if schema.len() <= 57 {
                 format!("arbor.{schema}")
@@ -329,6 +331,10 @@ pub(crate) async fn open(options: PgOptions, read_only: bool) -> Result<Opened, 
                    CHECK ((node IS NULL) = (queued IS NOT NULL)));
                  CREATE INDEX IF NOT EXISTS owners_unsettled ON {owners} (node) WHERE NOT settled;
                  CREATE INDEX IF NOT EXISTS owners_queued ON {owners} (queued, run) WHERE node IS NULL;
+                 CREATE TABLE IF NOT EXISTS {requests} (id bigserial PRIMARY KEY, run bytea NOT NULL,
+                   body bytea NOT NULL, sent_at timestamptz NOT NULL DEFAULT now(),
+                   answer bytea, answered_at timestamptz);
+                 CREATE INDEX IF NOT EXISTS requests_open ON {requests} (run) WHERE answer IS NULL;
                  CREATE TABLE IF NOT EXISTS {claims} (run bytea NOT NULL, epoch bigint NOT NULL,
                    node text NOT NULL, node_epoch bigint NOT NULL,
                    claimed_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (run, epoch));
@@ -340,6 +346,7 @@ pub(crate) async fn open(options: PgOptions, read_only: bool) -> Result<Opened, 
                 nodes = sql.nodes,
                 owners = sql.owners,
                 claims = sql.claims,
+                requests = sql.requests,
                 format = codec::FORMAT_VERSION,
             );
             for table in &sql.tables {
