@@ -1045,3 +1045,34 @@ fn a_run_is_steered_and_stopped_through_a_node_that_does_not_own_it() {
         assert_eq!(node.wait(), Some(0));
     }
 }
+
+/// A drained node's running runs move: SIGTERM to the owner stops its run
+/// here (its processes end, nothing lost), ends its lease, and exits 0; the
+/// other node takes the run at once, at the next epoch, and runs it on.
+#[test]
+#[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
+fn a_drained_nodes_running_run_moves_to_another_node() {
+    let (ws, url, schema) = shared_workspace();
+    let (data_a, data_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let listen = ["--listen", "127.0.0.1:0", "--node-id"];
+    let a = Arbord::start_with(ws.path(), data_a.path(), &[&listen[..], &["a"]].concat());
+    let run = a.submit(&["--agent", "slow", "--input", "wait"]);
+    let step = a.wait_running(&run);
+    let b = Arbord::start_with(ws.path(), data_b.path(), &[&listen[..], &["b"]].concat());
+    a.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(a.wait(), Some(0), "a drains and exits 0");
+    let again = b.wait_running_except(&run, &[&step]);
+    assert_ne!(again, step, "b runs the step again");
+    let doc = b.json(&["show", &run]);
+    assert_eq!(
+        (doc["owner"].as_str(), doc["epoch"].as_u64()),
+        (Some("b"), Some(2))
+    );
+    let stop = b.arbor(&["stop", &run]);
+    assert_eq!(code(&stop), 0, "{}", String::from_utf8_lossy(&stop.stderr));
+    assert_eq!(ended(&b, &run), "stopped");
+    let claims = check_the_database(&url, &schema, &run);
+    assert_eq!(claims, [(1, "a".to_string()), (2, "b".to_string())]);
+    b.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(b.wait(), Some(0));
+}

@@ -773,6 +773,25 @@ impl EmbeddedNode {
         Ok(())
     }
 
+    /// On a shared journal, in place of `close`: the node's runs are
+    /// stopped here without a word to the journal (it refuses every write
+    /// from now on), so they stand as a crash leaves them, and the lease
+    /// ends: another node takes them at its next look and resumes them
+    /// (I-51).
+    /// `false`: the journal is the node's alone; nothing was done.
+    pub async fn hand_over(&self) -> bool {
+        if !self.ctx.journal.hand_over() {
+            return false;
+        }
+        tracing::info!("handing this node's runs to the other nodes");
+        // The journal refuses the stop's records: that is the point.
+        let _ = self.close().await;
+        if let Err(error) = self.ctx.journal.flush_store() {
+            tracing::warn!(%error, "ending the lease");
+        }
+        true
+    }
+
     /// `shutdown` through a shared handle (the service holds the node in an
     /// `Arc`). Afterwards the node takes no more runs; a second call only
     /// flushes the journal again.

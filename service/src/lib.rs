@@ -247,7 +247,10 @@ impl Service {
             };
             let _ = tokio::time::timeout(shared.config.drain, all_ended).await;
         }
-        if let Err(error) = shared.node.close().await {
+        // On a shared journal the runs still running move to another node.
+        if !shared.node.hand_over().await
+            && let Err(error) = shared.node.close().await
+        {
             tracing::error!(%error, "the node did not close cleanly");
         }
         shared.stopped.cancel();

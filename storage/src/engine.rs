@@ -181,6 +181,15 @@ pub trait Engine: Send + Sync + 'static {
         Ok(None)
     }
 
+    /// A shared journal's, as its node drains: writes what is queued, then
+    /// refuses every write, so that the runs the node stops next are left
+    /// as a crash leaves them, for another node to take and resume; the
+    /// lease stays the node's until `flush_store` or the close ends it.
+    /// `false`: nothing done (the journal is the node's alone).
+    fn hand_over(&self) -> bool {
+        false
+    }
+
     /// A shared journal's: this node's id in it.
     fn node_id(&self) -> Option<String> {
         None

@@ -442,6 +442,11 @@ impl Journal {
         self.engine.leave_unapplied_at_close()
     }
 
+    /// See `Engine::hand_over`.
+    pub fn hand_over(&self) -> bool {
+        self.engine.hand_over()
+    }
+
     /// See `Engine::flush_store`.
     pub fn flush_store(&self) -> Result<(), Error> {
         self.engine.flush_store()

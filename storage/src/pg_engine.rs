@@ -49,7 +49,7 @@ use crate::engine::{
 use crate::faults::Faults;
 use crate::overlay::{Entry, Overlay, removal};
 use crate::table::{Key, Row, TableDef};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, mpsc};
 use std::time::Duration;
 use tokio::sync::{mpsc as tmpsc, watch};
@@ -80,8 +80,8 @@ pub struct PgEngine {
     holder: schema::Holder,
     /// Says why once the lease is lost (`lease.rs`).
     lost: watch::Receiver<Option<String>>,
-    /// Set once the lease was ended on purpose: its keeper stops quietly.
-    released: Arc<AtomicBool>,
+    /// What the node means to do with its lease, for its keeper.
+    intent: Arc<lease::Intent>,
     /// Told by the writer as it ends, for the drop to wait on.
     writer_done: Mutex<Option<mpsc::Receiver<()>>>,
     /// Moves on at each notification of the schema's channel: a run
@@ -148,7 +148,7 @@ impl PgEngine {
         let faults = Arc::new(Faults::default());
         let sql = Arc::new(sql);
         let (lost_tx, lost) = watch::channel(None);
-        let released = Arc::new(AtomicBool::new(false));
+        let intent = Arc::new(lease::Intent::default());
         let (woken_tx, woken) = watch::channel(0u64);
         let (work, writer_done) = if read_only {
             (None, None)
@@ -160,7 +160,7 @@ impl PgEngine {
                 holder.clone(),
                 Arc::clone(&progress),
                 Arc::clone(&faults),
-                Arc::clone(&released),
+                Arc::clone(&intent),
                 lost_tx.clone(),
             ));
             let (work, queue) = tmpsc::unbounded_channel();
@@ -189,7 +189,7 @@ impl PgEngine {
             epoch: u64::try_from(holder.epoch).unwrap_or(0),
             holder,
             lost,
-            released,
+            intent,
             read_only,
             last_seq: Mutex::new(last_seq),
             overlay,
@@ -266,7 +266,7 @@ impl PgEngine {
     fn release(&self) {
         if self.read_only
             || self.lost.borrow().is_some()
-            || self.released.swap(true, Ordering::AcqRel)
+            || self.intent.released.swap(true, Ordering::AcqRel)
         {
             return;
         }
@@ -513,6 +513,24 @@ impl Engine for PgEngine {
         let (pool, sql) = (self.pool.clone(), Arc::clone(&self.sql));
         self.block(async move { queue::queued(&pool, &sql).await })
             .map(Some)
+    }
+
+    /// Writes what is queued, then takes no more writes, keeping the lease
+    /// for the node to stop its runs; `flush_store` then ends it.
+    fn hand_over(&self) -> bool {
+        if self.read_only || self.refusal().is_some() {
+            return false;
+        }
+        self.drain();
+        self.intent.handing_over.store(true, Ordering::Release);
+        self.progress.fail(
+            "handing its runs to the other nodes",
+            Error::Fenced(format!(
+                "node {:?} drains: its runs go to the other nodes, and it commits nothing more",
+                self.holder.node
+            )),
+        );
+        true
     }
 
     fn node_id(&self) -> Option<String> {

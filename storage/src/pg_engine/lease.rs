@@ -237,6 +237,16 @@ async fn claim_once(
     Ok((claimed, last_seq))
 }
 
+/// What the node means to do with its lease, for its keeper (`keep`).
+#[derive(Default)]
+pub(crate) struct Intent {
+    /// The lease was ended on purpose: the keeper stops quietly.
+    pub(crate) released: std::sync::atomic::AtomicBool,
+    /// The node hands its runs over: the keeper renews on although the
+    /// journal has failed, until the lease is released.
+    pub(crate) handing_over: std::sync::atomic::AtomicBool,
+}
+
 /// Renews the lease every third of it, on a connection of its own (a busy
 /// pool never starves it), until the engine is dropped or the lease is
 /// lost; tells `lost` why when it is.
@@ -246,7 +256,7 @@ pub(crate) async fn keep(
     holder: Holder,
     progress: Arc<Progress>,
     faults: Arc<crate::Faults>,
-    released: Arc<std::sync::atomic::AtomicBool>,
+    intent: Arc<Intent>,
     lost: watch::Sender<Option<String>>,
 ) {
     let renew = format!(
@@ -262,7 +272,7 @@ pub(crate) async fn keep(
     let why = loop {
         let next = (Instant::now() + every).min(valid_until);
         tokio::time::sleep_until(next).await;
-        if lost.is_closed() || released.load(std::sync::atomic::Ordering::Acquire) {
+        if lost.is_closed() || intent.released.load(std::sync::atomic::Ordering::Acquire) {
             return; // the engine is gone, or ended its lease on purpose
         }
         if Instant::now() >= valid_until {
@@ -275,7 +285,14 @@ pub(crate) async fn keep(
         }
         // A journal that failed commits nothing more: the node must not
         // keep its runs from the others by renewing a lease it cannot use.
-        if let Some(failure) = progress.failure.get() {
+        // A node handing its runs over (`PgEngine::hand_over`) failed its
+        // journal on purpose: it keeps its lease until its runs are stopped
+        // here, then ends it.
+        if let Some(failure) = progress.failure.get().filter(|_| {
+            !intent
+                .handing_over
+                .load(std::sync::atomic::Ordering::Acquire)
+        }) {
             break format!(
                 "node {:?} stops renewing its lease: its journal failed ({failure}); its \
                  runs go to another node once the lease runs out",
@@ -311,7 +328,7 @@ pub(crate) async fn keep(
         .await;
         match renewed {
             Ok(Ok(Some(_))) => valid_until = sent + holder.lease - holder.margin(),
-            Ok(Ok(None)) if released.load(std::sync::atomic::Ordering::Acquire) => return,
+            Ok(Ok(None)) if intent.released.load(std::sync::atomic::Ordering::Acquire) => return,
             Ok(Ok(None)) => {
                 break format!(
                     "node {:?}'s lease ran out before it was renewed (the database's clock); \
