@@ -8,6 +8,8 @@
 //!                                                       # the fan-out as whole `arbor run` processes
 //! cargo run --release -p arbor-bench -- P4 --jobs 20000 # P4 at another size
 //! cargo run -p arbor-bench -- all --quick               # small sizes: each goal runs and reports
+//! ARBOR_DATABASE_URL=postgres://... target/release/arbor-bench C
+//!                                                       # several arbords on one PostgreSQL
 //! ```
 //!
 //! Progress goes to stderr; the report to stdout. Every node and journal is
@@ -52,6 +54,11 @@
 //! holds|misses`. It runs the `arbor` built beside `arbor-bench`; under
 //! `all`, without one, it says `W skipped: <why>` and is not a failure.
 //!
+//! `C` (never part of `all`: it needs a PostgreSQL server, named by
+//! `ARBOR_DATABASE_URL`) measures arbords sharing one journal
+//! (`cluster.rs`): one node against three on many small runs, then the
+//! failover time, ending with a `C` line and an `F` line.
+//!
 //! # Goals
 //!
 //! | id | arbor | baseline | goal |
@@ -81,6 +88,7 @@
 //!   process's RSS, so a second measurement in one process sees little.
 
 mod bare;
+mod cluster;
 mod goals;
 mod report;
 mod trial;
@@ -159,6 +167,9 @@ fn main() -> ExitCode {
     if whole != Whole::No {
         failures += run_whole(&args, whole);
     }
+    if args.goals.iter().any(|g| g.eq_ignore_ascii_case("C")) {
+        failures += runtime.block_on(run_cluster(args.quick));
+    }
     if failures == 0 {
         ExitCode::SUCCESS
     } else {
@@ -179,7 +190,7 @@ enum Whole {
 /// The goals named on the command line, in goal order, and W.
 fn chosen(names: &[String]) -> Result<(Vec<Goal>, Whole), String> {
     if names.is_empty() {
-        return Err("name the goals to run: `all`, W, or P1 ... P7, M1".into());
+        return Err("name the goals to run: `all`, W, C, or P1 ... P7, M1".into());
     }
     let (mut goals, mut whole) = (vec![], Whole::No);
     for name in names {
@@ -192,6 +203,9 @@ fn chosen(names: &[String]) -> Result<(Vec<Goal>, Whole), String> {
         }
         if name.eq_ignore_ascii_case("W") {
             whole = Whole::Asked;
+            continue;
+        }
+        if name.eq_ignore_ascii_case("C") {
             continue;
         }
         goals.push(
@@ -228,6 +242,28 @@ fn run_whole(args: &Args, whole: Whole) -> usize {
         Err(why) => {
             println!("W could not run: {why:#}");
             eprintln!("W could not run: {why:#}");
+            1
+        }
+    }
+}
+
+/// Measures C and F and prints their report; returns 1 if they could not run.
+async fn run_cluster(quick: bool) -> usize {
+    let measured = async {
+        let arbord = cluster::arbord_beside_me()?;
+        let url = std::env::var("ARBOR_DATABASE_URL")
+            .map_err(|_| anyhow::anyhow!("C needs a PostgreSQL server: set ARBOR_DATABASE_URL"))?;
+        cluster::run(arbord, url, quick).await
+    };
+    println!();
+    match measured.await {
+        Ok(measured) => {
+            measured.print();
+            0
+        }
+        Err(why) => {
+            println!("C could not run: {why:#}");
+            eprintln!("C could not run: {why:#}");
             1
         }
     }

@@ -60,6 +60,9 @@ enum Command {
     /// Check or read a node's journal.
     #[command(subcommand)]
     Journal(JournalCommand),
+    /// The nodes of a shared journal.
+    #[command(subcommand)]
+    Node(NodeCommand),
     /// Lint a workspace: every problem in one pass (exit 1 if any is an error).
     Check { dir: PathBuf },
     /// arbord's tree: every run running or queued, its steps and jobs, their accounts.
@@ -119,6 +122,14 @@ struct ContinueArgs {
     /// Print the continuation's tree as JSON.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Subcommand)]
+enum NodeCommand {
+    /// Drain a node (any node of the journal answers): it takes no more
+    /// runs, lets its running ones finish for its `drain` time, hands the
+    /// rest to the other nodes, and exits 0.
+    Drain { id: String },
 }
 
 #[derive(Subcommand)]
@@ -246,6 +257,9 @@ fn main() -> ExitCode {
             }
             Command::Events { run, follow } => {
                 with_client(&conn, |c| Box::pin(client::events(c, &run, follow))).await
+            }
+            Command::Node(NodeCommand::Drain { id }) => {
+                with_client(&conn, |c| Box::pin(client::drain_node(c, &id))).await
             }
             Command::Journal(JournalCommand::Verify { place }) => journal::verify(&place),
             Command::Journal(JournalCommand::Inspect { place, run, json }) => {

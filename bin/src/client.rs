@@ -635,6 +635,29 @@ pub async fn steer(client: &Client, job: &str, message: &str) -> Outcome {
     Ok(ExitCode::SUCCESS)
 }
 
+/// `arbor node drain ID`.
+pub async fn drain_node(client: &Client, node: &str) -> Outcome {
+    let reply = client
+        .api
+        .drain_node(node)
+        .await
+        .map_err(|e| client.failed(e))?;
+    if client.output != Output::Text {
+        client.print_json(&reply)?;
+    } else if reply.state == "draining" {
+        outln!(
+            "node {}: draining (the node answering is the one asked)",
+            reply.node
+        );
+    } else {
+        outln!(
+            "node {}: asked to drain; it learns it at its next lease renewal, then drains as at SIGTERM",
+            reply.node
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 // ---- approvals ----
 
 #[derive(Args)]

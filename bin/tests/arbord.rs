@@ -1076,3 +1076,62 @@ fn a_drained_nodes_running_run_moves_to_another_node() {
     b.signal(nix::sys::signal::Signal::SIGTERM);
     assert_eq!(b.wait(), Some(0));
 }
+
+/// `arbor node drain ID` through another node: the node asked drains as at
+/// SIGTERM (exits 0) and its running run moves to the node that asked.
+/// Bad ids are refused, and a node whose journal is its own refuses a drain.
+#[test]
+#[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
+fn a_node_drained_through_another_exits_and_its_run_moves() {
+    let (ws, url, schema) = shared_workspace();
+    let (data_a, data_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let listen = ["--listen", "127.0.0.1:0", "--node-id"];
+    let a = Arbord::start_with(ws.path(), data_a.path(), &[&listen[..], &["a"]].concat());
+    let run = a.submit(&["--agent", "slow", "--input", "wait"]);
+    let step = a.wait_running(&run);
+    let b = Arbord::start_with(ws.path(), data_b.path(), &[&listen[..], &["b"]].concat());
+    let unknown = b.arbor(&["node", "drain", "nobody"]);
+    assert_eq!(
+        code(&unknown),
+        3,
+        "{}",
+        String::from_utf8_lossy(&unknown.stderr)
+    );
+    let drain = b.arbor(&["node", "drain", "a"]);
+    assert_eq!(
+        code(&drain),
+        0,
+        "{}",
+        String::from_utf8_lossy(&drain.stderr)
+    );
+    assert!(String::from_utf8_lossy(&drain.stdout).contains("asked to drain"));
+    assert_eq!(a.wait(), Some(0), "a drains and exits 0");
+    let again = b.wait_running_except(&run, &[&step]);
+    assert_ne!(again, step);
+    let stop = b.arbor(&["stop", &run]);
+    assert_eq!(code(&stop), 0, "{}", String::from_utf8_lossy(&stop.stderr));
+    assert_eq!(ended(&b, &run), "stopped");
+    let claims = check_the_database(&url, &schema, &run);
+    assert_eq!(claims, [(1, "a".to_string()), (2, "b".to_string())]);
+    // A node asked through itself drains at once.
+    let drain = b.arbor(&["node", "drain", "b"]);
+    assert_eq!(
+        code(&drain),
+        0,
+        "{}",
+        String::from_utf8_lossy(&drain.stderr)
+    );
+    assert_eq!(b.wait(), Some(0));
+
+    // One node on a journal of its own: nothing to hand its runs to.
+    let ws = workspace("");
+    let data = tempfile::tempdir().unwrap();
+    let alone = Arbord::start(ws.path(), data.path());
+    let refused = alone.arbor(&["node", "drain", "anything"]);
+    assert_ne!(code(&refused), 0);
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("SIGTERM"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+}

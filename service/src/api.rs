@@ -307,6 +307,22 @@ pub struct ApprovalList {
     pub approvals: Vec<CardView>,
 }
 
+/// `POST /v1/nodes/{id}/drain`: the node asked to drain.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct DrainAsked {
+    pub node: String,
+    /// `draining`: this node, now; `asked`: another node, which learns it
+    /// at its next lease renewal (within a third of its lease).
+    pub state: String,
+}
+
+/// A node's id in a path.
+#[derive(Clone, Debug, Deserialize, JsonSchema)]
+pub struct NodePath {
+    /// The node's id (`--node-id`, `ARBOR_NODE_ID`, or its host's name).
+    pub id: String,
+}
+
 /// A path's id, as text: checked by the handler, so that a malformed id is
 /// a clear 400 in the API's own error shape.
 #[derive(Clone, Debug, Deserialize, JsonSchema)]

@@ -12,8 +12,8 @@
 //!    that broke (the caller may resume from the last id).
 
 use crate::api::{
-    ApprovalList, CardView, Continued, DecisionBody, RunCreated, RunDocument, RunList, SteerQueued,
-    StopAccepted, StreamEvent, SubmitRun,
+    ApprovalList, CardView, Continued, DecisionBody, DrainAsked, RunCreated, RunDocument, RunList,
+    SteerQueued, StopAccepted, StreamEvent, SubmitRun,
 };
 use crate::status::NodeStatus;
 use arbor_protocol::RunId;
@@ -189,6 +189,12 @@ impl Client {
             .await
     }
 
+    /// `POST /v1/nodes/{id}/drain`.
+    pub async fn drain_node(&self, node: &str) -> Result<DrainAsked, Error> {
+        let path = format!("/v1/nodes/{}/drain", urlencoding_free(node));
+        self.call(self.request(Method::POST, &path)).await
+    }
+
     /// `POST /v1/jobs/{id}/messages`.
     pub async fn steer(&self, job: &str, text: &str) -> Result<SteerQueued, Error> {
         let body = serde_json::json!({ "text": text });
@@ -312,4 +318,16 @@ impl Events {
                 .map_err(|e| Error::BadReply(format!("event {id}: not an arbor event: {e}"))),
         )
     }
+}
+
+/// A node id in a path: its characters are letters, digits, `.`, `_` and
+/// `-` (what arbor accepts as one), so anything else is escaped byte by
+/// byte rather than reach the path as it is.
+fn urlencoding_free(id: &str) -> String {
+    id.bytes()
+        .map(|b| match b {
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'.' | b'_' | b'-' => (b as char).to_string(),
+            other => format!("%{other:02X}"),
+        })
+        .collect()
 }

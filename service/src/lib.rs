@@ -70,6 +70,10 @@ pub(crate) struct Shared {
     pub accepting: AtomicBool,
     /// Cancelled when the drain is done: event streams end, the server stops.
     pub stopped: CancellationToken,
+    /// Cancelled when this node is asked to drain through the API (its own,
+    /// or another node's, through the shared journal): `serve` drains as
+    /// at SIGTERM.
+    pub drain_asked: CancellationToken,
     /// The pump and every event stream's producer: each holds the journal,
     /// so a drain waits for them all before it says the node is closed.
     pub tasks: tokio_util::task::TaskTracker,
@@ -136,6 +140,7 @@ impl Service {
                 metrics,
                 accepting: AtomicBool::new(true),
                 stopped: CancellationToken::new(),
+                drain_asked: CancellationToken::new(),
                 tasks,
                 started: Instant::now(),
                 started_at_ms,
@@ -147,6 +152,16 @@ impl Service {
                 .shared
                 .tasks
                 .spawn(retention::keep_finished(shared, keep));
+        }
+        // Another node's `POST /v1/nodes/{id}/drain` for this one.
+        if let Some(mut asked) = service.shared.node.journal().drain_asked() {
+            let shared = service.shared.clone();
+            service.shared.tasks.spawn(async move {
+                tokio::select! {
+                    _ = shared.stopped.cancelled() => {}
+                    Ok(_) = asked.wait_for(|asked| *asked) => shared.drain_asked.cancel(),
+                }
+            });
         }
         // Calls other nodes send about this node's runs (a shared journal's).
         service.shared.tasks.spawn(forward::serve(
@@ -218,7 +233,11 @@ impl Service {
         let server = axum::serve(listener, self.router())
             .with_graceful_shutdown(stopped.clone().cancelled_owned());
         let server = tokio::spawn(async move { server.await });
-        stop.await;
+        let asked = self.shared.drain_asked.clone();
+        tokio::select! {
+            _ = stop => {}
+            _ = asked.cancelled() => tracing::info!("asked to drain (API): draining"),
+        }
         self.drain().await;
         match server.await {
             Ok(result) => result,

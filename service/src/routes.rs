@@ -392,6 +392,27 @@ fn protected_routes() -> ApiRouter<Arc<Shared>> {
             }),
         )
         .api_route(
+            "/v1/nodes/{id}/drain",
+            post_with(drain_node, |op| {
+                errors!(
+                    secured(op)
+                        .id("drainNode")
+                        .summary("Drain a node of a shared journal: it takes no more runs, and its running ones finish or move")
+                        .description(
+                            "As SIGTERM to that node's arbord: queued runs stay in the shared \
+                             queue, running ones get its `drain` time, then move to another \
+                             node; it then exits 0. Another node learns it at its next lease \
+                             renewal. A node whose journal is its own refuses (409): send \
+                             its arbord SIGTERM.",
+                        )
+                        .response::<202, Json<DrainAsked>>(),
+                    404,
+                    409,
+                    503
+                )
+            }),
+        )
+        .api_route(
             "/metrics",
             get_with(metrics, |op| {
                 errors!(
@@ -1091,6 +1112,39 @@ async fn node_status(State(shared): S) -> Reply {
             .collect(),
     };
     Ok(json(StatusCode::OK, status))
+}
+
+async fn drain_node(State(shared): S, Path(path): Path<NodePath>) -> Reply {
+    let journal = shared.node.journal();
+    let Some(me) = journal.node_id() else {
+        return Err(ApiError::conflict(
+            "this node's journal is its own, with no other node to take its runs: drain it \
+             with SIGTERM to its arbord",
+        ));
+    };
+    if path.id == me {
+        shared.drain_asked.cancel();
+        return Ok(json(
+            StatusCode::ACCEPTED,
+            DrainAsked {
+                node: me,
+                state: "draining".into(),
+            },
+        ));
+    }
+    match journal.ask_drain(&path.id)? {
+        Some(true) => Ok(json(
+            StatusCode::ACCEPTED,
+            DrainAsked {
+                node: path.id,
+                state: "asked".into(),
+            },
+        )),
+        _ => Err(ApiError::not_found(format!(
+            "no node {:?} in this journal (`arbor status` lists them)",
+            path.id
+        ))),
+    }
 }
 
 async fn metrics(State(shared): S) -> Reply {

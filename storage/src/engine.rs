@@ -190,6 +190,18 @@ pub trait Engine: Send + Sync + 'static {
         false
     }
 
+    /// A shared journal's: asks node `node` to drain (it learns it at its
+    /// next renewal). `Some(false)`: no node of that id. `None`: the
+    /// journal is the node's alone.
+    fn ask_drain(&self, _node: &str) -> Result<Option<bool>, Error> {
+        Ok(None)
+    }
+
+    /// A shared journal's: turns true once this node is asked to drain.
+    fn drain_asked(&self) -> Option<tokio::sync::watch::Receiver<bool>> {
+        None
+    }
+
     /// A shared journal's: this node's id in it.
     fn node_id(&self) -> Option<String> {
         None

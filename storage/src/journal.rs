@@ -200,6 +200,16 @@ impl Journal {
         self.engine.lost().is_some()
     }
 
+    /// See `Engine::ask_drain`.
+    pub fn ask_drain(&self, node: &str) -> Result<Option<bool>, Error> {
+        self.engine.ask_drain(node)
+    }
+
+    /// See `Engine::drain_asked`.
+    pub fn drain_asked(&self) -> Option<tokio::sync::watch::Receiver<bool>> {
+        self.engine.drain_asked()
+    }
+
     /// A shared journal's: this node's id in it. `None`: the journal is
     /// the node's alone.
     pub fn node_id(&self) -> Option<String> {

@@ -533,6 +533,19 @@ impl Engine for PgEngine {
         true
     }
 
+    fn ask_drain(&self, node: &str) -> Result<Option<bool>, Error> {
+        if self.read_only {
+            return Err(Error::ReadOnly);
+        }
+        let (pool, sql, node) = (self.pool.clone(), Arc::clone(&self.sql), node.to_string());
+        self.block(async move { lease::ask_drain(&pool, &sql, node).await })
+            .map(Some)
+    }
+
+    fn drain_asked(&self) -> Option<watch::Receiver<bool>> {
+        Some(self.intent.drain.subscribe())
+    }
+
     fn node_id(&self) -> Option<String> {
         Some(self.holder.node.clone())
     }

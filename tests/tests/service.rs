@@ -552,6 +552,7 @@ async fn inv_37_every_route_but_the_health_checks_refuses_a_missing_or_wrong_tok
         ("GET", "/v1/approvals".to_string()),
         ("POST", format!("/v1/approvals/{id}")),
         ("GET", "/v1/status".to_string()),
+        ("POST", "/v1/nodes/a/drain".to_string()),
         ("GET", "/metrics".to_string()),
         ("GET", "/v1/openapi.json".to_string()),
     ];

@@ -47,7 +47,7 @@ pub(crate) async fn register(
                      VALUES ($1, $2, now() + $3::int8 * interval '1 millisecond', $3, now()) \
                      ON CONFLICT (id) DO UPDATE SET epoch = EXCLUDED.epoch, \
                        deadline = EXCLUDED.deadline, lease_ms = EXCLUDED.lease_ms, \
-                       opened_at = now(), renewed_at = now() \
+                       opened_at = now(), renewed_at = now(), draining = false \
                      WHERE n.deadline < now() \
                      RETURNING 1",
                     nodes = sql.nodes
@@ -237,14 +237,40 @@ async fn claim_once(
     Ok((claimed, last_seq))
 }
 
-/// What the node means to do with its lease, for its keeper (`keep`).
-#[derive(Default)]
+/// What the node means to do with its lease, for its keeper (`keep`),
+/// and what the keeper learns of it.
 pub(crate) struct Intent {
     /// The lease was ended on purpose: the keeper stops quietly.
     pub(crate) released: std::sync::atomic::AtomicBool,
     /// The node hands its runs over: the keeper renews on although the
     /// journal has failed, until the lease is released.
     pub(crate) handing_over: std::sync::atomic::AtomicBool,
+    /// Set once a renewal finds the node asked to drain (`ask_drain`).
+    pub(crate) drain: watch::Sender<bool>,
+}
+
+impl Default for Intent {
+    fn default() -> Self {
+        Intent {
+            released: Default::default(),
+            handing_over: Default::default(),
+            drain: watch::channel(false).0,
+        }
+    }
+}
+
+/// Asks node `node` to drain: its next renewal tells it. `false`: the
+/// journal has no node of that id.
+pub(crate) async fn ask_drain(pool: &Pool, sql: &Sql, node: String) -> Result<bool, Error> {
+    let client = pool.get().await.map_err(pool_error)?;
+    let asked = client
+        .execute(
+            &format!("UPDATE {} SET draining = true WHERE id = $1", sql.nodes),
+            &[&node],
+        )
+        .await
+        .map_err(db_error)?;
+    Ok(asked == 1)
 }
 
 /// Renews the lease every third of it, on a connection of its own (a busy
@@ -261,7 +287,7 @@ pub(crate) async fn keep(
 ) {
     let renew = format!(
         "UPDATE {} SET deadline = now() + $3::int8 * interval '1 millisecond', renewed_at = now() \
-         WHERE id = $1 AND epoch = $2 AND deadline > now() RETURNING 1",
+         WHERE id = $1 AND epoch = $2 AND deadline > now() RETURNING draining",
         sql.nodes
     );
     let every = holder.lease / 3;
@@ -327,7 +353,14 @@ pub(crate) async fn keep(
         )
         .await;
         match renewed {
-            Ok(Ok(Some(_))) => valid_until = sent + holder.lease - holder.margin(),
+            Ok(Ok(Some(row))) => {
+                valid_until = sent + holder.lease - holder.margin();
+                if row.get::<_, bool>(0) {
+                    intent
+                        .drain
+                        .send_if_modified(|asked| !std::mem::replace(asked, true));
+                }
+            }
             Ok(Ok(None)) if intent.released.load(std::sync::atomic::Ordering::Acquire) => return,
             Ok(Ok(None)) => {
                 break format!(

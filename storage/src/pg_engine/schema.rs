@@ -324,7 +324,8 @@ pub(crate) async fn open(options: PgOptions, read_only: bool) -> Result<Opened, 
                  CREATE TABLE IF NOT EXISTS {nodes} (id text PRIMARY KEY, epoch bigint NOT NULL,
                    deadline timestamptz NOT NULL, lease_ms bigint NOT NULL,
                    opened_at timestamptz NOT NULL DEFAULT now(),
-                   renewed_at timestamptz NOT NULL DEFAULT now());
+                   renewed_at timestamptz NOT NULL DEFAULT now(),
+                   draining boolean NOT NULL DEFAULT false);
                  CREATE TABLE IF NOT EXISTS {owners} (run bytea PRIMARY KEY, node text,
                    node_epoch bigint NOT NULL, epoch bigint NOT NULL, ended boolean NOT NULL,
                    settled boolean NOT NULL DEFAULT false, queued timestamptz,
