@@ -104,6 +104,24 @@ impl Arbord {
         }
     }
 
+    /// `GET path` with the token, over plain HTTP/1.0 (no chunks); the body.
+    fn get_text(&self, path: &str) -> String {
+        use std::io::{Read, Write};
+        let address = self.url.trim_start_matches("http://");
+        let mut stream = std::net::TcpStream::connect(address).unwrap();
+        write!(
+            stream,
+            "GET {path} HTTP/1.0\r\nHost: {address}\r\nAuthorization: Bearer {}\r\n\r\n",
+            self.token().trim()
+        )
+        .unwrap();
+        let mut reply = String::new();
+        stream.read_to_string(&mut reply).unwrap();
+        let status = reply.lines().next().unwrap_or_default();
+        assert!(status.contains(" 200 "), "{reply}");
+        reply.split_once("\r\n\r\n").unwrap().1.to_string()
+    }
+
     fn token(&self) -> String {
         std::fs::read_to_string(self.data_dir.join("token")).unwrap()
     }
@@ -992,6 +1010,18 @@ fn inv_50_two_nodes_race_for_one_queue_and_each_run_is_claimed_once_per_epoch() 
         ["a", "b"],
         "the queue is shared: both nodes took runs"
     );
+    // Each node's metrics name every node of the journal.
+    let metrics = a.get_text("/metrics");
+    for node in ["a", "b"] {
+        assert!(
+            metrics.contains(&format!("arbor_node_lease_left_seconds{{node=\"{node}\"}}")),
+            "{metrics}"
+        );
+        assert!(
+            metrics.contains(&format!("arbor_node_owned_runs{{node=\"{node}\"}} 0")),
+            "every run ended: {metrics}"
+        );
+    }
     // The events of a run the other node ran, streamed to their end.
     let events = a.arbor(&["events", &runs[1], "-o", "jsonl"]);
     let last = String::from_utf8_lossy(&events.stdout)

@@ -21,6 +21,12 @@ use std::sync::{Arc, Mutex};
 
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
+/// A node of a shared journal (a few per cluster).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct NodeLabel {
+    node: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StatusLabel {
     status: String,
@@ -75,6 +81,8 @@ pub struct Metrics {
     approvals_pending: Gauge,
     approval_decisions: Family<OutcomeLabel, Counter>,
     approval_seconds: Family<OutcomeLabel, Histogram>,
+    node_runs: Family<NodeLabel, Gauge>,
+    node_lease: Family<NodeLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
 }
 
 impl Metrics {
@@ -97,6 +105,8 @@ impl Metrics {
         let fsyncs = Counter::default();
         let flushes = Counter::default();
         let approvals_pending = Gauge::default();
+        let node_runs = Family::<NodeLabel, Gauge>::default();
+        let node_lease = Family::<NodeLabel, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
         let approval_decisions = Family::<OutcomeLabel, Counter>::default();
         // 1 second to about 4.5 days.
         let approval_seconds = Family::<OutcomeLabel, Histogram>::new_with_constructor(|| {
@@ -166,6 +176,16 @@ impl Metrics {
             approvals_pending.clone(),
         );
         registry.register(
+            "node_owned_runs",
+            "A shared journal's nodes: the runs each owns that have not ended",
+            node_runs.clone(),
+        );
+        registry.register(
+            "node_lease_left_seconds",
+            "A shared journal's nodes: how long each one's lease runs on, by the database's clock",
+            node_lease.clone(),
+        );
+        registry.register(
             "approval_decisions",
             "Approval cards closed since this start, by outcome",
             approval_decisions.clone(),
@@ -193,6 +213,8 @@ impl Metrics {
             approvals_pending,
             approval_decisions,
             approval_seconds,
+            node_runs,
+            node_lease,
         })
     }
 
@@ -320,6 +342,20 @@ impl Metrics {
             .filter(|c| c.state.is_pending())
             .count();
         self.approvals_pending.set(pending as i64);
+        if let Some(nodes) = journal.nodes().map_err(|e| e.to_string())? {
+            // A node gone from the journal is gone from the metrics.
+            self.node_runs.clear();
+            self.node_lease.clear();
+            for node in nodes {
+                let label = NodeLabel { node: node.id };
+                self.node_runs
+                    .get_or_create(&label)
+                    .set(node.runs.len() as i64);
+                self.node_lease
+                    .get_or_create(&label)
+                    .set(node.lease_left_ms as f64 / 1000.0);
+            }
+        }
         catch_up(&self.fsyncs, journal.sync_count());
         catch_up(&self.flushes, journal.flush_count());
         let mut text = String::new();
