@@ -30,6 +30,20 @@
 //!   file with one `write`, so a process that crashes leaves behind what it
 //!   acknowledged.
 //!
+//! Lease points, for a shared journal's node (`arbor-testkit`'s
+//! `explore_crashes` on PostgreSQL):
+//!
+//! - `fence_at`: just before the k-th flush, the node's lease is taken from
+//!   it, as when its id opened again elsewhere and that life ended too (a
+//!   newer epoch, a deadline passed): that flush's transaction is refused
+//!   for a stale epoch, and the node learns it has lost its lease.
+//! - `crash_at_renewal`: at the k-th flush the node renews at once, and the
+//!   process dies just before the renewal is sent or just after it is
+//!   answered.
+//! - `crash_at_first_claim`: the next shared journal this process opens
+//!   dies just before or just after its first claim of runs commits (a node
+//!   taking over a dead node's runs, dead in the middle of it).
+//!
 //! An injected failure counts as a real one: the journal remembers it and
 //! refuses every later append (`Journal::failed`).
 //!
@@ -78,6 +92,12 @@ pub struct Crash {
 pub struct Faults {
     fail_writes: AtomicBool,
     hold_renewals: AtomicBool,
+    fence: Mutex<Option<u64>>,
+    renewal_crash: Mutex<Option<(u64, CrashPoint)>>,
+    /// Set at the renewal crash's flush: the keeper renews now, and dies.
+    renewal_due: Mutex<Option<CrashPoint>>,
+    renew_now: tokio::sync::Notify,
+    claim_crash: Mutex<Option<CrashPoint>>,
     fail_flushes: AtomicBool,
     skip_syncs: AtomicBool,
     crash: Mutex<Option<Crash>>,
@@ -120,6 +140,61 @@ impl Faults {
 
     pub(crate) fn renewals_held(&self) -> bool {
         self.hold_renewals.load(Ordering::Acquire)
+    }
+
+    /// Just before flush `flush`, the node's lease is taken from it (see
+    /// the module docs). A journal of its own has no lease: nothing happens.
+    pub fn fence_at(&self, flush: u64) {
+        *lock(&self.fence) = Some(flush);
+    }
+
+    pub(crate) fn fence_due(&self, flush: u64) -> bool {
+        *lock(&self.fence) == Some(flush)
+    }
+
+    /// At flush `flush`, the node renews its lease at once and the process
+    /// dies at `point` of that renewal (before it is sent, after it is
+    /// answered). A journal of its own has no lease: nothing happens.
+    pub fn crash_at_renewal(&self, flush: u64, point: CrashPoint) {
+        *lock(&self.renewal_crash) = Some((flush, point));
+    }
+
+    /// The writer, at flush `flush`: wakes the lease's keeper if a renewal
+    /// crash is armed for it.
+    pub(crate) fn flush_begins(&self, flush: u64) {
+        let armed = *lock(&self.renewal_crash);
+        if let Some((_, point)) = armed.filter(|(at, _)| *at == flush) {
+            *lock(&self.renewal_due) = Some(point);
+            self.renew_now.notify_one();
+        }
+    }
+
+    /// Resolves when a renewal crash comes due (the keeper renews at once).
+    pub(crate) async fn renewal_forced(&self) {
+        self.renew_now.notified().await
+    }
+
+    /// The keeper, at `point` of a renewal: dies if a renewal crash is due there.
+    pub(crate) fn crash_if_renewal_due(&self, point: CrashPoint) {
+        if *lock(&self.renewal_due) == Some(point) {
+            die();
+        }
+    }
+
+    /// The claimer, at `point` of a claim of runs: dies if a claim crash is
+    /// armed there.
+    pub(crate) fn crash_if_claim_due(&self, point: CrashPoint) {
+        if *lock(&self.claim_crash) == Some(point) {
+            die();
+        }
+    }
+
+    /// A new journal's faults: all off, but for a claim crash armed for it
+    /// (`crash_at_first_claim`).
+    pub(crate) fn for_open() -> Faults {
+        let faults = Faults::default();
+        *lock(&faults.claim_crash) = lock(&NEXT_CLAIM_CRASH).take();
+        faults
     }
 
     /// While on, the flusher writes the log without syncing it (see the
@@ -243,6 +318,28 @@ impl Faults {
 
     fn lock(&self) -> MutexGuard<'_, Hold> {
         self.hold.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// The claim crash the next shared journal opened takes (`crash_at_first_claim`).
+static NEXT_CLAIM_CRASH: Mutex<Option<CrashPoint>> = Mutex::new(None);
+
+/// Arms the next shared journal this process opens to die just before or
+/// just after its first claim of runs commits (see the module docs). For a
+/// crash test's child process: the journal it opens claims at once.
+pub fn crash_at_first_claim(point: CrashPoint) {
+    *lock(&NEXT_CLAIM_CRASH) = Some(point);
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The process dies here: SIGKILL, no clean-up, as a crash.
+pub(crate) fn die() -> ! {
+    let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
+    loop {
+        std::thread::park();
     }
 }
 

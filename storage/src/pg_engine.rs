@@ -145,7 +145,7 @@ impl PgEngine {
             failed_batch: OnceLock::new(),
         });
         let overlay = Arc::new(Mutex::new(Overlay::new()));
-        let faults = Arc::new(Faults::default());
+        let faults = Arc::new(Faults::for_open());
         let sql = Arc::new(sql);
         let (lost_tx, lost) = watch::channel(None);
         let intent = Arc::new(lease::Intent::default());
@@ -478,13 +478,16 @@ impl Engine for PgEngine {
         if self.read_only {
             return Err(Error::ReadOnly);
         }
-        let (pool, sql, holder) = (
+        let (pool, sql, holder, faults) = (
             self.pool.clone(),
             Arc::clone(&self.sql),
             self.holder.clone(),
+            Arc::clone(&self.faults),
         );
         let (claimed, last_seq) =
-            self.block(async move { lease::claim_orphans(&pool, &sql, &holder, wait).await })?;
+            self.block(
+                async move { lease::claim_orphans(&pool, &sql, &holder, wait, &faults).await },
+            )?;
         if !claimed.is_empty() {
             self.go_on_above(last_seq);
         }

@@ -22,6 +22,38 @@ pub struct Checked {
     pub violations: Vec<String>,
 }
 
+/// Every process of a sandbox the journal records that is still alive
+/// (each group given 2 s to go, I-17), named by group and job: none once
+/// the node that started them has stopped.
+pub fn processes_left(journal: &Journal) -> Result<Vec<String>, String> {
+    let jobs = journal.all_jobs().map_err(|e| e.to_string())?;
+    let mut left = Vec::new();
+    for job in jobs {
+        for g in journal.sandboxes(job.id).map_err(|e| e.to_string())? {
+            let alive = still_alive(&g);
+            if !alive.is_empty() {
+                left.push(format!(
+                    "process group {} of job {} is alive: {alive:?}",
+                    g.pgid, job.id
+                ));
+            }
+        }
+    }
+    Ok(left)
+}
+
+/// The members of a recorded process group still alive after up to 2 s
+/// (I-17: a killed process is gone within 2 s).
+fn still_alive(g: &arbor_storage::SandboxRecord) -> Vec<i32> {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let mut alive = arbor_sandbox::group_members(g.pgid, g.start_ticks, &g.boot_id);
+    while !alive.is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+        alive = arbor_sandbox::group_members(g.pgid, g.start_ticks, &g.boot_id);
+    }
+    alive
+}
+
 /// Checks a recovered, quiescent journal:
 ///
 /// - it reads back whole, nothing undecodable (I-35), every account
@@ -100,13 +132,7 @@ pub fn recovered(journal: &Journal, seen: &mut Seen) -> Checked {
         }
         if let Ok(groups) = journal.sandboxes(job.id) {
             for g in groups {
-                // I-17: a killed process is gone within 2 s.
-                let deadline = Instant::now() + Duration::from_secs(2);
-                let mut alive = arbor_sandbox::group_members(g.pgid, g.start_ticks, &g.boot_id);
-                while !alive.is_empty() && Instant::now() < deadline {
-                    std::thread::sleep(Duration::from_millis(10));
-                    alive = arbor_sandbox::group_members(g.pgid, g.start_ticks, &g.boot_id);
-                }
+                let alive = still_alive(&g);
                 if !alive.is_empty() {
                     fail(format!(
                         "process group {} of ended job {} is alive: {alive:?}",

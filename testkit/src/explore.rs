@@ -20,12 +20,24 @@
 //!   sandbox recorded live, no job spawned twice, no child charged twice;
 //! - and the test's own `check`.
 //!
+//! On a shared journal (`ARBOR_TEST_JOURNAL=postgres`) the exploration
+//! adds the lease points. At every flush k, the node's lease is taken from
+//! it just before the flush (`k:fenced`): that commit is refused for a
+//! stale epoch, the node stops its runs and exits, and the checks add that
+//! it committed nothing past what it was told was durable and left no
+//! sandbox process alive. At the middle flush, the node dies just before
+//! and just after a renewal of its lease (`k:renewal:before|after`), and,
+//! killed after that flush, the next node dies just before and just after
+//! its claim of the run (`k:claim:before|after`) before a third recovers
+//! it. After each, the run is owned at a later epoch than any before.
+//!
 //! The child is the test binary itself, started again on the same test
 //! (`--exact`), with the case in `ARBOR_CRASH_CHILD`: `explore_crashes`
 //! called there runs the case instead of exploring. A failure names the
 //! case and prints one command that replays exactly it
-//! (`ARBOR_CRASH_CASE=<k>:<before|after>:<kill|power> <test binary> <test> --exact`).
-//! Nothing is random: a case is its k, its point and its kind. How many
+//! (`ARBOR_CRASH_CASE=<k>:<before|after>:<kill|power> <test binary> <test> --exact`,
+//! or a lease point's code). Nothing is random: a case is its k, its point
+//! and its kind. How many
 //! flushes a run takes can differ by a few between runs (concurrent commits
 //! share a flush when they meet), so a case past the end of a child's run is
 //! counted as not reached, not as a failure.
@@ -240,46 +252,84 @@ impl Scenario {
     }
 }
 
-/// One crash case: the flush, where around it, and how the process dies.
+/// One case: a flush of the counting run, and what happens at it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Case {
     pub flush: u64,
-    pub point: CrashPoint,
-    pub kind: CrashKind,
+    pub at: At,
+}
+
+/// What happens at a case's flush.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum At {
+    /// The process dies at `point` of the flush, as `kind`.
+    Crash { point: CrashPoint, kind: CrashKind },
+    /// A shared journal's lease points (`arbor_storage::Faults`): just
+    /// before the flush, the node's lease is taken from it; the flush's
+    /// commit is refused for a stale epoch, and the node stops its runs
+    /// and exits, having committed nothing more.
+    Fenced,
+    /// The node renews its lease at the flush and dies at `point` of the
+    /// renewal.
+    Renewal(CrashPoint),
+    /// The node is killed just after the flush; the next node to start
+    /// dies at `point` of its claim of the dead node's runs; a third
+    /// recovers them.
+    Claim(CrashPoint),
 }
 
 impl Case {
-    /// `12:after:power`, as `ARBOR_CRASH_CASE` takes it.
+    /// `12:after:power`, `12:fenced`, `12:renewal:before` or
+    /// `12:claim:after`, as `ARBOR_CRASH_CASE` takes it.
     pub fn code(&self) -> String {
-        let point = match self.point {
+        let point = |point: CrashPoint| match point {
             CrashPoint::BeforeFlush => "before",
             CrashPoint::AfterFlush => "after",
         };
-        let kind = match self.kind {
-            CrashKind::Kill => "kill",
-            CrashKind::PowerLoss => "power",
+        let at = match self.at {
+            At::Crash { point: p, kind } => {
+                let kind = match kind {
+                    CrashKind::Kill => "kill",
+                    CrashKind::PowerLoss => "power",
+                };
+                format!("{}:{kind}", point(p))
+            }
+            At::Fenced => "fenced".into(),
+            At::Renewal(p) => format!("renewal:{}", point(p)),
+            At::Claim(p) => format!("claim:{}", point(p)),
         };
-        format!("{}:{point}:{kind}", self.flush)
+        format!("{}:{at}", self.flush)
     }
 
-    /// Reads `code`'s form back; `None` if it is not one.
+    /// Reads `code`'s forms back; `None` if it is not one.
     pub fn parse(code: &str) -> Option<Case> {
+        let point = |word: &str| match word {
+            "before" => Some(CrashPoint::BeforeFlush),
+            "after" => Some(CrashPoint::AfterFlush),
+            _ => None,
+        };
         let mut parts = code.trim().split(':');
         let flush = parts.next()?.parse().ok()?;
-        let point = match parts.next()? {
-            "before" => CrashPoint::BeforeFlush,
-            "after" => CrashPoint::AfterFlush,
+        let at = match (parts.next()?, parts.next(), parts.next()) {
+            ("fenced", None, None) => At::Fenced,
+            ("renewal", Some(p), None) => At::Renewal(point(p)?),
+            ("claim", Some(p), None) => At::Claim(point(p)?),
+            (p, Some(kind), None) => At::Crash {
+                point: point(p)?,
+                kind: match kind {
+                    "kill" => CrashKind::Kill,
+                    "power" => CrashKind::PowerLoss,
+                    _ => return None,
+                },
+            },
             _ => return None,
         };
-        let kind = match parts.next()? {
-            "kill" => CrashKind::Kill,
-            "power" => CrashKind::PowerLoss,
-            _ => return None,
-        };
-        parts
-            .next()
-            .is_none()
-            .then_some(Case { flush, point, kind })
+        Some(Case { flush, at })
+    }
+
+    /// Whether the case is a shared journal's alone.
+    fn is_lease_point(&self) -> bool {
+        !matches!(self.at, At::Crash { .. })
     }
 }
 
@@ -292,6 +342,9 @@ pub struct Exploration {
     pub cases: u64,
     /// Cases whose child died at its point.
     pub crashed: u64,
+    /// Cases whose child lost its lease at its flush and stopped (a shared
+    /// journal's).
+    pub fenced: u64,
     /// Cases whose child's run ended before its flush k came.
     pub not_reached: u64,
     /// Steps and jobs recovery failed as interrupted, over every case.
@@ -310,10 +363,11 @@ impl std::fmt::Display for Exploration {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} commit points, {} cases ({} crashed, {} past the run's end), {} jobs recovered as interrupted, {} records checked, {} violations, {:.1}s",
+            "{} commit points, {} cases ({} crashed, {} fenced, {} past the run's end), {} jobs recovered as interrupted, {} records checked, {} violations, {:.1}s",
             self.commits,
             self.cases,
             self.crashed,
+            self.fenced,
             self.not_reached,
             self.jobs_interrupted,
             self.records_checked,
@@ -405,7 +459,10 @@ pub async fn explore(
     let temp = tempfile::tempdir().expect("a temporary directory");
     let only = std::env::var(CASE).ok().map(|code| {
         Case::parse(&code).unwrap_or_else(|| {
-            panic!("{CASE}={code:?} is not a case (<k>:<before|after>:<kill|power>)")
+            panic!(
+                "{CASE}={code:?} is not a case (<k>:<before|after>:<kill|power>, <k>:fenced, \
+                 <k>:renewal:<before|after> or <k>:claim:<before|after>)"
+            )
         })
     });
 
@@ -416,11 +473,11 @@ pub async fn explore(
         test: &test,
         scenario,
     };
-    match child.run(&counted, None).await {
+    match child.run(&counted, None, "stderr").await {
         Ok(Ended::Finished(acks)) => report.commits = acks.flushes.unwrap_or(0),
-        Ok(Ended::Killed(_)) => report
+        Ok(Ended::Killed(_) | Ended::Fenced(_)) => report
             .violations
-            .push("the counting run died without a crash armed".into()),
+            .push("the counting run died or was fenced without a fault armed".into()),
         Err(e) => report.violations.push(format!("the counting run: {e}")),
     }
     if report.commits == 0 && report.violations.is_empty() {
@@ -431,17 +488,7 @@ pub async fn explore(
 
     let cases: Vec<Case> = match only {
         Some(case) => vec![case],
-        None => (1..=report.commits)
-            .flat_map(|flush| {
-                [CrashPoint::BeforeFlush, CrashPoint::AfterFlush]
-                    .into_iter()
-                    .flat_map(move |point| {
-                        [CrashKind::Kill, CrashKind::PowerLoss]
-                            .into_iter()
-                            .map(move |kind| Case { flush, point, kind })
-                    })
-            })
-            .collect(),
+        None => every_case(report.commits, crate::backend::on_postgres()),
     };
     // Cases run a few at a time: most of a case is waiting (a child's
     // start, a scripted delay, a recovery's syncs), not computing.
@@ -455,14 +502,7 @@ pub async fn explore(
             let check = &check;
             async move {
                 let mut outcome = CaseOutcome::default();
-                match child.run(&dir, Some(*case)).await {
-                    Ok(Ended::Finished(_)) => outcome.not_reached = true,
-                    Ok(Ended::Killed(acks)) => {
-                        outcome.crashed = true;
-                        recover_and_check(scenario, &dir, &acks, check, &mut outcome).await;
-                    }
-                    Err(e) => outcome.found.push(e),
-                }
+                run_case(child, *case, &dir, check, &mut outcome).await;
                 // A case's files go as soon as it passed: a long exploration
                 // would otherwise fill the disk.
                 if outcome.found.is_empty() {
@@ -475,6 +515,7 @@ pub async fn explore(
         for (case, outcome) in outcomes {
             report.cases += 1;
             report.crashed += u64::from(outcome.crashed);
+            report.fenced += u64::from(outcome.fenced);
             report.not_reached += u64::from(outcome.not_reached);
             report.jobs_interrupted += outcome.jobs_interrupted;
             report.records_checked += outcome.records_checked;
@@ -500,10 +541,138 @@ pub async fn explore(
 /// How many cases run at once.
 const AT_ONCE: usize = 4;
 
+/// Every case of a run of `commits` flushes: at each flush, a crash before
+/// and after it, each as a kill and as a power cut; on a shared journal
+/// also the lease points: the lease taken at each flush, and a renewal and
+/// a claim died in, before and after, at the middle flush.
+fn every_case(commits: u64, shared: bool) -> Vec<Case> {
+    let points = [CrashPoint::BeforeFlush, CrashPoint::AfterFlush];
+    let mut cases: Vec<Case> = (1..=commits)
+        .flat_map(|flush| {
+            points.into_iter().flat_map(move |point| {
+                [CrashKind::Kill, CrashKind::PowerLoss]
+                    .into_iter()
+                    .map(move |kind| Case {
+                        flush,
+                        at: At::Crash { point, kind },
+                    })
+            })
+        })
+        .collect();
+    if shared && commits > 0 {
+        cases.extend((1..=commits).map(|flush| Case {
+            flush,
+            at: At::Fenced,
+        }));
+        let middle = commits.div_ceil(2);
+        for point in points {
+            cases.push(Case {
+                flush: middle,
+                at: At::Renewal(point),
+            });
+            cases.push(Case {
+                flush: middle,
+                at: At::Claim(point),
+            });
+        }
+    }
+    cases
+}
+
+/// Runs one case in its child (two, for a claim) and checks after it.
+async fn run_case(
+    child: &Child<'_>,
+    case: Case,
+    dir: &Path,
+    check: &impl Fn(&TestNode, RunId) -> Result<(), String>,
+    outcome: &mut CaseOutcome,
+) {
+    let scenario = child.scenario;
+    if case.is_lease_point() && !crate::backend::on_postgres() {
+        return outcome
+            .found
+            .push("a lease point needs a shared journal (ARBOR_TEST_JOURNAL=postgres)".into());
+    }
+    let At::Claim(point) = case.at else {
+        match child.run(dir, Some(case), "stderr").await {
+            Ok(Ended::Finished(_)) => outcome.not_reached = true,
+            Ok(Ended::Killed(acks)) => {
+                outcome.crashed = true;
+                recover_and_check(scenario, dir, &acks, check, 2, outcome).await;
+            }
+            Ok(Ended::Fenced(acks)) => {
+                outcome.fenced = true;
+                fenced_left_nothing(dir, &acks, &mut outcome.found);
+                recover_and_check(scenario, dir, &acks, check, 2, outcome).await;
+            }
+            Err(e) => outcome.found.push(e),
+        }
+        return;
+    };
+    // The node dies just after the flush, then the next one in its claim.
+    let first = Case {
+        flush: case.flush,
+        at: At::Crash {
+            point: CrashPoint::AfterFlush,
+            kind: CrashKind::Kill,
+        },
+    };
+    let acks = match child.run(dir, Some(first), "stderr").await {
+        Ok(Ended::Killed(acks)) => acks,
+        Ok(Ended::Finished(_)) => return outcome.not_reached = true,
+        Ok(Ended::Fenced(_)) => return outcome.found.push("fenced with no fence armed".into()),
+        Err(e) => return outcome.found.push(e),
+    };
+    match child.run(dir, Some(case), "claimer-stderr").await {
+        Ok(Ended::Killed(_)) => {
+            outcome.crashed = true;
+            // A claim that committed took the run at the next epoch: the
+            // node that recovers it takes it at the one after.
+            let epoch = if point == CrashPoint::AfterFlush {
+                3
+            } else {
+                2
+            };
+            recover_and_check(scenario, dir, &acks, check, epoch, outcome).await;
+        }
+        Ok(_) => outcome
+            .found
+            .push("the claimer started without dying at its claim".into()),
+        Err(e) => outcome.found.push(e),
+    }
+}
+
+/// After a node was fenced at a flush and stopped: it committed nothing
+/// past what it was told was durable, and left no process of its
+/// sandboxes alive.
+fn fenced_left_nothing(dir: &Path, acks: &Acks, found: &mut Vec<String>) {
+    match crate::backend::open_journal_read_only(&dir.join("data")) {
+        Ok(journal) => {
+            if journal.applied_seq() > acks.durable {
+                found.push(format!(
+                    "the fenced node committed past seq {}, the last it was told was \
+                     durable: the journal holds up to {}",
+                    acks.durable,
+                    journal.applied_seq()
+                ));
+            }
+            match checks::processes_left(&journal) {
+                Ok(left) => found.extend(
+                    left.into_iter()
+                        .map(|p| format!("the fenced node stopped and left {p}")),
+                ),
+                Err(e) => found.push(format!("the sandboxes do not read: {e}")),
+            }
+        }
+        Err(e) => found.push(format!("the journal does not open: {e}")),
+    }
+}
+
 /// What one case did and found.
 #[derive(Default)]
 struct CaseOutcome {
     crashed: bool,
+    fenced: bool,
     not_reached: bool,
     jobs_interrupted: u64,
     records_checked: u64,
@@ -518,6 +687,8 @@ struct Acks {
     run: Option<RunId>,
     ended: BTreeMap<JobId, Status>,
     flushes: Option<u64>,
+    /// The child lost its lease and stopped.
+    fenced: bool,
 }
 
 impl Acks {
@@ -539,6 +710,7 @@ impl Acks {
                     }
                 }
                 (Some("flushes"), Some(n), None) => acks.flushes = n.parse().ok(),
+                (Some("fenced"), None, None) => acks.fenced = true,
                 _ => {}
             }
         }
@@ -549,6 +721,7 @@ impl Acks {
 enum Ended {
     Finished(Acks),
     Killed(Acks),
+    Fenced(Acks),
 }
 
 struct Child<'a> {
@@ -558,8 +731,14 @@ struct Child<'a> {
 }
 
 impl Child<'_> {
-    /// Runs the scenario in a child process in `dir`, crashing at `case`.
-    async fn run(&self, dir: &Path, case: Option<Case>) -> Result<Ended, String> {
+    /// Runs the scenario in a child process in `dir`, crashing at `case`;
+    /// its stderr goes to `dir/stderr_name`.
+    async fn run(
+        &self,
+        dir: &Path,
+        case: Option<Case>,
+        stderr_name: &str,
+    ) -> Result<Ended, String> {
         std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let acks = dir.join("acks");
         let child_case = ChildCase {
@@ -569,7 +748,8 @@ impl Child<'_> {
             acks: acks.clone(),
             case: case.map(|c| c.code()),
         };
-        let stderr = std::fs::File::create(dir.join("stderr")).map_err(|e| e.to_string())?;
+        let stderr_path = dir.join(stderr_name);
+        let stderr = std::fs::File::create(&stderr_path).map_err(|e| e.to_string())?;
         let mut child = tokio::process::Command::new(self.exe)
             .args([self.test, "--exact", "--nocapture", "--test-threads=1"])
             .env(
@@ -591,7 +771,7 @@ impl Child<'_> {
                 return Err(format!(
                     "the child ran past {:?}: {}",
                     WAIT_LIMIT * 2,
-                    tail(&dir.join("stderr"))
+                    tail(&stderr_path)
                 ));
             }
         };
@@ -601,21 +781,32 @@ impl Child<'_> {
                 .map_err(|e| format!("the killed node's lease: {e}"))?;
         }
         match (status.code(), status.signal()) {
+            (Some(0), _) if acks.fenced => Ok(Ended::Fenced(acks)),
             (Some(0), _) if acks.flushes.is_some() => Ok(Ended::Finished(acks)),
             (_, Some(9)) if case.is_some() => Ok(Ended::Killed(acks)),
             _ => Err(format!(
                 "the child ended {status} before its crash point: {}",
-                tail(&dir.join("stderr"))
+                tail(&stderr_path)
             )),
         }
     }
 }
 
-/// The last lines of a child's stderr, for a report.
+/// What a child's stderr says of its end, for a report: its first panic
+/// (the lines after a backtrace's start hide it), else its last lines.
 fn tail(path: &Path) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(12)..].join("\n")
+    match lines.iter().position(|l| l.contains(" panicked at ")) {
+        Some(at) => lines[at..]
+            .iter()
+            .take_while(|l| !l.starts_with("stack backtrace:"))
+            .take(8)
+            .copied()
+            .collect::<Vec<_>>()
+            .join("\n"),
+        None => lines[lines.len().saturating_sub(12)..].join("\n"),
+    }
 }
 
 /// In the child: runs the scenario on the case's data dir with the crash
@@ -636,6 +827,17 @@ async fn run_child(scenario: &Scenario, case: ChildCase) -> ! {
             .open(&case.acks)
             .expect("the acks file opens"),
     );
+    if let Some(Case {
+        at: At::Claim(point),
+        ..
+    }) = crash
+    {
+        // The claimer: its start claims the dead node's runs, and dies there.
+        arbor_storage::crash_at_first_claim(point);
+        let _node = TestNode::open(workspace, &case.data, models).await;
+        eprintln!("the node started without dying at its claim");
+        std::process::exit(3);
+    }
     let node = TestNode::open(workspace, &case.data, models)
         .await
         .unwrap_or_else(|e| panic!("the node does not start: {e}"));
@@ -644,12 +846,13 @@ async fn run_child(scenario: &Scenario, case: ChildCase) -> ! {
         .faults()
         .record_durable_to(acks.try_clone().expect("the acks file"));
     let base = journal.flush_count();
-    if let Some(crash) = crash {
-        journal.faults().crash_at(Crash {
-            flush: base + crash.flush,
-            point: crash.point,
-            kind: crash.kind,
-        });
+    match crash.map(|c| (base + c.flush, c.at)) {
+        Some((flush, At::Crash { point, kind })) => {
+            journal.faults().crash_at(Crash { flush, point, kind })
+        }
+        Some((flush, At::Fenced)) => journal.faults().fence_at(flush),
+        Some((flush, At::Renewal(point))) => journal.faults().crash_at_renewal(flush, point),
+        Some((_, At::Claim(_))) | None => {}
     }
     {
         // A job's end is told (`JobFinished`) only once it is durable.
@@ -663,16 +866,42 @@ async fn run_child(scenario: &Scenario, case: ChildCase) -> ! {
             }
         });
     }
-    let run = scenario
-        .start_run(&node)
-        .await
-        .unwrap_or_else(|e| panic!("the run does not start: {e}"));
-    let _ = (&*acks).write_all(format!("run {run}\n").as_bytes());
-    if let Some(during) = &scenario.during {
-        during(&node, run).await;
+    let work = async {
+        let run = match scenario.start_run(&node).await {
+            Ok(run) => run,
+            // Fenced at the run's first commit: the other branch goes on.
+            Err(_) if journal.is_shared() && journal.failed().is_some() => {
+                std::future::pending().await
+            }
+            Err(e) => panic!("the run does not start: {e}"),
+        };
+        let _ = (&*acks).write_all(format!("run {run}\n").as_bytes());
+        if let Some(during) = &scenario.during {
+            during(&node, run).await;
+        }
+        node.wait_run(run).await;
+    };
+    let lost = node.node().lease_lost();
+    let lease_gone = || {
+        journal
+            .lease_lost()
+            .is_some_and(|lost| lost.borrow().is_some())
+    };
+    // Fenced: its runs are stopped here (the node does that on losing the
+    // lease, which may also end the run as the work sees it), and its
+    // shutdown's own commits are refused; the parent checks that nothing
+    // of the runs is left.
+    let fenced = tokio::select! {
+        () = work => lease_gone(),
+        _ = lost => true,
+    };
+    let shut = node.try_shutdown().await;
+    if fenced || lease_gone() {
+        let _ = (&*acks).write_all(b"fenced\n");
+        drop(journal);
+        std::process::exit(0)
     }
-    node.wait_run(run).await;
-    node.shutdown().await;
+    shut.unwrap_or_else(|e| panic!("a clean shutdown: {e}"));
     let flushes = journal.flush_count() - base;
     let _ = (&*acks).write_all(format!("flushes {flushes}\n").as_bytes());
     drop(journal);
@@ -681,11 +910,15 @@ async fn run_child(scenario: &Scenario, case: ChildCase) -> ! {
 
 /// In the parent, after a child died: recovery on its data dir, the run to
 /// its end, and every check.
+///
+/// On a shared journal, every run the node recovered is owned at `epoch`
+/// or later: the dead node's claims only ever grow.
 async fn recover_and_check(
     scenario: &Scenario,
     dir: &Path,
     acks: &Acks,
     check: &impl Fn(&TestNode, RunId) -> Result<(), String>,
+    epoch: u64,
     outcome: &mut CaseOutcome,
 ) {
     let found = &mut outcome.found;
@@ -782,6 +1015,16 @@ async fn recover_and_check(
             None => found.push(format!("job {job} was told ended {status}; it is gone")),
         }
     }
+    for run in &runs {
+        match node.journal().owner(run.id) {
+            Ok(Some((_, at))) if at < epoch => found.push(format!(
+                "run {} is owned at epoch {at} after the recovery; it must be {epoch} or later",
+                run.id
+            )),
+            Ok(_) => {}
+            Err(e) => found.push(format!("the run's owner does not read: {e}")),
+        }
+    }
     let checked = checks::recovered(node.journal(), &mut checks::Seen::default());
     outcome.records_checked += checked.records;
     found.extend(checked.violations);
@@ -803,4 +1046,30 @@ async fn recover_and_check(
         }
     }
     node.shutdown().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_case_reads_back_from_its_code_and_bad_codes_are_none() {
+        let cases = every_case(3, true);
+        // Four crashes a flush, a fence a flush, two renewals, two claims.
+        assert_eq!(cases.len(), 3 * 4 + 3 + 4);
+        for case in &cases {
+            assert_eq!(Case::parse(&case.code()), Some(*case), "{}", case.code());
+        }
+        assert_eq!(every_case(3, false).len(), 12, "no lease points on sled");
+        for bad in [
+            "",
+            "x:before:kill",
+            "1:fenced:kill",
+            "1:claim",
+            "1:claim:late",
+            "1:before",
+        ] {
+            assert_eq!(Case::parse(bad), None, "{bad:?}");
+        }
+    }
 }

@@ -820,6 +820,12 @@ impl TestNode {
     pub async fn shutdown(self) {
         self.node.shutdown().await.expect("a clean shutdown");
     }
+
+    /// As `shutdown`, saying how it went (a node that lost its lease
+    /// cannot commit its shutdown).
+    pub(crate) async fn try_shutdown(self) -> Result<(), arbor_runtime::Error> {
+        self.node.shutdown().await
+    }
 }
 
 /// Wraps a factory (the scripted models by default) and records every

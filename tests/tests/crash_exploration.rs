@@ -22,6 +22,9 @@ async fn every_commit_point_of_a_fan_out_with_retries_and_a_steer_recovers() {
     .await;
     println!("{report}");
     assert!(report.crashed > 0, "no case crashed: {report}");
+    if arbor_testkit::backend::on_postgres() {
+        assert!(report.fenced > 0, "no case was fenced: {report}");
+    }
 }
 
 /// I-46 and I-47 at every commit point (the card's, the decision's, and all
@@ -65,4 +68,7 @@ async fn every_commit_point_of_a_gated_delegation_keeps_its_cards() {
     .await;
     println!("{report}");
     assert!(report.crashed > 0, "no case crashed: {report}");
+    if arbor_testkit::backend::on_postgres() {
+        assert!(report.fenced > 0, "no case was fenced: {report}");
+    }
 }

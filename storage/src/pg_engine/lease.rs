@@ -21,6 +21,7 @@
 use super::progress::Progress;
 use super::schema::{Holder, Sql, db_error, pg, pool_error};
 use crate::Error;
+use crate::faults::CrashPoint;
 use deadpool_postgres::Pool;
 use std::sync::Arc;
 use std::time::Duration;
@@ -145,9 +146,10 @@ pub(crate) async fn claim_orphans(
     sql: &Sql,
     holder: &Holder,
     wait: bool,
+    faults: &crate::Faults,
 ) -> Result<(Vec<crate::engine::Claimed>, u64), Error> {
     loop {
-        match claim_once(pool, sql, holder, wait).await {
+        match claim_once(pool, sql, holder, wait, faults).await {
             // Two claimers that wait may deadlock on each other's rows; the
             // server aborts one, which tries again.
             Err(Error::Postgres(why)) if why.contains("SQLSTATE 40P01") => continue,
@@ -161,6 +163,7 @@ async fn claim_once(
     sql: &Sql,
     holder: &Holder,
     wait: bool,
+    faults: &crate::Faults,
 ) -> Result<(Vec<crate::engine::Claimed>, u64), Error> {
     let mut client = pool.get().await.map_err(pool_error)?;
     let tx = client.transaction().await.map_err(db_error)?;
@@ -226,7 +229,9 @@ async fn claim_once(
     // locked (so after their last commit): the claimer's seqs go on above
     // it, so that an account's entries stay in order across owners.
     let last_seq = super::schema::highest_seq(&tx, sql).await?;
+    faults.crash_if_claim_due(CrashPoint::BeforeFlush);
     tx.commit().await.map_err(db_error)?;
+    faults.crash_if_claim_due(CrashPoint::AfterFlush);
     let claimed = rows
         .into_iter()
         .map(|row| {
@@ -297,7 +302,11 @@ pub(crate) async fn keep(
     let mut last_error = String::from("no renewal answered");
     let why = loop {
         let next = (Instant::now() + every).min(valid_until);
-        tokio::time::sleep_until(next).await;
+        tokio::select! {
+            () = tokio::time::sleep_until(next) => {}
+            // Fault injection: a renewal now, to die around it.
+            () = faults.renewal_forced() => {}
+        }
         if lost.is_closed() || intent.released.load(std::sync::atomic::Ordering::Acquire) {
             return; // the engine is gone, or ended its lease on purpose
         }
@@ -347,6 +356,7 @@ pub(crate) async fn keep(
             }
         }
         let Some(c) = &client else { continue };
+        faults.crash_if_renewal_due(CrashPoint::BeforeFlush);
         let renewed = tokio::time::timeout(
             every,
             c.query_opt(&renew, &[&holder.node, &holder.epoch, &holder.lease_ms()]),
@@ -354,6 +364,7 @@ pub(crate) async fn keep(
         .await;
         match renewed {
             Ok(Ok(Some(row))) => {
+                faults.crash_if_renewal_due(CrashPoint::AfterFlush);
                 valid_until = sent + holder.lease - holder.margin();
                 if row.get::<_, bool>(0) {
                     intent
@@ -376,6 +387,29 @@ pub(crate) async fn keep(
     tracing::error!("journal: {why}");
     progress.fail("the node's lease", Error::Fenced(why.clone()));
     lost.send_replace(Some(why));
+}
+
+/// Fault injection (`Faults::fence_at`): the node's lease is taken from
+/// it, as when its id opened again elsewhere and that life ended too: a
+/// newer epoch, a deadline passed. Its next transaction is refused.
+pub(crate) async fn take_away(pool: &Pool, sql: &Sql, holder: &Holder) -> Result<(), Error> {
+    let client = pool.get().await.map_err(pool_error)?;
+    client
+        .execute(
+            &format!(
+                "WITH next AS (UPDATE {meta} SET value = value + 1 WHERE name = '{epoch}' \
+                   RETURNING value) \
+                 UPDATE {nodes} SET epoch = next.value, deadline = now() FROM next \
+                 WHERE id = $1 AND epoch = $2",
+                meta = sql.meta,
+                epoch = super::schema::META_EPOCH,
+                nodes = sql.nodes
+            ),
+            &[&holder.node, &holder.epoch],
+        )
+        .await
+        .map_err(db_error)?;
+    Ok(())
 }
 
 /// At a clean close: the lease ends now, so this node's runs can be taken

@@ -21,7 +21,7 @@ const POOL_SIZE: usize = 8;
 /// The meta rows: bare integers.
 const META_FORMAT: &str = "format";
 const META_LAYOUT: &str = "layout";
-const META_EPOCH: &str = "epoch";
+pub(crate) const META_EPOCH: &str = "epoch";
 
 /// Every statement, for this schema.
 pub(crate) struct Sql {

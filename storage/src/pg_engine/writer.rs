@@ -97,6 +97,12 @@ impl Writer {
                 return;
             }
             self.crash_if_due(CrashPoint::BeforeFlush);
+            self.faults.flush_begins(self.flush);
+            if self.faults.fence_due(self.flush)
+                && let Err(e) = lease::take_away(&self.pool, &self.sql, &self.holder).await
+            {
+                tracing::warn!("journal: the injected fence did not take: {e}");
+            }
             if let Err(e) = self.write(&batch, last_seq).await {
                 if let Error::Fenced(why) = &e {
                     self.lost.send_replace(Some(why.clone()));
@@ -271,12 +277,8 @@ impl Writer {
     /// Fault injection (`Faults::crash_at`): the process dies here. For
     /// this engine a power cut is a kill: what the server committed, it keeps.
     fn crash_if_due(&self, point: CrashPoint) {
-        if self.faults.crash_due(self.flush, point).is_none() {
-            return;
-        }
-        let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
-        loop {
-            std::thread::park();
+        if self.faults.crash_due(self.flush, point).is_some() {
+            crate::faults::die();
         }
     }
 }
