@@ -1010,13 +1010,21 @@ fn inv_50_two_nodes_race_for_one_queue_and_each_run_is_claimed_once_per_epoch() 
         ["a", "b"],
         "the queue is shared: both nodes took runs"
     );
-    // Each node's metrics name every node of the journal.
+    // Each node's metrics name every node of the journal, each holding
+    // the lease arbor.toml gives (2 s), not the default.
     let metrics = a.get_text("/metrics");
     for node in ["a", "b"] {
-        assert!(
-            metrics.contains(&format!("arbor_node_lease_left_seconds{{node=\"{node}\"}}")),
-            "{metrics}"
-        );
+        let left: f64 = metrics
+            .lines()
+            .find_map(|line| {
+                line.strip_prefix(&format!(
+                    "arbor_node_lease_left_seconds{{node=\"{node}\"}} "
+                ))
+            })
+            .unwrap_or_else(|| panic!("no lease for {node}: {metrics}"))
+            .parse()
+            .unwrap();
+        assert!(left > 0.0 && left <= 2.0, "{node}'s lease left: {left} s");
         assert!(
             metrics.contains(&format!("arbor_node_owned_runs{{node=\"{node}\"}} 0")),
             "every run ended: {metrics}"

@@ -59,7 +59,7 @@ async fn open_journal(config: &JournalConfig, data_dir: &Path) -> Result<Journal
         schema,
         connect_for,
         node,
-        ..
+        lease,
     } = config
     else {
         return Ok(Journal::open(&data_dir.join("journal"))?);
@@ -82,6 +82,7 @@ async fn open_journal(config: &JournalConfig, data_dir: &Path) -> Result<Journal
     let mut options = PgOptions::new(url, node);
     options.schema = schema.clone();
     options.connect_for = *connect_for;
+    options.lease = *lease;
     tokio::task::spawn_blocking(move || Journal::open_postgres(&options))
         .await
         .map_err(|e| Error::Start(format!("opening the journal failed: {e}")))?
