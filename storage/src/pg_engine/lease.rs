@@ -108,9 +108,22 @@ pub(crate) fn fence_sql(sql: &Sql) -> String {
     )
 }
 
+/// The writer's fence (`writer.rs`), as `fence_sql`, but one that raises
+/// (a division by zero) when the lease is not live: the writer sends its
+/// whole transaction, COMMIT included, before any answer, so the fence
+/// must abort the transaction rather than answer no row.
+pub(crate) fn fence_or_abort_sql(sql: &Sql) -> String {
+    format!(
+        "WITH live AS ( \
+           SELECT 1 FROM {} WHERE id = $1 AND epoch = $2 AND deadline > now() FOR SHARE) \
+         SELECT 1 / (SELECT count(*)::int FROM live)",
+        sql.nodes
+    )
+}
+
 /// Owns a run this node writes the record of: its first record makes it
-/// this node's at run epoch 1; its end marks it ended. Refused (a run this
-/// node does not own) if another node owns it.
+/// this node's at run epoch 1; its end marks it ended. Refused, raising a
+/// division by zero as the writer's fence does, if another node owns it.
 pub(crate) fn own_sql(sql: &Sql) -> String {
     format!(
         "WITH owned AS ( \
@@ -123,7 +136,7 @@ pub(crate) fn own_sql(sql: &Sql) -> String {
            INSERT INTO {claims} (run, epoch, node, node_epoch) \
            SELECT $1, epoch, $2, $3 FROM owned WHERE new \
            ON CONFLICT DO NOTHING) \
-         SELECT count(*) FROM owned",
+         SELECT 1 / (SELECT count(*)::int FROM owned)",
         owners = sql.owners,
         claims = sql.claims
     )

@@ -19,29 +19,23 @@
 
 use super::schema::{Holder, Sql, db_error, pg, pool_error};
 use crate::Error;
-use deadpool_postgres::{Pool, Transaction};
+use deadpool_postgres::Pool;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
 
-/// Queues the runs under `keys` that no node owns yet (a submission's
-/// first record; its later ones change nothing here), and announces them.
-pub(crate) async fn enqueue(tx: &Transaction<'_>, sql: &Sql, keys: &[&[u8]]) -> Result<(), Error> {
-    let statement = tx
-        .prepare_cached(&format!(
-            "WITH queued AS ( \
-               INSERT INTO {owners} (run, node, node_epoch, epoch, ended, queued) \
-               SELECT k, NULL, 0, 0, false, clock_timestamp() FROM unnest($1::bytea[]) k \
-               ON CONFLICT (run) DO NOTHING RETURNING 1) \
-             SELECT pg_notify($2, '') FROM (SELECT 1 FROM queued LIMIT 1) q",
-            owners = sql.owners
-        ))
-        .await
-        .map_err(db_error)?;
-    tx.query(&statement, &[&keys, &sql.channel])
-        .await
-        .map_err(db_error)?;
-    Ok(())
+/// Queues the runs under `$1` that no node owns yet (a submission's first
+/// record; its later ones change nothing here), and announces them on the
+/// channel `$2`: a statement of the writer's transaction (`writer.rs`).
+pub(crate) fn enqueue_sql(sql: &Sql) -> String {
+    format!(
+        "WITH queued AS ( \
+           INSERT INTO {owners} (run, node, node_epoch, epoch, ended, queued) \
+           SELECT k, NULL, 0, 0, false, clock_timestamp() FROM unnest($1::bytea[]) k \
+           ON CONFLICT (run) DO NOTHING RETURNING 1) \
+         SELECT pg_notify($2, '') FROM (SELECT 1 FROM queued LIMIT 1) q",
+        owners = sql.owners
+    )
 }
 
 /// Takes up to `limit` queued runs, oldest first (only `only`, if given),

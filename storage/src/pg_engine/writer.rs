@@ -10,11 +10,14 @@ use super::schema::{Holder, Sql, db_error, pool_error, successor};
 use crate::Error;
 use crate::faults::{CrashPoint, Faults};
 use crate::overlay::{Entry, Overlay, is_removal};
-use deadpool_postgres::{Pool, Transaction};
+use deadpool_postgres::Pool;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError, mpsc};
 use tokio::sync::mpsc as tmpsc;
+use tokio_postgres::Statement;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::ToSql;
 
 /// At most this many rows go into one transaction, so a backlog is written
 /// in steps rather than held as one huge statement.
@@ -33,6 +36,61 @@ pub(crate) enum Work {
 
 /// A table's rows in one statement: each key's latest seq and value.
 type Latest<'a> = HashMap<&'a [u8], (u64, &'a [u8])>;
+
+/// A statement's parameter, owned by its step (or borrowed from the batch).
+type Param<'a> = Box<dyn ToSql + Sync + Send + 'a>;
+
+/// One statement of a transaction's pipeline.
+struct Step<'a> {
+    /// A prepared statement; none for `sql`, sent as a simple query.
+    statement: Option<Statement>,
+    sql: &'static str,
+    params: Vec<Param<'a>>,
+    /// If this statement raises (`lease.rs`: a division by zero), the
+    /// node may not commit: why.
+    refused: Option<String>,
+}
+
+impl<'a> Step<'a> {
+    fn simple(sql: &'static str) -> Step<'a> {
+        Step {
+            statement: None,
+            sql,
+            params: vec![],
+            refused: None,
+        }
+    }
+
+    fn statement(statement: Statement, params: Vec<Param<'a>>) -> Step<'a> {
+        Step {
+            statement: Some(statement),
+            sql: "",
+            params,
+            refused: None,
+        }
+    }
+
+    /// Sends the step (at the first poll, before any await) and waits for
+    /// its answer.
+    async fn run(&self, client: &deadpool_postgres::Client) -> Result<(), tokio_postgres::Error> {
+        match &self.statement {
+            None => client.batch_execute(self.sql).await,
+            Some(statement) => {
+                let params: Vec<&(dyn ToSql + Sync)> = self
+                    .params
+                    .iter()
+                    .map(|p| p.as_ref() as &(dyn ToSql + Sync))
+                    .collect();
+                client.execute(statement, &params).await.map(|_| ())
+            }
+        }
+    }
+}
+
+/// A statement prepared on this connection (a round trip its first time).
+async fn prepare(client: &deadpool_postgres::Client, sql: &str) -> Result<Statement, Error> {
+    client.prepare_cached(sql).await.map_err(db_error)
+}
 
 pub(crate) struct Writer {
     pub(crate) pool: Pool,
@@ -128,48 +186,47 @@ impl Writer {
         }
     }
 
-    /// One transaction: the rows in seq order (a removal between the rows
-    /// before it and those after), and the node's last seq.
+    /// One transaction: the lease's fence, the rows in seq order (a
+    /// removal between the rows before it and those after), the runs it
+    /// owns or ends, the runs it queues, and the node's last seq. Sent as
+    /// one pipeline, BEGIN to COMMIT, once its statements are prepared
+    /// (each once a connection): one round trip, not one a statement. A
+    /// statement that fails aborts the transaction on the server, which
+    /// then ends it at the COMMIT without committing; the fence and the
+    /// ownership fail by raising (`lease.rs`), so a node without its lease
+    /// commits nothing even though its COMMIT was already sent.
     async fn write(&self, batch: &[&Entry], last_seq: u64) -> Result<(), Error> {
-        let mut client = self.pool.get().await.map_err(pool_error)?;
-        let tx = client.transaction().await.map_err(db_error)?;
+        let client = self.pool.get().await.map_err(pool_error)?;
         let holder = &self.holder;
+        let mut steps: Vec<Step<'_>> = vec![Step::simple("BEGIN")];
         if self.faults.syncs_skipped() {
             // A benchmark's baseline: the commit does not wait for the
             // server's WAL flush, as a disk with free syncs would not.
-            tx.batch_execute("SET LOCAL synchronous_commit = off")
-                .await
-                .map_err(db_error)?;
+            steps.push(Step::simple("SET LOCAL synchronous_commit = off"));
         }
         // The lease first, held for the whole transaction (`lease.rs`).
-        let fence = tx
-            .prepare_cached(&lease::fence_sql(&self.sql))
-            .await
-            .map_err(db_error)?;
-        if tx
-            .query_opt(&fence, &[&holder.node, &holder.epoch])
-            .await
-            .map_err(db_error)?
-            .is_none()
-        {
-            return Err(Error::Fenced(format!(
+        steps.push(Step {
+            statement: Some(prepare(&client, &lease::fence_or_abort_sql(&self.sql)).await?),
+            sql: "",
+            params: vec![Box::new(holder.node.as_str()), Box::new(holder.epoch)],
+            refused: Some(format!(
                 "node {:?}'s lease has run out: it commits nothing more",
                 holder.node
-            )));
-        }
+            )),
+        });
         let mut rows: Vec<(&Entry, u64)> = Vec::new();
         let first_seq = last_seq + 1 - batch.len() as u64;
         for (entry, seq) in batch.iter().zip(first_seq..) {
             if is_removal(&entry.2) {
-                self.upsert(&tx, &rows).await?;
+                self.upsert(&client, &rows, &mut steps).await?;
                 rows.clear();
-                self.remove(&tx, entry).await?;
+                steps.push(self.remove(&client, entry).await?);
             } else {
                 rows.push((entry, seq));
             }
         }
-        self.upsert(&tx, &rows).await?;
-        self.own_runs(&tx, batch).await?;
+        self.upsert(&client, &rows, &mut steps).await?;
+        self.own_runs(&client, batch, &mut steps).await?;
         let submitted: Vec<&[u8]> = batch
             .iter()
             .filter(|(table, _, value)| {
@@ -178,19 +235,44 @@ impl Writer {
             .map(|(_, key, _)| key.as_slice())
             .collect();
         if !submitted.is_empty() {
-            queue::enqueue(&tx, &self.sql, &submitted).await?;
+            steps.push(Step::statement(
+                prepare(&client, &queue::enqueue_sql(&self.sql)).await?,
+                vec![Box::new(submitted), Box::new(self.sql.channel.as_str())],
+            ));
         }
         let seq = i64::try_from(last_seq).map_err(|_| Error::Postgres("seq past i64".into()))?;
-        tx.execute(&self.sql.set_seq(), &[&holder.node, &seq])
-            .await
-            .map_err(db_error)?;
-        tx.commit().await.map_err(db_error)
+        steps.push(Step::statement(
+            prepare(&client, &self.sql.set_seq()).await?,
+            vec![Box::new(holder.node.as_str()), Box::new(seq)],
+        ));
+        steps.push(Step::simple("COMMIT"));
+        // Polled in order, each sends its messages at its first poll: the
+        // server gets them in this order, back to back.
+        let answers = futures::future::join_all(steps.iter().map(|step| step.run(&client))).await;
+        for (step, answer) in steps.iter().zip(answers) {
+            if let Err(e) = answer {
+                // The first failure is the cause; those after it were
+                // refused because the transaction had aborted.
+                return Err(match (&step.refused, e.code()) {
+                    (Some(why), Some(code)) if *code == SqlState::DIVISION_BY_ZERO => {
+                        Error::Fenced(why.clone())
+                    }
+                    _ => db_error(e),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Each table's rows in one statement, each key once (its latest row:
     /// a statement may not touch one row twice).
-    async fn upsert(&self, tx: &Transaction<'_>, rows: &[(&Entry, u64)]) -> Result<(), Error> {
-        let mut by_table: Vec<(&'static str, Latest<'_>)> = Vec::new();
+    async fn upsert<'a>(
+        &self,
+        client: &deadpool_postgres::Client,
+        rows: &[(&'a Entry, u64)],
+        steps: &mut Vec<Step<'a>>,
+    ) -> Result<(), Error> {
+        let mut by_table: Vec<(&'static str, Latest<'a>)> = Vec::new();
         for ((table, key, value), seq) in rows.iter().map(|(e, s)| (*e, *s)) {
             let at = match by_table.iter().position(|(name, _)| name == table) {
                 Some(at) => at,
@@ -210,22 +292,24 @@ impl Writer {
                 seqs.push(seq as i64);
                 values.push(value);
             }
-            let statement = tx
-                .prepare_cached(&self.sql.upsert(table))
-                .await
-                .map_err(db_error)?;
-            tx.execute(&statement, &[&keys, &seqs, &values])
-                .await
-                .map_err(db_error)?;
+            steps.push(Step::statement(
+                prepare(client, &self.sql.upsert(table)).await?,
+                vec![Box::new(keys), Box::new(seqs), Box::new(values)],
+            ));
         }
         Ok(())
     }
 
     /// A run's records make it this node's (its first) or mark it ended
     /// (its end); refused if the run is another node's (`lease.rs`).
-    async fn own_runs(&self, tx: &Transaction<'_>, batch: &[&Entry]) -> Result<(), Error> {
+    async fn own_runs<'a>(
+        &self,
+        client: &deadpool_postgres::Client,
+        batch: &[&'a Entry],
+        steps: &mut Vec<Step<'a>>,
+    ) -> Result<(), Error> {
         let mut runs: Vec<(&[u8], bool)> = Vec::new();
-        for (table, key, value) in batch {
+        for (table, key, value) in batch.iter().copied() {
             if *table != crate::table::RUNS.def.name || is_removal(value) {
                 continue;
             }
@@ -233,45 +317,49 @@ impl Writer {
                 .decode(value)
                 .map(|run| run.status.is_terminal())
                 .unwrap_or(false);
-            match runs.iter_mut().find(|(run, _)| run == key) {
+            match runs.iter_mut().find(|(run, _)| *run == key.as_slice()) {
                 Some(seen) => seen.1 |= ended,
-                None => runs.push((key, ended)),
+                None => runs.push((key.as_slice(), ended)),
             }
         }
         if runs.is_empty() {
             return Ok(());
         }
-        let own = tx
-            .prepare_cached(&lease::own_sql(&self.sql))
-            .await
-            .map_err(db_error)?;
+        let own = prepare(client, &lease::own_sql(&self.sql)).await?;
         let holder = &self.holder;
         for (run, ended) in runs {
-            let owned: i64 = tx
-                .query_one(&own, &[&run, &holder.node, &holder.epoch, &ended])
-                .await
-                .map_err(db_error)?
-                .get(0);
-            if owned == 0 {
-                return Err(Error::Fenced(format!(
+            steps.push(Step {
+                statement: Some(own.clone()),
+                sql: "",
+                params: vec![
+                    Box::new(run),
+                    Box::new(holder.node.clone()),
+                    Box::new(holder.epoch),
+                    Box::new(ended),
+                ],
+                refused: Some(format!(
                     "run {} is another node's now: node {:?} commits nothing more of it",
                     crate::codec::hex(run),
                     holder.node
-                )));
-            }
+                )),
+            });
         }
         Ok(())
     }
 
-    async fn remove(&self, tx: &Transaction<'_>, (table, prefix, _): &Entry) -> Result<(), Error> {
+    async fn remove<'a>(
+        &self,
+        client: &deadpool_postgres::Client,
+        (table, prefix, _): &'a Entry,
+    ) -> Result<Step<'a>, Error> {
         let upper = successor(prefix);
         let sql = self.sql.range(table, "DELETE", upper.is_some(), "");
-        match &upper {
-            Some(upper) => tx.execute(&sql, &[prefix, upper]).await,
-            None => tx.execute(&sql, &[prefix]).await,
+        let statement = prepare(client, &sql).await?;
+        let mut params: Vec<Param<'a>> = vec![Box::new(prefix.as_slice())];
+        if let Some(upper) = upper {
+            params.push(Box::new(upper));
         }
-        .map_err(db_error)?;
-        Ok(())
+        Ok(Step::statement(statement, params))
     }
 
     /// Fault injection (`Faults::crash_at`): the process dies here. For
