@@ -42,42 +42,50 @@ type Param<'a> = Box<dyn ToSql + Sync + Send + 'a>;
 
 /// One statement of a transaction's pipeline.
 struct Step<'a> {
-    /// A prepared statement; none for `sql`, sent as a simple query.
-    statement: Option<Statement>,
-    sql: &'static str,
-    params: Vec<Param<'a>>,
+    sends: Sends<'a>,
     /// If this statement raises (`lease.rs`: a division by zero), the
     /// node may not commit: why.
     refused: Option<String>,
 }
 
+/// What a step sends.
+enum Sends<'a> {
+    /// A simple query: BEGIN, COMMIT, a setting.
+    Simple(&'static str),
+    /// A statement prepared on the connection, with its parameters.
+    Prepared(Statement, Vec<Param<'a>>),
+}
+
 impl<'a> Step<'a> {
     fn simple(sql: &'static str) -> Step<'a> {
         Step {
-            statement: None,
-            sql,
-            params: vec![],
+            sends: Sends::Simple(sql),
             refused: None,
         }
     }
 
     fn statement(statement: Statement, params: Vec<Param<'a>>) -> Step<'a> {
         Step {
-            statement: Some(statement),
-            sql: "",
-            params,
+            sends: Sends::Prepared(statement, params),
             refused: None,
+        }
+    }
+
+    /// A statement that raises when the node may not commit, saying `why`.
+    fn refusable(statement: Statement, params: Vec<Param<'a>>, why: String) -> Step<'a> {
+        Step {
+            sends: Sends::Prepared(statement, params),
+            refused: Some(why),
         }
     }
 
     /// Sends the step (at the first poll, before any await) and waits for
     /// its answer.
     async fn run(&self, client: &deadpool_postgres::Client) -> Result<(), tokio_postgres::Error> {
-        match &self.statement {
-            None => client.batch_execute(self.sql).await,
-            Some(statement) => {
-                let params: Vec<&(dyn ToSql + Sync)> = self
-                    .params
+        match &self.sends {
+            Sends::Simple(sql) => client.batch_execute(sql).await,
+            Sends::Prepared(statement, params) => {
+                let params: Vec<&(dyn ToSql + Sync)> = params
                     .iter()
                     .map(|p| p.as_ref() as &(dyn ToSql + Sync))
                     .collect();
@@ -205,15 +213,14 @@ impl Writer {
             steps.push(Step::simple("SET LOCAL synchronous_commit = off"));
         }
         // The lease first, held for the whole transaction (`lease.rs`).
-        steps.push(Step {
-            statement: Some(prepare(&client, &lease::fence_or_abort_sql(&self.sql)).await?),
-            sql: "",
-            params: vec![Box::new(holder.node.as_str()), Box::new(holder.epoch)],
-            refused: Some(format!(
+        steps.push(Step::refusable(
+            prepare(&client, &lease::fence_or_abort_sql(&self.sql)).await?,
+            vec![Box::new(holder.node.as_str()), Box::new(holder.epoch)],
+            format!(
                 "node {:?}'s lease has run out: it commits nothing more",
                 holder.node
-            )),
-        });
+            ),
+        ));
         let mut rows: Vec<(&Entry, u64)> = Vec::new();
         let first_seq = last_seq + 1 - batch.len() as u64;
         for (entry, seq) in batch.iter().zip(first_seq..) {
@@ -328,21 +335,20 @@ impl Writer {
         let own = prepare(client, &lease::own_sql(&self.sql)).await?;
         let holder = &self.holder;
         for (run, ended) in runs {
-            steps.push(Step {
-                statement: Some(own.clone()),
-                sql: "",
-                params: vec![
+            steps.push(Step::refusable(
+                own.clone(),
+                vec![
                     Box::new(run),
                     Box::new(holder.node.clone()),
                     Box::new(holder.epoch),
                     Box::new(ended),
                 ],
-                refused: Some(format!(
+                format!(
                     "run {} is another node's now: node {:?} commits nothing more of it",
                     crate::codec::hex(run),
                     holder.node
-                )),
-            });
+                ),
+            ));
         }
         Ok(())
     }
