@@ -595,6 +595,18 @@ async fn run_case(
     }
     let At::Claim(point) = case.at else {
         match child.run(dir, Some(case), "stderr").await {
+            // The lease was taken before flush k, and the node went on to
+            // commit it: its fence did not hold.
+            Ok(Ended::Finished(acks))
+                if case.at == At::Fenced && acks.flushes.is_some_and(|n| n >= case.flush) =>
+            {
+                outcome.found.push(format!(
+                    "the node's lease was taken before flush {} and it committed {} flushes, \
+                     not stopping",
+                    case.flush,
+                    acks.flushes.unwrap_or(0)
+                ))
+            }
             Ok(Ended::Finished(_)) => outcome.not_reached = true,
             Ok(Ended::Killed(acks)) => {
                 outcome.crashed = true;
@@ -602,7 +614,7 @@ async fn run_case(
             }
             Ok(Ended::Fenced(acks)) => {
                 outcome.fenced = true;
-                fenced_left_nothing(dir, &acks, &mut outcome.found);
+                fenced_left_nothing(dir, &acks, case.flush, &mut outcome.found);
                 recover_and_check(scenario, dir, &acks, check, 2, outcome).await;
             }
             Err(e) => outcome.found.push(e),
@@ -642,10 +654,17 @@ async fn run_case(
     }
 }
 
-/// After a node was fenced at a flush and stopped: it committed nothing
-/// past what it was told was durable, and left no process of its
-/// sandboxes alive.
-fn fenced_left_nothing(dir: &Path, acks: &Acks, found: &mut Vec<String>) {
+/// After a node was fenced at flush `flush` and stopped: that flush and
+/// every later one were refused, it committed nothing past what it was
+/// told was durable, and it left no process of its sandboxes alive.
+fn fenced_left_nothing(dir: &Path, acks: &Acks, flush: u64, found: &mut Vec<String>) {
+    if acks.durable_lines >= flush {
+        found.push(format!(
+            "the fenced node was told {} flushes durable; its lease was taken before flush \
+             {flush}, which and every later one must have been refused",
+            acks.durable_lines
+        ));
+    }
     match crate::backend::open_journal_read_only(&dir.join("data")) {
         Ok(journal) => {
             if journal.applied_seq() > acks.durable {
@@ -684,6 +703,8 @@ struct CaseOutcome {
 #[derive(Debug, Default)]
 struct Acks {
     durable: u64,
+    /// How many flushes were told durable.
+    durable_lines: u64,
     run: Option<RunId>,
     ended: BTreeMap<JobId, Status>,
     flushes: Option<u64>,
@@ -699,7 +720,8 @@ impl Acks {
             let mut words = line.split_whitespace();
             match (words.next(), words.next(), words.next()) {
                 (Some("durable"), Some(seq), None) => {
-                    acks.durable = acks.durable.max(seq.parse().unwrap_or(0))
+                    acks.durable = acks.durable.max(seq.parse().unwrap_or(0));
+                    acks.durable_lines += 1;
                 }
                 (Some("run"), Some(id), None) => acks.run = id.parse().ok(),
                 (Some("ended"), Some(id), Some(status)) => {
@@ -842,10 +864,12 @@ async fn run_child(scenario: &Scenario, case: ChildCase) -> ! {
         .await
         .unwrap_or_else(|e| panic!("the node does not start: {e}"));
     let journal = node.journal().clone();
+    // The base first: a flush between the two is counted toward the case's
+    // k and told to nobody, so at most k - 1 are told before flush k.
+    let base = journal.flush_count();
     journal
         .faults()
         .record_durable_to(acks.try_clone().expect("the acks file"));
-    let base = journal.flush_count();
     match crash.map(|c| (base + c.flush, c.at)) {
         Some((flush, At::Crash { point, kind })) => {
             journal.faults().crash_at(Crash { flush, point, kind })
