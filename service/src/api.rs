@@ -188,6 +188,14 @@ pub struct Continued {
     pub links: RunLinks,
 }
 
+/// `POST /v1/ui/session`: the console's login.
+#[derive(Clone, Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UiLogin {
+    /// The node's token (the data dir's `token` file), or a named token.
+    pub token: String,
+}
+
 /// `/healthz` and `/readyz`.
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
 pub struct Health {

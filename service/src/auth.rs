@@ -1,5 +1,5 @@
 //! I-37: the node's bearer token. Made on first start as a 0600 file in the
-//! data dir; every route but `/healthz` and `/readyz` refuses a request
+//! data dir; every route but `/healthz`, `/readyz` and the console's login refuses a request
 //! without it. Compared in constant time, so the time a refusal takes says
 //! nothing of how much of a guess was right.
 //!
@@ -7,6 +7,16 @@
 //! tokens, one `NAME TOKEN` a line: each opens the same routes, and a
 //! decision on an approval card records the name of the token that made it
 //! (the main token's name is `operator`).
+//!
+//! The console (a browser, whose EventSource cannot send a header, and
+//! whose URLs end up in logs and history) logs in instead: `POST
+//! /v1/ui/session` with a token gives a session cookie (`arbor_session`,
+//! HttpOnly, SameSite=Strict), which every protected route takes in place
+//! of the header. The cookie holds a random session id, never the token;
+//! sessions live in memory (a restart logs the console out) for
+//! `SESSION_LIFETIME`. A request that comes with the cookie from another
+//! site (its `Sec-Fetch-Site`, else its `Origin` against its `Host`) is
+//! refused (I-53).
 
 use crate::error::ApiError;
 use axum::extract::Request;
@@ -26,11 +36,28 @@ pub const TOKENS_FILE: &str = "tokens";
 /// The name the main token decides under.
 pub const MAIN_TOKEN_NAME: &str = "operator";
 
-/// Every token the node takes, each with its name.
+/// The console's session cookie's name.
+pub const SESSION_COOKIE: &str = "arbor_session";
+/// How long a console session lasts from its login.
+pub const SESSION_LIFETIME: std::time::Duration = std::time::Duration::from_secs(12 * 3600);
+/// At most this many sessions at once; a login past it ends the oldest.
+const MAX_SESSIONS: usize = 256;
+
+/// Every token the node takes, each with its name, and the console's
+/// sessions opened with them.
 #[derive(Clone, Debug)]
 pub struct Tokens {
     main: Token,
     named: Arc<[(String, Token)]>,
+    sessions: Arc<std::sync::Mutex<Vec<Session>>>,
+}
+
+/// A console session: its id (the cookie's value) and who opened it.
+#[derive(Debug)]
+struct Session {
+    id: Token,
+    caller: String,
+    ends: std::time::Instant,
 }
 
 /// The name of the token a request came with (a request extension).
@@ -49,6 +76,7 @@ impl Tokens {
                 return Ok(Tokens {
                     main,
                     named: Arc::from([]),
+                    sessions: Arc::default(),
                 });
             }
             Err(e) => return Err(format!("{}: {e}", path.display())),
@@ -99,6 +127,7 @@ impl Tokens {
         Ok(Tokens {
             main,
             named: named.into(),
+            sessions: Arc::default(),
         })
     }
 
@@ -116,6 +145,45 @@ impl Tokens {
             }
         }
         found
+    }
+
+    /// Opens a console session for the holder of `presented`: its id, for
+    /// the cookie; none if `presented` is no token.
+    pub fn open_session(&self, presented: &str) -> Option<String> {
+        let caller = self.who(presented)?.to_string();
+        let id = random_hex(32).ok()?;
+        let mut sessions = self.lock_sessions();
+        let now = std::time::Instant::now();
+        sessions.retain(|s| s.ends > now);
+        if sessions.len() >= MAX_SESSIONS {
+            sessions.remove(0); // the oldest
+        }
+        sessions.push(Session {
+            id: Token(id.as_str().into()),
+            caller,
+            ends: now + SESSION_LIFETIME,
+        });
+        Some(id)
+    }
+
+    /// Ends the session `id`, if there is one.
+    pub fn close_session(&self, id: &str) {
+        self.lock_sessions().retain(|s| !s.id.matches(id));
+    }
+
+    /// Who opened the live session `id`.
+    fn session(&self, id: &str) -> Option<String> {
+        let now = std::time::Instant::now();
+        self.lock_sessions()
+            .iter()
+            .find(|s| s.ends > now && s.id.matches(id))
+            .map(|s| s.caller.clone())
+    }
+
+    fn lock_sessions(&self) -> std::sync::MutexGuard<'_, Vec<Session>> {
+        self.sessions
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// How many named tokens there are, beside the main one.
@@ -197,6 +265,34 @@ fn random_hex(bytes: usize) -> std::io::Result<String> {
     Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
 }
 
+/// The value of the console's session cookie, if the request has one.
+pub fn session_cookie(headers: &axum::http::HeaderMap) -> Option<&str> {
+    headers
+        .get_all(axum::http::header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|pair| pair.trim().split_once('='))
+        .find(|(name, _)| *name == SESSION_COOKIE)
+        .map(|(_, value)| value.trim())
+}
+
+/// Why a request from a browser comes from another site, if it does: its
+/// `Sec-Fetch-Site` (every current browser sends it), else an `Origin`
+/// whose host is not the `Host` it was sent to. A request with neither
+/// (a command-line client) is not a browser's cross-site request.
+pub fn cross_site(headers: &axum::http::HeaderMap) -> Option<String> {
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    if let Some(site) = header("sec-fetch-site") {
+        return (!matches!(site, "same-origin" | "none"))
+            .then(|| format!("the request comes from another site (Sec-Fetch-Site: {site})"));
+    }
+    let origin = header("origin")?;
+    let host = header("host").unwrap_or_default();
+    let origin_host = origin.split_once("://").map_or(origin, |(_, rest)| rest);
+    (origin_host != host).then(|| format!("the request comes from {origin}, not from {host}"))
+}
+
 /// The middleware on every protected route.
 pub async fn require_token(
     axum::extract::State(tokens): axum::extract::State<Tokens>,
@@ -209,6 +305,27 @@ pub async fn require_token(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(str::trim);
+    // The console's cookie stands in for a missing header (I-53).
+    if presented.is_none()
+        && let Some(id) = session_cookie(request.headers())
+    {
+        if let Some(why) = cross_site(request.headers()) {
+            return ApiError::forbidden(format!(
+                "{why}: the console's session is not taken from another site"
+            ))
+            .into_response();
+        }
+        return match tokens.session(id) {
+            Some(name) => {
+                request.extensions_mut().insert(Caller(name));
+                next.run(request).await
+            }
+            None => ApiError::unauthorized(
+                "the console's session has ended (or this node restarted): log in again",
+            )
+            .into_response(),
+        };
+    }
     let caller = presented.and_then(|p| tokens.who(p)).map(str::to_string);
     match (presented, caller) {
         (_, Some(name)) => {

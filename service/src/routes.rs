@@ -41,6 +41,7 @@ fn describe(code: u16) -> &'static str {
         400 => "Malformed: not JSON, the wrong shape or types, a bad id or header",
         401 => "No bearer token, or the wrong one (I-37)",
         404 => "No such run or job (a finished run is forgotten `keep_finished` after its end)",
+        403 => "The console's session cookie, sent from another site (I-53)",
         409 => "Not in a state that allows this; or an Idempotency-Key reused with another body",
         413 => "The body is larger than the node accepts",
         415 => "The body is not sent as application/json",
@@ -98,8 +99,8 @@ fn document_info(api: aide::transform::TransformOpenApi) -> aide::transform::Tra
         .version(env!("CARGO_PKG_VERSION"))
         .description(
             "One arbor node: submit runs, watch them, stop and steer their jobs. \
-             Every route but /healthz and /readyz needs `Authorization: Bearer TOKEN` \
-             (the data dir's `token` file). Errors are `{\"error\": {\"code\", \"message\"}}`.",
+             Every route but /healthz, /readyz and /v1/ui/session needs `Authorization: Bearer TOKEN` \
+             (the data dir's `token` file), or the console's session cookie. Errors are `{\"error\": {\"code\", \"message\"}}`.",
         )
         .security_scheme(
             "token",
@@ -438,6 +439,37 @@ fn protected_routes() -> ApiRouter<Arc<Shared>> {
 
 fn public_routes() -> ApiRouter<Arc<Shared>> {
     ApiRouter::new()
+        .api_route(
+            "/v1/ui/session",
+            post_with(open_session, |op| {
+                errors!(
+                    op.id("openUiSession")
+                        .summary("The console's login: a token in, a session cookie out")
+                        .description(
+                            "Sets `arbor_session` (HttpOnly, SameSite=Strict, 12 h), which every \
+                             route that needs a token takes in place of the Authorization \
+                             header, from the node's own pages only: a request from another \
+                             site with it is refused (403). The cookie is a random id, never \
+                             the token; a restart of the node ends every session.",
+                        )
+                        .response_with::<204, (), _>(
+                            |r| r.description("Logged in: the cookie is set")
+                        ),
+                    400,
+                    401,
+                    403,
+                    413,
+                    415
+                )
+            })
+            .delete_with(close_session, |op| {
+                op.id("closeUiSession")
+                    .summary("The console's logout: its session ends, its cookie is cleared")
+                    .response_with::<204, (), _>(|r| {
+                        r.description("Logged out (or was not logged in)")
+                    })
+            }),
+        )
         .api_route(
             "/healthz",
             get_with(healthz, |op| {
@@ -1159,6 +1191,52 @@ async fn metrics(State(shared): S) -> Reply {
         text,
     )
         .into_response())
+}
+
+/// The session cookie's header: `id` for `max_age`, or cleared.
+fn session_cookie_header(id: &str, max_age: Duration) -> Result<HeaderValue, ApiError> {
+    HeaderValue::from_str(&format!(
+        "{}={id}; Path=/; HttpOnly; SameSite=Strict; Max-Age={}",
+        crate::auth::SESSION_COOKIE,
+        max_age.as_secs()
+    ))
+    .map_err(|_| ApiError::internal("the session cookie could not be written"))
+}
+
+async fn open_session(
+    State(shared): S,
+    headers: HeaderMap,
+    JsonBody(login): JsonBody<UiLogin>,
+) -> Reply {
+    // A login forced from another site would log the browser in as
+    // someone else's token: refused as the cookie's use is.
+    if let Some(why) = crate::auth::cross_site(&headers) {
+        return Err(ApiError::forbidden(format!(
+            "{why}: the console logs in from its own page only"
+        )));
+    }
+    let id = shared
+        .tokens
+        .open_session(login.token.trim())
+        .ok_or_else(|| ApiError::unauthorized("the token is wrong"))?;
+    let mut response = StatusCode::NO_CONTENT.into_response();
+    response.headers_mut().insert(
+        header::SET_COOKIE,
+        session_cookie_header(&id, crate::auth::SESSION_LIFETIME)?,
+    );
+    Ok(response)
+}
+
+async fn close_session(State(shared): S, headers: HeaderMap) -> Reply {
+    if let Some(id) = crate::auth::session_cookie(&headers) {
+        shared.tokens.close_session(id);
+    }
+    let mut response = StatusCode::NO_CONTENT.into_response();
+    response.headers_mut().insert(
+        header::SET_COOKIE,
+        session_cookie_header("", Duration::ZERO)?,
+    );
+    Ok(response)
 }
 
 async fn healthz() -> Json<Health> {

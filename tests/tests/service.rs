@@ -535,6 +535,125 @@ async fn inv_36_a_reused_idempotency_key_with_another_body_is_a_conflict_that_ch
     svc.stop().await;
 }
 
+/// I-53: the console logs in with the token and gets a session cookie,
+/// HttpOnly and SameSite=Strict, that holds no token; the cookie opens the
+/// API (an event stream too) in place of the header, but not from another
+/// site; logging out ends it.
+#[tokio::test]
+async fn inv_53_a_console_session_is_a_strict_httponly_cookie_refused_across_sites_until_logout() {
+    let svc = TestService::start(texts()).await;
+    let session = format!("{}/v1/ui/session", svc.url);
+    let login = |body: String| {
+        svc.http()
+            .post(&session)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    // A wrong token or a bad body: refused, and no cookie.
+    for (body, status) in [
+        (json!({"token": "not the token"}).to_string(), 401),
+        (json!({"token": svc.token, "extra": 1}).to_string(), 400),
+        ("{".to_string(), 400),
+    ] {
+        let refused = login(body.clone()).await.unwrap();
+        assert_eq!(refused.status(), status, "{body}");
+        assert!(refused.headers().get("set-cookie").is_none(), "{body}");
+    }
+    let logged_in = login(json!({"token": svc.token}).to_string())
+        .await
+        .unwrap();
+    assert_eq!(logged_in.status(), 204);
+    let set = logged_in.headers()["set-cookie"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    for attribute in ["HttpOnly", "SameSite=Strict", "Path=/", "Max-Age=43200"] {
+        assert!(set.contains(attribute), "{set} has {attribute}");
+    }
+    assert!(
+        !set.contains(&svc.token),
+        "the cookie is not the token: {set}"
+    );
+    let cookie = set.split(';').next().unwrap().to_string();
+    assert!(
+        cookie.starts_with("arbor_session=") && cookie.len() > 40,
+        "{cookie}"
+    );
+
+    let run = svc.submit(json!({"flow": "hello"})).await;
+    svc.wait_run(run).await;
+    let get = |path: String, headers: &[(&str, &str)]| {
+        let mut request = svc
+            .http()
+            .get(format!("{}{path}", svc.url))
+            .header("cookie", &cookie);
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        request.send()
+    };
+    // The cookie in place of the header: a document, and an event stream.
+    let status = get("/v1/status".into(), &[("sec-fetch-site", "same-origin")])
+        .await
+        .unwrap();
+    assert_eq!(status.status(), 200);
+    let events = get(format!("/v1/runs/{run}/events?follow=false"), &[])
+        .await
+        .unwrap();
+    assert_eq!(events.status(), 200);
+    assert!(events.text().await.unwrap().contains("run_finished"));
+    // From another site, with the cookie: refused, saying why.
+    for cross in [
+        [("sec-fetch-site", "cross-site")],
+        [("sec-fetch-site", "same-site")],
+        [("origin", "http://elsewhere.example")],
+    ] {
+        let refused = get("/v1/status".into(), &cross).await.unwrap();
+        assert_eq!(refused.status(), 403, "{cross:?}");
+        let body: serde_json::Value = refused.json().await.unwrap();
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("another site")
+                || body["error"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("elsewhere"),
+            "{body}"
+        );
+    }
+    let forced = svc
+        .http()
+        .post(&session)
+        .header("content-type", "application/json")
+        .header("sec-fetch-site", "cross-site")
+        .body(json!({"token": svc.token}).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(forced.status(), 403, "a login from another site");
+    // Logged out: the cookie is cleared and opens nothing more.
+    let out = svc
+        .http()
+        .delete(&session)
+        .header("cookie", &cookie)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(out.status(), 204);
+    assert!(
+        out.headers()["set-cookie"]
+            .to_str()
+            .unwrap()
+            .contains("Max-Age=0")
+    );
+    let after = get("/v1/status".into(), &[]).await.unwrap();
+    assert_eq!(after.status(), 401);
+    svc.stop().await;
+}
+
 #[tokio::test]
 async fn inv_37_every_route_but_the_health_checks_refuses_a_missing_or_wrong_token() {
     let svc = TestService::start(texts()).await;
