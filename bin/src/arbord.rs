@@ -168,6 +168,7 @@ async fn serve(cli: Cli) -> ExitCode {
         "arbord: listening on http://{address} (token in {})",
         service.token_path().display()
     );
+    eprintln!("arbord: console at http://{address}/ui (log in with that token)");
     // A node on a shared journal that lost its lease has stopped its runs
     // and commits nothing more: it ends, and its supervisor starts it again
     // (a new epoch, taking runs afresh).

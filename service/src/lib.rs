@@ -15,6 +15,7 @@ pub mod auth;
 #[cfg(feature = "client")]
 pub mod client;
 pub mod config;
+pub mod console;
 pub mod error;
 pub mod extract;
 mod forward;

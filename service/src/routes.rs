@@ -67,6 +67,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> axum::Router {
             crate::auth::require_token,
         )),
     )
+    .merge(crate::console::routes())
     .layer(axum::extract::DefaultBodyLimit::max(
         shared.config.max_body_bytes,
     ))

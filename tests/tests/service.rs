@@ -654,6 +654,78 @@ async fn inv_53_a_console_session_is_a_strict_httponly_cookie_refused_across_sit
     svc.stop().await;
 }
 
+/// The console's files: served without a token (they hold no data) with
+/// a Content-Security-Policy that allows this origin's own files only, an
+/// ETag that answers 304, and their content types; the page has no inline
+/// script, and reads only routes of the API's own document.
+#[tokio::test]
+async fn the_console_is_served_with_a_strict_csp_etags_and_its_content_types() {
+    let svc = TestService::start(texts()).await;
+    let get = |path: &str, etag: Option<&str>| {
+        let mut request = svc.http().get(format!("{}{path}", svc.url));
+        if let Some(etag) = etag {
+            request = request.header("if-none-match", etag);
+        }
+        request.send()
+    };
+    let mut bodies = std::collections::HashMap::new();
+    for (path, content_type) in [
+        ("/ui", "text/html; charset=utf-8"),
+        ("/ui/", "text/html; charset=utf-8"),
+        ("/ui/app.js", "text/javascript; charset=utf-8"),
+        ("/ui/style.css", "text/css; charset=utf-8"),
+    ] {
+        let page = get(path, None).await.unwrap();
+        assert_eq!(page.status(), 200, "{path}");
+        let headers = page.headers().clone();
+        assert_eq!(headers["content-type"], content_type, "{path}");
+        let csp = headers["content-security-policy"].to_str().unwrap();
+        assert!(csp.contains("default-src 'self'"), "{path}: {csp}");
+        assert!(csp.contains("frame-ancestors 'none'"), "{path}: {csp}");
+        assert!(!csp.contains("unsafe"), "{path}: {csp}");
+        assert_eq!(headers["x-content-type-options"], "nosniff");
+        let etag = headers["etag"].to_str().unwrap().to_string();
+        bodies.insert(path, page.text().await.unwrap());
+        let again = get(path, Some(&etag)).await.unwrap();
+        assert_eq!(again.status(), 304, "{path}");
+        assert_eq!(again.headers()["etag"].to_str().unwrap(), etag);
+        assert!(again.text().await.unwrap().is_empty());
+        let stale = get(path, Some("\"not-this-one\"")).await.unwrap();
+        assert_eq!(stale.status(), 200, "{path}: another ETag gets the file");
+    }
+    assert_eq!(get("/ui/nothing.js", None).await.unwrap().status(), 404);
+    let html = &bodies["/ui"];
+    for tag in html.split("<script").skip(1) {
+        assert!(
+            tag.split('>').next().unwrap().contains("src="),
+            "no inline script: <script{tag}"
+        );
+    }
+    // No inline handler (` onclick=` and the like).
+    for (at, _) in html.match_indices(" on") {
+        let name: String = html[at + 1..]
+            .chars()
+            .take_while(|c| c.is_ascii_alphabetic())
+            .collect();
+        assert!(
+            !html[at + 1 + name.len()..].starts_with('='),
+            "no inline handler: {name}"
+        );
+    }
+    // The page reads the API's own routes, and never a token in a URL.
+    let app = &bodies["/ui/app.js"];
+    let (_, api) = svc.get_json("/v1/openapi.json").await;
+    for path in ["/v1/status", "/v1/runs", "/v1/ui/session"] {
+        assert!(app.contains(path), "the page reads {path}");
+        assert!(api["paths"][path].is_object(), "{path} is the API's");
+    }
+    assert!(
+        !app.contains("token=") && !app.contains("Authorization"),
+        "{app}"
+    );
+    svc.stop().await;
+}
+
 #[tokio::test]
 async fn inv_37_every_route_but_the_health_checks_refuses_a_missing_or_wrong_token() {
     let svc = TestService::start(texts()).await;
