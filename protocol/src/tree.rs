@@ -388,6 +388,11 @@ impl Tree {
         }
     }
 
+    /// The run's own node, without its children (nothing is copied).
+    pub fn head(&self) -> &TreeNode {
+        &self.root
+    }
+
     /// The whole tree, children in spawn order.
     pub fn root(&self) -> TreeNode {
         let mut root = self.root.clone();

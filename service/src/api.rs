@@ -2,7 +2,8 @@
 //! from these types, are what `/v1/openapi.json` says.
 
 use arbor_protocol::{
-    BudgetArg, Card, CardId, CardState, ErrorClass, Event, JobId, RunId, Status, TreeNode, Verdict,
+    AccountView, BudgetArg, Card, CardId, CardState, ErrorClass, Event, JobId, RunId, Status,
+    TreeNode, Verdict,
 };
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -85,6 +86,20 @@ pub struct RunSummary {
     pub error_class: Option<ErrorClass>,
     pub reason: Option<String>,
     pub budget_tokens: u64,
+    /// When it was submitted, in ms since the Unix epoch (its id's time).
+    pub created_at_ms: u64,
+    /// When it started and ended, in ms since the Unix epoch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_at_ms: Option<u64>,
+    /// Its account in tokens: the ceiling (`grant`), `spent` and `held`,
+    /// once it started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<AccountView>,
+    /// The same in micro-dollars, for a run with a usd ceiling.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usd: Option<AccountView>,
     /// Its place in the queue (0 starts next), while it waits.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queue_position: Option<usize>,
@@ -154,6 +169,88 @@ pub struct JobDocument {
     /// The run it belongs to.
     pub run: RunId,
     pub job: TreeNode,
+    /// What its agent is allowed, as this node's workspace defines it
+    /// (absent for an agent the workspace no longer has).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub setup: Option<JobSetup>,
+    /// The messages sent to it (I-20), oldest first.
+    #[serde(default)]
+    pub steering: Vec<SteerView>,
+}
+
+impl JobSetup {
+    pub fn of(agent: &arbor_protocol::AgentDef) -> Self {
+        use arbor_protocol::{ModelRef, Network, SandboxMode};
+        JobSetup {
+            model: match &agent.model {
+                ModelRef::Scripted => "scripted".into(),
+                ModelRef::Provider { provider, model } => format!("{provider}/{model}"),
+            },
+            tools: agent
+                .tools
+                .iter()
+                .map(ToString::to_string)
+                .chain(agent.mcp.iter().map(|m| m.to_string()))
+                .collect(),
+            deny: agent.deny.clone(),
+            approve: agent.approve.clone(),
+            sandbox: match agent.sandbox {
+                SandboxMode::Shared => "shared",
+                SandboxMode::Own => "own",
+            }
+            .into(),
+            network: match agent.network {
+                Network::None => "none",
+                Network::Open => "open",
+            }
+            .into(),
+            subagents: agent.subagents.clone(),
+        }
+    }
+}
+
+impl SteerView {
+    pub fn of(record: arbor_storage::SteerRecord) -> Self {
+        use arbor_storage::SteerState;
+        SteerView {
+            message_id: record.message_id,
+            text: record.text,
+            state: match record.state {
+                SteerState::Queued => "queued",
+                SteerState::Delivered => "delivered",
+                SteerState::Discarded => "discarded",
+            }
+            .into(),
+        }
+    }
+}
+
+/// A job's agent: its model, tools, sandbox and network.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct JobSetup {
+    /// `scripted`, or `provider/model`.
+    pub model: String,
+    pub tools: Vec<String>,
+    /// Tools it and everything below it may not use (I-25).
+    pub deny: Vec<String>,
+    /// Tools whose calls wait for a person (I-46).
+    pub approve: Vec<String>,
+    /// `shared` (a folder of its parent's workdir) or `own` (I-26).
+    pub sandbox: String,
+    /// `none` or `open`.
+    pub network: String,
+    /// The agents it may delegate to.
+    pub subagents: Vec<String>,
+}
+
+/// One steering message and what became of it.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct SteerView {
+    pub message_id: u64,
+    pub text: String,
+    /// `queued`, `delivered` (the model read it at a turn) or `discarded`
+    /// (the job ended first).
+    pub state: String,
 }
 
 /// `POST /v1/jobs/{id}/messages`: steer a running step or job (I-20).
@@ -220,6 +317,11 @@ pub struct EventsQuery {
     /// `false`: send the events so far and end, without waiting for more
     /// (default `true`: follow until the run ends).
     pub follow: Option<bool>,
+    /// Send the events after this index only: `Last-Event-ID` for a client
+    /// that cannot set the header (a browser's EventSource opened again
+    /// after a reload). The header wins when both are given: EventSource
+    /// sends it on its own reconnections, with the later id.
+    pub after: Option<u64>,
 }
 
 /// The filter of `GET /v1/approvals`.

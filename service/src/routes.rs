@@ -716,6 +716,13 @@ async fn submit_run(
     Ok(response)
 }
 
+/// When a run was submitted: its id is a uuid v7, whose first 48 bits
+/// are that millisecond.
+fn created_at_ms(run: RunId) -> u64 {
+    let bytes = run.0.as_bytes();
+    bytes[..6].iter().fold(0, |ms, b| (ms << 8) | u64::from(*b))
+}
+
 async fn list_runs(State(shared): S, Query(query): Query<RunQuery>) -> Reply {
     let limit = query.limit.unwrap_or(50);
     if !(1..=500).contains(&limit) {
@@ -734,6 +741,11 @@ async fn list_runs(State(shared): S, Query(query): Query<RunQuery>) -> Reply {
                 error_class: None,
                 reason: None,
                 budget_tokens: spec.map(|s| s.budget_tokens).unwrap_or_default(),
+                created_at_ms: created_at_ms(sub.run),
+                started_at_ms: None,
+                ended_at_ms: None,
+                tokens: None,
+                usd: None,
                 queue_position: Some(position),
                 failed_job: None,
             }
@@ -752,6 +764,11 @@ async fn list_runs(State(shared): S, Query(query): Query<RunQuery>) -> Reply {
                 error_class: r.error_class,
                 reason: r.reason,
                 budget_tokens: r.budget_tokens,
+                created_at_ms: created_at_ms(r.id),
+                started_at_ms: None,
+                ended_at_ms: None,
+                tokens: None,
+                usd: None,
                 queue_position: None,
                 failed_job: None,
             }),
@@ -768,6 +785,18 @@ async fn list_runs(State(shared): S, Query(query): Query<RunQuery>) -> Reply {
         page.truncate(limit as usize);
         page.last().map(|r| r.id)
     });
+    // Times and money from the run's own node of its tree (kept by the
+    // event bus; a run ended before a restart is folded once).
+    for run in page.iter_mut() {
+        shared.node.events().with_tree(run.id, |tree| {
+            if let Some(head) = tree.map(|t| t.head()) {
+                run.started_at_ms = head.started_at_ms;
+                run.ended_at_ms = head.ended_at_ms;
+                run.tokens = head.started_at_ms.map(|_| head.account);
+                run.usd = head.usd;
+            }
+        });
+    }
     // A dead letter says where it died: its tree is read for that only.
     for run in page.iter_mut().filter(|r| r.status == Status::Failed) {
         if let Some(tree) = run_tree(&shared, run.id).await? {
@@ -839,7 +868,7 @@ async fn run_events(
 ) -> Reply {
     let run = parse_run(&path.id)?;
     let after = match headers.get("last-event-id") {
-        None => 0,
+        None => query.after.unwrap_or(0),
         Some(v) => v
             .to_str()
             .ok()
@@ -887,7 +916,27 @@ async fn get_job(State(shared): S, Path(path): Path<IdPath>) -> Reply {
     let node = tree
         .subtree(job)
         .ok_or_else(|| ApiError::not_found(format!("no step or job {job}")))?;
-    Ok(json(StatusCode::OK, JobDocument { run, job: node }))
+    let setup = node
+        .agent
+        .as_deref()
+        .and_then(|name| shared.node.context().agent(name))
+        .map(|agent| JobSetup::of(&agent));
+    let steering = shared
+        .node
+        .journal()
+        .steering(job)?
+        .into_iter()
+        .map(SteerView::of)
+        .collect();
+    Ok(json(
+        StatusCode::OK,
+        JobDocument {
+            run,
+            job: node,
+            setup,
+            steering,
+        },
+    ))
 }
 
 async fn stop_job(State(shared): S, Path(path): Path<IdPath>) -> Reply {

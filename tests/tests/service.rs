@@ -93,6 +93,19 @@ async fn a_submitted_flow_runs_and_reads_back_as_the_run_document() {
         .collect();
     assert_eq!(ids, [other.to_string(), run.to_string()], "newest first");
     assert_eq!(list["runs"][0]["budget_tokens"], 5000);
+    // Each line has its times and its spend, the run document's own.
+    let line = &list["runs"][1];
+    let created = line["created_at_ms"].as_u64().expect("created_at_ms");
+    let (started, ended) = (&doc["run"]["started_at_ms"], &doc["run"]["ended_at_ms"]);
+    assert_eq!(&line["started_at_ms"], started, "{line}");
+    assert_eq!(&line["ended_at_ms"], ended, "{line}");
+    assert!(
+        created <= started.as_u64().unwrap(),
+        "made before it started: {line}"
+    );
+    assert_eq!(line["tokens"], doc["run"]["account"], "{line}");
+    assert!(line["tokens"]["spent"].as_u64().unwrap() > 0, "{line}");
+    assert!(line.get("usd").is_none(), "no usd ceiling: {line}");
     let (_, page) = svc.get_json("/v1/runs?limit=1").await;
     assert_eq!(page["runs"].as_array().unwrap().len(), 1);
     let next = page["next"].as_str().expect("a next page");
@@ -822,6 +835,21 @@ async fn the_event_stream_resumes_after_the_last_event_id_and_ends_with_the_run(
     // Resumed from the end: nothing more, and the stream still ends.
     let none = svc.events(run, Some(all.len() as u64)).await;
     assert!(none.is_empty(), "{none:?}");
+    // `?after=` is the same for a client that cannot set the header (a
+    // browser's EventSource after a reload); the header wins over it.
+    let path = format!("/v1/runs/{run}/events");
+    let rest: Vec<u64> = (4..=all.len() as u64).collect();
+    assert_eq!(
+        sse_ids(&svc, &format!("{path}?after=3"), None).await,
+        (200, rest)
+    );
+    let later: Vec<u64> = (6..=all.len() as u64).collect();
+    assert_eq!(
+        sse_ids(&svc, &format!("{path}?after=1"), Some("5")).await,
+        (200, later)
+    );
+    let (status, _) = sse_ids(&svc, &format!("{path}?after=-1"), None).await;
+    assert_eq!(status, 400, "after is a whole number");
     // A Last-Event-ID that is not a number is refused.
     let response = svc
         .get(&format!("/v1/runs/{run}/events"))
@@ -831,6 +859,23 @@ async fn the_event_stream_resumes_after_the_last_event_id_and_ends_with_the_run(
         .unwrap();
     assert_eq!(response.status(), 400);
     svc.stop().await;
+}
+
+/// The `id:` of every message of the event stream at `path`.
+async fn sse_ids(svc: &TestService, path: &str, last_event_id: Option<&str>) -> (u16, Vec<u64>) {
+    let mut request = svc.get(path);
+    if let Some(id) = last_event_id {
+        request = request.header("Last-Event-ID", id);
+    }
+    let response = request.send().await.unwrap();
+    let status = response.status().as_u16();
+    let body = response.text().await.unwrap();
+    let ids = body
+        .lines()
+        .filter_map(|line| line.strip_prefix("id:"))
+        .map(|id| id.trim().parse().unwrap())
+        .collect();
+    (status, ids)
 }
 
 #[test]
@@ -857,6 +902,10 @@ async fn stop_steer_and_read_a_running_step_over_http() {
     let (status, job) = svc.get_json(&format!("/v1/jobs/{step}")).await;
     assert_eq!(status, 200, "{job}");
     assert_eq!(job["job"]["status"], "running");
+    // What its agent may do, from the workspace.
+    assert_eq!(job["setup"]["model"], "scripted", "{job}");
+    assert_eq!(job["setup"]["network"], "none");
+    assert_eq!(job["steering"], json!([]));
     let (status, queued) = svc
         .post_json(
             &format!("/v1/jobs/{step}/messages"),
@@ -866,6 +915,14 @@ async fn stop_steer_and_read_a_running_step_over_http() {
     assert_eq!(status, 202, "{queued}");
     assert_eq!(queued["job"], step);
     assert!(queued["message_id"].is_u64());
+    // The job's document has the message, with what became of it.
+    let (_, job) = svc.get_json(&format!("/v1/jobs/{step}")).await;
+    assert_eq!(job["steering"][0]["text"], "hurry up", "{job}");
+    assert_eq!(job["steering"][0]["message_id"], queued["message_id"]);
+    assert!(
+        ["queued", "delivered"].contains(&job["steering"][0]["state"].as_str().unwrap()),
+        "{job}"
+    );
 
     let (status, stopping) = svc
         .post_json(&format!("/v1/jobs/{step}/stop"), json!({}))
