@@ -1,6 +1,7 @@
 // The console's run page under load, in Debian's chromium (docs/benchmarks.md):
 //   node tests/browser/bench.mjs [--quick]
-// (ARBORD=target/release/arbord for the numbers in the docs).
+// (ARBORD=target/release/arbord for the numbers in the docs; TRACE=PREFIX
+// also writes a Chrome trace of each L window to PREFIX-RATE.json).
 //
 // D: a finished run of examples/fanout (1,088 steps and jobs): the time from
 //    navigation to the whole tree drawn, by the page's own clock

@@ -15,3 +15,9 @@ npm ci --prefix tests/browser --no-audit --no-fund --loglevel=error
 
 # One test at a time: they share one arbord and one browser.
 node --test --test-concurrency=1 tests/browser/console.mjs
+
+# The run page's benchmark, small (a smoke run: speed is never a pass or a
+# fail here; docs/benchmarks.md has the full one's numbers).
+node tests/browser/bench.mjs --quick | tee target/console/bench-quick.txt
+grep -q '^D drawn_ms' target/console/bench-quick.txt
+[ "$(grep -c '^L rate=' target/console/bench-quick.txt)" = 2 ]
