@@ -479,7 +479,7 @@ pub async fn runs(client: &Client, args: RunsArgs) -> Outcome {
                 .set_header(if args.failed {
                     vec!["RUN", "FLOW", "CLASS", "FAILED FIRST", "REASON"]
                 } else {
-                    vec!["RUN", "FLOW", "STATUS", "BUDGET", "REASON"]
+                    vec!["RUN", "FLOW", "STATUS", "TOOK", "TOKENS SPENT", "REASON"]
                 });
             if client.colour {
                 table.enforce_styling();
@@ -505,11 +505,22 @@ pub async fn runs(client: &Client, args: RunsArgs) -> Outcome {
                     Some(p) => format!("{} (queue #{})", run.status, p + 1),
                     None => run.status.to_string(),
                 };
+                // The same figures the console's list shows.
+                let took = run.started_at_ms.map_or(String::new(), |start| {
+                    let end = run.ended_at_ms.unwrap_or_else(now_ms);
+                    let ms = end.saturating_sub(start);
+                    humantime::format_duration(Duration::from_millis(ms - ms % 100)).to_string()
+                });
+                let spent = match run.tokens {
+                    Some(account) => format!("{} of {}", account.spent, account.grant),
+                    None => format!("0 of {}", run.budget_tokens),
+                };
                 table.add_row(vec![
                     Cell::new(run.id),
                     Cell::new(&run.flow),
                     Cell::new(status).fg(colour_of(run.status)),
-                    Cell::new(run.budget_tokens),
+                    Cell::new(took),
+                    Cell::new(spent),
                     Cell::new(run.reason.clone().unwrap_or_default()),
                 ]);
             }

@@ -410,7 +410,21 @@ fn the_status_cli_exit_codes() {
         text.contains("\nsandbox sealed: "),
         "the posture is shown: {text}"
     );
-    assert_eq!(code(&arbord.arbor(&["runs"])), 0);
+    let runs = arbord.arbor(&["runs"]);
+    assert_eq!(code(&runs), 0);
+    // Its line says how long it took and what it spent of its ceiling.
+    let runs = String::from_utf8_lossy(&runs.stdout);
+    let line = runs
+        .lines()
+        .find(|l| l.contains(&done))
+        .expect("the run is listed");
+    assert!(line.contains("done"), "{runs}");
+    assert!(
+        line.split_whitespace()
+            .any(|w| humantime::parse_duration(w).is_ok()),
+        "a duration: {runs}"
+    );
+    assert!(line.contains(" of "), "spent of its ceiling: {runs}");
     // 1: a run that failed or was stopped.
     let stopped = arbord.submit(&["--agent", "slow", "--input", "wait"]);
     arbord.wait_running(&stopped);

@@ -117,20 +117,26 @@ function show(view) {
 // --- routing ---------------------------------------------------------------
 
 let leave = () => {};
+// Counts the views opened: a view whose opening awaited past a newer one
+// starts nothing (no stream, no timer) for a page no longer shown.
+let opened = 0;
+const stale = (mine) => mine !== opened;
 
 function route() {
   const hash = location.hash;
   if (hash && !hash.startsWith("#/")) return; // an in-page link (skip link)
+  opened += 1;
   leave();
   leave = () => {};
   $("problem").hidden = true;
   const [, kind, id] = hash.slice(1).split("/");
-  let opened;
-  if (kind === "runs" && id) opened = openRun(id);
-  else if (kind === "jobs" && id) opened = openJob(id);
-  else if (kind === "node") opened = openNode();
-  else opened = openRuns();
-  opened.catch(problem);
+  const mine = opened;
+  let view;
+  if (kind === "runs" && id) view = openRun(id, mine);
+  else if (kind === "jobs" && id) view = openJob(id, mine);
+  else if (kind === "node") view = openNode(mine);
+  else view = openRuns(mine);
+  view.catch(problem);
 }
 
 window.addEventListener("hashchange", route);
@@ -146,6 +152,7 @@ function every(ms, tick, alive) {
 // --- login -----------------------------------------------------------------
 
 function showLogin(why = "") {
+  opened += 1;
   leave();
   leave = () => {};
   show("login");
@@ -188,7 +195,7 @@ async function nodeLine() {
   return status;
 }
 
-async function openNode() {
+async function openNode(mine) {
   const draw = async () => {
     const status = await nodeLine();
     const { node, admission, journal, recovery } = status;
@@ -213,14 +220,16 @@ async function openNode() {
     );
   };
   await draw();
+  if (stale(mine)) return;
   show("nodeview");
   leave = every(2000, draw, () => !$("nodeview").hidden);
 }
 
 // --- runs ------------------------------------------------------------------
 
-async function openRuns() {
+async function openRuns(mine) {
   await drawRuns();
+  if (stale(mine)) return;
   show("runs");
   leave = every(2000, drawRuns, () => !$("runs").hidden);
 }
@@ -273,7 +282,7 @@ const page = {
 const seenKey = (run) => `arbor.events.${run}`;
 const listKey = (run) => `arbor.events.${run}.list`;
 
-async function openRun(id) {
+async function openRun(id, mine) {
   Object.assign(page, { run: id, tree: null, dirty: false, reading: false, last: 0, pending: [] });
   page.collapsed = new Set();
   page.rows = new Map();
@@ -282,6 +291,7 @@ async function openRun(id) {
   show("run");
   nodeLine().catch(problem);
   await readTree();
+  if (stale(mine)) return;
   // After a reload, the list is as this tab left it and the stream goes
   // on from the last event it saw.
   const seen = Number(sessionStorage.getItem(seenKey(id)) ?? 0);
@@ -520,7 +530,7 @@ function flushEvents() {
 
 // --- a job -----------------------------------------------------------------
 
-async function openJob(id) {
+async function openJob(id, mine) {
   const job = { id, source: null, turns: new Map(), steering: new Map(), last: 0, run: null, alive: true };
   const draw = async () => {
     const [doc, status] = await Promise.all([api(`/v1/jobs/${id}`), nodeLine()]);
@@ -533,6 +543,7 @@ async function openJob(id) {
     return doc;
   };
   const doc = await draw();
+  if (stale(mine)) return;
   show("job");
   $("job-turns").replaceChildren();
   // Its turns from the run's events (the same stream `arbor events` reads).

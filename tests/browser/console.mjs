@@ -47,6 +47,7 @@ test("without a session the page asks to log in and the API answers 401", async 
   await page.locator("#login").waitFor({ state: "visible" });
   assert.match(await page.locator("#login-why").innerText(), /not logged in/);
   assert.equal(await page.locator("#run").isHidden(), true, "no run view without a session");
+  assert.equal(await page.locator("#nav").isHidden(), true, "no views to go to");
   const refused = await page.goto(`${node.base}/v1/runs`);
   assert.equal(refused.status(), 401);
   // A wrong token is refused in the form, and no session is made.
@@ -84,6 +85,16 @@ test("log in, see the runs, watch a run's tree grow live, reload and resume from
     return done >= 1 && document.querySelector("#run-title").textContent.includes("running");
   });
   const partial = await page.locator('#tree li[data-status="done"]').count();
+  // The run's bar is drawn to scale, as its words say (its widths are set
+  // through CSSOM, which the CSP allows): most of the grant is held now.
+  const drawn = await page.locator("#run-money .account").first().evaluate((account) => {
+    const width = (s) => account.querySelector(s).getBoundingClientRect().width;
+    const track = account.querySelector(".bar").clientWidth;
+    return { spent: width(".spent") / track, held: width(".held") / track, words: account.textContent };
+  });
+  const [spent, held, grant] = drawn.words.match(/\d[\d,]*/g).map((n) => Number(n.replaceAll(",", "")));
+  assert.ok(held / grant > 0.1, `a running run holds part of its grant: ${drawn.words}`);
+  assert.ok(Math.abs(drawn.held - held / grant) < 0.02 && Math.abs(drawn.spent - spent / grant) < 0.02, JSON.stringify(drawn));
   assert.ok(partial < 6 && (await page.locator("#tree li").count()) < 7, `the tree was seen part-way (${partial} done)`);
   assert.match(await treeText(page), /✔ done/);
   assert.match(await treeText(page), /part-1/);
@@ -109,6 +120,7 @@ test("log in, see the runs, watch a run's tree grow live, reload and resume from
   assert.equal(doc.run.status, "done");
   assert.match(await page.locator("#run-facts").innerText(), /7 steps and jobs: 0 running, 7 done/);
   assert.match(await page.locator("#run-money").innerText(), new RegExp(`${doc.run.account.spent.toLocaleString("en")} spent`));
+
   assert.match(await page.locator("#run-output").innerText(), /six parts done/);
   assert.match(await page.locator("#events li").last().innerText(), /run_finished done/);
   await page.screenshot({ path: path.join(shots, "run.png"), fullPage: true });
@@ -191,6 +203,7 @@ test("steer a job, stop a job and stop the run from the page; the API agrees", a
   await page.locator("#job-title", { hasText: "■ stopped" }).waitFor();
   assert.equal((await node.api("GET", `/v1/jobs/${sleeper.id}`)).job.status, "stopped");
   assert.equal(await page.getByRole("button", { name: "Stop this job" }).isHidden(), true);
+  assert.equal(await page.locator("#steer-form").isHidden(), true, "an ended job takes no message");
 
   // Stop the whole run.
   await page.getByRole("link", { name: `Run ${id}` }).click();
