@@ -322,6 +322,10 @@ pub struct EventsQuery {
     /// after a reload). The header wins when both are given: EventSource
     /// sends it on its own reconnections, with the later id.
     pub after: Option<u64>,
+    /// Only the events about this step or job (its own account's among
+    /// them), and the run's end. Indices stay the run's, so `after` and
+    /// `Last-Event-ID` mean the same.
+    pub job: Option<JobId>,
 }
 
 /// The filter of `GET /v1/approvals`.

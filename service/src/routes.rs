@@ -880,6 +880,13 @@ async fn run_events(
     let Some(tree) = run_tree(&shared, run).await? else {
         return Err(ApiError::not_found(format!("no run {run}")));
     };
+    if let Some(job) = query.job
+        && tree.node(job).is_none()
+    {
+        return Err(ApiError::not_found(format!(
+            "no step or job {job} in run {run}"
+        )));
+    }
     // An ended run's stream ends after its history, even one whose end
     // event is not in the journal.
     let follow = query.follow.unwrap_or(true) && !tree.run_status().is_terminal();
@@ -889,6 +896,7 @@ async fn run_events(
         run,
         after,
         follow,
+        job: query.job,
         buffer: shared.config.sse_buffer,
         stall: shared.config.sse_stall,
         reread: shared

@@ -16,7 +16,7 @@
 
 use crate::api::StreamEvent;
 use arbor_actors::EventBus;
-use arbor_protocol::{Event, EventKind, RunId};
+use arbor_protocol::{Event, EventKind, JobId, RunId};
 use arbor_storage::Journal;
 use axum::response::sse;
 use futures::Stream;
@@ -36,6 +36,8 @@ pub struct Source {
     pub after: u64,
     /// False: the events so far, then the end.
     pub follow: bool,
+    /// Only this step's or job's events, and the run's end.
+    pub job: Option<JobId>,
     pub buffer: usize,
     pub stall: Duration,
     /// Read the journal again this often (a shared journal's).
@@ -128,7 +130,8 @@ async fn forward(
     *index += 1;
     *last_seq = event.seq;
     let end = matches!(event.kind, EventKind::RunFinished { .. });
-    if *index > source.after {
+    let wanted = end || source.job.is_none_or(|job| event.kind.job() == Some(job));
+    if *index > source.after && wanted {
         let sent = tokio::select! {
             sent = tx.send_timeout(message(*index, event), source.stall) => sent,
             _ = source.shutdown.cancelled() => return Next::End,
@@ -157,6 +160,7 @@ mod tests {
             run,
             after: 0,
             follow: true,
+            job: None,
             buffer: 1,
             stall: Duration::from_millis(200),
             reread: None,

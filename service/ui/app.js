@@ -546,8 +546,8 @@ async function openJob(id, mine) {
   if (stale(mine)) return;
   show("job");
   $("job-turns").replaceChildren();
-  // Its turns from the run's events (the same stream `arbor events` reads).
-  const source = new EventSource(`/v1/runs/${doc.run}/events`);
+  // Its turns from its own events (the run's stream, filtered by arbord).
+  const source = new EventSource(`/v1/runs/${doc.run}/events?job=${id}`);
   job.source = source;
   let redraw = 0;
   source.onmessage = (message) => {

@@ -850,6 +850,40 @@ async fn the_event_stream_resumes_after_the_last_event_id_and_ends_with_the_run(
     );
     let (status, _) = sse_ids(&svc, &format!("{path}?after=-1"), None).await;
     assert_eq!(status, 400, "after is a whole number");
+    // `?job=`: that step's events (its account's among them) and the run's
+    // end, at the run's own indices.
+    let step = all
+        .iter()
+        .find_map(|(_, e)| (e["kind"]["type"] == "job_spawned").then(|| e["kind"]["id"].clone()))
+        .expect("a step");
+    let step = step.as_str().unwrap();
+    let about = |e: &serde_json::Value| {
+        let k = &e["kind"];
+        k["id"] == step || k["owner"]["job"] == step || k["type"] == "run_finished"
+    };
+    let expected: Vec<u64> = all
+        .iter()
+        .filter(|(_, e)| about(e))
+        .map(|(i, _)| *i)
+        .collect();
+    assert!(
+        expected.len() > 3 && expected.len() < all.len(),
+        "{expected:?}"
+    );
+    assert_eq!(
+        sse_ids(&svc, &format!("{path}?job={step}"), None).await,
+        (200, expected.clone())
+    );
+    let later: Vec<u64> = expected
+        .iter()
+        .copied()
+        .filter(|i| *i > expected[1])
+        .collect();
+    let resumed = format!("{path}?job={step}&after={}", expected[1]);
+    assert_eq!(sse_ids(&svc, &resumed, None).await, (200, later));
+    let stranger = arbor_protocol::JobId::new();
+    let (status, _) = sse_ids(&svc, &format!("{path}?job={stranger}"), None).await;
+    assert_eq!(status, 404, "a job of no such run");
     // A Last-Event-ID that is not a number is refused.
     let response = svc
         .get(&format!("/v1/runs/{run}/events"))
