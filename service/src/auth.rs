@@ -148,10 +148,13 @@ impl Tokens {
     }
 
     /// Opens a console session for the holder of `presented`: its id, for
-    /// the cookie; none if `presented` is no token.
-    pub fn open_session(&self, presented: &str) -> Option<String> {
-        let caller = self.who(presented)?.to_string();
-        let id = random_hex(32).ok()?;
+    /// the cookie.
+    pub fn open_session(&self, presented: &str) -> Result<String, SessionRefused> {
+        let caller = self
+            .who(presented)
+            .ok_or(SessionRefused::WrongToken)?
+            .to_string();
+        let id = random_hex(32).map_err(SessionRefused::NoRandomness)?;
         let mut sessions = self.lock_sessions();
         let now = std::time::Instant::now();
         sessions.retain(|s| s.ends > now);
@@ -163,7 +166,7 @@ impl Tokens {
             caller,
             ends: now + SESSION_LIFETIME,
         });
-        Some(id)
+        Ok(id)
     }
 
     /// Ends the session `id`, if there is one.
@@ -257,6 +260,16 @@ impl Token {
             Err(e) => Err(format!("{}: {e}", path.display())),
         }
     }
+}
+
+/// Why no session was opened.
+#[derive(Debug)]
+pub enum SessionRefused {
+    /// The token presented is none of the node's.
+    WrongToken,
+    /// The session id could not be drawn (`/dev/urandom` failed): the
+    /// node's fault, not the caller's.
+    NoRandomness(std::io::Error),
 }
 
 fn random_hex(bytes: usize) -> std::io::Result<String> {

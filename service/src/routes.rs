@@ -1273,10 +1273,16 @@ async fn open_session(
             "{why}: the console logs in from its own page only"
         )));
     }
+    use crate::auth::SessionRefused;
     let id = shared
         .tokens
         .open_session(login.token.trim())
-        .ok_or_else(|| ApiError::unauthorized("the token is wrong"))?;
+        .map_err(|refused| match refused {
+            SessionRefused::WrongToken => ApiError::unauthorized("the token is wrong"),
+            SessionRefused::NoRandomness(error) => {
+                ApiError::internal(format!("no session id could be drawn: {error}"))
+            }
+        })?;
     let mut response = StatusCode::NO_CONTENT.into_response();
     response.headers_mut().insert(
         header::SET_COOKIE,
