@@ -716,11 +716,13 @@ async fn submit_run(
     Ok(response)
 }
 
-/// When a run was submitted: its id is a uuid v7, whose first 48 bits
-/// are that millisecond.
+/// When a run was submitted: its id is a uuid v7, which carries that
+/// millisecond.
 fn created_at_ms(run: RunId) -> u64 {
-    let bytes = run.0.as_bytes();
-    bytes[..6].iter().fold(0, |ms, b| (ms << 8) | u64::from(*b))
+    run.0.get_timestamp().map_or(0, |t| {
+        let (secs, nanos) = t.to_unix();
+        secs * 1000 + u64::from(nanos / 1_000_000)
+    })
 }
 
 async fn list_runs(State(shared): S, Query(query): Query<RunQuery>) -> Reply {
