@@ -20,6 +20,7 @@ use crate::model::{
 };
 use crate::policy::Policy;
 use crate::sandbox::{OUTPUT_LIMIT, SandboxMsg};
+use crate::tape::Served;
 use arbor_protocol::tools::parse_duration_arg;
 use arbor_protocol::{
     AgentDef, Amount, CallFacts, CollectArgs, DelegateArgs, ErrorClass, EventKind, ExecArgs, JobId,
@@ -109,6 +110,8 @@ pub struct LoopArgs {
     pub cancel: CancellationToken,
     /// Shared with the job, which settles a call its abort cut short.
     pub in_flight: InFlightSlot,
+    /// Where its recording goes, and the recording it replays.
+    pub tapes: crate::tape::JobTapes,
 }
 
 /// How the loop ended.
@@ -194,14 +197,23 @@ pub async fn run(args: LoopArgs) -> LoopOutcome {
         // Turn boundary: steering queued since the last turn comes in now,
         // in order. Asked for only when the job has some: a message queued
         // after this look waits for the next boundary, as it would had it
-        // come a moment later.
-        let taken = if args.steering_queued.load(Ordering::Acquire) > 0 {
+        // come a moment later. A replay takes in what its recording's job
+        // took in at this turn instead: when a message comes is the
+        // schedule's, and a replay's is another (what comes live is left
+        // queued, and discarded at the end).
+        let replayed = args.tapes.replay.as_ref().filter(|r| r.serves_steering());
+        let taken = if let Some(replay) = replayed {
+            Ok(replay.steering(turn))
+        } else if args.steering_queued.load(Ordering::Acquire) > 0 {
             ractor::call!(args.job, |reply| LoopMsg::TakeSteering { turn, reply })
         } else {
             Ok(vec![])
         };
         match taken {
             Ok(messages) => {
+                if let Some(writer) = &args.tapes.writer {
+                    writer.steering(turn, &messages);
+                }
                 for text in messages {
                     history.push(Message::User(format!("Message from your parent: {text}")));
                 }
@@ -277,16 +289,47 @@ pub async fn run(args: LoopArgs) -> LoopOutcome {
             }
             let mut tool = call.tool.clone();
             let began = std::time::Instant::now();
-            let result = AssertUnwindSafe(call_tool(&args, &call, &toolbox, &mut counts, turn))
-                .catch_unwind()
-                .await
-                .map(|(canonical, step)| {
+            let recorded = crate::tape::is_recorded_tool(
+                &call.tool,
+                toolbox.get(&call.tool).is_some()
+                    || call.tool.starts_with(arbor_protocol::mcp::MCP_PREFIX),
+            );
+            let served = match &args.tapes.replay {
+                Some(replay) if recorded && replay.serves_tools() => {
+                    replay.tool(&call.tool, &call.args)
+                }
+                _ => None,
+            };
+            let result = match served {
+                Some(Served::Result(canonical, result, files)) => {
                     tool = canonical;
-                    step
-                })
-                .unwrap_or_else(|panic| {
-                    Step::Result(Err(format!("the tool panicked: {}", panic_message(&panic))))
-                });
+                    write_files(&args, files).await;
+                    Step::Result(result)
+                }
+                Some(Served::Diverged(why)) => Step::Result(Err(why)),
+                None => AssertUnwindSafe(call_tool(&args, &call, &toolbox, &mut counts, turn))
+                    .catch_unwind()
+                    .await
+                    .map(|(canonical, step)| {
+                        tool = canonical;
+                        step
+                    })
+                    .unwrap_or_else(|panic| {
+                        Step::Result(Err(format!("the tool panicked: {}", panic_message(&panic))))
+                    }),
+            };
+            if let (true, Some(writer), Step::Result(result)) =
+                (recorded, &args.tapes.writer, &result)
+            {
+                let content = result.as_ref().map(|v| v.to_string()).map_err(Clone::clone);
+                let files = match result {
+                    Ok(value) if tool == ToolName::Exec.as_str() => {
+                        changed_files(&args, value).await
+                    }
+                    _ => BTreeMap::new(),
+                };
+                writer.tool(&call.tool, &tool, &call.args, &content, files);
+            }
             match result {
                 Step::Submit(submitted) => {
                     args.ctx.events.emit(
@@ -334,6 +377,40 @@ pub async fn run(args: LoopArgs) -> LoopOutcome {
                 }
             }
         }
+    }
+}
+
+/// The files a command changed, as text, for its recording: a replay
+/// writes them again (`tape::ToolExchange::files`).
+async fn changed_files(args: &LoopArgs, result: &serde_json::Value) -> BTreeMap<String, String> {
+    let mut files = BTreeMap::new();
+    let Some(sandbox) = &args.sandbox else {
+        return files;
+    };
+    let changed = result["changed"].as_array().into_iter().flatten();
+    for path in changed.filter_map(|p| p.as_str()) {
+        let read = ractor::call!(sandbox, |reply| SandboxMsg::ReadFile {
+            path: path.to_string(),
+            reply
+        });
+        if let Ok(Ok(text)) = read {
+            files.insert(path.to_string(), text);
+        }
+    }
+    files
+}
+
+/// A recorded command's files, written again where it left them.
+async fn write_files(args: &LoopArgs, files: BTreeMap<String, String>) {
+    let Some(sandbox) = &args.sandbox else {
+        return;
+    };
+    for (path, content) in files {
+        let _ = ractor::call!(sandbox, |reply| SandboxMsg::WriteFile {
+            path,
+            content,
+            reply
+        });
     }
 }
 

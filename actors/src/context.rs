@@ -45,6 +45,10 @@ pub struct RunContext {
     pub run: RunId,
     spawned: AtomicU64,
     spawn_cap: u64,
+    /// Its jobs journal their model exchanges and tool results (`tape`).
+    pub record: bool,
+    /// It replays this recording instead of asking its models.
+    pub replay: Option<Arc<crate::tape::Replay>>,
 }
 
 impl RunContext {
@@ -53,6 +57,8 @@ impl RunContext {
             run,
             spawned: AtomicU64::new(0),
             spawn_cap,
+            record: false,
+            replay: None,
         }
     }
 
@@ -62,7 +68,16 @@ impl RunContext {
             run,
             spawned: AtomicU64::new(spawned),
             spawn_cap,
+            record: false,
+            replay: None,
         }
+    }
+
+    /// As recorded, or replaying, as its spec says.
+    pub fn with_tape(mut self, record: bool, replay: Option<Arc<crate::tape::Replay>>) -> Self {
+        self.record = record;
+        self.replay = replay;
+        self
     }
 
     pub fn spawned(&self) -> u64 {

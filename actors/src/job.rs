@@ -82,6 +82,9 @@ pub struct Lineage {
     /// The labels from the root: its step's, then each delegated child's
     /// down to its own (what an approval card shows).
     pub path: Arc<[String]>,
+    /// The labels with their attempts (`plan#1/worker-2#1`): what a
+    /// recording names it by (`tape`).
+    pub key: Arc<str>,
 }
 
 pub struct JobStart {
@@ -105,6 +108,51 @@ pub struct JobStart {
     pub tool_counts: BTreeMap<String, u64>,
 }
 
+/// The job's model: its agent's, or the recording's in a replay (with its
+/// agent's to go on with in a forked one), wrapped to record when its run
+/// records.
+fn job_model(
+    ctx: &NodeContext,
+    start: &JobStart,
+) -> Result<(Arc<dyn crate::model::Model>, crate::tape::JobTapes), String> {
+    use crate::tape::{JobTapes, RecordingModel, TapeModel, TapeWriter, Volatile, model_ref};
+    let lineage = &start.lineage;
+    let model_ref = model_ref(&start.agent);
+    let mut tapes = JobTapes::default();
+    let mut model: Arc<dyn crate::model::Model> = match &start.run_ctx.replay {
+        None => ctx.models.model_for(&start.agent)?,
+        Some(replay) => {
+            let live = match replay.spec.after_divergence {
+                arbor_protocol::tape::AfterDivergence::Live => {
+                    Some(ctx.models.model_for(&start.agent)?)
+                }
+                arbor_protocol::tape::AfterDivergence::Fail => None,
+            };
+            let job = replay.job(
+                lineage.key.clone(),
+                model_ref.clone(),
+                Volatile::new(&ctx.work_root),
+                live,
+            );
+            tapes.replay = Some(job.clone());
+            ctx.models.replaying(&start.agent, Arc::new(TapeModel(job)))
+        }
+    };
+    if start.run_ctx.record {
+        let writer = Arc::new(TapeWriter::new(
+            ctx.journal.clone(),
+            ctx.secrets.clone(),
+            lineage.run,
+            lineage.id,
+            lineage.key.clone(),
+            Volatile::new(&ctx.work_root),
+        ));
+        tapes.writer = Some(writer.clone());
+        model = Arc::new(RecordingModel::new(model, writer, model_ref));
+    }
+    Ok((model, tapes))
+}
+
 impl Actor for Job {
     type Msg = JobMsg;
     type State = JobState;
@@ -120,7 +168,7 @@ impl Actor for Job {
         let ctx = start.ctx.clone();
         // Checked before anything is made, so a job that cannot get its model
         // leaves nothing behind (I-06).
-        let model = ctx.models.model_for(&start.agent)?;
+        let (model, tapes) = job_model(&ctx, &start)?;
         // I-27: a secret without a value refuses the job before anything is made.
         let env = ctx.secrets.env_for(&start.policy.secrets)?;
         let offered = start
@@ -223,6 +271,7 @@ impl Actor for Job {
             account,
             sandbox,
             model: Some(model),
+            tapes,
             loop_task: None,
             in_flight: Default::default(),
             children: Children::default(),
@@ -489,6 +538,8 @@ pub struct JobState {
     /// None for a job offered no tool that uses one (`ToolName::SANDBOX`).
     sandbox: Option<ActorRef<SandboxMsg>>,
     model: Option<Arc<dyn crate::model::Model>>,
+    /// Its side of the run's recording or replay, handed to its loop.
+    tapes: crate::tape::JobTapes,
     /// Aborted when dropped, so a killed job leaves no loop running.
     loop_task: Option<AbortOnDropHandle<()>>,
     /// The loop's model call in flight, settled here if an abort cuts it short.
@@ -558,6 +609,7 @@ impl JobState {
             cancel: self.cancel.clone(),
             in_flight: self.in_flight.clone(),
             steering_queued: self.steering_queued.clone(),
+            tapes: self.tapes.clone(),
         };
         let handle = tokio::spawn(async move {
             let outcome = match AssertUnwindSafe(agent_loop::run(args)).catch_unwind().await {

@@ -11,6 +11,7 @@
 //!    usage the provider reported, bytes streamed) goes into the request's
 //!    `CallMeter`, so a call that is stopped half-way is still charged.
 
+use arbor_protocol::tape::MeterStep;
 use arbor_protocol::{AgentDef, ErrorClass, ToolName, Usage};
 use futures::future::BoxFuture;
 use std::sync::Arc;
@@ -262,6 +263,14 @@ pub trait ModelFactory: Send + Sync {
         let _ = agent;
         Ok(())
     }
+
+    /// The model a replaying job talks to: `recording`, which answers from
+    /// the run's recording. A factory may wrap it (a test that varies the
+    /// schedule does), never replace it.
+    fn replaying(&self, agent: &AgentDef, recording: Arc<dyn Model>) -> Arc<dyn Model> {
+        let _ = agent;
+        recording
+    }
 }
 
 /// What an adapter learned of one call while it was in flight, shared with
@@ -279,22 +288,63 @@ struct MeterInner {
     streamed_bytes: AtomicU64,
     /// Woken at each change, for whoever watches a call (a test).
     changed: tokio::sync::Notify,
+    /// Set by a recorder: every step is then kept, in order (`MeterStep`).
+    logging: AtomicBool,
+    log: std::sync::Mutex<Vec<MeterStep>>,
 }
 
 impl CallMeter {
+    /// From now on every step is kept, for a recording.
+    pub fn keep_log(&self) {
+        self.0.logging.store(true, Ordering::Release);
+    }
+
+    /// The steps kept since `keep_log`.
+    pub fn log(&self) -> Vec<MeterStep> {
+        self.0.log.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn note(&self, step: MeterStep) {
+        if self.0.logging.load(Ordering::Acquire) {
+            self.0
+                .log
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(step);
+        }
+    }
+
+    /// Tells the meter what a recording says it was told, in order.
+    pub fn replay(&self, steps: &[MeterStep]) {
+        for step in steps {
+            match *step {
+                MeterStep::Sent => self.mark_sent(),
+                MeterStep::Refused => self.mark_refused(),
+                MeterStep::Usage { input, output } => self.report_usage(input, output),
+                MeterStep::Streamed(bytes) => self.add_streamed(bytes),
+            }
+        }
+    }
+
     /// The request left for the provider: from now on it may be billed.
     pub fn mark_sent(&self) {
+        self.note(MeterStep::Sent);
         self.0.sent.store(true, Ordering::Release);
     }
 
     /// The provider answered with an error status before generating
     /// anything: such a request is not billed.
     pub fn mark_refused(&self) {
+        self.note(MeterStep::Refused);
         self.0.sent.store(false, Ordering::Release);
     }
 
     /// Usage the provider reported so far (a stream's first or last event).
     pub fn report_usage(&self, input_tokens: Option<u64>, output_tokens: Option<u64>) {
+        self.note(MeterStep::Usage {
+            input: input_tokens,
+            output: output_tokens,
+        });
         if let Some(input) = input_tokens {
             self.0.input_tokens.fetch_max(input, Ordering::AcqRel);
         }
@@ -307,6 +357,7 @@ impl CallMeter {
 
     /// Bytes of answer streamed so far.
     pub fn add_streamed(&self, bytes: u64) {
+        self.note(MeterStep::Streamed(bytes));
         self.0.streamed_bytes.fetch_add(bytes, Ordering::AcqRel);
         self.0.changed.notify_waiters();
     }

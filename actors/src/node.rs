@@ -262,8 +262,15 @@ impl NodeState {
         }
         // Every model the run can reach must be usable now (a provider's key
         // set, say), so a run is refused whole rather than failing half-way.
+        // A strict replay asks no model.
+        let asks_models = spec
+            .replay
+            .as_ref()
+            .is_none_or(|r| r.after_divergence == arbor_protocol::tape::AfterDivergence::Live);
         for agent in self.reachable_agents(&spec) {
-            self.ctx.models.preflight(&agent)?;
+            if asks_models {
+                self.ctx.models.preflight(&agent)?;
+            }
         }
         // An id chosen (and journaled) by the caller starts at most once.
         if let Some(id) = id

@@ -45,6 +45,9 @@ pub struct Carried {
     pub attempts: std::collections::HashMap<String, u32>,
     /// Calls counted by limits, by step label.
     pub tool_counts: std::collections::HashMap<String, BTreeMap<String, u64>>,
+    /// The recording a replay replays, when the caller has it (a fixture);
+    /// else it is read from the journal, under the replayed run.
+    pub tape: Option<Arc<arbor_protocol::tape::Tape>>,
 }
 
 /// Where an interrupted run picks up, as recovery read it from the journal.
@@ -106,6 +109,10 @@ pub enum RunMsg {
         result: Result<(), String>,
     },
     TimedOut,
+    /// A replay's request differed from its recording's (I-49).
+    Diverged {
+        why: String,
+    },
 }
 
 impl Actor for Run {
@@ -119,6 +126,25 @@ impl Actor for Run {
         args: RunArgs,
     ) -> Result<Self::State, ActorProcessingErr> {
         let ctx = args.ctx;
+        // Read before anything is written: a replay without its recording
+        // leaves nothing behind.
+        let replay = match &args.spec.replay {
+            None => None,
+            Some(spec) => {
+                let tape = match args.carried.tape.clone() {
+                    Some(tape) => tape,
+                    None => Arc::new(crate::tape::tape_of(ctx.journal.tape(spec.of)?)?),
+                };
+                if tape.is_empty() {
+                    return Err(format!(
+                        "run {} has no recording: it was not run with record on",
+                        spec.of
+                    )
+                    .into());
+                }
+                Some(crate::tape::Replay::new(spec.clone(), tape))
+            }
+        };
         let record = RunRecord {
             id: args.id,
             flow: args.spec.flow.clone(),
@@ -198,11 +224,10 @@ impl Actor for Run {
             );
         }
         Ok(RunState {
-            run_ctx: Arc::new(RunContext::resumed(
-                args.id,
-                ctx.limits.spawn_cap,
-                resume.spawned,
-            )),
+            run_ctx: Arc::new(
+                RunContext::resumed(args.id, ctx.limits.spawn_cap, resume.spawned)
+                    .with_tape(args.spec.record, replay),
+            ),
             labels,
             attempts: if resume_given {
                 resume.attempts
@@ -237,6 +262,15 @@ impl Actor for Run {
         if let Some(timeout) = state.spec.timeout {
             myself.send_after(timeout, || RunMsg::TimedOut);
         }
+        if let Some(replay) = &state.run_ctx.replay {
+            let diverged = replay.diverged();
+            let run = myself.clone();
+            tokio::spawn(async move {
+                if let Some(why) = diverged.await {
+                    let _ = run.cast(RunMsg::Diverged { why });
+                }
+            });
+        }
         if state.group >= state.spec.groups.len() {
             // A resumed run whose every group had finished: only its end was lost.
             state.finish_done();
@@ -266,6 +300,9 @@ impl Actor for Run {
                 state.begin_finish(Status::Stopped, None, reason);
             }
             RunMsg::StopStep { id, reason } => state.stop_step(id, &reason, false),
+            RunMsg::Diverged { why } => {
+                state.begin_finish(Status::Failed, Some(ErrorClass::Diverged), why);
+            }
             RunMsg::TimedOut => {
                 let timeout = humantime::format_duration(state.spec.timeout.unwrap_or_default());
                 state.begin_finish(
@@ -490,6 +527,7 @@ impl RunState {
                     attempt,
                     label: Some(label.clone()),
                     path: Arc::from([label.clone()]),
+                    key: crate::tape::lineage_key(None, &label, attempt),
                 },
                 brief: Brief {
                     request: format!("{instruction}{context}"),

@@ -29,6 +29,7 @@ macro_rules! outln_styled {
 mod client;
 mod journal;
 mod render;
+mod replay;
 
 use anyhow::Context;
 use arbor_protocol::{RunSpec, Status, Tree};
@@ -57,6 +58,12 @@ enum Command {
     /// Continue a job a restart interrupted, as its next attempt: on arbord,
     /// or with --data-dir on an embedded node.
     Continue(ContinueArgs),
+    /// Replay a recorded run as a new run whose model is the recording
+    /// (docs/replay.md): on an embedded node of a workspace, or an export
+    /// (--fixture FILE DIR). Exit 0 when it equals its recording.
+    Replay(replay::ReplayArgs),
+    /// Write a recorded run's recording as one JSON document (a fixture).
+    Export(replay::ExportArgs),
     /// Check or read a node's journal.
     #[command(subcommand)]
     Journal(JournalCommand),
@@ -182,6 +189,10 @@ struct RunArgs {
     /// default: ARBOR_NODE_ID, else the host's name).
     #[arg(long, value_parser = arbor_runtime::workspace::parse_node_id)]
     node_id: Option<String>,
+    /// Record the run's model exchanges and tool results, so it can be
+    /// replayed (as `[record] models = true` does for every run).
+    #[arg(long)]
+    record: bool,
 }
 
 /// Bad usage or bad input: exit 2.
@@ -221,11 +232,16 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Command::Run(args) => run(args).await,
+            Command::Replay(args) => replay::replay(args).await,
+            Command::Export(args) => replay::export(args, conn.output.as_deref()),
             Command::Continue(args) if args.data_dir.is_some() => continue_job(args).await,
             Command::Continue(args) => {
                 with_client(&conn, |c| Box::pin(client::continue_job(c, &args.job))).await
             }
-            Command::Check { dir } => Ok(check(&dir, conn.output).await),
+            Command::Check { dir } => match conn.format() {
+                Ok(output) => Ok(check(&dir, output).await),
+                Err(failed) => Err(Failure::Client(failed)),
+            },
             Command::Status(args) => {
                 with_client(&conn, |c| Box::pin(client::status(c, args))).await
             }
@@ -363,6 +379,11 @@ async fn run(args: RunArgs) -> Result<ExitCode, Failure> {
     let spec = match args.budget_usd_micros {
         Some(micros) => workspace.with_usd_ceiling(spec, micros).map_err(bad)?,
         None => spec,
+    };
+    let spec = if args.record {
+        workspace.recording(spec, true)
+    } else {
+        spec
     };
     let data_dir = args
         .data_dir
@@ -530,6 +551,56 @@ async fn follow(
     run: arbor_protocol::RunId,
     json: bool,
 ) -> Result<ExitCode, Failure> {
+    let (tree, view) = watch(&node, run, json).await;
+    finish(node, &tree, view, json).await
+}
+
+/// Prints the run's tree (its JSON document, or the view's last frame),
+/// shuts the node down, and says how the run ended: exit 0 done, else 1.
+async fn finish(
+    node: EmbeddedNode,
+    tree: &Tree,
+    view: render::Progress,
+    json: bool,
+) -> Result<ExitCode, Failure> {
+    print_tree(&node, tree, view, json)?;
+    node.shutdown_for_exit()
+        .await
+        .context("shutting the node down")?;
+    Ok(match tree.run_status() {
+        Status::Done => ExitCode::SUCCESS,
+        _ => ExitCode::from(1),
+    })
+}
+
+/// The run's JSON document on stdout, or the view's last frame.
+fn print_tree(
+    node: &EmbeddedNode,
+    tree: &Tree,
+    mut view: render::Progress,
+    json: bool,
+) -> Result<(), Failure> {
+    let root = tree.root();
+    if json {
+        // The sandbox posture rides along: a run document says whether its
+        // commands ran sealed.
+        let doc = serde_json::json!({ "run": root, "sandbox": node.sandbox() });
+        outln!(
+            "{}",
+            serde_json::to_string_pretty(&doc).context("printing the tree")?
+        );
+    } else {
+        view.finish(tree);
+    }
+    Ok(())
+}
+
+/// Shows the run until it ends (Ctrl-C stops it) and returns its tree.
+async fn watch(
+    node: &EmbeddedNode,
+    run: arbor_protocol::RunId,
+    json: bool,
+) -> (Tree, render::Progress) {
     let live = !json && std::io::stdout().is_terminal();
     let mut view = render::Progress::new(live);
     // Woken by runs' ends and by a clock, never by each event: a wide
@@ -563,7 +634,7 @@ async fn follow(
                     let frame = frame.unwrap_or_else(|| view.frame(&Tree::new(run)));
                     view.draw(frame);
                     if !live {
-                        tell_new_cards(&node, run, &mut cards_told);
+                        tell_new_cards(node, run, &mut cards_told);
                     }
                 }
             }
@@ -579,23 +650,5 @@ async fn follow(
             }
         }
     };
-    let root = tree.root();
-    if json {
-        // The sandbox posture rides along: a run document says whether its
-        // commands ran sealed.
-        let doc = serde_json::json!({ "run": root, "sandbox": node.sandbox() });
-        outln!(
-            "{}",
-            serde_json::to_string_pretty(&doc).context("printing the tree")?
-        );
-    } else {
-        view.finish(&tree);
-    }
-    node.shutdown_for_exit()
-        .await
-        .context("shutting the node down")?;
-    Ok(match root.status {
-        Status::Done => ExitCode::SUCCESS,
-        _ => ExitCode::from(1),
-    })
+    (tree, view)
 }

@@ -47,6 +47,21 @@ pub enum Output {
     Jsonl,
 }
 
+impl Conn {
+    /// `-o` as a format: text when not given.
+    pub fn format(&self) -> Result<Output, Failed> {
+        match self.output.as_deref() {
+            None => Ok(Output::Text),
+            Some(text) => Output::from_str(text, true).map_err(|_| {
+                Failed::new(
+                    exit::USAGE,
+                    format!("-o takes text, json or jsonl, not {text:?}"),
+                )
+            }),
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
 pub enum ColorWhen {
     #[default]
@@ -64,9 +79,10 @@ pub struct Conn {
     /// The API token (default: $ARBOR_TOKEN, else the file $ARBOR_TOKEN_FILE, else ./.arbor/token).
     #[arg(long, global = true)]
     pub token: Option<String>,
-    /// How data is printed on stdout.
-    #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Text, global = true)]
-    pub output: Output,
+    /// How data is printed on stdout: text (the default), json or jsonl.
+    /// For `arbor export`, the file the document is written to.
+    #[arg(short = 'o', long = "output", value_name = "FORMAT", global = true)]
+    pub output: Option<String>,
     /// Colour in text output (NO_COLOR is honoured under auto).
     #[arg(long, value_enum, default_value_t = ColorWhen::Auto, global = true)]
     pub color: ColorWhen,
@@ -137,7 +153,7 @@ impl Client {
         });
         Ok(Self {
             api,
-            output: conn.output,
+            output: conn.format()?,
             colour,
         })
     }

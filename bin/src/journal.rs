@@ -26,7 +26,7 @@ pub struct Place {
     schema: String,
 }
 
-fn open(place: &Place) -> Result<Journal, Failure> {
+pub fn open(place: &Place) -> Result<Journal, Failure> {
     if let Some(url) = &place.database_url {
         let mut options = PgOptions::new(url.clone(), "arbor-journal");
         options.schema = place.schema.clone();

@@ -13,6 +13,7 @@ pub mod refusal;
 pub mod result;
 pub mod spec;
 pub mod status;
+pub mod tape;
 pub mod tools;
 pub mod tree;
 pub mod view;

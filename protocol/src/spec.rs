@@ -16,6 +16,18 @@ pub struct RunSpec {
     #[serde(default)]
     pub budget_usd_micros: Option<u64>,
     pub timeout: Option<Duration>,
+    /// Journal each model exchange and tool result, so the run can be
+    /// replayed (`crate::tape`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub record: bool,
+    /// This run replays a recording instead of asking its models.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay: Option<crate::tape::ReplaySpec>,
+    /// A recorded run's definitions, each file's SHA-256 by its path in the
+    /// workspace (`arbor.toml`, `agents/NAME/agent.md`, `flows/NAME.toml`):
+    /// what a replay and a rerun check they run with.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub digests: std::collections::BTreeMap<String, String>,
 }
 
 impl RunSpec {
@@ -62,6 +74,9 @@ impl RunSpec {
             budget_tokens,
             budget_usd_micros: None,
             timeout: None,
+            record: false,
+            replay: None,
+            digests: Default::default(),
         }
     }
 }
@@ -130,6 +145,9 @@ mod tests {
             budget_tokens: 1,
             budget_usd_micros: None,
             timeout: None,
+            record: false,
+            replay: None,
+            digests: Default::default(),
         };
         assert_eq!(
             spec.step_labels(),

@@ -115,6 +115,9 @@ pub enum ErrorClass {
     Parked,
     /// It could not start.
     Start,
+    /// I-49: a replay's request differed from its recording's; the reason
+    /// names the job's lineage, the call and the first field that differs.
+    Diverged,
 }
 
 impl ErrorClass {
@@ -122,7 +125,10 @@ impl ErrorClass {
     pub fn is_retryable(self) -> bool {
         !matches!(
             self,
-            ErrorClass::BudgetExhausted | ErrorClass::ModelUsageCap | ErrorClass::ModelAuth
+            ErrorClass::BudgetExhausted
+                | ErrorClass::ModelUsageCap
+                | ErrorClass::ModelAuth
+                | ErrorClass::Diverged
         )
     }
 
@@ -157,6 +163,7 @@ impl ErrorClass {
             ErrorClass::Interrupted => "interrupted",
             ErrorClass::Parked => "parked",
             ErrorClass::Start => "start",
+            ErrorClass::Diverged => "diverged",
         }
     }
 }

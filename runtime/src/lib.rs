@@ -7,6 +7,7 @@ pub mod check;
 pub mod models;
 pub mod node;
 pub mod recovery;
+pub mod replay;
 pub mod scripted;
 pub mod secrets;
 pub mod workspace;

@@ -425,6 +425,9 @@ impl EmbeddedNode {
             }],
             budget_tokens: record.grant_tokens,
             timeout: None,
+            record: false,
+            replay: None,
+            digests: Default::default(),
         };
         // The counts its limits made, from its journaled calls (I-45).
         let made = crate::recovery::tool_counts(&history)
@@ -433,6 +436,7 @@ impl EmbeddedNode {
         let carried = arbor_actors::run::Carried {
             attempts: std::collections::HashMap::from([(label.clone(), record.attempt)]),
             tool_counts: std::collections::HashMap::from([(label, made)]),
+            tape: None,
         };
         // Recorded before the run starts (I-29): a crash in between leaves a
         // record naming a run that never started, never two runs.
@@ -632,6 +636,29 @@ impl EmbeddedNode {
     /// As `start_run`, under an id the caller chose and journaled first (a
     /// queued submission): a second start of the same id is refused.
     pub async fn start_run_as(&self, id: Option<RunId>, spec: RunSpec) -> Result<RunId, Error> {
+        self.start_carrying(id, spec, Default::default()).await
+    }
+
+    /// Starts a replay (`spec.replay` set) of the recording `tape`
+    /// (what `arbor_runtime::replay` checked first).
+    pub async fn start_replay(
+        &self,
+        spec: RunSpec,
+        tape: Arc<arbor_protocol::tape::Tape>,
+    ) -> Result<RunId, Error> {
+        let carried = arbor_actors::run::Carried {
+            tape: Some(tape),
+            ..Default::default()
+        };
+        self.start_carrying(None, spec, carried).await
+    }
+
+    async fn start_carrying(
+        &self,
+        id: Option<RunId>,
+        spec: RunSpec,
+        carried: arbor_actors::run::Carried,
+    ) -> Result<RunId, Error> {
         // I-27: a run needing a secret the node has no value for never starts.
         let steps = spec
             .groups
@@ -646,7 +673,7 @@ impl EmbeddedNode {
         ractor::call!(self.node, |reply| NodeMsg::StartRun {
             spec,
             id,
-            carried: Default::default(),
+            carried,
             reply
         })
         .map_err(|e| Error::Start(e.to_string()))?

@@ -50,6 +50,9 @@ pub struct Workspace {
     pub config: Config,
     pub agents: BTreeMap<String, AgentDef>,
     pub flows: BTreeMap<String, FlowSpec>,
+    /// Each definition's SHA-256 by its path: `arbor.toml` (of its text, or
+    /// of nothing), `agents/NAME/agent.md`, `flows/NAME.toml`.
+    pub digests: BTreeMap<String, String>,
 }
 
 /// `arbor.toml`, with defaults applied.
@@ -80,6 +83,9 @@ pub struct Config {
     pub approvals: ApprovalSettings,
     /// `[journal]`: where the node keeps its journal.
     pub journal: JournalConfig,
+    /// `[record] models`: every run records its model exchanges and tool
+    /// results, so it can be replayed (docs/replay.md).
+    pub record_models: bool,
 }
 
 /// `[journal]`: the node's journal in sled under its data dir (the
@@ -195,6 +201,7 @@ impl Default for Config {
             mcp: BTreeMap::new(),
             approvals: ApprovalSettings::default(),
             journal: JournalConfig::Sled,
+            record_models: false,
         }
     }
 }
@@ -303,11 +310,20 @@ impl Workspace {
             }
         }
 
+        let mut digests = BTreeMap::new();
+        digests.insert("arbor.toml".to_string(), sha256(arbor_toml.unwrap_or("")));
+        for &(name, text) in agents {
+            digests.insert(format!("agents/{name}/agent.md"), sha256(text));
+        }
+        for &(name, text) in flows {
+            digests.insert(format!("flows/{name}.toml"), sha256(text));
+        }
         let workspace = Workspace {
             root,
             config,
             agents: agent_defs,
             flows: flow_specs,
+            digests,
         };
         // A usd ceiling written in a file is checked now, against every model it covers.
         if workspace.config.budget_usd_micros.is_some() {
@@ -402,7 +418,11 @@ impl Workspace {
             groups: flow.groups.clone(),
             budget_tokens,
             timeout,
+            record: false,
+            replay: None,
+            digests: Default::default(),
         })
+        .map(|spec| self.recording(spec, self.config.record_models))
     }
 
     /// A single-agent run (RunSpec::single) checked: the agent exists. Budget:
@@ -422,7 +442,55 @@ impl Workspace {
         let budget_tokens = self.run_budget(budget_override, None)?;
         let mut spec = RunSpec::single(agent, input, budget_tokens);
         spec.budget_usd_micros = self.config.budget_usd_micros;
-        Ok(spec)
+        Ok(self.recording(spec, self.config.record_models))
+    }
+
+    /// `spec` recording (`record`) or not; a recording spec carries the
+    /// digests of the definitions it can reach.
+    pub fn recording(&self, mut spec: RunSpec, record: bool) -> RunSpec {
+        spec.record = record;
+        spec.digests = if record {
+            self.digests_for(&spec)
+        } else {
+            BTreeMap::new()
+        };
+        spec
+    }
+
+    /// The digests of what `spec` runs with: arbor.toml, its flow (unless
+    /// it is a single agent's run) and every agent it can reach.
+    pub fn digests_for(&self, spec: &RunSpec) -> BTreeMap<String, String> {
+        let mut paths = vec![
+            "arbor.toml".to_string(),
+            format!("flows/{}.toml", spec.flow),
+        ];
+        paths.extend(
+            self.reachable_agents(spec)
+                .into_iter()
+                .map(|a| format!("agents/{a}/agent.md")),
+        );
+        paths
+            .into_iter()
+            .filter_map(|path| Some((path.clone(), self.digests.get(&path)?.clone())))
+            .collect()
+    }
+
+    /// The agents of `spec`'s steps and every sub-agent below them, by name.
+    pub fn reachable_agents(&self, spec: &RunSpec) -> std::collections::BTreeSet<String> {
+        let mut seen = std::collections::BTreeSet::new();
+        let mut queue: Vec<&str> = spec
+            .groups
+            .iter()
+            .flat_map(|g| g.steps.iter().map(|s| s.agent.as_str()))
+            .collect();
+        while let Some(name) = queue.pop() {
+            if seen.insert(name.to_string())
+                && let Some(agent) = self.agents.get(name)
+            {
+                queue.extend(agent.subagents.iter().map(String::as_str));
+            }
+        }
+        seen
     }
 
     fn run_budget(
@@ -470,6 +538,16 @@ struct ConfigFile {
     approvals: ApprovalsFile,
     #[serde(default)]
     journal: JournalFile,
+    #[serde(default)]
+    record: RecordFile,
+}
+
+/// `[record]` as written.
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RecordFile {
+    #[serde(default)]
+    models: bool,
 }
 
 /// `[journal]` as written.
@@ -657,6 +735,7 @@ fn parse_config(text: &str, root: &Path) -> Result<Config, LoadError> {
     Ok(Config {
         approvals,
         journal,
+        record_models: file.record.models,
         limits: file.limits,
         budget_tokens,
         budget_usd_micros,
@@ -1496,6 +1575,15 @@ fn sorted<'a>(texts: &'a [(&'a str, &'a str)]) -> Vec<&'a (&'a str, &'a str)> {
     let mut texts: Vec<_> = texts.iter().collect();
     texts.sort_by_key(|(name, _)| *name);
     texts
+}
+
+/// SHA-256 of `text`, in lower-case hex.
+fn sha256(text: &str) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(text.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 fn read(path: &Path) -> Result<String, LoadError> {

@@ -49,6 +49,18 @@ pub(crate) fn approval_key(run: RunId, card: CardId) -> Vec<u8> {
     [run.0.as_bytes().as_slice(), card.0.as_bytes()].concat()
 }
 
+/// Run uuid ++ job uuid ++ kind ++ index u32 BE: a job's entries together,
+/// each kind in its order.
+pub(crate) fn tape_key(run: RunId, job: JobId, kind: u8, index: u32) -> Vec<u8> {
+    [
+        run.0.as_bytes().as_slice(),
+        job.0.as_bytes(),
+        &[kind],
+        &index.to_be_bytes(),
+    ]
+    .concat()
+}
+
 pub(crate) fn steer_key(job: JobId, message_id: u64) -> Vec<u8> {
     [job.0.as_bytes().as_slice(), &message_id.to_be_bytes()].concat()
 }

@@ -19,7 +19,7 @@ use crate::faults::Faults;
 use crate::pg_engine::{PgEngine, PgOptions};
 use crate::record::{
     ApprovalRecord, DelegationRecord, JobRecord, LedgerRecord, RunRecord, SandboxRecord,
-    SandboxState, SteerRecord,
+    SandboxState, SteerRecord, TapeRecord,
 };
 use crate::sled_engine::SledEngine;
 use crate::table::{self, AnyTable, JOURNAL_TABLES, Key, KeyedBy, Row, TABLES, Table, TableDef};
@@ -50,6 +50,7 @@ pub enum Record {
     EncodedEvent(codec::EncodedEvent),
     Sandbox(SandboxRecord),
     Approval(ApprovalRecord),
+    Tape(TapeRecord),
     /// A row of a table whose records another crate defines (`Table::row`).
     Row(Row),
 }
@@ -67,6 +68,7 @@ impl Record {
             Record::Event(_) | Record::EncodedEvent(_) => None,
             Record::Sandbox(sandbox) => Some(sandbox.epoch),
             Record::Approval(card) => Some(card.epoch),
+            Record::Tape(entry) => Some(entry.epoch),
             Record::Row(row) => row.epoch,
         }
     }
@@ -587,6 +589,11 @@ impl Journal {
         self.read_one(&table::APPROVALS, &codec::approval_key(run, card))
     }
 
+    /// The run's recording, job by job, each kind in its order.
+    pub fn tape(&self, run: RunId) -> Result<Vec<TapeRecord>, Error> {
+        self.read(&table::TAPES, &codec::run_key(run))
+    }
+
     /// Removes every record of each run in `runs`: the run, its submission,
     /// its steps and jobs, their ledgers, delegations, steering and sandbox
     /// records, and its events. One append, so after a crash a run is either
@@ -776,6 +783,7 @@ fn row(record: Record) -> Result<Row, Error> {
         }),
         Record::Sandbox(sandbox) => table::SANDBOXES.row(&sandbox),
         Record::Approval(card) => table::APPROVALS.row(&card),
+        Record::Tape(entry) => table::TAPES.row(&entry),
         Record::Row(row) => Ok(row),
     }
 }

@@ -29,6 +29,7 @@
 //! | `sandboxes`   | job uuid ++ pgid (i32 as u32 bits, BE)                       | `SandboxRecord`  |
 //! | `submissions` | run uuid                                                     | the service's `SubmissionRecord` |
 //! | `approvals`   | run uuid ++ card uuid                                        | `ApprovalRecord` |
+//! | `tapes`       | run uuid ++ job uuid ++ kind u8 ++ index u32 BE              | `TapeRecord`     |
 //! | `meta`        | `format` (u32 BE), `epoch` (u64 BE), `seq` (u64 BE)          | bare integers (the sled engine's own) |
 //!
 //! Ids are uuid v7, so every prefix scan returns records in creation order.
@@ -93,8 +94,8 @@ pub use journal::{Journal, Prepared, Record, ScanReport, Undecodable};
 pub use pg_engine::{PG_LAYOUT, PgEngine, PgOptions, check_schema_name};
 pub use record::{
     ApprovalRecord, DelegationRecord, JobRecord, LedgerOp, LedgerRecord, LedgerTotals, RunRecord,
-    SandboxRecord, SandboxState, SteerRecord, SteerState, Unit, ledger_of, ledger_totals,
-    usd_totals,
+    SandboxRecord, SandboxState, SteerRecord, SteerState, TapeRecord, Unit, ledger_of,
+    ledger_totals, usd_totals,
 };
 pub use sled_engine::{SledEngine, open_db};
 pub use table::{

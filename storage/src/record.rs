@@ -177,6 +177,21 @@ pub enum SandboxState {
     Ended,
 }
 
+/// One entry of a run's recording (`arbor_protocol::tape::TapeEntry`),
+/// written once: under its job, its kind and its number within the job. The
+/// entry is JSON text: bincode cannot carry an untyped value.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TapeRecord {
+    pub run: RunId,
+    pub job: JobId,
+    /// The job's labels and attempts from the root (`plan#1/worker-2#1`).
+    pub lineage: String,
+    pub kind: u8,
+    pub index: u32,
+    pub entry_json: String,
+    pub epoch: u64,
+}
+
 /// An approval card's latest state (I-46, I-47): written when it is asked,
 /// and again at its one outcome, each time durable before anyone acts on it.
 /// The arguments are JSON text: bincode cannot carry an untyped value.

@@ -26,7 +26,7 @@
 use crate::codec;
 use crate::record::{
     ApprovalRecord, DelegationRecord, JobRecord, LedgerRecord, RunRecord, SandboxRecord,
-    SteerRecord,
+    SteerRecord, TapeRecord,
 };
 use arbor_protocol::Event;
 use serde::Serialize;
@@ -222,10 +222,11 @@ const SANDBOXES_TABLE: TableDef = state("sandboxes", KeyedBy::Job);
 /// The service's admission queue (`arbor-service` defines its records).
 pub const SUBMISSIONS_TABLE: TableDef = state("submissions", KeyedBy::Run);
 const APPROVALS_TABLE: TableDef = state("approvals", KeyedBy::Run);
+const TAPES_TABLE: TableDef = state("tapes", KeyedBy::Run);
 
 /// Every table of a journal, whoever owns its records, in the order the log
 /// numbers them (invariant 2).
-pub static JOURNAL_TABLES: [TableDef; 9] = [
+pub static JOURNAL_TABLES: [TableDef; 10] = [
     RUNS_TABLE,
     JOBS_TABLE,
     LEDGER_TABLE,
@@ -235,6 +236,7 @@ pub static JOURNAL_TABLES: [TableDef; 9] = [
     SANDBOXES_TABLE,
     SUBMISSIONS_TABLE,
     APPROVALS_TABLE,
+    TAPES_TABLE,
 ];
 
 pub static RUNS: Table<RunRecord> =
@@ -278,8 +280,14 @@ pub static APPROVALS: Table<ApprovalRecord> = Table::bincode(
     |a| a.epoch,
 );
 
+pub static TAPES: Table<TapeRecord> = Table::bincode(
+    TAPES_TABLE,
+    |t| codec::tape_key(t.run, t.job, t.kind, t.index),
+    |t| t.epoch,
+);
+
 /// The tables whose records storage defines, for `scan` and `verify`.
-pub static TABLES: [&dyn AnyTable; 8] = [
+pub static TABLES: [&dyn AnyTable; 9] = [
     &RUNS,
     &JOBS,
     &LEDGER,
@@ -288,6 +296,7 @@ pub static TABLES: [&dyn AnyTable; 8] = [
     &EVENTS,
     &SANDBOXES,
     &APPROVALS,
+    &TAPES,
 ];
 
 /// `name`'s place in `JOURNAL_TABLES` (invariant 2).

@@ -30,6 +30,7 @@ pub use arbor_runtime::{DefaultModels, Models, Workspace};
 pub use explore::{Scenario, explore_crashes};
 pub mod mock_provider;
 pub mod random_crashes;
+pub mod replay;
 pub mod service;
 
 use arbor_actors::model::{

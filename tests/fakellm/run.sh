@@ -42,8 +42,8 @@ sed -i -e "s#^base_url = .*#base_url = \"http://127.0.0.1:$port/v1\"#" \
   -e 's/^id = .*/id = "fake-small"/' "$work/openai/arbor.toml"
 
 for ws in "$work/openai" tests/fakellm/anthropic; do
-  out="$work/out.json"
-  if ! target/debug/arbor run "$ws" --json --data-dir "$work/data-$(basename "$ws")" >"$out"; then
+  out="$work/out-$(basename "$ws").json"
+  if ! target/debug/arbor run "$ws" --record --json --data-dir "$work/data-$(basename "$ws")" >"$out"; then
     echo "fakellm: the flow in $ws failed:" >&2
     cat "$out" >&2
     tail -n 20 target/fakellm.log >&2
@@ -59,5 +59,26 @@ assert run["output"] == "Report: tide pools hold anemones.", run["output"]
 assert len(researchers) == 1 and researchers[0]["output"] == "Tide pools hold anemones.", researchers
 assert run["account"]["held"] == 0 and run["account"]["spent"] > 0, run["account"]
 print(f"fakellm: {sys.argv[2]}: done, {run['account']['spent']} tokens, one delegation")
+PY
+done
+
+# Both recorded: with fakellm gone, each replays offline to its recording
+# (tree, statuses, accounts, events; `arbor replay` exits 0 only then), and
+# from its export too.
+kill "$pid" 2>/dev/null || true
+wait "$pid" 2>/dev/null || true
+for ws in "$work/openai" tests/fakellm/anthropic; do
+  name=$(basename "$ws")
+  run=$("$venv/bin/python" -c 'import json,sys; print(json.load(open(sys.argv[1]))["run"]["id"])' "$work/out-$name.json")
+  target/debug/arbor replay "$run" --workspace "$ws" --data-dir "$work/data-$name" --json >"$work/replay-$name.json"
+  target/debug/arbor export "$run" -o "$work/$name.recording.json" --data-dir "$work/data-$name"
+  target/debug/arbor replay --fixture "$work/$name.recording.json" "$ws" >/dev/null
+  "$venv/bin/python" - "$work/out-$name.json" "$work/replay-$name.json" "$ws" <<'PY'
+import json, sys
+old, new = (json.load(open(p))["run"] for p in sys.argv[1:3])
+assert new["id"] != old["id"] and new["status"] == old["status"] == "done", (old["status"], new["status"])
+assert new["account"] == old["account"], (old["account"], new["account"])
+assert new["output"] == old["output"], new["output"]
+print(f"fakellm: {sys.argv[3]}: replayed offline, {new['account']['spent']} tokens, the same tree")
 PY
 done

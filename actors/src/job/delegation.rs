@@ -401,6 +401,7 @@ impl JobState {
                     .cloned()
                     .chain([plan.label.clone()])
                     .collect(),
+                key: crate::tape::lineage_key(Some(&self.lineage.key), &plan.label, plan.attempt),
             },
             agent: plan.agent.clone(),
             brief: plan.brief.clone(),

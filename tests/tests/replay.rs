@@ -1,0 +1,237 @@
+//! Record and replay (I-49): a replayed run equals its recording whatever
+//! the schedule; where its request differs, it fails naming the first
+//! divergence; a recording holds no secret's value.
+
+use arbor_protocol::tape::ToolReplay;
+use arbor_protocol::{ErrorClass, Status};
+use arbor_testkit::replay::{Fixture, ReplayError, ReplayOptions, Shuffled};
+use arbor_testkit::{DefaultModels, TestNode, agent_md, secrets_file};
+use std::sync::Arc;
+
+const RECORD: &str = "[record]\nmodels = true\n";
+
+/// A lead that fans out to `n` workers, each of which runs a command whose
+/// output is new every time (the clock, to the nanosecond) and answers.
+fn fan_out(n: usize, lead_prompt: &str) -> Vec<(&'static str, String)> {
+    let jobs: Vec<String> = (1..=n)
+        .map(|i| format!("{{agent: worker, request: \"part {i}\"}}"))
+        .collect();
+    let lead = format!(
+        "---\ntools: [exec]\nsubagents: [worker]\nscript:\n  - call: {{tool: delegate, args: {{jobs: [{}]}}}}\n  - call: {{tool: submit_output, args: {{output: all parts}}}}\n---\n{lead_prompt}\n",
+        jobs.join(", ")
+    );
+    let worker = agent_md(
+        "description: does one part\ntools: [exec]\nscript:\n  - call: {tool: exec, args: {command: \"date +%s%N\"}}\n  - say: the part is done\n    usage: {input: 40, output: 7}",
+    );
+    vec![("lead", lead), ("worker", worker)]
+}
+
+fn agents<'a>(defs: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str)> {
+    defs.iter().map(|(n, t)| (*n, t.as_str())).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inv_49_a_fan_out_replayed_under_twenty_schedules_equals_its_recording() {
+    let defs = fan_out(8, "You lead.");
+    let models = Shuffled::new(Arc::new(DefaultModels), 0);
+    let node = TestNode::start_full(Some(RECORD), &agents(&defs), models.clone()).await;
+    let recorded = node.run_agent("lead", "go").await;
+    let tree = node.wait_run(recorded).await;
+    assert_eq!(tree.run_status(), Status::Done, "{:?}", tree.root());
+    assert_eq!(tree.root().children[0].children.len(), 8);
+    let live = models.live_calls();
+    assert_eq!(
+        live,
+        2 + 8 * 2,
+        "two calls of the lead's and two of each worker's"
+    );
+
+    for seed in 1..=20 {
+        models.reseed(seed);
+        let replayed = node
+            .replay(recorded, ReplayOptions::default())
+            .await
+            .expect("the replay starts");
+        let tree = node.wait_run(replayed).await;
+        assert_eq!(
+            node.replay_differences(recorded, replayed),
+            Vec::<String>::new(),
+            "seed {seed}: {:?}",
+            tree.root()
+        );
+        node.assert_conserved(replayed);
+    }
+    assert_eq!(models.live_calls(), live, "a replay asks no model");
+}
+
+#[tokio::test]
+async fn inv_49_tools_run_live_see_another_world_and_the_replay_names_where() {
+    let defs = fan_out(1, "You lead.");
+    let node = TestNode::start_with_config(RECORD, &agents(&defs)).await;
+    let recorded = node.run_agent("lead", "go").await;
+    assert_eq!(node.wait_run(recorded).await.run_status(), Status::Done);
+
+    // The clock has moved on: the command's output is not the recording's.
+    let options = ReplayOptions {
+        tools: ToolReplay::Live,
+        ..Default::default()
+    };
+    let replayed = node.replay(recorded, options).await.unwrap();
+    let tree = node.wait_run(replayed).await;
+    let run = tree.root();
+    assert_eq!(run.status, Status::Failed);
+    assert_eq!(run.error_class, Some(ErrorClass::Diverged));
+    assert_eq!(
+        run.reason.as_deref(),
+        Some("the replay diverged at lead#1/worker-1#1: call 2: messages[2] (tool_result) differs"),
+    );
+}
+
+#[tokio::test]
+async fn inv_49_an_edited_prompt_is_reported_as_a_divergence_at_its_job_and_call() {
+    let defs = fan_out(2, "You lead.");
+    let node = TestNode::start_with_config(RECORD, &agents(&defs)).await;
+    let recorded = node.run_agent("lead", "go").await;
+    assert_eq!(node.wait_run(recorded).await.run_status(), Status::Done);
+    let dir = node.crash().await;
+
+    let edited = fan_out(2, "You lead, briefly.");
+    let workspace = arbor_testkit::Workspace::from_texts(
+        dir.path().join("workspace"),
+        Some(RECORD),
+        &agents(&edited),
+        &[],
+    )
+    .unwrap();
+    let node = TestNode::open(workspace, &dir.path().join("data"), Arc::new(DefaultModels))
+        .await
+        .unwrap();
+    let replayed = node
+        .replay(recorded, ReplayOptions::default())
+        .await
+        .unwrap();
+    let tree = node.wait_run(replayed).await;
+    let run = tree.root();
+    assert_eq!(run.status, Status::Failed);
+    assert_eq!(run.error_class, Some(ErrorClass::Diverged));
+    assert_eq!(
+        run.reason.as_deref(),
+        Some("the replay diverged at lead#1: call 1: system differs"),
+    );
+    // Nothing was answered from the recording past the divergence.
+    let lead = &run.children[0];
+    assert!(lead.children.is_empty(), "{lead:?}");
+    node.assert_conserved(replayed);
+}
+
+#[tokio::test]
+async fn inv_49_a_recording_holds_no_secrets_value() {
+    let secrets = tempfile::tempdir().unwrap();
+    let value = "tok-5e4d3c2b1a09";
+    let config = secrets_file(secrets.path(), &format!("API_TOKEN={value}\n"), 0o600);
+    let config = format!("{config}\n{RECORD}");
+    let teller = agent_md(&format!(
+        "tools: [exec]\nsecrets: [API_TOKEN]\nscript:\n\
+         - call: {{tool: exec, args: {{command: \"echo $API_TOKEN\"}}}}\n\
+         - say: \"I should not say {value}\"\n  call: {{tool: submit_output, args: {{output: \"it was {value}\"}}}}",
+    ));
+    let node = TestNode::start_with_config(&config, &[("teller", &teller)]).await;
+    let run = node.run_agent("teller", "go").await;
+    assert_eq!(node.wait_run(run).await.run_status(), Status::Done);
+
+    let tape = node.journal().tape(run).unwrap();
+    let kinds: Vec<u8> = tape.iter().map(|e| e.kind).collect();
+    assert_eq!(
+        kinds.iter().filter(|k| **k == 0).count(),
+        2,
+        "two calls: {tape:?}"
+    );
+    assert_eq!(kinds.iter().filter(|k| **k == 2).count(), 1, "one command");
+    for entry in &tape {
+        assert!(!entry.entry_json.contains(value), "{}", entry.entry_json);
+    }
+    let all: String = tape.iter().map(|e| e.entry_json.as_str()).collect();
+    assert!(all.contains("[secret API_TOKEN]"), "{all}");
+}
+
+#[tokio::test]
+async fn a_run_that_was_not_recorded_or_is_not_there_is_refused_and_nothing_runs() {
+    let defs = fan_out(1, "You lead.");
+    let node = TestNode::start(&agents(&defs)).await;
+    let run = node.run_agent("lead", "go").await;
+    node.wait_run(run).await;
+    let runs_before = node.journal().runs().unwrap().len();
+
+    let refused = node
+        .replay(run, ReplayOptions::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(refused, ReplayError::NotRecorded(r) if r == run),
+        "{refused}"
+    );
+    assert!(
+        refused.to_string().contains("arbor run --record"),
+        "{refused}"
+    );
+    let nobody = arbor_protocol::RunId::new();
+    let refused = node
+        .replay(nobody, ReplayOptions::default())
+        .await
+        .unwrap_err();
+    assert_eq!(
+        refused.to_string(),
+        format!("no run {nobody} in this journal")
+    );
+    assert_eq!(
+        node.journal().runs().unwrap().len(),
+        runs_before,
+        "nothing ran"
+    );
+}
+
+fn repo() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+#[test]
+fn the_recording_schema_in_docs_contract_is_the_one_the_types_generate() {
+    let path = repo().join("docs/contract/recording.schema.json");
+    let generated =
+        serde_json::to_string_pretty(&arbor_protocol::tape::Export::schema()).unwrap() + "\n";
+    if std::env::var_os("BLESS").is_some() {
+        std::fs::write(&path, &generated).unwrap();
+    }
+    let committed = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        committed == generated,
+        "docs/contract/recording.schema.json is not what the types generate; \
+         run `BLESS=1 cargo test -p arbor-tests --test replay the_recording_schema` and commit it"
+    );
+}
+
+/// Each committed fixture (`arbor export`), replayed offline against the
+/// workspace it was recorded in: one of the scripted model's, one of a
+/// provider's (Anthropic's wire format, recorded against fakellm).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_committed_fixtures_replay_to_their_recordings() {
+    let schema =
+        std::fs::read_to_string(repo().join("docs/contract/recording.schema.json")).unwrap();
+    let validator = jsonschema::validator_for(&serde_json::from_str(&schema).unwrap()).unwrap();
+    for (fixture, workspace) in [
+        ("research.json", "examples/research"),
+        ("anthropic.json", "tests/fakellm/anthropic"),
+    ] {
+        let path = repo().join("tests/fixtures").join(fixture);
+        let doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let errors: Vec<String> = validator.iter_errors(&doc).map(|e| e.to_string()).collect();
+        assert!(errors.is_empty(), "{fixture} fails the schema: {errors:?}");
+        let tree = Fixture::load(&path)
+            .unwrap_or_else(|e| panic!("{fixture}: {e}"))
+            .replay(repo().join(workspace))
+            .await
+            .unwrap_or_else(|e| panic!("{fixture}: {e}"));
+        assert_eq!(tree.run_status(), Status::Done, "{fixture}");
+    }
+}
