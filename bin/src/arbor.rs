@@ -403,6 +403,7 @@ async fn run(args: RunArgs) -> Result<ExitCode, Failure> {
     report_recovery(&node);
     report_sandbox(&node);
     // A crash left this flow's run unfinished: it was resumed; follow it.
+    let record = spec.record;
     let run = match node.resumed().last() {
         Some((id, _)) => {
             eprintln!("arbor: resuming run {id}, interrupted by a restart");
@@ -410,6 +411,12 @@ async fn run(args: RunArgs) -> Result<ExitCode, Failure> {
         }
         None => node.start_run(spec).await.map_err(bad)?,
     };
+    if record {
+        eprintln!(
+            "arbor: recording run {run}; replay it with `arbor replay {run} --workspace {}`",
+            args.dir.display()
+        );
+    }
     // On a shared journal, a node that loses its lease stops its runs and
     // commits nothing more: nothing of this run's end can be told here.
     let lost = node.lease_lost();

@@ -3,7 +3,8 @@
 //! divergence; a recording holds no secret's value.
 
 use arbor_protocol::tape::ToolReplay;
-use arbor_protocol::{ErrorClass, Status};
+use arbor_protocol::{ErrorClass, EventKind, Status};
+use arbor_testkit::mock_provider::{Answer, Format, MockProvider, StreamEnd, anthropic, openai};
 use arbor_testkit::replay::{Fixture, ReplayError, ReplayOptions, Shuffled};
 use arbor_testkit::{DefaultModels, TestNode, agent_md, secrets_file};
 use std::sync::Arc;
@@ -233,5 +234,100 @@ async fn the_committed_fixtures_replay_to_their_recordings() {
             .await
             .unwrap_or_else(|e| panic!("{fixture}: {e}"));
         assert_eq!(tree.run_status(), Status::Done, "{fixture}");
+    }
+}
+
+/// The first `k` events of a streamed answer, then the connection cut.
+fn cut_after(answer: Answer, k: usize) -> Answer {
+    match answer {
+        Answer::Stream { events, .. } => Answer::Stream {
+            events: events[..k].to_vec(),
+            end: StreamEnd::Drop,
+        },
+        other => other,
+    }
+}
+
+/// Over each wire format, on a provider that goes away after the run: a
+/// planner whose first answer's stream is cut at its fourth chunk (charged
+/// what streamed, then retried), a researcher, and the planner's report.
+/// The replay, offline, is the recording: the cut call charged the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inv_49_a_run_on_either_wire_format_replays_offline_a_cut_stream_charged_the_same() {
+    const PLANNER: &str = "You are the planner.";
+    const RESEARCHER: &str = "You are the researcher.";
+    let planner = format!(
+        "---\nmodel: mock/small\nsubagents: [researcher]\n---\n{PLANNER} Delegate, then report.\n"
+    );
+    let researcher =
+        format!("---\nmodel: mock/small\ndescription: finds facts\n---\n{RESEARCHER}\n");
+    let delegate = serde_json::json!({"jobs": [{"agent": "researcher", "request": "One fact."}]});
+    for format in [Format::Openai, Format::Anthropic] {
+        let mock = MockProvider::start().await;
+        let (cut, delegating, fact, report) = match format {
+            Format::Openai => (
+                openai::stream("Let me think about where to start", &[], Some((90, 12))),
+                openai::stream("", &[("delegate", delegate.clone())], Some((90, 20))),
+                openai::stream("Tide pools hold anemones.", &[], Some((40, 6))),
+                openai::stream("Report: tide pools hold anemones.", &[], Some((150, 9))),
+            ),
+            Format::Anthropic => (
+                anthropic::stream("Let me think about where to start", &[], 90, 12),
+                anthropic::stream("", &[("delegate", delegate.clone())], 90, 20),
+                anthropic::stream("Tide pools hold anemones.", &[], 40, 6),
+                anthropic::stream("Report: tide pools hold anemones.", &[], 150, 9),
+            ),
+        };
+        mock.push_for(format, PLANNER, cut_after(cut, 4));
+        mock.push_for(format, PLANNER, delegating);
+        mock.push_for(format, RESEARCHER, fact);
+        mock.push_for(format, PLANNER, report);
+        let config = format!("{}\n{RECORD}", mock.arbor_toml(format, ""));
+        let node = TestNode::start_with_config(
+            &config,
+            &[("planner", &planner), ("researcher", &researcher)],
+        )
+        .await;
+        let recorded = node.run_agent("planner", "Go.").await;
+        let tree = node.wait_run(recorded).await;
+        assert_eq!(
+            tree.run_status(),
+            Status::Done,
+            "{format:?}: {:?}",
+            tree.root()
+        );
+        assert_eq!(mock.received().len(), 4, "{format:?}");
+        drop(mock);
+
+        let replayed = node
+            .replay(recorded, ReplayOptions::default())
+            .await
+            .unwrap();
+        let tree = node.wait_run(replayed).await;
+        assert_eq!(
+            node.replay_differences(recorded, replayed),
+            Vec::<String>::new(),
+            "{format:?}: {:?}",
+            tree.root()
+        );
+        let first_call = |run| {
+            node.events(run)
+                .into_iter()
+                .find_map(|e| match e.kind {
+                    EventKind::ModelCalled {
+                        input_tokens,
+                        output_tokens,
+                        call,
+                        ..
+                    } => Some((input_tokens, output_tokens, call.outcome)),
+                    _ => None,
+                })
+                .unwrap()
+        };
+        let (input, output, outcome) = first_call(recorded);
+        assert_eq!(outcome, "model_server", "{format:?}: the cut stream");
+        assert!(output > 0, "{format:?}: charged what streamed");
+        assert_eq!(first_call(replayed), (input, output, outcome), "{format:?}");
+        node.assert_conserved(replayed);
     }
 }
