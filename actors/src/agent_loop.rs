@@ -65,9 +65,10 @@ pub enum LoopMsg {
         text: String,
         reply: RpcReplyPort<Result<u64, Refusal>>,
     },
+    /// The queued messages, each with whether its parent sent it.
     TakeSteering {
         turn: u32,
-        reply: RpcReplyPort<Vec<String>>,
+        reply: RpcReplyPort<Vec<(String, bool)>>,
     },
     /// It waits on a person's approval (true) or no longer does: the job's
     /// wall timeout is paused meanwhile (the card's deadline is its own).
@@ -98,6 +99,8 @@ pub struct LoopArgs {
     pub sandbox: Option<ActorRef<SandboxMsg>>,
     /// How many steering messages the job holds for the next turn.
     pub steering_queued: Arc<AtomicUsize>,
+    /// Woken when a message is queued.
+    pub steering_arrived: Arc<tokio::sync::Notify>,
     pub model: Arc<dyn Model>,
     pub agent: Arc<AgentDef>,
     pub offered: Arc<BTreeMap<ToolName, Result<(), String>>>,
@@ -203,7 +206,10 @@ pub async fn run(args: LoopArgs) -> LoopOutcome {
         // queued, and discarded at the end).
         let replayed = args.tapes.replay.as_ref().filter(|r| r.serves_steering());
         let taken = if let Some(replay) = replayed {
-            Ok(replay.steering(turn))
+            match Box::pin(replayed_steering(&args, replay, turn)).await {
+                Some(taken) => taken,
+                None => return stopped(turn),
+            }
         } else if args.steering_queued.load(Ordering::Acquire) > 0 {
             ractor::call!(args.job, |reply| LoopMsg::TakeSteering { turn, reply })
         } else {
@@ -214,7 +220,7 @@ pub async fn run(args: LoopArgs) -> LoopOutcome {
                 if let Some(writer) = &args.tapes.writer {
                     writer.steering(turn, &messages);
                 }
-                for text in messages {
+                for (text, _) in messages {
                     history.push(Message::User(format!("Message from your parent: {text}")));
                 }
             }
@@ -378,6 +384,43 @@ pub async fn run(args: LoopArgs) -> LoopOutcome {
             }
         }
     }
+}
+
+/// The steering a replaying job takes in at `turn`: what its recording's
+/// took in then. An operator's message is the recorded text; its parent's
+/// comes again from its replayed parent, so the job waits for it (a stop
+/// ends the wait: None), and a parent that sees it run, as the recording's
+/// did, is told the same.
+async fn replayed_steering(
+    args: &LoopArgs,
+    replay: &crate::tape::JobReplay,
+    turn: u32,
+) -> Option<Result<Vec<(String, bool)>, ractor::RactorErr<LoopMsg>>> {
+    let recorded = replay.steering(turn);
+    let from_parent = recorded.iter().filter(|m| m.from_parent).count();
+    if from_parent == 0 {
+        return Some(Ok(recorded.into_iter().map(|m| (m.text, false)).collect()));
+    }
+    while args.steering_queued.load(Ordering::Acquire) < from_parent {
+        tokio::select! {
+            _ = args.steering_arrived.notified() => {}
+            _ = args.cancel.cancelled() => return None,
+        }
+    }
+    let live = match ractor::call!(args.job, |reply| LoopMsg::TakeSteering { turn, reply }) {
+        Ok(live) => live,
+        Err(e) => return Some(Err(e)),
+    };
+    let mut live = live.into_iter().filter(|(_, parent)| *parent);
+    let mut messages = vec![];
+    for message in recorded {
+        if message.from_parent {
+            messages.extend(live.next());
+        } else {
+            messages.push((message.text, false));
+        }
+    }
+    Some(Ok(messages))
 }
 
 /// The files a command changed, as text, for its recording: a replay

@@ -276,6 +276,7 @@ impl Actor for Job {
             in_flight: Default::default(),
             children: Children::default(),
             steering: VecDeque::new(),
+            steering_arrived: Default::default(),
             steering_queued: Default::default(),
             next_message_id: 1,
             turns: 0,
@@ -376,7 +377,11 @@ impl Actor for Job {
                 let texts = state.deliver_steering(turn);
                 let _ = reply.send(texts);
             }
-            JobMsg::Steer { text, reply } => state.queue_steering(text, reply),
+            JobMsg::Steer {
+                text,
+                from_parent,
+                reply,
+            } => state.queue_steering(text, from_parent, reply),
             JobMsg::LoopEnded { outcome } => {
                 state.loop_task = None;
                 if state.finish.is_none() {
@@ -545,7 +550,10 @@ pub struct JobState {
     /// The loop's model call in flight, settled here if an abort cuts it short.
     in_flight: agent_loop::InFlightSlot,
     children: Children,
-    steering: VecDeque<(u64, String)>,
+    /// Queued messages: id, text, and whether the parent sent it.
+    steering: VecDeque<(u64, String, bool)>,
+    /// Woken when a message is queued (a replay's loop waits for one).
+    steering_arrived: Arc<tokio::sync::Notify>,
     /// How many messages wait in `steering`, read by the loop at each turn
     /// boundary: it asks for them (`TakeSteering`) only when there are some,
     /// not once a turn.
@@ -609,6 +617,7 @@ impl JobState {
             cancel: self.cancel.clone(),
             in_flight: self.in_flight.clone(),
             steering_queued: self.steering_queued.clone(),
+            steering_arrived: self.steering_arrived.clone(),
             tapes: self.tapes.clone(),
         };
         let handle = tokio::spawn(async move {
@@ -706,7 +715,7 @@ impl JobState {
         };
         self.finish = Some(finish);
         self.steering_queued.store(0, Ordering::Release);
-        for (id, text) in std::mem::take(&mut self.steering) {
+        for (id, text, _) in std::mem::take(&mut self.steering) {
             self.journal_steer(id, &text, SteerState::Discarded);
             self.ctx.events.emit(
                 self.lineage.run,

@@ -138,6 +138,7 @@ impl Actor for Node {
                         let actor: ActorRef<JobMsg> = cell.into();
                         let _ = actor.cast(JobMsg::Steer {
                             text,
+                            from_parent: false,
                             reply: Some(reply),
                         });
                     }

@@ -180,7 +180,7 @@ impl Actor for Run {
                     flow: args.spec.flow.clone(),
                     budget_tokens: args.spec.budget_tokens,
                     budget_usd_micros: args.spec.budget_usd_micros,
-                    spec: args.spec.clone(),
+                    spec: Box::new(args.spec.clone()),
                 }],
             )?;
             ctx.journal.flush().await?;

@@ -24,7 +24,8 @@ use crate::model::{Price, RetryPolicy, ToolCall, estimate_tokens};
 use crate::secrets::Secrets;
 use arbor_protocol::tape::{
     AfterDivergence, CallOutcome, JobTape, ModelExchange, RecordedModel, RecordedToolCall,
-    ReplaySpec, RequestPart, SteeringEntry, Tape, TapeEntry, ToolExchange, ToolReplay, strip_ids,
+    ReplaySpec, RequestPart, SteeringEntry, SteeringMessage, Tape, TapeEntry, ToolExchange,
+    ToolReplay, strip_ids,
 };
 use arbor_protocol::{ErrorClass, JobId, RunId};
 use arbor_storage::{Journal, Record, TapeRecord};
@@ -142,11 +143,18 @@ impl TapeWriter {
         }));
     }
 
-    pub fn steering(&self, turn: u32, messages: &[String]) {
+    /// The messages a job took in at `turn`, each with whether its parent sent it.
+    pub fn steering(&self, turn: u32, messages: &[(String, bool)]) {
         if !messages.is_empty() {
             self.write(TapeEntry::Steering(SteeringEntry {
                 turn,
-                messages: messages.to_vec(),
+                messages: messages
+                    .iter()
+                    .map(|(text, from_parent)| SteeringMessage {
+                        text: text.clone(),
+                        from_parent: *from_parent,
+                    })
+                    .collect(),
             }));
         }
     }
@@ -497,18 +505,25 @@ impl Replay {
         volatile: Volatile,
         live: Option<Arc<dyn Model>>,
     ) -> Arc<JobReplay> {
+        // A rerun's job that is not reused runs live from its start.
+        let fresh = self
+            .spec
+            .reuse
+            .as_ref()
+            .is_some_and(|reuse| !reuse.contains(&*lineage));
+        let live = live.filter(|_| self.spec.after_divergence == AfterDivergence::Live);
         Arc::new(JobReplay {
             replay: self.clone(),
             volatile,
+            forked: AtomicBool::new(fresh && live.is_some()),
             tape: self.tape.get(&*lineage).cloned(),
             lineage,
             model_ref,
-            live: live.filter(|_| self.spec.after_divergence == AfterDivergence::Live),
+            live,
             calls: AtomicUsize::new(0),
             counts: AtomicUsize::new(0),
             estimates: AtomicUsize::new(0),
             tools: AtomicUsize::new(0),
-            forked: AtomicBool::new(false),
         })
     }
 
@@ -616,7 +631,7 @@ impl JobReplay {
     }
 
     /// The steering the job took in at `turn` in the recording.
-    pub fn steering(&self, turn: u32) -> Vec<String> {
+    pub fn steering(&self, turn: u32) -> Vec<SteeringMessage> {
         self.tape
             .iter()
             .flat_map(|t| &t.steering)

@@ -164,6 +164,7 @@ fn submit_body(agent: &str) -> SubmitRun {
         agent: Some(agent.into()),
         input: Some("go".into()),
         budget: None,
+        record: false,
     }
 }
 

@@ -5,6 +5,7 @@ mod delegate_round_trip;
 mod durable_fan_out;
 pub mod idle_memory;
 mod mcp_call;
+mod replay;
 mod restart;
 mod steering;
 mod stop_subtree;
@@ -23,10 +24,14 @@ pub enum Goal {
     P7,
     /// An MCP call beside a bare rmcp client's (needs `npm ci --prefix tests/mcp`).
     M1,
+    /// A recorded fan-out replayed, beside the same runs scripted.
+    R1,
+    /// A fan-out on the mock provider recorded, beside not recorded.
+    R2,
 }
 
 impl Goal {
-    pub const ALL: [Goal; 8] = [
+    pub const ALL: [Goal; 10] = [
         Goal::P1,
         Goal::P2,
         Goal::P3,
@@ -35,6 +40,8 @@ impl Goal {
         Goal::P6,
         Goal::P7,
         Goal::M1,
+        Goal::R1,
+        Goal::R2,
     ];
 
     /// `P3` or `p3`.
@@ -54,6 +61,8 @@ impl Goal {
             Goal::P6 => "P6",
             Goal::P7 => "P7",
             Goal::M1 => "M1",
+            Goal::R1 => "R1",
+            Goal::R2 => "R2",
         }
     }
 
@@ -68,6 +77,8 @@ impl Goal {
             Goal::P6 => steering::run(sizes).await,
             Goal::P7 => cpu_per_job::run(sizes).await,
             Goal::M1 => mcp_call::run(sizes).await,
+            Goal::R1 => replay::replay(sizes).await,
+            Goal::R2 => replay::recording(sizes).await,
         }
     }
 }

@@ -59,8 +59,10 @@ enum Command {
     /// or with --data-dir on an embedded node.
     Continue(ContinueArgs),
     /// Replay a recorded run as a new run whose model is the recording
-    /// (docs/replay.md): on an embedded node of a workspace, or an export
-    /// (--fixture FILE DIR). Exit 0 when it equals its recording.
+    /// (docs/replay.md): on an embedded node of a workspace (--workspace or
+    /// --data-dir; exit 0 when it equals its recording), an export
+    /// (--fixture FILE DIR), or on arbord (neither). --rerun-failed reruns a
+    /// failed run, keeping what worked.
     Replay(replay::ReplayArgs),
     /// Write a recorded run's recording as one JSON document (a fixture).
     Export(replay::ExportArgs),
@@ -232,7 +234,7 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Command::Run(args) => run(args).await,
-            Command::Replay(args) => replay::replay(args).await,
+            Command::Replay(args) => replay::replay(args, &conn).await,
             Command::Export(args) => replay::export(args, conn.output.as_deref()),
             Command::Continue(args) if args.data_dir.is_some() => continue_job(args).await,
             Command::Continue(args) => {

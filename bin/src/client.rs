@@ -11,7 +11,7 @@
 
 use crate::render;
 use arbor_protocol::{BudgetArg, Event, NodeKind, RunId, Status, Tree, TreeNode};
-use arbor_service::api::{DecisionBody, StreamEvent, SubmitRun};
+use arbor_service::api::{DecisionBody, ReplayRun, StreamEvent, SubmitRun};
 use arbor_service::client as api;
 use arbor_service::status::NodeStatus;
 use clap::{Args, ValueEnum};
@@ -592,6 +592,40 @@ pub struct SubmitArgs {
     /// Then follow it, as `arbor watch` does.
     #[arg(long)]
     pub watch: bool,
+    /// Record its model exchanges and tool results, so it can be replayed.
+    #[arg(long)]
+    pub record: bool,
+}
+
+/// `arbor replay RUN` on arbord: the replay (or rerun) queued, then
+/// followed as `arbor watch` does; a dry run's plan printed as JSON.
+pub async fn replay(client: &Client, run: &str, body: ReplayRun) -> Outcome {
+    if body.dry_run {
+        let path = format!("/v1/runs/{run}/replay");
+        let value = serde_json::to_value(&body).unwrap_or_default();
+        let (status, plan) = client
+            .api
+            .post_json(&path, &value)
+            .await
+            .map_err(|e| client.failed(e))?;
+        if status != 200 {
+            let message = plan["error"]["message"].as_str().unwrap_or("refused");
+            return Err(Failed::new(exit::USAGE, message.to_string()));
+        }
+        client.print_json(&plan)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let started = client
+        .api
+        .replay(run, &body)
+        .await
+        .map_err(|e| client.failed(e))?;
+    anstream::eprintln!(
+        "arbor: replaying run {} as run {} (on arbord)",
+        started.replay_of,
+        started.id
+    );
+    watch(client, &started.id.to_string()).await
 }
 
 pub async fn submit(client: &Client, args: SubmitArgs) -> Outcome {
@@ -604,6 +638,7 @@ pub async fn submit(client: &Client, args: SubmitArgs) -> Outcome {
         agent: args.agent.clone(),
         input: args.input.clone(),
         budget,
+        record: args.record,
     };
     let created = client
         .api

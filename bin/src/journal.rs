@@ -26,6 +26,15 @@ pub struct Place {
     schema: String,
 }
 
+/// A data dir's sled journal, read-only.
+pub fn open_data_dir(data_dir: &Path) -> Result<Journal, Failure> {
+    let dir = data_dir.join("journal");
+    if !dir.is_dir() {
+        return Err(bad(format!("{}: no journal here", data_dir.display())));
+    }
+    Journal::open_read_only(&dir).map_err(|e| bad(format!("{}: {e}", dir.display())))
+}
+
 pub fn open(place: &Place) -> Result<Journal, Failure> {
     if let Some(url) = &place.database_url {
         let mut options = PgOptions::new(url.clone(), "arbor-journal");
@@ -34,13 +43,8 @@ pub fn open(place: &Place) -> Result<Journal, Failure> {
         options.connect_for = std::time::Duration::from_secs(5);
         return Journal::open_postgres_read_only(&options).map_err(|e| bad(e.to_string()));
     }
-    let data_dir = place.data_dir.as_deref().unwrap_or(Path::new("."));
-    let dir = data_dir.join("journal");
-    if !dir.is_dir() {
-        return Err(bad(format!("{}: no journal here", data_dir.display())));
-    }
     // Read-only: verifying or inspecting a journal changes nothing, not even its epoch.
-    Journal::open_read_only(&dir).map_err(|e| bad(format!("{}: {e}", dir.display())))
+    open_data_dir(place.data_dir.as_deref().unwrap_or(Path::new(".")))
 }
 
 pub fn verify(place: &Place) -> Result<ExitCode, Failure> {

@@ -23,10 +23,13 @@ pub struct ReplayArgs {
     /// TARGET, on a node of its own (a temporary data dir, unless --data-dir).
     #[arg(long)]
     fixture: Option<PathBuf>,
-    /// The embedded node's data dir (default: the workspace's .arbor).
+    /// Replay on an embedded node of this data dir (its workspace is its
+    /// parent, unless --workspace). Without it and --workspace, arbord
+    /// replays the run.
     #[arg(long)]
     data_dir: Option<PathBuf>,
-    /// The workspace (default: the data dir's parent, else this folder).
+    /// Replay on an embedded node of this workspace (its data dir is
+    /// WORKSPACE/.arbor, unless --data-dir).
     #[arg(long)]
     workspace: Option<PathBuf>,
     /// Where exec, read_file and MCP results come from.
@@ -39,6 +42,19 @@ pub struct ReplayArgs {
     /// Record the replay too.
     #[arg(long)]
     record: bool,
+    /// Rerun a failed run, keeping what worked: the jobs that completed,
+    /// whose agent and arbor.toml are unchanged, are served from the
+    /// recording; the rest run live. A new run, linked to the failed one.
+    #[arg(long, conflicts_with_all = ["fixture", "tools", "after_divergence"])]
+    rerun_failed: bool,
+    /// With --rerun-failed: print which jobs are reused and which run
+    /// again, and the most the rerun part can spend; run nothing.
+    #[arg(long, requires = "rerun_failed")]
+    dry_run: bool,
+    /// With --rerun-failed: go on although definitions changed since the
+    /// recording (they are named; a changed agent's jobs run again).
+    #[arg(long, requires = "rerun_failed")]
+    allow_changed: bool,
     /// Print the replayed run's document, as `arbor run --json` does.
     #[arg(long)]
     json: bool,
@@ -69,7 +85,29 @@ fn run_id(text: &str) -> Result<RunId, Failure> {
         .map_err(|_| bad(format!("{text:?} is not a run id")))
 }
 
-pub async fn replay(args: ReplayArgs) -> Result<ExitCode, Failure> {
+pub async fn replay(args: ReplayArgs, conn: &crate::client::Conn) -> Result<ExitCode, Failure> {
+    // Neither a workspace nor a data dir nor an export: arbord replays it.
+    if args.fixture.is_none() && args.workspace.is_none() && args.data_dir.is_none() {
+        let run = run_id(&args.target)?.to_string();
+        let body = arbor_service::api::ReplayRun {
+            tools: match args.tools {
+                Tools::Recorded => ToolReplay::Recorded,
+                Tools::Live => ToolReplay::Live,
+            },
+            after_divergence: match args.after_divergence {
+                After::Fail => AfterDivergence::Fail,
+                After::Live => AfterDivergence::Live,
+            },
+            rerun_failed: args.rerun_failed,
+            dry_run: args.dry_run,
+            allow_changed: args.allow_changed,
+            record: args.record,
+        };
+        return crate::with_client(conn, |c| {
+            Box::pin(crate::client::replay(c, &run, body.clone()))
+        })
+        .await;
+    }
     let options = ReplayOptions {
         tools: match args.tools {
             Tools::Recorded => ToolReplay::Recorded,
@@ -115,6 +153,9 @@ pub async fn replay(args: ReplayArgs) -> Result<ExitCode, Failure> {
         Some(_) => None,
         None => Some(run_id(&args.target)?),
     };
+    if let (true, Some(run)) = (args.rerun_failed, recorded) {
+        return rerun(&args, &workspace, &data_dir, run).await;
+    }
     let shared = matches!(
         workspace.config.journal,
         arbor_runtime::workspace::JournalConfig::Postgres { .. }
@@ -184,6 +225,91 @@ pub async fn replay(args: ReplayArgs) -> Result<ExitCode, Failure> {
 }
 
 /// `file`: `-o FILE`, where the document goes (`-`: standard output).
+/// `--rerun-failed` (and `--dry-run`): the plan first, refused before
+/// anything runs when the run did not fail or its definitions changed.
+async fn rerun(
+    args: &ReplayArgs,
+    workspace: &Workspace,
+    data_dir: &Path,
+    run: RunId,
+) -> Result<ExitCode, Failure> {
+    if args.dry_run {
+        let journal = crate::journal::open_data_dir(data_dir)?;
+        let plan = replay::plan_rerun(&journal, workspace, run, args.allow_changed).map_err(bad)?;
+        print_plan(&plan, args.json);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let node = EmbeddedNode::start_resuming(
+        workspace,
+        data_dir,
+        Arc::new(Models::new(&workspace.config.providers)),
+        |_| false,
+    )
+    .await
+    .map_err(|e| bad(format!("{}: {e}", data_dir.display())))?;
+    let planned = replay::plan_rerun(node.journal(), workspace, run, args.allow_changed);
+    let plan = match planned {
+        Ok(plan) => plan,
+        Err(refused) => {
+            node.shutdown_for_exit().await.ok();
+            return Err(bad(refused));
+        }
+    };
+    for path in &plan.changed {
+        eprintln!("arbor: changed since the recording: {path}");
+    }
+    let reused = plan.jobs.iter().filter(|j| j.reuse).count();
+    let again = plan.jobs.len() - reused;
+    let started = replay::rerun(&node, workspace, plan, args.record).await;
+    let new = match started {
+        Ok(new) => new,
+        Err(refused) => {
+            node.shutdown_for_exit().await.ok();
+            return Err(bad(refused));
+        }
+    };
+    eprintln!(
+        "arbor: rerunning run {run} as run {new}: {reused} steps and jobs reused from the recording, {again} run again"
+    );
+    let (tree, view) = crate::watch(&node, new, args.json).await;
+    crate::finish(node, &tree, view, args.json).await
+}
+
+fn print_plan(plan: &replay::RerunPlan, json: bool) {
+    if json {
+        outln!("{}", serde_json::to_string_pretty(plan).unwrap_or_default());
+        return;
+    }
+    let reused = plan.jobs.iter().filter(|j| j.reuse).count();
+    outln!(
+        "rerun of run {} (flow {}): {reused} reused from the recording, {} run again",
+        plan.replay_of,
+        plan.flow,
+        plan.jobs.len() - reused
+    );
+    for path in &plan.changed {
+        outln!("changed: {path}");
+    }
+    for job in &plan.jobs {
+        let indent = "  ".repeat(job.depth as usize + 1);
+        let what = if job.reuse { "reuse" } else { "rerun" };
+        let why = job
+            .why
+            .as_ref()
+            .map(|w| format!(" ({w})"))
+            .unwrap_or_default();
+        outln!("{what} {indent}{} [{}]{why}", job.lineage, job.agent);
+    }
+    let usd = plan
+        .worst_case_usd_micros
+        .map(|m| format!(", ${:.6}", m as f64 / 1e6))
+        .unwrap_or_default();
+    outln!(
+        "worst case of the rerun part: {} tokens{usd} (the grants of its topmost steps and jobs)",
+        plan.worst_case_tokens
+    );
+}
+
 pub fn export(args: ExportArgs, file: Option<&str>) -> Result<ExitCode, Failure> {
     let run = run_id(&args.run)?;
     let file =

@@ -216,3 +216,115 @@ fn each_bad_input_is_refused_with_exit_2_naming_what_is_wrong_and_nothing_runs()
     );
     assert_eq!(runs_in(&ws), before, "nothing ran");
 }
+
+/// A gatherer and its two workers complete; the writer fails.
+fn failing_report(dir: &Path) -> PathBuf {
+    let ws = dir.join("report");
+    let write = |path: &str, text: &str| {
+        let path = ws.join(path);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, text).unwrap();
+    };
+    write(
+        "agents/gather/agent.md",
+        "---\nsubagents: [worker]\nscript:\n  - call: {tool: delegate, args: {jobs: [{agent: worker, request: a}, {agent: worker, request: b}]}}\n  - call: {tool: submit_output, args: {output: gathered}}\n---\nGather.\n",
+    );
+    write(
+        "agents/worker/agent.md",
+        "---\ndescription: one part\nscript:\n  - call: {tool: submit_output, args: {output: part}}\n---\nWork.\n",
+    );
+    write(
+        "agents/writer/agent.md",
+        "---\nscript:\n  - call: {tool: submit_output, args: {output: \"no report\", task_status: failed}}\n---\nWrite.\n",
+    );
+    write(
+        "flows/report.toml",
+        "[[group]]\nsteps = [{ agent = \"gather\", instruction = \"gather\" }]\n\n[[group]]\nsteps = [{ agent = \"writer\", instruction = \"write\" }]\n",
+    );
+    ws
+}
+
+#[test]
+fn rerun_failed_plans_first_refuses_a_changed_definition_then_reruns_only_the_failed_part() {
+    let dir = tempfile::tempdir().unwrap();
+    let ws = failing_report(dir.path());
+    let ws_arg = ws.to_str().unwrap();
+    let out = arbor(&["run", ws_arg, "--record", "--json"]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let failed = doc["run"]["id"].as_str().unwrap().to_string();
+    let writer_grant = doc["run"]["children"][1]["account"]["grant"]
+        .as_u64()
+        .unwrap();
+
+    let out = arbor(&[
+        "replay",
+        &failed,
+        "--workspace",
+        ws_arg,
+        "--rerun-failed",
+        "--dry-run",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let jobs: Vec<(String, bool)> = plan["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| {
+            (
+                j["lineage"].as_str().unwrap().to_string(),
+                j["reuse"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    let expected: Vec<(String, bool)> = [
+        ("gather#1", true),
+        ("gather#1/worker-1#1", true),
+        ("gather#1/worker-2#1", true),
+        ("writer#1", false),
+    ]
+    .iter()
+    .map(|(l, r)| (l.to_string(), *r))
+    .collect();
+    assert_eq!(jobs, expected);
+    assert_eq!(plan["worst_case_tokens"], writer_grant);
+    assert_eq!(runs_in(&ws), 1, "a dry run runs nothing");
+
+    // The writer fixed: refused until the change is allowed, and named.
+    let writer = ws.join("agents/writer/agent.md");
+    let text = std::fs::read_to_string(&writer).unwrap();
+    std::fs::write(
+        &writer,
+        text.replace("\"no report\", task_status: failed", "the report"),
+    )
+    .unwrap();
+    let out = arbor(&["replay", &failed, "--workspace", ws_arg, "--rerun-failed"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("definitions changed since run")
+            && stderr(&out).contains("agents/writer/agent.md; give --allow-changed"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(runs_in(&ws), 1, "nothing ran");
+    let out = arbor(&[
+        "replay",
+        &failed,
+        "--workspace",
+        ws_arg,
+        "--rerun-failed",
+        "--allow-changed",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("3 steps and jobs reused from the recording, 1 run again"),
+        "{}",
+        stderr(&out)
+    );
+    let rerun: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(rerun["run"]["status"], "done");
+    assert_eq!(rerun["run"]["output"], "the report");
+}

@@ -83,7 +83,7 @@ pub enum EventKind {
         #[serde(default)]
         budget_usd_micros: Option<u64>,
         /// The whole spec, so a restart can resume the run (I-34).
-        spec: crate::RunSpec,
+        spec: Box<crate::RunSpec>,
     },
     /// A restart found the run interrupted and resumed it at `group`.
     RunResumed {

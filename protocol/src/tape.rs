@@ -26,6 +26,11 @@ pub struct ReplaySpec {
     pub tools: ToolReplay,
     #[serde(default)]
     pub after_divergence: AfterDivergence,
+    /// A rerun of a failed run: only the jobs of these lineages are served
+    /// from the recording; the others run live from their start. None:
+    /// every job is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reuse: Option<std::collections::BTreeSet<String>>,
 }
 
 /// Where a replay's exec, read_file and MCP results come from.
@@ -225,7 +230,17 @@ pub struct ToolExchange {
 #[serde(deny_unknown_fields)]
 pub struct SteeringEntry {
     pub turn: u32,
-    pub messages: Vec<String>,
+    pub messages: Vec<SteeringMessage>,
+}
+
+/// One steering message: its text, and whether its parent sent it (a
+/// replay waits for the parent to send it again) or an operator did (a
+/// replay delivers the recorded text).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SteeringMessage {
+    pub text: String,
+    pub from_parent: bool,
 }
 
 /// `text` with every uuid replaced by `<id>`: ids are new in every run, so

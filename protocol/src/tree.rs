@@ -691,7 +691,7 @@ mod tests {
                 budget_usd_micros: None,
                 flow: "f".into(),
                 budget_tokens: 100,
-                spec: crate::RunSpec::single("a", "x", 100),
+                spec: Box::new(crate::RunSpec::single("a", "x", 100)),
             },
             spawned(run, step, ParentRef::Run(run), 100),
             account(ParentRef::Run(run), 100, 0, 100),

@@ -479,7 +479,7 @@ fn recover_run(
     let records = journal.jobs(run.id)?;
     report.ends_retold += retell_lost_ends(events, run, &history, &records);
     let spec = history.iter().find_map(|e| match &e.kind {
-        EventKind::RunStarted { spec, .. } => Some(spec.clone()),
+        EventKind::RunStarted { spec, .. } => Some((**spec).clone()),
         _ => None,
     });
     let jobs: HashMap<JobId, JobRecord> = records.into_iter().map(|j| (j.id, j)).collect();

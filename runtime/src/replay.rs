@@ -47,6 +47,13 @@ pub enum ReplayError {
     BadExport { path: PathBuf, message: String },
     #[error("the replay could not start: {0}")]
     Start(String),
+    #[error("run {run} {status}: there is nothing to rerun (replay it instead)")]
+    NothingFailed { run: RunId, status: String },
+    #[error(
+        "definitions changed since run {run} was recorded: {}; give --allow-changed to rerun with them (the jobs of a changed agent run again)",
+        changed.join(", ")
+    )]
+    Changed { run: RunId, changed: Vec<String> },
     #[error(transparent)]
     Journal(#[from] arbor_storage::Error),
 }
@@ -81,7 +88,7 @@ pub fn recorded(journal: &Journal, run: RunId) -> Result<Recorded, ReplayError> 
     let spec = events
         .iter()
         .find_map(|e| match &e.kind {
-            EventKind::RunStarted { spec, .. } => Some(spec.clone()),
+            EventKind::RunStarted { spec, .. } => Some((**spec).clone()),
             _ => None,
         })
         .ok_or(ReplayError::NotRecorded(run))?;
@@ -192,6 +199,20 @@ async fn start(
     tape: Tape,
     options: ReplayOptions,
 ) -> Result<RunId, ReplayError> {
+    node.start_replay(replay_spec(workspace, of, spec, options), Arc::new(tape))
+        .await
+        .map_err(|e| ReplayError::Start(e.to_string()))
+}
+
+/// The spec of a replay of run `of`, whose spec was `spec`: the same run,
+/// its `replay` naming the recording (which its Run reads from the journal
+/// when it is not handed one: a replay queued by arbord).
+pub fn replay_spec(
+    workspace: &Workspace,
+    of: RunId,
+    spec: RunSpec,
+    options: ReplayOptions,
+) -> RunSpec {
     let mut spec = workspace.recording(
         RunSpec {
             replay: None,
@@ -203,10 +224,9 @@ async fn start(
         of,
         tools: options.tools,
         after_divergence: options.after_divergence,
+        reuse: None,
     });
-    node.start_replay(spec, Arc::new(tape))
-        .await
-        .map_err(|e| ReplayError::Start(e.to_string()))
+    spec
 }
 
 /// Run `run`'s recording as one document, its digest set.
@@ -465,4 +485,198 @@ pub async fn replay_export(
         options,
     )
     .await
+}
+
+/// A rerun of a failed run (`arbor replay RUN --rerun-failed`): which jobs
+/// are reused from the recording and which run again, and the most the
+/// rerun part can spend.
+#[derive(Clone, Debug, serde::Serialize, schemars::JsonSchema)]
+pub struct RerunPlan {
+    /// The failed run.
+    pub replay_of: RunId,
+    pub flow: String,
+    /// The definitions that changed since the recording (with
+    /// `--allow-changed`; else the plan is refused).
+    pub changed: Vec<String>,
+    pub jobs: Vec<PlannedJob>,
+    /// The grants of the rerun part's topmost jobs, in tokens: the most it
+    /// can spend (its jobs' grants are held in the same accounts again).
+    pub worst_case_tokens: u64,
+    /// The same in micro-dollars, when the run has a usd ceiling.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worst_case_usd_micros: Option<u64>,
+    #[serde(skip)]
+    #[schemars(skip)]
+    spec: RunSpec,
+    #[serde(skip)]
+    #[schemars(skip)]
+    tape: Tape,
+}
+
+/// One step or job of a rerun's plan.
+#[derive(Clone, Debug, serde::Serialize, schemars::JsonSchema)]
+pub struct PlannedJob {
+    pub lineage: String,
+    pub agent: String,
+    pub depth: u32,
+    /// Served from the recording (true) or run again.
+    pub reuse: bool,
+    /// Why it runs again: how it ended, or that its agent changed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub why: Option<String>,
+    pub grant_tokens: u64,
+}
+
+/// Plans the rerun of failed run `run`: a job that completed, whose agent
+/// and arbor.toml are unchanged, is reused; every other runs again. Changed
+/// definitions are refused unless `allow_changed`.
+pub fn plan_rerun(
+    journal: &Journal,
+    workspace: &Workspace,
+    run: RunId,
+    allow_changed: bool,
+) -> Result<RerunPlan, ReplayError> {
+    let recorded = recorded(journal, run)?;
+    check(workspace, run, &recorded.spec, &recorded.agents)?;
+    let root = recorded.tree.root();
+    if root.status == arbor_protocol::Status::Done {
+        return Err(ReplayError::NothingFailed {
+            run,
+            status: "completed".into(),
+        });
+    }
+    if !root.status.is_terminal() {
+        return Err(ReplayError::NothingFailed {
+            run,
+            status: format!("is {}", root.status),
+        });
+    }
+    let now = workspace.digests_for(&recorded.spec);
+    let then = &recorded.spec.digests;
+    let changed: Vec<String> = then
+        .keys()
+        .chain(now.keys().filter(|k| !then.contains_key(*k)))
+        .filter(|path| then.get(*path) != now.get(*path))
+        .cloned()
+        .collect();
+    if !changed.is_empty() && !allow_changed {
+        return Err(ReplayError::Changed { run, changed });
+    }
+    let config_changed = changed.iter().any(|p| p == "arbor.toml");
+    let mut jobs = vec![];
+    let mut worst = (0u64, 0u64);
+    let usd = recorded.spec.budget_usd_micros.is_some();
+    // Topmost: a rerun job whose parent is reused (or is the run).
+    fn plan(
+        node: &TreeNode,
+        above: Option<&str>,
+        parent_reused: bool,
+        changed: &[String],
+        config_changed: bool,
+        jobs: &mut Vec<PlannedJob>,
+        worst: &mut (u64, u64),
+    ) {
+        for child in &node.children {
+            let label = child
+                .label
+                .clone()
+                .or_else(|| child.agent.clone())
+                .unwrap_or_default();
+            let lineage = arbor_actors::tape::lineage_key(above, &label, child.attempt).to_string();
+            let agent = child.agent.clone().unwrap_or_default();
+            let agent_changed = changed.contains(&format!("agents/{agent}/agent.md"));
+            let why = if child.status != arbor_protocol::Status::Done {
+                Some(match &child.reason {
+                    Some(reason) => format!("{}: {reason}", child.status),
+                    None => child.status.to_string(),
+                })
+            } else if agent_changed {
+                Some(format!("agents/{agent}/agent.md changed"))
+            } else if config_changed {
+                Some("arbor.toml changed".into())
+            } else {
+                None
+            };
+            let reuse = why.is_none();
+            if !reuse && parent_reused {
+                worst.0 += child.account.grant;
+                worst.1 += child.usd.as_ref().map_or(0, |u| u.grant);
+            }
+            jobs.push(PlannedJob {
+                lineage: lineage.clone(),
+                agent,
+                depth: child.depth,
+                reuse,
+                why,
+                grant_tokens: child.account.grant,
+            });
+            plan(
+                child,
+                Some(&lineage),
+                reuse,
+                changed,
+                config_changed,
+                jobs,
+                worst,
+            );
+        }
+    }
+    plan(
+        &root,
+        None,
+        true,
+        &changed,
+        config_changed,
+        &mut jobs,
+        &mut worst,
+    );
+    Ok(RerunPlan {
+        replay_of: run,
+        flow: recorded.spec.flow.clone(),
+        changed,
+        jobs,
+        worst_case_tokens: worst.0,
+        worst_case_usd_micros: usd.then_some(worst.1),
+        spec: recorded.spec,
+        tape: recorded.tape,
+    })
+}
+
+/// Starts the rerun `plan` as a new run linked to the failed one
+/// (`spec.replay.of`): its reused jobs are served from the recording, up to
+/// a request that differs (then they go on live); the rest run live.
+pub async fn rerun(
+    node: &EmbeddedNode,
+    workspace: &Workspace,
+    plan: RerunPlan,
+    record: bool,
+) -> Result<RunId, ReplayError> {
+    let (spec, tape) = rerun_spec(workspace, plan, record);
+    node.start_replay(spec, Arc::new(tape))
+        .await
+        .map_err(|e| ReplayError::Start(e.to_string()))
+}
+
+/// The spec of the rerun `plan` (and its recording, to hand its Run).
+pub fn rerun_spec(workspace: &Workspace, plan: RerunPlan, record: bool) -> (RunSpec, Tape) {
+    let reuse = plan
+        .jobs
+        .iter()
+        .filter(|j| j.reuse)
+        .map(|j| j.lineage.clone())
+        .collect();
+    let mut spec = workspace.recording(
+        RunSpec {
+            replay: None,
+            ..plan.spec
+        },
+        record,
+    );
+    spec.replay = Some(ReplaySpec {
+        of: plan.replay_of,
+        tools: ToolReplay::Recorded,
+        after_divergence: AfterDivergence::Live,
+        reuse: Some(reuse),
+    });
+    (spec, plan.tape)
 }

@@ -32,6 +32,10 @@ pub struct SubmitRun {
     /// dollars as a number (metered in micro-dollars). Never 0.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub budget: Option<BudgetArg>,
+    /// Record the run's model exchanges and tool results, so it can be
+    /// replayed (`[record] models = true` records every run).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub record: bool,
 }
 
 /// Where to find a run.
@@ -61,6 +65,43 @@ pub struct RunCreated {
     /// True when an earlier request with the same `Idempotency-Key` and body
     /// made this run; nothing new was queued.
     pub replayed: bool,
+    pub links: RunLinks,
+}
+
+/// `POST /v1/runs/{id}/replay`: a recorded run replayed as a new run, or a
+/// failed one rerun keeping what worked (docs/replay.md).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReplayRun {
+    /// Where exec, read_file and MCP results come from: `recorded` (the
+    /// default) or `live`.
+    #[serde(default)]
+    pub tools: arbor_protocol::tape::ToolReplay,
+    /// At the first request that differs: `fail` (the default), or `live`,
+    /// going on against the configured models.
+    #[serde(default)]
+    pub after_divergence: arbor_protocol::tape::AfterDivergence,
+    /// Rerun a failed run: the jobs that completed, with their agent and
+    /// arbor.toml unchanged, are served from the recording; the rest run live.
+    #[serde(default)]
+    pub rerun_failed: bool,
+    /// With `rerun_failed`: answer the plan (200), start nothing.
+    #[serde(default)]
+    pub dry_run: bool,
+    /// With `rerun_failed`: go on although definitions changed (named).
+    #[serde(default)]
+    pub allow_changed: bool,
+    /// Record the new run too.
+    #[serde(default)]
+    pub record: bool,
+}
+
+/// The answer to a replay: the new run, queued, and the run it replays.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct ReplayStarted {
+    pub id: RunId,
+    pub replay_of: RunId,
+    pub status: Status,
     pub links: RunLinks,
 }
 

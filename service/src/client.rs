@@ -12,8 +12,8 @@
 //!    that broke (the caller may resume from the last id).
 
 use crate::api::{
-    ApprovalList, CardView, Continued, DecisionBody, DrainAsked, RunCreated, RunDocument, RunList,
-    SteerQueued, StopAccepted, StreamEvent, SubmitRun,
+    ApprovalList, CardView, Continued, DecisionBody, DrainAsked, ReplayRun, ReplayStarted,
+    RunCreated, RunDocument, RunList, SteerQueued, StopAccepted, StreamEvent, SubmitRun,
 };
 use crate::status::NodeStatus;
 use arbor_protocol::RunId;
@@ -175,6 +175,16 @@ impl Client {
             request = request.header("Idempotency-Key", key);
         }
         self.call(request).await
+    }
+
+    /// `POST /v1/runs/{id}/replay` (not a dry run: that answers a plan,
+    /// read with `post_json`).
+    pub async fn replay(&self, run: &str, body: &ReplayRun) -> Result<ReplayStarted, Error> {
+        self.call(
+            self.request(Method::POST, &format!("/v1/runs/{run}/replay"))
+                .json(body),
+        )
+        .await
     }
 
     /// `POST /v1/runs/{id}/stop`.

@@ -225,6 +225,36 @@ fn protected_routes() -> ApiRouter<Arc<Shared>> {
             }),
         )
         .api_route(
+            "/v1/runs/{id}/replay",
+            post_with(replay_run, |op| {
+                errors!(
+                    secured(op)
+                        .id("replayRun")
+                        .summary("Replay a recorded run as a new run, or rerun a failed one")
+                        .description(
+                            "The new run is queued as a submission is. With rerun_failed, \
+                             the jobs that completed (their agent and arbor.toml unchanged) \
+                             are served from the recording and the rest run live; with \
+                             dry_run too, the plan is answered and nothing starts. A run \
+                             that was not recorded, of another workspace, that did not fail \
+                             (rerun_failed), or whose definitions changed (without \
+                             allow_changed) is a 422 naming why.",
+                        )
+                        .response::<201, Json<ReplayStarted>>()
+                        .response_with::<200, Json<arbor_runtime::replay::RerunPlan>, _>(|r| {
+                            r.description("dry_run: the rerun's plan")
+                        }),
+                    400,
+                    404,
+                    413,
+                    415,
+                    422,
+                    429,
+                    503
+                )
+            }),
+        )
+        .api_route(
             "/v1/runs/{id}/stop",
             post_with(stop_run, |op| {
                 errors!(
@@ -664,7 +694,12 @@ fn resolve(shared: &Shared, body: &SubmitRun) -> Result<RunSpec, ApiError> {
         Some(micros) => ws.with_usd_ceiling(spec, micros).map_err(load)?,
         None => spec,
     };
-    Ok(spec)
+    // `record` adds to arbor.toml's `[record] models`, never turns it off.
+    Ok(if body.record {
+        ws.recording(spec, true)
+    } else {
+        spec
+    })
 }
 
 async fn submit_run(
@@ -707,6 +742,81 @@ async fn submit_run(
             id: run,
             status: run_status,
             replayed,
+            links: RunLinks::of(run),
+        },
+    );
+    if let Ok(location) = HeaderValue::from_str(&format!("/v1/runs/{run}")) {
+        response.headers_mut().insert(header::LOCATION, location);
+    }
+    Ok(response)
+}
+
+async fn replay_run(
+    State(shared): S,
+    Path(path): Path<IdPath>,
+    JsonBody(body): JsonBody<ReplayRun>,
+) -> Reply {
+    use arbor_runtime::replay::{self, ReplayError, ReplayOptions};
+    let of = parse_run(&path.id)?;
+    if (body.dry_run || body.allow_changed) && !body.rerun_failed {
+        return Err(ApiError::bad_request(
+            "`dry_run` and `allow_changed` go with `rerun_failed`",
+        ));
+    }
+    if body.rerun_failed
+        && (body.tools != Default::default() || body.after_divergence != Default::default())
+    {
+        return Err(ApiError::bad_request(
+            "a rerun serves what it reuses from the recording and runs the rest live: \
+             `tools` and `after_divergence` are a replay's",
+        ));
+    }
+    let refused = |e: ReplayError| match e {
+        ReplayError::NoRun(_) => ApiError::not_found(e.to_string()),
+        ReplayError::Journal(e) => ApiError::from(e),
+        other => ApiError::refused(other.to_string()),
+    };
+    let journal = shared.node.journal();
+    let spec = if body.rerun_failed {
+        let plan = replay::plan_rerun(journal, &shared.workspace, of, body.allow_changed)
+            .map_err(refused)?;
+        if body.dry_run {
+            return Ok(json(StatusCode::OK, plan));
+        }
+        replay::rerun_spec(&shared.workspace, plan, body.record).0
+    } else {
+        let recorded = replay::recorded(journal, of).map_err(refused)?;
+        replay::check(&shared.workspace, of, &recorded.spec, &recorded.agents).map_err(refused)?;
+        let options = ReplayOptions {
+            tools: body.tools,
+            after_divergence: body.after_divergence,
+            record: body.record,
+        };
+        replay::replay_spec(&shared.workspace, of, recorded.spec, options)
+    };
+    accepting(&shared)?;
+    let digest = String::new();
+    let submitted = shared
+        .admission
+        .submit(&spec, None, digest)
+        .await
+        .map_err(|e| match e {
+            SubmitError::KeyConflict(_) => ApiError::conflict(e.to_string()),
+            SubmitError::QueueFull(_) => ApiError::queue_full(e.to_string()),
+            SubmitError::Closed => ApiError::unavailable(e.to_string()),
+            SubmitError::Journal(e) => ApiError::from(e),
+        })?;
+    let (Submitted::New(run) | Submitted::Replayed(run)) = submitted;
+    let status = run_tree(&shared, run)
+        .await?
+        .map(|t| t.run_status())
+        .unwrap_or(Status::Pending);
+    let mut response = json(
+        StatusCode::CREATED,
+        ReplayStarted {
+            id: run,
+            replay_of: of,
+            status,
             links: RunLinks::of(run),
         },
     );

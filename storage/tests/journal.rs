@@ -128,7 +128,7 @@ async fn every_record_kind_round_trips(store: Store) {
                 budget_usd_micros: None,
                 flow: "review".into(),
                 budget_tokens: 10_000,
-                spec: arbor_protocol::RunSpec::single("review", "x", 10_000),
+                spec: Box::new(arbor_protocol::RunSpec::single("review", "x", 10_000)),
             },
         ),
         event(

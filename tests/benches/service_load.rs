@@ -186,6 +186,7 @@ async fn drive_http(load: Load, dir: &std::path::Path) -> (Samples, Duration) {
                     agent: Some("fan".into()),
                     input: Some("go".into()),
                     budget: None,
+                    record: false,
                 };
                 while Instant::now() < deadline {
                     let started = Instant::now();

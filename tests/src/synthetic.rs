@@ -475,7 +475,7 @@ impl<'a> Writer<'a> {
                 budget_usd_micros: None,
                 flow: spec.flow.clone(),
                 budget_tokens: RUN_GRANT,
-                spec,
+                spec: Box::new(spec),
             },
         );
         self.push(self.run_record(run, Status::Running));

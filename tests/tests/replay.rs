@@ -331,3 +331,108 @@ async fn inv_49_a_run_on_either_wire_format_replays_offline_a_cut_stream_charged
         node.assert_conserved(replayed);
     }
 }
+
+/// A gatherer fans out to three workers (group one), then a writer writes
+/// (group two); `writer_prompt` is the writer's system prompt.
+fn report_workspace(writer_prompt: &str) -> (Vec<(&'static str, String)>, &'static str) {
+    let gather = "---\nsubagents: [worker]\nscript:\n  - call: {tool: delegate, args: {jobs: [{agent: worker, request: a}, {agent: worker, request: b}, {agent: worker, request: c}]}}\n  - call: {tool: submit_output, args: {output: gathered}}\n---\nGather.\n".to_string();
+    let worker = agent_md(
+        "description: one part\nscript:\n  - call: {tool: submit_output, args: {output: part}}",
+    );
+    let writer = format!(
+        "---\nscript:\n  - call: {{tool: submit_output, args: {{output: the report}}}}\n---\n{writer_prompt}\n"
+    );
+    let flow = "[[group]]\nsteps = [{ agent = \"gather\", instruction = \"gather\" }]\n\n[[group]]\nsteps = [{ agent = \"writer\", instruction = \"write\" }]\n";
+    (
+        vec![("gather", gather), ("worker", worker), ("writer", writer)],
+        flow,
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rerun_of_a_failed_run_calls_only_the_failed_part_and_changed_definitions_are_refused_then_accepted()
+ {
+    use arbor_testkit::faults::{FaultyModels, ModelFault};
+    let (defs, flow) = report_workspace("Write.");
+    let faulty = FaultyModels::new();
+    faulty.on_job("writer", 0, [ModelFault::Malformed]);
+    let node = TestNode::start_workspace(
+        Some(RECORD),
+        &agents(&defs),
+        &[("report", flow)],
+        faulty.clone(),
+    )
+    .await;
+    let failed = node.run_flow("report").await;
+    let tree = node.wait_run(failed).await;
+    assert_eq!(tree.run_status(), Status::Failed, "{:?}", tree.root());
+    let dir = node.crash().await;
+
+    // The writer's prompt is fixed: a changed definition, named.
+    let (fixed, flow) = report_workspace("Write it well.");
+    let workspace = arbor_testkit::Workspace::from_texts(
+        dir.path().join("workspace"),
+        Some(RECORD),
+        &agents(&fixed),
+        &[("report", flow)],
+    )
+    .unwrap();
+    let models = FaultyModels::new();
+    let node = TestNode::open(workspace, &dir.path().join("data"), models.clone())
+        .await
+        .unwrap();
+    let refused = arbor_runtime::replay::plan_rerun(node.journal(), &node.workspace, failed, false)
+        .unwrap_err();
+    assert!(
+        refused
+            .to_string()
+            .starts_with(&format!("definitions changed since run {failed} was recorded: agents/writer/agent.md; give --allow-changed")),
+        "{refused}"
+    );
+    let plan =
+        arbor_runtime::replay::plan_rerun(node.journal(), &node.workspace, failed, true).unwrap();
+    assert_eq!(plan.changed, ["agents/writer/agent.md"]);
+    let reuse: Vec<(&str, bool)> = plan
+        .jobs
+        .iter()
+        .map(|j| (j.lineage.as_str(), j.reuse))
+        .collect();
+    assert_eq!(
+        reuse,
+        [
+            ("gather#1", true),
+            ("gather#1/worker-1#1", true),
+            ("gather#1/worker-2#1", true),
+            ("gather#1/worker-3#1", true),
+            ("writer#1", false),
+        ]
+    );
+    let writer_grant = plan.jobs[4].grant_tokens;
+    assert_eq!(
+        plan.worst_case_tokens, writer_grant,
+        "only the writer runs again"
+    );
+
+    let rerun = arbor_runtime::replay::rerun(node.node(), &node.workspace, plan, false)
+        .await
+        .unwrap();
+    let tree = node.wait_run(rerun).await;
+    assert_eq!(tree.run_status(), Status::Done, "{:?}", tree.root());
+    assert_eq!(models.calls("gather"), 0, "reused from the recording");
+    assert_eq!(models.calls("worker"), 0, "reused from the recording");
+    assert_eq!(models.calls("writer"), 1, "the failed part, live");
+    let spec = node
+        .events(rerun)
+        .into_iter()
+        .find_map(|e| match e.kind {
+            EventKind::RunStarted { spec, .. } => Some(spec),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(
+        spec.replay.map(|r| r.of),
+        Some(failed),
+        "linked to the failed run"
+    );
+    node.assert_conserved(rerun);
+}

@@ -3,7 +3,7 @@
 //! across a restart, and the drain of I-40 (in-process; the process-level
 //! SIGTERM and SIGKILL are in bin/tests/arbord.rs).
 
-use arbor_protocol::Status;
+use arbor_protocol::{RunId, Status};
 use arbor_service::Service;
 use arbor_testkit::agent_md;
 use arbor_testkit::service::{TestService, Texts, status_of};
@@ -1531,4 +1531,64 @@ async fn inv_46_approvals_over_http_one_queue_a_decision_under_the_tokens_name_a
     );
     assert!(metrics.contains("arbor_approval_wait_seconds_count{outcome=\"approved\"} 1"));
     svc.stop().await;
+}
+
+/// `record: true` on a submission, then `POST /v1/runs/{id}/replay`: the
+/// replay is queued as a run, linked to its recording, and ends as it did;
+/// a run that was not recorded, a rerun of a run that did not fail, and a
+/// replay's options on a rerun are refused, changing nothing.
+#[tokio::test]
+async fn a_recorded_submission_replays_over_http_and_bad_replays_are_refused() {
+    let svc = TestService::start(texts()).await;
+    let recorded = svc.submit(json!({"flow": "hello", "record": true})).await;
+    let original = svc.wait_run(recorded).await;
+    let (code, started) = svc
+        .post_json(&format!("/v1/runs/{recorded}/replay"), json!({}))
+        .await;
+    assert_eq!(code, 201, "{started}");
+    assert_eq!(started["replay_of"], recorded.to_string());
+    let replayed: RunId = started["id"].as_str().unwrap().parse().unwrap();
+    let doc = svc.wait_run(replayed).await;
+    assert_eq!(doc["run"]["status"], "done", "{doc}");
+    assert_eq!(doc["run"]["account"], original["run"]["account"]);
+    assert_eq!(doc["run"]["output"], original["run"]["output"]);
+
+    let plain = svc.submit(json!({"flow": "hello"})).await;
+    svc.wait_run(plain).await;
+    let queued_before = svc.submissions().len();
+    for (run, body, code, says) in [
+        (plain, json!({}), 422, "was not recorded"),
+        (
+            recorded,
+            json!({"rerun_failed": true}),
+            422,
+            "completed: there is nothing to rerun",
+        ),
+        (
+            recorded,
+            json!({"dry_run": true}),
+            400,
+            "go with `rerun_failed`",
+        ),
+        (
+            recorded,
+            json!({"rerun_failed": true, "tools": "live"}),
+            400,
+            "are a replay's",
+        ),
+        (
+            recorded,
+            json!({"tools": "sometimes"}),
+            400,
+            "unknown variant `sometimes`",
+        ),
+        (RunId::new(), json!({}), 404, "no run"),
+    ] {
+        let (got, error) = svc
+            .post_json(&format!("/v1/runs/{run}/replay"), body.clone())
+            .await;
+        assert_eq!(got, code, "{body}: {error}");
+        assert!(error.to_string().contains(says), "{body}: {error}");
+    }
+    assert_eq!(svc.submissions().len(), queued_before, "nothing was queued");
 }

@@ -64,6 +64,8 @@ pub enum JobMsg {
     // From its parent or an operator.
     Steer {
         text: String,
+        /// Its parent sent it (`send_message`), not an operator.
+        from_parent: bool,
         reply: Option<RpcReplyPort<Result<u64, Refusal>>>,
     },
     Stop {

@@ -35,6 +35,7 @@ impl JobState {
     pub(super) fn queue_steering(
         &mut self,
         text: String,
+        from_parent: bool,
         reply: Option<RpcReplyPort<Result<u64, Refusal>>>,
     ) {
         let answer = |result| {
@@ -64,9 +65,10 @@ impl JobState {
             Err(e) => return answer(Err(journaled(e))),
         };
         self.next_message_id += 1;
-        self.steering.push_back((id, text));
+        self.steering.push_back((id, text, from_parent));
         self.steering_queued
             .fetch_add(1, std::sync::atomic::Ordering::Release);
+        self.steering_arrived.notify_one();
         self.ctx.events.emit(
             self.lineage.run,
             EventKind::SteerQueued {
@@ -86,11 +88,11 @@ impl JobState {
         });
     }
 
-    pub(super) fn deliver_steering(&mut self, turn: u32) -> Vec<String> {
+    pub(super) fn deliver_steering(&mut self, turn: u32) -> Vec<(String, bool)> {
         self.steering_queued
             .store(0, std::sync::atomic::Ordering::Release);
         let mut texts = vec![];
-        while let Some((id, text)) = self.steering.pop_front() {
+        while let Some((id, text, from_parent)) = self.steering.pop_front() {
             self.journal_steer(id, &text, SteerState::Delivered);
             self.ctx.events.emit(
                 self.lineage.run,
@@ -100,7 +102,7 @@ impl JobState {
                     turn,
                 },
             );
-            texts.push(text);
+            texts.push((text, from_parent));
         }
         texts
     }
@@ -136,6 +138,7 @@ impl JobState {
                     .actor
                     .cast(JobMsg::Steer {
                         text,
+                        from_parent: true,
                         reply: Some(reply),
                     })
                     .is_err()
