@@ -35,6 +35,13 @@ pub fn open_data_dir(data_dir: &Path) -> Result<Journal, Failure> {
     Journal::open_read_only(&dir).map_err(|e| bad(format!("{}: {e}", dir.display())))
 }
 
+impl Place {
+    /// The data dir given, if a data dir was.
+    pub fn data_dir(&self) -> Option<&Path> {
+        self.data_dir.as_deref()
+    }
+}
+
 pub fn open(place: &Place) -> Result<Journal, Failure> {
     if let Some(url) = &place.database_url {
         let mut options = PgOptions::new(url.clone(), "arbor-journal");

@@ -76,6 +76,14 @@ enum After {
 pub struct ExportArgs {
     /// The recorded run's id.
     run: String,
+    /// Instead of a document: a copy of the workspace in this new folder
+    /// whose agents answer with the recording as their `script:`, an
+    /// offline example that runs anywhere (`arbor run DIR`).
+    #[arg(long, value_name = "DIR")]
+    as_script: Option<PathBuf>,
+    /// With --as-script: the workspace to copy (default: the data dir's parent).
+    #[arg(long, requires = "as_script")]
+    workspace: Option<PathBuf>,
     #[command(flatten)]
     place: crate::journal::Place,
 }
@@ -312,6 +320,27 @@ fn print_plan(plan: &replay::RerunPlan, json: bool) {
 
 pub fn export(args: ExportArgs, file: Option<&str>) -> Result<ExitCode, Failure> {
     let run = run_id(&args.run)?;
+    if let Some(dir) = &args.as_script {
+        let journal = crate::journal::open(&args.place)?;
+        let from = match &args.workspace {
+            Some(from) => from.clone(),
+            None => args
+                .place
+                .data_dir()
+                .and_then(Path::parent)
+                .filter(|p| !p.as_os_str().is_empty())
+                .map_or_else(|| PathBuf::from("."), Path::to_path_buf),
+        };
+        let notes = replay::as_script(&journal, run, &from, dir).map_err(bad)?;
+        for note in notes {
+            eprintln!("arbor: {note}");
+        }
+        eprintln!(
+            "arbor: wrote run {run} as an offline example in {0}: arbor run {0}",
+            dir.display()
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
     let file =
         PathBuf::from(file.ok_or_else(|| {
             bad("give the file to write with -o FILE (`-o -` for standard output)")

@@ -127,6 +127,32 @@ fn a_recorded_run_replays_from_its_journal_and_from_its_export_to_the_same_docum
         !clean.join(".arbor").exists(),
         "a fixture replays on a temporary data dir"
     );
+
+    // The recording as the scripted model's answers: an offline example.
+    let offline = dir.path().join("offline");
+    let as_script = [
+        "export",
+        recorded.as_str(),
+        "--as-script",
+        offline.to_str().unwrap(),
+        "--data-dir",
+        data.to_str().unwrap(),
+    ];
+    let out = arbor(&as_script);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let planner = std::fs::read_to_string(offline.join("agents/planner/agent.md")).unwrap();
+    assert!(planner.contains("usage:"), "{planner}");
+    let out = arbor(&["run", offline.to_str().unwrap(), "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let example: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(example["run"]["output"], replayed["run"]["output"]);
+    let out = arbor(&as_script);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "a folder that exists is refused"
+    );
+    assert!(stderr(&out).contains("exists already"), "{}", stderr(&out));
 }
 
 #[test]

@@ -47,6 +47,8 @@ pub enum ReplayError {
     BadExport { path: PathBuf, message: String },
     #[error("the replay could not start: {0}")]
     Start(String),
+    #[error("run {run}'s recording is damaged: {message}")]
+    Damaged { run: RunId, message: String },
     #[error("run {run} {status}: there is nothing to rerun (replay it instead)")]
     NothingFailed { run: RunId, status: String },
     #[error(
@@ -54,6 +56,8 @@ pub enum ReplayError {
         changed.join(", ")
     )]
     Changed { run: RunId, changed: Vec<String> },
+    #[error("{}: {message}", path.display())]
+    Script { path: PathBuf, message: String },
     #[error(transparent)]
     Journal(#[from] arbor_storage::Error),
 }
@@ -92,9 +96,8 @@ pub fn recorded(journal: &Journal, run: RunId) -> Result<Recorded, ReplayError> 
             _ => None,
         })
         .ok_or(ReplayError::NotRecorded(run))?;
-    let tape = arbor_actors::tape::tape_of(journal.tape(run)?).map_err(|message| {
-        ReplayError::Start(format!("run {run}'s recording is damaged: {message}"))
-    })?;
+    let tape = arbor_actors::tape::tape_of(journal.tape(run)?)
+        .map_err(|message| ReplayError::Damaged { run, message })?;
     if !spec.record || tape.is_empty() {
         return Err(ReplayError::NotRecorded(run));
     }
@@ -679,4 +682,119 @@ pub fn rerun_spec(workspace: &Workspace, plan: RerunPlan, record: bool) -> (RunS
         reuse: Some(reuse),
     });
     (spec, plan.tape)
+}
+
+/// Writes recorded run `run` as an offline example: a copy of the workspace
+/// `from` in `to` (which must not exist), where each agent the run's jobs
+/// were answers with a `script:` of the answers its recorded job got (its
+/// `model:` removed: the scripted model). Returns what a person should know:
+/// an agent whose jobs answered differently gets its first job's answers
+/// (a script is one list per agent), and a call that ended in an error is
+/// not a turn.
+pub fn as_script(
+    journal: &Journal,
+    run: RunId,
+    from: &Path,
+    to: &Path,
+) -> Result<Vec<String>, ReplayError> {
+    let recorded = recorded(journal, run)?;
+    let fail = |path: &Path, message: String| ReplayError::Script {
+        path: path.to_path_buf(),
+        message,
+    };
+    if to.exists() {
+        return Err(fail(
+            to,
+            "exists already: give a folder that does not".into(),
+        ));
+    }
+    copy_workspace(from, to)
+        .map_err(|e| fail(to, format!("cannot copy the workspace here: {e}")))?;
+    let mut notes = vec![];
+    let mut scripts: BTreeMap<String, (String, Vec<serde_json::Value>, usize)> = BTreeMap::new();
+    for (lineage, agent) in &recorded.agents {
+        let Some(tape) = recorded.tape.get(lineage) else {
+            continue;
+        };
+        let mut turns = vec![];
+        for (at, call) in tape.calls.iter().enumerate() {
+            match &call.outcome {
+                arbor_protocol::tape::CallOutcome::Answer {
+                    text, calls, usage, ..
+                } => {
+                    let mut turn = serde_json::Map::new();
+                    if let Some(text) = text.as_ref().filter(|t| !t.is_empty()) {
+                        turn.insert("say".into(), text.clone().into());
+                    }
+                    let calls: Vec<serde_json::Value> = calls
+                        .iter()
+                        .map(|c| serde_json::json!({"tool": c.tool, "args": c.args}))
+                        .collect();
+                    if !calls.is_empty() {
+                        turn.insert("call".into(), calls.into());
+                    }
+                    if let Some(usage) = usage {
+                        turn.insert(
+                            "usage".into(),
+                            serde_json::json!({"input": usage.input_tokens, "output": usage.output_tokens}),
+                        );
+                    }
+                    turns.push(serde_json::Value::Object(turn));
+                }
+                _ => notes.push(format!(
+                    "{lineage}: call {} ended in an error or a stop, which a script cannot say; it is left out",
+                    at + 1
+                )),
+            }
+        }
+        match scripts.get_mut(agent) {
+            None => {
+                scripts.insert(agent.clone(), (lineage.clone(), turns, 1));
+            }
+            Some((first, script, _)) if *script != turns => notes.push(format!(
+                "agent {agent}: job {lineage} answered otherwise than {first}; the script is {first}'s"
+            )),
+            Some((_, _, same)) => *same += 1,
+        }
+    }
+    for (agent, (_, turns, _)) in scripts {
+        let path = to.join("agents").join(&agent).join("agent.md");
+        let text = std::fs::read_to_string(&path).map_err(|e| fail(&path, e.to_string()))?;
+        let (yaml, prompt) =
+            crate::workspace::split_front_matter(&text).map_err(|m| fail(&path, m))?;
+        let mut front: serde_json::Value = if yaml.trim().is_empty() {
+            serde_json::json!({})
+        } else {
+            serde_saphyr::from_str(yaml).map_err(|e| fail(&path, e.to_string()))?
+        };
+        let Some(map) = front.as_object_mut() else {
+            return Err(fail(&path, "its front matter is not a mapping".into()));
+        };
+        map.remove("model");
+        map.insert("script".into(), turns.into());
+        let yaml = serde_saphyr::to_string(&front).map_err(|e| fail(&path, e.to_string()))?;
+        std::fs::write(&path, format!("---\n{yaml}---\n{prompt}"))
+            .map_err(|e| fail(&path, e.to_string()))?;
+    }
+    crate::workspace::Workspace::load(to)
+        .map_err(|e| fail(to, format!("the written workspace does not load: {e}")))?;
+    Ok(notes)
+}
+
+/// `from`'s files in `to`, but its data dir (`.arbor`) and other hidden ones.
+fn copy_workspace(from: &Path, to: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from)? {
+        let entry = entry?;
+        if entry.file_name().to_string_lossy().starts_with('.') {
+            continue;
+        }
+        let target = to.join(entry.file_name());
+        if entry.file_type()?.is_dir() {
+            copy_workspace(&entry.path(), &target)?;
+        } else {
+            std::fs::copy(entry.path(), target)?;
+        }
+    }
+    Ok(())
 }

@@ -1098,7 +1098,7 @@ fn check_agent_prices(
 }
 
 /// The front matter's YAML and the body after it.
-fn split_front_matter(text: &str) -> Result<(&str, &str), String> {
+pub(crate) fn split_front_matter(text: &str) -> Result<(&str, &str), String> {
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let (first, mut rest) = split_line(text);
     if first.trim_end() != "---" {

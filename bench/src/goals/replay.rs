@@ -16,9 +16,9 @@ use crate::trial::interleaved;
 use crate::workload::{BUDGET_TOKENS, Tally, delegating, limits};
 use anyhow::{Context, ensure};
 use arbor_protocol::RunId;
+use arbor_testkit::TestNode;
 use arbor_testkit::mock_provider::{Format, MockProvider, openai};
 use arbor_testkit::replay::ReplayOptions;
-use arbor_testkit::TestNode;
 use arbor_tests::agents::leaf_at_once;
 use std::time::{Duration, Instant};
 
@@ -69,7 +69,12 @@ pub async fn replay(sizes: &Sizes) -> anyhow::Result<Outcome> {
     let row = interleaved(
         "R1",
         "",
-        async |_| Ok(round(&node, &tally, shape.runs, scripted).await?.0.as_secs_f64()),
+        async |_| {
+            Ok(round(&node, &tally, shape.runs, scripted)
+                .await?
+                .0
+                .as_secs_f64())
+        },
         async |_| {
             let (wall, replays) = round(&node, &tally, shape.runs, async |i| {
                 node.replay(recorded[i], ReplayOptions::default())
@@ -103,7 +108,8 @@ pub async fn replay(sizes: &Sizes) -> anyhow::Result<Outcome> {
                 shape.jobs(),
                 shape.runs
             ),
-            "the first replay's tree, accounts and events are checked equal to its recording".into(),
+            "the first replay's tree, accounts and events are checked equal to its recording"
+                .into(),
         ],
     })
 }
@@ -140,19 +146,31 @@ impl MockFanOut {
     /// children's results are in), each fan's delegate call, each leaf's
     /// answer (any request left: a leaf's). Then runs the round.
     async fn round(&self, mock: &MockProvider) -> anyhow::Result<Duration> {
-        let jobs = vec![serde_json::json!({"agent": "leaf", "request": "one part"}); self.shape.children];
+        let jobs =
+            vec![serde_json::json!({"agent": "leaf", "request": "one part"}); self.shape.children];
         for _ in 0..self.shape.runs {
-            mock.push_for(Format::Openai, LEAF_DONE, openai::stream("All parts are done.", &[], Some((200, 8))));
+            mock.push_for(
+                Format::Openai,
+                LEAF_DONE,
+                openai::stream("All parts are done.", &[], Some((200, 8))),
+            );
         }
         for _ in 0..self.shape.runs {
             mock.push_for(
                 Format::Openai,
                 FAN_PROMPT,
-                openai::stream("", &[("delegate", serde_json::json!({"jobs": jobs}))], Some((120, 40))),
+                openai::stream(
+                    "",
+                    &[("delegate", serde_json::json!({"jobs": jobs}))],
+                    Some((120, 40)),
+                ),
             );
         }
         for _ in 0..self.shape.jobs() {
-            mock.push(Format::Openai, openai::stream(LEAF_DONE, &[], Some((60, 4))));
+            mock.push(
+                Format::Openai,
+                openai::stream(LEAF_DONE, &[], Some((60, 4))),
+            );
         }
         let node = &self.node;
         let (wall, _) = round(node, &self.tally, self.shape.runs, async |_| {
@@ -182,7 +200,11 @@ pub async fn recording(sizes: &Sizes) -> anyhow::Result<Outcome> {
         async |_| Ok(recorded.round(&recorded_mock).await?.as_secs_f64()),
     )
     .await?;
-    let entries = recorded.node.journal().tape(recorded_first(&recorded)?)?.len();
+    let entries = recorded
+        .node
+        .journal()
+        .tape(recorded_first(&recorded)?)?
+        .len();
     plain.node.shutdown().await;
     recorded.node.shutdown().await;
     Ok(Outcome {
