@@ -160,6 +160,21 @@ impl LoopOutcome {
 /// Runs the loop to its end. Never panics: a panic in the model adapter is
 /// caught by the caller (`Job`), a panic in a tool here.
 pub async fn run(args: LoopArgs) -> LoopOutcome {
+    // A model may echo what it should never have seen (a value in an
+    // instruction, a guess): what the job hands on is redacted (I-27).
+    let secrets = args.ctx.secrets.clone();
+    let mut outcome = run_turns(args).await;
+    outcome.output = secrets.redact_json(&outcome.output);
+    for note in &mut outcome.limitations {
+        *note = secrets.redact(note);
+    }
+    if let Some((_, message)) = &mut outcome.error {
+        *message = secrets.redact(message);
+    }
+    outcome
+}
+
+async fn run_turns(args: LoopArgs) -> LoopOutcome {
     let mut history = vec![Message::User(args.request.clone())];
     // Its MCP tools are listed before its first turn: a job whose tools
     // could not be listed would work blind, so it fails to start instead.
@@ -1029,6 +1044,30 @@ async fn ask_person(
     call: &ToolCall,
     check: crate::approvals::ArgsCheck,
 ) -> Result<Option<serde_json::Value>, String> {
+    // A replay applies the recorded decision: the person is not asked again.
+    if let Some(decided) = args
+        .tapes
+        .replay
+        .as_ref()
+        .and_then(|r| r.approval(&call.id))
+    {
+        return decided;
+    }
+    let decided = ask_gate(args, tool, call, check).await;
+    // What a stop cut short is no one's decision.
+    if let (Some(writer), false) = (&args.tapes.writer, args.cancel.is_cancelled()) {
+        writer.approval(&call.id, tool, &decided);
+    }
+    decided
+}
+
+/// The gate's side of `ask_person`: the card, and its one outcome.
+async fn ask_gate(
+    args: &LoopArgs,
+    tool: &str,
+    call: &ToolCall,
+    check: crate::approvals::ArgsCheck,
+) -> Result<Option<serde_json::Value>, String> {
     use crate::approvals::{Answer, Ask, GateMsg};
     // Fail safe: with no gate, a call meant to wait for a person does not run.
     let Some(gate) = args.ctx.gate.get() else {
@@ -1081,16 +1120,18 @@ async fn ask_person(
 /// The arguments as a card shows them: every secret's value cut out, long
 /// strings clipped, so a card is safe to show anyone who may decide.
 fn card_args(args: &serde_json::Value, secrets: &crate::secrets::Secrets) -> serde_json::Value {
+    clip_strings(secrets.redact_json(args))
+}
+
+fn clip_strings(value: serde_json::Value) -> serde_json::Value {
     use serde_json::Value;
-    match args {
-        Value::String(s) => Value::String(clip(&secrets.redact(s), CARD_STRING_LIMIT)),
-        Value::Array(items) => Value::Array(items.iter().map(|v| card_args(v, secrets)).collect()),
-        Value::Object(map) => Value::Object(
-            map.iter()
-                .map(|(k, v)| (secrets.redact(k), card_args(v, secrets)))
-                .collect(),
-        ),
-        other => other.clone(),
+    match value {
+        Value::String(s) => Value::String(clip(&s, CARD_STRING_LIMIT)),
+        Value::Array(items) => Value::Array(items.into_iter().map(clip_strings).collect()),
+        Value::Object(map) => {
+            Value::Object(map.into_iter().map(|(k, v)| (k, clip_strings(v))).collect())
+        }
+        other => other,
     }
 }
 

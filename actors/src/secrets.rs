@@ -67,6 +67,23 @@ impl Secrets {
         }
         out
     }
+
+    /// `redact` over every string of a JSON value, keys included.
+    pub fn redact_json(&self, value: &serde_json::Value) -> serde_json::Value {
+        use serde_json::Value;
+        match value {
+            Value::String(s) => Value::String(self.redact(s)),
+            Value::Array(items) => {
+                Value::Array(items.iter().map(|v| self.redact_json(v)).collect())
+            }
+            Value::Object(map) => Value::Object(
+                map.iter()
+                    .map(|(k, v)| (self.redact(k), self.redact_json(v)))
+                    .collect(),
+            ),
+            other => other.clone(),
+        }
+    }
 }
 
 impl Secrets {
@@ -122,5 +139,18 @@ mod tests {
             "[secret TOKEN] then "
         );
         assert_eq!(secrets.redact_cut("nothing here"), "nothing here");
+    }
+
+    #[test]
+    fn inv_27_a_json_value_is_redacted_in_keys_and_strings_alone() {
+        let secrets = Secrets::new(BTreeMap::from([(
+            "TOKEN".to_string(),
+            "s3cr3t-value".to_string(),
+        )]));
+        let value = serde_json::json!({"s3cr3t-value": ["it was s3cr3t-value", 7, null]});
+        assert_eq!(
+            secrets.redact_json(&value),
+            serde_json::json!({"[secret TOKEN]": ["it was [secret TOKEN]", 7, null]})
+        );
     }
 }

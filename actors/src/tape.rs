@@ -23,9 +23,9 @@ use crate::model::{CallMeter, Message, Model, ModelError, ModelInfo, ModelReply,
 use crate::model::{Price, RetryPolicy, ToolCall, estimate_tokens};
 use crate::secrets::Secrets;
 use arbor_protocol::tape::{
-    AfterDivergence, CallOutcome, JobTape, ModelExchange, RecordedModel, RecordedToolCall,
-    ReplaySpec, RequestPart, SteeringEntry, SteeringMessage, Tape, TapeEntry, ToolExchange,
-    ToolReplay, strip_ids,
+    AfterDivergence, ApprovalEntry, ApprovalOutcome, CallOutcome, JobTape, ModelExchange,
+    RecordedModel, RecordedToolCall, ReplaySpec, RequestPart, SteeringEntry, SteeringMessage, Tape,
+    TapeEntry, ToolExchange, ToolReplay, strip_ids,
 };
 use arbor_protocol::{ErrorClass, JobId, RunId};
 use arbor_storage::{Journal, Record, TapeRecord};
@@ -71,7 +71,7 @@ pub struct TapeWriter {
     lineage: Arc<str>,
     volatile: Volatile,
     /// The next number of each kind of entry (`TapeEntry::kind`).
-    next: Mutex<[u32; 5]>,
+    next: Mutex<[u32; 6]>,
 }
 
 impl TapeWriter {
@@ -90,7 +90,7 @@ impl TapeWriter {
             job,
             lineage,
             volatile,
-            next: Mutex::new([0; 5]),
+            next: Mutex::new([0; 6]),
         }
     }
 
@@ -140,6 +140,27 @@ impl TapeWriter {
             ok,
             content,
             files,
+        }));
+    }
+
+    /// What came of call `call` of tool `tool`, which waited for a person.
+    pub fn approval(
+        &self,
+        call: &str,
+        tool: &str,
+        decided: &Result<Option<serde_json::Value>, String>,
+    ) {
+        self.write(TapeEntry::Approval(ApprovalEntry {
+            call: call.to_string(),
+            tool: tool.to_string(),
+            outcome: match decided {
+                Ok(edited) => ApprovalOutcome::Approved {
+                    edited: edited.clone(),
+                },
+                Err(message) => ApprovalOutcome::Refused {
+                    message: message.clone(),
+                },
+            },
         }));
     }
 
@@ -622,6 +643,24 @@ impl JobReplay {
             }
         };
         self.diverge(what).map(Served::Diverged)
+    }
+
+    /// The recorded decision on call `call`, if the recording has one
+    /// (and the job has not forked): applied without asking again.
+    pub fn approval(&self, call: &str) -> Option<Result<Option<serde_json::Value>, String>> {
+        if self.forked() {
+            return None;
+        }
+        let entry = self
+            .tape
+            .as_ref()?
+            .approvals
+            .iter()
+            .find(|a| a.call == call)?;
+        Some(match &entry.outcome {
+            ApprovalOutcome::Approved { edited } => Ok(edited.clone()),
+            ApprovalOutcome::Refused { message } => Err(message.clone()),
+        })
     }
 
     /// Whether the job takes in its recording's steering, not what comes

@@ -79,6 +79,9 @@ pub struct JobTape {
     /// refused before it was sent included (what was reserved, I-11).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub counts: Vec<u64>,
+    /// The decisions on its calls that waited for a person (I-46).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub approvals: Vec<ApprovalEntry>,
 }
 
 /// A whole run's recording, by lineage.
@@ -94,6 +97,7 @@ pub enum TapeEntry {
     Tool(ToolExchange),
     Steering(SteeringEntry),
     Count(u64),
+    Approval(ApprovalEntry),
 }
 
 impl TapeEntry {
@@ -105,6 +109,7 @@ impl TapeEntry {
             TapeEntry::Tool(_) => 2,
             TapeEntry::Steering(_) => 3,
             TapeEntry::Count(_) => 4,
+            TapeEntry::Approval(_) => 5,
         }
     }
 
@@ -116,6 +121,7 @@ impl TapeEntry {
             TapeEntry::Tool(tool) => tape.tools.push(tool),
             TapeEntry::Steering(steering) => tape.steering.push(steering),
             TapeEntry::Count(count) => tape.counts.push(count),
+            TapeEntry::Approval(approval) => tape.approvals.push(approval),
         }
     }
 }
@@ -223,6 +229,26 @@ pub struct ToolExchange {
     /// is there. A file that could not be read as text is left out.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub files: BTreeMap<String, String>,
+}
+
+/// What came of a call that waited for a person: a replay applies it
+/// without asking again.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ApprovalEntry {
+    /// The model's id for the call (what a replay finds it by).
+    pub call: String,
+    pub tool: String,
+    pub outcome: ApprovalOutcome,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ApprovalOutcome {
+    /// It ran, with a person's edited arguments if they gave some.
+    Approved { edited: Option<serde_json::Value> },
+    /// It did not run (rejected, expired, cancelled): what the model read.
+    Refused { message: String },
 }
 
 /// Steering messages a job took in at the start of a turn.

@@ -153,6 +153,10 @@ async fn inv_49_a_recording_holds_no_secrets_value() {
     }
     let all: String = tape.iter().map(|e| e.entry_json.as_str()).collect();
     assert!(all.contains("[secret API_TOKEN]"), "{all}");
+    // Nor does its export.
+    let export = arbor_runtime::replay::export(node.journal(), run).unwrap();
+    let document = serde_json::to_string(&export).unwrap();
+    assert!(!document.contains(value), "{document}");
 }
 
 #[tokio::test]
@@ -435,4 +439,40 @@ async fn a_rerun_of_a_failed_run_calls_only_the_failed_part_and_changed_definiti
         "linked to the failed run"
     );
     node.assert_conserved(rerun);
+}
+
+/// A call that waited for a person is decided once: its replay applies the
+/// recorded decision (an edit included) and asks no one again.
+#[tokio::test]
+async fn inv_49_a_replay_applies_the_recorded_approval_and_asks_no_one() {
+    let writer = agent_md(
+        "tools: [write_file]\napprove: [write_file]\nscript:\n  - call: {tool: write_file, args: {path: out.txt, content: hello}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let node = TestNode::start_with_config(RECORD, &[("writer", &writer)]).await;
+    let recorded = node.run_agent("writer", "go").await;
+    let card = node.wait_card(recorded).await;
+    node.decide(
+        card.id,
+        arbor_protocol::Verdict::Edit,
+        Some("shorter"),
+        Some(serde_json::json!({"path": "out.txt", "content": "hi"})),
+    )
+    .await
+    .unwrap();
+    assert_eq!(node.wait_run(recorded).await.run_status(), Status::Done);
+
+    let replayed = node
+        .replay(recorded, ReplayOptions::default())
+        .await
+        .unwrap();
+    let tree = node.wait_run(replayed).await;
+    assert_eq!(
+        node.replay_differences(recorded, replayed),
+        Vec::<String>::new()
+    );
+    assert!(node.cards(replayed).is_empty(), "no one was asked");
+    let step = &tree.root().children[0];
+    let job = step.id.parse().unwrap();
+    let written = std::fs::read_to_string(node.workdir(replayed, job).join("out.txt")).unwrap();
+    assert_eq!(written, "hi", "the person's edit, applied again");
 }
