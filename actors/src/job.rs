@@ -85,6 +85,8 @@ pub struct Lineage {
     /// The labels with their attempts (`plan#1/worker-2#1`): what a
     /// recording names it by (`tape`).
     pub key: Arc<str>,
+    /// The model's id of the delegate call that made it; none for a step.
+    pub call: Option<Arc<str>>,
 }
 
 pub struct JobStart {
@@ -251,6 +253,7 @@ impl Actor for Job {
                 workdir: start.workdir.display().to_string(),
                 record_seq: start.record_seq,
                 request: start.brief.request.clone(),
+                call: lineage.call.as_deref().map(str::to_string),
             },
         );
         Ok(JobState {
@@ -620,8 +623,16 @@ impl JobState {
             steering_arrived: self.steering_arrived.clone(),
             tapes: self.tapes.clone(),
         };
+        // Every log line of the loop carries the ids of the job's span in
+        // the run's trace (docs/operations.md, "Traces").
+        let span = tracing::info_span!(
+            "job",
+            trace_id = %self.lineage.run.trace_hex(),
+            span_id = %self.lineage.id.span_hex(),
+        );
         let handle = tokio::spawn(async move {
-            let outcome = match AssertUnwindSafe(agent_loop::run(args)).catch_unwind().await {
+            let run = tracing::Instrument::instrument(agent_loop::run(args), span);
+            let outcome = match AssertUnwindSafe(run).catch_unwind().await {
                 Ok(outcome) => outcome,
                 Err(panic) => LoopOutcome::failed(
                     ErrorClass::Panicked,

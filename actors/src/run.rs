@@ -528,6 +528,7 @@ impl RunState {
                     label: Some(label.clone()),
                     path: Arc::from([label.clone()]),
                     key: crate::tape::lineage_key(None, &label, attempt),
+                    call: None,
                 },
                 brief: Brief {
                     request: format!("{instruction}{context}"),

@@ -274,6 +274,7 @@ mod tests {
             workdir: "/w".into(),
             record_seq: 1,
             request: "x".into(),
+            call: None,
         };
         let [s1, s2, j1, j2] = ids;
         let mut tree = Tree::new(run);

@@ -122,6 +122,11 @@ pub enum EventKind {
         /// What it was asked, so that an interrupted job can be continued (I-33).
         #[serde(default)]
         request: String,
+        /// The model's id of the delegate call that made it (a retry keeps
+        /// its first attempt's); none for a step. A trace hangs the job
+        /// under that call.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        call: Option<String>,
     },
     JobRunning {
         id: JobId,
@@ -203,6 +208,9 @@ pub enum EventKind {
         id: JobId,
         turn: u32,
         tool: String,
+        /// The model's id for the call.
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        call: String,
         ok: bool,
         detail: String,
         /// How long the call took, from its checks to its result.

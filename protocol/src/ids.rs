@@ -6,6 +6,17 @@ use std::fmt;
 use std::str::FromStr;
 use uuid::Uuid;
 
+/// The 8 bytes a span of `id` is known by: the end of a v7 uuid (its
+/// random part), never all zero (an invalid span id in OpenTelemetry).
+fn span_bytes(id: &Uuid) -> [u8; 8] {
+    let mut bytes = [0u8; 8];
+    bytes.copy_from_slice(&id.as_bytes()[8..]);
+    if bytes == [0; 8] {
+        bytes[7] = 1;
+    }
+    bytes
+}
+
 macro_rules! id_type {
     ($(#[$doc:meta])* $name:ident) => {
         $(#[$doc])*
@@ -53,3 +64,34 @@ id_type!(
     /// One approval card: a gated tool call waiting for a person (I-46).
     CardId
 );
+
+impl RunId {
+    /// The run's trace id (docs/operations.md, "Traces"): its own 16 bytes,
+    /// so a tracing backend finds a run by its id.
+    pub fn trace_id(&self) -> [u8; 16] {
+        *self.0.as_bytes()
+    }
+
+    /// `trace_id` as a trace is written: 32 lowercase hex digits.
+    pub fn trace_hex(&self) -> String {
+        self.0.simple().to_string()
+    }
+
+    /// The span id of the run's first root span.
+    pub fn span_id(&self) -> [u8; 8] {
+        span_bytes(&self.0)
+    }
+}
+
+impl JobId {
+    /// The span id of the step's or job's span: the end of its id, so a
+    /// span, a log line and a child can name it without asking anyone.
+    pub fn span_id(&self) -> [u8; 8] {
+        span_bytes(&self.0)
+    }
+
+    /// `span_id` as a trace is written: 16 lowercase hex digits.
+    pub fn span_hex(&self) -> String {
+        self.span_id().iter().map(|b| format!("{b:02x}")).collect()
+    }
+}

@@ -591,6 +591,7 @@ mod tests {
             workdir: format!("/w/{run}"),
             record_seq: 1,
             request: "x".into(),
+            call: None,
         }
     }
 

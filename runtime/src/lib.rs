@@ -10,6 +10,7 @@ pub mod recovery;
 pub mod replay;
 pub mod scripted;
 pub mod secrets;
+pub mod telemetry;
 pub mod workspace;
 
 pub use arbor_actors::approvals::{Decide, DecideError};

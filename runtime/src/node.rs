@@ -49,6 +49,8 @@ pub struct EmbeddedNode {
     resumed: Vec<(RunId, RunSpec)>,
     /// A shared journal's: says why once this node has lost its lease.
     lease_lost: Option<tokio::sync::watch::Receiver<Option<String>>>,
+    /// Traces, when configured (`[telemetry]`, `OTEL_*`).
+    telemetry: Option<Arc<crate::telemetry::Telemetry>>,
 }
 
 /// Opens the journal `[journal]` names: sled in `data_dir/journal`, or the
@@ -251,13 +253,22 @@ impl EmbeddedNode {
     ) -> Result<Self, Error> {
         std::fs::create_dir_all(data_dir)
             .map_err(|e| Error::Start(format!("{}: {e}", data_dir.display())))?;
-        let secrets = crate::secrets::load(workspace).map_err(Error::Start)?;
+        let secrets = Arc::new(crate::secrets::load(workspace).map_err(Error::Start)?);
         // The sandbox probe (one sealed `true`) runs its process while the
         // journal opens and recovery runs: nothing of those needs its answer,
         // and it was the larger part of a start.
         let probe = tokio::spawn(Posture::probe(workspace.config.isolation));
         let journal = open_journal(&workspace.config.journal, data_dir).await?;
         let events = EventBus::new(journal.clone());
+        // Before recovery: the spans it closes are exported too.
+        let telemetry = crate::telemetry::Telemetry::from_config(
+            &workspace.config.telemetry,
+            &events,
+            journal.clone(),
+            secrets.clone(),
+        )
+        .map_err(Error::Start)?
+        .map(Arc::new);
         // Recovery before anything new starts (I-30 to I-35).
         // A shared journal: only the runs this node takes over are its to
         // recover (its own previous life's among them); sled's are all its.
@@ -276,7 +287,6 @@ impl EmbeddedNode {
                 .await
                 .map_err(|e| Error::Start(format!("the sandbox probe failed: {e}")))?,
         );
-        let secrets = Arc::new(secrets);
         let mcp = Arc::new(McpCatalog::new(
             workspace.config.mcp.clone(),
             data_dir.join("mcp"),
@@ -362,6 +372,7 @@ impl EmbeddedNode {
             recovery,
             resumed,
             lease_lost,
+            telemetry,
         })
     }
 
@@ -846,6 +857,14 @@ impl EmbeddedNode {
         // them (docs/journal.md, "Closing").
         self.ctx.journal.leave_unapplied_at_close();
         self.ctx.journal.flush().await?;
+        if let Some(telemetry) = &self.telemetry {
+            telemetry.shutdown().await;
+        }
         Ok(())
+    }
+
+    /// What telemetry exported and lost; `None` when it is off.
+    pub fn telemetry(&self) -> Option<crate::telemetry::TelemetryStats> {
+        self.telemetry.as_ref().map(|t| t.stats())
     }
 }

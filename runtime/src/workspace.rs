@@ -86,6 +86,8 @@ pub struct Config {
     /// `[record] models`: every run records its model exchanges and tool
     /// results, so it can be replayed (docs/replay.md).
     pub record_models: bool,
+    /// `[telemetry]`: where traces go, if anywhere (docs/operations.md, "Traces").
+    pub telemetry: crate::telemetry::TelemetryConfig,
 }
 
 /// `[journal]`: the node's journal in sled under its data dir (the
@@ -202,6 +204,7 @@ impl Default for Config {
             approvals: ApprovalSettings::default(),
             journal: JournalConfig::Sled,
             record_models: false,
+            telemetry: Default::default(),
         }
     }
 }
@@ -540,6 +543,37 @@ struct ConfigFile {
     journal: JournalFile,
     #[serde(default)]
     record: RecordFile,
+    #[serde(default)]
+    telemetry: TelemetryFile,
+}
+
+/// `[telemetry]` as written.
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TelemetryFile {
+    otlp_endpoint: Option<String>,
+    service_name: Option<String>,
+    #[serde(default)]
+    capture_content: bool,
+}
+
+impl TelemetryFile {
+    fn check(self) -> Result<crate::telemetry::TelemetryConfig, String> {
+        if let Some(endpoint) = &self.otlp_endpoint {
+            crate::telemetry::check_endpoint(endpoint)
+                .map_err(|why| format!("telemetry.otlp_endpoint: {why}"))?;
+        }
+        if let Some(name) = &self.service_name
+            && name.trim().is_empty()
+        {
+            return Err("telemetry.service_name: must not be empty".into());
+        }
+        Ok(crate::telemetry::TelemetryConfig {
+            otlp_endpoint: self.otlp_endpoint,
+            service_name: self.service_name,
+            capture_content: self.capture_content,
+        })
+    }
 }
 
 /// `[record]` as written.
@@ -732,7 +766,9 @@ fn parse_config(text: &str, root: &Path) -> Result<Config, LoadError> {
     }
     let approvals = file.approvals.check().map_err(|m| invalid(path, m))?;
     let journal = file.journal.check().map_err(|m| invalid(path, m))?;
+    let telemetry = file.telemetry.check().map_err(|m| invalid(path, m))?;
     Ok(Config {
+        telemetry,
         approvals,
         journal,
         record_models: file.record.models,

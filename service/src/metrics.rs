@@ -400,6 +400,7 @@ mod tests {
             id: JobId::new(),
             turn: 1,
             tool: tool.into(),
+            call: String::new(),
             ok,
             detail: detail.into(),
             latency_ms,

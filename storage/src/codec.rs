@@ -289,6 +289,7 @@ mod tests {
                 workdir: "/w".into(),
                 record_seq: 0,
                 request: String::new(),
+                call: Some("call_1".into()),
             },
         ];
         for (seq, kind) in [0, 7, u64::MAX].into_iter().zip(kinds) {

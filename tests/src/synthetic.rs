@@ -404,6 +404,7 @@ impl<'a> Writer<'a> {
                 id,
                 turn,
                 tool: tool.into(),
+                call: String::new(),
                 ok: true,
                 detail: format!("{tool}: ok"),
                 latency_ms: 0,
@@ -441,6 +442,7 @@ impl<'a> Writer<'a> {
                 workdir: who.workdir,
                 record_seq: self.written,
                 request: "go".into(),
+                call: None,
             },
         );
     }

@@ -27,6 +27,8 @@ pub(super) struct PlannedChild {
     pub(super) retries: u32,
     pub(super) attempt: u32,
     pub(super) group: usize,
+    /// The model's id of the delegate call that asked for it.
+    pub(super) call: Arc<str>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

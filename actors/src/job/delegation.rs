@@ -81,7 +81,7 @@ impl JobState {
         let group = self.children.groups.len();
         let mut planned = Vec::with_capacity(args.jobs.len());
         for (i, job) in args.jobs.iter().enumerate() {
-            let plan = self.plan_child(job, i, &planned, args.wait, group)?;
+            let plan = self.plan_child(job, i, &planned, args.wait, group, call_id)?;
             planned.push(plan);
         }
         self.run_ctx.count_spawns(planned.len() as u64)?;
@@ -146,6 +146,7 @@ impl JobState {
         planned: &[PlannedChild],
         wait: bool,
         group: usize,
+        call_id: &str,
     ) -> Result<PlannedChild, Refusal> {
         let bad = |message: String| Refusal::BadArguments {
             tool: "delegate".into(),
@@ -220,6 +221,7 @@ impl JobState {
         }
         let policy = self.policy.narrow(&agent, &job.deny);
         Ok(PlannedChild {
+            call: std::sync::Arc::from(call_id),
             id: JobId::new(),
             label,
             asked,
@@ -402,6 +404,7 @@ impl JobState {
                     .chain([plan.label.clone()])
                     .collect(),
                 key: crate::tape::lineage_key(Some(&self.lineage.key), &plan.label, plan.attempt),
+                call: Some(plan.call.clone()),
             },
             agent: plan.agent.clone(),
             brief: plan.brief.clone(),
