@@ -1235,6 +1235,7 @@ async fn mcp_call(
         server: entry.server.clone(),
         tool: entry.own.clone(),
         arguments,
+        traceparent: args.id.call_traceparent(args.run, &call.id),
         reply
     })
     .map_err(|e| format!("the sandbox is gone: {e}"))?

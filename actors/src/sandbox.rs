@@ -113,6 +113,8 @@ pub enum SandboxMsg {
         /// The server's own name for the tool.
         tool: String,
         arguments: serde_json::Map<String, serde_json::Value>,
+        /// The call's span in its run's trace, for the server.
+        traceparent: String,
         reply: RpcReplyPort<Result<McpOutcome, McpCallError>>,
     },
 }
@@ -312,6 +314,7 @@ impl Actor for Sandbox {
                 server,
                 tool,
                 arguments,
+                traceparent,
                 reply,
             } => {
                 let slot = state
@@ -327,7 +330,7 @@ impl Actor for Sandbox {
                     spec: server,
                 };
                 tokio::spawn(async move {
-                    let _ = reply.send(job.run(&tool, arguments).await);
+                    let _ = reply.send(job.run(&tool, arguments, &traceparent).await);
                 });
             }
         }
@@ -610,6 +613,7 @@ impl McpCallJob {
         self,
         tool: &str,
         arguments: serde_json::Map<String, serde_json::Value>,
+        traceparent: &str,
     ) -> Result<McpOutcome, McpCallError> {
         if self.cancel.is_cancelled() {
             return Err(McpCallError::Stopped);
@@ -623,7 +627,7 @@ impl McpCallJob {
         // The call is dropped when the select ends without it, which
         // cancels it at the server (`arbor_mcp` invariant 2).
         let result = tokio::select! {
-            result = client.call(tool, arguments, timeout) => Some(result),
+            result = client.call(tool, arguments, timeout, Some(traceparent)) => Some(result),
             _ = self.cancel.cancelled() => None,
         };
         let server = self.spec.name.clone();

@@ -187,14 +187,22 @@ impl McpClient {
 
     /// Calls `tool` with `arguments`, within `timeout`. Past it, or when the
     /// caller drops this future, the server is told the call is cancelled
-    /// (invariant 2).
+    /// (invariant 2). `traceparent` goes in the request's `_meta` (the
+    /// protocol's place for trace context), so a traced server's spans join
+    /// the caller's trace.
     pub async fn call(
         &self,
         tool: &str,
         arguments: serde_json::Map<String, serde_json::Value>,
         timeout: Duration,
+        traceparent: Option<&str>,
     ) -> Result<McpOutcome, McpError> {
-        let params = CallToolRequestParams::new(tool.to_string()).with_arguments(arguments);
+        let mut params = CallToolRequestParams::new(tool.to_string()).with_arguments(arguments);
+        if let Some(traceparent) = traceparent {
+            let mut meta = rmcp::model::MetaObject::new();
+            meta.set_traceparent(traceparent);
+            params.meta = Some(rmcp::model::RequestMetaObject(meta));
+        }
         let result = tokio::time::timeout(timeout, self.service.peer().call_tool(params))
             .await
             .map_err(|_| McpError::TimedOut(timeout))?

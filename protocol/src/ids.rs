@@ -92,6 +92,36 @@ impl JobId {
 
     /// `span_id` as a trace is written: 16 lowercase hex digits.
     pub fn span_hex(&self) -> String {
-        self.span_id().iter().map(|b| format!("{b:02x}")).collect()
+        hex(&self.span_id())
     }
+
+    /// The span id of its tool call `call` (the model's id for it): the
+    /// parent of the jobs a delegate call makes, and the span an MCP server
+    /// is told it serves.
+    pub fn call_span_id(&self, call: &str) -> [u8; 8] {
+        use sha2::{Digest, Sha256};
+        let mut hash = Sha256::new();
+        hash.update(self.0.as_bytes());
+        hash.update(b"tool");
+        hash.update(call.as_bytes());
+        let mut bytes = [0u8; 8];
+        bytes.copy_from_slice(&hash.finalize()[..8]);
+        if bytes == [0; 8] {
+            bytes[7] = 1;
+        }
+        bytes
+    }
+
+    /// The W3C `traceparent` of its tool call `call` in `run`'s trace.
+    pub fn call_traceparent(&self, run: RunId, call: &str) -> String {
+        format!(
+            "00-{}-{}-01",
+            run.trace_hex(),
+            hex(&self.call_span_id(call))
+        )
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }

@@ -517,7 +517,7 @@ fn context(run: RunId, span: SpanId) -> SpanContext {
 
 /// The span of the call `call` of `job`.
 fn call_span(job: JobId, call: &str) -> SpanId {
-    derived(&[job.0.as_bytes(), b"tool", call.as_bytes()])
+    SpanId::from_bytes(job.call_span_id(call))
 }
 
 /// A span as the fold ends it.

@@ -83,6 +83,9 @@ pub struct Metrics {
     approval_seconds: Family<OutcomeLabel, Histogram>,
     node_runs: Family<NodeLabel, Gauge>,
     node_lease: Family<NodeLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    spans_exported: Counter,
+    spans_dropped: Counter,
+    span_events_dropped: Counter,
 }
 
 impl Metrics {
@@ -185,6 +188,24 @@ impl Metrics {
             "A shared journal's nodes: how long each one's lease runs on, by the database's clock",
             node_lease.clone(),
         );
+        let spans_exported = Counter::default();
+        let spans_dropped = Counter::default();
+        let span_events_dropped = Counter::default();
+        registry.register(
+            "telemetry_spans_exported",
+            "Trace spans the OTLP collector took since this start",
+            spans_exported.clone(),
+        );
+        registry.register(
+            "telemetry_spans_dropped",
+            "Trace spans lost since this start: a full queue or a collector that failed",
+            spans_dropped.clone(),
+        );
+        registry.register(
+            "telemetry_events_dropped",
+            "Events the trace exporter had no room for since this start",
+            span_events_dropped.clone(),
+        );
         registry.register(
             "approval_decisions",
             "Approval cards closed since this start, by outcome",
@@ -213,6 +234,9 @@ impl Metrics {
             approvals_pending,
             approval_decisions,
             approval_seconds,
+            spans_exported,
+            spans_dropped,
+            span_events_dropped,
             node_runs,
             node_lease,
         })
@@ -304,7 +328,17 @@ impl Metrics {
     }
 
     /// The text a scrape gets, with the gauges read now.
-    pub fn render(&self, journal: &Journal, queued: usize) -> Result<String, String> {
+    pub fn render(
+        &self,
+        journal: &Journal,
+        queued: usize,
+        telemetry: Option<arbor_runtime::telemetry::TelemetryStats>,
+    ) -> Result<String, String> {
+        if let Some(t) = telemetry {
+            catch_up(&self.spans_exported, t.spans_exported);
+            catch_up(&self.spans_dropped, t.spans_dropped);
+            catch_up(&self.span_events_dropped, t.events_dropped);
+        }
         let statuses = [
             Status::Pending,
             Status::Running,
@@ -432,7 +466,7 @@ mod tests {
                 made: 1,
             },
         }));
-        let text = metrics.render(&journal, 0).unwrap();
+        let text = metrics.render(&journal, 0, None).unwrap();
         for needle in [
             "arbor_mcp_calls_total{server=\"fs\",outcome=\"ok\"} 2",
             "arbor_mcp_calls_total{server=\"fs\",outcome=\"timed_out\"} 1",

@@ -1353,7 +1353,7 @@ async fn metrics(State(shared): S) -> Reply {
     let (queued, _) = shared.admission.counts().await?;
     let text = shared
         .metrics
-        .render(shared.node.journal(), queued)
+        .render(shared.node.journal(), queued, shared.node.telemetry())
         .map_err(|e| ApiError::unavailable(format!("metrics: {e}")))?;
     Ok((
         StatusCode::OK,

@@ -110,6 +110,40 @@ async fn an_agent_calls_an_mcp_tool_and_reads_its_answer() {
     assert_eq!(step.mcp["t"].restarts, 0);
 }
 
+/// An MCP call carries its span in the run's trace to the server, in the
+/// request's `_meta.traceparent` (docs/operations.md, "Traces").
+#[tokio::test]
+async fn an_mcp_call_tells_the_server_its_trace_context() {
+    let agent = agent_md(&format!(
+        "mcp: [t]\nscript:\n{}{SUBMIT}",
+        call("mcp__t__traceparent", "{}"),
+    ));
+    let node = TestNode::start_with_config(&server(""), &[("user", &agent)]).await;
+    let run = node.run_agent("user", "go").await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Done, "{:?}", tree.root());
+    let step = tree.find("user").unwrap();
+    let (call, detail) = node
+        .events(run)
+        .into_iter()
+        .find_map(|e| match e.kind {
+            EventKind::ToolCalled {
+                tool, call, detail, ..
+            } if tool == "mcp__t__traceparent" => Some((call, detail)),
+            _ => None,
+        })
+        .expect("the call was made");
+    let want = step.call_traceparent(run, &call);
+    assert!(
+        want.starts_with(&format!("00-{}-", run.trace_hex())),
+        "{want}"
+    );
+    assert!(
+        detail.contains(&want),
+        "the server saw {detail}, not {want}"
+    );
+}
+
 #[tokio::test]
 async fn inv_44_a_denied_mcp_tool_is_refused_at_every_depth_below_the_deny() {
     let tries = |who: &str| {

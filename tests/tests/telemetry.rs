@@ -278,3 +278,64 @@ async fn inv_52_a_dead_collector_changes_nothing_in_the_run() {
     assert_eq!(stats.spans_exported, 0, "{stats:?}");
     assert!(stats.spans_dropped > 0, "{stats:?}");
 }
+
+/// A step that a crash interrupted runs again after the restart as a new
+/// attempt: its span links to the interrupted attempt's, and the resumed
+/// run's root links to the root of the node's previous life.
+#[tokio::test]
+async fn a_step_run_again_after_a_crash_links_to_its_span_from_before() {
+    let first = agent_md(
+        "description: first\nscript:\n  - call: {tool: submit_output, args: {output: FIRST}}",
+    );
+    let second = agent_md(
+        "description: second\nscript:\n  - say: thinking\n    delay: 300ms\n    call: {tool: submit_output, args: {output: SECOND}}",
+    );
+    let flow = "budget = { tokens = 100000 }\n[[group]]\nsteps = [{ agent = \"first\", instruction = \"one\" }]\n[[group]]\nsteps = [{ agent = \"second\", instruction = \"two\" }]\n";
+    let node = TestNode::start_workspace(
+        None,
+        &[("first", &first), ("second", &second)],
+        &[("two", flow)],
+        Arc::new(arbor_runtime::DefaultModels),
+    )
+    .await;
+    let run = node.run_flow("two").await;
+    node.wait_status(run, "second", Status::Running).await;
+    let node = node.crash_and_restart().await;
+    // Attached after the restart: the fold reads the run's history from
+    // the journal at its first event.
+    let (telemetry, exporter) = traced(&node, false, Secrets::default());
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Done);
+    telemetry.flush().await;
+    let spans = exporter.get_finished_spans().unwrap();
+
+    let attempt = |n: u32| -> JobId {
+        tree.nodes()
+            .find(|(_, j)| j.label.as_deref() == Some("second") && j.attempt == n)
+            .map(|(_, j)| j.id.parse().unwrap())
+            .unwrap()
+    };
+    let again = spans
+        .iter()
+        .find(|s| attr(s, "gen_ai.agent.id") == Some(attempt(2).to_string()))
+        .expect("the new attempt's span");
+    let linked: Vec<SpanId> = again
+        .links
+        .iter()
+        .map(|l| l.span_context.span_id())
+        .collect();
+    assert_eq!(linked, [SpanId::from_bytes(attempt(1).span_id())]);
+
+    let root = named(&spans, "invoke_workflow two");
+    assert_eq!(root.len(), 1, "{spans:?}");
+    let before = SpanId::from_bytes(run.span_id());
+    assert_ne!(root[0].span_context.span_id(), before, "a new root");
+    let linked: Vec<SpanId> = root[0]
+        .links
+        .iter()
+        .map(|l| l.span_context.span_id())
+        .collect();
+    assert_eq!(linked, [before]);
+    assert_eq!(again.parent_span_id, root[0].span_context.span_id());
+    telemetry.shutdown().await;
+}

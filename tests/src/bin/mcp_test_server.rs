@@ -114,6 +114,11 @@ impl ServerHandler for TestServer {
             tool("noise", "Writes a line that is not JSON to stdout.", none()),
             tool("fail", "Fails.", none()),
             tool(
+                "traceparent",
+                "The trace context the call came with (_meta.traceparent).",
+                none(),
+            ),
+            tool(
                 "header",
                 "A header of the HTTP request that carried the call.",
                 object(serde_json::json!({"name": {"type": "string"}}), &["name"]),
@@ -185,6 +190,11 @@ impl ServerHandler for TestServer {
             }
             "fail" => {
                 Ok(CallToolResult::error(vec![ContentBlock::text("it failed, as asked")]).into())
+            }
+            "traceparent" => {
+                let from_request = request.meta.as_ref().and_then(|m| m.0.get_traceparent());
+                let from_context = context.meta.0.get_traceparent();
+                text(from_request.or(from_context).unwrap_or("none"))
             }
             "header" => {
                 let parts = context.extensions.get::<axum::http::request::Parts>();
