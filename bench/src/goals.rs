@@ -9,6 +9,7 @@ mod replay;
 mod restart;
 mod steering;
 mod stop_subtree;
+mod telemetry;
 
 use crate::report::Outcome;
 
@@ -28,10 +29,12 @@ pub enum Goal {
     R1,
     /// A fan-out on the mock provider recorded, beside not recorded.
     R2,
+    /// P2's fan-out exporting its trace, beside telemetry off.
+    T1,
 }
 
 impl Goal {
-    pub const ALL: [Goal; 10] = [
+    pub const ALL: [Goal; 11] = [
         Goal::P1,
         Goal::P2,
         Goal::P3,
@@ -42,6 +45,7 @@ impl Goal {
         Goal::M1,
         Goal::R1,
         Goal::R2,
+        Goal::T1,
     ];
 
     /// `P3` or `p3`.
@@ -63,6 +67,7 @@ impl Goal {
             Goal::M1 => "M1",
             Goal::R1 => "R1",
             Goal::R2 => "R2",
+            Goal::T1 => "T1",
         }
     }
 
@@ -79,6 +84,7 @@ impl Goal {
             Goal::M1 => mcp_call::run(sizes).await,
             Goal::R1 => replay::replay(sizes).await,
             Goal::R2 => replay::recording(sizes).await,
+            Goal::T1 => telemetry::run(sizes).await,
         }
     }
 }

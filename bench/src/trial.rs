@@ -33,6 +33,29 @@ impl Rep {
 pub async fn interleaved(
     goal: &str,
     label: &str,
+    baseline: impl AsyncFnMut(Rep) -> anyhow::Result<f64>,
+    arbor: impl AsyncFnMut(Rep) -> anyhow::Result<f64>,
+) -> anyhow::Result<Row> {
+    protocol(goal, label, false, baseline, arbor).await
+}
+
+/// As `interleaved`, but each repetition runs baseline, arbor, arbor,
+/// baseline and takes each side's mean of its two: for two sides that each
+/// leave work behind them (a journal's writeback on the disk they share),
+/// which would otherwise fall on the second side every time.
+pub async fn balanced(
+    goal: &str,
+    label: &str,
+    baseline: impl AsyncFnMut(Rep) -> anyhow::Result<f64>,
+    arbor: impl AsyncFnMut(Rep) -> anyhow::Result<f64>,
+) -> anyhow::Result<Row> {
+    protocol(goal, label, true, baseline, arbor).await
+}
+
+async fn protocol(
+    goal: &str,
+    label: &str,
+    swap: bool,
     mut baseline: impl AsyncFnMut(Rep) -> anyhow::Result<f64>,
     mut arbor: impl AsyncFnMut(Rep) -> anyhow::Result<f64>,
 ) -> anyhow::Result<Row> {
@@ -46,9 +69,15 @@ pub async fn interleaved(
     let reps = std::iter::once(Rep::Warmup).chain((0..REPETITIONS).map(Rep::Measured));
     for rep in reps {
         progress(name, &format!("{} baseline", rep.name()));
-        let b = baseline(rep).await?;
+        let mut b = baseline(rep).await?;
         progress(name, &format!("{} arbor", rep.name()));
-        let a = arbor(rep).await?;
+        let mut a = arbor(rep).await?;
+        if swap {
+            progress(name, &format!("{} arbor again", rep.name()));
+            a = (a + arbor(rep).await?) / 2.0;
+            progress(name, &format!("{} baseline again", rep.name()));
+            b = (b + baseline(rep).await?) / 2.0;
+        }
         if rep != Rep::Warmup {
             row.baseline.push(b);
             row.arbor.push(a);

@@ -50,6 +50,8 @@ const EXPORT_TIMEOUT: Duration = Duration::from_secs(5);
 /// collector failed the last export, as it will this one.
 const FLUSH_AT_CLOSE: Duration = Duration::from_secs(3);
 const FLUSH_AT_CLOSE_FAILING: Duration = Duration::from_millis(250);
+/// How often the fold takes the events waiting (`Inbox`).
+const FOLD_EVERY: Duration = Duration::from_millis(50);
 /// At most one warning about lost spans in this long.
 const WARN_EVERY: Duration = Duration::from_secs(60);
 
@@ -248,18 +250,25 @@ impl<E: SpanExporter> SpanExporter for Counted<E> {
     }
 }
 
-enum Msg {
-    Event(Box<Event>),
-    /// Answered once everything before it is folded and handed on.
+/// What the fold is asked besides events.
+enum Ask {
+    /// Answered once everything emitted before it is folded and handed on.
     Sync(oneshot::Sender<()>),
     /// As `Sync`, and the task ends.
     Close(oneshot::Sender<()>),
 }
 
+/// Events waiting to be folded. A lock and a push, never a wake: a channel
+/// that woke the fold at each event put it ahead of the run's own tasks
+/// thousands of times a second (a 1,024-job fan-out took 1.1 to 1.3x as
+/// long); the fold takes the lot every `FOLD_EVERY` instead.
+#[derive(Default)]
+struct Inbox(Mutex<Vec<Event>>);
+
 /// A node's traces: the observer on its event bus, the task that folds
 /// events into spans, and the batch processor that exports them.
 pub struct Telemetry {
-    tx: mpsc::Sender<Msg>,
+    asks: mpsc::Sender<Ask>,
     closed: Arc<AtomicBool>,
     counters: Arc<CountersHandle>,
     processor: Arc<BatchSpanProcessor>,
@@ -311,31 +320,36 @@ impl Telemetry {
         .build();
         processor.set_resource(&resource);
         let processor = Arc::new(processor);
-        let (tx, rx) = mpsc::channel(EVENT_QUEUE);
+        let inbox = Arc::new(Inbox::default());
+        let (asks, asked) = mpsc::channel(4);
         let closed = Arc::new(AtomicBool::new(false));
         {
-            let tx = tx.clone();
+            let inbox = inbox.clone();
             let closed = closed.clone();
             let counters = counters.clone();
             events.observe(Arc::new(move |event: &Event| {
                 if !Spans::uses(&event.kind) || closed.load(Ordering::Relaxed) {
                     return;
                 }
-                if tx.try_send(Msg::Event(Box::new(event.clone()))).is_err() {
+                let mut waiting = inbox.0.lock().unwrap_or_else(|p| p.into_inner());
+                if waiting.len() < EVENT_QUEUE {
+                    waiting.push(event.clone());
+                } else {
                     counters.0.events_dropped.fetch_add(1, Ordering::Relaxed);
                 }
             }));
         }
         let spans = Spans::new(settings.capture_content, secrets);
         tokio::spawn(pump(
-            rx,
+            inbox,
+            asked,
             spans,
             journal,
             processor.clone(),
             counters.clone(),
         ));
         Telemetry {
-            tx,
+            asks,
             closed,
             counters,
             processor,
@@ -354,7 +368,7 @@ impl Telemetry {
     /// Folds what was emitted so far and exports every span it ended.
     pub async fn flush(&self) {
         let (reply, folded) = oneshot::channel();
-        if self.tx.send(Msg::Sync(reply)).await.is_ok() {
+        if self.asks.send(Ask::Sync(reply)).await.is_ok() {
             let _ = folded.await;
         }
         let processor = self.processor.clone();
@@ -369,7 +383,7 @@ impl Telemetry {
             return;
         }
         let (reply, folded) = oneshot::channel();
-        if self.tx.send(Msg::Close(reply)).await.is_ok() {
+        if self.asks.send(Ask::Close(reply)).await.is_ok() {
             let _ = folded.await;
         }
         let processor = self.processor.clone();
@@ -414,42 +428,28 @@ fn otlp_exporter(_url: &str) -> Result<opentelemetry_sdk::trace::InMemorySpanExp
 
 /// The task: events in, spans out once the journal holds their events.
 async fn pump(
-    mut rx: mpsc::Receiver<Msg>,
+    inbox: Arc<Inbox>,
+    mut asked: mpsc::Receiver<Ask>,
     mut spans: Spans,
     journal: Journal,
     processor: Arc<BatchSpanProcessor>,
     counters: Arc<CountersHandle>,
 ) {
     let mut done = Vec::new();
-    while let Some(first) = rx.recv().await {
-        let mut answer = None;
-        let mut close = false;
-        let mut next = Some(first);
-        let mut taken = 0;
-        while let Some(msg) = next.take() {
-            match msg {
-                Msg::Event(event) => {
-                    if !spans.knows(event.run)
-                        && !matches!(event.kind, EventKind::RunStarted { .. })
-                    {
-                        spans.load_history(&journal, event.run, event.seq);
-                    }
-                    spans.apply(&event, &mut done);
-                }
-                Msg::Sync(reply) => {
-                    answer = Some(reply);
-                    break;
-                }
-                Msg::Close(reply) => {
-                    answer = Some(reply);
-                    close = true;
-                    break;
-                }
+    let mut every = tokio::time::interval(FOLD_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        // Outer None: a tick; inner None: the handle is gone, so this is the last fold.
+        let ask = tokio::select! {
+            _ = every.tick() => None,
+            ask = asked.recv() => Some(ask),
+        };
+        let waiting = std::mem::take(&mut *inbox.0.lock().unwrap_or_else(|p| p.into_inner()));
+        for event in &waiting {
+            if !spans.knows(event.run) && !matches!(event.kind, EventKind::RunStarted { .. }) {
+                spans.load_history(&journal, event.run, event.seq);
             }
-            taken += 1;
-            if taken < 1024 {
-                next = rx.try_recv().ok();
-            }
+            spans.apply(event, &mut done);
         }
         if !done.is_empty() {
             let n = done.len() as u64;
@@ -477,11 +477,16 @@ async fn pump(
                 }
             }
         }
-        if let Some(reply) = answer {
-            let _ = reply.send(());
-        }
-        if close {
-            return;
+        match ask {
+            Some(Some(Ask::Sync(reply))) => {
+                let _ = reply.send(());
+            }
+            Some(Some(Ask::Close(reply))) => {
+                let _ = reply.send(());
+                return;
+            }
+            Some(None) => return,
+            None => {}
         }
     }
 }

@@ -108,11 +108,17 @@ impl Round {
 
 impl FanOutNode {
     pub async fn start(shape: FanOut) -> FanOutNode {
+        Self::start_with(shape, "").await
+    }
+
+    /// As `start`, with more of arbor.toml.
+    pub async fn start_with(shape: FanOut, extra: &str) -> FanOutNode {
         let (fan, leaf) = (delegating("leaf", shape.children), leaf_at_once());
         let agents = [("fan", &fan[..]), ("leaf", &leaf)];
         // The default caps allow 16 children under one parent.
         let limits = crate::workload::limits(shape.children.max(16), 2);
-        let node = TestNode::start_with_config(&limits, &agents).await;
+        let config = format!("{limits}{extra}");
+        let node = TestNode::start_with_config(&config, &agents).await;
         let tally = Tally::install(&node);
         FanOutNode { node, tally, shape }
     }
