@@ -206,13 +206,11 @@ impl Counters {
 #[derive(Debug)]
 struct Counted<E> {
     inner: E,
-    counters: Arc<CountersHandle>,
+    counters: Arc<Counters>,
 }
 
-/// `Counters` behind a `Debug` the SDK's traits ask for.
-struct CountersHandle(Counters);
-
-impl std::fmt::Debug for CountersHandle {
+// The SDK's exporter trait asks for `Debug`.
+impl std::fmt::Debug for Counters {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Counters")
     }
@@ -221,7 +219,7 @@ impl std::fmt::Debug for CountersHandle {
 impl<E: SpanExporter> SpanExporter for Counted<E> {
     async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
         let n = batch.len() as u64;
-        let counters = &self.counters.0;
+        let counters = &self.counters;
         counters.queued.fetch_sub(n, Ordering::Relaxed);
         let result = self.inner.export(batch).await;
         match &result {
@@ -270,7 +268,7 @@ struct Inbox(Mutex<Vec<Event>>);
 pub struct Telemetry {
     asks: mpsc::Sender<Ask>,
     closed: Arc<AtomicBool>,
-    counters: Arc<CountersHandle>,
+    counters: Arc<Counters>,
     processor: Arc<BatchSpanProcessor>,
 }
 
@@ -301,7 +299,7 @@ impl Telemetry {
         journal: Journal,
         secrets: Arc<Secrets>,
     ) -> Telemetry {
-        let counters = Arc::new(CountersHandle(Counters::default()));
+        let counters = Arc::new(Counters::default());
         let mut resource = Resource::builder();
         if let Some(name) = &settings.service_name {
             resource = resource.with_service_name(name.clone());
@@ -335,7 +333,7 @@ impl Telemetry {
                 if waiting.len() < EVENT_QUEUE {
                     waiting.push(event.clone());
                 } else {
-                    counters.0.events_dropped.fetch_add(1, Ordering::Relaxed);
+                    counters.events_dropped.fetch_add(1, Ordering::Relaxed);
                 }
             }));
         }
@@ -357,7 +355,7 @@ impl Telemetry {
     }
 
     pub fn stats(&self) -> TelemetryStats {
-        let c = &self.counters.0;
+        let c = &self.counters;
         TelemetryStats {
             spans_exported: c.exported.load(Ordering::Relaxed),
             spans_dropped: c.dropped.load(Ordering::Relaxed),
@@ -387,7 +385,7 @@ impl Telemetry {
             let _ = folded.await;
         }
         let processor = self.processor.clone();
-        let within = if self.counters.0.failing.load(Ordering::Relaxed) {
+        let within = if self.counters.failing.load(Ordering::Relaxed) {
             FLUSH_AT_CLOSE_FAILING
         } else {
             FLUSH_AT_CLOSE
@@ -433,7 +431,7 @@ async fn pump(
     mut spans: Spans,
     journal: Journal,
     processor: Arc<BatchSpanProcessor>,
-    counters: Arc<CountersHandle>,
+    counters: Arc<Counters>,
 ) {
     let mut done = Vec::new();
     let mut every = tokio::time::interval(FOLD_EVERY);
@@ -459,21 +457,21 @@ async fn pump(
             match durable {
                 Ok(Ok(())) => {
                     for span in done.drain(..) {
-                        if counters.0.queued.load(Ordering::Relaxed) >= SPAN_QUEUE as u64 {
-                            counters.0.lost(1, &"the export queue is full");
+                        if counters.queued.load(Ordering::Relaxed) >= SPAN_QUEUE as u64 {
+                            counters.lost(1, &"the export queue is full");
                             continue;
                         }
-                        counters.0.queued.fetch_add(1, Ordering::Relaxed);
+                        counters.queued.fetch_add(1, Ordering::Relaxed);
                         processor.on_end(span);
                     }
                 }
                 Ok(Err(e)) => {
                     done.clear();
-                    counters.0.lost(n, &format!("the journal failed: {e}"));
+                    counters.lost(n, &format!("the journal failed: {e}"));
                 }
                 Err(_) => {
                     done.clear();
-                    counters.0.lost(n, &"the journal did not sync in time");
+                    counters.lost(n, &"the journal did not sync in time");
                 }
             }
         }
@@ -634,6 +632,39 @@ impl Spans {
         Value::from(message.to_string())
     }
 
+    /// How a run or job ended, on its span: `arbor.status`, `error.type`
+    /// and, under `capture_content`, its output; and the span's status,
+    /// described by `why` or else by the error's type.
+    fn ended(
+        &self,
+        attributes: &mut Vec<KeyValue>,
+        status: Status,
+        class: Option<arbor_protocol::ErrorClass>,
+        output: &serde_json::Value,
+        why: impl FnOnce() -> Option<String>,
+    ) -> SpanStatus {
+        attributes.push(KeyValue::new("arbor.status", status.as_str()));
+        let error = match (status, class) {
+            (Status::Done, _) => None,
+            (Status::Stopped, _) => Some("stopped"),
+            (_, Some(class)) => Some(class.as_str()),
+            (_, None) => Some("failed"),
+        };
+        if let Some(error) = error {
+            attributes.push(KeyValue::new(attr::ERROR_TYPE, error));
+        }
+        if self.capture && !output.is_null() {
+            attributes.push(KeyValue::new(
+                attr::OUTPUT_MESSAGES,
+                self.messages("assistant", &text_of(output)),
+            ));
+        }
+        match error {
+            None => SpanStatus::Ok,
+            Some(error) => SpanStatus::error(why().unwrap_or_else(|| error.to_string())),
+        }
+    }
+
     fn finish(&self, span: Finished) -> SpanData {
         let mut links = SpanLinks::default();
         links.links = span.links;
@@ -722,26 +753,9 @@ impl Spans {
                 };
                 self.jobs.retain(|_, j| j.run != run);
                 let mut attributes = open.attributes;
-                attributes.push(KeyValue::new("arbor.status", status.as_str()));
-                let error = match (status, error_class) {
-                    (Status::Done, _) => None,
-                    (Status::Stopped, _) => Some("stopped"),
-                    (_, Some(class)) => Some(class.as_str()),
-                    (_, None) => Some("failed"),
-                };
-                if let Some(error) = error {
-                    attributes.push(KeyValue::new(attr::ERROR_TYPE, error));
-                }
-                if self.capture && !output.is_null() {
-                    attributes.push(KeyValue::new(
-                        attr::OUTPUT_MESSAGES,
-                        self.messages("assistant", &text_of(output)),
-                    ));
-                }
-                let status = match error {
-                    None => SpanStatus::Ok,
-                    Some(error) => SpanStatus::error(reason.clone().unwrap_or(error.to_string())),
-                };
+                let status = self.ended(&mut attributes, *status, *error_class, output, || {
+                    reason.clone()
+                });
                 out.push(self.finish(Finished {
                     run,
                     id: open.span,
@@ -834,7 +848,6 @@ impl Spans {
                     return;
                 };
                 let mut attributes = open.attributes;
-                attributes.push(KeyValue::new("arbor.status", result.status.as_str()));
                 if let Some(task) = result.task_status {
                     attributes.push(KeyValue::new("arbor.task_status", task.as_str()));
                 }
@@ -847,30 +860,13 @@ impl Spans {
                     result.usd_micros_spent as i64,
                 ));
                 attributes.push(KeyValue::new("arbor.turns", result.turns as i64));
-                let error = match (result.status, result.error_class) {
-                    (Status::Done, _) => None,
-                    (Status::Stopped, _) => Some("stopped"),
-                    (_, Some(class)) => Some(class.as_str()),
-                    (_, None) => Some("failed"),
-                };
-                if let Some(error) = error {
-                    attributes.push(KeyValue::new(attr::ERROR_TYPE, error));
-                }
-                if self.capture && !result.output.is_null() {
-                    attributes.push(KeyValue::new(
-                        attr::OUTPUT_MESSAGES,
-                        self.messages("assistant", &text_of(&result.output)),
-                    ));
-                }
-                let status = match error {
-                    None => SpanStatus::Ok,
-                    Some(error) => SpanStatus::error(
-                        reason
-                            .clone()
-                            .or_else(|| result.error.clone())
-                            .unwrap_or_else(|| error.to_string()),
-                    ),
-                };
+                let status = self.ended(
+                    &mut attributes,
+                    result.status,
+                    result.error_class,
+                    &result.output,
+                    || reason.clone().or_else(|| result.error.clone()),
+                );
                 out.push(self.finish(Finished {
                     run,
                     id: open.span,

@@ -1,6 +1,6 @@
 //! Workloads that `explore_crashes` runs in arbor's own suites.
 
-use arbor_protocol::{CardState, RunId, Verdict};
+use arbor_protocol::{CardState, RunId, Status, Verdict};
 use arbor_testkit::faults::{FaultyModels, ModelFault};
 use arbor_testkit::{Scenario, TestNode, agent_md};
 use futures::future::BoxFuture;
@@ -98,4 +98,26 @@ fn approve_all(node: &TestNode, run: RunId) -> BoxFuture<'_, ()> {
             }
         }
     })
+}
+
+/// A flow of two groups, crashed while its second group's step runs, and
+/// the node restarted on the same journal.
+pub async fn two_groups_crashed_in_the_second() -> (TestNode, RunId) {
+    let first = agent_md(
+        "description: first\nscript:\n  - call: {tool: submit_output, args: {output: FIRST}}",
+    );
+    let second = agent_md(
+        "description: second\nscript:\n  - say: thinking\n    delay: 300ms\n    call: {tool: submit_output, args: {output: SECOND}}",
+    );
+    let flow = "budget = { tokens = 100000 }\n[[group]]\nsteps = [{ agent = \"first\", instruction = \"one\" }]\n[[group]]\nsteps = [{ agent = \"second\", instruction = \"two\" }]\n";
+    let node = TestNode::start_workspace(
+        None,
+        &[("first", &first), ("second", &second)],
+        &[("two", flow)],
+        Arc::new(arbor_runtime::DefaultModels),
+    )
+    .await;
+    let run = node.run_flow("two").await;
+    node.wait_status(run, "second", Status::Running).await;
+    (node.crash_and_restart().await, run)
 }

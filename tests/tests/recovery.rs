@@ -1,7 +1,7 @@
 //! Recovery: a node killed at any moment comes back knowing what died, what it
 //! spent and what it owes (I-05 across restarts, I-30 to I-35, I-41).
 
-use arbor_protocol::{ErrorClass, EventKind, ParentRef, RunId, Status};
+use arbor_protocol::{ErrorClass, EventKind, ParentRef, Status};
 use arbor_runtime::RunOutcome;
 use arbor_testkit::{TestNode, agent_md};
 use std::sync::Arc;
@@ -112,31 +112,9 @@ async fn inv_31_budgets_reconcile_at_journaled_spend_and_nothing_is_charged_twic
     node.assert_conserved(run);
 }
 
-/// A flow of two groups, crashed while its second group's step runs, and
-/// the node restarted on the same journal.
-async fn a_two_group_run_crashed_in_its_second_group() -> (TestNode, RunId) {
-    let first = agent_md(
-        "description: first\nscript:\n  - call: {tool: submit_output, args: {output: FIRST}}",
-    );
-    let second = agent_md(
-        "description: second\nscript:\n  - say: thinking\n    delay: 300ms\n    call: {tool: submit_output, args: {output: SECOND}}",
-    );
-    let flow = "budget = { tokens = 100000 }\n[[group]]\nsteps = [{ agent = \"first\", instruction = \"one\" }]\n[[group]]\nsteps = [{ agent = \"second\", instruction = \"two\" }]\n";
-    let node = TestNode::start_workspace(
-        None,
-        &[("first", &first), ("second", &second)],
-        &[("two", flow)],
-        Arc::new(arbor_runtime::DefaultModels),
-    )
-    .await;
-    let run = node.run_flow("two").await;
-    node.wait_status(run, "second", Status::Running).await;
-    (node.crash_and_restart().await, run)
-}
-
 #[tokio::test]
 async fn inv_34_a_run_resumes_at_step_granularity() {
-    let (node, run) = a_two_group_run_crashed_in_its_second_group().await;
+    let (node, run) = arbor_tests::scenarios::two_groups_crashed_in_the_second().await;
 
     assert!(matches!(
         node.node().recovery().runs[0].outcome,
@@ -171,7 +149,7 @@ async fn inv_34_a_run_resumes_at_step_granularity() {
 /// the one its records name, not in what the interrupted attempt left.
 #[tokio::test]
 async fn a_resumed_step_works_in_the_workdir_its_attempt_records_name() {
-    let (node, run) = a_two_group_run_crashed_in_its_second_group().await;
+    let (node, run) = arbor_tests::scenarios::two_groups_crashed_in_the_second().await;
     assert_eq!(node.wait_run(run).await.run_status(), Status::Done);
     let mut second: Vec<(u32, String)> = node
         .journal()

@@ -284,23 +284,7 @@ async fn inv_52_a_dead_collector_changes_nothing_in_the_run() {
 /// run's root links to the root of the node's previous life.
 #[tokio::test]
 async fn a_step_run_again_after_a_crash_links_to_its_span_from_before() {
-    let first = agent_md(
-        "description: first\nscript:\n  - call: {tool: submit_output, args: {output: FIRST}}",
-    );
-    let second = agent_md(
-        "description: second\nscript:\n  - say: thinking\n    delay: 300ms\n    call: {tool: submit_output, args: {output: SECOND}}",
-    );
-    let flow = "budget = { tokens = 100000 }\n[[group]]\nsteps = [{ agent = \"first\", instruction = \"one\" }]\n[[group]]\nsteps = [{ agent = \"second\", instruction = \"two\" }]\n";
-    let node = TestNode::start_workspace(
-        None,
-        &[("first", &first), ("second", &second)],
-        &[("two", flow)],
-        Arc::new(arbor_runtime::DefaultModels),
-    )
-    .await;
-    let run = node.run_flow("two").await;
-    node.wait_status(run, "second", Status::Running).await;
-    let node = node.crash_and_restart().await;
+    let (node, run) = arbor_tests::scenarios::two_groups_crashed_in_the_second().await;
     // Attached after the restart: the fold reads the run's history from
     // the journal at its first event.
     let (telemetry, exporter) = traced(&node, false, Secrets::default());
