@@ -28,8 +28,10 @@ pub struct EventBus {
     inner: Arc<Inner>,
 }
 
-/// Called synchronously inside `emit`, after the event is journaled and folded.
-pub type Observer = Arc<dyn Fn(&Event) + Send + Sync>;
+/// Called synchronously inside `emit`, after the event is journaled and
+/// folded. The event is shared: an observer that keeps it keeps a count,
+/// not a copy.
+pub type Observer = Arc<dyn Fn(&Arc<Event>) + Send + Sync>;
 
 struct Inner {
     journal: Journal,

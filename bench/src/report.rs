@@ -179,7 +179,9 @@ pub fn print_table(outcomes: &[Outcome]) {
             .collect();
         println!("{}", cells.join("  ").trim_end());
     }
-    println!("(medians of 5 repetitions; ratio = arbor / baseline, of the same run)");
+    println!(
+        "(medians of the repetitions listed below, 5 unless a goal says; ratio = arbor / baseline, of the same run)"
+    );
     for outcome in outcomes {
         println!();
         for row in &outcome.rows {

@@ -261,7 +261,7 @@ enum Ask {
 /// thousands of times a second (a 1,024-job fan-out took 1.1 to 1.3x as
 /// long); the fold takes the lot every `FOLD_EVERY` instead.
 #[derive(Default)]
-struct Inbox(Mutex<Vec<Event>>);
+struct Inbox(Mutex<Vec<Arc<Event>>>);
 
 /// A node's traces: the observer on its event bus, the task that folds
 /// events into spans, and the batch processor that exports them.
@@ -325,7 +325,7 @@ impl Telemetry {
             let inbox = inbox.clone();
             let closed = closed.clone();
             let counters = counters.clone();
-            events.observe(Arc::new(move |event: &Event| {
+            events.observe(Arc::new(move |event: &Arc<Event>| {
                 if !Spans::uses(&event.kind) || closed.load(Ordering::Relaxed) {
                     return;
                 }

@@ -692,7 +692,9 @@ impl TestNode {
     /// # }
     /// ```
     pub fn observe(&self, f: impl Fn(&Event) + Send + Sync + 'static) {
-        self.node.events().observe(Arc::new(f));
+        self.node
+            .events()
+            .observe(Arc::new(move |event: &Arc<Event>| f(event)));
     }
 
     /// ```
