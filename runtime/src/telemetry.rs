@@ -12,7 +12,7 @@
 //!    the spans of its previous life, and a log line carries its span's ids
 //!    without asking anyone.
 //! 3. Telemetry never waits in a run's way (I-52): the observer only
-//!    `try_send`s into a bounded channel; export is the SDK's batch
+//!    pushes the shared event into a bounded inbox; export is the SDK's batch
 //!    processor on its own thread behind a bounded queue. What does not fit,
 //!    and what a collector refuses, is dropped and counted; a warning says
 //!    so at most once a minute.
