@@ -4,6 +4,7 @@ mod cpu_per_job;
 mod delegate_round_trip;
 mod durable_fan_out;
 pub mod idle_memory;
+mod many_small_runs;
 mod mcp_call;
 mod replay;
 mod restart;
@@ -12,6 +13,8 @@ mod stop_subtree;
 mod telemetry;
 
 use crate::report::Outcome;
+use arbor_tests::load::Shape;
+use std::time::Duration;
 
 /// One of arbor's performance goals (docs/benchmarks.md).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -23,6 +26,8 @@ pub enum Goal {
     P5,
     P6,
     P7,
+    /// Many small runs at once, over HTTP and embedded, beside P2.
+    P8,
     /// An MCP call beside a bare rmcp client's (needs `npm ci --prefix tests/mcp`).
     M1,
     /// A recorded fan-out replayed, beside the same runs scripted.
@@ -34,7 +39,7 @@ pub enum Goal {
 }
 
 impl Goal {
-    pub const ALL: [Goal; 11] = [
+    pub const ALL: [Goal; 12] = [
         Goal::P1,
         Goal::P2,
         Goal::P3,
@@ -42,6 +47,7 @@ impl Goal {
         Goal::P5,
         Goal::P6,
         Goal::P7,
+        Goal::P8,
         Goal::M1,
         Goal::R1,
         Goal::R2,
@@ -64,6 +70,7 @@ impl Goal {
             Goal::P5 => "P5",
             Goal::P6 => "P6",
             Goal::P7 => "P7",
+            Goal::P8 => "P8",
             Goal::M1 => "M1",
             Goal::R1 => "R1",
             Goal::R2 => "R2",
@@ -81,6 +88,7 @@ impl Goal {
             Goal::P5 => restart::run(sizes).await,
             Goal::P6 => steering::run(sizes).await,
             Goal::P7 => cpu_per_job::run(sizes).await,
+            Goal::P8 => many_small_runs::run(sizes).await,
             Goal::M1 => mcp_call::run(sizes).await,
             Goal::R1 => replay::replay(sizes).await,
             Goal::R2 => replay::recording(sizes).await,
@@ -111,6 +119,10 @@ pub struct Sizes {
     pub casts_each: usize,
     /// M1: MCP calls one after another, in each repetition of each side.
     pub mcp_calls: usize,
+    /// P8: clients and the children of each run, and how long each
+    /// repetition drives them.
+    pub load: Shape,
+    pub load_seconds: Duration,
 }
 
 /// A fan-out workload: `runs` runs at once, each a step that delegates
@@ -148,6 +160,11 @@ impl Sizes {
             steers_each: 50,
             casts_each: 2_000,
             mcp_calls: 200,
+            load: Shape {
+                clients: 50,
+                fanout: 8,
+            },
+            load_seconds: Duration::from_secs(3),
         }
     }
 
@@ -169,6 +186,11 @@ impl Sizes {
             steers_each: 5,
             casts_each: 100,
             mcp_calls: 10,
+            load: Shape {
+                clients: 4,
+                fanout: 2,
+            },
+            load_seconds: Duration::from_millis(300),
         }
     }
 }

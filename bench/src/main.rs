@@ -70,6 +70,7 @@
 //! | P5 | `Journal::open` + `recovery::recover` on 1,000,000 records with 10,000 jobs open | sled open + a walk of every entry | <= 1.5 |
 //! | P6 | steering messages to one running step, 64 concurrent senders; msgs/s | casts to one bare actor from 64 senders | >= 0.5 |
 //! | P7 | process CPU per delegated job, P2's workload | a bare spawn + call + stop of as many actors | <= 20 |
+//! | P8 | 50 clients, each submitting a run of one step delegating 8 children and following it to its end, then the next, 3 s a repetition; jobs/s, over HTTP (arbord on loopback) and on the embedded node | P2's fan-out on a node of its own, alternating | >= 0.5 each, and over HTTP end p50 < 50 ms and jobs/s >= 0.9x embedded |
 //! | M1 | one MCP call (the everything reference server's `echo`) from the model's reply to the tool result, 200 in a row | the same call from a bare rmcp client to the same server, unsealed | <= 1.5 (and the sealed start, a note) |
 //!
 //! Each goal's module says exactly what it measures.
@@ -102,9 +103,9 @@ use std::panic::AssertUnwindSafe;
 use std::process::ExitCode;
 
 #[derive(Parser, Debug)]
-#[command(about = "arbor's performance goals (P1-P7, M1), each beside its baseline")]
+#[command(about = "arbor's performance goals (P1-P8, M1, R1, R2, T1), each beside its baseline")]
 struct Args {
-    /// `all`, or goal ids: P1 ... P7, M1.
+    /// `all`, or goal ids: P1 ... P8, M1, R1, R2, T1.
     goals: Vec<String>,
     /// Small sizes: checks that each goal runs and reports, not its speed.
     #[arg(long)]
@@ -190,7 +191,7 @@ enum Whole {
 /// The goals named on the command line, in goal order, and W.
 fn chosen(names: &[String]) -> Result<(Vec<Goal>, Whole), String> {
     if names.is_empty() {
-        return Err("name the goals to run: `all`, W, C, or P1 ... P7, M1".into());
+        return Err("name the goals to run: `all`, W, C, or P1 ... P8, M1, R1, R2, T1".into());
     }
     let (mut goals, mut whole) = (vec![], Whole::No);
     for name in names {
@@ -209,8 +210,9 @@ fn chosen(names: &[String]) -> Result<(Vec<Goal>, Whole), String> {
             continue;
         }
         goals.push(
-            Goal::parse(name)
-                .ok_or_else(|| format!("no goal {name:?}: P1 ... P7, M1, W or all"))?,
+            Goal::parse(name).ok_or_else(|| {
+                format!("no goal {name:?}: P1 ... P8, M1, R1, R2, T1, W, C or all")
+            })?,
         );
     }
     goals.sort();

@@ -231,6 +231,14 @@ impl Service {
         stop: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
         let stopped = self.shared.stopped.clone();
+        // Without TCP_NODELAY, an SSE event written while the response's
+        // headers wait for their ACK is held by Nagle's algorithm until the
+        // client's delayed ACK (40 ms on Linux): every small run paid it.
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+            if let Err(error) = tcp.set_nodelay(true) {
+                tracing::debug!(%error, "TCP_NODELAY could not be set on a connection");
+            }
+        });
         let server = axum::serve(listener, self.router())
             .with_graceful_shutdown(stopped.clone().cancelled_owned());
         let server = tokio::spawn(async move { server.await });

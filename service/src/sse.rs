@@ -64,7 +64,7 @@ fn message(index: u64, event: Event) -> sse::Event {
 
 /// Sends from the journal, then live; on lag, from the journal again.
 async fn produce(source: Source, tx: mpsc::Sender<sse::Event>) {
-    let mut live = source.bus.subscribe();
+    let mut live = source.bus.subscribe_run(source.run);
     let mut index = 0u64;
     let mut last_seq = 0u64;
     loop {

@@ -4,6 +4,7 @@
 
 pub mod agents;
 pub mod bare;
+pub mod load;
 pub mod measure;
 pub mod scenarios;
 pub mod synthetic;
