@@ -46,13 +46,14 @@ run() {
   rm -rf "$work/ws/.arbor"
   local begin end code=0
   begin=$(date +%s%N)
-  env "$@" target/debug/arbor run --json --agent lead --input "share out the plan" "$work/ws" >"$work/$name.json" 2>"$work/$name.err" || code=$?
+  # Bounded: a run that never ends fails the check with its log, not CI's clock.
+  env "$@" timeout 120 target/debug/arbor run --json --agent lead --input "share out the plan" "$work/ws" >"$work/$name.json" 2>"$work/$name.err" || code=$?
   end=$(date +%s%N)
   echo "$code $(((end - begin) / 1000000))"
 }
 
 read -r code _ < <(run traced)
-[ "$code" = 1 ] || [ "$code" = 0 ] || { cat "$work/traced.err"; exit 1; }
+[ "$code" = 1 ] || [ "$code" = 0 ] || { echo "otel: arbor run exited $code (124: it did not end in 120 s)" >&2; cat "$work/traced.err"; exit 1; }
 touch "$work/spans.jsonl"
 "$venv/bin/python" tests/otel/check.py "$work/spans.jsonl" "$work/traced.json" "$secret"
 
