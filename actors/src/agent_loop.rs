@@ -179,7 +179,9 @@ async fn run_turns(args: LoopArgs) -> LoopOutcome {
     // Its MCP tools are listed before its first turn: a job whose tools
     // could not be listed would work blind, so it fails to start instead.
     let toolbox = if args.policy.may_use_mcp() {
-        match McpToolbox::for_job(&args.ctx.mcp, &args.policy).await {
+        // Boxed: inline, its future (about 8 KB, rmcp's start) sized this
+        // loop's, which every job holds while it waits on its model.
+        match Box::pin(McpToolbox::for_job(&args.ctx.mcp, &args.policy)).await {
             Ok(toolbox) => toolbox,
             Err(why) => return LoopOutcome::failed(ErrorClass::Start, why, 0),
         }
@@ -1459,6 +1461,23 @@ fn clip(text: &str, max: usize) -> String {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// The size of the future `f` returns, without calling it.
+    fn future_size<A, F: Future>(_: impl FnOnce(A) -> F) -> usize {
+        std::mem::size_of::<F>()
+    }
+
+    /// Every job holds its loop's future for its whole life, as large as
+    /// the largest await in it: a rare path's await (an MCP server's start)
+    /// inlined made an idle job 8 KB larger (docs/benchmarks.md, P4).
+    #[test]
+    fn the_loop_a_job_holds_stays_small() {
+        let size = future_size(run);
+        assert!(
+            size <= 4096,
+            "the agent loop's future is {size} bytes: box the large await"
+        );
+    }
 
     fn outcome(
         end: LoopEnd,
