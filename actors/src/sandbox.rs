@@ -805,7 +805,25 @@ impl ExecJob {
             }
         };
         let before = snapshot(&workdir);
-        let mut child = match self.start(&workdir, command).await {
+        // One deadline for the start and the command: a fork that never
+        // reports back must not hold the job (and its parent's collect)
+        // forever. A start given up on is killed when it reports (`seal`).
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let started = tokio::select! {
+            started = self.start(&workdir, command) => started,
+            _ = tokio::time::sleep_until(deadline) => {
+                outcome.timed_out = true;
+                Err(format!(
+                    "timed out after {} while the command was starting",
+                    humantime::format_duration(self.timeout)
+                ))
+            }
+            _ = self.cancel.cancelled() => {
+                outcome.stopped = true;
+                Err("stopped: the job was stopped while the command was starting".into())
+            }
+        };
+        let mut child = match started {
             Ok(child) => child,
             Err(e) => {
                 outcome.error = Some(e);
@@ -829,7 +847,7 @@ impl ExecJob {
                 Ok(SpawnedStatus { reason, .. }) => outcome.error = Some(reason),
                 Err(why) => outcome.error = Some(why),
             },
-            _ = tokio::time::sleep(self.timeout) => {
+            _ = tokio::time::sleep_until(deadline) => {
                 kill_group(pgid);
                 child.kill();
                 outcome.timed_out = true;

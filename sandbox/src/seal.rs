@@ -148,14 +148,26 @@ async fn probe_sealed() -> Result<(), String> {
                     Some(0) => Ok(()),
                     _ => Err(s.reason),
                 })
-            }
-            .await;
+            };
+            // Bounded: a node must start, and say why it cannot seal, even
+            // if the probe's fork never reports back.
+            let outcome = tokio::time::timeout(PROBE_LIMIT, outcome)
+                .await
+                .unwrap_or_else(|_| {
+                    Err(format!(
+                        "the probe did not finish in {} s",
+                        PROBE_LIMIT.as_secs()
+                    ))
+                });
             let _ = std::fs::remove_dir_all(&dir);
             outcome
         })
         .await
         .clone()
 }
+
+/// How long the probe may take: a sealed `true` takes milliseconds.
+const PROBE_LIMIT: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// A probe's folder: `arbor-probe-<pid>-<nanos>` in the temporary folder.
 const PROBE_PREFIX: &str = "arbor-probe-";
@@ -184,6 +196,18 @@ fn sweep_stale_probes(temp: &Path) {
 }
 
 impl Posture {
+    /// The posture of a sealed node none of whose agents can run a command
+    /// or start an MCP server: nothing to seal, so nothing is probed. A
+    /// command would run sealed, or fail to start if the kernel refused.
+    pub fn not_probed() -> Self {
+        Self {
+            mode: SandboxIsolation::Sealed,
+            sealed: true,
+            detail: "sealed, not probed: no agent of this workspace runs commands or MCP servers"
+                .into(),
+        }
+    }
+
     /// A posture for tests and tools that run without probing.
     pub fn assumed(mode: SandboxIsolation) -> Self {
         Self {
@@ -267,6 +291,32 @@ enum Forked {
 }
 
 impl Forked {
+    fn pid(&self) -> i32 {
+        match self {
+            Forked::Sealed(c) => c.id() as i32,
+            Forked::Host(c) => c.id() as i32,
+        }
+    }
+
+    /// Kills and reaps a child nobody waits for any more: its start took
+    /// too long, or its job stopped meanwhile. It must not run on unwatched.
+    fn abandon(mut self, root: Option<PathBuf>) {
+        let pid = self.pid();
+        if matches!(self, Forked::Sealed(_)) {
+            kill_namespace_init(pid);
+        }
+        // SAFETY: plain syscalls. The child is ours and not yet reaped, so
+        // its pid (and a host command's group id, the same number) names it.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+            if matches!(self, Forked::Host(_)) {
+                libc::kill(-pid, libc::SIGKILL);
+            }
+        }
+        let _ = self.wait();
+        remove_root(root);
+    }
+
     /// Blocks until it has exited, reaping it.
     fn wait(&mut self) -> Result<SpawnedStatus, String> {
         match self {
@@ -288,6 +338,47 @@ impl Forked {
     }
 }
 
+/// Kills the init of a sealed command's pid namespace (the child of
+/// hakoniwa's process `parent`), and with it every process of the namespace.
+///
+/// The init dies with its parent by its parent-death signal, but a root
+/// node's init changes its uid before the command, which clears that
+/// signal until it sets it again: a parent killed in between (a stop or a
+/// deadline just as the command starts) would leave the namespace running,
+/// orphaned. Killed directly, it dies whenever that happens.
+fn kill_namespace_init(parent: i32) {
+    let children = || {
+        std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|pid| pid.parse::<i32>().ok())
+            .collect::<Vec<_>>()
+    };
+    for pid in children() {
+        // SAFETY: plain syscalls; the descriptor is closed below.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        if fd < 0 {
+            continue;
+        }
+        // SAFETY: just opened, owned by nothing else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        // Still its child once the descriptor is held: then the descriptor
+        // names that child, not a process that reused its pid.
+        if children().contains(&pid) {
+            // SAFETY: a plain syscall on a descriptor owned here.
+            unsafe {
+                libc::syscall(
+                    libc::SYS_pidfd_send_signal,
+                    fd.as_raw_fd(),
+                    libc::SIGKILL,
+                    std::ptr::null::<libc::siginfo_t>(),
+                    0,
+                );
+            }
+        }
+    }
+}
+
 /// How a command ended.
 pub struct SpawnedStatus {
     /// The command's own exit code; None if it was killed or never started.
@@ -305,6 +396,9 @@ impl Spawned {
     /// Kills the forked process: a sealed command's whole namespace with it
     /// (invariant 1); a host command's group is the caller's to kill.
     pub fn kill(&self) {
+        if matches!(self.child, Some(Forked::Sealed(_))) {
+            kill_namespace_init(self.pid);
+        }
         // SAFETY: a plain syscall on a descriptor this struct owns.
         unsafe {
             libc::syscall(
@@ -339,19 +433,23 @@ impl Spawned {
         make: impl FnOnce() -> Result<(Forked, Pipes), String> + Send + 'static,
     ) -> Result<Spawned, String> {
         let (tx, rx) = tokio::sync::oneshot::channel();
+        let abandoned = root.clone();
         spawner()
             .send(Box::new(move || {
-                let _ = tx.send(make());
+                // Nobody waits for the reply when the start was given up
+                // on (its deadline, its job's stop): what it made goes.
+                match tx.send(make()) {
+                    Err(Ok((child, _pipes))) => child.abandon(abandoned),
+                    Err(Err(_)) => remove_root(abandoned),
+                    Ok(()) => {}
+                }
             }))
             .map_err(|_| "the spawner thread is gone")?;
         // A dropped reply: the fork panicked (and the spawner went on).
         let (mut child, (stdin, stdout, stderr)) = rx
             .await
             .map_err(|_| "the command's fork failed inside arbor; see the node's log")??;
-        let pid = match &child {
-            Forked::Sealed(c) => c.id() as i32,
-            Forked::Host(c) => c.id() as i32,
-        };
+        let pid = child.pid();
         // SAFETY: a plain syscall. The child is ours and not yet reaped, so
         // its pid names it.
         let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
@@ -802,6 +900,112 @@ mod tests {
             let posture = probe.unwrap();
             assert!(posture.sealed, "{}", posture.detail);
         }
+    }
+
+    /// A start given up on before its fork reported (its deadline, its
+    /// job's stop) leaves nothing running and no root folder, and the
+    /// spawner serves the next command.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_start_given_up_on_is_killed_when_it_reports() {
+        let dir = tempfile::tempdir().unwrap();
+        let user = SandboxUser::for_new_sandbox();
+        if let Some(u) = user {
+            u.own(dir.path()).unwrap();
+        }
+        let roots = dir.path().join("roots");
+        let spec = SealSpec {
+            workdir: dir.path().to_path_buf(),
+            user,
+            network: Network::None,
+            resources: Resources::default(),
+            env: vec![],
+            roots: Some(roots.clone()),
+            read_only: vec![],
+            stdin: false,
+        };
+        // A marker no other process's command line holds.
+        let marker = format!("{}.{}", 600, std::process::id());
+        let command = format!("sleep {marker}");
+        let mut start = Box::pin(spawn(&spec, &command));
+        // Polled once (the job is handed to the spawner), then dropped.
+        assert!(
+            futures::poll!(&mut start).is_pending(),
+            "the fork cannot have reported yet"
+        );
+        drop(start);
+        // The spawner forks one command at a time: by the time this one
+        // ran, the one given up on was killed, reaped and its root removed.
+        let (code, _, err) = run(&spec, "true").await;
+        assert_eq!(code, Some(0), "{err}");
+        let left: Vec<_> = std::fs::read_dir(&roots).unwrap().flatten().collect();
+        assert!(left.is_empty(), "root folders left: {left:?}");
+        // Its namespace dies with it; each process of it still there must exit.
+        for pid in processes_with(&marker) {
+            // SAFETY: a plain syscall; a pid that is gone gives an error.
+            let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+            if fd < 0 {
+                continue;
+            }
+            // SAFETY: just opened, owned by nothing else.
+            let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+            // SAFETY: the descriptor is owned by the AsyncFd from here on.
+            let exited = unsafe {
+                tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE)
+            }
+            .unwrap();
+            let _ready =
+                tokio::time::timeout(std::time::Duration::from_secs(10), exited.readable())
+                    .await
+                    .unwrap_or_else(|_| panic!("the command given up on (pid {pid}) still runs"))
+                    .unwrap();
+        }
+    }
+
+    /// Killing a sealed command's namespace init, and nothing else, ends
+    /// the command: hakoniwa's process then reaps it and exits.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_namespace_ends_with_its_init_killed_directly() {
+        // Only a root node's init changes its uid (and so loses its
+        // parent-death signal for a moment); unprivileged, the init is in a
+        // user namespace of its own whose /proc entries this node may not read.
+        let Some(user) = SandboxUser::for_new_sandbox() else {
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        user.own(dir.path()).unwrap();
+        let user = Some(user);
+        let spec = SealSpec {
+            workdir: dir.path().to_path_buf(),
+            user,
+            network: Network::None,
+            resources: Resources::default(),
+            env: vec![],
+            roots: None,
+            read_only: vec![],
+            stdin: false,
+        };
+        let marker = format!("{}.{}", 601, std::process::id());
+        let mut child = spawn(&spec, &format!("sleep {marker}")).await.unwrap();
+        kill_namespace_init(child.pid());
+        let status = tokio::time::timeout(std::time::Duration::from_secs(10), child.wait())
+            .await
+            .expect("the command ended with its namespace's init")
+            .unwrap();
+        assert_eq!(status.exit_code, None, "{}", status.reason);
+        assert!(processes_with(&marker).is_empty());
+    }
+
+    /// Pids of the live processes whose command line holds `marker`.
+    fn processes_with(marker: &str) -> Vec<i32> {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+            .filter(|pid| {
+                std::fs::read(format!("/proc/{pid}/cmdline"))
+                    .is_ok_and(|c| String::from_utf8_lossy(&c).contains(marker))
+            })
+            .collect()
     }
 
     #[tokio::test]

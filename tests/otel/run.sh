@@ -46,8 +46,30 @@ run() {
   rm -rf "$work/ws/.arbor"
   local begin end code=0
   begin=$(date +%s%N)
-  # Bounded: a run that never ends fails the check with its log, not CI's clock.
-  env "$@" timeout 120 target/debug/arbor run --json --agent lead --input "share out the plan" "$work/ws" >"$work/$name.json" 2>"$work/$name.err" || code=$?
+  # Bounded: a run that never ends fails the check with its log and where
+  # each of its threads and processes waits, not CI's clock.
+  env "$@" target/debug/arbor run --json --agent lead --input "share out the plan" "$work/ws" >"$work/$name.json" 2>"$work/$name.err" &
+  local apid=$!
+  (
+    sleep 120 &
+    trap 'kill $! 2>/dev/null; exit 0' TERM
+    wait $!
+    kill -0 "$apid" 2>/dev/null || exit 0
+    {
+      echo "--- arbor run did not end in 120 s: its processes, then its threads"
+      ps -e --forest -o pid,ppid,stat,wchan:32,args | grep -v ' ps -e' || true
+      for task in /proc/"$apid"/task/*; do
+        echo "$(cat "$task/comm" 2>/dev/null) $(cat "$task/wchan" 2>/dev/null)"
+      done
+      command -v gdb >/dev/null && gdb -p "$apid" -batch -ex 'thread apply all bt' 2>&1 | tail -300
+    } >>"$work/$name.err"
+    kill -9 "$apid"
+  ) </dev/null >/dev/null 2>&1 &
+  local watchdog=$!
+  wait "$apid" || code=$?
+  kill "$watchdog" 2>/dev/null || true
+  wait "$watchdog" 2>/dev/null || true
+  [ "$code" = 137 ] && code=124
   end=$(date +%s%N)
   echo "$code $(((end - begin) / 1000000))"
 }
