@@ -4,8 +4,9 @@
 //! ```text
 //! cargo run --release -p arbor-bench -- all             # every goal: 5 to 10 minutes on 2 cores
 //! cargo run --release -p arbor-bench -- P3              # one goal; or several: -- P1 P5
-//! cargo build --release -p arbor-bin -p arbor-bench && target/release/arbor-bench W
-//!                                                       # the fan-out as whole `arbor run` processes
+//! cargo build --release -p arbor-bin -p arbor-bench && target/release/arbor-bench W S
+//!                                                       # the fan-out as whole `arbor run` processes,
+//!                                                       # and a one-job run's start-up
 //! cargo run --release -p arbor-bench -- P4 --jobs 20000 # P4 at another size
 //! cargo run -p arbor-bench -- all --quick               # small sizes: each goal runs and reports
 //! ARBOR_DATABASE_URL=postgres://... target/release/arbor-bench C
@@ -54,6 +55,12 @@
 //! holds|misses`. It runs the `arbor` built beside `arbor-bench`; under
 //! `all`, without one, it says `W skipped: <why>` and is not a failure.
 //!
+//! Then `all` (or `S` alone) measures what a small run costs as a whole
+//! process (`startup.rs`): `arbor run` of a one-step, one-job workspace
+//! beside a bare tokio + sled process of our own and `/bin/true`, ending
+//! with `S baseline=<bare> arbor=<run> ratio=<r> goal=<=2 holds|misses`;
+//! without an `arbor` beside it, under `all`, `S skipped: <why>`.
+//!
 //! `C` (never part of `all`: it needs a PostgreSQL server, named by
 //! `ARBOR_DATABASE_URL`) measures arbords sharing one journal
 //! (`cluster.rs`): one node against three on many small runs, then the
@@ -92,6 +99,7 @@ mod bare;
 mod cluster;
 mod goals;
 mod report;
+mod startup;
 mod trial;
 mod whole;
 mod workload;
@@ -113,13 +121,14 @@ struct Args {
     /// P4's idle jobs (default 100,000; 100 with --quick).
     #[arg(long)]
     jobs: Option<usize>,
-    /// Internal: measure one side of P4 in this process (`p4-bare`, `p4-arbor`).
+    /// Internal: measure one side of P4 in this process (`p4-bare`,
+    /// `p4-arbor`), or be S's bare process (`start-bare DIR`).
     #[arg(long, hide = true)]
     child: Option<String>,
-    /// W: how many timed `arbor run` processes (default 20; 1 with --quick).
+    /// W and S: how many timed `arbor run` processes (default W 20, S 30; 1 with --quick).
     #[arg(long)]
     runs: Option<usize>,
-    /// W: the `arbor` to run (default: the one beside arbor-bench).
+    /// W and S: the `arbor` to run (default: the one beside arbor-bench).
     #[arg(long)]
     arbor: Option<std::path::PathBuf>,
 }
@@ -131,6 +140,20 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if args.child.as_deref() == Some("start-bare") {
+        // S's bare process: nothing else of arbor-bench runs in it.
+        let Some(dir) = args.goals.first() else {
+            eprintln!("arbor-bench: --child start-bare needs a directory");
+            return ExitCode::from(2);
+        };
+        return match startup::bare_child(std::path::Path::new(dir)) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let (runtime, workers) = arbor_tests::measure::runtime();
     if let Some(child) = &args.child {
         let Some(side) = idle_memory::Side::parse(child) else {
@@ -146,7 +169,7 @@ fn main() -> ExitCode {
             }
         };
     }
-    let (goals, whole) = match chosen(&args.goals) {
+    let (goals, whole, start) = match chosen(&args.goals) {
         Ok(chosen) => chosen,
         Err(why) => {
             eprintln!("arbor-bench: {why}");
@@ -166,7 +189,10 @@ fn main() -> ExitCode {
         failures += runtime.block_on(run(&goals, &sizes, workers));
     }
     if whole != Whole::No {
-        failures += run_whole(&args, whole);
+        failures += run_process('W', &args, whole, 20);
+    }
+    if start != Whole::No {
+        failures += run_process('S', &args, start, 30);
     }
     if args.goals.iter().any(|g| g.eq_ignore_ascii_case("C")) {
         failures += runtime.block_on(run_cluster(args.quick));
@@ -178,7 +204,7 @@ fn main() -> ExitCode {
     }
 }
 
-/// Whether to measure the whole process (W), and how its absence counts.
+/// Whether to measure a whole process (W, S), and how its absence counts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Whole {
     No,
@@ -188,17 +214,19 @@ enum Whole {
     IfBuilt,
 }
 
-/// The goals named on the command line, in goal order, and W.
-fn chosen(names: &[String]) -> Result<(Vec<Goal>, Whole), String> {
+/// The goals named on the command line, in goal order, W and S.
+fn chosen(names: &[String]) -> Result<(Vec<Goal>, Whole, Whole), String> {
     if names.is_empty() {
-        return Err("name the goals to run: `all`, W, C, or P1 ... P8, M1, R1, R2, T1".into());
+        return Err("name the goals to run: `all`, W, S, C, or P1 ... P8, M1, R1, R2, T1".into());
     }
-    let (mut goals, mut whole) = (vec![], Whole::No);
+    let (mut goals, mut whole, mut start) = (vec![], Whole::No, Whole::No);
     for name in names {
         if name.eq_ignore_ascii_case("all") {
             goals.extend(Goal::ALL);
-            if whole == Whole::No {
-                whole = Whole::IfBuilt;
+            for process in [&mut whole, &mut start] {
+                if *process == Whole::No {
+                    *process = Whole::IfBuilt;
+                }
             }
             continue;
         }
@@ -206,44 +234,51 @@ fn chosen(names: &[String]) -> Result<(Vec<Goal>, Whole), String> {
             whole = Whole::Asked;
             continue;
         }
+        if name.eq_ignore_ascii_case("S") {
+            start = Whole::Asked;
+            continue;
+        }
         if name.eq_ignore_ascii_case("C") {
             continue;
         }
-        goals.push(
-            Goal::parse(name).ok_or_else(|| {
-                format!("no goal {name:?}: P1 ... P8, M1, R1, R2, T1, W, C or all")
-            })?,
-        );
+        goals.push(Goal::parse(name).ok_or_else(|| {
+            format!("no goal {name:?}: P1 ... P8, M1, R1, R2, T1, W, S, C or all")
+        })?);
     }
     goals.sort();
     goals.dedup();
-    Ok((goals, whole))
+    Ok((goals, whole, start))
 }
 
-/// Measures W and prints its report; returns 1 if it could not run.
-fn run_whole(args: &Args, whole: Whole) -> usize {
+/// Measures W or S (`id`) and prints its report; returns 1 if it could not run.
+fn run_process(id: char, args: &Args, how: Whole, default_runs: usize) -> usize {
     let arbor = match args.arbor.clone().map_or_else(whole::arbor_beside_me, Ok) {
         Ok(arbor) => arbor,
-        Err(why) if whole == Whole::IfBuilt => {
-            println!("\nW skipped: {why:#}");
+        Err(why) if how == Whole::IfBuilt => {
+            println!("\n{id} skipped: {why:#}");
             return 0;
         }
         Err(why) => {
-            println!("\nW could not run: {why:#}");
-            eprintln!("W could not run: {why:#}");
+            println!("\n{id} could not run: {why:#}");
+            eprintln!("{id} could not run: {why:#}");
             return 1;
         }
     };
-    let runs = args.runs.unwrap_or(if args.quick { 1 } else { 20 }).max(1);
+    let runs = args
+        .runs
+        .unwrap_or(if args.quick { 1 } else { default_runs })
+        .max(1);
     println!();
-    match whole::run(arbor, runs) {
-        Ok(measured) => {
-            measured.print();
-            0
-        }
+    let printed = if id == 'W' {
+        whole::run(arbor, runs).map(|measured| measured.print())
+    } else {
+        startup::run(arbor, runs).map(|measured| measured.print())
+    };
+    match printed {
+        Ok(()) => 0,
         Err(why) => {
-            println!("W could not run: {why:#}");
-            eprintln!("W could not run: {why:#}");
+            println!("{id} could not run: {why:#}");
+            eprintln!("{id} could not run: {why:#}");
             1
         }
     }

@@ -115,8 +115,13 @@ fn warm_up(arbor: &Path) -> anyhow::Result<usize> {
 }
 
 fn fresh_copy() -> anyhow::Result<tempfile::TempDir> {
+    copy_of(&workspace(), "fanout")
+}
+
+/// A temporary directory holding a copy of `workspace` as `name`.
+pub fn copy_of(workspace: &Path, name: &str) -> anyhow::Result<tempfile::TempDir> {
     let dir = tempfile::tempdir().context("a temporary directory")?;
-    copy_dir(&workspace(), &dir.path().join("fanout"))?;
+    copy_dir(workspace, &dir.path().join(name))?;
     Ok(dir)
 }
 
@@ -142,7 +147,7 @@ fn copy_dir(from: &Path, to: &Path) -> anyhow::Result<()> {
 /// Waits for the child, returning its exit status and CPU time: what the
 /// children reaped in between used, every thread (this waits for one at a
 /// time, so that is this child, and what it reaped itself).
-fn wait(mut child: std::process::Child) -> anyhow::Result<(i32, Duration)> {
+pub fn wait(mut child: std::process::Child) -> anyhow::Result<(i32, Duration)> {
     use nix::sys::resource::{UsageWho, getrusage};
     use nix::sys::time::TimeValLike;
     let cpu = || -> anyhow::Result<Duration> {
@@ -153,11 +158,11 @@ fn wait(mut child: std::process::Child) -> anyhow::Result<(i32, Duration)> {
     let before = cpu()?;
     let status = child
         .wait()
-        .map_err(|e| anyhow::anyhow!("waiting for arbor: {e}"))?;
+        .map_err(|e| anyhow::anyhow!("waiting for a child process: {e}"))?;
     Ok((status.code().unwrap_or(-1), cpu()? - before))
 }
 
-fn median(values: &[Duration]) -> Duration {
+pub fn median(values: &[Duration]) -> Duration {
     let mut sorted = values.to_vec();
     sorted.sort();
     sorted[sorted.len() / 2]

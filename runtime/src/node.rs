@@ -14,7 +14,7 @@ use arbor_actors::{
 };
 use arbor_protocol::{
     ActorView, Card, CardId, CardState, ErrorClass, EventKind, JobId, Refusal, RunId, RunSpec,
-    SandboxPosture, Status, Tree,
+    SandboxPosture, Status, ToolName, Tree,
 };
 use arbor_sandbox::seal::{Posture, SandboxIsolation};
 use arbor_storage::{Journal, PgOptions, Record, RunRecord};
@@ -257,7 +257,22 @@ impl EmbeddedNode {
         // The sandbox probe (one sealed `true`) runs its process while the
         // journal opens and recovery runs: nothing of those needs its answer,
         // and it was the larger part of a start.
-        let probe = tokio::spawn(Posture::probe(workspace.config.isolation));
+        //
+        // Only where a command could run: the probe's fork and exec were a
+        // sixth of a one-job `arbor run` (docs/benchmarks.md, S), and a
+        // workspace whose agents have no `exec` and no MCP server has
+        // nothing to seal (its agents are fixed for the node's life).
+        let mode = workspace.config.isolation;
+        let seals = workspace
+            .agents
+            .values()
+            .any(|agent| agent.tools.contains(&ToolName::Exec) || !agent.mcp.is_empty());
+        let probe = tokio::spawn(async move {
+            match mode {
+                SandboxIsolation::Sealed if !seals => Posture::not_probed(),
+                _ => Posture::probe(mode).await,
+            }
+        });
         let journal = open_journal(&workspace.config.journal, data_dir).await?;
         let events = EventBus::new(journal.clone());
         // Before recovery: the spans it closes are exported too.

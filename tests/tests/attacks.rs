@@ -428,3 +428,29 @@ async fn root_folders_go_when_their_commands_end_and_a_restart_sweeps_the_rest()
     assert!(!roots.join("stale").exists(), "a restart sweeps the roots");
     drop(node);
 }
+
+/// A node whose agents can run a command probes the kernel at start and
+/// says how it seals; one whose agents cannot (no `exec`, no MCP server)
+/// has nothing to seal and says it did not probe. Either way the posture
+/// is sealed, and the second node's run completes.
+#[tokio::test]
+async fn a_node_probes_its_sandbox_only_when_an_agent_can_run_a_command() {
+    let thinker = agent_md("script:\n  - call: {tool: submit_output, args: {output: done}}");
+    let runner = agent_md("tools: [exec]\nscript:\n  - say: hi");
+
+    let probing = TestNode::start(&[("thinker", &thinker), ("runner", &runner)]).await;
+    let posture = probing.node().sandbox();
+    assert!(posture.sealed, "{}", posture.detail);
+    assert!(posture.detail.contains("namespaces"), "{}", posture.detail);
+
+    let idle = TestNode::start(&[("thinker", &thinker)]).await;
+    let posture = idle.node().sandbox();
+    assert!(posture.sealed);
+    assert_eq!(
+        posture.detail,
+        "sealed, not probed: no agent of this workspace runs commands or MCP servers"
+    );
+    let spec = idle.workspace.agent_run("thinker", "go", None).unwrap();
+    let run = idle.node().start_run(spec).await.unwrap();
+    assert_eq!(idle.wait_run(run).await.run_status(), Status::Done);
+}
