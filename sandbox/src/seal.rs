@@ -871,6 +871,20 @@ mod tests {
         (status.exit_code, out, err)
     }
 
+    /// A plain sealed spec on `dir`, no network, no secrets.
+    fn plain_spec(dir: &Path, user: Option<SandboxUser>, roots: Option<PathBuf>) -> SealSpec {
+        SealSpec {
+            workdir: dir.to_path_buf(),
+            user,
+            network: Network::None,
+            resources: Resources::default(),
+            env: vec![],
+            roots,
+            read_only: vec![],
+            stdin: false,
+        }
+    }
+
     /// A probe folder left by a process that is gone is swept; one of a
     /// live process (this one) and anything not named as a probe stay.
     #[test]
@@ -913,16 +927,7 @@ mod tests {
             u.own(dir.path()).unwrap();
         }
         let roots = dir.path().join("roots");
-        let spec = SealSpec {
-            workdir: dir.path().to_path_buf(),
-            user,
-            network: Network::None,
-            resources: Resources::default(),
-            env: vec![],
-            roots: Some(roots.clone()),
-            read_only: vec![],
-            stdin: false,
-        };
+        let spec = plain_spec(dir.path(), user, Some(roots.clone()));
         // A marker no other process's command line holds.
         let marker = format!("{}.{}", 600, std::process::id());
         let command = format!("sleep {marker}");
@@ -973,17 +978,7 @@ mod tests {
         };
         let dir = tempfile::tempdir().unwrap();
         user.own(dir.path()).unwrap();
-        let user = Some(user);
-        let spec = SealSpec {
-            workdir: dir.path().to_path_buf(),
-            user,
-            network: Network::None,
-            resources: Resources::default(),
-            env: vec![],
-            roots: None,
-            read_only: vec![],
-            stdin: false,
-        };
+        let spec = plain_spec(dir.path(), Some(user), None);
         let marker = format!("{}.{}", 601, std::process::id());
         let mut child = spawn(&spec, &format!("sleep {marker}")).await.unwrap();
         kill_namespace_init(child.pid());
