@@ -115,6 +115,9 @@ pub struct LoopArgs {
     pub in_flight: InFlightSlot,
     /// Where its recording goes, and the recording it replays.
     pub tapes: crate::tape::JobTapes,
+    /// Its children's ends it was answered on before they were durable, and
+    /// its events after them: told (`Held::release`) before it acts outside.
+    pub held: crate::ends::Held,
 }
 
 /// How the loop ended.
@@ -157,13 +160,22 @@ impl LoopOutcome {
     }
 }
 
+/// The journal failed while the loop waited for what it holds to be durable.
+fn journal_failed(e: arbor_storage::Error, turn: u32) -> LoopOutcome {
+    LoopOutcome::failed(ErrorClass::Start, format!("the journal failed: {e}"), turn)
+}
+
 /// Runs the loop to its end. Never panics: a panic in the model adapter is
 /// caught by the caller (`Job`), a panic in a tool here.
 pub async fn run(args: LoopArgs) -> LoopOutcome {
     // A model may echo what it should never have seen (a value in an
     // instruction, a guess): what the job hands on is redacted (I-27).
     let secrets = args.ctx.secrets.clone();
+    let (ctx, run, held) = (args.ctx.clone(), args.run, args.held.clone());
     let mut outcome = run_turns(args).await;
+    // Its end is an act outside: what it holds is told first. A journal
+    // that failed here fails the job's own end too (`Job::complete`).
+    let _ = held.release(&ctx, run).await;
     outcome.output = secrets.redact_json(&outcome.output);
     for note in &mut outcome.limitations {
         *note = secrets.redact(note);
@@ -223,6 +235,10 @@ async fn run_turns(args: LoopArgs) -> LoopOutcome {
         // queued, and discarded at the end).
         let replayed = args.tapes.replay.as_ref().filter(|r| r.serves_steering());
         let taken = if let Some(replay) = replayed {
+            // It may wait long for its parent: nothing is held meanwhile.
+            if let Err(e) = args.held.release(&args.ctx, args.run).await {
+                return journal_failed(e, turn);
+            }
             match Box::pin(replayed_steering(&args, replay, turn)).await {
                 Some(taken) => taken,
                 None => return stopped(turn),
@@ -310,6 +326,11 @@ async fn run_turns(args: LoopArgs) -> LoopOutcome {
             if args.cancel.is_cancelled() {
                 return stopped(turn);
             }
+            // A tool acts outside: what the last one was answered on (a
+            // child's end) is durable and told first.
+            if let Err(e) = args.held.release(&args.ctx, args.run).await {
+                return journal_failed(e, turn);
+            }
             let mut tool = call.tool.clone();
             let began = std::time::Instant::now();
             let recorded = crate::tape::is_recorded_tool(
@@ -355,7 +376,8 @@ async fn run_turns(args: LoopArgs) -> LoopOutcome {
             }
             match result {
                 Step::Submit(submitted) => {
-                    args.ctx.events.emit(
+                    args.held.emit(
+        &args.ctx,
                         args.run,
                         EventKind::ToolCalled {
                             id: args.id,
@@ -382,7 +404,8 @@ async fn run_turns(args: LoopArgs) -> LoopOutcome {
                         Ok(v) => (true, v.to_string()),
                         Err(e) => (false, e),
                     };
-                    args.ctx.events.emit(
+                    args.held.emit(
+        &args.ctx,
                         args.run,
                         EventKind::ToolCalled {
                             id: args.id,
@@ -641,7 +664,8 @@ async fn fit_context(
         crate::compaction::apply_summary(history, span, &summary);
     }
     let after = estimate(history);
-    args.ctx.events.emit(
+    args.held.emit(
+        &args.ctx,
         args.run,
         EventKind::ContextCompacted {
             id: args.id,
@@ -712,6 +736,12 @@ async fn call_model(
                 )));
             }
         };
+        // The reservation was a commit, so what is held is durable now:
+        // told before the request goes out.
+        if let Err(e) = args.held.release(&args.ctx, args.run).await {
+            Box::pin(settle_with(args, hold.reserved, Amount::ZERO, None)).await;
+            return Err(CallEnd::Failed(journal_failed(e, turn)));
+        }
         request.max_output_tokens = hold.max_output;
         if !hold.wind_down {
             request.wind_down = None;
@@ -774,7 +804,8 @@ async fn call_model(
                 span.record("gen_ai.usage.input_tokens", usage.input_tokens);
                 span.record("gen_ai.usage.output_tokens", usage.output_tokens);
                 if usage.total() > call.reserved.tokens {
-                    args.ctx.events.emit(
+                    args.held.emit(
+        &args.ctx,
                         args.run,
                         EventKind::BudgetOverrun {
                             id: args.id,
@@ -1174,7 +1205,8 @@ fn refused(args: &LoopArgs, refusal: Refusal) -> String {
         Refusal::ToolNotOffered { tool, .. } | Refusal::ToolLimit { tool, .. } => tool.clone(),
         _ => String::new(),
     };
-    args.ctx.events.emit(
+    args.held.emit(
+        &args.ctx,
         args.run,
         EventKind::Refused {
             id: args.id,
@@ -1194,7 +1226,8 @@ async fn journal_start(
     turn: u32,
     durable: bool,
 ) -> Result<(), String> {
-    args.ctx.events.emit(
+    args.held.emit(
+        &args.ctx,
         args.run,
         EventKind::ToolStarted {
             id: args.id,

@@ -429,8 +429,8 @@ impl Actor for Job {
             JobMsg::EndsDurable { result } => {
                 state.ended.waited();
                 result?;
-                state.release_ended(&myself);
                 state.answer_waiters();
+                state.release_ended(&myself);
                 state.maybe_complete(&myself).await?;
             }
         }
@@ -622,6 +622,7 @@ impl JobState {
             steering_queued: self.steering_queued.clone(),
             steering_arrived: self.steering_arrived.clone(),
             tapes: self.tapes.clone(),
+            held: self.ended.held(),
         };
         // Every log line of the loop carries the ids of the job's span in
         // the run's trace (docs/operations.md, "Traces").
@@ -728,7 +729,8 @@ impl JobState {
         self.steering_queued.store(0, Ordering::Release);
         for (id, text, _) in std::mem::take(&mut self.steering) {
             self.journal_steer(id, &text, SteerState::Discarded);
-            self.ctx.events.emit(
+            self.ended.held().emit(
+                &self.ctx,
                 self.lineage.run,
                 EventKind::SteerDiscarded {
                     id: self.lineage.id,
@@ -770,6 +772,9 @@ impl JobState {
         if let Some(call) = agent_loop::take_in_flight(&self.in_flight) {
             agent_loop::settle_cut(&self.account, self.lineage.id, call, "stopped").await;
         }
+        // What the loop was handed and had not told yet (it was cut short)
+        // is told before this job's own end.
+        self.ended.held().release(&self.ctx, self.lineage.run).await?;
         let artifacts = self.artifacts().await;
         if let Some(sandbox) = &self.sandbox {
             let _ = ractor::call!(sandbox, |reply| SandboxMsg::KillAll { reply });

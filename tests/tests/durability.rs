@@ -65,7 +65,7 @@ async fn inv_29_a_delegation_and_its_grant_are_durable_before_the_child_starts()
 
 /// I-29 for a child's end: its parent appends the terminal record without
 /// waiting (a stop of 10,000 children does not wait for 10,000 syncs in a
-/// row), and tells nobody of it, no `JobFinished` and no answer to the
+/// row), and tells nobody of it, no `JobFinished` and not the result of the
 /// delegate call waiting on it, until a flush covers it.
 #[tokio::test]
 async fn inv_29_a_childs_end_is_told_only_once_it_is_durable() {
@@ -145,6 +145,59 @@ async fn inv_29_a_childs_end_is_told_only_once_it_is_durable() {
         let record = node.journal().job(run, *leaf).unwrap().expect("its record");
         assert_eq!(record.status, arbor_protocol::Status::Stopped);
     }
+}
+
+/// A delegate call that waits costs its parent no flush of its own for its
+/// child's end: the loop is answered on the appended end, holds back what
+/// it would tell, and its next model call's reservation, a commit, makes
+/// the end durable with it. Three flushes a delegation (its admission, the
+/// child's call reservation, the parent's next reservation), not four; and
+/// a watcher still reads the child's end before the call that waited on it.
+#[tokio::test]
+async fn inv_29_the_parents_next_commit_makes_its_childs_end_durable() {
+    let leaf =
+        agent_md("description: leaf\nscript:\n  - call: {tool: submit_output, args: {output: ok}}");
+    let flushes = |calls: usize| {
+        let leaf = leaf.clone();
+        async move {
+            let delegate = "  - call: {tool: delegate, args: {jobs: [{agent: leaf, request: go}]}}\n"
+                .repeat(calls);
+            let boss = agent_md(&format!(
+                "subagents: [leaf]\nscript:\n{delegate}  - call: {{tool: submit_output, args: {{output: done}}}}"
+            ));
+            let node = TestNode::start(&[("boss", &boss), ("leaf", &leaf)]).await;
+            let before = node.journal().flush_count();
+            let run = node.run_agent("boss", "go").await;
+            let tree = node.wait_run(run).await;
+            assert_eq!(tree.run_status(), arbor_protocol::Status::Done);
+            node.journal().flush().await.expect("flush");
+            (node.journal().flush_count() - before, node.events(run))
+        }
+    };
+    let (few, _) = flushes(2).await;
+    let (many, events) = flushes(12).await;
+    let per_call = (many - few) as f64 / 10.0;
+    assert!(
+        per_call <= 3.2,
+        "{per_call} flushes a delegation ({few} for 2, {many} for 12): the end took a flush of its own"
+    );
+    // Each child's end, then the call that waited on it, then the turn after.
+    let mut last_end = None;
+    let mut answered = 0;
+    for (i, e) in events.iter().enumerate() {
+        match &e.kind {
+            EventKind::JobFinished { result, .. } if result.agent == "leaf" => last_end = Some(i),
+            EventKind::ToolCalled { tool, .. } if tool == "delegate" => {
+                assert!(
+                    last_end.take().is_some(),
+                    "a delegate call told before its child's end, at event {i}"
+                );
+                answered += 1;
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(answered, 12);
 }
 
 /// I-29 for a step's end, as for a job's: the Run appends each step's

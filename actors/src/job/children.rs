@@ -220,8 +220,8 @@ impl Children {
         }
     }
 
-    /// Answers every waiter whose children have all settled; returns their ids.
-    pub(super) fn answer_waiters(&mut self) -> Vec<u64> {
+    /// The waiters whose children have all settled.
+    pub(super) fn ready_waiters(&mut self) -> Vec<u64> {
         let settled = |children: &Children, label: &String| {
             children
                 .latest(label)
@@ -247,7 +247,12 @@ impl Children {
                 w.settled_upto = upto;
             }
         }
-        for id in &ready {
+        ready
+    }
+
+    /// Answers the waiters `ready_waiters` found.
+    pub(super) fn answer(&mut self, ready: &[u64]) {
+        for id in ready {
             let w = self.waiters.remove(id).expect("listed above");
             let mut results = vec![];
             for label in &w.labels {
@@ -258,7 +263,6 @@ impl Children {
             }
             let _ = w.reply.send(Ok(results));
         }
-        ready
     }
 
     /// Whether `actor` is the actor of a child that has not settled.

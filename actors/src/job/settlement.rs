@@ -245,19 +245,24 @@ impl JobState {
                 let _ = self.stop_child_label(&label, &reason, false);
             }
         }
-        self.release_ended(myself);
+        // A loop answered takes the ends; what no loop waits on is flushed.
         self.answer_waiters();
+        self.release_ended(myself);
         Ok(())
     }
 
-    /// Answers the collect calls whose children have all settled, once their
-    /// ends are durable; returns the waiters answered.
+    /// Answers the collect calls whose children have all settled; returns
+    /// the waiters answered. Ends not yet durable go to the loop with the
+    /// answer (`Ends::hand_over`): it tells them, once they are, before it
+    /// acts on them outside, and its next commit makes them so.
     pub(super) fn answer_waiters(&mut self) -> Vec<u64> {
-        if self.ended.is_empty() {
-            self.children.answer_waiters()
-        } else {
-            vec![]
+        let ready = self.children.ready_waiters();
+        if !ready.is_empty() {
+            // Before the answer: the loop must find them held.
+            self.ended.hand_over();
+            self.children.answer(&ready);
         }
+        ready
     }
 
     /// Tells the ends that are durable; asks to be told when the rest are.

@@ -93,8 +93,10 @@ impl JobState {
             .store(0, std::sync::atomic::Ordering::Release);
         let mut texts = vec![];
         while let Some((id, text, from_parent)) = self.steering.pop_front() {
+            // After what the loop holds: its last turn's results come first.
             self.journal_steer(id, &text, SteerState::Delivered);
-            self.ctx.events.emit(
+            self.ended.held().emit(
+                &self.ctx,
                 self.lineage.run,
                 EventKind::SteerDelivered {
                     id: self.lineage.id,
