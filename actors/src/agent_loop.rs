@@ -377,7 +377,7 @@ async fn run_turns(args: LoopArgs) -> LoopOutcome {
             match result {
                 Step::Submit(submitted) => {
                     args.held.emit(
-        &args.ctx,
+                        &args.ctx,
                         args.run,
                         EventKind::ToolCalled {
                             id: args.id,
@@ -405,7 +405,7 @@ async fn run_turns(args: LoopArgs) -> LoopOutcome {
                         Err(e) => (false, e),
                     };
                     args.held.emit(
-        &args.ctx,
+                        &args.ctx,
                         args.run,
                         EventKind::ToolCalled {
                             id: args.id,
@@ -805,7 +805,7 @@ async fn call_model(
                 span.record("gen_ai.usage.output_tokens", usage.output_tokens);
                 if usage.total() > call.reserved.tokens {
                     args.held.emit(
-        &args.ctx,
+                        &args.ctx,
                         args.run,
                         EventKind::BudgetOverrun {
                             id: args.id,

@@ -774,7 +774,10 @@ impl JobState {
         }
         // What the loop was handed and had not told yet (it was cut short)
         // is told before this job's own end.
-        self.ended.held().release(&self.ctx, self.lineage.run).await?;
+        self.ended
+            .held()
+            .release(&self.ctx, self.lineage.run)
+            .await?;
         let artifacts = self.artifacts().await;
         if let Some(sandbox) = &self.sandbox {
             let _ = ractor::call!(sandbox, |reply| SandboxMsg::KillAll { reply });

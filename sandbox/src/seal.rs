@@ -126,20 +126,24 @@ async fn probe_sealed() -> Result<(), String> {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos());
             let dir = temp.join(format!("{PROBE_PREFIX}{}-{nanos}", std::process::id()));
+            // Its root folder is made in its own folder too, not left to
+            // hakoniwa's temporary one: a node killed mid-probe leaves only
+            // this folder, which the next probe's sweep removes.
+            let (work, roots) = (dir.join("work"), dir.join("roots"));
             let outcome = async {
-                std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+                std::fs::create_dir_all(&work).map_err(|e| format!("{}: {e}", work.display()))?;
                 let user = SandboxUser::for_new_sandbox();
                 if let Some(user) = user {
-                    user.own(&dir)
-                        .map_err(|e| format!("{}: {e}", dir.display()))?;
+                    user.own(&work)
+                        .map_err(|e| format!("{}: {e}", work.display()))?;
                 }
                 let spec = SealSpec {
-                    workdir: dir.clone(),
+                    workdir: work.clone(),
                     user,
                     network: Network::None,
                     resources: Resources::default(),
                     env: vec![],
-                    roots: None,
+                    roots: Some(roots.clone()),
                     read_only: vec![],
                     stdin: false,
                 };
@@ -978,7 +982,7 @@ mod tests {
         };
         let dir = tempfile::tempdir().unwrap();
         user.own(dir.path()).unwrap();
-        let spec = plain_spec(dir.path(), Some(user), None);
+        let spec = plain_spec(dir.path(), Some(user), Some(dir.path().join("roots")));
         let marker = format!("{}.{}", 601, std::process::id());
         let mut child = spawn(&spec, &format!("sleep {marker}")).await.unwrap();
         kill_namespace_init(child.pid());

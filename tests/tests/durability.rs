@@ -160,8 +160,9 @@ async fn inv_29_the_parents_next_commit_makes_its_childs_end_durable() {
     let flushes = |calls: usize| {
         let leaf = leaf.clone();
         async move {
-            let delegate = "  - call: {tool: delegate, args: {jobs: [{agent: leaf, request: go}]}}\n"
-                .repeat(calls);
+            let delegate =
+                "  - call: {tool: delegate, args: {jobs: [{agent: leaf, request: go}]}}\n"
+                    .repeat(calls);
             let boss = agent_md(&format!(
                 "subagents: [leaf]\nscript:\n{delegate}  - call: {{tool: submit_output, args: {{output: done}}}}"
             ));

@@ -549,7 +549,12 @@ mod tests {
         // Past the room, it grows by more than the frames need.
         let big = vec![7u8; room as usize];
         wal.write_and_sync(&frame(5, &[&big]), true).unwrap();
-        assert!(size() > wal.len, "{} bytes for {} of frames", size(), wal.len);
+        assert!(
+            size() > wal.len,
+            "{} bytes for {} of frames",
+            size(),
+            wal.len
+        );
 
         // An older segment's zeros end its frames as the newest's do.
         wal.rotate(6).unwrap();
