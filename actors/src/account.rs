@@ -43,6 +43,59 @@ pub struct AccountArgs {
     /// A resumed run's account: it was opened before the restart and had spent
     /// this much, all of it settled. Nothing new is journaled on open.
     pub resume_spent: Option<Amount>,
+    /// Opened, and its first call reserved, by its parent in the commit that
+    /// admitted it (`FirstCall::plan`): nothing is journaled on open.
+    pub first_call: Option<FirstCall>,
+}
+
+/// A job's first model call, reserved by its parent in the commit that
+/// admits the job, beside the job's records: its first request then waits
+/// for no commit of its own (a delegation's syncs in a row: two, not
+/// three). It is used only if the loop's first reservation asks for
+/// exactly what was planned; otherwise it is released and the call
+/// reserved as any other.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FirstCall {
+    pub hold: CallHold,
+    pub billed: bool,
+}
+
+impl FirstCall {
+    /// The first call of a job granted `grant`, planned as its account will
+    /// plan it, and the ledger records that open the account and hold it,
+    /// for the admission's commit. None if the grant cannot cover it (the
+    /// job's loop is refused as usual).
+    pub fn plan(
+        job: JobId,
+        grant: crate::account::Grant,
+        wind_down: f64,
+        epoch: u64,
+        call: &PlannedCall,
+    ) -> Option<(FirstCall, Vec<Record>)> {
+        let ledger = Ledger::with_usd(grant.tokens, grant.usd_micros, wind_down);
+        let hold = ledger
+            .plan_call(call.input_estimate, call.max_output_limit, call.price)
+            .ok()?;
+        let mut ops = ledger.open_ops();
+        ops.extend(ledger.reserve_ops(hold.reserved, call.billed));
+        let records = entry_records(ParentRef::Job(job), epoch, ops);
+        Some((
+            FirstCall {
+                hold,
+                billed: call.billed,
+            },
+            records,
+        ))
+    }
+}
+
+/// What a model call asks its account to reserve (`AccountMsg::ReserveCall`).
+#[derive(Clone, Copy, Debug)]
+pub struct PlannedCall {
+    pub input_estimate: u64,
+    pub max_output_limit: u64,
+    pub price: Option<Price>,
+    pub billed: bool,
 }
 
 /// The account's total spent, readable by the parent without a message, so a
@@ -175,7 +228,14 @@ impl Actor for Account {
         args: AccountArgs,
     ) -> Result<Self::State, ActorProcessingErr> {
         let resumed = args.resume_spent.is_some();
-        let state = AccountState::new(args);
+        let first_call = args.first_call;
+        let mut state = AccountState::new(args);
+        if let Some(first) = first_call {
+            // Opened and held in its admission's commit, durable already.
+            state.ledger.hold_call(first.hold.reserved);
+            state.first_call = Some(first);
+            return Ok(state);
+        }
         // A resumed account was opened before the restart, unless the crash
         // came between the run's record and its account's: then open it now.
         let opened = resumed
@@ -188,15 +248,7 @@ impl Actor for Account {
         if opened {
             return Ok(state);
         }
-        let mut ops = vec![(
-            Unit::Tokens,
-            LedgerOp::Open {
-                grant: state.ledger.grant,
-            },
-        )];
-        if let Some(grant) = state.ledger.grant_usd_micros() {
-            ops.push((Unit::UsdMicros, LedgerOp::Open { grant }));
-        }
+        let ops = state.ledger.open_ops();
         // Appended: the owner's first act outside (a model call's
         // reservation, a delegation's admission) commits after it, and so
         // makes it durable first.
@@ -253,18 +305,36 @@ impl Actor for Account {
                 billed,
                 reply,
             } => {
+                // The first call its parent reserved: planned again from
+                // the same figures, it is used if it is the same call.
+                let first = state.first_call.take();
+                if let Some(first) = first {
+                    state.ledger.settle_call(first.hold.reserved, Amount::ZERO);
+                }
                 let result = state
                     .ledger
                     .plan_call(input_estimate, max_output_limit, price);
+                if let Some(first) = first {
+                    if result.as_ref().ok() == Some(&first.hold) && billed == first.billed {
+                        // Durable since the admission (I-11, I-31).
+                        state.ledger.hold_call(first.hold.reserved);
+                        state.publish();
+                        let _ = reply.send(result);
+                        return Ok(());
+                    }
+                    // Another call than planned: the parent's hold is
+                    // released, durable with the reservation that follows
+                    // or with the owner's next commit.
+                    let ops = state.ledger.ops_pair(
+                        first.hold.reserved,
+                        Amount::ZERO,
+                        |reserved, spent| LedgerOp::CallSettle { reserved, spent },
+                    );
+                    state.append_entries(ops)?;
+                }
                 if let Ok(hold) = &result {
                     let reserved = hold.reserved;
-                    let ops = state.ledger.ops(reserved, |tokens| {
-                        if billed {
-                            LedgerOp::BilledCallReserve { amount: tokens }
-                        } else {
-                            LedgerOp::CallReserve { amount: tokens }
-                        }
-                    });
+                    let ops = state.ledger.reserve_ops(reserved, billed);
                     // Durable before the request goes out: a crash after it
                     // must find the call reserved (I-11, I-31).
                     state.commit_entries(ops).await?;
@@ -361,6 +431,8 @@ pub struct AccountState {
     ledger: Ledger,
     wind_down_emitted: bool,
     meter: SpentMeter,
+    /// The first call its parent reserved, until the loop's first asks.
+    first_call: Option<FirstCall>,
 }
 
 impl AccountState {
@@ -377,6 +449,7 @@ impl AccountState {
             ),
             wind_down_emitted: false,
             meter: args.meter,
+            first_call: None,
         }
     }
 
@@ -394,17 +467,7 @@ impl AccountState {
     }
 
     fn records(&self, ops: Vec<Entry>) -> Vec<Record> {
-        let epoch = self.ctx.journal.epoch();
-        ops.into_iter()
-            .map(|(unit, op)| {
-                Record::Ledger(LedgerRecord {
-                    owner: self.owner,
-                    unit,
-                    op,
-                    epoch,
-                })
-            })
-            .collect()
+        entry_records(self.owner, self.ctx.journal.epoch(), ops)
     }
 
     /// Emits the figures after a change, and the wind-down crossing once.
@@ -452,6 +515,20 @@ impl AccountState {
         }
         events
     }
+}
+
+/// `owner`'s ledger entries as journal records.
+fn entry_records(owner: ParentRef, epoch: u64, ops: Vec<Entry>) -> Vec<Record> {
+    ops.into_iter()
+        .map(|(unit, op)| {
+            Record::Ledger(LedgerRecord {
+                owner,
+                unit,
+                op,
+                epoch,
+            })
+        })
+        .collect()
 }
 
 /// The account's arithmetic, pure so that every rule is unit-tested without
@@ -652,6 +729,26 @@ impl Ledger {
             ops.push((Unit::UsdMicros, op(amount.usd_micros)));
         }
         ops
+    }
+
+    /// The entries that open the account: its grant in each unit.
+    fn open_ops(&self) -> Vec<Entry> {
+        let mut ops = vec![(Unit::Tokens, LedgerOp::Open { grant: self.grant })];
+        if let Some(grant) = self.grant_usd_micros() {
+            ops.push((Unit::UsdMicros, LedgerOp::Open { grant }));
+        }
+        ops
+    }
+
+    /// The entries that reserve a model call's worst case.
+    fn reserve_ops(&self, reserved: Amount, billed: bool) -> Vec<Entry> {
+        self.ops(reserved, |amount| {
+            if billed {
+                LedgerOp::BilledCallReserve { amount }
+            } else {
+                LedgerOp::CallReserve { amount }
+            }
+        })
     }
 
     fn ops_pair(&self, a: Amount, b: Amount, op: impl Fn(u64, u64) -> LedgerOp) -> Vec<Entry> {

@@ -200,13 +200,7 @@ async fn run_turns(args: LoopArgs) -> LoopOutcome {
     } else {
         McpToolbox::default()
     };
-    let tools: Arc<[ToolSpec]> = args
-        .offered
-        .iter()
-        .filter(|(_, v)| v.is_ok())
-        .map(|(t, _)| ToolSpec::builtin(*t))
-        .chain(toolbox.specs().iter().cloned())
-        .collect();
+    let tools = tool_specs(&args.offered, toolbox.specs());
     let mut counts = CallCounts {
         made: args.tool_counts.clone(),
     };
@@ -691,6 +685,86 @@ async fn fit_context(
     }
 }
 
+/// The most output tokens a call to `info`'s model may ask for.
+fn max_output_limit(info: &ModelInfo, limits: &arbor_protocol::Limits) -> u64 {
+    info.max_output_tokens
+        .map_or(limits.max_output_tokens, |m| {
+            m.min(limits.max_output_tokens)
+        })
+}
+
+/// What a job is shown it may call: its built-in tools, then its MCP tools.
+fn tool_specs(
+    offered: &BTreeMap<ToolName, Result<(), String>>,
+    mcp: &[ToolSpec],
+) -> Arc<[ToolSpec]> {
+    offered
+        .iter()
+        .filter(|(_, v)| v.is_ok())
+        .map(|(t, _)| ToolSpec::builtin(*t))
+        .chain(mcp.iter().cloned())
+        .collect()
+}
+
+/// A call's request as its reservation is planned from, made in one place
+/// so that a parent planning its child's first call (`first_call`) plans
+/// what the child's loop will ask.
+fn call_request(
+    agent: &AgentDef,
+    system: &str,
+    history: &[Message],
+    tools: &Arc<[ToolSpec]>,
+    max_output_limit: u64,
+    turn: u32,
+    meter: CallMeter,
+) -> ModelRequest {
+    ModelRequest {
+        agent: agent.name.clone(),
+        system: system.to_string(),
+        messages: history.to_vec(),
+        tools: tools.clone(),
+        max_output_tokens: max_output_limit,
+        // Counted with the notice, so the bound holds whether it is sent or not.
+        wind_down: Some(WIND_DOWN_NOTICE.to_string()),
+        turn,
+        meter,
+    }
+}
+
+/// What the first model call of a job of `agent` asked `request` will ask
+/// its account to reserve, if the job starts as planned: no MCP tools (they
+/// are listed only once it runs), no message before its first turn, a
+/// prompt that fits. Its parent reserves it in the commit that admits the
+/// job (`account::FirstCall`); if the job's first call differs, that hold
+/// is released and the call reserved as usual.
+pub(crate) fn first_call(
+    model: &dyn Model,
+    agent: &AgentDef,
+    offered: &BTreeMap<ToolName, Result<(), String>>,
+    request: &str,
+    limits: &arbor_protocol::Limits,
+) -> crate::account::PlannedCall {
+    let info = model.info();
+    let max_output_limit = max_output_limit(&info, limits);
+    let tools = tool_specs(offered, &[]);
+    let history = [Message::User(request.to_string())];
+    let request = call_request(
+        agent,
+        &agent.prompt,
+        &history,
+        &tools,
+        max_output_limit,
+        0,
+        CallMeter::default(),
+    );
+    crate::account::PlannedCall {
+        input_estimate: model.count_input(&request),
+        max_output_limit,
+        price: info.price,
+        billed: info.billed,
+    }
+}
+
 async fn call_model(
     args: &LoopArgs,
     system: &str,
@@ -699,25 +773,19 @@ async fn call_model(
     turn: u32,
 ) -> Result<ModelReply, CallEnd> {
     let info = args.model.info();
-    let max_output_limit = info
-        .max_output_tokens
-        .map_or(args.ctx.limits.max_output_tokens, |m| {
-            m.min(args.ctx.limits.max_output_tokens)
-        });
+    let max_output_limit = max_output_limit(&info, &args.ctx.limits);
     let mut retries = 0;
     loop {
         let meter = CallMeter::default();
-        let mut request = ModelRequest {
-            agent: args.agent.name.clone(),
-            system: system.to_string(),
-            messages: history.to_vec(),
-            tools: tools.clone(),
-            max_output_tokens: max_output_limit,
-            // Counted with the notice, so the bound holds whether it is sent or not.
-            wind_down: Some(WIND_DOWN_NOTICE.to_string()),
+        let mut request = call_request(
+            &args.agent,
+            system,
+            history,
+            tools,
+            max_output_limit,
             turn,
-            meter: meter.clone(),
-        };
+            meter.clone(),
+        );
         let input_estimate = args.model.count_input(&request);
         let hold: CallHold = match ractor::call!(args.account, |reply| AccountMsg::ReserveCall {
             input_estimate,

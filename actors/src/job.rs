@@ -108,6 +108,10 @@ pub struct JobStart {
     /// Calls already counted against its limits (I-45): those of the
     /// attempt a restart interrupted, when this one takes over from it.
     pub tool_counts: BTreeMap<String, u64>,
+    /// Its first model call, reserved by its parent in its admission's commit.
+    pub first_call: Option<crate::account::FirstCall>,
+    /// Its model, made by its parent to plan that call: one model a job.
+    pub model: Option<Arc<dyn crate::model::Model>>,
 }
 
 /// The job's model: its agent's, or the recording's in a replay (with its
@@ -122,7 +126,10 @@ fn job_model(
     let model_ref = model_ref(&start.agent);
     let mut tapes = JobTapes::default();
     let mut model: Arc<dyn crate::model::Model> = match &start.run_ctx.replay {
-        None => ctx.models.model_for(&start.agent)?,
+        None => match &start.model {
+            Some(model) => model.clone(),
+            None => ctx.models.model_for(&start.agent)?,
+        },
         Some(replay) => {
             let live = match replay.spec.after_divergence {
                 arbor_protocol::tape::AfterDivergence::Live => {
@@ -196,6 +203,7 @@ impl Actor for Job {
                     wind_down: ctx.limits.wind_down,
                     meter: start.meter.clone(),
                     resume_spent: None,
+                    first_call: start.first_call,
                 },
                 cell.clone(),
             )

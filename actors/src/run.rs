@@ -198,6 +198,7 @@ impl Actor for Run {
                 wind_down: ctx.limits.wind_down,
                 meter: meter.clone(),
                 resume_spent: resume_given.then_some(resume.spent),
+                first_call: None,
             },
             myself.get_cell(),
         )
@@ -546,6 +547,8 @@ impl RunState {
                 agent: agent.clone(),
                 record_seq,
                 tool_counts: self.tool_counts.remove(&label).unwrap_or_default(),
+                first_call: None,
+                model: None,
             };
             let name = format!("arbor-job-{id}");
             match Actor::spawn_linked(Some(name), Job, start, myself.get_cell()).await {

@@ -1,15 +1,33 @@
 //! Budgets: reserved before spent, never over-granted, settled exactly.
 
-use arbor_actors::account::{Account, AccountArgs, AccountMsg, GrantAsk, Share, SpentMeter};
+use arbor_actors::account::{
+    Account, AccountArgs, AccountMsg, FirstCall, Grant, GrantAsk, PlannedCall, Share, SpentMeter,
+};
 use arbor_actors::{EventBus, NodeContext};
-use arbor_protocol::{ErrorClass, EventKind, JobId, Limits, ParentRef, RunId, Status, TaskStatus};
+use arbor_protocol::{
+    Amount, ErrorClass, EventKind, JobId, Limits, ParentRef, RunId, Status, TaskStatus,
+};
 use arbor_runtime::{DefaultModels, Workspace};
-use arbor_storage::{Journal, ledger_totals};
+use arbor_storage::{Journal, Unit, ledger_totals};
 use arbor_testkit::{RecordingModels, Seeded, TestNode, agent_md};
 use std::sync::{Arc, Mutex};
 
 async fn lone_account(dir: &std::path::Path, grant: u64) -> (ActorRefAccount, Journal, RunId) {
     let journal = Journal::open(&dir.join("journal")).unwrap();
+    let run = RunId::new();
+    let account = account_of(&journal, dir, run, ParentRef::Run(run), grant, None).await;
+    (account, journal, run)
+}
+
+/// An Account on `journal` for `owner`, as a run, step or job opens one.
+async fn account_of(
+    journal: &Journal,
+    dir: &std::path::Path,
+    run: RunId,
+    owner: ParentRef,
+    grant: u64,
+    first_call: Option<FirstCall>,
+) -> ActorRefAccount {
     let ctx = Arc::new(NodeContext {
         journal: journal.clone(),
         events: EventBus::new(journal.clone()),
@@ -26,7 +44,6 @@ async fn lone_account(dir: &std::path::Path, grant: u64) -> (ActorRefAccount, Jo
         approvals: Default::default(),
         gate: Default::default(),
     });
-    let run = RunId::new();
     let (account, _) = ractor::Actor::spawn(
         None,
         Account,
@@ -34,16 +51,91 @@ async fn lone_account(dir: &std::path::Path, grant: u64) -> (ActorRefAccount, Jo
             grant_usd_micros: None,
             ctx,
             run,
-            owner: ParentRef::Run(run),
+            owner,
             grant,
             wind_down: 0.8,
             meter: SpentMeter::default(),
             resume_spent: None,
+            first_call,
         },
     )
     .await
     .unwrap();
-    (account, journal, run)
+    account
+}
+
+/// I-11 for a job's first call, reserved by its parent in the commit that
+/// admitted the job: the loop gets it as it is, with nothing more journaled,
+/// if it asks for that very call; if it asks for another, that hold is
+/// released and the call reserved as any other. The ledger balances either
+/// way, and a closed account holds nothing.
+#[tokio::test]
+async fn inv_11_a_first_call_reserved_at_admission_serves_only_the_call_planned() {
+    for (asked, as_planned) in [(100, true), (300, false)] {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(&dir.path().join("journal")).unwrap();
+        let (run, job) = (RunId::new(), JobId::new());
+        let owner = ParentRef::Job(job);
+        let planned = PlannedCall {
+            input_estimate: 100,
+            max_output_limit: 500,
+            price: None,
+            billed: false,
+        };
+        let grant = Grant {
+            tokens: 10_000,
+            usd_micros: None,
+        };
+        let (first, opened) = FirstCall::plan(job, grant, 0.8, journal.epoch(), &planned)
+            .expect("the grant covers the call");
+        assert_eq!(first.hold.reserved.tokens, 600);
+        // What the admission's commit carries.
+        journal.commit(opened).await.unwrap();
+        let account = account_of(&journal, dir.path(), run, owner, grant.tokens, Some(first)).await;
+        let entries = || journal.ledger(owner).unwrap().len();
+        let before = entries();
+        let hold = ractor::call!(account, |reply| AccountMsg::ReserveCall {
+            input_estimate: asked,
+            max_output_limit: 500,
+            price: None,
+            billed: false,
+            reply
+        })
+        .unwrap()
+        .expect("reserved");
+        assert_eq!(hold.reserved.tokens, asked + 500);
+        if as_planned {
+            assert_eq!(hold, first.hold);
+            assert_eq!(
+                entries(),
+                before,
+                "the planned call needs nothing more journaled"
+            );
+        } else {
+            assert_eq!(
+                entries(),
+                before + 2,
+                "the planned hold released, the asked call reserved"
+            );
+        }
+        let view = ractor::call!(account, |reply| AccountMsg::Snapshot { reply }).unwrap();
+        assert_eq!(view.held, asked + 500, "held: the one call, once");
+        ractor::call!(account, |reply| AccountMsg::SettleCall {
+            reserved: hold.reserved,
+            spent: Amount {
+                tokens: 50,
+                usd_micros: 0
+            },
+            event: None,
+            reply
+        })
+        .unwrap();
+        let closed = ractor::call!(account, |reply| AccountMsg::Close { reply }).unwrap();
+        assert_eq!((closed.tokens.spent, closed.tokens.held), (50, 0));
+        journal.flush().await.unwrap();
+        let totals = ledger_totals(&journal.ledger(owner).unwrap(), Unit::Tokens);
+        assert_eq!((totals.grant, totals.spent, totals.held), (10_000, 50, 0));
+    }
 }
 
 type ActorRefAccount = ractor::ActorRef<AccountMsg>;

@@ -77,6 +77,7 @@ async fn run_case(
             wind_down: 0.8,
             meter: SpentMeter::default(),
             resume_spent: None,
+            first_call: None,
         },
     )
     .await

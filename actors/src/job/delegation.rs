@@ -10,8 +10,9 @@ use super::messages::{Brief, JobMsg};
 use super::{
     DEFAULT_MAX_TURNS, Job, JobStart, JobState, Lineage, MAX_RETRIES, RESERVED_KEY_PREFIX,
 };
-use crate::account::{AccountMsg, Grant, GrantAsk, Share, SpentMeter};
+use crate::account::{AccountMsg, FirstCall, Grant, GrantAsk, Share, SpentMeter};
 use crate::agent_loop::ChildHandle;
+use crate::model::Model;
 use arbor_protocol::tools::parse_duration_arg;
 use arbor_protocol::{
     Amount, DelegateArgs, ErrorClass, EventKind, JobId, NodeKind, ParentRef, Refusal, SandboxMode,
@@ -20,6 +21,14 @@ use arbor_protocol::{
 use arbor_storage::{DelegationRecord, JobRecord, Record};
 use ractor::{Actor, ActorRef};
 use std::path::PathBuf;
+use std::sync::Arc;
+
+/// What a parent makes for a child at its admission (`JobState::prepare`).
+#[derive(Default)]
+pub(super) struct Prepared {
+    model: Option<Arc<dyn Model>>,
+    first_call: Option<FirstCall>,
+}
 
 impl JobState {
     pub(super) async fn delegate(
@@ -288,12 +297,18 @@ impl JobState {
             children: planned.iter().map(|p| p.id).collect(),
             epoch,
         })];
+        let mut first_calls = Vec::with_capacity(planned.len());
         for (plan, grant) in planned.iter().zip(&grants) {
             records.push(Record::Job(self.child_record(
                 plan,
                 *grant,
                 Status::Pending,
             )));
+            // Each child's account opened and its first call reserved in
+            // this same commit, where that call can be known.
+            let (prepared, opened) = self.prepare(plan, *grant, epoch);
+            records.extend(opened);
+            first_calls.push(prepared);
         }
         let record_seq = match self.ctx.journal.commit(records).await {
             Ok(seq) => seq,
@@ -316,8 +331,11 @@ impl JobState {
         let mut handles = vec![];
         let mut unstarted = 0;
         let mut first_failure = None;
-        for (plan, grant) in planned.into_iter().zip(grants) {
-            match self.spawn_child(myself, &plan, grant, record_seq).await {
+        for ((plan, grant), prepared) in planned.into_iter().zip(grants).zip(first_calls) {
+            match self
+                .spawn_child(myself, &plan, grant, record_seq, prepared)
+                .await
+            {
                 Ok(handle) => handles.push(handle),
                 Err(why) => {
                     unstarted += 1;
@@ -332,6 +350,45 @@ impl JobState {
             self.run_ctx.uncount_spawns(unstarted);
         }
         Ok(handles)
+    }
+
+    /// A child's model, and its first model call with the ledger records
+    /// that open its account and reserve it, for its admission's commit
+    /// (`account::FirstCall`), where the parent can know that call. A
+    /// replayed or recorded job's model is another, and an MCP tool list is
+    /// known only once the job runs.
+    fn prepare(&self, plan: &PlannedChild, grant: Grant, epoch: u64) -> (Prepared, Vec<Record>) {
+        let none = (Prepared::default(), vec![]);
+        if self.run_ctx.replay.is_some() || self.run_ctx.record || plan.policy.may_use_mcp() {
+            return none;
+        }
+        let Ok(model) = self.ctx.models.model_for(&plan.agent) else {
+            // The child's start says why, as it would have.
+            return none;
+        };
+        let offered = plan.policy.offered(
+            &plan.agent,
+            NodeKind::Job,
+            self.lineage.depth + 1,
+            &self.ctx.limits,
+        );
+        let call = crate::agent_loop::first_call(
+            model.as_ref(),
+            &plan.agent,
+            &offered,
+            &plan.brief.request,
+            &self.ctx.limits,
+        );
+        let (first_call, opened) =
+            match FirstCall::plan(plan.id, grant, self.ctx.limits.wind_down, epoch, &call) {
+                Some((first, opened)) => (Some(first), opened),
+                None => (None, vec![]),
+            };
+        let prepared = Prepared {
+            model: Some(model),
+            first_call,
+        };
+        (prepared, opened)
     }
 
     pub(super) fn child_record(
@@ -383,6 +440,7 @@ impl JobState {
         plan: &PlannedChild,
         grant: Grant,
         record_seq: u64,
+        prepared: Prepared,
     ) -> Result<ChildHandle, String> {
         let meter = SpentMeter::default();
         let start = JobStart {
@@ -416,6 +474,8 @@ impl JobState {
             meter: meter.clone(),
             record_seq,
             tool_counts: Default::default(),
+            first_call: prepared.first_call,
+            model: prepared.model,
         };
         let name = format!("arbor-job-{}", plan.id);
         match Actor::spawn_linked(Some(name), Job, start, myself.get_cell()).await {

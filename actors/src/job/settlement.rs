@@ -330,7 +330,7 @@ impl JobState {
                 });
             }
         };
-        self.spawn_child(myself, &plan, grant, record_seq)
+        self.spawn_child(myself, &plan, grant, record_seq, Default::default())
             .await
             .map(|_| ())
             .map_err(|message| {
