@@ -110,7 +110,8 @@ pub struct JobStart {
     pub tool_counts: BTreeMap<String, u64>,
     /// Its first model call, reserved by its parent in its admission's commit.
     pub first_call: Option<crate::account::FirstCall>,
-    /// Its model, made by its parent to plan that call: one model a job.
+    /// Its model, made by its parent to plan that call: one model a job (a
+    /// replaying job answers from its recording instead).
     pub model: Option<Arc<dyn crate::model::Model>>,
 }
 

@@ -354,12 +354,14 @@ impl JobState {
 
     /// A child's model, and its first model call with the ledger records
     /// that open its account and reserve it, for its admission's commit
-    /// (`account::FirstCall`), where the parent can know that call. A
-    /// replayed or recorded job's model is another, and an MCP tool list is
-    /// known only once the job runs.
+    /// (`account::FirstCall`), where the parent can know that call: not
+    /// for a job that may start MCP servers, whose tools are listed only
+    /// once it runs. A recording job wraps this model in its recorder; a
+    /// replaying one answers from its recording, whose counts are this
+    /// model's, and uses the held call if it asks for the same.
     fn prepare(&self, plan: &PlannedChild, grant: Grant, epoch: u64) -> (Prepared, Vec<Record>) {
         let none = (Prepared::default(), vec![]);
-        if self.run_ctx.replay.is_some() || self.run_ctx.record || plan.policy.may_use_mcp() {
+        if plan.policy.may_use_mcp() {
             return none;
         }
         let Ok(model) = self.ctx.models.model_for(&plan.agent) else {
