@@ -179,10 +179,15 @@ async fn inv_29_a_delegation_that_waits_takes_two_flushes() {
     let (few, _) = flushes(2).await;
     let (many, events) = flushes(12).await;
     let per_call = (many - few) as f64 / 10.0;
-    assert!(
-        per_call <= 2.2,
-        "{per_call} flushes a delegation ({few} for 2, {many} for 12): the end took a flush of its own"
-    );
+    // The count is the sled log's: it flushes only when a commit waits. A
+    // PostgreSQL journal's writer sends whatever is queued whenever it
+    // wakes, so its count says how often it woke, not what waited.
+    if !arbor_testkit::backend::on_postgres() {
+        assert!(
+            per_call <= 2.2,
+            "{per_call} flushes a delegation ({few} for 2, {many} for 12): more than its admission and its parent's next reservation"
+        );
+    }
     // Each child's end, then the call that waited on it, then the turn after.
     let mut last_end = None;
     let mut answered = 0;
