@@ -5,8 +5,8 @@
 //! together (a stop of 10,000, 64 steps finishing at once) then share one
 //! sync instead of waiting for one each, in a row. Nothing outside hears of
 //! an end before it is durable: its `JobFinished` waits here, and so does
-//! anything the parent would do on it (answer a `collect`, report, end the
-//! run) until `is_empty`.
+//! anything the parent would do on it (report, end the run, answer a
+//! `collect` other than as below) until `is_empty`.
 //!
 //! A Job whose own loop waits on those ends (a `delegate` with `wait`, a
 //! `collect`) does not wait for that flush: it hands the held events to the

@@ -487,6 +487,14 @@ mod tests {
         out
     }
 
+    /// A journal folder with an empty `wal` folder in it.
+    fn journal_with_wal_dir() -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let wal_dir = dir.path().join(WAL_DIR);
+        std::fs::create_dir_all(&wal_dir).unwrap();
+        (dir, wal_dir)
+    }
+
     #[test]
     fn a_frame_reads_back_as_written() {
         let bytes = frame(7, &[b"one", b"two"]);
@@ -510,9 +518,7 @@ mod tests {
 
     #[test]
     fn the_newest_segments_torn_tail_is_dropped_and_an_older_ones_is_an_error() {
-        let dir = tempfile::tempdir().unwrap();
-        let wal_dir = dir.path().join(WAL_DIR);
-        std::fs::create_dir_all(&wal_dir).unwrap();
+        let (dir, wal_dir) = journal_with_wal_dir();
         let mut first = frame(1, &[b"a"]);
         first.extend(frame(2, &[b"b", b"c"]));
         let mut second = frame(4, &[b"d"]);
@@ -567,9 +573,7 @@ mod tests {
 
     #[test]
     fn a_torn_frame_before_the_zeros_is_dropped_and_bytes_after_them_are_damage() {
-        let dir = tempfile::tempdir().unwrap();
-        let wal_dir = dir.path().join(WAL_DIR);
-        std::fs::create_dir_all(&wal_dir).unwrap();
+        let (dir, wal_dir) = journal_with_wal_dir();
         let mut bytes = frame(1, &[b"a"]);
         bytes.extend(&frame(2, &[b"b"])[..6]);
         bytes.resize(bytes.len() + 4096, 0);
@@ -590,9 +594,7 @@ mod tests {
 
     #[test]
     fn frames_that_do_not_follow_on_are_refused() {
-        let dir = tempfile::tempdir().unwrap();
-        let wal_dir = dir.path().join(WAL_DIR);
-        std::fs::create_dir_all(&wal_dir).unwrap();
+        let (dir, wal_dir) = journal_with_wal_dir();
         let mut bytes = frame(1, &[b"a"]);
         bytes.extend(frame(3, &[b"c"]));
         std::fs::write(segment_path(&wal_dir, 1), &bytes).unwrap();
