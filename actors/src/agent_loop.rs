@@ -95,7 +95,7 @@ pub struct LoopArgs {
     /// Its job, spoken to in the loop's own words (`LoopMsg`).
     pub job: ractor::DerivedActorRef<LoopMsg>,
     pub account: ActorRef<AccountMsg>,
-    /// None when no tool that uses a sandbox is offered (`ToolName::SANDBOX`).
+    /// None when no tool that uses a sandbox is offered (`ToolInfo::sandbox`).
     pub sandbox: Option<ActorRef<SandboxMsg>>,
     /// How many steering messages the job holds for the next turn.
     pub steering_queued: Arc<AtomicUsize>,
@@ -132,6 +132,8 @@ pub enum LoopEnd {
     BudgetExhausted,
     /// The model failed or the job's actor went away.
     Failed,
+    /// A stop cut it short (its cancel token): the stop is the job's end.
+    Stopped,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -162,7 +164,11 @@ impl LoopOutcome {
 
 /// The journal failed while the loop waited for what it holds to be durable.
 fn journal_failed(e: arbor_storage::Error, turn: u32) -> LoopOutcome {
-    LoopOutcome::failed(ErrorClass::Start, format!("the journal failed: {e}"), turn)
+    LoopOutcome::failed(
+        ErrorClass::Internal,
+        format!("the journal failed: {e}"),
+        turn,
+    )
 }
 
 /// Runs the loop to its end. Never panics: a panic in the model adapter is
@@ -195,7 +201,7 @@ async fn run_turns(args: LoopArgs) -> LoopOutcome {
         // loop's, which every job holds while it waits on its model.
         match Box::pin(McpToolbox::for_job(&args.ctx.mcp, &args.policy)).await {
             Ok(toolbox) => toolbox,
-            Err(why) => return LoopOutcome::failed(ErrorClass::Start, why, 0),
+            Err(why) => return LoopOutcome::failed(ErrorClass::ToolsUnavailable, why, 0),
         }
     } else {
         McpToolbox::default()
@@ -253,7 +259,7 @@ async fn run_turns(args: LoopArgs) -> LoopOutcome {
             }
             Err(_) => {
                 return LoopOutcome::failed(
-                    ErrorClass::Start,
+                    ErrorClass::Internal,
                     "the job actor is gone".into(),
                     turn,
                 );
@@ -798,7 +804,7 @@ async fn call_model(
             Ok(Err(refusal)) => return Err(CallEnd::Budget(refusal)),
             Err(_) => {
                 return Err(CallEnd::Failed(LoopOutcome::failed(
-                    ErrorClass::Start,
+                    ErrorClass::Internal,
                     "the account is gone".into(),
                     turn,
                 )));
@@ -945,7 +951,10 @@ async fn call_model(
 
 /// How a loop ends that a stop cut short; the job's own finish says why.
 fn stopped(turn: u32) -> LoopOutcome {
-    LoopOutcome::failed(ErrorClass::Start, "stopped".into(), turn)
+    LoopOutcome {
+        end: LoopEnd::Stopped,
+        ..LoopOutcome::failed(ErrorClass::Internal, "stopped".into(), turn)
+    }
 }
 
 fn put_in_flight(slot: &InFlightSlot, call: InFlight) {
@@ -971,7 +980,7 @@ pub fn grade(
                 TaskStatus::Failed
             }
         }
-        LoopEnd::Failed => TaskStatus::Failed,
+        LoopEnd::Failed | LoopEnd::Stopped => TaskStatus::Failed,
     };
     if matches!(outcome.end, LoopEnd::Submitted | LoopEnd::FinalAnswer) && is_empty(&outcome.output)
     {

@@ -188,9 +188,9 @@ impl Actor for Job {
         // fan-out only think and answer, and an actor each (its spawn, its
         // calls at the end, its stop) was a good part of their cost.
         let needs_sandbox = start.policy.may_use_mcp()
-            || ToolName::SANDBOX
+            || offered
                 .iter()
-                .any(|tool| offered.get(tool).is_some_and(Result::is_ok));
+                .any(|(tool, verdict)| tool.info().sandbox && verdict.is_ok());
         let setup = async {
             let (account, _) = Actor::spawn_linked(
                 None,
@@ -552,7 +552,7 @@ pub struct JobState {
     _cancel_on_drop: DropGuard,
     meter: SpentMeter,
     account: ActorRef<AccountMsg>,
-    /// None for a job offered no tool that uses one (`ToolName::SANDBOX`).
+    /// None for a job offered no tool that uses one (`ToolInfo::sandbox`).
     sandbox: Option<ActorRef<SandboxMsg>>,
     model: Option<Arc<dyn crate::model::Model>>,
     /// Its side of the run's recording or replay, handed to its loop.
@@ -666,6 +666,11 @@ impl JobState {
     /// The terminal status the loop's outcome earns, after the machine checks (I-22).
     async fn finish_from_loop(&mut self, outcome: LoopOutcome) -> Finish {
         self.turns = outcome.turns;
+        // Its token is cancelled only by a stop from above, whose message
+        // may come after the loop saw it: the job ends stopped either way.
+        if outcome.end == LoopEnd::Stopped {
+            return Finish::stopped("its parent was stopped".into(), true, outcome.turns);
+        }
         if outcome.end == LoopEnd::Failed {
             let (class, message) = outcome
                 .error

@@ -60,8 +60,8 @@ impl ToolSpec {
                 })
                 .collect()
         });
-        let index = ToolName::ALL.iter().position(|t| *t == tool).unwrap_or(0);
-        specs[index].clone()
+        // `ALL` is the enum's own variant list, in declaration order.
+        specs[tool as usize].clone()
     }
 }
 

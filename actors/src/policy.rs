@@ -7,7 +7,7 @@
 
 use arbor_protocol::mcp::name_matches;
 use arbor_protocol::{
-    AgentDef, Limits, McpPattern, Network, NodeKind, SandboxMode, ToolLimits, ToolName,
+    AgentDef, Limits, McpPattern, Network, NodeKind, Offer, SandboxMode, ToolLimits, ToolName,
 };
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -143,12 +143,13 @@ impl Policy {
         limits: &Limits,
     ) -> BTreeMap<ToolName, Result<(), String>> {
         let mut out = BTreeMap::new();
-        for tool in ToolName::ALL {
-            let verdict = if tool == ToolName::SubmitOutput {
+        for &tool in ToolName::ALL {
+            let offer = tool.info().offer;
+            let verdict = if offer == Offer::Always {
                 Ok(())
             } else if self.is_denied(tool.as_str()) {
                 Err(format!("{tool} is denied to this agent"))
-            } else if ToolName::DELEGATION.contains(&tool) {
+            } else if offer == Offer::Delegation {
                 if agent.subagents.is_empty() {
                     Err(format!("{} has no subagents", agent.name))
                 } else if kind == NodeKind::Job && agent.sandbox == SandboxMode::Own {
@@ -318,7 +319,7 @@ mod tests {
         }
 
         fn sandbox_tools() -> impl Strategy<Value = Vec<ToolName>> {
-            proptest::sample::subsequence(ToolName::SANDBOX.to_vec(), 0..=3)
+            proptest::sample::subsequence(ToolName::nameable().collect::<Vec<_>>(), 0..=3)
         }
 
         fn link() -> impl Strategy<Value = Link> {

@@ -464,7 +464,11 @@ impl RunState {
                 return;
             }
             Err(e) => {
-                self.begin_finish(Status::Failed, Some(ErrorClass::Start), e.to_string());
+                self.begin_finish(
+                    Status::Failed,
+                    Some(ErrorClass::Internal),
+                    format!("the run's account is gone: {e}"),
+                );
                 return;
             }
         };

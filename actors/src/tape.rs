@@ -196,12 +196,13 @@ fn redact(value: &mut serde_json::Value, secrets: &Secrets) {
     }
 }
 
-/// Whether a tool's results are recorded and replayed: those that read the
-/// world (a command, a file, an MCP server). The others act on the tree
-/// (delegate, collect, ...) or are the model's own words (write_file,
-/// submit_output), and run again in a replay.
+/// Whether a tool's results are recorded and replayed: an MCP tool's (it
+/// reads the world), and a built-in's as its entry says (`ToolInfo::recorded`).
 pub fn is_recorded_tool(name: &str, is_mcp: bool) -> bool {
-    is_mcp || name == "exec" || name == "read_file"
+    is_mcp
+        || name
+            .parse::<arbor_protocol::ToolName>()
+            .is_ok_and(|t| t.info().recorded)
 }
 
 // ---------------------------------------------------------------- digests

@@ -962,15 +962,32 @@ fn event_line(event: &Event) -> String {
         let reason = reason.as_ref().map(|r| format!(": {r}"));
         format!(" {status}{}", reason.unwrap_or_default())
     };
+    use arbor_protocol::EventKind;
     let detail = match &event.kind {
-        arbor_protocol::EventKind::JobFinished { result, reason, .. } => {
-            ended(&result.status, reason)
-        }
-        arbor_protocol::EventKind::RunFinished { status, reason, .. } => ended(status, reason),
-        arbor_protocol::EventKind::ToolCalled { tool, ok, .. } => {
+        EventKind::JobFinished { result, reason, .. } => ended(&result.status, reason),
+        EventKind::RunFinished { status, reason, .. } => ended(status, reason),
+        EventKind::ToolCalled { tool, ok, .. } => {
             format!(" {tool} {}", if *ok { "ok" } else { "refused or failed" })
         }
-        _ => String::new(),
+        EventKind::RunStarted { .. }
+        | EventKind::RunResumed { .. }
+        | EventKind::Recovered { .. }
+        | EventKind::JobSpawned { .. }
+        | EventKind::JobRunning { .. }
+        | EventKind::AccountChanged { .. }
+        | EventKind::WindDown { .. }
+        | EventKind::ModelCalled { .. }
+        | EventKind::ContextCompacted { .. }
+        | EventKind::BudgetOverrun { .. }
+        | EventKind::ToolStarted { .. }
+        | EventKind::McpServer { .. }
+        | EventKind::Refused { .. }
+        | EventKind::SteerQueued { .. }
+        | EventKind::SteerDelivered { .. }
+        | EventKind::SteerDiscarded { .. }
+        | EventKind::ApprovalRequested { .. }
+        | EventKind::ApprovalExpiring { .. }
+        | EventKind::ApprovalDecided { .. } => String::new(),
     };
     format!("{name}{who}{detail}")
 }

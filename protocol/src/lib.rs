@@ -36,8 +36,8 @@ pub use result::{Amount, ResultEnvelope, Usage};
 pub use spec::{FlowGroup, FlowSpec, RunSpec, StepSpec};
 pub use status::{ErrorClass, Status, TaskStatus};
 pub use tools::{
-    BudgetArg, CollectArgs, DelegateArgs, ExecArgs, JobArgs, OnFailure, ReadFileArgs,
-    SendMessageArgs, StopChildArgs, SubmitOutputArgs, ToolName, WriteFileArgs,
+    BudgetArg, CollectArgs, DelegateArgs, ExecArgs, JobArgs, Offer, OnFailure, ReadFileArgs,
+    SendMessageArgs, StopChildArgs, SubmitOutputArgs, ToolInfo, ToolName, WriteFileArgs,
 };
 pub use tree::{AccountView, McpServerView, Tree, TreeNode, WaitingView};
 pub use view::{ActorView, SandboxPosture};

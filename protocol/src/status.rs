@@ -113,11 +113,19 @@ pub enum ErrorClass {
     /// I-48: the node died under it `max_recoveries` times after resuming
     /// it; it is not resumed again.
     Parked,
-    /// It could not start.
+    /// It never started: its actor could not be spawned, so nothing ran and
+    /// no spawn was counted (I-06). Recovery counts a run's spawns as its
+    /// jobs of every other class (I-05).
     Start,
     /// I-49: a replay's request differed from its recording's; the reason
     /// names the job's lineage, the call and the first field that differs.
     Diverged,
+    /// arbor itself failed under it mid-run: its journal could not commit,
+    /// or an actor it relies on (its job, its account) was gone.
+    Internal,
+    /// Its tools could not be made ready before its first turn: an MCP
+    /// server it was given did not start or list its tools.
+    ToolsUnavailable,
 }
 
 impl ErrorClass {
@@ -164,6 +172,8 @@ impl ErrorClass {
             ErrorClass::Parked => "parked",
             ErrorClass::Start => "start",
             ErrorClass::Diverged => "diverged",
+            ErrorClass::Internal => "internal",
+            ErrorClass::ToolsUnavailable => "tools_unavailable",
         }
     }
 }

@@ -9,7 +9,22 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+/// The built-in tools. Everything the runtime knows of one is its entry in
+/// [`ToolName::info`]; the list of them is the enum itself (`ALL`, derived),
+/// so a tool added here is a compile error in `info` until it is described.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+    strum::VariantArray,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum ToolName {
     Delegate,
@@ -22,66 +37,126 @@ pub enum ToolName {
     SubmitOutput,
 }
 
-impl ToolName {
-    pub const ALL: [ToolName; 8] = [
-        ToolName::Delegate,
-        ToolName::Collect,
-        ToolName::StopChild,
-        ToolName::SendMessage,
-        ToolName::Exec,
-        ToolName::ReadFile,
-        ToolName::WriteFile,
-        ToolName::SubmitOutput,
-    ];
+/// How a built-in tool comes to be offered to an agent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Offer {
+    /// To every agent: it must always be able to answer.
+    Always,
+    /// To an agent with sub-agents, above the depth cap (`Policy::offered`).
+    Delegation,
+    /// When the agent's `tools:` names it, and no deny above it does.
+    Named,
+}
 
-    /// The tools an agent.md `tools:` list may name.
-    pub const SANDBOX: [ToolName; 3] = [ToolName::Exec, ToolName::ReadFile, ToolName::WriteFile];
-
-    /// The tools offered to an agent that has sub-agents and is above the depth cap.
-    pub const DELEGATION: [ToolName; 4] = [
-        ToolName::Delegate,
-        ToolName::Collect,
-        ToolName::StopChild,
-        ToolName::SendMessage,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ToolName::Delegate => "delegate",
-            ToolName::Collect => "collect",
-            ToolName::StopChild => "stop_child",
-            ToolName::SendMessage => "send_message",
-            ToolName::Exec => "exec",
-            ToolName::ReadFile => "read_file",
-            ToolName::WriteFile => "write_file",
-            ToolName::SubmitOutput => "submit_output",
-        }
-    }
+/// One built-in tool, whole: its name, what the model is told, its
+/// arguments' type (as the schema the model is shown), how it is offered,
+/// whether it needs the job's sandbox and whether a recording keeps its
+/// results.
+#[derive(Clone, Copy, Debug)]
+pub struct ToolInfo {
+    pub name: &'static str,
+    pub description: &'static str,
+    pub offer: Offer,
+    /// It runs in the job's sandbox: a job offered it gets a Sandbox actor.
+    pub sandbox: bool,
+    /// Its results read the world (a command, a file) and are recorded and
+    /// replayed. The others act on the tree (delegate, collect, ...) or are
+    /// the model's own words (write_file, submit_output), and run again in
+    /// a replay.
+    pub recorded: bool,
+    /// The JSON Schema of its argument type.
+    schema: fn() -> serde_json::Value,
 }
 
 impl ToolName {
+    /// Every built-in tool, in declaration order (`ALL[t as usize] == t`).
+    pub const ALL: &'static [ToolName] = <ToolName as strum::VariantArray>::VARIANTS;
+
+    /// The one table of built-in tools.
+    pub fn info(self) -> ToolInfo {
+        match self {
+            ToolName::Delegate => ToolInfo {
+                name: "delegate",
+                description: "Delegate jobs to your sub-agents. Each job names an agent and a request; with wait (the default) the call returns when every job has ended, with one result envelope each.",
+                offer: Offer::Delegation,
+                sandbox: false,
+                recorded: false,
+                schema: schema_of::<DelegateArgs>,
+            },
+            ToolName::Collect => ToolInfo {
+                name: "collect",
+                description: "Wait for children started with wait=false, and get their result envelopes.",
+                offer: Offer::Delegation,
+                sandbox: false,
+                recorded: false,
+                schema: schema_of::<CollectArgs>,
+            },
+            ToolName::StopChild => ToolInfo {
+                name: "stop_child",
+                description: "Stop one of your children (by label or id), and all below it.",
+                offer: Offer::Delegation,
+                sandbox: false,
+                recorded: false,
+                schema: schema_of::<StopChildArgs>,
+            },
+            ToolName::SendMessage => ToolInfo {
+                name: "send_message",
+                description: "Send a message to a running child; it reads it at its next turn.",
+                offer: Offer::Delegation,
+                sandbox: false,
+                recorded: false,
+                schema: schema_of::<SendMessageArgs>,
+            },
+            ToolName::Exec => ToolInfo {
+                name: "exec",
+                description: "Run a shell command in your workdir; returns exit code, stdout and stderr.",
+                offer: Offer::Named,
+                sandbox: true,
+                recorded: true,
+                schema: schema_of::<ExecArgs>,
+            },
+            ToolName::ReadFile => ToolInfo {
+                name: "read_file",
+                description: "Read a file of your workdir (a relative path).",
+                offer: Offer::Named,
+                sandbox: true,
+                recorded: true,
+                schema: schema_of::<ReadFileArgs>,
+            },
+            ToolName::WriteFile => ToolInfo {
+                name: "write_file",
+                description: "Write a file in your workdir (a relative path).",
+                offer: Offer::Named,
+                sandbox: true,
+                recorded: false,
+                schema: schema_of::<WriteFileArgs>,
+            },
+            ToolName::SubmitOutput => ToolInfo {
+                name: "submit_output",
+                description: "Submit your answer and end your work. Say task_status partial or blocked if it is not complete, and list what is missing in limitations.",
+                offer: Offer::Always,
+                sandbox: false,
+                recorded: false,
+                schema: schema_of::<SubmitOutputArgs>,
+            },
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        self.info().name
+    }
+
     /// What the model is told the tool does.
     pub fn description(self) -> &'static str {
-        match self {
-            ToolName::Delegate => {
-                "Delegate jobs to your sub-agents. Each job names an agent and a request; with wait (the default) the call returns when every job has ended, with one result envelope each."
-            }
-            ToolName::Collect => {
-                "Wait for children started with wait=false, and get their result envelopes."
-            }
-            ToolName::StopChild => "Stop one of your children (by label or id), and all below it.",
-            ToolName::SendMessage => {
-                "Send a message to a running child; it reads it at its next turn."
-            }
-            ToolName::Exec => {
-                "Run a shell command in your workdir; returns exit code, stdout and stderr."
-            }
-            ToolName::ReadFile => "Read a file of your workdir (a relative path).",
-            ToolName::WriteFile => "Write a file in your workdir (a relative path).",
-            ToolName::SubmitOutput => {
-                "Submit your answer and end your work. Say task_status partial or blocked if it is not complete, and list what is missing in limitations."
-            }
-        }
+        self.info().description
+    }
+
+    /// The tools an agent.md `tools:` list may name.
+    pub fn nameable() -> impl Iterator<Item = ToolName> {
+        ToolName::ALL
+            .iter()
+            .copied()
+            .filter(|t| t.info().offer == Offer::Named)
     }
 
     /// The JSON Schema of the tool's arguments, generated from the argument
@@ -90,37 +165,23 @@ impl ToolName {
     /// Generated once per tool and process (every request body carries them).
     pub fn parameters(self) -> &'static serde_json::Value {
         static SCHEMAS: std::sync::OnceLock<Vec<serde_json::Value>> = std::sync::OnceLock::new();
-        let schemas = SCHEMAS.get_or_init(|| {
-            ToolName::ALL
-                .iter()
-                .map(|t| t.generate_parameters())
-                .collect()
-        });
-        let index = ToolName::ALL.iter().position(|t| *t == self).unwrap_or(0);
-        &schemas[index]
+        let schemas =
+            SCHEMAS.get_or_init(|| ToolName::ALL.iter().map(|t| (t.info().schema)()).collect());
+        // `ALL` is the enum's own variant list, in declaration order.
+        &schemas[self as usize]
     }
+}
 
-    fn generate_parameters(self) -> serde_json::Value {
-        let generator = schemars::generate::SchemaSettings::draft2020_12()
-            .with(|s| s.inline_subschemas = true)
-            .into_generator();
-        let schema = match self {
-            ToolName::Delegate => generator.into_root_schema_for::<DelegateArgs>(),
-            ToolName::Collect => generator.into_root_schema_for::<CollectArgs>(),
-            ToolName::StopChild => generator.into_root_schema_for::<StopChildArgs>(),
-            ToolName::SendMessage => generator.into_root_schema_for::<SendMessageArgs>(),
-            ToolName::Exec => generator.into_root_schema_for::<ExecArgs>(),
-            ToolName::ReadFile => generator.into_root_schema_for::<ReadFileArgs>(),
-            ToolName::WriteFile => generator.into_root_schema_for::<WriteFileArgs>(),
-            ToolName::SubmitOutput => generator.into_root_schema_for::<SubmitOutputArgs>(),
-        };
-        let mut value = schema.to_value();
-        if let Some(map) = value.as_object_mut() {
-            map.remove("$schema");
-            map.remove("title");
-        }
-        value
+fn schema_of<T: JsonSchema>() -> serde_json::Value {
+    let generator = schemars::generate::SchemaSettings::draft2020_12()
+        .with(|s| s.inline_subschemas = true)
+        .into_generator();
+    let mut value = generator.into_root_schema_for::<T>().to_value();
+    if let Some(map) = value.as_object_mut() {
+        map.remove("$schema");
+        map.remove("title");
     }
+    value
 }
 
 impl fmt::Display for ToolName {
@@ -133,7 +194,8 @@ impl FromStr for ToolName {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         ToolName::ALL
-            .into_iter()
+            .iter()
+            .copied()
             .find(|t| t.as_str() == s)
             .ok_or_else(|| format!("unknown tool {s:?}"))
     }
@@ -306,7 +368,7 @@ mod tests {
 
     #[test]
     fn every_tool_schema_is_a_self_contained_object_that_refuses_unknown_fields() {
-        for tool in ToolName::ALL {
+        for &tool in ToolName::ALL {
             let schema = tool.parameters();
             let text = schema.to_string();
             assert_eq!(schema["type"], "object", "{tool}: {text}");
@@ -319,5 +381,20 @@ mod tests {
         let job = &delegate["properties"]["jobs"]["items"];
         assert_eq!(job["additionalProperties"], false, "{job}");
         assert!(job["required"].as_array().unwrap().len() == 2, "{job}");
+    }
+
+    /// The table's names are the wire's (serde's) names, and `ALL` indexes
+    /// by discriminant, which `parameters` relies on.
+    #[test]
+    fn every_tool_is_named_as_serde_names_it_and_indexed_by_its_discriminant() {
+        for (i, &tool) in ToolName::ALL.iter().enumerate() {
+            assert_eq!(tool as usize, i);
+            assert_eq!(serde_json::to_value(tool).unwrap(), tool.as_str());
+            assert_eq!(tool.as_str().parse::<ToolName>(), Ok(tool));
+            assert!(
+                !tool.info().sandbox || tool.info().offer == Offer::Named,
+                "{tool}"
+            );
+        }
     }
 }

@@ -384,7 +384,15 @@ impl Tree {
                     e.own_usd_micros += call.usd_micros;
                 }
             }
-            _ => {}
+            EventKind::Recovered { .. }
+            | EventKind::WindDown { .. }
+            | EventKind::ContextCompacted { .. }
+            | EventKind::BudgetOverrun { .. }
+            | EventKind::ToolStarted { .. }
+            | EventKind::Refused { .. }
+            | EventKind::SteerQueued { .. }
+            | EventKind::SteerDelivered { .. }
+            | EventKind::SteerDiscarded { .. } => {}
         }
     }
 

@@ -747,6 +747,8 @@ pub fn plan_resume(
             .filter(|j| j.kind == NodeKind::Step && j.label.as_deref() == Some(label))
             .max_by_key(|j| j.attempt)
     };
+    // I-05: every job that started spent a spawn, however it ended; only a
+    // job whose actor never started (class `start`) was given its count back.
     let spawned = jobs
         .iter()
         .filter(|j| j.kind == NodeKind::Job && j.error_class != Some(ErrorClass::Start))

@@ -1005,7 +1005,20 @@ impl Spans {
                     status,
                 }));
             }
-            _ => {}
+            EventKind::Recovered { .. }
+            | EventKind::JobRunning { .. }
+            | EventKind::AccountChanged { .. }
+            | EventKind::WindDown { .. }
+            | EventKind::ContextCompacted { .. }
+            | EventKind::BudgetOverrun { .. }
+            | EventKind::ToolStarted { .. }
+            | EventKind::McpServer { .. }
+            | EventKind::SteerQueued { .. }
+            | EventKind::SteerDelivered { .. }
+            | EventKind::SteerDiscarded { .. }
+            | EventKind::ApprovalRequested { .. }
+            | EventKind::ApprovalExpiring { .. }
+            | EventKind::ApprovalDecided { .. } => {}
         }
     }
 }

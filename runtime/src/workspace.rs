@@ -29,8 +29,8 @@ use arbor_protocol::mcp::{
 use arbor_protocol::tools::parse_duration_arg;
 use arbor_protocol::{
     AgentDef, ApprovalSettings, BudgetArg, FlowSpec, Limits, McpPattern, McpServerSpec, ModelRef,
-    Network, Resources, ResourcesSpec, RunSpec, SandboxMode, ScriptCall, ScriptTurn, ToolName,
-    ToolRef,
+    Network, Offer, Resources, ResourcesSpec, RunSpec, SandboxMode, ScriptCall, ScriptTurn,
+    ToolName, ToolRef,
 };
 use arbor_providers::{Provider, ProviderFile, check_provider};
 use arbor_sandbox::seal::SandboxIsolation;
@@ -1208,11 +1208,13 @@ fn agent_from_front_matter(
     let mut mcp = vec![];
     for tool in named_tools {
         match tool {
-            ToolRef::Builtin(t) if ToolName::SANDBOX.contains(&t) => tools.push(t),
+            ToolRef::Builtin(t) if t.info().offer == Offer::Named => tools.push(t),
             ToolRef::Builtin(t) => {
+                let nameable: Vec<&str> = ToolName::nameable().map(ToolName::as_str).collect();
                 return Err(format!(
-                    "tools: `{t}` is not a sandbox tool (tools may name exec, read_file, write_file \
-                     and mcp__SERVER__TOOL; delegation tools are offered to agents with subagents)"
+                    "tools: `{t}` cannot be named (tools may name {} and mcp__SERVER__TOOL; \
+                     delegation tools are offered to agents with subagents)",
+                    nameable.join(", ")
                 ));
             }
             ToolRef::Mcp(pattern) => mcp.push(pattern),

@@ -480,7 +480,9 @@ fn a_malformed_provider_block_names_arbor_toml_and_the_key() {
 fn only_sandbox_tools_may_be_listed() {
     let message = front_matter_error("tools: [exec, delegate]\n");
     assert!(
-        message.contains("tools: `delegate` is not a sandbox tool"),
+        message.contains(
+            "tools: `delegate` cannot be named (tools may name exec, read_file, write_file"
+        ),
         "{message}"
     );
 }

@@ -294,7 +294,27 @@ impl Metrics {
                 self.runs_failed.get_or_create(&ClassLabel { class }).inc();
                 return;
             }
-            _ => {}
+            // A run that ended otherwise than failed, and the kinds below,
+            // are counted after this match or not at all.
+            EventKind::RunFinished { .. }
+            | EventKind::RunStarted { .. }
+            | EventKind::RunResumed { .. }
+            | EventKind::Recovered { .. }
+            | EventKind::JobSpawned { .. }
+            | EventKind::JobRunning { .. }
+            | EventKind::JobFinished { .. }
+            | EventKind::AccountChanged { .. }
+            | EventKind::WindDown { .. }
+            | EventKind::ModelCalled { .. }
+            | EventKind::ContextCompacted { .. }
+            | EventKind::BudgetOverrun { .. }
+            | EventKind::ToolStarted { .. }
+            | EventKind::McpServer { .. }
+            | EventKind::SteerQueued { .. }
+            | EventKind::SteerDelivered { .. }
+            | EventKind::SteerDiscarded { .. }
+            | EventKind::ApprovalRequested { .. }
+            | EventKind::ApprovalExpiring { .. } => {}
         }
         if let EventKind::ModelCalled {
             input_tokens,

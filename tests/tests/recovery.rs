@@ -195,6 +195,64 @@ async fn inv_05_the_spawn_count_survives_a_restart() {
     node.wait_run(run).await;
 }
 
+/// A job that started and then failed (here: its MCP server could not list
+/// its tools, after its actor had started) spent a spawn: a restart counts
+/// it, so the resumed step cannot spawn past the cap on it. Only a job whose
+/// actor never started (class `start`) gives its count back.
+#[tokio::test]
+async fn inv_05_a_job_that_failed_after_it_started_stays_counted_across_a_restart() {
+    // A port that was free a moment ago: nothing listens there.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let config = format!(
+        "[limits]\nspawn_cap = 3\n[mcp.servers.w]\nurl = \"http://127.0.0.1:{port}/mcp\"\nstart_timeout = \"5s\"\n"
+    );
+    let boss = agent_md(
+        "subagents: [lost, slow]\nscript:\n  - call: {tool: delegate, args: {jobs: [{agent: lost, request: x, label: l}]}}\n  - call: {tool: delegate, args: {wait: false, jobs: [{agent: slow, request: a, label: a}]}}\n  - call: {tool: collect, args: {}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let lost = agent_md(
+        "description: lost\nsandbox: own\nmcp: [w]\nscript:\n  - call: {tool: submit_output, args: {output: never}}",
+    );
+    let node = TestNode::start_workspace(
+        Some(&config),
+        &[("boss", &boss), ("lost", &lost), ("slow", &agent_md(SLOW))],
+        &[("work", &flow(1))],
+        Arc::new(arbor_runtime::DefaultModels),
+    )
+    .await;
+    let run = node.run_flow("work").await;
+    let tree = node.wait_until(run, |t| t.find("a").is_some()).await;
+    let l = &tree
+        .nodes()
+        .find(|(_, n)| n.label.as_deref() == Some("l"))
+        .unwrap()
+        .1;
+    assert_eq!(l.status, Status::Failed, "{l:?}");
+    assert_eq!(l.error_class, Some(ErrorClass::ToolsUnavailable), "{l:?}");
+
+    let node = node.crash_and_restart().await;
+    // Two counted (l and a); the resumed step's first delegation takes the
+    // last one, and its second is refused.
+    let refused = node
+        .wait_event(
+            run,
+            |e| matches!(e, EventKind::ToolCalled { tool, ok: false, .. } if tool == "delegate"),
+        )
+        .await;
+    let EventKind::ToolCalled { detail, .. } = refused.kind else {
+        unreachable!()
+    };
+    assert!(
+        detail.contains("run spawn cap: 3 spawned + 1 asked > 3"),
+        "{detail}"
+    );
+    node.stop_run(run).await;
+    node.wait_run(run).await;
+}
+
 #[tokio::test]
 async fn inv_35_an_undecodable_record_is_reported_by_key_never_skipped() {
     if arbor_testkit::backend::on_postgres() {
