@@ -1,8 +1,10 @@
 //! The embedded node: a journal on disk, the actor tree, and a handle to drive
 //! it. `arbor run` and the test harness both start one of these.
 //!
-//! Layout of a data dir: `journal/` (sled), `work/<run>/...` (workdirs) and
-//! `roots/` (sealed commands' root folders, swept at every start).
+//! Layout of a data dir: `journal/` (sled), `work/<run>/...` (workdirs, gone
+//! with their run when it is forgotten, and swept at every start if the
+//! journal no longer knows their run) and `roots/` (sealed commands' root
+//! folders, swept at every start).
 
 use crate::models::Models;
 use crate::recovery::{self, RecoveryReport, RunOutcome};
@@ -335,6 +337,7 @@ impl EmbeddedNode {
         {
             tracing::warn!(error = %e, "could not sweep the sandboxes' root folders");
         }
+        sweep_forgotten_workdirs(&ctx.journal, &ctx.work_root);
         let (node, join) = ractor::Actor::spawn(None, Node, NodeArgs { ctx: ctx.clone() })
             .await
             .map_err(|e| Error::Start(format!("the node could not start: {e}")))?;
@@ -647,6 +650,19 @@ impl EmbeddedNode {
         &self.ctx.events
     }
 
+    /// Forgets finished runs whole (retention, `keep_finished`): their
+    /// records in one append, their trees, and their workdirs on this
+    /// node's disk. Blocking; a workdir that cannot be removed is reported
+    /// and left for the next start's sweep.
+    pub fn forget_runs(&self, runs: &[RunId]) -> Result<(), arbor_storage::Error> {
+        self.ctx.journal.forget(runs)?;
+        self.ctx.events.forget(runs);
+        for run in runs {
+            remove_workdir(&self.ctx.work_root, *run);
+        }
+        Ok(())
+    }
+
     pub fn journal(&self) -> &Journal {
         &self.ctx.journal
     }
@@ -881,5 +897,41 @@ impl EmbeddedNode {
     /// What telemetry exported and lost; `None` when it is off.
     pub fn telemetry(&self) -> Option<crate::telemetry::TelemetryStats> {
         self.telemetry.as_ref().map(|t| t.stats())
+    }
+}
+
+/// Removes a forgotten run's workdirs (`work/<run>/`, every job's below it).
+fn remove_workdir(work_root: &Path, run: RunId) {
+    let dir = work_root.join(run.to_string());
+    if let Err(e) = std::fs::remove_dir_all(&dir)
+        && e.kind() != std::io::ErrorKind::NotFound
+    {
+        tracing::warn!(error = %e, dir = %dir.display(), "could not remove a forgotten run's workdir");
+    }
+}
+
+/// At start, before any run: removes the workdirs of runs the journal no
+/// longer knows (a crash between a forget and its removal, another node's
+/// forget on a shared journal). A folder that is not a run's is left alone.
+fn sweep_forgotten_workdirs(journal: &Journal, work_root: &Path) {
+    let Ok(entries) = std::fs::read_dir(work_root) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(run) = name.to_str().and_then(|n| n.parse::<RunId>().ok()) else {
+            continue;
+        };
+        if name.to_str() != Some(run.to_string().as_str()) {
+            continue;
+        }
+        match journal.run(run) {
+            Ok(None) => remove_workdir(work_root, run),
+            Ok(Some(_)) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "could not sweep forgotten workdirs");
+                return;
+            }
+        }
     }
 }

@@ -6,9 +6,9 @@
 //! A pass reads only the runs made before the cutoff (run ids are uuid v7,
 //! in time order), keeps every one not finished, or finished after the
 //! cutoff (the time of its last event), and forgets the rest, a batch at a
-//! time: the journal removes every record of theirs in one append
-//! (`Journal::forget`), the event bus drops their trees, admission frees
-//! their idempotency keys.
+//! time (`EmbeddedNode::forget_runs`): the journal removes every record of
+//! theirs in one append, the event bus drops their trees, their workdirs
+//! leave the disk; then admission frees their idempotency keys.
 //!
 //! # Invariants
 //! 1. A run that is not finished is never forgotten, however old.
@@ -65,8 +65,7 @@ pub(crate) async fn forget_finished(
             due.push(run.id);
         }
         for batch in due.chunks(BATCH) {
-            journal.forget(batch)?;
-            node.events().forget(batch);
+            node.forget_runs(batch)?;
         }
         Ok((due, keys))
     })

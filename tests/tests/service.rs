@@ -1272,6 +1272,81 @@ async fn a_submission_whose_run_had_started_before_a_crash_is_not_started_again(
     svc.stop().await;
 }
 
+/// Bytes and files below a folder (0 if it is not there).
+fn disk_use(dir: &Path) -> (u64, usize) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return (0, 0);
+    };
+    entries.flatten().fold((0, 0), |(bytes, files), entry| {
+        let meta = entry.metadata().unwrap();
+        if meta.is_dir() {
+            let (b, f) = disk_use(&entry.path());
+            (bytes + b, files + f)
+        } else {
+            (bytes + meta.len(), files + 1)
+        }
+    })
+}
+
+/// Retention takes a forgotten run's workdirs off the disk with its records:
+/// a fan-out whose jobs each wrote a file leaves `work/` as it was before it
+/// ran, and the run it kept keeps its own.
+#[tokio::test]
+async fn a_forgotten_runs_workdirs_leave_the_disk_and_a_kept_ones_stay() {
+    let writer = agent_md(
+        "description: writes one file\ntools: [write_file]\nscript:\n  - call: {tool: write_file, args: {path: notes.txt, content: \"some notes of this job's\"}}\n  - call: {tool: submit_output, args: {output: written}}",
+    );
+    let fan = agent_md(
+        "subagents: [writer]\ntools: [write_file]\nscript:\n  - call: {tool: write_file, args: {path: plan.txt, content: plan}}\n  - call: {tool: delegate, args: {jobs: [{agent: writer, request: a, label: a}, {agent: writer, request: b, label: b}, {agent: writer, request: c, label: c}]}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let texts = Texts::new(
+        &[("fan", &fan), ("writer", &writer), ("slow", &slow())],
+        &[(
+            "fan",
+            "[[group]]\nsteps = [{ agent = \"fan\", instruction = \"go\" }]\n",
+        )],
+    )
+    .with_config("[service]\nkeep_finished = \"1h\"\n");
+    let svc = TestService::start(texts).await;
+    let work = svc.service.node().data_dir().join("work");
+    let before = disk_use(&work);
+
+    let mut done = vec![];
+    for _ in 0..3 {
+        let run = svc.submit(json!({"flow": "fan"})).await;
+        assert_eq!(status_of(&svc.wait_run(run).await), Status::Done);
+        done.push(run);
+    }
+    let kept = svc.submit(json!({"agent": "slow", "input": "wait"})).await;
+    svc.wait_running(kept).await;
+    let with_runs = disk_use(&work);
+    assert!(with_runs.1 >= before.1 + 12, "{before:?} -> {with_runs:?}");
+    for run in &done {
+        assert!(work.join(run.to_string()).is_dir());
+    }
+
+    let later = std::time::SystemTime::now() + std::time::Duration::from_secs(2 * 3600);
+    let mut forgotten = svc.service.forget_finished(later).await.unwrap();
+    forgotten.sort();
+    done.sort();
+    assert_eq!(forgotten, done);
+    for run in &done {
+        assert!(
+            !work.join(run.to_string()).exists(),
+            "{run}'s workdir is still there"
+        );
+    }
+    // What is left is the running run's, and nothing else.
+    assert!(work.join(kept.to_string()).is_dir());
+    let kept_use = disk_use(&work.join(kept.to_string()));
+    assert_eq!(
+        disk_use(&work),
+        (before.0 + kept_use.0, before.1 + kept_use.1),
+        "work/ is back to where it was, but for the kept run"
+    );
+    svc.stop().await;
+}
+
 /// A long-lived node forgets a finished run once it has been over for
 /// `keep_finished`: its records, its events, its idempotency key and its
 /// place in the lists, for good (a restart does not bring it back). A run
