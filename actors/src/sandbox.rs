@@ -85,8 +85,10 @@ pub enum SandboxMsg {
         timeout: Option<Duration>,
         reply: RpcReplyPort<ExecOutcome>,
     },
-    /// A command finished; these paths changed.
-    ExecEnded {
+    /// A command or an MCP call ended; these paths of the workdir changed
+    /// while it ran (I-24: what the runtime saw written). Cast before the
+    /// reply, so the job's next `Artifacts` comes after it.
+    Wrote {
         changed: Vec<String>,
     },
     ReadFile {
@@ -232,13 +234,13 @@ impl Actor for Sandbox {
                 };
                 tokio::spawn(async move {
                     let outcome = job.run(&command).await;
-                    let _ = myself.cast(SandboxMsg::ExecEnded {
+                    let _ = myself.cast(SandboxMsg::Wrote {
                         changed: outcome.changed.clone(),
                     });
                     let _ = reply.send(outcome);
                 });
             }
-            SandboxMsg::ExecEnded { changed } => {
+            SandboxMsg::Wrote { changed } => {
                 state.artifacts.extend(changed);
             }
             SandboxMsg::ReadFile { path, reply } => {
@@ -322,6 +324,10 @@ impl Actor for Sandbox {
                     .entry(server.name.clone())
                     .or_default()
                     .clone();
+                // A stdio server runs in the workdir: what it writes there
+                // during a call is the job's, as a command's is (I-24).
+                let watched =
+                    matches!(server.transport, McpTransport::Stdio(_)).then(|| state.how.clone());
                 let job = McpCallJob {
                     how: state.how.clone(),
                     groups: state.groups.clone(),
@@ -330,7 +336,17 @@ impl Actor for Sandbox {
                     spec: server,
                 };
                 tokio::spawn(async move {
-                    let _ = reply.send(job.run(&tool, arguments, &traceparent).await);
+                    let workdir_snapshot =
+                        |how: &HowCommandsRun| how.workdir.made.get().map(|d| snapshot(d));
+                    let before = watched.as_deref().and_then(workdir_snapshot);
+                    let result = job.run(&tool, arguments, &traceparent).await;
+                    if let Some(after) = watched.as_deref().and_then(workdir_snapshot) {
+                        let changed = changed_since(&before.unwrap_or_default(), after);
+                        if !changed.is_empty() {
+                            let _ = myself.cast(SandboxMsg::Wrote { changed });
+                        }
+                    }
+                    let _ = reply.send(result);
                 });
             }
         }
@@ -867,12 +883,7 @@ impl ExecJob {
         // What it has written by now is what the model gets.
         outcome.stdout = take_output(stdout, &self.how.secrets).await;
         outcome.stderr = take_output(stderr, &self.how.secrets).await;
-        let after = snapshot(&workdir);
-        outcome.changed = after
-            .iter()
-            .filter(|(path, meta)| before.get(*path) != Some(meta))
-            .map(|(path, _)| path.clone())
-            .collect();
+        outcome.changed = changed_since(&before, snapshot(&workdir));
         outcome
     }
 
@@ -978,6 +989,15 @@ fn snapshot(root: &Path) -> Snapshot {
         }
     }
     files
+}
+
+/// The files of `after` that are new or changed since `before`.
+fn changed_since(before: &Snapshot, after: Snapshot) -> Vec<String> {
+    after
+        .into_iter()
+        .filter(|(path, meta)| before.get(path) != Some(meta))
+        .map(|(path, _)| path)
+        .collect()
 }
 
 fn normalize(path: &str) -> String {

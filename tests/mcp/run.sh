@@ -123,6 +123,10 @@ one(events, n["scribe"], "mcp__files__list_directory", True, "notes.md")
 one(events, n["scribe"], "mcp__files__read_text_file", True, "Tide pools hold anemones")
 notes = os.path.join(n["scribe"]["workdir"], "notes.md")
 assert open(notes).read().startswith("Tide pools"), notes
+# I-24: the file the server wrote is the scribe's artifact, which its
+# delegation required.
+assert "notes.md" in n["scribe"]["artifacts"], n["scribe"]
+assert n["scribe"]["task_status"] == "completed", n["scribe"]
 one(events, n["adder"], "mcp__everything__get-sum", True, "7")
 one(events, n["adder"], "mcp__everything__echo", True, "7 anemones")
 one(events, n["slow"], "mcp__everything__trigger-long-running-operation", False, "timed_out")

@@ -769,3 +769,32 @@ async fn inv_27_an_http_server_that_redirects_never_gets_its_headers_carried_els
         seen.lock().unwrap()
     );
 }
+
+/// I-24: a file an MCP server wrote in the job's workdir during a call is
+/// one the runtime saw written: the job's artifact, which a required
+/// artifact is then met by.
+#[tokio::test]
+async fn inv_24_a_file_an_mcp_server_writes_in_the_workdir_is_an_artifact() {
+    let boss = agent_md(
+        "subagents: [scribe]\nscript:\n  - call: {tool: delegate, args: {jobs: [{agent: scribe, request: write it, label: s, require_artifacts: [report.md]}]}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let scribe = agent_md(&format!(
+        "description: writes through its server\nsandbox: own\nmcp: [t]\nscript:\n{}{SUBMIT}",
+        call("mcp__t__write", "{path: report.md, text: \"# Report\"}")
+    ));
+    let node =
+        TestNode::start_with_config(&server(""), &[("boss", &boss), ("scribe", &scribe)]).await;
+    let run = node.run_agent("boss", "go").await;
+    let tree = node.wait_run(run).await;
+    let (_, s) = tree
+        .nodes()
+        .find(|(_, n)| n.label.as_deref() == Some("s"))
+        .unwrap();
+    assert_eq!(called(&node, run, "mcp__t__write")[0].0, true, "{s:?}");
+    assert!(s.artifacts.iter().any(|a| a == "report.md"), "{s:?}");
+    assert_eq!(
+        (s.status, s.task_status),
+        (Status::Done, Some(arbor_protocol::TaskStatus::Completed)),
+        "{s:?}"
+    );
+}

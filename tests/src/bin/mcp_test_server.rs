@@ -93,6 +93,14 @@ impl ServerHandler for TestServer {
             ),
             tool("pid", "The server's pid.", none()),
             tool(
+                "write",
+                "Writes text to a file of its working directory.",
+                object(
+                    serde_json::json!({"path": {"type": "string"}, "text": {"type": "string"}}),
+                    &["path", "text"],
+                ),
+            ),
+            tool(
                 "sleep",
                 "Waits ms milliseconds.",
                 object(
@@ -150,6 +158,11 @@ impl ServerHandler for TestServer {
             "echo" => text(str_arg("text")),
             "env" => text(std::env::var(str_arg("name")).unwrap_or_default()),
             "pid" => text(std::process::id().to_string()),
+            "write" => {
+                std::fs::write(str_arg("path"), str_arg("text"))
+                    .map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
+                text("written")
+            }
             "sleep" => {
                 let ms = int_arg("ms");
                 tokio::select! {
