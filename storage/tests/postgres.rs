@@ -100,6 +100,73 @@ async fn a_database_of_another_layout_is_refused_with_its_version_and_left_as_it
     assert_eq!(store.open().epoch(), 2, "the refused open began no epoch");
 }
 
+/// `(layout, node)` of each migration `schema` records, in order.
+async fn migrations(schema: &str) -> Vec<(i64, String)> {
+    let (client, connection) =
+        tokio_postgres::connect(&common::database_url(), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    tokio::spawn(connection);
+    let layout: i64 = client
+        .query_one(
+            &format!("SELECT value FROM \"{schema}\".meta WHERE name = 'layout'"),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(layout, i64::from(arbor_storage::PG_LAYOUT));
+    client
+        .query(
+            &format!("SELECT layout, node FROM \"{schema}\".migrations ORDER BY layout"),
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect()
+}
+
+/// A database made by the layout before this one (a frozen copy of what
+/// that release made, without the tables added since) opens: it is
+/// migrated forward, step by step, gains every journal table it lacked,
+/// keeps its epoch and seqs, and takes new records in the new tables. The
+/// next open migrates nothing.
+#[tokio::test]
+#[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
+async fn a_database_made_by_the_previous_layout_is_migrated_forward_and_gains_the_new_tables() {
+    let store = Store::postgres();
+    let schema = options(&store).schema.clone();
+    behind_its_back(&include_str!("fixtures/pg-layout-2.sql").replace("{schema}", &schema)).await;
+
+    let journal = store.open();
+    assert_eq!(journal.epoch(), 5, "its epoch goes on from the old one");
+    assert!(
+        journal.applied_seq() >= 41,
+        "its seqs go on from the old node's"
+    );
+    let id = RunId::new();
+    journal
+        .commit(vec![run(id, Status::Running, journal.epoch())])
+        .await
+        .unwrap();
+    // Tables added after layout 2 are there, and read.
+    assert!(journal.approvals(id).unwrap().is_empty());
+    assert!(journal.tape(id).unwrap().is_empty());
+    drop(journal);
+    assert_eq!(migrations(&schema).await, [(3, "test-node".to_string())]);
+
+    let journal = store.open();
+    assert_eq!(journal.epoch(), 6);
+    assert_eq!(
+        journal.run(id).unwrap().map(|r| r.status),
+        Some(Status::Running)
+    );
+    drop(journal);
+    assert_eq!(migrations(&schema).await.len(), 1, "nothing migrated twice");
+}
+
 #[tokio::test]
 #[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
 async fn a_value_edited_behind_its_back_is_reported_never_skipped() {

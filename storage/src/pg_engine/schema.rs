@@ -11,9 +11,52 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use std::time::{Duration, Instant};
 use tokio_postgres::NoTls;
 
-/// The layout of the tables this build reads and writes (`meta/layout`).
-/// A database whose layout is another is refused, saying which.
-pub const PG_LAYOUT: u32 = 2;
+/// The layout of the tables this build reads and writes (`meta/layout`):
+/// the base layout and every step of `MIGRATIONS` after it. An older
+/// database is migrated forward at a node's open; a newer one is refused,
+/// saying which.
+pub const PG_LAYOUT: u32 = BASE_LAYOUT + MIGRATIONS.len() as u32;
+
+/// The layout a new schema is made at, before the migrations run on it as
+/// they would on an old one: one path to every layout, so a new schema and
+/// a migrated one cannot differ.
+const BASE_LAYOUT: u32 = 1;
+
+/// One step of the layout: from `BASE_LAYOUT + i` to the next, for the
+/// step at index `i`. Run in the open's transaction, under its lock.
+struct Migration {
+    /// What it changes, as `migrations` records it.
+    name: &'static str,
+    ddl: fn(&Sql) -> String,
+}
+
+/// Every step, in order. A new one goes at the end; none is ever edited.
+const MIGRATIONS: [Migration; 2] = [
+    Migration {
+        name: "a run may be queued in the database, owned by no node yet",
+        ddl: |sql| {
+            format!(
+                "ALTER TABLE {owners} ALTER COLUMN node DROP NOT NULL;
+                 ALTER TABLE {owners} ADD COLUMN IF NOT EXISTS queued timestamptz;
+                 ALTER TABLE {owners} ADD CONSTRAINT owners_queued_or_owned
+                   CHECK ((node IS NULL) = (queued IS NOT NULL));
+                 CREATE INDEX IF NOT EXISTS owners_queued ON {owners} (queued, run) WHERE node IS NULL;",
+                owners = sql.owners
+            )
+        },
+    },
+    Migration {
+        name: "each migration is recorded with when and by which node",
+        ddl: |sql| {
+            format!(
+                "CREATE TABLE IF NOT EXISTS {migrations} (layout bigint PRIMARY KEY,
+                   name text NOT NULL, node text NOT NULL,
+                   applied_at timestamptz NOT NULL DEFAULT now());",
+                migrations = sql.migrations
+            )
+        },
+    },
+];
 
 /// Connections in the pool for reads (the writer holds one of them).
 const POOL_SIZE: usize = 8;
@@ -33,6 +76,7 @@ pub(crate) struct Sql {
     pub(crate) owners: String,
     pub(crate) claims: String,
     pub(crate) requests: String,
+    pub(crate) migrations: String,
     /// The channel a submission is announced on (`queue.rs`).
     pub(crate) channel: String,
 }
@@ -48,6 +92,7 @@ impl Sql {
             owners: qualified("owners"),
             claims: qualified("claims"),
             requests: qualified("requests"),
+            migrations: qualified("migrations"),
             // A channel's name has at most 63 bytes, as a schema's.
             channel: if schema.len() <= 57 {
                 format!("arbor.{schema}")
@@ -317,47 +362,11 @@ pub(crate) async fn open(options: PgOptions, read_only: bool) -> Result<Opened, 
         .await
         .map_err(db_error)?;
         if !exists {
-            let mut ddl = format!(
-                "CREATE SCHEMA IF NOT EXISTS \"{schema}\";
-                 CREATE TABLE IF NOT EXISTS {meta} (name text PRIMARY KEY, value bigint NOT NULL);
-                 CREATE TABLE IF NOT EXISTS {seqs} (node text PRIMARY KEY, seq bigint NOT NULL);
-                 CREATE TABLE IF NOT EXISTS {nodes} (id text PRIMARY KEY, epoch bigint NOT NULL,
-                   deadline timestamptz NOT NULL, lease_ms bigint NOT NULL,
-                   opened_at timestamptz NOT NULL DEFAULT now(),
-                   renewed_at timestamptz NOT NULL DEFAULT now(),
-                   draining boolean NOT NULL DEFAULT false);
-                 CREATE TABLE IF NOT EXISTS {owners} (run bytea PRIMARY KEY, node text,
-                   node_epoch bigint NOT NULL, epoch bigint NOT NULL, ended boolean NOT NULL,
-                   settled boolean NOT NULL DEFAULT false, queued timestamptz,
-                   CHECK ((node IS NULL) = (queued IS NOT NULL)));
-                 CREATE INDEX IF NOT EXISTS owners_unsettled ON {owners} (node) WHERE NOT settled;
-                 CREATE INDEX IF NOT EXISTS owners_queued ON {owners} (queued, run) WHERE node IS NULL;
-                 CREATE TABLE IF NOT EXISTS {requests} (id bigserial PRIMARY KEY, run bytea NOT NULL,
-                   body bytea NOT NULL, sent_at timestamptz NOT NULL DEFAULT now(),
-                   answer bytea, answered_at timestamptz);
-                 CREATE INDEX IF NOT EXISTS requests_open ON {requests} (run) WHERE answer IS NULL;
-                 CREATE TABLE IF NOT EXISTS {claims} (run bytea NOT NULL, epoch bigint NOT NULL,
-                   node text NOT NULL, node_epoch bigint NOT NULL,
-                   claimed_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (run, epoch));
-                 INSERT INTO {meta} VALUES ('{META_FORMAT}', {format}), ('{META_LAYOUT}', {PG_LAYOUT}), ('{META_EPOCH}', 0)
-                   ON CONFLICT (name) DO NOTHING;",
-                schema = options.schema,
-                meta = sql.meta,
-                seqs = sql.seqs,
-                nodes = sql.nodes,
-                owners = sql.owners,
-                claims = sql.claims,
-                requests = sql.requests,
-                format = codec::FORMAT_VERSION,
-            );
-            for table in &sql.tables {
-                ddl.push_str(&format!(
-                    "CREATE TABLE IF NOT EXISTS {table} \
-                     (key bytea PRIMARY KEY, seq bigint NOT NULL, value bytea NOT NULL);"
-                ));
-            }
-            tx.batch_execute(&ddl).await.map_err(db_error)?;
+            tx.batch_execute(&base_layout(&sql, &options.schema))
+                .await
+                .map_err(db_error)?;
         }
+        migrate(&tx, &sql, &place, &options.node).await?;
     }
 
     let meta = tx
@@ -369,6 +378,7 @@ pub(crate) async fn open(options: PgOptions, read_only: bool) -> Result<Opened, 
             .find(|row| row.get::<_, &str>(0) == name)
             .map(|row| row.get(1))
     };
+    // A read-only open migrates nothing: it reads only the layout it knows.
     for (name, supported) in [
         (META_FORMAT, u32::from(codec::FORMAT_VERSION)),
         (META_LAYOUT, PG_LAYOUT),
@@ -423,6 +433,112 @@ pub(crate) async fn open(options: PgOptions, read_only: bool) -> Result<Opened, 
         holder,
         last_seq,
     })
+}
+
+/// The schema at `BASE_LAYOUT`, as the first release of this engine made it.
+fn base_layout(sql: &Sql, schema: &str) -> String {
+    format!(
+        "CREATE SCHEMA IF NOT EXISTS \"{schema}\";
+         CREATE TABLE IF NOT EXISTS {meta} (name text PRIMARY KEY, value bigint NOT NULL);
+         CREATE TABLE IF NOT EXISTS {seqs} (node text PRIMARY KEY, seq bigint NOT NULL);
+         CREATE TABLE IF NOT EXISTS {nodes} (id text PRIMARY KEY, epoch bigint NOT NULL,
+           deadline timestamptz NOT NULL, lease_ms bigint NOT NULL,
+           opened_at timestamptz NOT NULL DEFAULT now(),
+           renewed_at timestamptz NOT NULL DEFAULT now(),
+           draining boolean NOT NULL DEFAULT false);
+         CREATE TABLE IF NOT EXISTS {owners} (run bytea PRIMARY KEY, node text NOT NULL,
+           node_epoch bigint NOT NULL, epoch bigint NOT NULL, ended boolean NOT NULL,
+           settled boolean NOT NULL DEFAULT false);
+         CREATE INDEX IF NOT EXISTS owners_unsettled ON {owners} (node) WHERE NOT settled;
+         CREATE TABLE IF NOT EXISTS {requests} (id bigserial PRIMARY KEY, run bytea NOT NULL,
+           body bytea NOT NULL, sent_at timestamptz NOT NULL DEFAULT now(),
+           answer bytea, answered_at timestamptz);
+         CREATE INDEX IF NOT EXISTS requests_open ON {requests} (run) WHERE answer IS NULL;
+         CREATE TABLE IF NOT EXISTS {claims} (run bytea NOT NULL, epoch bigint NOT NULL,
+           node text NOT NULL, node_epoch bigint NOT NULL,
+           claimed_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (run, epoch));
+         INSERT INTO {meta} VALUES ('{META_FORMAT}', {format}), ('{META_LAYOUT}', {BASE_LAYOUT}), ('{META_EPOCH}', 0)
+           ON CONFLICT (name) DO NOTHING;",
+        meta = sql.meta,
+        seqs = sql.seqs,
+        nodes = sql.nodes,
+        owners = sql.owners,
+        claims = sql.claims,
+        requests = sql.requests,
+        format = codec::FORMAT_VERSION,
+    )
+}
+
+/// Brings the schema to `PG_LAYOUT`, a step at a time, each recorded once
+/// `migrations` exists; then makes every journal table that is missing (a
+/// table added to `JOURNAL_TABLES` needs no step of its own). A layout newer
+/// than this build's, or older than its base, is refused and nothing changes.
+async fn migrate(
+    tx: &deadpool_postgres::Transaction<'_>,
+    sql: &Sql,
+    place: &str,
+    node: &str,
+) -> Result<(), Error> {
+    let found: i64 = tx
+        .query_opt(
+            &format!(
+                "SELECT value FROM {} WHERE name = '{META_LAYOUT}'",
+                sql.meta
+            ),
+            &[],
+        )
+        .await
+        .map_err(db_error)?
+        .map_or(-1, |row| row.get(0));
+    let refused = || Error::FormatVersion {
+        dir: place.to_string(),
+        found: u32::try_from(found).unwrap_or(0),
+        supported: PG_LAYOUT,
+    };
+    let from = u32::try_from(found).map_err(|_| refused())?;
+    if !(BASE_LAYOUT..=PG_LAYOUT).contains(&from) {
+        return Err(refused());
+    }
+    for (layout, step) in (BASE_LAYOUT + 1..)
+        .zip(&MIGRATIONS)
+        .skip((from - BASE_LAYOUT) as usize)
+    {
+        tx.batch_execute(&(step.ddl)(sql)).await.map_err(db_error)?;
+        tx.execute(
+            &format!(
+                "UPDATE {} SET value = $1 WHERE name = '{META_LAYOUT}'",
+                sql.meta
+            ),
+            &[&i64::from(layout)],
+        )
+        .await
+        .map_err(db_error)?;
+        let recorded = tx
+            .query_one("SELECT to_regclass($1) IS NOT NULL", &[&sql.migrations])
+            .await
+            .map_err(db_error)?
+            .get::<_, bool>(0);
+        if recorded {
+            tx.execute(
+                &format!(
+                    "INSERT INTO {} (layout, name, node) VALUES ($1, $2, $3)",
+                    sql.migrations
+                ),
+                &[&i64::from(layout), &step.name, &node],
+            )
+            .await
+            .map_err(db_error)?;
+        }
+        tracing::info!(layout, step = step.name, "migrated the journal's layout");
+    }
+    let mut ddl = String::new();
+    for table in &sql.tables {
+        ddl.push_str(&format!(
+            "CREATE TABLE IF NOT EXISTS {table} \
+             (key bytea PRIMARY KEY, seq bigint NOT NULL, value bytea NOT NULL);"
+        ));
+    }
+    tx.batch_execute(&ddl).await.map_err(db_error)
 }
 
 /// The highest seq any node has written: where an open, or a claim, goes on.
