@@ -264,164 +264,180 @@ impl Actor for Account {
         message: Self::Msg,
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
-        match message {
-            AccountMsg::Reserve { asks, share, reply } => {
-                let result = state.ledger.plan_grants(&asks, share);
-                if let Ok(grants) = &result {
-                    let usd = state.ledger.usd.is_some();
-                    let mut ops = vec![];
-                    for (ask, grant) in asks.iter().zip(grants) {
+        let handled = handle_message(message, state).await;
+        // I-14 after every message, in every test build.
+        if let Err(breach) = state.ledger.check() {
+            debug_assert!(false, "{:?}: {breach}", state.owner);
+        }
+        handled
+    }
+}
+
+async fn handle_message(
+    message: AccountMsg,
+    state: &mut AccountState,
+) -> Result<(), ActorProcessingErr> {
+    match message {
+        AccountMsg::Reserve { asks, share, reply } => {
+            let result = state.ledger.plan_grants(&asks, share);
+            if let Ok(grants) = &result {
+                let usd = state.ledger.usd.is_some();
+                let mut ops = vec![];
+                for (ask, grant) in asks.iter().zip(grants) {
+                    ops.push((
+                        Unit::Tokens,
+                        LedgerOp::Hold {
+                            child: ask.child,
+                            amount: grant.tokens,
+                        },
+                    ));
+                    if let (true, Some(micros)) = (usd, grant.usd_micros) {
                         ops.push((
-                            Unit::Tokens,
+                            Unit::UsdMicros,
                             LedgerOp::Hold {
                                 child: ask.child,
-                                amount: grant.tokens,
+                                amount: micros,
                             },
                         ));
-                        if let (true, Some(micros)) = (usd, grant.usd_micros) {
-                            ops.push((
-                                Unit::UsdMicros,
-                                LedgerOp::Hold {
-                                    child: ask.child,
-                                    amount: micros,
-                                },
-                            ));
-                        }
                     }
-                    for (ask, grant) in asks.iter().zip(grants) {
-                        state.ledger.hold_child(ask.child, *grant);
-                    }
-                    // Appended: every caller commits its children's records
-                    // after this reply and before any child starts (I-29),
-                    // and that commit makes these holds durable first.
-                    state.append_and_publish(ops, None)?;
                 }
-                let _ = reply.send(result);
+                for (ask, grant) in asks.iter().zip(grants) {
+                    state.ledger.hold_child(ask.child, *grant);
+                }
+                // Appended: every caller commits its children's records
+                // after this reply and before any child starts (I-29),
+                // and that commit makes these holds durable first.
+                state.append_and_publish(ops, None)?;
             }
-            AccountMsg::ReserveCall {
-                input_estimate,
-                max_output_limit,
-                price,
-                billed,
-                reply,
-            } => {
-                // The first call its parent reserved: planned again from
-                // the same figures, it is used if it is the same call.
-                let first = state.first_call.take();
-                if let Some(first) = first {
-                    state.ledger.settle_call(first.hold.reserved, Amount::ZERO);
-                }
-                let result = state
-                    .ledger
-                    .plan_call(input_estimate, max_output_limit, price);
-                if let Some(first) = first {
-                    if result.as_ref().ok() == Some(&first.hold) && billed == first.billed {
-                        // Durable since the admission (I-11, I-31).
-                        state.ledger.hold_call(first.hold.reserved);
-                        state.publish();
-                        let _ = reply.send(result);
-                        return Ok(());
-                    }
-                    // Another call than planned: the parent's hold is
-                    // released, durable with the reservation that follows
-                    // or with the owner's next commit.
-                    let ops = state.ledger.ops_pair(
-                        first.hold.reserved,
-                        Amount::ZERO,
-                        |reserved, spent| LedgerOp::CallSettle { reserved, spent },
-                    );
-                    state.append_entries(ops)?;
-                }
-                if let Ok(hold) = &result {
-                    let reserved = hold.reserved;
-                    let ops = state.ledger.reserve_ops(reserved, billed);
-                    // Durable before the request goes out: a crash after it
-                    // must find the call reserved (I-11, I-31).
-                    state.commit_entries(ops).await?;
-                    state.ledger.hold_call(reserved);
+            let _ = reply.send(result);
+        }
+        AccountMsg::ReserveCall {
+            input_estimate,
+            max_output_limit,
+            price,
+            billed,
+            reply,
+        } => {
+            // The first call its parent reserved: planned again from
+            // the same figures, it is used if it is the same call.
+            let first = state.first_call.take();
+            if let Some(first) = first {
+                state.ledger.settle_call(first.hold.reserved, Amount::ZERO);
+            }
+            let result = state
+                .ledger
+                .plan_call(input_estimate, max_output_limit, price);
+            if let Some(first) = first {
+                if result.as_ref().ok() == Some(&first.hold) && billed == first.billed {
+                    // Durable since the admission (I-11, I-31).
+                    state.ledger.hold_call(first.hold.reserved);
                     state.publish();
-                }
-                let _ = reply.send(result);
-            }
-            AccountMsg::SettleCall {
-                reserved,
-                spent,
-                event,
-                reply,
-            } => {
-                if state.ledger.closed {
-                    // The close released this call's hold uncharged (its loop
-                    // was stopped mid-call); settling it again would refund
-                    // it twice and charge a closed account.
-                    tracing::warn!(owner = ?state.owner, "a model call settled after its account closed; its hold was already released");
-                    let _ = reply.send(());
+                    let _ = reply.send(result);
                     return Ok(());
                 }
-                state.ledger.settle_call(reserved, spent);
-                let ops = state.ledger.ops_pair(reserved, spent, |reserved, spent| {
-                    LedgerOp::CallSettle { reserved, spent }
-                });
-                // Appended: the job's next commit (its next call's
-                // reservation, a delegation's admission, its settlement)
-                // makes it durable before anything acts on it. A crash before
-                // that finds the call still reserved, which recovery charges
-                // in full if it was billed (never less than it cost, I-31).
-                state.append_and_publish(ops, event)?;
-                let _ = reply.send(());
+                // Another call than planned: the parent's hold is
+                // released, durable with the reservation that follows
+                // or with the owner's next commit.
+                let ops =
+                    state
+                        .ledger
+                        .ops_pair(first.hold.reserved, Amount::ZERO, |reserved, spent| {
+                            LedgerOp::CallSettle { reserved, spent }
+                        });
+                state.append_entries(ops)?;
             }
-            AccountMsg::Settle {
-                child,
-                spent,
-                reply,
-            } => {
-                if let Some(granted) = state.ledger.settle_child(child, spent) {
-                    let ops =
-                        state
-                            .ledger
-                            .ops_pair(granted, spent, |granted, spent| LedgerOp::Release {
-                                child,
-                                granted,
-                                spent,
-                            });
-                    // Appended: the caller commits the child's terminal record
-                    // next, which makes this durable with it.
-                    state.append_and_publish(ops, None)?;
-                }
-                let _ = reply.send(());
+            if let Ok(hold) = &result {
+                let reserved = hold.reserved;
+                let ops = state.ledger.reserve_ops(reserved, billed);
+                // Durable before the request goes out: a crash after it
+                // must find the call reserved (I-11, I-31).
+                state.commit_entries(ops).await?;
+                state.ledger.hold_call(reserved);
+                state.publish();
             }
-            AccountMsg::Close { reply } => {
-                // A call whose loop was stopped mid-flight never reported
-                // usage: its hold is released uncharged, so a closed account
-                // holds nothing.
-                let outstanding = state.ledger.held_calls();
-                if outstanding != Amount::ZERO {
-                    state.ledger.settle_call(outstanding, Amount::ZERO);
-                    let ops =
-                        state
-                            .ledger
-                            .ops_pair(outstanding, Amount::ZERO, |reserved, spent| {
-                                LedgerOp::CallSettle { reserved, spent }
-                            });
-                    state.append_and_publish(ops, None)?;
-                }
-                state.ledger.closed = true;
-                let ops = state
+            let _ = reply.send(result);
+        }
+        AccountMsg::SettleCall {
+            reserved,
+            spent,
+            event,
+            reply,
+        } => {
+            if state.ledger.closed {
+                // The close released this call's hold uncharged (its loop
+                // was stopped mid-call); settling it again would refund
+                // it twice and charge a closed account.
+                tracing::warn!(owner = ?state.owner, "a model call settled after its account closed; its hold was already released");
+                let _ = reply.send(());
+                return Ok(());
+            }
+            state.ledger.settle_call(reserved, spent);
+            let ops =
+                state
                     .ledger
-                    .ops(state.ledger.spent_amount(), |spent| LedgerOp::Close {
+                    .ops_pair(reserved, spent, |reserved, spent| LedgerOp::CallSettle {
+                        reserved,
                         spent,
                     });
-                // Appended: the owner's parent commits the owner's terminal
-                // record (the run its own) once it hears of this, and that
-                // commit makes it durable first.
-                state.append_entries(ops)?;
-                let _ = reply.send(state.ledger.closed_view());
-            }
-            AccountMsg::Snapshot { reply } => {
-                let _ = reply.send(state.ledger.view());
-            }
+            // Appended: the job's next commit (its next call's
+            // reservation, a delegation's admission, its settlement)
+            // makes it durable before anything acts on it. A crash before
+            // that finds the call still reserved, which recovery charges
+            // in full if it was billed (never less than it cost, I-31).
+            state.append_and_publish(ops, event)?;
+            let _ = reply.send(());
         }
-        Ok(())
+        AccountMsg::Settle {
+            child,
+            spent,
+            reply,
+        } => {
+            if let Some(granted) = state.ledger.settle_child(child, spent) {
+                let ops =
+                    state
+                        .ledger
+                        .ops_pair(granted, spent, |granted, spent| LedgerOp::Release {
+                            child,
+                            granted,
+                            spent,
+                        });
+                // Appended: the caller commits the child's terminal record
+                // next, which makes this durable with it.
+                state.append_and_publish(ops, None)?;
+            }
+            let _ = reply.send(());
+        }
+        AccountMsg::Close { reply } => {
+            // A call whose loop was stopped mid-flight never reported
+            // usage: its hold is released uncharged, so a closed account
+            // holds nothing.
+            let outstanding = state.ledger.held_calls();
+            if outstanding != Amount::ZERO {
+                state.ledger.settle_call(outstanding, Amount::ZERO);
+                let ops = state
+                    .ledger
+                    .ops_pair(outstanding, Amount::ZERO, |reserved, spent| {
+                        LedgerOp::CallSettle { reserved, spent }
+                    });
+                state.append_and_publish(ops, None)?;
+            }
+            state.ledger.closed = true;
+            let ops = state
+                .ledger
+                .ops(state.ledger.spent_amount(), |spent| LedgerOp::Close {
+                    spent,
+                });
+            // Appended: the owner's parent commits the owner's terminal
+            // record (the run its own) once it hears of this, and that
+            // commit makes it durable first.
+            state.append_entries(ops)?;
+            let _ = reply.send(state.ledger.closed_view());
+        }
+        AccountMsg::Snapshot { reply } => {
+            let _ = reply.send(state.ledger.view());
+        }
     }
+    Ok(())
 }
 
 pub struct AccountState {
@@ -554,6 +570,10 @@ struct Purse {
     held_children: BTreeMap<JobId, u64>,
     held_calls: u64,
     wind_down_at: u64,
+    /// What was charged past its hold: a provider that reported more than
+    /// its call reserved, or a child that spent more than its grant (each
+    /// an `BudgetOverrun` event). The one way spent and held pass the grant.
+    overrun: u64,
 }
 
 impl Purse {
@@ -581,6 +601,31 @@ impl Purse {
             spent: self.spent(),
             held: self.held(),
         }
+    }
+    /// I-14: spent and held within the grant, but for what was overrun.
+    fn check(&self, unit: &str) -> Result<(), String> {
+        if self.spent() + self.held() > self.grant + self.overrun {
+            return Err(format!(
+                "{unit}: spent {} + held {} exceed grant {} (+ overrun {})",
+                self.spent(),
+                self.held(),
+                self.grant,
+                self.overrun
+            ));
+        }
+        Ok(())
+    }
+    /// Releases a call's hold and charges what it cost: never more hold
+    /// than is held (a second settlement of one call would be caught here).
+    fn settle_call(&mut self, reserved: u64, spent: u64) {
+        debug_assert!(
+            reserved <= self.held_calls,
+            "a call settles {reserved} but {} is held for calls",
+            self.held_calls
+        );
+        self.held_calls = self.held_calls.saturating_sub(reserved);
+        self.own_spent += spent;
+        self.overrun += spent.saturating_sub(reserved);
     }
     /// I-08, I-09 in one unit: the grants, or why none (in this unit's words).
     fn plan(
@@ -648,8 +693,12 @@ impl Ledger {
     ) -> Self {
         let mut ledger = Self::with_usd(grant, grant_usd_micros, wind_down);
         ledger.tokens.children_spent = spent.tokens;
+        ledger.tokens.overrun = spent.tokens.saturating_sub(grant);
         match &mut ledger.usd {
-            Some(usd) => usd.children_spent = spent.usd_micros,
+            Some(usd) => {
+                usd.children_spent = spent.usd_micros;
+                usd.overrun = spent.usd_micros.saturating_sub(usd.grant);
+            }
             None => ledger.usd_metered = spent.usd_micros,
         }
         ledger
@@ -862,14 +911,19 @@ impl Ledger {
     }
 
     pub fn settle_call(&mut self, reserved: Amount, spent: Amount) {
-        self.tokens.held_calls = self.tokens.held_calls.saturating_sub(reserved.tokens);
-        self.tokens.own_spent += spent.tokens;
+        self.tokens.settle_call(reserved.tokens, spent.tokens);
         match &mut self.usd {
-            Some(purse) => {
-                purse.held_calls = purse.held_calls.saturating_sub(reserved.usd_micros);
-                purse.own_spent += spent.usd_micros;
-            }
+            Some(purse) => purse.settle_call(reserved.usd_micros, spent.usd_micros),
             None => self.usd_metered += spent.usd_micros,
+        }
+    }
+
+    /// I-14 in each unit (`Purse::check`).
+    pub fn check(&self) -> Result<(), String> {
+        self.tokens.check("tokens")?;
+        match &self.usd {
+            Some(purse) => purse.check("micro-dollars"),
+            None => Ok(()),
         }
     }
 
@@ -878,11 +932,13 @@ impl Ledger {
     pub fn settle_child(&mut self, child: JobId, spent: Amount) -> Option<Amount> {
         let tokens = self.tokens.held_children.remove(&child)?;
         self.tokens.children_spent += spent.tokens;
+        self.tokens.overrun += spent.tokens.saturating_sub(tokens);
         let mut usd_micros = 0;
         match &mut self.usd {
             Some(purse) => {
                 usd_micros = purse.held_children.remove(&child).unwrap_or(0);
                 purse.children_spent += spent.usd_micros;
+                purse.overrun += spent.usd_micros.saturating_sub(usd_micros);
             }
             None => self.usd_metered += spent.usd_micros,
         }

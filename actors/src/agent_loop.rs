@@ -998,6 +998,12 @@ pub fn grade(
             missing_artifacts.join(", ")
         ));
     }
+    // I-22: the machine's checks only ever lower what the agent declared.
+    debug_assert!(
+        outcome.declared.is_none_or(|declared| status <= declared),
+        "{status:?} is above the declared {:?}",
+        outcome.declared
+    );
     (status, notes)
 }
 

@@ -111,6 +111,8 @@ pub struct Tree {
     entries: HashMap<JobId, Entry>,
     /// Every event applied, as the run's bounded timeline would keep them.
     timeline_len: u64,
+    /// The last event's seq: events are applied in seq order (I-39).
+    last_seq: u64,
 }
 
 impl Tree {
@@ -149,6 +151,7 @@ impl Tree {
             root_own_usd_micros: 0,
             entries: HashMap::new(),
             timeline_len: 0,
+            last_seq: 0,
         }
     }
 
@@ -161,6 +164,14 @@ impl Tree {
         if event.run != self.run {
             return;
         }
+        // I-39: a run's events are folded in the order they were emitted.
+        debug_assert!(
+            event.seq > self.last_seq || event.seq == 0,
+            "event {} applied after {}",
+            event.seq,
+            self.last_seq
+        );
+        self.last_seq = event.seq;
         if let Some(id) = event.kind.job()
             && let Some(entry) = self.entries.get_mut(&id)
         {

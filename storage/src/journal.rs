@@ -475,6 +475,13 @@ impl Journal {
             let record = table
                 .decode(value)
                 .map_err(|error| codec::undecodable(table.def.name, key, error))?;
+            // A record's shape after decode (test builds): stored under its key.
+            debug_assert!(
+                table.check_key(key, &record).is_ok(),
+                "{}: {:?}",
+                table.def.name,
+                table.check_key(key, &record)
+            );
             records.push(record);
             Ok(())
         })?;
@@ -486,10 +493,16 @@ impl Journal {
         let Some(value) = self.engine.get(&table.def, key)? else {
             return Ok(None);
         };
-        table
+        let record = table
             .decode(&value)
-            .map(Some)
-            .map_err(|error| codec::undecodable(table.def.name, key, error))
+            .map_err(|error| codec::undecodable(table.def.name, key, error))?;
+        debug_assert!(
+            table.check_key(key, &record).is_ok(),
+            "{}: {:?}",
+            table.def.name,
+            table.check_key(key, &record)
+        );
+        Ok(Some(record))
     }
 
     /// Every run, in key (creation) order.

@@ -137,12 +137,34 @@ impl<R> Table<R> {
             KeyOf::Whole(key) => Key::Whole(key(record)),
             KeyOf::Seq(owner) => Key::Seq(owner(record)),
         };
+        let value = (self.encode)(record)?;
+        // A record's shape, before it is appended (test builds): its bytes
+        // decode, to a record stored under the same key.
+        if cfg!(debug_assertions) {
+            let back = (self.decode)(&value);
+            debug_assert!(
+                back.as_ref()
+                    .is_ok_and(|back| self.key_bytes(back) == self.key_bytes(record)),
+                "a {} record does not read back as itself: {:?}",
+                self.def.name,
+                back.err()
+            );
+        }
         Ok(Row {
             table: &self.def,
             key,
-            value: (self.encode)(record)?,
+            value,
             epoch: self.epoch.map(|epoch| epoch(record)),
         })
+    }
+
+    /// The key a record is stored under (its owner's prefix, for a table
+    /// keyed by seq).
+    fn key_bytes(&self, record: &R) -> Vec<u8> {
+        match &self.key {
+            KeyOf::Whole(key) => key(record),
+            KeyOf::Seq(owner) => owner(record),
+        }
     }
 
     /// One stored value decoded.
