@@ -1100,6 +1100,26 @@ mod tests {
         );
         assert_eq!(ledger.spent(), 150);
     }
+
+    /// I-14 checked as it runs: an overrun is the one way past the grant,
+    /// and a call settled twice is caught, never saturated away.
+    #[test]
+    fn inv_14_the_ledger_check_allows_an_overrun_and_catches_a_double_settlement() {
+        let mut ledger = Ledger::new(100, 0.8);
+        ledger.hold_call(tokens(90));
+        assert_eq!(ledger.check(), Ok(()));
+        ledger.settle_call(tokens(90), tokens(130));
+        assert_eq!(ledger.check(), Ok(()), "a reported overrun is charged");
+        ledger.tokens.own_spent += 11;
+        assert!(ledger.check().is_err(), "spent past grant and overrun");
+        let twice = std::panic::catch_unwind(move || {
+            let mut ledger = Ledger::new(100, 0.8);
+            ledger.hold_call(tokens(40));
+            ledger.settle_call(tokens(40), tokens(10));
+            ledger.settle_call(tokens(40), tokens(10));
+        });
+        assert!(twice.is_err(), "a second settlement of one call is caught");
+    }
 }
 
 #[cfg(test)]
