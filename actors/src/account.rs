@@ -279,37 +279,7 @@ async fn handle_message(
 ) -> Result<(), ActorProcessingErr> {
     match message {
         AccountMsg::Reserve { asks, share, reply } => {
-            let result = state.ledger.plan_grants(&asks, share);
-            if let Ok(grants) = &result {
-                let usd = state.ledger.usd.is_some();
-                let mut ops = vec![];
-                for (ask, grant) in asks.iter().zip(grants) {
-                    ops.push((
-                        Unit::Tokens,
-                        LedgerOp::Hold {
-                            child: ask.child,
-                            amount: grant.tokens,
-                        },
-                    ));
-                    if let (true, Some(micros)) = (usd, grant.usd_micros) {
-                        ops.push((
-                            Unit::UsdMicros,
-                            LedgerOp::Hold {
-                                child: ask.child,
-                                amount: micros,
-                            },
-                        ));
-                    }
-                }
-                for (ask, grant) in asks.iter().zip(grants) {
-                    state.ledger.hold_child(ask.child, *grant);
-                }
-                // Appended: every caller commits its children's records
-                // after this reply and before any child starts (I-29),
-                // and that commit makes these holds durable first.
-                state.append_and_publish(ops, None)?;
-            }
-            let _ = reply.send(result);
+            let _ = reply.send(state.reserve(&asks, share)?);
         }
         AccountMsg::ReserveCall {
             input_estimate,
@@ -318,44 +288,10 @@ async fn handle_message(
             billed,
             reply,
         } => {
-            // The first call its parent reserved: planned again from
-            // the same figures, it is used if it is the same call.
-            let first = state.first_call.take();
-            if let Some(first) = first {
-                state.ledger.settle_call(first.hold.reserved, Amount::ZERO);
-            }
-            let result = state
-                .ledger
-                .plan_call(input_estimate, max_output_limit, price);
-            if let Some(first) = first {
-                if result.as_ref().ok() == Some(&first.hold) && billed == first.billed {
-                    // Durable since the admission (I-11, I-31).
-                    state.ledger.hold_call(first.hold.reserved);
-                    state.publish();
-                    let _ = reply.send(result);
-                    return Ok(());
-                }
-                // Another call than planned: the parent's hold is
-                // released, durable with the reservation that follows
-                // or with the owner's next commit.
-                let ops =
-                    state
-                        .ledger
-                        .ops_pair(first.hold.reserved, Amount::ZERO, |reserved, spent| {
-                            LedgerOp::CallSettle { reserved, spent }
-                        });
-                state.append_entries(ops)?;
-            }
-            if let Ok(hold) = &result {
-                let reserved = hold.reserved;
-                let ops = state.ledger.reserve_ops(reserved, billed);
-                // Durable before the request goes out: a crash after it
-                // must find the call reserved (I-11, I-31).
-                state.commit_entries(ops).await?;
-                state.ledger.hold_call(reserved);
-                state.publish();
-            }
-            let _ = reply.send(result);
+            let planned = state
+                .reserve_call(input_estimate, max_output_limit, price, billed)
+                .await?;
+            let _ = reply.send(planned);
         }
         AccountMsg::SettleCall {
             reserved,
@@ -363,28 +299,7 @@ async fn handle_message(
             event,
             reply,
         } => {
-            if state.ledger.closed {
-                // The close released this call's hold uncharged (its loop
-                // was stopped mid-call); settling it again would refund
-                // it twice and charge a closed account.
-                tracing::warn!(owner = ?state.owner, "a model call settled after its account closed; its hold was already released");
-                let _ = reply.send(());
-                return Ok(());
-            }
-            state.ledger.settle_call(reserved, spent);
-            let ops =
-                state
-                    .ledger
-                    .ops_pair(reserved, spent, |reserved, spent| LedgerOp::CallSettle {
-                        reserved,
-                        spent,
-                    });
-            // Appended: the job's next commit (its next call's
-            // reservation, a delegation's admission, its settlement)
-            // makes it durable before anything acts on it. A crash before
-            // that finds the call still reserved, which recovery charges
-            // in full if it was billed (never less than it cost, I-31).
-            state.append_and_publish(ops, event)?;
+            state.settle_call(reserved, spent, event)?;
             let _ = reply.send(());
         }
         AccountMsg::Settle {
@@ -392,46 +307,11 @@ async fn handle_message(
             spent,
             reply,
         } => {
-            if let Some(granted) = state.ledger.settle_child(child, spent) {
-                let ops =
-                    state
-                        .ledger
-                        .ops_pair(granted, spent, |granted, spent| LedgerOp::Release {
-                            child,
-                            granted,
-                            spent,
-                        });
-                // Appended: the caller commits the child's terminal record
-                // next, which makes this durable with it.
-                state.append_and_publish(ops, None)?;
-            }
+            state.settle_child(child, spent)?;
             let _ = reply.send(());
         }
         AccountMsg::Close { reply } => {
-            // A call whose loop was stopped mid-flight never reported
-            // usage: its hold is released uncharged, so a closed account
-            // holds nothing.
-            let outstanding = state.ledger.held_calls();
-            if outstanding != Amount::ZERO {
-                state.ledger.settle_call(outstanding, Amount::ZERO);
-                let ops = state
-                    .ledger
-                    .ops_pair(outstanding, Amount::ZERO, |reserved, spent| {
-                        LedgerOp::CallSettle { reserved, spent }
-                    });
-                state.append_and_publish(ops, None)?;
-            }
-            state.ledger.closed = true;
-            let ops = state
-                .ledger
-                .ops(state.ledger.spent_amount(), |spent| LedgerOp::Close {
-                    spent,
-                });
-            // Appended: the owner's parent commits the owner's terminal
-            // record (the run its own) once it hears of this, and that
-            // commit makes it durable first.
-            state.append_entries(ops)?;
-            let _ = reply.send(state.ledger.closed_view());
+            let _ = reply.send(state.close()?);
         }
         AccountMsg::Snapshot { reply } => {
             let _ = reply.send(state.ledger.view());
@@ -496,6 +376,155 @@ impl AccountState {
 
     /// Appends `ops` and, in the same append, emits `first` (the event the
     /// handler tells of, if any) and the account's new figures.
+    /// `Reserve`: holds grants for children, all or none (I-08, I-09).
+    fn reserve(
+        &mut self,
+        asks: &[GrantAsk],
+        share: Share,
+    ) -> Result<Result<Vec<Grant>, Refusal>, ActorProcessingErr> {
+        let result = self.ledger.plan_grants(asks, share);
+        if let Ok(grants) = &result {
+            let usd = self.ledger.usd.is_some();
+            let mut ops = vec![];
+            for (ask, grant) in asks.iter().zip(grants) {
+                let hold = |amount| LedgerOp::Hold {
+                    child: ask.child,
+                    amount,
+                };
+                ops.push((Unit::Tokens, hold(grant.tokens)));
+                if let (true, Some(micros)) = (usd, grant.usd_micros) {
+                    ops.push((Unit::UsdMicros, hold(micros)));
+                }
+                self.ledger.hold_child(ask.child, *grant);
+            }
+            // Appended: every caller commits its children's records after
+            // this reply and before any child starts (I-29), and that commit
+            // makes these holds durable first.
+            self.append_and_publish(ops, None)?;
+        }
+        Ok(result)
+    }
+
+    /// `ReserveCall`: the worst case of one model call, durable before it
+    /// is sent (I-11, I-31).
+    async fn reserve_call(
+        &mut self,
+        input_estimate: u64,
+        max_output_limit: u64,
+        price: Option<Price>,
+        billed: bool,
+    ) -> Result<Result<CallHold, Refusal>, ActorProcessingErr> {
+        // The first call its parent reserved: planned again from the same
+        // figures, it is used if it is the same call.
+        let first = self.first_call.take();
+        if let Some(first) = first {
+            self.ledger.settle_call(first.hold.reserved, Amount::ZERO);
+        }
+        let result = self
+            .ledger
+            .plan_call(input_estimate, max_output_limit, price);
+        if let Some(first) = first {
+            if result.as_ref().ok() == Some(&first.hold) && billed == first.billed {
+                // Durable since the admission (I-11, I-31).
+                self.ledger.hold_call(first.hold.reserved);
+                self.publish();
+                return Ok(result);
+            }
+            // Another call than planned: the parent's hold is released,
+            // durable with the reservation that follows or with the owner's
+            // next commit.
+            let ops = self
+                .ledger
+                .ops_pair(first.hold.reserved, Amount::ZERO, |reserved, spent| {
+                    LedgerOp::CallSettle { reserved, spent }
+                });
+            self.append_entries(ops)?;
+        }
+        if let Ok(hold) = &result {
+            let reserved = hold.reserved;
+            let ops = self.ledger.reserve_ops(reserved, billed);
+            // Durable before the request goes out: a crash after it must
+            // find the call reserved (I-11, I-31).
+            self.commit_entries(ops).await?;
+            self.ledger.hold_call(reserved);
+            self.publish();
+        }
+        Ok(result)
+    }
+
+    /// `SettleCall`: the call came back; its hold released, its use charged.
+    fn settle_call(
+        &mut self,
+        reserved: Amount,
+        spent: Amount,
+        event: Option<EventKind>,
+    ) -> Result<(), ActorProcessingErr> {
+        if self.ledger.closed {
+            // The close released this call's hold uncharged (its loop was
+            // stopped mid-call); settling it again would refund it twice and
+            // charge a closed account.
+            tracing::warn!(owner = ?self.owner, "a model call settled after its account closed; its hold was already released");
+            return Ok(());
+        }
+        self.ledger.settle_call(reserved, spent);
+        let ops = self
+            .ledger
+            .ops_pair(reserved, spent, |reserved, spent| LedgerOp::CallSettle {
+                reserved,
+                spent,
+            });
+        // Appended: the job's next commit (its next call's reservation, a
+        // delegation's admission, its settlement) makes it durable before
+        // anything acts on it. A crash before that finds the call still
+        // reserved, which recovery charges in full if it was billed (never
+        // less than it cost, I-31).
+        self.append_and_publish(ops, event)
+    }
+
+    /// `Settle`: a child is done; its spend charged, the rest freed (I-10).
+    fn settle_child(&mut self, child: JobId, spent: Amount) -> Result<(), ActorProcessingErr> {
+        let Some(granted) = self.ledger.settle_child(child, spent) else {
+            return Ok(());
+        };
+        let ops = self
+            .ledger
+            .ops_pair(granted, spent, |granted, spent| LedgerOp::Release {
+                child,
+                granted,
+                spent,
+            });
+        // Appended: the caller commits the child's terminal record next,
+        // which makes this durable with it.
+        self.append_and_publish(ops, None)
+    }
+
+    /// `Close`: the final figures; no more reservations.
+    fn close(&mut self) -> Result<Closed, ActorProcessingErr> {
+        // A call whose loop was stopped mid-flight never reported usage: its
+        // hold is released uncharged, so a closed account holds nothing.
+        let outstanding = self.ledger.held_calls();
+        if outstanding != Amount::ZERO {
+            self.ledger.settle_call(outstanding, Amount::ZERO);
+            let ops = self
+                .ledger
+                .ops_pair(outstanding, Amount::ZERO, |reserved, spent| {
+                    LedgerOp::CallSettle { reserved, spent }
+                });
+            self.append_and_publish(ops, None)?;
+        }
+        self.ledger.closed = true;
+        let ops = self
+            .ledger
+            .ops(self.ledger.spent_amount(), |spent| LedgerOp::Close {
+                spent,
+            });
+        // Appended: the owner's parent commits the owner's terminal record
+        // (the run its own) once it hears of this, and that commit makes it
+        // durable first.
+        self.append_entries(ops)?;
+        Ok(self.ledger.closed_view())
+    }
+
     fn append_and_publish(
         &mut self,
         ops: Vec<Entry>,

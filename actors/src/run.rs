@@ -16,7 +16,8 @@ use crate::job::{self, Brief, Job, JobMsg, JobStart, Lineage};
 use crate::parent::{ChildEnd, ChildReport, StopReason, record_child_end};
 use crate::policy::Policy;
 use arbor_protocol::{
-    ErrorClass, EventKind, JobId, NodeKind, ParentRef, ResultEnvelope, RunId, RunSpec, Status,
+    AgentDef, ErrorClass, EventKind, JobId, NodeKind, ParentRef, ResultEnvelope, RunId, RunSpec,
+    Status,
 };
 use arbor_storage::{JobRecord, Record, RunRecord};
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
@@ -157,34 +158,26 @@ impl Actor for Run {
         };
         let resume_given = args.resume.is_some();
         let resume = args.resume.unwrap_or_default();
-        if resume_given {
-            // Durable with the record, before anything of the resume acts:
-            // the next recovery counts the resumes (I-48).
-            ctx.events.emit_with(
-                args.id,
-                vec![Record::Run(record)],
-                [EventKind::RunResumed {
-                    epoch: ctx.journal.epoch(),
-                    group: resume.group as u32,
-                }],
-            )?;
-            ctx.journal.flush().await?;
+        // Durable with the run's record, in one append, before anything of
+        // the run acts: a resume is counted by the next recovery (I-48); the
+        // spec, which a resume needs, travels in `RunStarted` (a crash
+        // between the two would leave a running run that cannot resume).
+        let started = if resume_given {
+            EventKind::RunResumed {
+                epoch: ctx.journal.epoch(),
+                group: resume.group as u32,
+            }
         } else {
-            // The spec, which a resume needs, travels in `RunStarted`: it is
-            // made durable with the run's record, in one append, or a crash
-            // between the two leaves a running run that cannot resume.
-            ctx.events.emit_with(
-                args.id,
-                vec![Record::Run(record)],
-                [EventKind::RunStarted {
-                    flow: args.spec.flow.clone(),
-                    budget_tokens: args.spec.budget_tokens,
-                    budget_usd_micros: args.spec.budget_usd_micros,
-                    spec: Box::new(args.spec.clone()),
-                }],
-            )?;
-            ctx.journal.flush().await?;
-        }
+            EventKind::RunStarted {
+                flow: args.spec.flow.clone(),
+                budget_tokens: args.spec.budget_tokens,
+                budget_usd_micros: args.spec.budget_usd_micros,
+                spec: Box::new(args.spec.clone()),
+            }
+        };
+        ctx.events
+            .emit_with(args.id, vec![Record::Run(record)], [started])?;
+        ctx.journal.flush().await?;
         let meter = SpentMeter::default();
         let (account, _) = Actor::spawn_linked(
             None,
@@ -205,25 +198,7 @@ impl Actor for Run {
         .await?;
         let cancel = CancellationToken::new();
         let labels = args.spec.step_labels();
-        let mut steps = BTreeMap::new();
-        for kept in &resume.kept {
-            steps.insert(
-                kept.job,
-                StepEntry {
-                    id: kept.job,
-                    label: kept.label.clone().unwrap_or_default(),
-                    agent: kept.agent.clone(),
-                    actor: None,
-                    grant: Grant {
-                        tokens: 0,
-                        usd_micros: None,
-                    },
-                    meter: SpentMeter::default(),
-                    stop_reason: None,
-                    envelope: Some(kept.clone()),
-                },
-            );
-        }
+        let steps = kept_steps(&resume.kept);
         Ok(RunState {
             run_ctx: Arc::new(
                 RunContext::resumed(args.id, ctx.limits.spawn_cap, resume.spawned)
@@ -406,6 +381,15 @@ pub struct RunState {
     _cancel_on_drop: DropGuard,
 }
 
+/// A step of the group about to start.
+struct PlannedStep {
+    id: JobId,
+    label: String,
+    agent: Arc<AgentDef>,
+    instruction: String,
+    attempt: u32,
+}
+
 impl RunState {
     async fn start_group(&mut self, myself: &ActorRef<RunMsg>) {
         let Some(group) = self.spec.groups.get(self.group).cloned() else {
@@ -427,87 +411,27 @@ impl RunState {
                 return;
             };
             let attempt = self.attempts.get(&label).copied().unwrap_or(0) + 1;
-            planned.push((
-                JobId::new(),
+            planned.push(PlannedStep {
+                id: JobId::new(),
                 label,
                 agent,
-                step.instruction.clone(),
+                instruction: step.instruction.clone(),
                 attempt,
-            ));
+            });
         }
         if planned.is_empty() {
             return;
         }
-        let asks = planned
-            .iter()
-            .map(|(id, _, agent, _, _)| GrantAsk {
-                child: *id,
-                agent: agent.name.clone(),
-                asked: None,
-                agent_max: agent.budget_tokens,
-                asked_usd_micros: None,
-                agent_max_usd_micros: agent.budget_usd_micros,
-            })
-            .collect();
-        let grants = match ractor::call!(self.account, |reply| AccountMsg::Reserve {
-            asks,
-            share: Share::Even,
-            reply
-        }) {
-            Ok(Ok(grants)) => grants,
-            Ok(Err(refusal)) => {
-                self.begin_finish(
-                    Status::Failed,
-                    Some(ErrorClass::BudgetExhausted),
-                    format!("group {} could not start: {refusal}", self.group + 1),
-                );
-                return;
-            }
-            Err(e) => {
-                self.begin_finish(
-                    Status::Failed,
-                    Some(ErrorClass::Internal),
-                    format!("the run's account is gone: {e}"),
-                );
-                return;
-            }
+        let Some(grants) = self.reserve_steps(&planned).await else {
+            return;
         };
         // I-29: the steps' records are durable before any of them starts.
-        let epoch = self.ctx.journal.epoch();
-        let records = planned
-            .iter()
-            .zip(&grants)
-            .map(|((id, label, agent, _, attempt), grant)| {
-                Record::Job(JobRecord {
-                    id: *id,
-                    run: self.id,
-                    parent: ParentRef::Run(self.id),
-                    kind: NodeKind::Step,
-                    agent: agent.name.clone(),
-                    label: Some(label.clone()),
-                    depth: 0,
-                    attempt: *attempt,
-                    grant_tokens: grant.tokens,
-                    workdir: self.step_workdir(label, *attempt).display().to_string(),
-                    status: Status::Pending,
-                    task_status: None,
-                    error_class: None,
-                    reason: None,
-                    output_json: "null".into(),
-                    tokens_spent: 0,
-                    epoch,
-                })
-            })
-            .collect();
+        let records = self.step_records(&planned, &grants);
         let record_seq = match self.ctx.journal.commit(records).await {
             Ok(seq) => seq,
             Err(e) => {
-                for (id, ..) in &planned {
-                    let _ = ractor::call!(self.account, |reply| AccountMsg::Settle {
-                        child: *id,
-                        spent: arbor_protocol::Amount::ZERO,
-                        reply
-                    });
+                for step in &planned {
+                    self.release_step(step.id).await;
                 }
                 self.begin_finish(
                     Status::Failed,
@@ -518,71 +442,168 @@ impl RunState {
             }
         };
         let context = self.previous_results();
-        for ((id, label, agent, instruction, attempt), grant) in planned.into_iter().zip(grants) {
-            let meter = SpentMeter::default();
-            let start = JobStart {
-                ctx: self.ctx.clone(),
-                run_ctx: self.run_ctx.clone(),
-                lineage: Lineage {
-                    id,
+        for (step, grant) in planned.into_iter().zip(grants) {
+            self.spawn_step(myself, step, grant, record_seq, &context)
+                .await;
+        }
+    }
+
+    /// The group's grants, shared evenly; None if the run ends instead.
+    async fn reserve_steps(&mut self, planned: &[PlannedStep]) -> Option<Vec<Grant>> {
+        let asks = planned
+            .iter()
+            .map(|step| GrantAsk {
+                child: step.id,
+                agent: step.agent.name.clone(),
+                asked: None,
+                agent_max: step.agent.budget_tokens,
+                asked_usd_micros: None,
+                agent_max_usd_micros: step.agent.budget_usd_micros,
+            })
+            .collect();
+        match ractor::call!(self.account, |reply| AccountMsg::Reserve {
+            asks,
+            share: Share::Even,
+            reply
+        }) {
+            Ok(Ok(grants)) => Some(grants),
+            Ok(Err(refusal)) => {
+                self.begin_finish(
+                    Status::Failed,
+                    Some(ErrorClass::BudgetExhausted),
+                    format!("group {} could not start: {refusal}", self.group + 1),
+                );
+                None
+            }
+            Err(e) => {
+                self.begin_finish(
+                    Status::Failed,
+                    Some(ErrorClass::Internal),
+                    format!("the run's account is gone: {e}"),
+                );
+                None
+            }
+        }
+    }
+
+    /// The steps' pending records, committed before any of them starts.
+    fn step_records(&self, planned: &[PlannedStep], grants: &[Grant]) -> Vec<Record> {
+        let epoch = self.ctx.journal.epoch();
+        planned
+            .iter()
+            .zip(grants)
+            .map(|(step, grant)| {
+                Record::Job(JobRecord {
+                    id: step.id,
                     run: self.id,
                     parent: ParentRef::Run(self.id),
                     kind: NodeKind::Step,
+                    agent: step.agent.name.clone(),
+                    label: Some(step.label.clone()),
                     depth: 0,
-                    attempt,
-                    label: Some(label.clone()),
-                    path: Arc::from([label.clone()]),
-                    key: crate::tape::lineage_key(None, &label, attempt),
-                    call: None,
-                },
-                brief: Brief {
-                    request: format!("{instruction}{context}"),
-                    max_turns: agent.max_turns.unwrap_or(job::DEFAULT_MAX_TURNS),
-                    timeout: agent.timeout,
-                    output_schema: None,
-                    require_artifacts: vec![],
-                },
-                policy: Policy::root(&agent, &self.ctx.limits, &self.ctx.approvals.tools),
-                grant,
-                workdir: self.step_workdir(&label, attempt),
-                parent: myself.get_derived(),
-                cancel: self.cancel.child_token(),
-                meter: meter.clone(),
-                agent: agent.clone(),
-                record_seq,
-                tool_counts: self.tool_counts.remove(&label).unwrap_or_default(),
-                first_call: None,
-                model: None,
-            };
-            let name = format!("arbor-job-{id}");
-            match Actor::spawn_linked(Some(name), Job, start, myself.get_cell()).await {
-                Ok((actor, _)) => {
-                    self.steps.insert(
+                    attempt: step.attempt,
+                    grant_tokens: grant.tokens,
+                    workdir: self
+                        .step_workdir(&step.label, step.attempt)
+                        .display()
+                        .to_string(),
+                    status: Status::Pending,
+                    task_status: None,
+                    error_class: None,
+                    reason: None,
+                    output_json: "null".into(),
+                    tokens_spent: 0,
+                    epoch,
+                })
+            })
+            .collect()
+    }
+
+    /// A step's grant given back unspent: it never started.
+    async fn release_step(&self, id: JobId) {
+        let _ = ractor::call!(self.account, |reply| AccountMsg::Settle {
+            child: id,
+            spent: arbor_protocol::Amount::ZERO,
+            reply
+        });
+    }
+
+    /// Starts one step whose record is durable; if it cannot, its grant is
+    /// released and the run ends failed.
+    async fn spawn_step(
+        &mut self,
+        myself: &ActorRef<RunMsg>,
+        step: PlannedStep,
+        grant: Grant,
+        record_seq: u64,
+        context: &str,
+    ) {
+        let PlannedStep {
+            id,
+            label,
+            agent,
+            instruction,
+            attempt,
+        } = step;
+        let meter = SpentMeter::default();
+        let start = JobStart {
+            ctx: self.ctx.clone(),
+            run_ctx: self.run_ctx.clone(),
+            lineage: Lineage {
+                id,
+                run: self.id,
+                parent: ParentRef::Run(self.id),
+                kind: NodeKind::Step,
+                depth: 0,
+                attempt,
+                label: Some(label.clone()),
+                path: Arc::from([label.clone()]),
+                key: crate::tape::lineage_key(None, &label, attempt),
+                call: None,
+            },
+            brief: Brief {
+                request: format!("{instruction}{context}"),
+                max_turns: agent.max_turns.unwrap_or(job::DEFAULT_MAX_TURNS),
+                timeout: agent.timeout,
+                output_schema: None,
+                require_artifacts: vec![],
+            },
+            policy: Policy::root(&agent, &self.ctx.limits, &self.ctx.approvals.tools),
+            grant,
+            workdir: self.step_workdir(&label, attempt),
+            parent: myself.get_derived(),
+            cancel: self.cancel.child_token(),
+            meter: meter.clone(),
+            agent: agent.clone(),
+            record_seq,
+            tool_counts: self.tool_counts.remove(&label).unwrap_or_default(),
+            first_call: None,
+            model: None,
+        };
+        let name = format!("arbor-job-{id}");
+        match Actor::spawn_linked(Some(name), Job, start, myself.get_cell()).await {
+            Ok((actor, _)) => {
+                self.steps.insert(
+                    id,
+                    StepEntry {
                         id,
-                        StepEntry {
-                            id,
-                            label,
-                            agent: agent.name.clone(),
-                            actor: Some(actor),
-                            grant,
-                            meter,
-                            stop_reason: None,
-                            envelope: None,
-                        },
-                    );
-                }
-                Err(e) => {
-                    let _ = ractor::call!(self.account, |reply| AccountMsg::Settle {
-                        child: id,
-                        spent: arbor_protocol::Amount::ZERO,
-                        reply
-                    });
-                    self.begin_finish(
-                        Status::Failed,
-                        Some(ErrorClass::Start),
-                        format!("step {label} could not start: {e}"),
-                    );
-                }
+                        label,
+                        agent: agent.name.clone(),
+                        actor: Some(actor),
+                        grant,
+                        meter,
+                        stop_reason: None,
+                        envelope: None,
+                    },
+                );
+            }
+            Err(e) => {
+                self.release_step(id).await;
+                self.begin_finish(
+                    Status::Failed,
+                    Some(ErrorClass::Start),
+                    format!("step {label} could not start: {e}"),
+                );
             }
         }
     }
@@ -808,4 +829,26 @@ impl RunState {
         myself.stop(None);
         Ok(())
     }
+}
+
+/// The steps a resumed run keeps: their results, and no actor.
+fn kept_steps(kept: &[ResultEnvelope]) -> BTreeMap<JobId, StepEntry> {
+    kept.iter()
+        .map(|kept| {
+            let entry = StepEntry {
+                id: kept.job,
+                label: kept.label.clone().unwrap_or_default(),
+                agent: kept.agent.clone(),
+                actor: None,
+                grant: Grant {
+                    tokens: 0,
+                    usd_micros: None,
+                },
+                meter: SpentMeter::default(),
+                stop_reason: None,
+                envelope: Some(kept.clone()),
+            };
+            (kept.job, entry)
+        })
+        .collect()
 }

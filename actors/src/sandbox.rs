@@ -324,10 +324,6 @@ impl Actor for Sandbox {
                     .entry(server.name.clone())
                     .or_default()
                     .clone();
-                // A stdio server runs in the workdir: what it writes there
-                // during a call is the job's, as a command's is (I-24).
-                let watched =
-                    matches!(server.transport, McpTransport::Stdio(_)).then(|| state.how.clone());
                 let job = McpCallJob {
                     how: state.how.clone(),
                     groups: state.groups.clone(),
@@ -335,19 +331,7 @@ impl Actor for Sandbox {
                     slot,
                     spec: server,
                 };
-                tokio::spawn(async move {
-                    let workdir_snapshot =
-                        |how: &HowCommandsRun| how.workdir.made.get().map(|d| snapshot(d));
-                    let before = watched.as_deref().and_then(workdir_snapshot);
-                    let result = job.run(&tool, arguments, &traceparent).await;
-                    if let Some(after) = watched.as_deref().and_then(workdir_snapshot) {
-                        let changed = changed_since(&before.unwrap_or_default(), after);
-                        if !changed.is_empty() {
-                            let _ = myself.cast(SandboxMsg::Wrote { changed });
-                        }
-                    }
-                    let _ = reply.send(result);
-                });
+                tokio::spawn(job.run_and_report(myself, tool, arguments, traceparent, reply));
             }
         }
         Ok(())
@@ -681,6 +665,31 @@ impl McpCallJob {
                 Err(McpCallError::Died { server, why })
             }
         }
+    }
+
+    /// Runs the call in its own task; tells the sandbox what a stdio server,
+    /// which runs in the workdir, wrote there meanwhile (I-24: the job's, as
+    /// a command's is); then replies, so the job's next `Artifacts` sees it.
+    async fn run_and_report(
+        self,
+        sandbox: ActorRef<SandboxMsg>,
+        tool: String,
+        arguments: serde_json::Map<String, serde_json::Value>,
+        traceparent: String,
+        reply: RpcReplyPort<Result<McpOutcome, McpCallError>>,
+    ) {
+        let watched =
+            matches!(self.spec.transport, McpTransport::Stdio(_)).then(|| self.how.clone());
+        let workdir_snapshot = |how: &HowCommandsRun| how.workdir.made.get().map(|d| snapshot(d));
+        let before = watched.as_deref().and_then(workdir_snapshot);
+        let result = self.run(&tool, arguments, &traceparent).await;
+        if let Some(after) = watched.as_deref().and_then(workdir_snapshot) {
+            let changed = changed_since(&before.unwrap_or_default(), after);
+            if !changed.is_empty() {
+                let _ = sandbox.cast(SandboxMsg::Wrote { changed });
+            }
+        }
+        let _ = reply.send(result);
     }
 
     /// The server's connection: the one that runs, or a new one.

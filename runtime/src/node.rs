@@ -256,25 +256,7 @@ impl EmbeddedNode {
         std::fs::create_dir_all(data_dir)
             .map_err(|e| Error::Start(format!("{}: {e}", data_dir.display())))?;
         let secrets = Arc::new(crate::secrets::load(workspace).map_err(Error::Start)?);
-        // The sandbox probe (one sealed `true`) runs its process while the
-        // journal opens and recovery runs: nothing of those needs its answer,
-        // and it was the larger part of a start.
-        //
-        // Only where a command could run: the probe's fork and exec were a
-        // sixth of a one-job `arbor run` (docs/benchmarks.md, S), and a
-        // workspace whose agents have no `exec` and no MCP server has
-        // nothing to seal (its agents are fixed for the node's life).
-        let mode = workspace.config.isolation;
-        let seals = workspace
-            .agents
-            .values()
-            .any(|agent| agent.tools.contains(&ToolName::Exec) || !agent.mcp.is_empty());
-        let probe = tokio::spawn(async move {
-            match mode {
-                SandboxIsolation::Sealed if !seals => Posture::not_probed(),
-                _ => Posture::probe(mode).await,
-            }
-        });
+        let probe = start_probe(workspace);
         let journal = open_journal(&workspace.config.journal, data_dir).await?;
         let events = EventBus::new(journal.clone());
         // Before recovery: the spans it closes are exported too.
@@ -330,14 +312,7 @@ impl EmbeddedNode {
             approvals: workspace.config.approvals.clone(),
             gate: Default::default(),
         });
-        // Root folders a crash left: their commands died with the node, or
-        // recovery just killed them; nothing new has started.
-        if let Err(e) = std::fs::remove_dir_all(&ctx.sandbox_roots)
-            && e.kind() != std::io::ErrorKind::NotFound
-        {
-            tracing::warn!(error = %e, "could not sweep the sandboxes' root folders");
-        }
-        sweep_forgotten_workdirs(&ctx.journal, &ctx.work_root);
+        sweep_data_dir(&ctx);
         let (node, join) = ractor::Actor::spawn(None, Node, NodeArgs { ctx: ctx.clone() })
             .await
             .map_err(|e| Error::Start(format!("the node could not start: {e}")))?;
@@ -898,6 +873,39 @@ impl EmbeddedNode {
     pub fn telemetry(&self) -> Option<crate::telemetry::TelemetryStats> {
         self.telemetry.as_ref().map(|t| t.stats())
     }
+}
+
+/// The sandbox probe (one sealed `true`), started: it runs its process while
+/// the journal opens and recovery runs, since nothing of those needs its
+/// answer, and it was the larger part of a start. Only where a command could
+/// run: the probe's fork and exec were a sixth of a one-job `arbor run`
+/// (docs/benchmarks.md, S), and a workspace whose agents have no `exec` and
+/// no MCP server has nothing to seal (its agents are fixed for the node's
+/// life).
+fn start_probe(workspace: &Workspace) -> tokio::task::JoinHandle<Posture> {
+    let mode = workspace.config.isolation;
+    let seals = workspace
+        .agents
+        .values()
+        .any(|agent| agent.tools.contains(&ToolName::Exec) || !agent.mcp.is_empty());
+    tokio::spawn(async move {
+        match mode {
+            SandboxIsolation::Sealed if !seals => Posture::not_probed(),
+            _ => Posture::probe(mode).await,
+        }
+    })
+}
+
+/// After recovery, before anything new starts: the root folders a crash
+/// left (their commands died with the node, or recovery just killed them),
+/// and the workdirs of runs the journal no longer knows.
+fn sweep_data_dir(ctx: &NodeContext) {
+    if let Err(e) = std::fs::remove_dir_all(&ctx.sandbox_roots)
+        && e.kind() != std::io::ErrorKind::NotFound
+    {
+        tracing::warn!(error = %e, "could not sweep the sandboxes' root folders");
+    }
+    sweep_forgotten_workdirs(&ctx.journal, &ctx.work_root);
 }
 
 /// Removes a forgotten run's workdirs (`work/<run>/`, every job's below it).

@@ -491,64 +491,7 @@ fn recover_run(
     let mut released = 0;
     let mut processes = 0;
     for job in interrupted {
-        let owner = ParentRef::Job(job.id);
-        released += release_orphans(journal, events, run.id, epoch, owner, &jobs)?;
-        let entries = journal.ledger(owner)?;
-        let parent_entries = journal.ledger(job.parent)?;
-        let mut records = vec![];
-        let mut spent = Amount::ZERO;
-        for &unit in units(&entries) {
-            let unit_spent = ledger_totals(&entries, unit).spent;
-            *figure(&mut spent, unit) = unit_spent;
-            records.push(ledger(
-                epoch,
-                owner,
-                unit,
-                LedgerOp::Close { spent: unit_spent },
-            ));
-            let (parent_holds, _) = open_holds(&ledger_of(&parent_entries, unit));
-            if let Some(granted) = parent_holds.get(&job.id) {
-                records.push(ledger(
-                    epoch,
-                    job.parent,
-                    unit,
-                    LedgerOp::Release {
-                        child: job.id,
-                        granted: *granted,
-                        spent: unit_spent,
-                    },
-                ));
-                released += u32::from(unit == Unit::Tokens);
-            }
-        }
-        records.push(Record::Job(JobRecord {
-            status: Status::Failed,
-            task_status: Some(arbor_protocol::TaskStatus::Failed),
-            error_class: Some(ErrorClass::Interrupted),
-            reason: Some(INTERRUPTED.into()),
-            output_json: "null".into(),
-            tokens_spent: spent.tokens,
-            epoch,
-            ..job.clone()
-        }));
-        journal.append(records)?;
-        publish_account(journal, events, run.id, owner)?;
-        publish_account(journal, events, run.id, job.parent)?;
-        events.emit(
-            run.id,
-            EventKind::job_finished(
-                ResultEnvelope {
-                    status: Status::Failed,
-                    task_status: Some(arbor_protocol::TaskStatus::Failed),
-                    error_class: Some(ErrorClass::Interrupted),
-                    error: Some(INTERRUPTED.into()),
-                    output: serde_json::Value::Null,
-                    ..end_of(job, spent)
-                },
-                Some(INTERRUPTED.into()),
-                false,
-            ),
-        );
+        released += fail_interrupted(journal, events, run.id, job, &jobs)?;
         report.jobs_failed.push(job.id);
         processes += killed_by_job.get(&job.id).copied().unwrap_or(0);
         failed += 1;
@@ -602,38 +545,8 @@ fn recover_run(
         reason,
     } = &outcome
     {
-        let output = serde_json::Value::Null;
-        let run_entries = journal.ledger(ParentRef::Run(run.id))?;
-        let mut records: Vec<Record> = units(&run_entries)
-            .iter()
-            .map(|&unit| {
-                let spent = *figure(&mut { run_spent }, unit);
-                ledger(
-                    epoch,
-                    ParentRef::Run(run.id),
-                    unit,
-                    LedgerOp::Close { spent },
-                )
-            })
-            .collect();
-        records.push(Record::Run(RunRecord {
-            status: *status,
-            error_class: *class,
-            reason: Some(reason.clone()),
-            output_json: output.to_string(),
-            epoch,
-            ..run.clone()
-        }));
-        journal.append(records)?;
-        events.emit(
-            run.id,
-            EventKind::RunFinished {
-                status: *status,
-                error_class: *class,
-                reason: Some(reason.clone()),
-                output,
-            },
-        );
+        let end = (*status, *class, reason.as_str());
+        end_unresumed(journal, events, run, run_spent, end)?;
     }
     Ok(outcome)
 }
@@ -732,6 +645,124 @@ fn recover_cards(
             report.carried_cards.push(card);
         }
     }
+    Ok(())
+}
+
+/// Fails one job the node died under (I-30): its account closed at what it
+/// had spent, its parent's hold on it released, its record and its end
+/// told. Returns how many grants it released.
+fn fail_interrupted(
+    journal: &Journal,
+    events: &EventBus,
+    run: RunId,
+    job: &JobRecord,
+    jobs: &HashMap<JobId, JobRecord>,
+) -> Result<u32, arbor_storage::Error> {
+    let epoch = journal.epoch();
+    let mut released = 0;
+    let owner = ParentRef::Job(job.id);
+    released += release_orphans(journal, events, run, epoch, owner, jobs)?;
+    let entries = journal.ledger(owner)?;
+    let parent_entries = journal.ledger(job.parent)?;
+    let mut records = vec![];
+    let mut spent = Amount::ZERO;
+    for &unit in units(&entries) {
+        let unit_spent = ledger_totals(&entries, unit).spent;
+        *figure(&mut spent, unit) = unit_spent;
+        records.push(ledger(
+            epoch,
+            owner,
+            unit,
+            LedgerOp::Close { spent: unit_spent },
+        ));
+        let (parent_holds, _) = open_holds(&ledger_of(&parent_entries, unit));
+        if let Some(granted) = parent_holds.get(&job.id) {
+            records.push(ledger(
+                epoch,
+                job.parent,
+                unit,
+                LedgerOp::Release {
+                    child: job.id,
+                    granted: *granted,
+                    spent: unit_spent,
+                },
+            ));
+            released += u32::from(unit == Unit::Tokens);
+        }
+    }
+    records.push(Record::Job(JobRecord {
+        status: Status::Failed,
+        task_status: Some(arbor_protocol::TaskStatus::Failed),
+        error_class: Some(ErrorClass::Interrupted),
+        reason: Some(INTERRUPTED.into()),
+        output_json: "null".into(),
+        tokens_spent: spent.tokens,
+        epoch,
+        ..job.clone()
+    }));
+    journal.append(records)?;
+    publish_account(journal, events, run, owner)?;
+    publish_account(journal, events, run, job.parent)?;
+    events.emit(
+        run,
+        EventKind::job_finished(
+            ResultEnvelope {
+                status: Status::Failed,
+                task_status: Some(arbor_protocol::TaskStatus::Failed),
+                error_class: Some(ErrorClass::Interrupted),
+                error: Some(INTERRUPTED.into()),
+                output: serde_json::Value::Null,
+                ..end_of(job, spent)
+            },
+            Some(INTERRUPTED.into()),
+            false,
+        ),
+    );
+    Ok(released)
+}
+
+/// Ends a run recovery does not resume: its account closed, its record and
+/// its end told.
+fn end_unresumed(
+    journal: &Journal,
+    events: &EventBus,
+    run: &RunRecord,
+    run_spent: Amount,
+    (status, class, reason): (Status, Option<ErrorClass>, &str),
+) -> Result<(), arbor_storage::Error> {
+    let epoch = journal.epoch();
+    let output = serde_json::Value::Null;
+    let run_entries = journal.ledger(ParentRef::Run(run.id))?;
+    let mut records: Vec<Record> = units(&run_entries)
+        .iter()
+        .map(|&unit| {
+            let spent = *figure(&mut { run_spent }, unit);
+            ledger(
+                epoch,
+                ParentRef::Run(run.id),
+                unit,
+                LedgerOp::Close { spent },
+            )
+        })
+        .collect();
+    records.push(Record::Run(RunRecord {
+        status,
+        error_class: class,
+        reason: Some(reason.to_string()),
+        output_json: output.to_string(),
+        epoch,
+        ..run.clone()
+    }));
+    journal.append(records)?;
+    events.emit(
+        run.id,
+        EventKind::RunFinished {
+            status,
+            error_class: class,
+            reason: Some(reason.to_string()),
+            output,
+        },
+    );
     Ok(())
 }
 

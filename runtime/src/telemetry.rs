@@ -687,324 +687,19 @@ impl Spans {
 
     /// Folds one event; a span it ends is pushed to `out`.
     pub fn apply(&mut self, event: &Event, out: &mut Vec<SpanData>) {
-        let run = event.run;
-        let at = event.at_ms;
         match &event.kind {
-            EventKind::RunStarted {
-                flow,
-                budget_tokens,
-                ..
-            } => {
-                self.runs.insert(
-                    run,
-                    OpenRun {
-                        span: SpanId::from_bytes(run.span_id()),
-                        flow: flow.clone(),
-                        start_ms: at,
-                        attributes: vec![
-                            KeyValue::new(attr::OPERATION, "invoke_workflow"),
-                            KeyValue::new(attr::WORKFLOW, flow.clone()),
-                            KeyValue::new("arbor.run.id", run.to_string()),
-                            KeyValue::new("arbor.budget_tokens", *budget_tokens as i64),
-                        ],
-                        links: vec![],
-                        attempts: HashMap::new(),
-                    },
-                );
-            }
-            EventKind::RunResumed { epoch, .. } => {
-                // The root of the node's previous life ends where it died;
-                // the resumed run is a new root linked to it.
-                let Some(open) = self.runs.get_mut(&run) else {
-                    return;
-                };
-                let before = open.span;
-                let start_ms = std::mem::replace(&mut open.start_ms, at);
-                open.span = derived(&[run.0.as_bytes(), b"resumed", &epoch.to_be_bytes()]);
-                let mut attributes = open.attributes.clone();
-                attributes.push(KeyValue::new("arbor.status", "interrupted"));
-                attributes.push(KeyValue::new(attr::ERROR_TYPE, "interrupted"));
-                let links = std::mem::replace(
-                    &mut open.links,
-                    vec![Link::with_context(context(run, before))],
-                );
-                let name = format!("invoke_workflow {}", open.flow);
-                out.push(self.finish(Finished {
-                    run,
-                    id: before,
-                    parent: SpanId::INVALID,
-                    name,
-                    kind: SpanKind::Internal,
-                    start_ms,
-                    end_ms: at,
-                    attributes,
-                    links,
-                    status: SpanStatus::error("the node stopped under the run; it was resumed"),
-                }));
-            }
-            EventKind::RunFinished {
-                status,
-                error_class,
-                reason,
-                output,
-            } => {
-                let Some(open) = self.runs.remove(&run) else {
-                    return;
-                };
-                self.jobs.retain(|_, j| j.run != run);
-                let mut attributes = open.attributes;
-                let status = self.ended(&mut attributes, *status, *error_class, output, || {
-                    reason.clone()
-                });
-                out.push(self.finish(Finished {
-                    run,
-                    id: open.span,
-                    parent: SpanId::INVALID,
-                    name: format!("invoke_workflow {}", open.flow),
-                    kind: SpanKind::Internal,
-                    start_ms: open.start_ms,
-                    end_ms: at,
-                    attributes,
-                    links: open.links,
-                    status,
-                }));
-            }
-            EventKind::JobSpawned {
-                id,
-                parent,
-                kind,
-                agent,
-                label,
-                depth,
-                attempt,
-                grant_tokens,
-                request,
-                call,
-                ..
-            } => {
-                let mut attributes = vec![
-                    KeyValue::new(attr::OPERATION, "invoke_agent"),
-                    KeyValue::new(attr::AGENT_NAME, agent.clone()),
-                    KeyValue::new(attr::AGENT_ID, id.to_string()),
-                    KeyValue::new(
-                        "arbor.kind",
-                        match kind {
-                            NodeKind::Step => "step",
-                            _ => "job",
-                        },
-                    ),
-                    KeyValue::new("arbor.depth", *depth as i64),
-                    KeyValue::new("arbor.attempt", *attempt as i64),
-                    KeyValue::new("arbor.grant_tokens", *grant_tokens as i64),
-                ];
-                if let Some(label) = label {
-                    attributes.push(KeyValue::new("arbor.label", label.clone()));
-                }
-                if self.capture && !request.is_empty() {
-                    attributes.push(KeyValue::new(
-                        attr::INPUT_MESSAGES,
-                        self.messages("user", request),
-                    ));
-                }
-                let Some(open) = self.runs.get_mut(&run) else {
-                    return;
-                };
-                let parent_span = match (parent, call) {
-                    (ParentRef::Run(_), _) => open.span,
-                    (ParentRef::Job(parent), Some(call)) => call_span(*parent, call),
-                    (ParentRef::Job(parent), None) => SpanId::from_bytes(parent.span_id()),
-                };
-                let span = SpanId::from_bytes(id.span_id());
-                let mut links = vec![];
-                if let Some(label) = label {
-                    let before = open.attempts.insert((*parent, label.clone()), span);
-                    if let Some(before) = before {
-                        links.push(Link::new(
-                            context(run, before),
-                            vec![KeyValue::new("arbor.link", "previous_attempt")],
-                            0,
-                        ));
-                    }
-                }
-                self.jobs.insert(
-                    *id,
-                    OpenJob {
-                        run,
-                        span,
-                        parent: parent_span,
-                        agent: agent.clone(),
-                        start_ms: at,
-                        attributes,
-                        links,
-                        calls: 0,
-                        refused: false,
-                    },
-                );
-            }
-            EventKind::JobFinished {
-                id, reason, result, ..
-            } => {
-                let Some(open) = self.jobs.remove(id) else {
-                    return;
-                };
-                let mut attributes = open.attributes;
-                if let Some(task) = result.task_status {
-                    attributes.push(KeyValue::new("arbor.task_status", task.as_str()));
-                }
-                attributes.push(KeyValue::new(
-                    "arbor.tokens_spent",
-                    result.tokens_spent as i64,
-                ));
-                attributes.push(KeyValue::new(
-                    "arbor.cost_usd_micros",
-                    result.usd_micros_spent as i64,
-                ));
-                attributes.push(KeyValue::new("arbor.turns", result.turns as i64));
-                let status = self.ended(
-                    &mut attributes,
-                    result.status,
-                    result.error_class,
-                    &result.output,
-                    || reason.clone().or_else(|| result.error.clone()),
-                );
-                out.push(self.finish(Finished {
-                    run,
-                    id: open.span,
-                    parent: open.parent,
-                    name: format!("invoke_agent {}", open.agent),
-                    kind: SpanKind::Internal,
-                    start_ms: open.start_ms,
-                    end_ms: at,
-                    attributes,
-                    links: open.links,
-                    status,
-                }));
-            }
-            EventKind::ModelCalled {
-                id,
-                turn,
-                reserved,
-                input_tokens,
-                output_tokens,
-                truncated,
-                call,
-                ..
-            } => {
-                let Some(job) = self.jobs.get_mut(id) else {
-                    return;
-                };
-                job.calls += 1;
-                let span = derived(&[id.0.as_bytes(), b"chat", &job.calls.to_be_bytes()]);
-                let parent = job.span;
-                let mut attributes = vec![
-                    KeyValue::new(attr::OPERATION, "chat"),
-                    KeyValue::new(attr::PROVIDER, call.provider.clone()),
-                    KeyValue::new(attr::REQUEST_MODEL, call.model.clone()),
-                    KeyValue::new(attr::INPUT_TOKENS, *input_tokens as i64),
-                    KeyValue::new(attr::OUTPUT_TOKENS, *output_tokens as i64),
-                    KeyValue::new("arbor.reserved_tokens", *reserved as i64),
-                    KeyValue::new("arbor.cost_usd_micros", call.usd_micros as i64),
-                    KeyValue::new("arbor.turn", *turn as i64),
-                    KeyValue::new("arbor.retries", call.retries as i64),
-                ];
-                if *truncated {
-                    attributes.push(KeyValue::new(
-                        attr::FINISH_REASONS,
-                        Value::Array(opentelemetry::Array::String(vec!["length".into()])),
-                    ));
-                }
-                if call.usage_estimated {
-                    attributes.push(KeyValue::new("arbor.usage_estimated", true));
-                }
-                let status = if call.outcome == "ok" || call.outcome.is_empty() {
-                    SpanStatus::Unset
-                } else {
-                    attributes.push(KeyValue::new(attr::ERROR_TYPE, call.outcome.clone()));
-                    SpanStatus::error(call.outcome.clone())
-                };
-                out.push(self.finish(Finished {
-                    run,
-                    id: span,
-                    parent,
-                    name: format!("chat {}", call.model),
-                    kind: SpanKind::Client,
-                    start_ms: at.saturating_sub(call.latency_ms),
-                    end_ms: at,
-                    attributes,
-                    links: vec![],
-                    status,
-                }));
-            }
+            EventKind::RunStarted { .. } => self.run_started(event),
+            EventKind::RunResumed { .. } => self.run_resumed(event, out),
+            EventKind::RunFinished { .. } => self.run_finished(event, out),
+            EventKind::JobSpawned { .. } => self.job_spawned(event),
+            EventKind::JobFinished { .. } => self.job_finished(event, out),
+            EventKind::ModelCalled { .. } => self.model_called(event, out),
             EventKind::Refused { id, .. } => {
                 if let Some(job) = self.jobs.get_mut(id) {
                     job.refused = true;
                 }
             }
-            EventKind::ToolCalled {
-                id,
-                turn,
-                tool,
-                call,
-                ok,
-                detail,
-                latency_ms,
-            } => {
-                let Some(job) = self.jobs.get_mut(id) else {
-                    return;
-                };
-                let refused = std::mem::take(&mut job.refused);
-                let parent = job.span;
-                let span = if call.is_empty() {
-                    job.calls += 1;
-                    derived(&[id.0.as_bytes(), b"tool#", &job.calls.to_be_bytes()])
-                } else {
-                    call_span(*id, call)
-                };
-                let mut attributes = vec![
-                    KeyValue::new(attr::OPERATION, "execute_tool"),
-                    KeyValue::new(attr::TOOL_NAME, tool.clone()),
-                    KeyValue::new(
-                        attr::TOOL_TYPE,
-                        if tool.starts_with("mcp__") {
-                            "extension"
-                        } else {
-                            "function"
-                        },
-                    ),
-                    KeyValue::new("arbor.turn", *turn as i64),
-                ];
-                if !call.is_empty() {
-                    attributes.push(KeyValue::new(attr::TOOL_CALL_ID, call.clone()));
-                }
-                if self.capture {
-                    attributes.push(KeyValue::new(attr::TOOL_RESULT, self.content(detail)));
-                }
-                let status = if *ok {
-                    SpanStatus::Unset
-                } else {
-                    let error = if refused {
-                        "refused"
-                    } else if detail.starts_with("timed_out") {
-                        "timed_out"
-                    } else {
-                        "tool_error"
-                    };
-                    attributes.push(KeyValue::new(attr::ERROR_TYPE, error));
-                    SpanStatus::error(error)
-                };
-                out.push(self.finish(Finished {
-                    run,
-                    id: span,
-                    parent,
-                    name: format!("execute_tool {tool}"),
-                    kind: SpanKind::Internal,
-                    start_ms: at.saturating_sub(*latency_ms),
-                    end_ms: at,
-                    attributes,
-                    links: vec![],
-                    status,
-                }));
-            }
+            EventKind::ToolCalled { .. } => self.tool_called(event, out),
             EventKind::Recovered { .. }
             | EventKind::JobRunning { .. }
             | EventKind::AccountChanged { .. }
@@ -1020,6 +715,357 @@ impl Spans {
             | EventKind::ApprovalExpiring { .. }
             | EventKind::ApprovalDecided { .. } => {}
         }
+    }
+
+    fn run_started(&mut self, event: &Event) {
+        let EventKind::RunStarted {
+            flow,
+            budget_tokens,
+            ..
+        } = &event.kind
+        else {
+            return;
+        };
+        let (run, at) = (event.run, event.at_ms);
+        self.runs.insert(
+            run,
+            OpenRun {
+                span: SpanId::from_bytes(run.span_id()),
+                flow: flow.clone(),
+                start_ms: at,
+                attributes: vec![
+                    KeyValue::new(attr::OPERATION, "invoke_workflow"),
+                    KeyValue::new(attr::WORKFLOW, flow.clone()),
+                    KeyValue::new("arbor.run.id", run.to_string()),
+                    KeyValue::new("arbor.budget_tokens", *budget_tokens as i64),
+                ],
+                links: vec![],
+                attempts: HashMap::new(),
+            },
+        );
+    }
+
+    fn run_resumed(&mut self, event: &Event, out: &mut Vec<SpanData>) {
+        let EventKind::RunResumed { epoch, .. } = &event.kind else {
+            return;
+        };
+        let (run, at) = (event.run, event.at_ms);
+        // The root of the node's previous life ends where it died;
+        // the resumed run is a new root linked to it.
+        let Some(open) = self.runs.get_mut(&run) else {
+            return;
+        };
+        let before = open.span;
+        let start_ms = std::mem::replace(&mut open.start_ms, at);
+        open.span = derived(&[run.0.as_bytes(), b"resumed", &epoch.to_be_bytes()]);
+        let mut attributes = open.attributes.clone();
+        attributes.push(KeyValue::new("arbor.status", "interrupted"));
+        attributes.push(KeyValue::new(attr::ERROR_TYPE, "interrupted"));
+        let links = std::mem::replace(
+            &mut open.links,
+            vec![Link::with_context(context(run, before))],
+        );
+        let name = format!("invoke_workflow {}", open.flow);
+        out.push(self.finish(Finished {
+            run,
+            id: before,
+            parent: SpanId::INVALID,
+            name,
+            kind: SpanKind::Internal,
+            start_ms,
+            end_ms: at,
+            attributes,
+            links,
+            status: SpanStatus::error("the node stopped under the run; it was resumed"),
+        }));
+    }
+
+    fn run_finished(&mut self, event: &Event, out: &mut Vec<SpanData>) {
+        let EventKind::RunFinished {
+            status,
+            error_class,
+            reason,
+            output,
+        } = &event.kind
+        else {
+            return;
+        };
+        let (run, at) = (event.run, event.at_ms);
+        let Some(open) = self.runs.remove(&run) else {
+            return;
+        };
+        self.jobs.retain(|_, j| j.run != run);
+        let mut attributes = open.attributes;
+        let status = self.ended(&mut attributes, *status, *error_class, output, || {
+            reason.clone()
+        });
+        out.push(self.finish(Finished {
+            run,
+            id: open.span,
+            parent: SpanId::INVALID,
+            name: format!("invoke_workflow {}", open.flow),
+            kind: SpanKind::Internal,
+            start_ms: open.start_ms,
+            end_ms: at,
+            attributes,
+            links: open.links,
+            status,
+        }));
+    }
+
+    fn job_spawned(&mut self, event: &Event) {
+        let EventKind::JobSpawned {
+            id,
+            parent,
+            kind,
+            agent,
+            label,
+            depth,
+            attempt,
+            grant_tokens,
+            request,
+            call,
+            ..
+        } = &event.kind
+        else {
+            return;
+        };
+        let (run, at) = (event.run, event.at_ms);
+        let mut attributes = vec![
+            KeyValue::new(attr::OPERATION, "invoke_agent"),
+            KeyValue::new(attr::AGENT_NAME, agent.clone()),
+            KeyValue::new(attr::AGENT_ID, id.to_string()),
+            KeyValue::new(
+                "arbor.kind",
+                match kind {
+                    NodeKind::Step => "step",
+                    _ => "job",
+                },
+            ),
+            KeyValue::new("arbor.depth", *depth as i64),
+            KeyValue::new("arbor.attempt", *attempt as i64),
+            KeyValue::new("arbor.grant_tokens", *grant_tokens as i64),
+        ];
+        if let Some(label) = label {
+            attributes.push(KeyValue::new("arbor.label", label.clone()));
+        }
+        if self.capture && !request.is_empty() {
+            attributes.push(KeyValue::new(
+                attr::INPUT_MESSAGES,
+                self.messages("user", request),
+            ));
+        }
+        let Some(open) = self.runs.get_mut(&run) else {
+            return;
+        };
+        let parent_span = match (parent, call) {
+            (ParentRef::Run(_), _) => open.span,
+            (ParentRef::Job(parent), Some(call)) => call_span(*parent, call),
+            (ParentRef::Job(parent), None) => SpanId::from_bytes(parent.span_id()),
+        };
+        let span = SpanId::from_bytes(id.span_id());
+        let mut links = vec![];
+        if let Some(label) = label {
+            let before = open.attempts.insert((*parent, label.clone()), span);
+            if let Some(before) = before {
+                links.push(Link::new(
+                    context(run, before),
+                    vec![KeyValue::new("arbor.link", "previous_attempt")],
+                    0,
+                ));
+            }
+        }
+        self.jobs.insert(
+            *id,
+            OpenJob {
+                run,
+                span,
+                parent: parent_span,
+                agent: agent.clone(),
+                start_ms: at,
+                attributes,
+                links,
+                calls: 0,
+                refused: false,
+            },
+        );
+    }
+
+    fn job_finished(&mut self, event: &Event, out: &mut Vec<SpanData>) {
+        let EventKind::JobFinished {
+            id, reason, result, ..
+        } = &event.kind
+        else {
+            return;
+        };
+        let (run, at) = (event.run, event.at_ms);
+        let Some(open) = self.jobs.remove(id) else {
+            return;
+        };
+        let mut attributes = open.attributes;
+        if let Some(task) = result.task_status {
+            attributes.push(KeyValue::new("arbor.task_status", task.as_str()));
+        }
+        attributes.push(KeyValue::new(
+            "arbor.tokens_spent",
+            result.tokens_spent as i64,
+        ));
+        attributes.push(KeyValue::new(
+            "arbor.cost_usd_micros",
+            result.usd_micros_spent as i64,
+        ));
+        attributes.push(KeyValue::new("arbor.turns", result.turns as i64));
+        let status = self.ended(
+            &mut attributes,
+            result.status,
+            result.error_class,
+            &result.output,
+            || reason.clone().or_else(|| result.error.clone()),
+        );
+        out.push(self.finish(Finished {
+            run,
+            id: open.span,
+            parent: open.parent,
+            name: format!("invoke_agent {}", open.agent),
+            kind: SpanKind::Internal,
+            start_ms: open.start_ms,
+            end_ms: at,
+            attributes,
+            links: open.links,
+            status,
+        }));
+    }
+
+    fn model_called(&mut self, event: &Event, out: &mut Vec<SpanData>) {
+        let EventKind::ModelCalled {
+            id,
+            turn,
+            reserved,
+            input_tokens,
+            output_tokens,
+            truncated,
+            call,
+            ..
+        } = &event.kind
+        else {
+            return;
+        };
+        let (run, at) = (event.run, event.at_ms);
+        let Some(job) = self.jobs.get_mut(id) else {
+            return;
+        };
+        job.calls += 1;
+        let span = derived(&[id.0.as_bytes(), b"chat", &job.calls.to_be_bytes()]);
+        let parent = job.span;
+        let mut attributes = vec![
+            KeyValue::new(attr::OPERATION, "chat"),
+            KeyValue::new(attr::PROVIDER, call.provider.clone()),
+            KeyValue::new(attr::REQUEST_MODEL, call.model.clone()),
+            KeyValue::new(attr::INPUT_TOKENS, *input_tokens as i64),
+            KeyValue::new(attr::OUTPUT_TOKENS, *output_tokens as i64),
+            KeyValue::new("arbor.reserved_tokens", *reserved as i64),
+            KeyValue::new("arbor.cost_usd_micros", call.usd_micros as i64),
+            KeyValue::new("arbor.turn", *turn as i64),
+            KeyValue::new("arbor.retries", call.retries as i64),
+        ];
+        if *truncated {
+            attributes.push(KeyValue::new(
+                attr::FINISH_REASONS,
+                Value::Array(opentelemetry::Array::String(vec!["length".into()])),
+            ));
+        }
+        if call.usage_estimated {
+            attributes.push(KeyValue::new("arbor.usage_estimated", true));
+        }
+        let status = if call.outcome == "ok" || call.outcome.is_empty() {
+            SpanStatus::Unset
+        } else {
+            attributes.push(KeyValue::new(attr::ERROR_TYPE, call.outcome.clone()));
+            SpanStatus::error(call.outcome.clone())
+        };
+        out.push(self.finish(Finished {
+            run,
+            id: span,
+            parent,
+            name: format!("chat {}", call.model),
+            kind: SpanKind::Client,
+            start_ms: at.saturating_sub(call.latency_ms),
+            end_ms: at,
+            attributes,
+            links: vec![],
+            status,
+        }));
+    }
+
+    fn tool_called(&mut self, event: &Event, out: &mut Vec<SpanData>) {
+        let EventKind::ToolCalled {
+            id,
+            turn,
+            tool,
+            call,
+            ok,
+            detail,
+            latency_ms,
+        } = &event.kind
+        else {
+            return;
+        };
+        let (run, at) = (event.run, event.at_ms);
+        let Some(job) = self.jobs.get_mut(id) else {
+            return;
+        };
+        let refused = std::mem::take(&mut job.refused);
+        let parent = job.span;
+        let span = if call.is_empty() {
+            job.calls += 1;
+            derived(&[id.0.as_bytes(), b"tool#", &job.calls.to_be_bytes()])
+        } else {
+            call_span(*id, call)
+        };
+        let mut attributes = vec![
+            KeyValue::new(attr::OPERATION, "execute_tool"),
+            KeyValue::new(attr::TOOL_NAME, tool.clone()),
+            KeyValue::new(
+                attr::TOOL_TYPE,
+                if tool.starts_with("mcp__") {
+                    "extension"
+                } else {
+                    "function"
+                },
+            ),
+            KeyValue::new("arbor.turn", *turn as i64),
+        ];
+        if !call.is_empty() {
+            attributes.push(KeyValue::new(attr::TOOL_CALL_ID, call.clone()));
+        }
+        if self.capture {
+            attributes.push(KeyValue::new(attr::TOOL_RESULT, self.content(detail)));
+        }
+        let status = if *ok {
+            SpanStatus::Unset
+        } else {
+            let error = if refused {
+                "refused"
+            } else if detail.starts_with("timed_out") {
+                "timed_out"
+            } else {
+                "tool_error"
+            };
+            attributes.push(KeyValue::new(attr::ERROR_TYPE, error));
+            SpanStatus::error(error)
+        };
+        out.push(self.finish(Finished {
+            run,
+            id: span,
+            parent,
+            name: format!("execute_tool {tool}"),
+            kind: SpanKind::Internal,
+            start_ms: at.saturating_sub(*latency_ms),
+            end_ms: at,
+            attributes,
+            links: vec![],
+            status,
+        }));
     }
 }
 

@@ -918,7 +918,7 @@ fn mcp_servers_and_the_agents_that_name_them_load_as_the_contract_describes() {
 }
 
 #[test]
-fn bad_mcp_declarations_and_names_are_refused_naming_the_key() {
+fn bad_mcp_declarations_are_refused_naming_the_key() {
     let agent = "mcp: [fs]\n";
     let server = |extra: &str| format!("[mcp.servers.fs]\ncommand = \"srv\"\n{extra}\n");
     let web =
@@ -989,6 +989,15 @@ fn bad_mcp_declarations_and_names_are_refused_naming_the_key() {
             agent,
             "headers: `Bad Name` is not a header's name",
         ),
+    ];
+    refused_naming_the_key(cases);
+}
+
+#[test]
+fn bad_mcp_settings_limits_and_names_are_refused_naming_the_key() {
+    let agent = "mcp: [fs]\n";
+    let server = |extra: &str| format!("[mcp.servers.fs]\ncommand = \"srv\"\n{extra}\n");
+    let cases: Vec<(String, &str, &str)> = vec![
         (
             server("headers = { X = \"1\" }"),
             agent,
@@ -1080,6 +1089,11 @@ fn bad_mcp_declarations_and_names_are_refused_naming_the_key() {
             "mcp: \"a.b\": a server's name is letters",
         ),
     ];
+    refused_naming_the_key(cases);
+}
+
+/// Each (arbor.toml, front matter) is refused in one line holding the words.
+fn refused_naming_the_key(cases: Vec<(String, &str, &str)>) {
     for (toml, front_matter, words) in cases {
         let message = with_mcp(&toml, front_matter).unwrap_err().to_string();
         assert!(message.contains(words), "{words:?}: {message}");

@@ -90,156 +90,141 @@ pub struct Metrics {
 
 impl Metrics {
     pub fn new() -> Arc<Self> {
-        let runs = Family::<StatusLabel, Gauge>::default();
-        let runs_failed = Family::<ClassLabel, Counter>::default();
-        let jobs = Family::<StatusLabel, Gauge>::default();
-        let running_jobs = Gauge::default();
-        let queued_runs = Gauge::default();
-        let tokens = Counter::default();
-        let usd_micros = Counter::default();
-        let calls = Family::<CallLabel, Counter>::default();
-        let mcp_calls = Family::<McpLabel, Counter>::default();
-        // 1 millisecond to about 9 minutes.
-        let mcp_seconds = Family::<ServerLabel, Histogram>::new_with_constructor(|| {
-            Histogram::new(exponential_buckets(0.001, 2.0, 20))
-        });
-        // 50 microseconds to about 3 seconds.
-        let commit_seconds = Histogram::new(exponential_buckets(0.000_05, 2.0, 17));
-        let fsyncs = Counter::default();
-        let flushes = Counter::default();
-        let approvals_pending = Gauge::default();
-        let node_runs = Family::<NodeLabel, Gauge>::default();
-        let node_lease = Family::<NodeLabel, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
-        let approval_decisions = Family::<OutcomeLabel, Counter>::default();
-        // 1 second to about 4.5 days.
-        let approval_seconds = Family::<OutcomeLabel, Histogram>::new_with_constructor(|| {
-            Histogram::new(exponential_buckets(1.0, 2.0, 19))
-        });
-        let mut registry = Registry::with_prefix("arbor");
-        registry.register("runs", "Runs by status", runs.clone());
+        let metrics = Self {
+            registry: Mutex::new(Registry::with_prefix("arbor")),
+            runs: Family::<StatusLabel, Gauge>::default(),
+            runs_failed: Family::<ClassLabel, Counter>::default(),
+            jobs: Family::<StatusLabel, Gauge>::default(),
+            running_jobs: Gauge::default(),
+            queued_runs: Gauge::default(),
+            tokens: Counter::default(),
+            usd_micros: Counter::default(),
+            calls: Family::<CallLabel, Counter>::default(),
+            mcp_calls: Family::<McpLabel, Counter>::default(),
+            // 1 millisecond to about 9 minutes.
+            mcp_seconds: Family::<ServerLabel, Histogram>::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.001, 2.0, 20))
+            }),
+            // 50 microseconds to about 3 seconds.
+            commit_seconds: Histogram::new(exponential_buckets(0.000_05, 2.0, 17)),
+            fsyncs: Counter::default(),
+            flushes: Counter::default(),
+            approvals_pending: Gauge::default(),
+            approval_decisions: Family::<OutcomeLabel, Counter>::default(),
+            // 1 second to about 4.5 days.
+            approval_seconds: Family::<OutcomeLabel, Histogram>::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(1.0, 2.0, 19))
+            }),
+            spans_exported: Counter::default(),
+            spans_dropped: Counter::default(),
+            span_events_dropped: Counter::default(),
+            node_runs: Family::<NodeLabel, Gauge>::default(),
+            node_lease: Family::<NodeLabel, Gauge<f64, std::sync::atomic::AtomicU64>>::default(),
+        };
+        metrics.register();
+        Arc::new(metrics)
+    }
+
+    /// Every metric in the registry `/metrics` encodes, with its help text.
+    fn register(&self) {
+        let mut registry = self.registry.lock().unwrap_or_else(|p| p.into_inner());
+        registry.register("runs", "Runs by status", self.runs.clone());
         registry.register(
             "runs_failed",
             "Runs that ended failed since this start, by error class",
-            runs_failed.clone(),
+            self.runs_failed.clone(),
         );
-        registry.register("jobs", "Steps and jobs by status", jobs.clone());
+        registry.register("jobs", "Steps and jobs by status", self.jobs.clone());
         registry.register(
             "running_jobs",
             "Steps and jobs running now",
-            running_jobs.clone(),
+            self.running_jobs.clone(),
         );
         registry.register(
             "queued_runs",
             "Runs waiting for admission",
-            queued_runs.clone(),
+            self.queued_runs.clone(),
         );
         registry.register(
             "tokens_spent",
             "Tokens charged for model calls since this start",
-            tokens.clone(),
+            self.tokens.clone(),
         );
         registry.register(
             "usd_micros_spent",
             "Micro-dollars charged for model calls since this start",
-            usd_micros.clone(),
+            self.usd_micros.clone(),
         );
         registry.register(
             "model_calls",
             "Model calls by provider and outcome since this start",
-            calls.clone(),
+            self.calls.clone(),
         );
         registry.register(
             "mcp_calls",
             "MCP tool calls by server and outcome since this start",
-            mcp_calls.clone(),
+            self.mcp_calls.clone(),
         );
         registry.register(
             "mcp_call_seconds",
             "MCP tool calls' time, checks to result, by server",
-            mcp_seconds.clone(),
+            self.mcp_seconds.clone(),
         );
         registry.register(
             "journal_commit_seconds",
             "Time from a journal append to its flush being durable",
-            commit_seconds.clone(),
+            self.commit_seconds.clone(),
         );
         registry.register(
             "journal_fsyncs",
             "fdatasyncs of the journal's file since this start",
-            fsyncs.clone(),
+            self.fsyncs.clone(),
         );
         registry.register(
             "journal_flushes",
             "Group-commit flushes since this start",
-            flushes.clone(),
+            self.flushes.clone(),
         );
         registry.register(
             "approvals_pending",
             "Approval cards waiting for a person",
-            approvals_pending.clone(),
+            self.approvals_pending.clone(),
         );
         registry.register(
             "node_owned_runs",
             "A shared journal's nodes: the runs each owns that have not ended",
-            node_runs.clone(),
+            self.node_runs.clone(),
         );
         registry.register(
             "node_lease_left_seconds",
             "A shared journal's nodes: how long each one's lease runs on, by the database's clock",
-            node_lease.clone(),
+            self.node_lease.clone(),
         );
-        let spans_exported = Counter::default();
-        let spans_dropped = Counter::default();
-        let span_events_dropped = Counter::default();
         registry.register(
             "telemetry_spans_exported",
             "Trace spans the OTLP collector took since this start",
-            spans_exported.clone(),
+            self.spans_exported.clone(),
         );
         registry.register(
             "telemetry_spans_dropped",
             "Trace spans lost since this start: a full queue or a collector that failed",
-            spans_dropped.clone(),
+            self.spans_dropped.clone(),
         );
         registry.register(
             "telemetry_events_dropped",
             "Events the trace exporter had no room for since this start",
-            span_events_dropped.clone(),
+            self.span_events_dropped.clone(),
         );
         registry.register(
             "approval_decisions",
             "Approval cards closed since this start, by outcome",
-            approval_decisions.clone(),
+            self.approval_decisions.clone(),
         );
         registry.register(
             "approval_wait_seconds",
             "Time from a card's asking to its outcome, by outcome",
-            approval_seconds.clone(),
+            self.approval_seconds.clone(),
         );
-        Arc::new(Self {
-            registry: Mutex::new(registry),
-            runs,
-            runs_failed,
-            jobs,
-            running_jobs,
-            queued_runs,
-            tokens,
-            usd_micros,
-            calls,
-            mcp_calls,
-            mcp_seconds,
-            commit_seconds,
-            fsyncs,
-            flushes,
-            approvals_pending,
-            approval_decisions,
-            approval_seconds,
-            spans_exported,
-            spans_dropped,
-            span_events_dropped,
-            node_runs,
-            node_lease,
-        })
     }
 
     /// Called for every event (an `EventBus` observer): quick, no locks of ours.

@@ -159,6 +159,16 @@ fn secured(op: TransformOperation) -> TransformOperation {
 
 fn protected_routes() -> ApiRouter<Arc<Shared>> {
     ApiRouter::new()
+        .merge(run_routes())
+        .merge(run_action_routes())
+        .merge(job_routes())
+        .merge(approval_routes())
+        .merge(node_routes())
+}
+
+/// Submitting, listing, reading and replaying runs.
+fn run_routes() -> ApiRouter<Arc<Shared>> {
+    ApiRouter::new()
         .api_route(
             "/v1/runs",
             post_with(submit_run, |op| {
@@ -254,6 +264,11 @@ fn protected_routes() -> ApiRouter<Arc<Shared>> {
                 )
             }),
         )
+}
+
+/// Stopping a run, and its events.
+fn run_action_routes() -> ApiRouter<Arc<Shared>> {
+    ApiRouter::new()
         .api_route(
             "/v1/runs/{id}/stop",
             post_with(stop_run, |op| {
@@ -286,15 +301,16 @@ fn protected_routes() -> ApiRouter<Arc<Shared>> {
                             p.description("The id of the last event seen")
                         })
                         .response_with::<200, String, _>(|r| {
-                            r.description("text/event-stream of StreamEvent").with(|mut r| {
-                                r.inner().content = [(
-                                    "text/event-stream".to_string(),
-                                    aide::openapi::MediaType::default(),
-                                )]
-                                .into_iter()
-                                .collect();
-                                r
-                            })
+                            r.description("text/event-stream of StreamEvent")
+                                .with(|mut r| {
+                                    r.inner().content = [(
+                                        "text/event-stream".to_string(),
+                                        aide::openapi::MediaType::default(),
+                                    )]
+                                    .into_iter()
+                                    .collect();
+                                    r
+                                })
                         }),
                     400,
                     404,
@@ -302,6 +318,11 @@ fn protected_routes() -> ApiRouter<Arc<Shared>> {
                 )
             }),
         )
+}
+
+/// A job: read, stopped, steered, continued.
+fn job_routes() -> ApiRouter<Arc<Shared>> {
+    ApiRouter::new()
         .api_route(
             "/v1/jobs/{id}",
             get_with(get_job, |op| {
@@ -364,6 +385,11 @@ fn protected_routes() -> ApiRouter<Arc<Shared>> {
                 )
             }),
         )
+}
+
+/// Approval cards: listed, decided.
+fn approval_routes() -> ApiRouter<Arc<Shared>> {
+    ApiRouter::new()
         .api_route(
             "/v1/approvals",
             get_with(list_approvals, |op| {
@@ -411,6 +437,11 @@ fn protected_routes() -> ApiRouter<Arc<Shared>> {
                 )
             }),
         )
+}
+
+/// The node: its status, a drain, its metrics.
+fn node_routes() -> ApiRouter<Arc<Shared>> {
+    ApiRouter::new()
         .api_route(
             "/v1/status",
             get_with(node_status, |op| {

@@ -790,7 +790,7 @@ async fn inv_24_a_file_an_mcp_server_writes_in_the_workdir_is_an_artifact() {
         .nodes()
         .find(|(_, n)| n.label.as_deref() == Some("s"))
         .unwrap();
-    assert_eq!(called(&node, run, "mcp__t__write")[0].0, true, "{s:?}");
+    assert!(called(&node, run, "mcp__t__write")[0].0, "{s:?}");
     assert!(s.artifacts.iter().any(|a| a == "report.md"), "{s:?}");
     assert_eq!(
         (s.status, s.task_status),

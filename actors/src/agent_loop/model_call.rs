@@ -1,0 +1,503 @@
+//! One model call, whole: its request made in one place (`call_request`),
+//! its history fitted to the context window (compaction), its worst case
+//! reserved before it is sent (I-11), its usage settled, a transient
+//! failure retried after a backoff, and a call cut short charged what it
+//! may have cost.
+
+use super::types::{
+    InFlight, InFlightSlot, LoopArgs, LoopOutcome, WIND_DOWN_NOTICE, journal_failed, panic_message,
+    stopped,
+};
+use crate::account::{AccountMsg, CallHold};
+use crate::model::{
+    CallMeter, Message, Model, ModelError, ModelInfo, ModelReply, ModelRequest, ToolSpec,
+};
+use arbor_protocol::{
+    AgentDef, Amount, CallFacts, ErrorClass, EventKind, JobId, Refusal, ToolName, Usage,
+};
+use futures::FutureExt;
+use ractor::ActorRef;
+use std::collections::BTreeMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use tracing::Instrument;
+
+/// Takes the call in flight, if the other side has not already.
+pub fn take_in_flight(slot: &InFlightSlot) -> Option<InFlight> {
+    slot.lock().unwrap_or_else(|e| e.into_inner()).take()
+}
+
+/// Settles a call that was cut short (stopped, failed, or its adapter
+/// panicked): nothing of its answer is kept, and it is charged what it may
+/// have cost (`CallMeter::charge_when_cut`), with one `ModelCalled` event.
+pub async fn settle_cut(account: &ActorRef<AccountMsg>, id: JobId, call: InFlight, outcome: &str) {
+    let usage = call
+        .meter
+        .charge_when_cut(call.input_reserved, call.max_output);
+    let estimated = usage.total() > 0;
+    let event = model_called(id, &call, usage, false, estimated, outcome);
+    let _ = ractor::call!(account, |reply| AccountMsg::SettleCall {
+        reserved: call.reserved,
+        spent: call.cost(usage),
+        event: Some(event),
+        reply
+    });
+}
+
+impl InFlight {
+    /// What `usage` costs, in both units.
+    fn cost(&self, usage: Usage) -> Amount {
+        Amount {
+            tokens: usage.total(),
+            usd_micros: self
+                .info
+                .price
+                .map_or(0, |p| p.micros(usage.input_tokens, usage.output_tokens)),
+        }
+    }
+}
+
+fn model_called(
+    id: JobId,
+    call: &InFlight,
+    usage: Usage,
+    truncated: bool,
+    usage_estimated: bool,
+    outcome: &str,
+) -> EventKind {
+    let usd_micros = call.cost(usage).usd_micros;
+    EventKind::ModelCalled {
+        id,
+        turn: call.turn,
+        reserved: call.reserved.tokens,
+        input_tokens: usage.input_tokens,
+        output_tokens: usage.output_tokens,
+        truncated,
+        wind_down: call.wind_down,
+        call: CallFacts {
+            provider: call.info.provider.clone(),
+            model: call.info.model.clone(),
+            usd_micros,
+            latency_ms: call.started.elapsed().as_millis() as u64,
+            retries: call.retries,
+            outcome: outcome.to_string(),
+            usage_estimated,
+        },
+    }
+}
+
+pub(super) enum CallEnd {
+    /// The account cannot cover the next call (I-13).
+    Budget(Refusal),
+    /// The call failed for good, or the job is stopping.
+    Failed(LoopOutcome),
+}
+
+/// The system prompt of the call that summarizes old turns (compaction step 2).
+pub const SUMMARY_PROMPT: &str = "Summarize this conversation of an agent at work for the agent itself, so it can go on without it: what it was asked, what it did and found (names, numbers, paths, results), what failed, and what is left to do. Be brief and exact.";
+
+/// The output room a prompt must leave in the context window.
+const MIN_OUTPUT_ROOM: u64 = 1024;
+
+/// Compaction (see `compaction`): the history made to fit the model's
+/// context window before a call, or the job ends with `context_too_long`.
+/// `harder`: the provider refused a prompt this judged to fit, so aim for
+/// half the window.
+pub(super) async fn fit_context(
+    args: &LoopArgs,
+    history: &mut Vec<Message>,
+    tools: &Arc<[ToolSpec]>,
+    turn: u32,
+    harder: bool,
+) -> Result<(), CallEnd> {
+    let info = args.model.info();
+    let Some(window) = info.context_window else {
+        return Ok(());
+    };
+    let room = info
+        .max_output_tokens
+        .unwrap_or(MIN_OUTPUT_ROOM)
+        .min(MIN_OUTPUT_ROOM);
+    let target = if harder { window / 2 } else { window };
+    let estimate = |messages: &[Message]| {
+        let request = call_request(
+            &args.agent,
+            &args.agent.prompt,
+            messages,
+            tools,
+            room,
+            turn,
+            CallMeter::default(),
+        );
+        args.model.estimate_prompt(&request)
+    };
+    let fits = |messages: &[Message]| estimate(messages) + room <= target;
+    if fits(history) {
+        return Ok(());
+    }
+    let before = estimate(history);
+    let elided = crate::compaction::elide_tool_results(history, fits);
+    let mut summarized = 0;
+    if !fits(history)
+        && let Some(span) = crate::compaction::summary_span(history, crate::compaction::KEEP_TURNS)
+    {
+        let mut text = crate::compaction::transcript(&history[span.clone()]);
+        // The summary's own prompt must fit too: keep the transcript's end.
+        let limit = (target.saturating_sub(room) as usize).saturating_mul(2);
+        if text.len() > limit {
+            let mut start = text.len() - limit;
+            while !text.is_char_boundary(start) {
+                start += 1;
+            }
+            text = text[start..].to_string();
+        }
+        let reply = call_model(
+            args,
+            SUMMARY_PROMPT,
+            &[Message::User(text)],
+            &Arc::from([]),
+            turn,
+        )
+        .await?;
+        let summary = reply.text.unwrap_or_default();
+        summarized = span.len() as u32;
+        crate::compaction::apply_summary(history, span, &summary);
+    }
+    let after = estimate(history);
+    args.held.emit(
+        &args.ctx,
+        args.run,
+        EventKind::ContextCompacted {
+            id: args.id,
+            turn,
+            tool_results_elided: elided,
+            messages_summarized: summarized,
+            estimate_before: before,
+            estimate_after: after,
+        },
+    );
+    if fits(history) {
+        Ok(())
+    } else {
+        Err(CallEnd::Failed(LoopOutcome::failed(
+            ErrorClass::ContextTooLong,
+            format!(
+                "the prompt needs about {after} tokens, compacted, and {} leaves room for {}",
+                info.model,
+                target.saturating_sub(room)
+            ),
+            turn,
+        )))
+    }
+}
+
+/// The most output tokens a call to `info`'s model may ask for.
+pub(super) fn max_output_limit(info: &ModelInfo, limits: &arbor_protocol::Limits) -> u64 {
+    info.max_output_tokens
+        .map_or(limits.max_output_tokens, |m| {
+            m.min(limits.max_output_tokens)
+        })
+}
+
+/// What a job is shown it may call: its built-in tools, then its MCP tools.
+pub(super) fn tool_specs(
+    offered: &BTreeMap<ToolName, Result<(), String>>,
+    mcp: &[ToolSpec],
+) -> Arc<[ToolSpec]> {
+    offered
+        .iter()
+        .filter(|(_, v)| v.is_ok())
+        .map(|(t, _)| ToolSpec::builtin(*t))
+        .chain(mcp.iter().cloned())
+        .collect()
+}
+
+/// A call's request as its reservation is planned from, made in one place
+/// so that a parent planning its child's first call (`first_call`) plans
+/// what the child's loop will ask.
+pub(super) fn call_request(
+    agent: &AgentDef,
+    system: &str,
+    history: &[Message],
+    tools: &Arc<[ToolSpec]>,
+    max_output_limit: u64,
+    turn: u32,
+    meter: CallMeter,
+) -> ModelRequest {
+    ModelRequest {
+        agent: agent.name.clone(),
+        system: system.to_string(),
+        messages: history.to_vec(),
+        tools: tools.clone(),
+        max_output_tokens: max_output_limit,
+        // Counted with the notice, so the bound holds whether it is sent or not.
+        wind_down: Some(WIND_DOWN_NOTICE.to_string()),
+        turn,
+        meter,
+    }
+}
+
+/// What the first model call of a job of `agent` asked `request` will ask
+/// its account to reserve, if the job starts as planned: no MCP tools (they
+/// are listed only once it runs), no message before its first turn, a
+/// prompt that fits. Its parent reserves it in the commit that admits the
+/// job (`account::FirstCall`); if the job's first call differs, that hold
+/// is released and the call reserved as usual.
+pub(crate) fn first_call(
+    model: &dyn Model,
+    agent: &AgentDef,
+    offered: &BTreeMap<ToolName, Result<(), String>>,
+    request: &str,
+    limits: &arbor_protocol::Limits,
+) -> crate::account::PlannedCall {
+    let info = model.info();
+    let max_output_limit = max_output_limit(&info, limits);
+    let tools = tool_specs(offered, &[]);
+    let history = [Message::User(request.to_string())];
+    let request = call_request(
+        agent,
+        &agent.prompt,
+        &history,
+        &tools,
+        max_output_limit,
+        0,
+        CallMeter::default(),
+    );
+    crate::account::PlannedCall {
+        input_estimate: model.count_input(&request),
+        max_output_limit,
+        price: info.price,
+        billed: info.billed,
+    }
+}
+
+/// One model call of turn `turn`: reserved at its worst case (I-11), sent,
+/// settled on the reported usage; a transient failure is retried after a
+/// backoff, each attempt reserved and settled on its own.
+pub(super) async fn call_model(
+    args: &LoopArgs,
+    system: &str,
+    history: &[Message],
+    tools: &Arc<[ToolSpec]>,
+    turn: u32,
+) -> Result<ModelReply, CallEnd> {
+    let info = args.model.info();
+    let max_output_limit = max_output_limit(&info, &args.ctx.limits);
+    let mut retries = 0;
+    loop {
+        let meter = CallMeter::default();
+        let mut request = call_request(
+            &args.agent,
+            system,
+            history,
+            tools,
+            max_output_limit,
+            turn,
+            meter.clone(),
+        );
+        let input_estimate = args.model.count_input(&request);
+        let hold = reserve(args, &info, input_estimate, max_output_limit, turn).await?;
+        request.max_output_tokens = hold.max_output;
+        if !hold.wind_down {
+            request.wind_down = None;
+        }
+        put_in_flight(
+            &args.in_flight,
+            InFlight {
+                reserved: hold.reserved,
+                input_reserved: input_estimate,
+                max_output: hold.max_output,
+                wind_down: hold.wind_down,
+                turn,
+                retries,
+                started: std::time::Instant::now(),
+                meter,
+                info: info.clone(),
+            },
+        );
+        let span = chat_span(args, &info, hold.max_output);
+        let answer = tokio::select! {
+            // A stop wins over an answer that is ready at the same time (I-16).
+            biased;
+            _ = args.cancel.cancelled() => {
+                if let Some(call) = take_in_flight(&args.in_flight) {
+                    Box::pin(settle_cut(&args.account, args.id, call, "stopped")).await;
+                }
+                return Err(CallEnd::Failed(stopped(turn)));
+            }
+            answer = AssertUnwindSafe(args.model.complete(request)).catch_unwind().instrument(span.clone()) => answer,
+        };
+        let Some(call) = take_in_flight(&args.in_flight) else {
+            // The job took the call: it is stopping and settled it.
+            return Err(CallEnd::Failed(stopped(turn)));
+        };
+        let error = match answer {
+            Ok(Ok(reply)) => {
+                settle_reply(args, call, &reply, &span).await;
+                return Ok(reply);
+            }
+            Ok(Err(error)) => error,
+            Err(panic) => ModelError::new(
+                ErrorClass::Panicked,
+                format!("the model adapter panicked: {}", panic_message(&panic)),
+            ),
+        };
+        span.record("error.type", error.class.as_str());
+        Box::pin(settle_cut(
+            &args.account,
+            args.id,
+            call,
+            error.class.as_str(),
+        ))
+        .await;
+        pause_before_retry(args, &info, error, retries, turn).await?;
+        retries += 1;
+    }
+}
+
+/// The call's worst case, held by its account (a commit); then what the
+/// loop holds is durable, and told before the request goes out.
+async fn reserve(
+    args: &LoopArgs,
+    info: &ModelInfo,
+    input_estimate: u64,
+    max_output_limit: u64,
+    turn: u32,
+) -> Result<CallHold, CallEnd> {
+    let hold = match ractor::call!(args.account, |reply| AccountMsg::ReserveCall {
+        input_estimate,
+        max_output_limit,
+        price: info.price,
+        billed: info.billed,
+        reply,
+    }) {
+        Ok(Ok(hold)) => hold,
+        Ok(Err(refusal)) => return Err(CallEnd::Budget(refusal)),
+        Err(_) => {
+            let why = "the account is gone".to_string();
+            return Err(CallEnd::Failed(LoopOutcome::failed(
+                ErrorClass::Internal,
+                why,
+                turn,
+            )));
+        }
+    };
+    if let Err(e) = args.held.release(&args.ctx, args.run).await {
+        Box::pin(settle_with(args, hold.reserved, Amount::ZERO, None)).await;
+        return Err(CallEnd::Failed(journal_failed(e, turn)));
+    }
+    Ok(hold)
+}
+
+/// The call's span in its run's trace (OpenTelemetry's GenAI names).
+fn chat_span(args: &LoopArgs, info: &ModelInfo, max_output: u64) -> tracing::Span {
+    tracing::info_span!(
+        "chat",
+        otel.name = %format!("chat {}", info.model),
+        gen_ai.operation.name = "chat",
+        gen_ai.system = %info.provider,
+        gen_ai.request.model = %info.model,
+        gen_ai.request.max_tokens = max_output,
+        gen_ai.usage.input_tokens = tracing::field::Empty,
+        gen_ai.usage.output_tokens = tracing::field::Empty,
+        error.type = tracing::field::Empty,
+        run = %args.run,
+        job = %args.id,
+    )
+}
+
+/// An answer's usage charged: what the provider reported (or, if it
+/// reported none, the reservation, marked so), an overrun told as such.
+async fn settle_reply(args: &LoopArgs, call: InFlight, reply: &ModelReply, span: &tracing::Span) {
+    let (usage, estimated) = match reply.usage {
+        Some(usage) => (usage, false),
+        None => (
+            Usage {
+                input_tokens: call.input_reserved,
+                output_tokens: call.max_output,
+            },
+            true,
+        ),
+    };
+    span.record("gen_ai.usage.input_tokens", usage.input_tokens);
+    span.record("gen_ai.usage.output_tokens", usage.output_tokens);
+    if usage.total() > call.reserved.tokens {
+        args.held.emit(
+            &args.ctx,
+            args.run,
+            EventKind::BudgetOverrun {
+                id: args.id,
+                turn: call.turn,
+                reserved: call.reserved.tokens,
+                reported: usage.total(),
+            },
+        );
+    }
+    let event = model_called(args.id, &call, usage, reply.truncated, estimated, "ok");
+    Box::pin(settle_with(
+        args,
+        call.reserved,
+        call.cost(usage),
+        Some(event),
+    ))
+    .await;
+}
+
+/// After a failed attempt: the pause before the next one, if its class is
+/// transient and retries are left; otherwise how the loop ends.
+async fn pause_before_retry(
+    args: &LoopArgs,
+    info: &ModelInfo,
+    error: ModelError,
+    retries: u32,
+    turn: u32,
+) -> Result<(), CallEnd> {
+    let policy = info.retry;
+    if !error.class.is_transient() || retries >= policy.max_retries {
+        let message = if retries > 0 {
+            format!(
+                "model call failed after {} attempts: {}",
+                retries + 1,
+                error.message
+            )
+        } else {
+            format!("model call failed: {}", error.message)
+        };
+        return Err(CallEnd::Failed(LoopOutcome::failed(
+            error.class,
+            message,
+            turn,
+        )));
+    }
+    let pause = policy.backoff(retries, error.retry_after, fastrand::f64());
+    tracing::warn!(
+        run = %args.run,
+        job = %args.id,
+        class = %error.class,
+        retry = retries + 1,
+        pause_ms = pause.as_millis() as u64,
+        "model call failed transiently; retrying"
+    );
+    tokio::select! {
+        _ = tokio::time::sleep(pause) => Ok(()),
+        _ = args.cancel.cancelled() => Err(CallEnd::Failed(stopped(turn))),
+    }
+}
+
+pub(super) fn put_in_flight(slot: &InFlightSlot, call: InFlight) {
+    *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(call);
+}
+
+pub(super) async fn settle_with(
+    args: &LoopArgs,
+    reserved: Amount,
+    spent: Amount,
+    event: Option<EventKind>,
+) {
+    let _ = ractor::call!(args.account, |reply| AccountMsg::SettleCall {
+        reserved,
+        spent,
+        event,
+        reply
+    });
+}
