@@ -9,7 +9,7 @@
 //! predicates); a watcher that only draws polls `version`, and one that waits
 //! for a run's end waits on `ends`, which moves once per run.
 
-use arbor_protocol::{Event, EventKind, RunId, Tree};
+use arbor_protocol::{Event, EventKind, JobId, RunId, Tree};
 use arbor_storage::{EncodedEvent, EventTail, Journal, Record};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -58,11 +58,33 @@ struct Inner {
 struct BusState {
     seq: u64,
     trees: HashMap<RunId, Tree>,
+    /// The run of every step and job of the trees held: `find_job` looks
+    /// one up without a walk over every tree. Kept in step with `trees`
+    /// (`keep_tree`, `drop_tree`, and each `JobSpawned` folded).
+    job_runs: HashMap<JobId, RunId>,
     /// Channels of single runs, made by `subscribe_run`: a reader of one
     /// run is woken by that run's events only, not by every event of the
     /// node (50 streams each woken by all 50 runs' events were an eighth of
     /// arbord's CPU under load). Dropped at the run's end.
     runs_live: HashMap<RunId, broadcast::Sender<Arc<Event>>>,
+}
+
+impl BusState {
+    /// Holds a run's tree, its jobs indexed.
+    fn keep_tree(&mut self, run: RunId, tree: Tree) {
+        self.job_runs
+            .extend(tree.nodes().map(|(job, _)| (job, run)));
+        self.trees.insert(run, tree);
+    }
+
+    /// Lets a run's tree go, and its jobs' index with it.
+    fn drop_tree(&mut self, run: RunId) {
+        if let Some(tree) = self.trees.remove(&run) {
+            for (job, _) in tree.nodes() {
+                self.job_runs.remove(&job);
+            }
+        }
+    }
 }
 
 /// Milliseconds since the Unix epoch: an event's `at_ms`, a card's times.
@@ -87,6 +109,7 @@ impl EventBus {
                 state: Mutex::new(BusState {
                     seq: first_seq,
                     trees: HashMap::new(),
+                    job_runs: HashMap::new(),
                     runs_live: HashMap::new(),
                 }),
                 live: OnceLock::new(),
@@ -149,6 +172,9 @@ impl EventBus {
                     ))),
                     Err(e) => unencoded = Some(e),
                 }
+                if let EventKind::JobSpawned { id, .. } = &event.kind {
+                    state.job_runs.insert(*id, run);
+                }
                 state
                     .trees
                     .entry(run)
@@ -163,7 +189,7 @@ impl EventBus {
                     .find(|(id, t)| **id != run && t.run_status().is_terminal())
                     .map(|(id, _)| *id)
             {
-                state.trees.remove(&finished);
+                state.drop_tree(finished);
             }
             // Journaled under the lock so the journal's order is the emission order.
             prepared.extend(self.inner.journal.prepare(records));
@@ -238,7 +264,7 @@ impl EventBus {
             tree.apply(event);
             state.seq = state.seq.max(event.seq);
         }
-        state.trees.insert(run, tree);
+        state.keep_tree(run, tree);
     }
 
     /// Every event emitted from now on (a slow reader may see `Lagged`).
@@ -298,12 +324,11 @@ impl EventBus {
     }
 
     /// The run a step or job belongs to, and its status now, if any tree has it.
-    pub fn find_job(&self, job: arbor_protocol::JobId) -> Option<(RunId, arbor_protocol::Status)> {
+    pub fn find_job(&self, job: JobId) -> Option<(RunId, arbor_protocol::Status)> {
         let state = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
-        state
-            .trees
-            .iter()
-            .find_map(|(run, tree)| tree.node(job).map(|n| (*run, n.status)))
+        let run = *state.job_runs.get(&job)?;
+        let status = state.trees.get(&run)?.node(job)?.status;
+        Some((run, status))
     }
 
     /// Drops the trees of runs the journal has forgotten (retention), so that
@@ -311,7 +336,7 @@ impl EventBus {
     pub fn forget(&self, runs: &[RunId]) {
         let mut state = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
         for run in runs {
-            state.trees.remove(run);
+            state.drop_tree(*run);
         }
     }
 
@@ -334,7 +359,7 @@ impl EventBus {
             if self.inner.journal.is_shared() && !tree.run_status().is_terminal() {
                 return f(Some(&tree));
             }
-            state.trees.insert(run, tree);
+            state.keep_tree(run, tree);
         }
         f(state.trees.get(&run))
     }

@@ -380,3 +380,51 @@ fn a_reader_that_goes_away_ends_the_printing_not_the_run() {
     ]);
     assert!(verify.status.success(), "{verify:?}");
 }
+
+/// The verbs clap gives `arbor` (and its groups' verbs, as `journal verify`),
+/// from its own help: what the docs' verb lists are checked against.
+fn cli_verbs() -> Vec<String> {
+    let commands = |args: &[&str]| -> Vec<String> {
+        let out = arbor(&[args, &["--help"]].concat());
+        assert!(out.status.success(), "{args:?}");
+        let help = String::from_utf8_lossy(&out.stdout).to_string();
+        help.split("Commands:")
+            .nth(1)
+            .unwrap_or_default()
+            .lines()
+            .skip(1)
+            .take_while(|line| line.starts_with("  "))
+            .filter_map(|line| line.split_whitespace().next())
+            .filter(|verb| *verb != "help")
+            .map(str::to_string)
+            .collect()
+    };
+    let mut verbs = vec![];
+    for verb in commands(&[]) {
+        let inner = commands(&[verb.as_str()]);
+        if inner.is_empty() {
+            verbs.push(verb);
+        } else {
+            verbs.extend(inner.iter().map(|v| format!("{verb} {v}")));
+        }
+    }
+    verbs
+}
+
+/// README, ARCHITECTURE and the operations guide each name every verb of
+/// the CLI as clap has it (`arbor VERB`), so a new verb left out of one
+/// fails here, naming the file.
+#[test]
+fn the_docs_name_every_verb_of_the_cli() {
+    let verbs = cli_verbs();
+    assert!(verbs.len() > 15, "{verbs:?}");
+    assert!(verbs.contains(&"node drain".to_string()), "{verbs:?}");
+    for doc in ["README.md", "docs/ARCHITECTURE.md", "docs/operations.md"] {
+        let text = std::fs::read_to_string(repo().join(doc)).unwrap();
+        let missing: Vec<&String> = verbs
+            .iter()
+            .filter(|verb| !text.contains(&format!("arbor {verb}")))
+            .collect();
+        assert!(missing.is_empty(), "{doc} never names `arbor` {missing:?}");
+    }
+}

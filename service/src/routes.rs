@@ -630,10 +630,7 @@ fn job_tree(shared: &Shared, job: JobId) -> Result<(RunId, Tree), ApiError> {
         None => shared
             .node
             .journal()
-            .all_jobs()?
-            .into_iter()
-            .find(|j| j.id == job)
-            .map(|j| j.run)
+            .run_of_job(job)?
             .ok_or_else(|| ApiError::not_found(format!("no step or job {job}")))?,
     };
     let tree = events

@@ -499,6 +499,20 @@ $("stop-run").addEventListener("click", async () => {
   await post(`/v1/runs/${page.run}/stop`).catch(problem);
 });
 
+// Every event kind there is (docs/contract/event.schema.json), with where
+// the console draws more of it than its name and whose it is: "line" in
+// the events list (`describe`), "turn" in a job's turns (`noteTurn`), and
+// "name" nowhere. A test compares these keys with the schema: a new kind
+// fails it until it is placed here.
+const EVENT_KINDS = {
+  run_started: "name", run_resumed: "name", recovered: "name", run_finished: "line",
+  job_spawned: "line", job_running: "name", job_finished: "line", account_changed: "line",
+  wind_down: "name", model_called: "turn", context_compacted: "turn", budget_overrun: "name",
+  tool_started: "name", tool_called: "turn", mcp_server: "name", refused: "turn",
+  steer_queued: "name", steer_delivered: "turn", steer_discarded: "name",
+  approval_requested: "turn", approval_expiring: "name", approval_decided: "turn",
+};
+
 // One line per event: its index, its kind and whose it is.
 function describe(event) {
   const k = event.kind;
@@ -512,7 +526,8 @@ function describe(event) {
     refused: () => ` ${k.tool}: ${k.refusal?.refusal ?? ""}`,
     run_finished: () => ` ${k.status}${k.reason ? `: ${k.reason}` : ""}`,
   }[k.type];
-  return `#${event.index} ${k.type}${who}${more ? more() : ""}`;
+  const known = k.type in EVENT_KINDS ? "" : " (a kind this console does not know)";
+  return `#${event.index} ${k.type}${who}${more ? more() : ""}${known}`;
 }
 
 function flushEvents() {

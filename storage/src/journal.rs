@@ -510,6 +510,25 @@ impl Journal {
         self.read(&table::RUNS, &[])
     }
 
+    /// The run a step or job belongs to, from the journal: the runs that
+    /// started no later than it did (ids are uuid v7, in time order), the
+    /// latest first, each asked for the job by key. Not a walk over every
+    /// job; a job of a run that started long before it asks more runs.
+    pub fn run_of_job(&self, job: JobId) -> Result<Option<RunId>, Error> {
+        let started_ms = job.0.get_timestamp().map_or(u64::MAX, |t| {
+            let (secs, nanos) = t.to_unix();
+            secs * 1000 + u64::from(nanos / 1_000_000)
+        });
+        let mut runs = self.runs_started_before(started_ms.saturating_add(1))?;
+        runs.reverse();
+        for run in runs {
+            if self.job(run.id, job)?.is_some() {
+                return Ok(Some(run.id));
+            }
+        }
+        Ok(None)
+    }
+
     pub fn run(&self, id: RunId) -> Result<Option<RunRecord>, Error> {
         self.read_one(&table::RUNS, &codec::run_key(id))
     }

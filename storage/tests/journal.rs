@@ -221,6 +221,29 @@ async fn every_record_kind_round_trips(store: Store) {
     assert_eq!(journal.ledger(run_account).unwrap().len(), 7);
 }
 
+on_both!(a_jobs_run_is_found_by_key_among_the_runs_started_before_it);
+/// `run_of_job`: the run of a job, asked of the runs that started no later
+/// than the job, each by the job's key; a job of no run is None.
+async fn a_jobs_run_is_found_by_key_among_the_runs_started_before_it(store: Store) {
+    let journal = store.open();
+    let (first, second) = (RunId::new(), RunId::new());
+    let (early, late) = (JobId::new(), JobId::new());
+    let later_run = RunId::new();
+    journal
+        .commit(vec![
+            Record::Run(run_record(first, Status::Running)),
+            Record::Run(run_record(second, Status::Running)),
+            Record::Run(run_record(later_run, Status::Running)),
+            Record::Job(job_record(first, early)),
+            Record::Job(job_record(second, late)),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(journal.run_of_job(early).unwrap(), Some(first));
+    assert_eq!(journal.run_of_job(late).unwrap(), Some(second));
+    assert_eq!(journal.run_of_job(JobId::new()).unwrap(), None);
+}
+
 on_both!(reads_are_scoped_to_their_owner);
 async fn reads_are_scoped_to_their_owner(store: Store) {
     let journal = store.open();

@@ -739,27 +739,85 @@ async fn the_console_is_served_with_a_strict_csp_etags_and_its_content_types() {
     svc.stop().await;
 }
 
+/// Every route of the OpenAPI document as (METHOD, path with a fresh id in
+/// each `{id}`), those that need the token, then "METHOD /path" of those
+/// that do not (no security requirement), sorted.
+fn documented_routes() -> (Vec<(String, String)>, Vec<String>) {
+    let api = Service::openapi();
+    let id = arbor_protocol::RunId::new().to_string();
+    let (mut routes, mut public) = (vec![], vec![]);
+    for (path, item) in api["paths"].as_object().unwrap() {
+        for (method, op) in item.as_object().unwrap() {
+            let method = method.to_uppercase();
+            match op["security"].as_array().is_some_and(|s| !s.is_empty()) {
+                true => routes.push((method, path.replace("{id}", &id))),
+                false => public.push(format!("{method} {path}")),
+            }
+        }
+    }
+    public.sort();
+    (routes, public)
+}
+
+/// docs/operations.md's table of the API names every route the OpenAPI
+/// document has, and no other (a route added to the API and not to the
+/// guide fails here).
+#[test]
+fn the_operations_guide_lists_every_route_the_api_documents() {
+    let api = Service::openapi();
+    let mut documented = std::collections::BTreeSet::new();
+    for (path, item) in api["paths"].as_object().unwrap() {
+        for method in item.as_object().unwrap().keys() {
+            documented.insert(format!("{} {path}", method.to_uppercase()));
+        }
+    }
+    let guide = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/operations.md"),
+    )
+    .unwrap();
+    let table = guide
+        .split("## The API")
+        .nth(1)
+        .and_then(|rest| rest.split("\n\n").nth(2))
+        .expect("docs/operations.md has its API table");
+    let mut listed = std::collections::BTreeSet::new();
+    for row in table.lines() {
+        let first_cell = row
+            .trim_start_matches('|')
+            .split(" | ")
+            .next()
+            .unwrap_or_default();
+        for span in first_cell.split('`').skip(1).step_by(2) {
+            let (method, path) = span.split_once(' ').unwrap_or(("GET", span));
+            let path = path.split('?').next().unwrap_or_default();
+            listed.insert(format!("{method} {path}"));
+        }
+    }
+    assert_eq!(
+        listed, documented,
+        "docs/operations.md's API table and the OpenAPI document differ"
+    );
+}
+
 #[tokio::test]
 async fn inv_37_every_route_but_the_health_checks_refuses_a_missing_or_wrong_token() {
     let svc = TestService::start(texts()).await;
-    let id = arbor_protocol::RunId::new();
-    let routes = [
-        ("POST", "/v1/runs".to_string()),
-        ("GET", "/v1/runs".to_string()),
-        ("GET", format!("/v1/runs/{id}")),
-        ("POST", format!("/v1/runs/{id}/stop")),
-        ("GET", format!("/v1/runs/{id}/events")),
-        ("GET", format!("/v1/jobs/{id}")),
-        ("POST", format!("/v1/jobs/{id}/stop")),
-        ("POST", format!("/v1/jobs/{id}/messages")),
-        ("POST", format!("/v1/jobs/{id}/continue")),
-        ("GET", "/v1/approvals".to_string()),
-        ("POST", format!("/v1/approvals/{id}")),
-        ("GET", "/v1/status".to_string()),
-        ("POST", "/v1/nodes/a/drain".to_string()),
-        ("GET", "/metrics".to_string()),
-        ("GET", "/v1/openapi.json".to_string()),
-    ];
+    // Every route the API documents, but the public ones, which are named.
+    let (routes, public) = documented_routes();
+    assert_eq!(
+        public,
+        [
+            "DELETE /v1/ui/session",
+            "GET /healthz",
+            "GET /readyz",
+            "POST /v1/ui/session",
+        ],
+        "only the health checks and the console's login and logout are public"
+    );
+    // The document itself is served beside the routes it describes.
+    let mut routes = routes;
+    routes.push(("GET".into(), "/v1/openapi.json".into()));
+    assert!(routes.len() >= 16, "{routes:?}");
     // The real token with its last character changed.
     let (head, last) = svc.token.split_at(svc.token.len() - 1);
     let wrong = format!("{head}{}", if last == "0" { "1" } else { "0" });
@@ -767,10 +825,8 @@ async fn inv_37_every_route_but_the_health_checks_refuses_a_missing_or_wrong_tok
     for (method, path) in &routes {
         for token in [None, Some(wrong.as_str()), Some(""), Some("Bearer")] {
             let url = format!("{}{path}", svc.url);
-            let mut request = match *method {
-                "POST" => svc.http().post(&url),
-                _ => svc.http().get(&url),
-            };
+            let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+            let mut request = svc.http().request(method.clone(), &url);
             if let Some(token) = token {
                 request = request.header("authorization", format!("Bearer {token}"));
             }
@@ -924,6 +980,44 @@ fn the_event_schema_in_docs_contract_is_the_one_the_types_generate() {
         committed == generated,
         "docs/contract/event.schema.json is not what the types generate; \
          run `BLESS=1 cargo test -p arbor-tests --test service the_event_schema` and commit it"
+    );
+}
+
+/// The console places every event kind: `EVENT_KINDS` in service/ui/app.js
+/// holds exactly the kinds the types generate, so a new kind fails here,
+/// naming where it goes.
+#[test]
+fn the_console_places_every_event_kind_there_is() {
+    let schema = Service::event_schema();
+    let kinds: std::collections::BTreeSet<String> = schema["$defs"]["EventKind"]["oneOf"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|kind| {
+            kind["properties"]["type"]["const"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert!(kinds.len() > 20, "{kinds:?}");
+    let app =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../service/ui/app.js"))
+            .unwrap();
+    let table = app
+        .split("const EVENT_KINDS = {")
+        .nth(1)
+        .and_then(|rest| rest.split("};").next())
+        .expect("service/ui/app.js has its EVENT_KINDS");
+    let placed: std::collections::BTreeSet<String> = table
+        .split(',')
+        .filter_map(|entry| entry.split(':').next())
+        .map(|name| name.trim().to_string())
+        .filter(|name| !name.is_empty())
+        .collect();
+    assert_eq!(
+        placed, kinds,
+        "service/ui/app.js's EVENT_KINDS must place every event kind, and no other"
     );
 }
 
@@ -1178,33 +1272,20 @@ async fn status_metrics_and_the_openapi_document_describe_the_node() {
         Service::openapi(),
         "the served document is the generated one"
     );
-    for path in [
-        "/v1/runs",
-        "/v1/runs/{id}",
-        "/v1/runs/{id}/stop",
-        "/v1/runs/{id}/events",
-        "/v1/jobs/{id}",
-        "/v1/jobs/{id}/stop",
-        "/v1/jobs/{id}/messages",
-        "/v1/jobs/{id}/continue",
-        "/v1/approvals",
-        "/v1/approvals/{id}",
-        "/v1/status",
-        "/metrics",
-        "/healthz",
-        "/readyz",
-    ] {
-        let item = &api["paths"][path];
-        assert!(item.is_object(), "{path} is documented");
-        for (_, op) in item.as_object().unwrap() {
-            let protected = !path.ends_with("z");
-            assert_eq!(
-                op["responses"].get("401").is_some(),
-                protected,
-                "{path}: 401 documented exactly where a token is needed"
-            );
+    // Each operation that needs the token documents its 401; the health
+    // checks need none and document none (the console's login documents
+    // the 401 of a wrong token).
+    for (path, item) in api["paths"].as_object().unwrap() {
+        for (method, op) in item.as_object().unwrap() {
+            let protected = op["security"].as_array().is_some_and(|s| !s.is_empty());
+            let documented = op["responses"].get("401").is_some();
+            if protected || path.ends_with('z') {
+                assert_eq!(documented, protected, "{method} {path}: its 401");
+            }
         }
     }
+    assert!(api["paths"]["/v1/runs/{id}/replay"].is_object());
+    assert!(api["paths"]["/v1/nodes/{id}/drain"].is_object());
     svc.post_json(&format!("/v1/runs/{run}/stop"), json!({}))
         .await;
     svc.wait_run(run).await;
