@@ -264,7 +264,9 @@ impl Actor for Account {
         message: Self::Msg,
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
-        let handled = handle_message(message, state).await;
+        // Boxed: an idle account's task holds its handler's future, sized by
+        // its largest arm (a reservation's commit); boxed, it holds a pointer.
+        let handled = Box::pin(handle_message(message, state)).await;
         // I-14 after every message, in every test build.
         if let Err(breach) = state.ledger.check() {
             debug_assert!(false, "{:?}: {breach}", state.owner);

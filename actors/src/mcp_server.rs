@@ -77,16 +77,7 @@ impl ServerLaunch {
             };
             return seal::spawn(&spec, &command).await;
         }
-        let mut host_env = vec![
-            (
-                "PATH".to_string(),
-                "/usr/local/bin:/usr/bin:/bin".to_string(),
-            ),
-            ("HOME".into(), self.workdir.display().to_string()),
-            ("LANG".into(), "C.UTF-8".into()),
-        ];
-        host_env.extend(env);
-        seal::spawn_host(&self.workdir, host_env, &self.resources, &command, true).await
+        seal::spawn_host(&self.workdir, env, &self.resources, &command, true).await
     }
 }
 

@@ -268,9 +268,10 @@ impl NodeState {
             .replay
             .as_ref()
             .is_none_or(|r| r.after_divergence == arbor_protocol::tape::AfterDivergence::Live);
-        for agent in self.reachable_agents(&spec) {
+        let reachable = spec.reachable_agents(|name| self.ctx.agents.get(name).map(|a| &**a));
+        for agent in reachable {
             if asks_models {
-                self.ctx.models.preflight(&agent)?;
+                self.ctx.models.preflight(agent)?;
             }
         }
         // An id chosen (and journaled) by the caller starts at most once.
@@ -281,27 +282,6 @@ impl NodeState {
         }
         self.spawn_run(myself, id.unwrap_or_default(), spec, None, carried)
             .await
-    }
-
-    /// The run's step agents and every sub-agent below them, once each.
-    fn reachable_agents(&self, spec: &RunSpec) -> Vec<Arc<arbor_protocol::AgentDef>> {
-        let mut seen = std::collections::BTreeSet::new();
-        let mut queue: Vec<String> = spec
-            .groups
-            .iter()
-            .flat_map(|g| g.steps.iter().map(|s| s.agent.clone()))
-            .collect();
-        let mut agents = vec![];
-        while let Some(name) = queue.pop() {
-            if !seen.insert(name.clone()) {
-                continue;
-            }
-            if let Some(agent) = self.ctx.agent(&name) {
-                queue.extend(agent.subagents.iter().cloned());
-                agents.push(agent);
-            }
-        }
-        agents
     }
 
     async fn spawn_run(

@@ -912,15 +912,7 @@ impl ExecJob {
                 .await
                 .map_err(|e| format!("could not start the command in its sandbox: {e}"));
         }
-        let mut env = vec![
-            (
-                "PATH".to_string(),
-                "/usr/local/bin:/usr/bin:/bin".to_string(),
-            ),
-            ("HOME".into(), workdir.display().to_string()),
-            ("LANG".into(), "C.UTF-8".into()),
-        ];
-        env.extend(self.how.env.iter().cloned());
+        let env = self.how.env.clone();
         seal::spawn_host(workdir, env, &self.how.resources, command, false)
             .await
             .map_err(|e| format!("could not start the command: {e}"))

@@ -31,6 +31,32 @@ pub struct RunSpec {
 }
 
 impl RunSpec {
+    /// The agents of its steps and every sub-agent below them, each once,
+    /// in the order found: every agent a run of it can reach. `agent` looks
+    /// a name up; a name it does not know is passed over.
+    pub fn reachable_agents<'a>(
+        &self,
+        agent: impl Fn(&str) -> Option<&'a crate::AgentDef>,
+    ) -> Vec<&'a crate::AgentDef> {
+        let mut seen = std::collections::BTreeSet::new();
+        let mut queue: Vec<&str> = self
+            .groups
+            .iter()
+            .flat_map(|g| g.steps.iter().map(|s| s.agent.as_str()))
+            .collect();
+        let mut found = vec![];
+        while let Some(name) = queue.pop() {
+            if !seen.insert(name.to_string()) {
+                continue;
+            }
+            if let Some(def) = agent(name) {
+                queue.extend(def.subagents.iter().map(String::as_str));
+                found.push(def);
+            }
+        }
+        found
+    }
+
     /// Every step's label, group by group: the step's `label`, else its agent's
     /// name, made unique across the whole run with `-2`, `-3`... Labels name
     /// workdirs and let a resumed run find its steps again, so this is the

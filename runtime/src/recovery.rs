@@ -15,9 +15,14 @@
 //!    uncharged, and its parent's hold released (I-31). Holds for children
 //!    that never got a record (a crash between the grant and the delegation)
 //!    are released at 0.
+//!    Before that, ends a crash took from the events are told again from
+//!    their records (an end is told only once durable, I-29).
 //! 4. Each run is resumed at step granularity when its steps' retry policy
-//!    allows, or ended (I-34).
-//! 5. Conservation is checked for every account (I-14).
+//!    allows, or ended (I-34); a run the node died under after each of its
+//!    last `max_recoveries` resumes is parked instead (I-48).
+//! 5. Pending approval cards are kept with their deadlines, those overdue
+//!    expired now (I-47).
+//! 6. Conservation is checked for every account (I-14).
 //!
 //! Invariant: recovery charges nothing twice. A hold is released only while
 //! it is open in its parent's ledger, so running recovery again changes nothing.

@@ -1,7 +1,10 @@
 //! The workspace a user writes, read and checked before anything runs:
 //!
 //! ```text
-//! DIR/arbor.toml               optional: [limits], [budget], [providers.NAME]
+//! DIR/arbor.toml               optional: [limits], [budget], [providers.NAME],
+//!                              [sandbox], [mcp.servers.NAME], [approvals],
+//!                              [journal], [record], [telemetry]; [service]
+//!                              is arbord's, read by arbor-service
 //! DIR/agents/NAME/agent.md     YAML front matter between `---` lines, then the system prompt
 //! DIR/flows/NAME.toml          optional: groups of steps, a budget, a timeout
 //! ```
@@ -468,32 +471,14 @@ impl Workspace {
             format!("flows/{}.toml", spec.flow),
         ];
         paths.extend(
-            self.reachable_agents(spec)
+            spec.reachable_agents(|name| self.agents.get(name))
                 .into_iter()
-                .map(|a| format!("agents/{a}/agent.md")),
+                .map(|a| format!("agents/{}/agent.md", a.name)),
         );
         paths
             .into_iter()
             .filter_map(|path| Some((path.clone(), self.digests.get(&path)?.clone())))
             .collect()
-    }
-
-    /// The agents of `spec`'s steps and every sub-agent below them, by name.
-    pub fn reachable_agents(&self, spec: &RunSpec) -> std::collections::BTreeSet<String> {
-        let mut seen = std::collections::BTreeSet::new();
-        let mut queue: Vec<&str> = spec
-            .groups
-            .iter()
-            .flat_map(|g| g.steps.iter().map(|s| s.agent.as_str()))
-            .collect();
-        while let Some(name) = queue.pop() {
-            if seen.insert(name.to_string())
-                && let Some(agent) = self.agents.get(name)
-            {
-                queue.extend(agent.subagents.iter().map(String::as_str));
-            }
-        }
-        seen
     }
 
     fn run_budget(

@@ -568,12 +568,11 @@ pub async fn spawn(spec: &SealSpec, command: &str) -> Result<Spawned, String> {
     // from a single-threaded one, so it may allocate; it only makes
     // syscalls and execs.
     let mut cmd = unsafe { container.command_from_closure(move || init(user, &env, &argv)) };
-    cmd.current_dir(workdir)
-        .env("PATH", "/usr/local/bin:/usr/bin:/bin")
-        .env("HOME", workdir)
-        .env("LANG", "C.UTF-8")
-        .env("TMPDIR", "/tmp")
-        .stdin(stdin)
+    cmd.current_dir(workdir);
+    for (key, value) in base_env(Path::new(workdir), true) {
+        cmd.env(&key, &value);
+    }
+    cmd.stdin(stdin)
         .stdout(hakoniwa::Stdio::piped())
         .stderr(hakoniwa::Stdio::piped());
     let made = root.clone();
@@ -619,10 +618,28 @@ fn remove_root(root: Option<PathBuf>) {
     }
 }
 
+/// The environment every command and MCP server starts from, sealed or
+/// not, before its agent's variables and secrets: PATH, HOME (its workdir,
+/// as the sandbox sees it) and LANG; a sealed one's TMPDIR is its own /tmp.
+pub fn base_env(home: &Path, sealed: bool) -> Vec<(String, String)> {
+    let mut env = vec![
+        (
+            "PATH".to_string(),
+            "/usr/local/bin:/usr/bin:/bin".to_string(),
+        ),
+        ("HOME".to_string(), home.display().to_string()),
+        ("LANG".to_string(), "C.UTF-8".to_string()),
+    ];
+    if sealed {
+        env.push(("TMPDIR".to_string(), "/tmp".to_string()));
+    }
+    env
+}
+
 /// Starts `command` under `/bin/sh -c` on the host, unsealed (`mode =
-/// "none"`): in `workdir`, in a process group of its own, with `env` as its
-/// whole environment and `resources` as its rlimits; its stdin a pipe if
-/// `stdin`, else `/dev/null`.
+/// "none"`): in `workdir`, in a process group of its own, with `base_env`
+/// and then `env` as its whole environment and `resources` as its rlimits;
+/// its stdin a pipe if `stdin`, else `/dev/null`.
 pub async fn spawn_host(
     workdir: &Path,
     env: Vec<(String, String)>,
@@ -637,6 +654,7 @@ pub async fn spawn_host(
         .arg(command)
         .current_dir(workdir)
         .env_clear()
+        .envs(base_env(workdir, false))
         .envs(env)
         .stdin(if stdin {
             std::process::Stdio::piped()

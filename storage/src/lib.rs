@@ -2,15 +2,17 @@
 //!
 //! Owns the record types, their tables and key layout, versioned encoding,
 //! the `Journal` handle every caller holds, and the `Engine` interface behind
-//! it, with its one engine today: sled and a write-ahead log with group
-//! commit. Knows nothing of actors, processes or HTTP: callers hand it plain
+//! it, with its two engines: sled behind a write-ahead log of arbor's own with
+//! group commit (the default), and PostgreSQL, which several nodes share
+//! (its layout migrated forward in numbered steps at open). Knows nothing of actors, processes or HTTP: callers hand it plain
 //! records and read plain records back.
 //!
 //! # Modules
 //! - `journal.rs`: the handle: append, commit, typed reads, scan, verify, forget.
 //! - `engine.rs`: what a backend implements; `sled_engine.rs` (and its folder:
 //!   open, flusher, applier, work, reads, chunk, wal, fsync) is the default,
-//!   `pg_engine.rs` (and its folder: schema, writer, lease, reads, progress)
+//!   `pg_engine.rs` (and its folder: schema and its migrations, writer, lease,
+//!   queue, reads, progress)
 //!   the PostgreSQL one; `overlay.rs` serves both.
 //! - `table.rs`: each kind of record, its table and key (`TABLES`).
 //! - `record.rs`, `codec.rs`: the records and their bytes; `verify.rs`: the

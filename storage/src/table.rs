@@ -345,4 +345,20 @@ mod tests {
             assert!(table.check(b"key", b"").is_err(), "{}", table.def().name);
         }
     }
+
+    /// Every table of `JOURNAL_TABLES` is read by `scan` and `verify`
+    /// through its `Table` in `TABLES`, but the one another crate owns
+    /// (the service's submissions, which `arbor journal verify` is handed).
+    #[test]
+    fn every_journal_table_is_in_tables_or_owned_by_another_crate() {
+        for def in &JOURNAL_TABLES {
+            let ours = TABLES.iter().any(|t| t.def().name == def.name);
+            assert!(
+                ours || def.name == SUBMISSIONS_TABLE.name,
+                "journal table `{}` has no `Table` in `TABLES` (storage/src/table.rs): \
+                 scan and verify would pass over its rows",
+                def.name
+            );
+        }
+    }
 }
