@@ -1,19 +1,10 @@
 //! `arbor run` from the outside: the README's command, its JSON contract, its
 //! exit codes and its errors on bad input.
 
-use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn arbor(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_arbor"))
-        .args(args)
-        .output()
-        .expect("arbor runs")
-}
+mod common;
+use common::{arbor, repo};
 
 fn schema(name: &str) -> jsonschema::Validator {
     let text = std::fs::read_to_string(repo().join("docs/contract").join(name)).unwrap();

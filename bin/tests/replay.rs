@@ -3,18 +3,10 @@
 //! and every bad input refused with exit 2 before anything runs.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn arbor(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_arbor"))
-        .args(args)
-        .output()
-        .expect("arbor runs")
-}
+mod common;
+use common::{arbor, repo};
 
 fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()

@@ -12,20 +12,9 @@ use std::str::FromStr;
 /// The built-in tools. Everything the runtime knows of one is its entry in
 /// [`ToolName::info`]; the list of them is the enum itself (`ALL`, derived),
 /// so a tool added here is a compile error in `info` until it is described.
-#[derive(
-    Clone,
-    Copy,
-    Debug,
-    PartialEq,
-    Eq,
-    Hash,
-    PartialOrd,
-    Ord,
-    Serialize,
-    Deserialize,
-    strum::VariantArray,
-)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+#[derive(strum::VariantArray)]
 pub enum ToolName {
     Delegate,
     Collect,

@@ -150,14 +150,7 @@ impl Journal {
     /// is to recover) rather than leave them for the next try. `None`:
     /// every run in the journal is this node's (sled).
     pub fn claim_orphans(&self, wait: bool) -> Result<Option<Vec<(RunId, u64)>>, Error> {
-        let Some(claimed) = self.engine.claim_orphans(wait)? else {
-            return Ok(None);
-        };
-        claimed
-            .into_iter()
-            .map(|(key, epoch)| Ok((run_id(&key)?, epoch)))
-            .collect::<Result<_, _>>()
-            .map(Some)
+        claimed_runs(self.engine.claim_orphans(wait)?)
     }
 
     /// A shared journal's admission queue: takes up to `limit` queued runs
@@ -170,17 +163,10 @@ impl Journal {
         only: Option<RunId>,
     ) -> Result<Option<Vec<(RunId, u64)>>, Error> {
         let only = only.map(|run| run.0.into_bytes());
-        let Some(claimed) = self
-            .engine
-            .claim_queued(limit, only.as_ref().map(|b| &b[..]))?
-        else {
-            return Ok(None);
-        };
-        claimed
-            .into_iter()
-            .map(|(key, epoch)| Ok((run_id(&key)?, epoch)))
-            .collect::<Result<_, _>>()
-            .map(Some)
+        claimed_runs(
+            self.engine
+                .claim_queued(limit, only.as_ref().map(|b| &b[..]))?,
+        )
     }
 
     /// A shared journal's queued runs, oldest first. `None`: the queue is
@@ -472,17 +458,7 @@ impl Journal {
     fn read_span<R>(&self, table: &'static Table<R>, span: Span<'_>) -> Result<Vec<R>, Error> {
         let mut records = Vec::new();
         self.engine.scan(&table.def, span, &mut |key, value| {
-            let record = table
-                .decode(value)
-                .map_err(|error| codec::undecodable(table.def.name, key, error))?;
-            // A record's shape after decode (test builds): stored under its key.
-            debug_assert!(
-                table.check_key(key, &record).is_ok(),
-                "{}: {:?}",
-                table.def.name,
-                table.check_key(key, &record)
-            );
-            records.push(record);
+            records.push(decoded(table, key, value)?);
             Ok(())
         })?;
         Ok(records)
@@ -493,16 +469,7 @@ impl Journal {
         let Some(value) = self.engine.get(&table.def, key)? else {
             return Ok(None);
         };
-        let record = table
-            .decode(&value)
-            .map_err(|error| codec::undecodable(table.def.name, key, error))?;
-        debug_assert!(
-            table.check_key(key, &record).is_ok(),
-            "{}: {:?}",
-            table.def.name,
-            table.check_key(key, &record)
-        );
-        Ok(Some(record))
+        decoded(table, key, &value).map(Some)
     }
 
     /// Every run, in key (creation) order.
@@ -798,6 +765,36 @@ impl Walked {
 }
 
 /// A record as a row of its table.
+/// A stored value read back: undecodable, it fails the read naming its key
+/// (I-35); decoded, its shape is checked (test builds): stored under its key.
+fn decoded<R>(table: &Table<R>, key: &[u8], value: &[u8]) -> Result<R, Error> {
+    let record = table
+        .decode(value)
+        .map_err(|error| codec::undecodable(table.def.name, key, error))?;
+    debug_assert!(
+        table.check_key(key, &record).is_ok(),
+        "{}: {:?}",
+        table.def.name,
+        table.check_key(key, &record)
+    );
+    Ok(record)
+}
+
+/// Runs an engine claimed, by the keys it gives, with their epochs; `None`
+/// where the engine has no claims (sled).
+fn claimed_runs(
+    claimed: Option<Vec<crate::engine::Claimed>>,
+) -> Result<Option<Vec<(RunId, u64)>>, Error> {
+    let Some(claimed) = claimed else {
+        return Ok(None);
+    };
+    claimed
+        .into_iter()
+        .map(|(key, epoch)| Ok((run_id(&key)?, epoch)))
+        .collect::<Result<_, _>>()
+        .map(Some)
+}
+
 fn row(record: Record) -> Result<Row, Error> {
     match record {
         Record::Run(run) => table::RUNS.row(&run),

@@ -178,6 +178,12 @@ async fn inv_05_the_spawn_count_survives_a_restart() {
         .await;
     let node = node.crash_and_restart().await;
     // The resumed step asks for two more; one is left under the cap.
+    refused_past_the_cap(node, run, "2 spawned + 2 asked > 3").await;
+}
+
+/// Waits for the resumed step's delegate call that the spawn cap refuses,
+/// checks it says `counted` (spawned + asked > cap), and stops the run.
+async fn refused_past_the_cap(node: TestNode, run: arbor_protocol::RunId, counted: &str) {
     let refused = node
         .wait_event(
             run,
@@ -188,7 +194,7 @@ async fn inv_05_the_spawn_count_survives_a_restart() {
         unreachable!()
     };
     assert!(
-        detail.contains("run spawn cap: 2 spawned + 2 asked > 3"),
+        detail.contains(&format!("run spawn cap: {counted}")),
         "{detail}"
     );
     node.stop_run(run).await;
@@ -236,21 +242,7 @@ async fn inv_05_a_job_that_failed_after_it_started_stays_counted_across_a_restar
     let node = node.crash_and_restart().await;
     // Two counted (l and a); the resumed step's first delegation takes the
     // last one, and its second is refused.
-    let refused = node
-        .wait_event(
-            run,
-            |e| matches!(e, EventKind::ToolCalled { tool, ok: false, .. } if tool == "delegate"),
-        )
-        .await;
-    let EventKind::ToolCalled { detail, .. } = refused.kind else {
-        unreachable!()
-    };
-    assert!(
-        detail.contains("run spawn cap: 3 spawned + 1 asked > 3"),
-        "{detail}"
-    );
-    node.stop_run(run).await;
-    node.wait_run(run).await;
+    refused_past_the_cap(node, run, "3 spawned + 1 asked > 3").await;
 }
 
 #[tokio::test]
