@@ -22,7 +22,9 @@ use crate::record::{
     SandboxState, SteerRecord, TapeRecord,
 };
 use crate::sled_engine::SledEngine;
-use crate::table::{self, AnyTable, JOURNAL_TABLES, Key, KeyedBy, Row, TABLES, Table, TableDef};
+use crate::table::{
+    self, AnyTable, JOURNAL_TABLES, JournalTable, Key, KeyedBy, Row, Table, TableDef,
+};
 use crate::verify::{self, VerifyReport};
 use arbor_protocol::{CardId, Event, JobId, ParentRef, RunId};
 use std::path::Path;
@@ -605,7 +607,7 @@ impl Journal {
         let mut prefixes = Vec::new();
         for &run in runs {
             let jobs: Vec<JobId> = self.jobs(run)?.into_iter().map(|job| job.id).collect();
-            for table in &JOURNAL_TABLES {
+            for table in JOURNAL_TABLES.iter().map(JournalTable::def) {
                 match table.keyed_by {
                     KeyedBy::Run => prefixes.push((table, codec::run_key(run))),
                     KeyedBy::Account => {
@@ -672,17 +674,19 @@ impl Journal {
     /// rest, so a boot's pass takes the longer of the two, not their sum.
     fn walk(&self, also: &[&dyn AnyTable]) -> Result<(ScanReport, Vec<LedgerRecord>), Error> {
         let checker = |def: &TableDef| {
-            TABLES
-                .iter()
-                .copied()
-                .chain(also.iter().copied())
+            let ours = table::tables().map(|table| -> &dyn AnyTable { table });
+            ours.chain(also.iter().copied())
                 .find(|table| table.def().name == def.name)
         };
         let events = &table::EVENTS.def;
         let (walked_events, rest) = std::thread::scope(|scope| {
             let walked_events = scope.spawn(|| self.walk_table(events, checker(events)));
             let mut rest: Result<Walked, Error> = Ok(Walked::default());
-            for def in JOURNAL_TABLES.iter().filter(|def| def.name != events.name) {
+            for def in JOURNAL_TABLES
+                .iter()
+                .map(JournalTable::def)
+                .filter(|def| def.name != events.name)
+            {
                 rest = rest.and_then(|mut walked: Walked| {
                     walked.add(self.walk_table(def, checker(def))?);
                     Ok(walked)

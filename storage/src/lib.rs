@@ -14,7 +14,7 @@
 //!   `pg_engine.rs` (and its folder: schema and its migrations, writer, lease,
 //!   queue, reads, progress)
 //!   the PostgreSQL one; `overlay.rs` serves both.
-//! - `table.rs`: each kind of record, its table and key (`TABLES`).
+//! - `table.rs`: each kind of record, its table and key (`JOURNAL_TABLES`).
 //! - `record.rs`, `codec.rs`: the records and their bytes; `verify.rs`: the
 //!   accounts' rules; `faults.rs`: fault injection for tests.
 //!
@@ -101,6 +101,7 @@ pub use record::{
 };
 pub use sled_engine::{SledEngine, open_db};
 pub use table::{
-    AnyTable, JOURNAL_TABLES, Key, KeyedBy, Row, SUBMISSIONS_TABLE, Shape, TABLES, Table, TableDef,
+    AnyTable, JOURNAL_TABLES, JournalTable, Key, KeyedBy, Row, SUBMISSIONS_TABLE, Shape, Table,
+    TableDef, tables,
 };
 pub use verify::VerifyReport;

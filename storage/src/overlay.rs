@@ -192,7 +192,7 @@ impl Overlay {
     pub(crate) fn new() -> Self {
         let tables = JOURNAL_TABLES
             .iter()
-            .map(|table| match table.shape {
+            .map(|table| match table.def().shape {
                 Shape::State => Slot::State(Latest::new()),
                 Shape::History { owner_bytes } => Slot::History(History::of(owner_bytes)),
             })

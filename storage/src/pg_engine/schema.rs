@@ -85,7 +85,10 @@ impl Sql {
     fn new(schema: &str) -> Sql {
         let qualified = |name: &str| format!("\"{schema}\".\"{name}\"");
         Sql {
-            tables: JOURNAL_TABLES.iter().map(|t| qualified(t.name)).collect(),
+            tables: JOURNAL_TABLES
+                .iter()
+                .map(|t| qualified(t.def().name))
+                .collect(),
             meta: qualified("meta"),
             seqs: qualified("seqs"),
             nodes: qualified("nodes"),

@@ -206,7 +206,7 @@ impl Trees {
                 continue;
             }
             let Some(Shape::History { owner_bytes }) =
-                crate::table::table_index(tree).map(|at| JOURNAL_TABLES[at].shape)
+                crate::table::table_index(tree).map(|at| JOURNAL_TABLES[at].def().shape)
             else {
                 batch_of(&mut batches, tree).insert(&key[..], &value[..]);
                 continue;

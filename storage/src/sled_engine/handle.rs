@@ -323,7 +323,7 @@ impl Trees {
         Ok(Trees {
             tables: JOURNAL_TABLES
                 .iter()
-                .map(|table| db.open_tree(table.name))
+                .map(|table| db.open_tree(table.def().name))
                 .collect::<Result<_, _>>()?,
             meta: db.open_tree(META)?,
         })

@@ -371,6 +371,7 @@ fn decode_frame(bytes: &[u8]) -> Result<(Frame, usize), String> {
         let tree = JOURNAL_TABLES
             .get(index as usize)
             .ok_or_else(|| format!("tree index {index}"))?
+            .def()
             .name;
         let key = body.bytes()?;
         let value = body.bytes()?;

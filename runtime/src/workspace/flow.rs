@@ -1,0 +1,47 @@
+//! `flows/NAME.toml`: groups of steps, a budget and a timeout.
+
+use super::parse::{LoadError, budget_tokens, check_name, invalid, toml_error};
+use arbor_protocol::tools::parse_duration_arg;
+use arbor_protocol::{AgentDef, FlowSpec};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+pub(super) fn parse_flow(
+    name: &str,
+    text: &str,
+    path: &Path,
+    agents: &BTreeMap<String, AgentDef>,
+) -> Result<FlowSpec, LoadError> {
+    check_name("flow", name).map_err(|m| invalid(path, m))?;
+    let flow: FlowSpec = toml::from_str(text).map_err(|e| invalid(path, toml_error(text, &e)))?;
+    budget_tokens(flow.budget.as_ref()).map_err(|m| invalid(path, m))?;
+    if let Some(budget) = &flow.budget {
+        budget.usd_micros().map_err(|m| invalid(path, m))?;
+    }
+    parse_duration_arg("timeout", flow.timeout.as_deref()).map_err(|m| invalid(path, m))?;
+    if flow.groups.is_empty() {
+        return Err(invalid(
+            path,
+            "no `[[group]]`: a flow needs at least one group of steps",
+        ));
+    }
+    for (g, group) in flow.groups.iter().enumerate() {
+        if group.steps.is_empty() {
+            return Err(invalid(path, format!("group {} has no steps", g + 1)));
+        }
+        for (s, step) in group.steps.iter().enumerate() {
+            if !agents.contains_key(&step.agent) {
+                return Err(invalid(
+                    path,
+                    format!(
+                        "step {} of group {} names unknown agent `{}`",
+                        s + 1,
+                        g + 1,
+                        step.agent
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(flow)
+}

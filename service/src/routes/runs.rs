@@ -1,0 +1,605 @@
+//! `/v1/runs`: submit, list, read, replay, stop and follow a run.
+
+use super::common::{
+    Reply, S, accepting, errors, idempotency_key, json, linked, parse_run, secured, stop_accepted,
+};
+use crate::Shared;
+use crate::admission::{SubmitError, Submitted};
+use crate::api::*;
+use crate::error::ApiError;
+use crate::extract::{JsonBody, Path, Query};
+use crate::forward::{self, Forwarded};
+use aide::axum::ApiRouter;
+use aide::axum::routing::{get_with, post_with};
+use arbor_protocol::{RunId, RunSpec, Status, Tree};
+use arbor_runtime::LoadError;
+use axum::Json;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, sse};
+use sha2::Digest;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Submitting, listing, reading and replaying runs.
+pub(super) fn run_routes() -> ApiRouter<Arc<Shared>> {
+    ApiRouter::new()
+        .api_route(
+            "/v1/runs",
+            post_with(submit_run, |op| {
+                errors!(
+                    secured(op)
+                        .id("submitRun")
+                        .summary("Submit a run: a flow, or one agent on an input")
+                        .description(
+                            "Queued, then started when fewer than max_running_runs run. \
+                             With an Idempotency-Key header, the same key and body give the \
+                             same run (200); the same key with another body is a 409.",
+                        )
+                        .parameter_untyped("Idempotency-Key", |p| {
+                            p.description("Makes a retry safe: 1 to 255 visible ASCII characters")
+                        })
+                        .response_with::<201, Json<RunCreated>, _>(|r| {
+                            linked(
+                                r.description("Queued"),
+                                "$response.body#/id",
+                                &["getRun", "stopRun", "runEvents"],
+                            )
+                        })
+                        .response_with::<200, Json<RunCreated>, _>(|r| {
+                            r.description("A replay: this key and body made this run before")
+                        }),
+                    400,
+                    409,
+                    413,
+                    415,
+                    422,
+                    429,
+                    503
+                )
+            })
+            .get_with(list_runs, |op| {
+                errors!(
+                    secured(op)
+                        .id("listRuns")
+                        .summary("Runs, newest first, by status, paged")
+                        .response::<200, Json<RunList>>(),
+                    400,
+                    503
+                )
+            }),
+        )
+        .api_route(
+            "/v1/runs/{id}",
+            get_with(get_run, |op| {
+                errors!(
+                    secured(op)
+                        .id("getRun")
+                        .summary("A run's tree: the document `arbor run --json` prints")
+                        .response_with::<200, Json<RunDocument>, _>(|r| {
+                            linked(
+                                r.description("The run's tree"),
+                                "$response.body#/run/children/0/id",
+                                &["getJob", "stopJob", "steerJob", "continueJob"],
+                            )
+                        }),
+                    400,
+                    404,
+                    503
+                )
+            }),
+        )
+        .api_route(
+            "/v1/runs/{id}/replay",
+            post_with(replay_run, |op| {
+                errors!(
+                    secured(op)
+                        .id("replayRun")
+                        .summary("Replay a recorded run as a new run, or rerun a failed one")
+                        .description(
+                            "The new run is queued as a submission is. With rerun_failed, \
+                             the jobs that completed (their agent and arbor.toml unchanged) \
+                             are served from the recording and the rest run live; with \
+                             dry_run too, the plan is answered and nothing starts. A run \
+                             that was not recorded, of another workspace, that did not fail \
+                             (rerun_failed), or whose definitions changed (without \
+                             allow_changed) is a 422 naming why.",
+                        )
+                        .response::<201, Json<ReplayStarted>>()
+                        .response_with::<200, Json<arbor_runtime::replay::RerunPlan>, _>(|r| {
+                            r.description("dry_run: the rerun's plan")
+                        }),
+                    400,
+                    404,
+                    413,
+                    415,
+                    422,
+                    429,
+                    503
+                )
+            }),
+        )
+}
+
+/// Stopping a run, and its events.
+pub(super) fn run_action_routes() -> ApiRouter<Arc<Shared>> {
+    ApiRouter::new()
+        .api_route(
+            "/v1/runs/{id}/stop",
+            post_with(stop_run, |op| {
+                errors!(
+                    secured(op)
+                        .id("stopRun")
+                        .summary("Stop a run and its whole tree (a queued run never starts)")
+                        .response::<202, Json<StopAccepted>>(),
+                    400,
+                    404,
+                    409,
+                    503
+                )
+            }),
+        )
+        .api_route(
+            "/v1/runs/{id}/events",
+            get_with(run_events, |op| {
+                errors!(
+                    secured(op)
+                        .id("runEvents")
+                        .summary("The run's events as Server-Sent Events")
+                        .description(
+                            "Each message's id is the event's place in the run (1, 2, ...); \
+                             reconnect with Last-Event-ID to go on from there. The data is a \
+                             StreamEvent (docs/contract/event.schema.json). Keep-alive comments \
+                             every 15 s; the stream ends after the run's run_finished.",
+                        )
+                        .parameter_untyped("Last-Event-ID", |p| {
+                            p.description("The id of the last event seen")
+                        })
+                        .response_with::<200, String, _>(|r| {
+                            r.description("text/event-stream of StreamEvent")
+                                .with(|mut r| {
+                                    r.inner().content = [(
+                                        "text/event-stream".to_string(),
+                                        aide::openapi::MediaType::default(),
+                                    )]
+                                    .into_iter()
+                                    .collect();
+                                    r
+                                })
+                        }),
+                    400,
+                    404,
+                    503
+                )
+            }),
+        )
+}
+
+/// The run's tree now: from its events, or, for a run that waits in the
+/// queue, a bare pending root. `None`: no such run.
+async fn run_tree(shared: &Shared, run: RunId) -> Result<Option<Tree>, ApiError> {
+    if let Some(tree) = shared.node.events().tree(run) {
+        return Ok(Some(tree));
+    }
+    if shared.admission.place(run).await.is_some() {
+        return Ok(Some(Tree::new(run)));
+    }
+    // Another node's run, on a shared journal: its tree from its journaled
+    // events (every event is journaled before it is sent).
+    let events = shared.node.journal().events(run)?;
+    if !events.is_empty() {
+        let mut tree = Tree::new(run);
+        for event in &events {
+            tree.apply(event);
+        }
+        return Ok(Some(tree));
+    }
+    // A run with a record and no events (they were not journaled): what
+    // its record says.
+    if let Some(record) = shared.node.journal().run(run)? {
+        let mut tree = Tree::new(run);
+        if record.status.is_terminal() {
+            tree.apply(&arbor_protocol::Event {
+                seq: 0,
+                run,
+                at_ms: 0,
+                kind: arbor_protocol::EventKind::RunFinished {
+                    status: record.status,
+                    error_class: record.error_class,
+                    reason: record.reason,
+                    output: serde_json::from_str(&record.output_json).unwrap_or_default(),
+                },
+            });
+        }
+        return Ok(Some(tree));
+    }
+    Ok(None)
+}
+
+/// The request as a `RunSpec`, every I-36 check made; nothing changes here.
+fn resolve(shared: &Shared, body: &SubmitRun) -> Result<RunSpec, ApiError> {
+    let ws = &shared.workspace;
+    let cfg = &shared.config;
+    let budget = body.budget.clone().unwrap_or_default();
+    let tokens = budget.tokens().map_err(ApiError::refused)?;
+    let usd = budget.usd_micros().map_err(ApiError::refused)?;
+    let load = |e: LoadError| ApiError::refused(e.to_string());
+    let spec = match (&body.flow, &body.agent, &body.input) {
+        (Some(flow), None, None) => ws.flow_run(flow, tokens).map_err(load)?,
+        (None, Some(agent), Some(input)) => {
+            if input.trim().is_empty() {
+                return Err(ApiError::refused(
+                    "`input` is empty: say what the agent should do",
+                ));
+            }
+            if input.len() > cfg.max_input_bytes {
+                return Err(ApiError::refused(format!(
+                    "`input` is {} bytes; this node takes at most {} (max_input_bytes)",
+                    input.len(),
+                    cfg.max_input_bytes
+                )));
+            }
+            ws.agent_run(agent, input, tokens).map_err(load)?
+        }
+        (None, Some(_), None) => {
+            return Err(ApiError::bad_request("`agent` needs an `input`"));
+        }
+        (None, None, Some(_)) => {
+            return Err(ApiError::bad_request("`input` needs an `agent`"));
+        }
+        _ => {
+            return Err(ApiError::bad_request(
+                "give `flow`, or `agent` and `input` (not both)",
+            ));
+        }
+    };
+    if spec.budget_tokens > cfg.max_run_tokens {
+        return Err(ApiError::refused(format!(
+            "a budget of {} tokens is more than this node allows one run (max_run_tokens {})",
+            spec.budget_tokens, cfg.max_run_tokens
+        )));
+    }
+    let spec = match usd {
+        Some(micros) if micros > cfg.max_run_usd_micros => {
+            return Err(ApiError::refused(format!(
+                "a ceiling of {micros} micro-dollars is more than this node allows one run (max_run_usd)"
+            )));
+        }
+        Some(micros) => ws.with_usd_ceiling(spec, micros).map_err(load)?,
+        None => spec,
+    };
+    // `record` adds to arbor.toml's `[record] models`, never turns it off.
+    Ok(if body.record {
+        ws.recording(spec, true)
+    } else {
+        spec
+    })
+}
+
+async fn submit_run(
+    State(shared): S,
+    headers: HeaderMap,
+    JsonBody(body): JsonBody<SubmitRun>,
+) -> Reply {
+    let key = idempotency_key(&headers)?;
+    let spec = resolve(&shared, &body)?;
+    let digest = {
+        let canonical = serde_json::to_vec(&body).unwrap_or_default();
+        let hash = sha2::Sha256::digest(&canonical);
+        hash.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    };
+    // A replay is answered even while draining: it changes nothing.
+    if key.is_none() {
+        accepting(&shared)?;
+    }
+    let submitted = shared
+        .admission
+        .submit(&spec, key, digest)
+        .await
+        .map_err(|e| match e {
+            SubmitError::KeyConflict(_) => ApiError::conflict(e.to_string()),
+            SubmitError::QueueFull(_) => ApiError::queue_full(e.to_string()),
+            SubmitError::Closed => ApiError::unavailable(e.to_string()),
+            SubmitError::Journal(e) => ApiError::from(e),
+        })?;
+    let (run, status, replayed) = match submitted {
+        Submitted::New(run) => (run, StatusCode::CREATED, false),
+        Submitted::Replayed(run) => (run, StatusCode::OK, true),
+    };
+    let run_status = run_tree(&shared, run)
+        .await?
+        .map(|t| t.run_status())
+        .unwrap_or(Status::Pending);
+    let mut response = json(
+        status,
+        RunCreated {
+            id: run,
+            status: run_status,
+            replayed,
+            links: RunLinks::of(run),
+        },
+    );
+    if let Ok(location) = HeaderValue::from_str(&format!("/v1/runs/{run}")) {
+        response.headers_mut().insert(header::LOCATION, location);
+    }
+    Ok(response)
+}
+
+async fn replay_run(
+    State(shared): S,
+    Path(path): Path<IdPath>,
+    JsonBody(body): JsonBody<ReplayRun>,
+) -> Reply {
+    use arbor_runtime::replay::{self, ReplayError, ReplayOptions};
+    let of = parse_run(&path.id)?;
+    if (body.dry_run || body.allow_changed) && !body.rerun_failed {
+        return Err(ApiError::bad_request(
+            "`dry_run` and `allow_changed` go with `rerun_failed`",
+        ));
+    }
+    if body.rerun_failed
+        && (body.tools != Default::default() || body.after_divergence != Default::default())
+    {
+        return Err(ApiError::bad_request(
+            "a rerun serves what it reuses from the recording and runs the rest live: \
+             `tools` and `after_divergence` are a replay's",
+        ));
+    }
+    let refused = |e: ReplayError| match e {
+        ReplayError::NoRun(_) => ApiError::not_found(e.to_string()),
+        ReplayError::Journal(e) => ApiError::from(e),
+        other => ApiError::refused(other.to_string()),
+    };
+    let journal = shared.node.journal();
+    let spec = if body.rerun_failed {
+        let plan = replay::plan_rerun(journal, &shared.workspace, of, body.allow_changed)
+            .map_err(refused)?;
+        if body.dry_run {
+            return Ok(json(StatusCode::OK, plan));
+        }
+        replay::rerun_spec(&shared.workspace, plan, body.record).0
+    } else {
+        let recorded = replay::recorded(journal, of).map_err(refused)?;
+        replay::check(&shared.workspace, of, &recorded.spec, &recorded.agents).map_err(refused)?;
+        let options = ReplayOptions {
+            tools: body.tools,
+            after_divergence: body.after_divergence,
+            record: body.record,
+        };
+        replay::replay_spec(&shared.workspace, of, recorded.spec, options)
+    };
+    accepting(&shared)?;
+    let digest = String::new();
+    let submitted = shared
+        .admission
+        .submit(&spec, None, digest)
+        .await
+        .map_err(|e| match e {
+            SubmitError::KeyConflict(_) => ApiError::conflict(e.to_string()),
+            SubmitError::QueueFull(_) => ApiError::queue_full(e.to_string()),
+            SubmitError::Closed => ApiError::unavailable(e.to_string()),
+            SubmitError::Journal(e) => ApiError::from(e),
+        })?;
+    let (Submitted::New(run) | Submitted::Replayed(run)) = submitted;
+    let status = run_tree(&shared, run)
+        .await?
+        .map(|t| t.run_status())
+        .unwrap_or(Status::Pending);
+    let mut response = json(
+        StatusCode::CREATED,
+        ReplayStarted {
+            id: run,
+            replay_of: of,
+            status,
+            links: RunLinks::of(run),
+        },
+    );
+    if let Ok(location) = HeaderValue::from_str(&format!("/v1/runs/{run}")) {
+        response.headers_mut().insert(header::LOCATION, location);
+    }
+    Ok(response)
+}
+
+/// When a run was submitted: its id is a uuid v7, which carries that
+/// millisecond.
+fn created_at_ms(run: RunId) -> u64 {
+    run.0.get_timestamp().map_or(0, |t| {
+        let (secs, nanos) = t.to_unix();
+        secs * 1000 + u64::from(nanos / 1_000_000)
+    })
+}
+
+async fn list_runs(State(shared): S, Query(query): Query<RunQuery>) -> Reply {
+    let limit = query.limit.unwrap_or(50);
+    if !(1..=500).contains(&limit) {
+        return Err(ApiError::bad_request("limit must be 1 to 500"));
+    }
+    let queued = shared.admission.queued().await?;
+    let mut all: Vec<RunSummary> = queued
+        .iter()
+        .enumerate()
+        .map(|(position, sub)| {
+            let spec: Option<RunSpec> = serde_json::from_str(&sub.spec_json).ok();
+            RunSummary {
+                id: sub.run,
+                flow: spec.as_ref().map(|s| s.flow.clone()).unwrap_or_default(),
+                status: Status::Pending,
+                error_class: None,
+                reason: None,
+                budget_tokens: spec.map(|s| s.budget_tokens).unwrap_or_default(),
+                created_at_ms: created_at_ms(sub.run),
+                started_at_ms: None,
+                ended_at_ms: None,
+                tokens: None,
+                usd: None,
+                queue_position: Some(position),
+                failed_job: None,
+            }
+        })
+        .collect();
+    all.extend(
+        shared
+            .node
+            .journal()
+            .runs()?
+            .into_iter()
+            .map(|r| RunSummary {
+                id: r.id,
+                flow: r.flow,
+                status: r.status,
+                error_class: r.error_class,
+                reason: r.reason,
+                budget_tokens: r.budget_tokens,
+                created_at_ms: created_at_ms(r.id),
+                started_at_ms: None,
+                ended_at_ms: None,
+                tokens: None,
+                usd: None,
+                queue_position: None,
+                failed_job: None,
+            }),
+    );
+    // Ids are uuid v7: newest first is id order, reversed.
+    all.sort_by_key(|r| std::cmp::Reverse(r.id));
+    let mut page: Vec<RunSummary> = all
+        .into_iter()
+        .filter(|r| query.status.is_none_or(|s| r.status == s))
+        .filter(|r| query.after.is_none_or(|after| r.id < after))
+        .take(limit as usize + 1)
+        .collect();
+    let next = (page.len() > limit as usize).then(|| {
+        page.truncate(limit as usize);
+        page.last().map(|r| r.id)
+    });
+    // Times and money from the run's own node of its tree (kept by the
+    // event bus; a run ended before a restart is folded once).
+    for run in page.iter_mut() {
+        shared.node.events().with_tree(run.id, |tree| {
+            if let Some(head) = tree.map(|t| t.head()) {
+                run.started_at_ms = head.started_at_ms;
+                run.ended_at_ms = head.ended_at_ms;
+                run.tokens = head.started_at_ms.map(|_| head.account);
+                run.usd = head.usd;
+            }
+        });
+    }
+    // A dead letter says where it died: its tree is read for that only.
+    for run in page.iter_mut().filter(|r| r.status == Status::Failed) {
+        if let Some(tree) = run_tree(&shared, run.id).await? {
+            run.failed_job = FailedJob::first_in(&tree);
+        }
+    }
+    Ok(json(
+        StatusCode::OK,
+        RunList {
+            runs: page,
+            next: next.flatten(),
+        },
+    ))
+}
+
+async fn get_run(State(shared): S, Path(path): Path<IdPath>) -> Reply {
+    let run = parse_run(&path.id)?;
+    let tree = run_tree(&shared, run)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("no run {run}")))?;
+    let owner = shared.node.journal().owner(run)?;
+    Ok(json(
+        StatusCode::OK,
+        RunDocument {
+            run: tree.root(),
+            epoch: owner.as_ref().map(|(_, epoch)| *epoch),
+            owner: owner.map(|(node, _)| node),
+        },
+    ))
+}
+
+async fn stop_run(State(shared): S, Path(path): Path<IdPath>) -> Reply {
+    let run = parse_run(&path.id)?;
+    let reason = "stopped by an operator (API)";
+    if shared.admission.cancel(run, reason).await? {
+        return Ok(stop_accepted(run, "stopped"));
+    }
+    if let Some(owner) = forward::elsewhere(&shared, run)? {
+        return forward::send(&shared, run, &owner, Forwarded::StopRun { run }).await;
+    }
+    stop_run_here(&shared, run).await
+}
+
+/// Stops a run this node owns (or one it has no owner for: its own).
+pub(super) async fn stop_run_here(shared: &Shared, run: RunId) -> Reply {
+    let reason = "stopped by an operator (API)";
+    let tree = run_tree(shared, run)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("no run {run}")))?;
+    let status = tree.run_status();
+    if status.is_terminal() {
+        return Err(ApiError::conflict(format!(
+            "run {run} has already ended ({status})"
+        )));
+    }
+    shared
+        .node
+        .stop_run(run, reason)
+        .await
+        .map_err(|e| ApiError::conflict(e.to_string()))?;
+    Ok(stop_accepted(run, "stopping"))
+}
+
+async fn run_events(
+    State(shared): S,
+    Path(path): Path<IdPath>,
+    Query(query): Query<EventsQuery>,
+    headers: HeaderMap,
+) -> Reply {
+    let run = parse_run(&path.id)?;
+    let after = match headers.get("last-event-id") {
+        None => query.after.unwrap_or(0),
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .ok_or_else(|| {
+                ApiError::bad_request("Last-Event-ID must be the id of an event: a whole number")
+            })?,
+    };
+    let Some(tree) = run_tree(&shared, run).await? else {
+        return Err(ApiError::not_found(format!("no run {run}")));
+    };
+    if let Some(job) = query.job
+        && tree.node(job).is_none()
+    {
+        return Err(ApiError::not_found(format!(
+            "no step or job {job} in run {run}"
+        )));
+    }
+    // An ended run's stream ends after its history, even one whose end
+    // event is not in the journal.
+    let follow = query.follow.unwrap_or(true) && !tree.run_status().is_terminal();
+    let stream = crate::sse::stream(crate::sse::Source {
+        bus: shared.node.events().clone(),
+        journal: shared.node.journal().clone(),
+        run,
+        after,
+        follow,
+        job: query.job,
+        buffer: shared.config.sse_buffer,
+        stall: shared.config.sse_stall,
+        reread: shared
+            .node
+            .journal()
+            .is_shared()
+            .then_some(crate::sse::SHARED_REREAD),
+        shutdown: shared.stopped.clone(),
+        tasks: shared.tasks.clone(),
+    });
+    Ok(sse::Sse::new(stream)
+        .keep_alive(
+            sse::KeepAlive::new()
+                .interval(Duration::from_secs(15))
+                .text("keep-alive"),
+        )
+        .into_response())
+}
+
+// ---- jobs ----
