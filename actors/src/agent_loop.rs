@@ -14,17 +14,21 @@
 
 //!
 //! Its parts (`agent_loop/`): `types` (what it is given and how it ends),
-//! `model_call` (one call: fitted, reserved, sent, settled, retried),
+//! `prompt` (the system prompt and tools a job is shown), `model_call`
+//! (one call: fitted, reserved, sent, settled, retried),
 //! `tools` (every tool call, live, recorded or replayed), `grading` (what
 //! an end earns, I-22). This file is the loop's control flow only.
 
 mod grading;
 mod model_call;
+mod prompt;
+mod repeats;
 mod tools;
 mod types;
 
 pub use grading::grade;
 pub(crate) use model_call::first_call;
+pub use model_call::first_request;
 pub use model_call::{SUMMARY_PROMPT, settle_cut, take_in_flight};
 pub use types::{
     ChildHandle, InFlight, InFlightSlot, LoopArgs, LoopEnd, LoopMsg, LoopOutcome, WIND_DOWN_NOTICE,
@@ -32,10 +36,12 @@ pub use types::{
 };
 
 use crate::mcp::McpToolbox;
-use crate::model::{Message, ModelReply, ToolCall, ToolSpec};
+use crate::model::{Message, ModelReply, ToolCall};
 use arbor_protocol::{ErrorClass, EventKind, TaskStatus};
-use model_call::{CallEnd, call_model, fit_context, tool_specs};
-use std::sync::Arc;
+use model_call::{CallEnd, call_model, fit_context};
+pub use prompt::{Prompt, ROSTER_HEADING, RosterEntry, roster};
+pub use repeats::REPEAT_NOTICE;
+use repeats::{Repeats, Verdict};
 use std::sync::atomic::Ordering;
 use tools::{Step, Tools};
 use types::{clip, ended_without_answer, journal_failed, stopped};
@@ -66,8 +72,18 @@ async fn run_turns(args: LoopArgs) -> LoopOutcome {
         Ok(toolbox) => toolbox,
         Err(outcome) => return outcome,
     };
-    let specs = tool_specs(&args.offered, toolbox.specs());
+    let prompt = Prompt::for_job(
+        &args.agent,
+        &args.offered,
+        &args.ctx.agents,
+        toolbox.specs(),
+    );
     let mut tools = Tools::new(&args, &toolbox);
+    let max_repeats = args
+        .agent
+        .max_repeats
+        .unwrap_or(args.ctx.limits.max_repeats);
+    let mut repeats = Repeats::new(max_repeats);
     let mut history = vec![Message::User(args.request.clone())];
     let mut turn: u32 = 0;
     let mut last_text: Option<String> = None;
@@ -84,7 +100,7 @@ async fn run_turns(args: LoopArgs) -> LoopOutcome {
         if let Err(outcome) = take_steering(&args, &mut history, turn).await {
             return outcome;
         }
-        let reply = match next_reply(&args, &mut history, &specs, turn).await {
+        let reply = match next_reply(&args, &mut history, &prompt, turn).await {
             Ok(reply) => reply,
             Err(CallEnd::Budget(refusal)) => {
                 let why = refusal.to_string();
@@ -104,7 +120,8 @@ async fn run_turns(args: LoopArgs) -> LoopOutcome {
             return final_answer(reply, turn, last_text.is_some());
         }
         for call in reply.calls {
-            if let Some(end) = answer_call(&args, &mut tools, &mut history, call, turn).await {
+            let answer = answer_call(&args, &mut tools, &mut repeats, &mut history, call, turn);
+            if let Some(end) = answer.await {
                 return end;
             }
         }
@@ -170,15 +187,15 @@ async fn take_steering(
 async fn next_reply(
     args: &LoopArgs,
     history: &mut Vec<Message>,
-    specs: &Arc<[ToolSpec]>,
+    prompt: &Prompt,
     turn: u32,
 ) -> Result<ModelReply, CallEnd> {
     let mut harder = false;
     loop {
         // Boxed, as the settlements in `call_model` are: a job waiting on its
         // model holds this loop's future, sized by its largest await.
-        Box::pin(fit_context(args, history, specs, turn, harder)).await?;
-        match call_model(args, &args.agent.prompt, history, specs, turn).await {
+        Box::pin(fit_context(args, history, prompt, turn, harder)).await?;
+        match call_model(args, prompt, history, turn).await {
             Err(CallEnd::Failed(outcome))
                 if !harder
                     && outcome.error.as_ref().map(|e| e.0) == Some(ErrorClass::ContextTooLong)
@@ -214,6 +231,7 @@ fn final_answer(reply: ModelReply, turn: u32, produced: bool) -> LoopOutcome {
 async fn answer_call(
     args: &LoopArgs,
     tools: &mut Tools<'_>,
+    repeats: &mut Repeats,
     history: &mut Vec<Message>,
     call: ToolCall,
     turn: u32,
@@ -221,6 +239,11 @@ async fn answer_call(
     if args.cancel.is_cancelled() {
         return Some(stopped(turn));
     }
+    let notice = match repeats.see(&call) {
+        Verdict::Run => None,
+        Verdict::RunWithNotice(notice) => Some(notice),
+        Verdict::Stuck(why) => return Some(LoopOutcome::failed(ErrorClass::NoProgress, why, turn)),
+    };
     // A tool acts outside: what the last one was answered on (a child's
     // end) is durable and told first.
     if let Err(e) = args.held.release(&args.ctx, args.run).await {
@@ -228,7 +251,7 @@ async fn answer_call(
     }
     let began = std::time::Instant::now();
     let (tool, step) = tools.answer(&call, turn).await;
-    let (ok, detail, content) = match &step {
+    let (ok, detail, mut content) = match &step {
         Step::Submit(_) => (true, "submitted".to_string(), String::new()),
         Step::Result(Ok(v)) => {
             let content = v.to_string();
@@ -236,6 +259,10 @@ async fn answer_call(
         }
         Step::Result(Err(e)) => (false, clip(e, 300), e.clone()),
     };
+    if let Some(notice) = notice {
+        content.push_str("\n\n");
+        content.push_str(&notice);
+    }
     args.held.emit(
         &args.ctx,
         args.run,
@@ -247,6 +274,7 @@ async fn answer_call(
             ok,
             detail,
             latency_ms: began.elapsed().as_millis() as u64,
+            repeat: repeats.count(),
         },
     );
     if let Step::Submit(submitted) = step {

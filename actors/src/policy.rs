@@ -115,11 +115,11 @@ impl Policy {
     /// the `mcp__SERVER__` prefix), or why not.
     pub fn mcp_verdict(&self, server: &str, tool: &str, canonical: &str) -> Result<(), String> {
         if self.is_denied(canonical) {
-            Err(format!("{canonical} is denied to this agent"))
+            Err("it is denied to this agent".into())
         } else if self.mcp.iter().any(|p| p.covers(server, tool)) {
             Ok(())
         } else {
-            Err(format!("{canonical} is not among this agent's tools"))
+            Err("it is not among this agent's tools".into())
         }
     }
 
@@ -148,10 +148,10 @@ impl Policy {
             let verdict = if offer == Offer::Always {
                 Ok(())
             } else if self.is_denied(tool.as_str()) {
-                Err(format!("{tool} is denied to this agent"))
+                Err("it is denied to this agent".into())
             } else if offer == Offer::Delegation {
                 if agent.subagents.is_empty() {
-                    Err(format!("{} has no subagents", agent.name))
+                    Err("this agent has no sub-agents".into())
                 } else if kind == NodeKind::Job && agent.sandbox == SandboxMode::Own {
                     Err("a sub-agent with its own sandbox cannot delegate further".into())
                 } else if depth >= limits.depth {
@@ -165,7 +165,7 @@ impl Policy {
             } else if self.allowed.contains(&tool) {
                 Ok(())
             } else {
-                Err(format!("{tool} is not among this agent's tools"))
+                Err("it is not among this agent's tools".into())
             };
             out.insert(tool, verdict);
         }
@@ -195,6 +195,7 @@ mod tests {
             budget_tokens: None,
             budget_usd_micros: None,
             max_turns: None,
+            max_repeats: None,
             timeout: None,
             script: Default::default(),
             prompt: String::new(),

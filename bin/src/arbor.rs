@@ -74,6 +74,10 @@ enum Command {
     Node(NodeCommand),
     /// Lint a workspace: every problem in one pass (exit 1 if any is an error).
     Check { dir: PathBuf },
+    /// The first request a step of AGENT would send, as its provider would
+    /// receive it: system prompt and roster, messages, tools with their
+    /// schemas, settings (`-o json`: exactly the body). Keys are never in it.
+    Prompt(PromptArgs),
     /// arbord's tree: every run running or queued, its steps and jobs, their accounts.
     Status(client::StatusArgs),
     /// Runs arbord knows, newest first.
@@ -240,6 +244,10 @@ fn main() -> ExitCode {
             Command::Continue(args) => {
                 with_client(&conn, |c| Box::pin(client::continue_job(c, &args.job))).await
             }
+            Command::Prompt(args) => match conn.format() {
+                Ok(output) => prompt(&args, output),
+                Err(failed) => Err(Failure::Client(failed)),
+            },
             Command::Check { dir } => match conn.format() {
                 Ok(output) => Ok(check(&dir, output).await),
                 Err(failed) => Err(Failure::Client(failed)),
@@ -488,6 +496,47 @@ fn report_recovery(node: &EmbeddedNode) {
 }
 
 /// `arbor check DIR`: findings on stdout, errors first; exit 1 on an error.
+#[derive(Args)]
+struct PromptArgs {
+    /// The workspace.
+    dir: PathBuf,
+    /// The agent whose step it is.
+    agent: String,
+    /// The request it is asked (the step's instruction).
+    #[arg(long, default_value = "Begin.")]
+    input: String,
+    /// Show it in this wire format instead of its provider's.
+    #[arg(long, value_enum)]
+    wire: Option<WireArg>,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum WireArg {
+    Openai,
+    Anthropic,
+}
+
+fn prompt(args: &PromptArgs, output: client::Output) -> Result<ExitCode, Failure> {
+    use arbor_runtime::ProviderKind;
+    let workspace = Workspace::load(&args.dir).map_err(bad)?;
+    let wire = args.wire.map(|w| match w {
+        WireArg::Openai => ProviderKind::Openai,
+        WireArg::Anthropic => ProviderKind::Anthropic,
+    });
+    let body = arbor_runtime::prompt::first_body(&workspace, &args.agent, &args.input, wire)
+        .map_err(bad)?;
+    match output {
+        client::Output::Text => outln!("{}", render::request_body(&body)),
+        client::Output::Json | client::Output::Jsonl => {
+            outln!(
+                "{}",
+                serde_json::to_string_pretty(&body).unwrap_or_default()
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 async fn check(dir: &std::path::Path, output: client::Output) -> ExitCode {
     use arbor_runtime::check::Level;
     let findings = arbor_runtime::check::check_servers(dir).await;

@@ -248,6 +248,68 @@ fn describe(node: &TreeNode, in_tree: bool) -> String {
     )
 }
 
+/// A request body (`arbor prompt`) for a person: its settings, its system
+/// prompt and messages as text, each tool with its schema. Either wire
+/// format: OpenAI's system is its first message, Anthropic's a key.
+pub fn request_body(body: &serde_json::Value) -> String {
+    use serde_json::Value;
+    let text_of = |content: &Value| match content {
+        Value::String(s) => s.clone(),
+        Value::Array(blocks) => blocks
+            .iter()
+            .map(|b| {
+                b["text"]
+                    .as_str()
+                    .map_or_else(|| b.to_string(), str::to_string)
+            })
+            .collect::<Vec<_>>()
+            .join("\n"),
+        other => other.to_string(),
+    };
+    let mut out = String::new();
+    let settings: Vec<String> = body
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(key, _)| !matches!(key.as_str(), "system" | "messages" | "tools"))
+        .map(|(key, value)| format!("{key}: {value}"))
+        .collect();
+    out.push_str(&settings.join("\n"));
+    let mut messages: Vec<&Value> = body["messages"].as_array().into_iter().flatten().collect();
+    let system = match body.get("system") {
+        Some(system) => Some(text_of(system)),
+        None if messages.first().is_some_and(|m| m["role"] == "system") => {
+            Some(text_of(&messages.remove(0)["content"]))
+        }
+        None => None,
+    };
+    if let Some(system) = system {
+        out.push_str(&format!("\n\n--- system\n{}", system.trim_end()));
+    }
+    out.push_str("\n\n--- messages");
+    for message in messages {
+        let role = message["role"].as_str().unwrap_or("?");
+        out.push_str(&format!("\n{role}: {}", text_of(&message["content"])));
+    }
+    let tools: Vec<&Value> = body["tools"].as_array().into_iter().flatten().collect();
+    out.push_str(&format!("\n\n--- tools ({})", tools.len()));
+    for tool in tools {
+        // OpenAI nests a tool under `function`, with `parameters`;
+        // Anthropic's is flat, with `input_schema`.
+        let tool = tool.get("function").unwrap_or(tool);
+        let schema = tool.get("parameters").or_else(|| tool.get("input_schema"));
+        out.push_str(&format!(
+            "\n{}: {}\n{}",
+            tool["name"].as_str().unwrap_or("?"),
+            tool["description"].as_str().unwrap_or(""),
+            schema
+                .map(|s| serde_json::to_string_pretty(s).unwrap_or_default())
+                .unwrap_or_default()
+        ));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -419,3 +419,61 @@ fn the_docs_name_every_verb_of_the_cli() {
         assert!(missing.is_empty(), "{doc} never names `arbor` {missing:?}");
     }
 }
+
+/// `arbor prompt`: the planner's first request body, golden in each wire
+/// format (`BLESS=1` rewrites them): its roster of two sub-agents, the
+/// `delegate` enum of their names, its tools' schemas and settings; its
+/// provider's key is set and never shown.
+#[test]
+fn arbor_prompt_prints_the_first_request_body_of_each_wire_format() {
+    let ws = repo().join("tests/prompt");
+    for (wire, golden) in [("openai", "openai.json"), ("anthropic", "anthropic.json")] {
+        let out = Command::new(env!("CARGO_BIN_EXE_arbor"))
+            .args(["prompt", ws.to_str().unwrap(), "planner"])
+            .args([
+                "--input",
+                "Compare two suppliers.",
+                "--wire",
+                wire,
+                "-o",
+                "json",
+            ])
+            .env("HOSTED_API_KEY", "sk-never-shown-4417")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert!(!text.contains("sk-never-shown-4417"));
+        let body: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let path = ws.join("golden").join(golden);
+        if std::env::var_os("BLESS").is_some() {
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(&path, serde_json::to_string_pretty(&body).unwrap() + "\n").unwrap();
+        }
+        let committed: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(
+            body, committed,
+            "{golden} is not what arbor prompt prints; if the change is meant, \
+             run `BLESS=1 cargo test -p arbor-bin --test cli arbor_prompt` and commit it"
+        );
+    }
+    // The text form names the roster and each tool; a wrong agent is a usage error.
+    let out = arbor(&["prompt", ws.to_str().unwrap(), "planner"]);
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.contains("- `coder`: Writes and runs a small program"),
+        "{text}"
+    );
+    assert!(text.contains("\ndelegate: "), "{text}");
+    let out = arbor(&["prompt", ws.to_str().unwrap(), "ghost"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("no agent \"ghost\" in this workspace (it has: coder, planner, researcher)")
+    );
+}

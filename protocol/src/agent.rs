@@ -41,6 +41,9 @@ pub struct AgentDef {
     pub budget_usd_micros: Option<u64>,
     pub max_turns: Option<u32>,
     pub timeout: Option<Duration>,
+    /// Overrides `[limits] max_repeats` for its jobs.
+    #[serde(default)]
+    pub max_repeats: Option<u32>,
     /// Shared by every job of the agent (the scripted model reads it).
     pub script: std::sync::Arc<Vec<ScriptTurn>>,
     /// The markdown body: the system prompt.
@@ -111,6 +114,7 @@ pub struct FrontMatter {
     pub budget: Option<BudgetArg>,
     pub max_turns: Option<u32>,
     pub timeout: Option<String>,
+    pub max_repeats: Option<u32>,
     #[serde(default)]
     pub script: Vec<ScriptTurnSpec>,
     pub resources: Option<ResourcesSpec>,

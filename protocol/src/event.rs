@@ -216,6 +216,10 @@ pub enum EventKind {
         /// How long the call took, from its checks to its result.
         #[serde(default)]
         latency_ms: u64,
+        /// How many times in a row this same call (name and arguments) was
+        /// made, this one included (`max_repeats`).
+        #[serde(default = "one", skip_serializing_if = "is_one")]
+        repeat: u32,
     },
     /// One of a job's MCP servers changed state.
     McpServer {
@@ -376,6 +380,14 @@ fn job_finished_flat<'de, D: serde::Deserializer<'de>>(
         workdir: f.workdir,
     };
     Ok((f.id, f.reason, f.propagated, Box::new(result)))
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn is_one(n: &u32) -> bool {
+    *n == 1
 }
 
 #[cfg(test)]

@@ -26,6 +26,10 @@ pub struct Limits {
     /// it; the next recovery parks it instead (failed, class `parked`), so
     /// one poison run cannot crash-loop the node.
     pub max_recoveries: u32,
+    /// The same tool call (name and arguments) this many times in a row
+    /// gets a notice in its result; twice as many ends the job with class
+    /// `no_progress`. An agent's `max_repeats` overrides it.
+    pub max_repeats: u32,
 }
 
 impl Default for Limits {
@@ -40,6 +44,7 @@ impl Default for Limits {
             max_output_tokens: 4096,
             tools: Default::default(),
             max_recoveries: 3,
+            max_repeats: 3,
         }
     }
 }
@@ -75,6 +80,9 @@ impl Limits {
                 "limits.max_recoveries must be at least 1 (0 would park every interrupted run)"
                     .into(),
             );
+        }
+        if self.max_repeats == 0 {
+            return Err("limits.max_repeats must be at least 1".into());
         }
         if self.max_output_tokens == 0 {
             return Err("limits.max_output_tokens must be at least 1".into());

@@ -126,6 +126,9 @@ pub enum ErrorClass {
     /// Its tools could not be made ready before its first turn: an MCP
     /// server it was given did not start or list its tools.
     ToolsUnavailable,
+    /// It made the same tool call (name and arguments) twice `max_repeats`
+    /// times in a row: it is stuck. Never retried; not the provider's fault.
+    NoProgress,
 }
 
 impl ErrorClass {
@@ -137,6 +140,7 @@ impl ErrorClass {
                 | ErrorClass::ModelUsageCap
                 | ErrorClass::ModelAuth
                 | ErrorClass::Diverged
+                | ErrorClass::NoProgress
         )
     }
 
@@ -174,6 +178,7 @@ impl ErrorClass {
             ErrorClass::Diverged => "diverged",
             ErrorClass::Internal => "internal",
             ErrorClass::ToolsUnavailable => "tools_unavailable",
+            ErrorClass::NoProgress => "no_progress",
         }
     }
 }

@@ -66,7 +66,7 @@ impl ToolName {
         match self {
             ToolName::Delegate => ToolInfo {
                 name: "delegate",
-                description: "Delegate jobs to your sub-agents. Each job names an agent and a request; with wait (the default) the call returns when every job has ended, with one result envelope each.",
+                description: "Hand jobs to your sub-agents (listed in your instructions) when a part of the work fits one of them or can run beside the others. Each job names an agent and a request it can do alone; with wait (the default) the call returns when every job has ended, with one result envelope each.",
                 offer: Offer::Delegation,
                 sandbox: false,
                 recorded: false,
@@ -74,7 +74,7 @@ impl ToolName {
             },
             ToolName::Collect => ToolInfo {
                 name: "collect",
-                description: "Wait for children started with wait=false, and get their result envelopes.",
+                description: "Wait for children you started with wait=false and get their result envelopes; collect them before you answer, so no child's work is lost.",
                 offer: Offer::Delegation,
                 sandbox: false,
                 recorded: false,
@@ -82,7 +82,7 @@ impl ToolName {
             },
             ToolName::StopChild => ToolInfo {
                 name: "stop_child",
-                description: "Stop one of your children (by label or id), and all below it.",
+                description: "Stop one of your children (by label or id) and everything below it, when its work is no longer needed or it is going wrong.",
                 offer: Offer::Delegation,
                 sandbox: false,
                 recorded: false,
@@ -90,7 +90,7 @@ impl ToolName {
             },
             ToolName::SendMessage => ToolInfo {
                 name: "send_message",
-                description: "Send a message to a running child; it reads it at its next turn.",
+                description: "Send a running child a correction or new information; it reads it at its next turn. Use it instead of stopping a child that needs only a nudge.",
                 offer: Offer::Delegation,
                 sandbox: false,
                 recorded: false,
@@ -98,7 +98,7 @@ impl ToolName {
             },
             ToolName::Exec => ToolInfo {
                 name: "exec",
-                description: "Run a shell command in your workdir; returns exit code, stdout and stderr.",
+                description: "Run a shell command in your workdir when you need to build, test, search or inspect something; returns exit code, stdout and stderr.",
                 offer: Offer::Named,
                 sandbox: true,
                 recorded: true,
@@ -106,7 +106,7 @@ impl ToolName {
             },
             ToolName::ReadFile => ToolInfo {
                 name: "read_file",
-                description: "Read a file of your workdir (a relative path).",
+                description: "Read a file of your workdir (a relative path) when you need its exact content.",
                 offer: Offer::Named,
                 sandbox: true,
                 recorded: true,
@@ -114,7 +114,7 @@ impl ToolName {
             },
             ToolName::WriteFile => ToolInfo {
                 name: "write_file",
-                description: "Write a file in your workdir (a relative path).",
+                description: "Write a whole file in your workdir (a relative path), creating or replacing it, when your work is a file rather than an answer.",
                 offer: Offer::Named,
                 sandbox: true,
                 recorded: false,
@@ -122,7 +122,7 @@ impl ToolName {
             },
             ToolName::SubmitOutput => ToolInfo {
                 name: "submit_output",
-                description: "Submit your answer and end your work. Say task_status partial or blocked if it is not complete, and list what is missing in limitations.",
+                description: "Submit your answer and end your work, once the request is done or you cannot go further. Say task_status partial or blocked if it is not complete, and list what is missing in limitations.",
                 offer: Offer::Always,
                 sandbox: false,
                 recorded: false,
@@ -269,16 +269,26 @@ fn yes() -> bool {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct JobArgs {
+    /// The sub-agent to run it: one of those your instructions list.
     pub agent: String,
+    /// What it should do, whole: it sees nothing of your conversation.
     pub request: String,
+    /// A short name to collect, steer or stop it by (unique among your children).
     pub label: Option<String>,
+    /// The most it may spend, taken from your own budget.
     pub budget: Option<BudgetArg>,
+    /// The most model turns it may take.
     pub max_turns: Option<i64>,
+    /// The longest it may run, as `90s` or `5m`.
     pub timeout: Option<String>,
+    /// How many times it is started again after a transient failure (0 to 2).
     pub retries: Option<i64>,
+    /// Tools it may not use, beyond those denied to you.
     #[serde(default)]
     pub deny: Vec<String>,
+    /// A JSON Schema its output must match.
     pub output_schema: Option<serde_json::Value>,
+    /// Files it must leave in its workdir (relative paths).
     #[serde(default)]
     pub require_artifacts: Vec<String>,
 }

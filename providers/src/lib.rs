@@ -10,13 +10,15 @@
 
 pub mod config;
 
-#[cfg(feature = "http")]
+// The wire formats need no HTTP client: `request_body` shows a request
+// (`arbor prompt`) in a build without one.
+#[cfg_attr(not(feature = "http"), allow(dead_code))]
 mod anthropic;
 #[cfg(feature = "http")]
 mod http;
-#[cfg(feature = "http")]
+#[cfg_attr(not(feature = "http"), allow(dead_code))]
 mod openai;
-#[cfg(feature = "http")]
+#[cfg_attr(not(feature = "http"), allow(dead_code))]
 mod wire;
 
 pub use config::{
@@ -26,7 +28,7 @@ pub use config::{
 #[cfg(feature = "http")]
 pub use {anthropic::API_VERSION as ANTHROPIC_VERSION, http::HttpModel, wire::classify};
 
-use arbor_actors::model::Model;
+use arbor_actors::model::{Model, ModelRequest};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -113,6 +115,21 @@ fn no_http(agent: &str, provider: &str, model: &str) -> String {
         "agent {agent}: model {provider}/{model} needs an HTTP provider, and this build has none \
          (arbor-providers without its `http` feature)"
     )
+}
+
+/// The body of `request` in `kind`'s wire format, exactly as its client
+/// sends it (the key is not in it: it travels in a header).
+pub fn request_body(
+    kind: ProviderKind,
+    model_id: &str,
+    request: &ModelRequest,
+    max_tokens: u64,
+    stream: bool,
+) -> serde_json::Value {
+    match kind {
+        ProviderKind::Openai => openai::body(model_id, request, max_tokens, stream),
+        ProviderKind::Anthropic => anthropic::body(model_id, request, max_tokens, stream),
+    }
 }
 
 #[cfg(test)]

@@ -1006,6 +1006,7 @@ impl Spans {
             ok,
             detail,
             latency_ms,
+            ..
         } = &event.kind
         else {
             return;

@@ -114,6 +114,7 @@ fn a_full_workspace_loads_with_every_field_mapped() {
         secrets: vec![],
         budget_tokens: Some(5000),
         max_turns: Some(7),
+        max_repeats: None,
         timeout: Some(Duration::from_secs(300)),
         script: vec![
             ScriptTurn {

@@ -443,6 +443,7 @@ mod tests {
             ok,
             detail: detail.into(),
             latency_ms,
+            repeat: 1,
         })
     }
 

@@ -62,6 +62,40 @@ print(f"fakellm: {sys.argv[2]}: done, {run['account']['spent']} tokens, one dele
 PY
 done
 
+# The roster is what the planner's delegation turns on: its first request,
+# as `arbor prompt` prints it, is answered with a delegate call; the same
+# request with the roster cut from its system prompt is not (no rule matches).
+for wire in openai anthropic; do
+  target/debug/arbor prompt "$work/openai" planner --input "Write a short report on tide pools." \
+    --wire "$wire" -o json >"$work/prompt-$wire.json"
+  "$venv/bin/python" - "$work/prompt-$wire.json" "$wire" "$port" <<'PY'
+import json, sys, urllib.error, urllib.request
+body, wire, port = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3]
+body.pop("stream", None); body.pop("stream_options", None)
+path = "/v1/chat/completions" if wire == "openai" else "/v1/messages"
+heading = "## Sub-agents you may delegate to"
+def delegates(body):
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                     {"content-type": "application/json"})
+    try:
+        answer = json.load(urllib.request.urlopen(request, timeout=10))
+    except urllib.error.HTTPError:
+        return False
+    if wire == "openai":
+        calls = answer["choices"][0]["message"].get("tool_calls") or []
+        return any(c["function"]["name"] == "delegate" for c in calls)
+    return any(b.get("type") == "tool_use" and b["name"] == "delegate" for b in answer["content"])
+assert delegates(body), f"{wire}: the planner's request with its roster did not delegate"
+if wire == "openai":
+    system = body["messages"][0]["content"]
+    body["messages"][0]["content"] = system[:system.index(heading)]
+else:
+    body["system"] = body["system"][:body["system"].index(heading)]
+assert not delegates(body), f"{wire}: the planner's request without its roster delegated"
+print(f"fakellm: {wire}: the planner delegates with its roster, and not without it")
+PY
+done
+
 # Both recorded: with fakellm gone, each replays offline to its recording
 # (tree, statuses, accounts, events; `arbor replay` exits 0 only then), and
 # from its export too.

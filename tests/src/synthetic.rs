@@ -408,6 +408,7 @@ impl<'a> Writer<'a> {
                 ok: true,
                 detail: format!("{tool}: ok"),
                 latency_ms: 0,
+                repeat: 1,
             },
         );
     }

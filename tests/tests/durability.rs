@@ -165,7 +165,7 @@ async fn inv_29_a_delegation_that_waits_takes_two_flushes() {
                 "  - call: {tool: delegate, args: {jobs: [{agent: leaf, request: go}]}}\n"
                     .repeat(calls);
             let boss = agent_md(&format!(
-                "subagents: [leaf]\nscript:\n{delegate}  - call: {{tool: submit_output, args: {{output: done}}}}"
+                "subagents: [leaf]\nmax_repeats: 100\nscript:\n{delegate}  - call: {{tool: submit_output, args: {{output: done}}}}"
             ));
             let node = TestNode::start(&[("boss", &boss), ("leaf", &leaf)]).await;
             let before = node.journal().flush_count();

@@ -22,8 +22,18 @@ async fn inv_25_a_child_cannot_widen_its_parents_tools_by_naming_them() {
         .map(|c| (c.tool, c.ok, c.detail))
         .collect();
     assert_eq!(results.len(), 3);
-    assert!(results[0].2.contains("exec is denied"), "{results:?}");
-    assert!(results[1].2.contains("write_file is denied"), "{results:?}");
+    assert!(
+        results[0]
+            .2
+            .contains("tool exec is not offered to you: it is denied"),
+        "{results:?}"
+    );
+    assert!(
+        results[1]
+            .2
+            .contains("tool write_file is not offered to you: it is denied"),
+        "{results:?}"
+    );
     // read_file is offered (the parent has it): the error is the missing file, not the privilege.
     assert!(!results[2].2.contains("not offered"), "{results:?}");
     assert!(results[2].2.contains("missing.txt"), "{results:?}");

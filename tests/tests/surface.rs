@@ -129,7 +129,7 @@ async fn inv_39_every_state_change_emits_an_event() {
 async fn inv_39_a_chatty_jobs_events_are_bounded_in_the_timeline() {
     let turns = "  - call: {tool: exec, args: {command: \"true\"}}\n".repeat(70);
     let chatty = agent_md(&format!(
-        "max_turns: 100\nscript:\n{turns}  - call: {{tool: submit_output, args: {{output: done}}}}"
+        "max_turns: 100\nmax_repeats: 100\nscript:\n{turns}  - call: {{tool: submit_output, args: {{output: done}}}}"
     ));
     let node = TestNode::start(&[("chatty", &chatty)]).await;
     let run = node.run_agent("chatty", "go").await;

@@ -4,14 +4,13 @@
 //! failure retried after a backoff, and a call cut short charged what it
 //! may have cost.
 
+use super::prompt::Prompt;
 use super::types::{
     InFlight, InFlightSlot, LoopArgs, LoopOutcome, WIND_DOWN_NOTICE, journal_failed, panic_message,
     stopped,
 };
 use crate::account::{AccountMsg, CallHold};
-use crate::model::{
-    CallMeter, Message, Model, ModelError, ModelInfo, ModelReply, ModelRequest, ToolSpec,
-};
+use crate::model::{CallMeter, Message, Model, ModelError, ModelInfo, ModelReply, ModelRequest};
 use arbor_protocol::{
     AgentDef, Amount, CallFacts, ErrorClass, EventKind, JobId, Refusal, ToolName, Usage,
 };
@@ -106,7 +105,7 @@ const MIN_OUTPUT_ROOM: u64 = 1024;
 pub(super) async fn fit_context(
     args: &LoopArgs,
     history: &mut Vec<Message>,
-    tools: &Arc<[ToolSpec]>,
+    prompt: &Prompt,
     turn: u32,
     harder: bool,
 ) -> Result<(), CallEnd> {
@@ -122,9 +121,8 @@ pub(super) async fn fit_context(
     let estimate = |messages: &[Message]| {
         let request = call_request(
             &args.agent,
-            &args.agent.prompt,
+            prompt,
             messages,
-            tools,
             room,
             turn,
             CallMeter::default(),
@@ -151,14 +149,11 @@ pub(super) async fn fit_context(
             }
             text = text[start..].to_string();
         }
-        let reply = call_model(
-            args,
-            SUMMARY_PROMPT,
-            &[Message::User(text)],
-            &Arc::from([]),
-            turn,
-        )
-        .await?;
+        let summarizer = Prompt {
+            system: SUMMARY_PROMPT.into(),
+            tools: Arc::from([]),
+        };
+        let reply = call_model(args, &summarizer, &[Message::User(text)], turn).await?;
         let summary = reply.text.unwrap_or_default();
         summarized = span.len() as u32;
         crate::compaction::apply_summary(history, span, &summary);
@@ -199,36 +194,22 @@ pub(super) fn max_output_limit(info: &ModelInfo, limits: &arbor_protocol::Limits
         })
 }
 
-/// What a job is shown it may call: its built-in tools, then its MCP tools.
-pub(super) fn tool_specs(
-    offered: &BTreeMap<ToolName, Result<(), String>>,
-    mcp: &[ToolSpec],
-) -> Arc<[ToolSpec]> {
-    offered
-        .iter()
-        .filter(|(_, v)| v.is_ok())
-        .map(|(t, _)| ToolSpec::builtin(*t))
-        .chain(mcp.iter().cloned())
-        .collect()
-}
-
 /// A call's request as its reservation is planned from, made in one place
 /// so that a parent planning its child's first call (`first_call`) plans
 /// what the child's loop will ask.
 pub(super) fn call_request(
     agent: &AgentDef,
-    system: &str,
+    prompt: &Prompt,
     history: &[Message],
-    tools: &Arc<[ToolSpec]>,
     max_output_limit: u64,
     turn: u32,
     meter: CallMeter,
 ) -> ModelRequest {
     ModelRequest {
         agent: agent.name.clone(),
-        system: system.to_string(),
+        system: prompt.system.to_string(),
         messages: history.to_vec(),
-        tools: tools.clone(),
+        tools: prompt.tools.clone(),
         max_output_tokens: max_output_limit,
         // Counted with the notice, so the bound holds whether it is sent or not.
         wind_down: Some(WIND_DOWN_NOTICE.to_string()),
@@ -247,18 +228,18 @@ pub(crate) fn first_call(
     model: &dyn Model,
     agent: &AgentDef,
     offered: &BTreeMap<ToolName, Result<(), String>>,
+    agents: &BTreeMap<String, Arc<AgentDef>>,
     request: &str,
     limits: &arbor_protocol::Limits,
 ) -> crate::account::PlannedCall {
     let info = model.info();
     let max_output_limit = max_output_limit(&info, limits);
-    let tools = tool_specs(offered, &[]);
+    let prompt = Prompt::for_job(agent, offered, agents, &[]);
     let history = [Message::User(request.to_string())];
     let request = call_request(
         agent,
-        &agent.prompt,
+        &prompt,
         &history,
-        &tools,
         max_output_limit,
         0,
         CallMeter::default(),
@@ -271,14 +252,35 @@ pub(crate) fn first_call(
     }
 }
 
+/// The first request a job of `agent` sends when asked `request`, as its
+/// loop makes it (`arbor prompt` shows it): no wind-down notice, and no MCP
+/// tools unless `prompt` has them.
+pub fn first_request(
+    agent: &AgentDef,
+    prompt: &Prompt,
+    request: &str,
+    max_output_limit: u64,
+) -> ModelRequest {
+    let history = [Message::User(request.to_string())];
+    let mut request = call_request(
+        agent,
+        prompt,
+        &history,
+        max_output_limit,
+        0,
+        CallMeter::default(),
+    );
+    request.wind_down = None;
+    request
+}
+
 /// One model call of turn `turn`: reserved at its worst case (I-11), sent,
 /// settled on the reported usage; a transient failure is retried after a
 /// backoff, each attempt reserved and settled on its own.
 pub(super) async fn call_model(
     args: &LoopArgs,
-    system: &str,
+    prompt: &Prompt,
     history: &[Message],
-    tools: &Arc<[ToolSpec]>,
     turn: u32,
 ) -> Result<ModelReply, CallEnd> {
     let info = args.model.info();
@@ -288,9 +290,8 @@ pub(super) async fn call_model(
         let meter = CallMeter::default();
         let mut request = call_request(
             &args.agent,
-            system,
+            prompt,
             history,
-            tools,
             max_output_limit,
             turn,
             meter.clone(),

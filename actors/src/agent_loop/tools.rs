@@ -182,7 +182,7 @@ async fn call_tool(
         };
         return (
             canonical.to_string(),
-            Step::Result(Err(refused(args, refusal))),
+            Step::Result(Err(refused(args, canonical, refusal))),
         );
     }
     let Ok(tool) = call.tool.parse::<ToolName>() else {
@@ -194,11 +194,15 @@ async fn call_tool(
                       what its parent may use)"
                     .into(),
             };
-            return (call.tool.clone(), Step::Result(Err(refused(args, refusal))));
+            let text = refused(args, &call.tool, refusal);
+            return (call.tool.clone(), Step::Result(Err(text)));
         }
         return (
             call.tool.clone(),
-            Step::Result(Err(format!("unknown tool {:?}", call.tool))),
+            Step::Result(Err(format!(
+                "unknown tool {:?}; call only the tools this request lists",
+                call.tool
+            ))),
         );
     };
     let named = tool.to_string();
@@ -207,7 +211,10 @@ async fn call_tool(
             tool: named.clone(),
             why: format!(": {why}"),
         };
-        return (named, Step::Result(Err(refused(args, refusal))));
+        return (
+            named.clone(),
+            Step::Result(Err(refused(args, &named, refusal))),
+        );
     }
     if let Err(e) = admit(args, counts, &named, &call.id, turn, false).await {
         return (named, Step::Result(Err(e)));
@@ -362,7 +369,7 @@ async fn admit(
     always: bool,
 ) -> Result<(), String> {
     match counts.admit(&args.policy.limits, tool, always) {
-        Err(refusal) => Err(refused(args, refusal)),
+        Err(refusal) => Err(refused(args, tool, refusal)),
         Ok(Counted::No) => Ok(()),
         Ok(Counted::Yes { limited }) => journal_start(args, tool, call_id, turn, limited).await,
     }
@@ -374,13 +381,11 @@ enum Counted {
     Yes { limited: bool },
 }
 
-/// Tells a refusal (an event) and returns the text the model reads.
-fn refused(args: &LoopArgs, refusal: Refusal) -> String {
+/// Tells a refusal of a call of `tool` (an event) and returns the text the
+/// model reads.
+fn refused(args: &LoopArgs, tool: &str, refusal: Refusal) -> String {
     let text = refusal.to_string();
-    let tool = match &refusal {
-        Refusal::ToolNotOffered { tool, .. } | Refusal::ToolLimit { tool, .. } => tool.clone(),
-        _ => String::new(),
-    };
+    let tool = tool.to_string();
     args.held.emit(
         &args.ctx,
         args.run,

@@ -378,6 +378,7 @@ impl JobState {
             model.as_ref(),
             &plan.agent,
             &offered,
+            &self.ctx.agents,
             &plan.brief.request,
             &self.ctx.limits,
         );

@@ -40,7 +40,11 @@ pub async fn run(sizes: &Sizes) -> anyhow::Result<Outcome> {
         server.display().to_string(),
         modules.display().to_string()
     );
-    let mut script = format!("mcp: [everything]\nmax_turns: {}\nscript:\n", calls + 1);
+    let mut script = format!(
+        "mcp: [everything]\nmax_turns: {}\nmax_repeats: {}\nscript:\n",
+        calls + 1,
+        calls + 1
+    );
     for _ in 0..calls {
         script.push_str(&format!(
             "  - call: {{tool: {TOOL}, args: {{message: hi}}}}\n"

@@ -76,6 +76,7 @@ fn agent_from_front_matter(
         secrets,
         budget,
         max_turns,
+        max_repeats,
         timeout,
         script,
         resources: resources_spec,
@@ -125,6 +126,9 @@ fn agent_from_front_matter(
     if max_turns == Some(0) {
         return Err("max_turns must be at least 1".into());
     }
+    if max_repeats == Some(0) {
+        return Err("max_repeats must be at least 1".into());
+    }
     let script = script
         .into_iter()
         .enumerate()
@@ -151,6 +155,7 @@ fn agent_from_front_matter(
             .transpose()?
             .flatten(),
         max_turns,
+        max_repeats,
         timeout: parse_duration_arg("timeout", timeout.as_deref())?,
         script: script.into(),
         prompt: prompt.to_string(),

@@ -1,0 +1,163 @@
+//! What a job's model is shown besides its history, made once per job: the
+//! system prompt (the agent's own, then a generated roster of the
+//! sub-agents it may delegate to) and its tools (the built-in ones offered
+//! to it, `delegate`'s `agent` narrowed to the roster's names, then its MCP
+//! tools).
+//!
+//! Invariants:
+//! 1. I-54: the roster names exactly the sub-agents `delegate` accepts (the
+//!    agent's `subagents`, when delegation is offered), each with its
+//!    description and whether it works in a sandbox of its own; nothing
+//!    else of a sub-agent is shown. `delegate`'s `agent` is an enum of the
+//!    same names.
+//! 2. The same agent, offer and MCP tools give the same prompt, byte for
+//!    byte: a parent planning its child's first call (`first_call`) plans
+//!    what the child's loop will send, and a replay compares it (I-49).
+
+use crate::model::ToolSpec;
+use arbor_protocol::{AgentDef, SandboxMode, ToolName};
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::Arc;
+
+/// The heading of the generated roster, after the agent's own prompt.
+pub const ROSTER_HEADING: &str = "## Sub-agents you may delegate to";
+
+/// A job's system prompt and tools, as every request of it carries them.
+#[derive(Clone, Debug)]
+pub struct Prompt {
+    pub system: Arc<str>,
+    pub tools: Arc<[ToolSpec]>,
+}
+
+/// One sub-agent as its parent's model is told of it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RosterEntry {
+    pub name: String,
+    pub description: String,
+    pub own_sandbox: bool,
+}
+
+impl Prompt {
+    /// `agent`'s prompt for a job offered `offered`, its sub-agents looked
+    /// up in `agents`, with `mcp` (its MCP tools, listed before its first
+    /// turn; none when a parent plans the first call).
+    pub fn for_job(
+        agent: &AgentDef,
+        offered: &BTreeMap<ToolName, Result<(), String>>,
+        agents: &BTreeMap<String, Arc<AgentDef>>,
+        mcp: &[ToolSpec],
+    ) -> Prompt {
+        let delegates = offered.get(&ToolName::Delegate).is_some_and(Result::is_ok);
+        let roster = if delegates {
+            roster(agent, agents)
+        } else {
+            vec![]
+        };
+        let tools = offered
+            .iter()
+            .filter(|(_, offer)| offer.is_ok())
+            .map(|(&tool, _)| match tool {
+                ToolName::Delegate => delegate_spec(&roster),
+                tool => ToolSpec::builtin(tool),
+            })
+            .chain(mcp.iter().cloned())
+            .collect();
+        Prompt {
+            system: system_prompt(&agent.prompt, &roster).into(),
+            tools,
+        }
+    }
+}
+
+/// The sub-agents `agent` may delegate to, in its `subagents` order.
+pub fn roster(agent: &AgentDef, agents: &BTreeMap<String, Arc<AgentDef>>) -> Vec<RosterEntry> {
+    agent
+        .subagents
+        .iter()
+        .map(|name| {
+            let sub = agents.get(name);
+            RosterEntry {
+                name: name.clone(),
+                // A loaded workspace gives every sub-agent a description
+                // (workspace invariant 2); a hand-built spec may not.
+                description: sub.and_then(|s| s.description.clone()).unwrap_or_default(),
+                own_sandbox: sub.is_some_and(|s| s.sandbox == SandboxMode::Own),
+            }
+        })
+        .collect()
+}
+
+/// The agent's own prompt, then the roster when it has one.
+fn system_prompt(own: &str, roster: &[RosterEntry]) -> String {
+    if roster.is_empty() {
+        return own.to_string();
+    }
+    let mut text = own.trim_end().to_string();
+    let _ = write!(
+        text,
+        "\n\n{ROSTER_HEADING}\n\nHand work to one of these with the `delegate` tool, naming it as a job's `agent`; give each job a request it can do alone, since it sees nothing of your conversation.\n"
+    );
+    for entry in roster {
+        let _ = write!(text, "\n- `{}`: {}", entry.name, entry.description.trim());
+        if entry.own_sandbox {
+            text.push_str(
+                " (Works in a sandbox of its own: it does not see your files, nor you its.)",
+            );
+        }
+    }
+    text.push('\n');
+    text
+}
+
+/// `delegate` with its jobs' `agent` an enum of the roster's names.
+fn delegate_spec(roster: &[RosterEntry]) -> ToolSpec {
+    let mut spec = ToolSpec::builtin(ToolName::Delegate);
+    let mut parameters = (*spec.parameters).clone();
+    let agent = parameters
+        .pointer_mut("/properties/jobs/items/properties/agent")
+        .and_then(serde_json::Value::as_object_mut);
+    debug_assert!(agent.is_some(), "delegate's schema has jobs[].agent");
+    if let Some(agent) = agent {
+        let names = roster.iter().map(|e| e.name.clone()).collect::<Vec<_>>();
+        agent.insert("enum".into(), names.into());
+    }
+    spec.parameters = Arc::new(parameters);
+    spec
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(name: &str, own_sandbox: bool) -> RosterEntry {
+        RosterEntry {
+            name: name.into(),
+            description: format!("does {name} things"),
+            own_sandbox,
+        }
+    }
+
+    #[test]
+    fn the_roster_follows_the_agents_own_prompt_and_names_each_sub_agent_once() {
+        let text = system_prompt("You plan.\n", &[entry("a", false), entry("b", true)]);
+        assert!(text.starts_with("You plan.\n\n## Sub-agents"), "{text}");
+        assert!(text.contains("\n- `a`: does a things\n"), "{text}");
+        assert!(
+            text.contains("- `b`: does b things (Works in a sandbox of its own"),
+            "{text}"
+        );
+        assert_eq!(system_prompt("You plan.\n", &[]), "You plan.\n");
+    }
+
+    #[test]
+    fn delegate_s_agent_is_an_enum_of_the_roster() {
+        let spec = delegate_spec(&[entry("a", false), entry("b", false)]);
+        let agent = spec
+            .parameters
+            .pointer("/properties/jobs/items/properties/agent")
+            .unwrap();
+        assert_eq!(agent["enum"], serde_json::json!(["a", "b"]));
+        assert_eq!(agent["type"], "string");
+    }
+}

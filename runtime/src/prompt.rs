@@ -1,0 +1,68 @@
+//! What a step's model is sent first, as its provider would receive it
+//! (`arbor prompt`): the agent's prompt and roster, its built-in tools with
+//! their schemas, and the request body of its provider's wire format.
+//!
+//! Nothing here reads a secret or an API key: the body is what goes over
+//! the wire, and a key travels in a header. MCP tools are listed only when
+//! a job starts its servers, so they are not in this body (their names are
+//! in the agent's `mcp:` and `tools:`).
+
+use crate::workspace::Workspace;
+use arbor_actors::agent_loop::{Prompt, first_request};
+use arbor_actors::policy::Policy;
+use arbor_protocol::{ModelRef, NodeKind};
+use arbor_providers::{ProviderKind, request_body};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// The first request body a step of `agent` would send when asked
+/// `input`, in `wire` (default: its provider's; the scripted model's is
+/// shown as OpenAI's).
+pub fn first_body(
+    workspace: &Workspace,
+    agent: &str,
+    input: &str,
+    wire: Option<ProviderKind>,
+) -> Result<serde_json::Value, String> {
+    let def = workspace.agents.get(agent).ok_or_else(|| {
+        format!(
+            "no agent {agent:?} in this workspace (it has: {})",
+            workspace
+                .agents
+                .keys()
+                .cloned()
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    })?;
+    let config = &workspace.config;
+    let (own_wire, model_id, stream, max_output) = match &def.model {
+        ModelRef::Scripted => (
+            ProviderKind::Openai,
+            "scripted".to_string(),
+            false,
+            config.limits.max_output_tokens,
+        ),
+        ModelRef::Provider { provider, model } => {
+            let entry = config.providers.get(provider).ok_or_else(|| {
+                format!("agent {agent:?}: no provider {provider:?} in arbor.toml")
+            })?;
+            let info = entry.models.get(model).ok_or_else(|| {
+                format!("agent {agent:?}: provider {provider:?} has no model {model:?}")
+            })?;
+            let max_output = info.max_output_tokens.min(config.limits.max_output_tokens);
+            (entry.kind, info.id.clone(), entry.stream, max_output)
+        }
+    };
+    let policy = Policy::root(def, &config.limits, &config.approvals.tools);
+    let offered = policy.offered(def, NodeKind::Step, 0, &config.limits);
+    let agents: BTreeMap<String, Arc<_>> = workspace
+        .agents
+        .iter()
+        .map(|(name, def)| (name.clone(), Arc::new(def.clone())))
+        .collect();
+    let prompt = Prompt::for_job(def, &offered, &agents, &[]);
+    let request = first_request(def, &prompt, input, max_output);
+    let kind = wire.unwrap_or(own_wire);
+    Ok(request_body(kind, &model_id, &request, max_output, stream))
+}

@@ -1,0 +1,147 @@
+//! What a model is shown: the roster of sub-agents a parent may delegate to
+//! (I-54), and the tool words it acts on.
+
+use arbor_protocol::Status;
+use arbor_testkit::{RecordingModels, TestNode};
+
+/// A planner over a researcher and a coder (own sandbox); a third agent,
+/// `auditor`, is in the workspace but not the planner's.
+fn roster_agents() -> Vec<(&'static str, String)> {
+    vec![
+        (
+            "planner",
+            "---\nsubagents: [researcher, coder]\nscript:\n  - call: {tool: delegate, args: {jobs: [{agent: researcher, request: find}]}}\n  - call: {tool: submit_output, args: {output: planned}}\n---\nYou are the planner.\n".into(),
+        ),
+        (
+            "researcher",
+            "---\ndescription: Finds one fact about a topic.\nscript:\n  - call: {tool: submit_output, args: {output: fact}}\n---\nRESEARCHER-PROMPT-BODY\n".into(),
+        ),
+        (
+            "coder",
+            "---\ndescription: Writes and runs small programs.\nsandbox: own\ntools: [exec]\nscript:\n  - call: {tool: submit_output, args: {output: code}}\n---\nCODER-PROMPT-BODY\n".into(),
+        ),
+        (
+            "auditor",
+            "---\ndescription: AUDITOR-DESCRIPTION\nscript:\n  - call: {tool: submit_output, args: {output: audit}}\n---\nAudit.\n".into(),
+        ),
+    ]
+}
+
+async fn roster_node() -> (TestNode, std::sync::Arc<RecordingModels>) {
+    let agents = roster_agents();
+    let agents: Vec<(&str, &str)> = agents.iter().map(|(n, t)| (*n, t.as_str())).collect();
+    let models = RecordingModels::new();
+    let node = TestNode::start_full(None, &agents, models.clone()).await;
+    (node, models)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn inv_54_a_parent_is_told_exactly_its_sub_agents_and_delegate_takes_only_their_names() {
+    let (node, models) = roster_node().await;
+    let run = node.run_agent("planner", "Plan.").await;
+    assert_eq!(node.wait_run(run).await.run_status(), Status::Done);
+
+    let first = &models.requests("planner")[0];
+    let system = &first.system;
+    assert!(system.starts_with("You are the planner.\n\n"), "{system}");
+    let roster = &system[system
+        .find(arbor_actors::agent_loop::ROSTER_HEADING)
+        .unwrap()..];
+    assert!(
+        roster.contains("- `researcher`: Finds one fact about a topic.\n"),
+        "{roster}"
+    );
+    assert!(
+        roster
+            .contains("- `coder`: Writes and runs small programs. (Works in a sandbox of its own"),
+        "{roster}"
+    );
+    // Nothing of a sub-agent beyond its name and description, and nothing
+    // of an agent it may not delegate to.
+    for absent in [
+        "RESEARCHER-PROMPT-BODY",
+        "CODER-PROMPT-BODY",
+        "auditor",
+        "AUDITOR",
+        "exec",
+    ] {
+        assert!(!system.contains(absent), "{absent} in {system}");
+    }
+    let delegate = first
+        .tools
+        .iter()
+        .find(|t| &*t.name == "delegate")
+        .expect("delegate offered");
+    let agent = delegate
+        .parameters
+        .pointer("/properties/jobs/items/properties/agent")
+        .unwrap();
+    assert_eq!(agent["enum"], serde_json::json!(["researcher", "coder"]));
+
+    // Every request of the job carries the same roster.
+    let second = &models.requests("planner")[1];
+    assert_eq!(second.system, first.system);
+
+    // A job with no sub-agents is told of none, and is not offered delegate.
+    let researcher = &models.requests("researcher")[0];
+    assert_eq!(researcher.system, "RESEARCHER-PROMPT-BODY");
+    assert!(researcher.tools.iter().all(|t| &*t.name != "delegate"));
+    node.shutdown().await;
+}
+
+/// A job that makes the same call (name and arguments) again and again: at
+/// `max_repeats` in a row its result carries a notice, at twice as many the
+/// call is not run and the job ends `no_progress`, which is not retried
+/// (the job asked for two retries) and does not fail its parent's model.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_job_that_repeats_one_call_is_told_then_ended_no_progress_and_not_retried() {
+    let same = "  - call: {tool: read_file, args: {path: notes.txt}}\n";
+    let looper = format!(
+        "---\ndescription: reads the same file forever\ntools: [read_file]\nmax_repeats: 2\nscript:\n{}  - call: {{tool: submit_output, args: {{output: never}}}}\n---\nLoop.\n",
+        same.repeat(6)
+    );
+    let boss = "---\nsubagents: [looper]\nscript:\n  - call: {tool: delegate, args: {jobs: [{agent: looper, request: go, label: l, retries: 2}]}}\n  - call: {tool: submit_output, args: {output: done}}\n---\nBoss.\n";
+    let models = RecordingModels::new();
+    let node =
+        TestNode::start_full(None, &[("boss", boss), ("looper", &looper)], models.clone()).await;
+    let run = node.run_agent("boss", "go").await;
+    let tree = node.wait_run(run).await;
+    let l = tree.node(tree.find("l").unwrap()).unwrap();
+    assert_eq!(l.status, Status::Failed, "{l:?}");
+    assert_eq!(
+        l.error_class,
+        Some(arbor_protocol::ErrorClass::NoProgress),
+        "{l:?}"
+    );
+    assert_eq!(l.attempt, 1, "no_progress is not retried: {l:?}");
+    assert!(
+        l.reason
+            .as_deref()
+            .unwrap_or("")
+            .contains("read_file was called 4 times in a row"),
+        "{l:?}"
+    );
+    // Three calls ran (the fourth was refused as stuck); the second and third
+    // results carried the notice, the first did not.
+    let calls: Vec<_> = node
+        .tool_calls(run)
+        .into_iter()
+        .filter(|c| c.tool == "read_file")
+        .collect();
+    assert_eq!(calls.len(), 3, "{calls:?}");
+    let requests = models.requests("looper");
+    let last_result = |n: usize| match requests[n].messages.last() {
+        Some(arbor_actors::model::Message::ToolResult { content, .. }) => content.clone(),
+        other => panic!("request {n} ends with {other:?}"),
+    };
+    assert!(!last_result(1).contains("[arbor] You have made this same call"));
+    assert!(
+        last_result(2).contains("same arguments, 2 times in a row"),
+        "{}",
+        last_result(2)
+    );
+    assert!(last_result(3).contains("3 times in a row"));
+    // The parent went on: the job's end is its result, not the boss's failure.
+    assert_eq!(tree.run_status(), Status::Done);
+    node.shutdown().await;
+}
