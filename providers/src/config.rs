@@ -7,6 +7,7 @@
 //! api_key_env = "LOCAL_API_KEY"        # the variable's name, never the key
 //! max_concurrent = 8                   # requests in flight to this provider
 //! timeout = "120s"                     # one attempt, answer streamed to the end
+//! idle_timeout = "60s"                 # a stream with no byte for this long: a timeout
 //! [providers.local.models.small]
 //! id = "gpt-4o-mini"
 //! context_window = 128000
@@ -32,6 +33,8 @@ use std::time::Duration;
 pub const DEFAULT_MAX_CONCURRENT: u32 = 8;
 /// One attempt's limit when arbor.toml does not say.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
+/// The longest a streamed answer may go without a byte when arbor.toml does not say.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Retries of a transiently failed call when arbor.toml does not say.
 pub const DEFAULT_MAX_RETRIES: u32 = 3;
 
@@ -57,6 +60,9 @@ pub struct Provider {
     pub api_key_env: Option<String>,
     pub max_concurrent: u32,
     pub timeout: Duration,
+    /// A streamed answer that sends no bytes for this long fails its
+    /// attempt as a retryable timeout, well before `timeout` would.
+    pub idle_timeout: Duration,
     /// Ask for a streamed answer (SSE).
     pub stream: bool,
     pub retry: RetryPolicy,
@@ -92,6 +98,7 @@ pub struct ProviderFile {
     api_key_env: Option<String>,
     max_concurrent: Option<i64>,
     timeout: Option<String>,
+    idle_timeout: Option<String>,
     stream: Option<bool>,
     max_retries: Option<i64>,
     #[serde(default)]
@@ -147,14 +154,16 @@ pub fn check_provider(name: &str, file: ProviderFile) -> Result<Provider, String
         .unwrap_or(u64::from(DEFAULT_MAX_CONCURRENT));
     let max_concurrent = u32::try_from(max_concurrent)
         .map_err(|_| format!("{}: at most {}", key("max_concurrent"), u32::MAX))?;
-    let timeout = match &file.timeout {
-        None => DEFAULT_TIMEOUT,
+    let duration = |text: &Option<String>, name: &str, default: Duration| match text {
+        None => Ok(default),
         Some(text) => match humantime::parse_duration(text.trim()) {
-            Ok(d) if !d.is_zero() => d,
-            Ok(_) => return Err(format!("{}: must be more than 0", key("timeout"))),
-            Err(e) => return Err(format!("{}: bad duration {text:?}: {e}", key("timeout"))),
+            Ok(d) if !d.is_zero() => Ok(d),
+            Ok(_) => Err(format!("{}: must be more than 0", key(name))),
+            Err(e) => Err(format!("{}: bad duration {text:?}: {e}", key(name))),
         },
     };
+    let timeout = duration(&file.timeout, "timeout", DEFAULT_TIMEOUT)?;
+    let idle_timeout = duration(&file.idle_timeout, "idle_timeout", DEFAULT_IDLE_TIMEOUT)?;
     let max_retries = match file.max_retries {
         None => DEFAULT_MAX_RETRIES,
         Some(n) if (0..=10).contains(&n) => n as u32,
@@ -223,6 +232,7 @@ pub fn check_provider(name: &str, file: ProviderFile) -> Result<Provider, String
         api_key_env: file.api_key_env,
         max_concurrent,
         timeout,
+        idle_timeout,
         stream: file.stream.unwrap_or(true),
         retry: RetryPolicy {
             max_retries,

@@ -201,15 +201,25 @@ async fn send(
             ProviderKind::Anthropic => anthropic::parse_reply(&text),
         };
     }
-    let mut events = response.bytes_stream().eventsource();
+    let mut events = std::pin::pin!(idle_bounded(response, config.idle_timeout).eventsource());
     let mut seen = 0usize;
     let mut openai_stream = openai::Stream::default();
     let mut anthropic_stream = anthropic::Stream::default();
     while let Some(event) = events.next().await {
         let event = match event {
             Ok(event) => event,
-            Err(eventsource_stream::EventStreamError::Transport(e)) => {
+            Err(eventsource_stream::EventStreamError::Transport(Chunk::Http(e))) => {
                 return Err(transport_error(&config.name, &e));
+            }
+            Err(eventsource_stream::EventStreamError::Transport(Chunk::Idle)) => {
+                return Err(ModelError::new(
+                    ErrorClass::ModelTimeout,
+                    format!(
+                        "provider {}: the stream sent nothing for {} (idle_timeout)",
+                        config.name,
+                        humantime::format_duration(config.idle_timeout)
+                    ),
+                ));
             }
             Err(e) => return Err(protocol_error(&format!("a malformed event stream: {e}"))),
         };
@@ -232,6 +242,44 @@ async fn send(
         ProviderKind::Openai => openai_stream.finish(request.turn),
         ProviderKind::Anthropic => anthropic_stream.finish(),
     }
+}
+
+/// Why a streamed answer's bytes stopped.
+#[derive(Debug)]
+enum Chunk {
+    Http(reqwest::Error),
+    /// No byte came for `idle_timeout`.
+    Idle,
+}
+
+impl std::fmt::Display for Chunk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Chunk::Http(e) => e.fmt(f),
+            Chunk::Idle => f.write_str("no bytes within the idle timeout"),
+        }
+    }
+}
+
+/// The answer's bytes, each awaited at most `idle`: a stall is told apart
+/// from a slow answer (the call's whole `timeout`).
+fn idle_bounded(
+    response: reqwest::Response,
+    idle: Duration,
+) -> impl futures::Stream<Item = Result<impl AsRef<[u8]>, Chunk>> {
+    futures::stream::unfold(
+        Some(Box::pin(response.bytes_stream())),
+        move |stream| async move {
+            let mut stream = stream?;
+            match tokio::time::timeout(idle, stream.next()).await {
+                Ok(Some(Ok(bytes))) => Some((Ok(bytes), Some(stream))),
+                Ok(Some(Err(e))) => Some((Err(Chunk::Http(e)), Some(stream))),
+                Ok(None) => None,
+                // Said once; the stream ends after it.
+                Err(_) => Some((Err(Chunk::Idle), None)),
+            }
+        },
+    )
 }
 
 async fn read_bounded(response: reqwest::Response) -> Result<Vec<u8>, reqwest::Error> {

@@ -1009,3 +1009,55 @@ async fn inv_31_a_call_to_a_provider_in_flight_at_a_crash_is_charged_its_reserva
     assert_eq!(tree.root().account.spent, reserved + 45);
     node.assert_conserved(run);
 }
+
+/// The first `k` events of a streamed answer, then a connection held open
+/// with nothing more on it.
+fn stalled_after(answer: Answer, k: usize) -> Answer {
+    match answer {
+        Answer::Stream { events, .. } => Answer::Stream {
+            events: events[..k].to_vec(),
+            end: StreamEnd::Hang,
+        },
+        other => other,
+    }
+}
+
+/// A stream that stalls (its first bytes, then nothing) fails its attempt
+/// as a retryable `model_timeout` after the provider's `idle_timeout`, long
+/// before the call's whole `timeout`; the retry, answered, completes the
+/// step. The stalled attempt is charged what it streamed, as any cut call.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stalled_stream_is_an_idle_timeout_and_the_retry_succeeds() {
+    for format in [Format::Openai, Format::Anthropic] {
+        let mock = MockProvider::start().await;
+        let (stalled, answer) = match format {
+            Format::Openai => (
+                stalled_after(openai::stream("Half an answer", &[], Some((40, 5))), 2),
+                openai::stream(
+                    "",
+                    &[("submit_output", json!({"output": "whole"}))],
+                    Some((40, 5)),
+                ),
+            ),
+            Format::Anthropic => (
+                anthropic::partial_stream("Half an ans", 25, StreamEnd::Hang),
+                anthropic::stream("", &[("submit_output", json!({"output": "whole"}))], 40, 5),
+            ),
+        };
+        mock.push_for(format, PLANNER, stalled);
+        mock.push_for(format, PLANNER, answer);
+        let config = mock.arbor_toml(format, "timeout = \"300s\"\nidle_timeout = \"300ms\"");
+        let (planner, researcher) = (planner(), researcher(""));
+        let agents = [("planner", &*planner), ("researcher", &*researcher)];
+        let node = TestNode::start_with_config(&config, &agents).await;
+        let run = node.run_agent("planner", "Go.").await;
+        let tree = node.wait_run(run).await;
+        assert_eq!(tree.run_status(), Status::Done, "{format:?}");
+        assert_eq!(step(&tree, "planner").output, json!("whole"));
+        let outcomes: Vec<_> = model_calls(&node.events(run)).iter().map(outcome).collect();
+        // The whole call's timeout is 300 s: only the idle timeout can have
+        // ended the first attempt before the run did.
+        assert_eq!(outcomes, ["model_timeout", "ok"], "{format:?}");
+        node.shutdown().await;
+    }
+}
