@@ -30,6 +30,9 @@ pub struct ModelRequest {
     pub max_output_tokens: u64,
     /// I-12: the wind-down notice. Sent with this request only, never stored in the history.
     pub wind_down: Option<String>,
+    /// The agent's sampling and reasoning settings (a provider's model
+    /// entry fills what it leaves unset).
+    pub settings: arbor_protocol::Settings,
     /// 0 for the first call of a job.
     pub turn: u32,
     /// Filled by the adapter while the call is in flight.

@@ -196,6 +196,7 @@ mod tests {
             budget_usd_micros: None,
             max_turns: None,
             max_repeats: None,
+            settings: Default::default(),
             timeout: None,
             script: Default::default(),
             prompt: String::new(),

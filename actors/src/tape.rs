@@ -287,6 +287,12 @@ pub fn canonical(model: &str, volatile: &Volatile, request: &ModelRequest) -> Ca
         "wind_down".into(),
         request.wind_down.as_deref().unwrap_or("").as_bytes(),
     );
+    // Only when set, so a recording made before settings existed still
+    // compares equal.
+    if !request.settings.is_empty() {
+        let settings = serde_json::to_vec(&request.settings).unwrap_or_default();
+        part("settings".into(), &settings);
+    }
     for (i, message) in request.messages.iter().enumerate() {
         let (role, body) = match message {
             Message::User(text) => ("user", volatile.clean(text).into_owned()),
@@ -863,9 +869,32 @@ mod tests {
             tools: Arc::from([]),
             max_output_tokens: 100,
             wind_down: None,
+            settings: Default::default(),
             turn: 0,
             meter: CallMeter::default(),
         }
+    }
+
+    /// I-49: a replay compares the settings a request was sent with; a
+    /// request with none has the digest it had before settings existed.
+    #[test]
+    fn settings_are_a_part_only_when_set() {
+        let plain = request(vec![Message::User("a".into())]);
+        let without = canonical("m", &Volatile::default(), &plain);
+        assert!(without.parts.iter().all(|p| p.name != "settings"));
+        let mut warm = plain.clone();
+        warm.settings = arbor_protocol::Settings::from_figures(Some(0.7), None, None).unwrap();
+        let mut cold = plain;
+        cold.settings = arbor_protocol::Settings::from_figures(Some(0.0), None, None).unwrap();
+        let (warm, cold) = (
+            canonical("m", &Volatile::default(), &warm),
+            canonical("m", &Volatile::default(), &cold),
+        );
+        assert_ne!(warm.digest, cold.digest);
+        assert_eq!(
+            first_difference(&warm.parts, &cold.parts),
+            "settings differs"
+        );
     }
 
     #[test]

@@ -44,6 +44,9 @@ pub struct AgentDef {
     /// Overrides `[limits] max_repeats` for its jobs.
     #[serde(default)]
     pub max_repeats: Option<u32>,
+    /// How its model samples and reasons, over its model entry's defaults.
+    #[serde(default)]
+    pub settings: Settings,
     /// Shared by every job of the agent (the scripted model reads it).
     pub script: std::sync::Arc<Vec<ScriptTurn>>,
     /// The markdown body: the system prompt.
@@ -115,6 +118,9 @@ pub struct FrontMatter {
     pub max_turns: Option<u32>,
     pub timeout: Option<String>,
     pub max_repeats: Option<u32>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub effort: Option<Effort>,
     #[serde(default)]
     pub script: Vec<ScriptTurnSpec>,
     pub resources: Option<ResourcesSpec>,
@@ -202,6 +208,89 @@ impl<T> OneOrMany<T> {
         match self {
             OneOrMany::One(one) => vec![one],
             OneOrMany::Many(many) => many,
+        }
+    }
+}
+
+/// How a model samples and reasons: agent.md's `temperature`, `top_p` and
+/// `effort`, or a model entry's defaults for them. Kept in thousandths, so
+/// a definition compares exactly (`temperature: 0.7` is 700).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Settings {
+    /// 0 to 2000.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature_milli: Option<u16>,
+    /// 1 to 1000.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_p_milli: Option<u16>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub effort: Option<Effort>,
+}
+
+impl Settings {
+    /// These, each unset one taken from `defaults`.
+    pub fn over(self, defaults: Settings) -> Settings {
+        Settings {
+            temperature_milli: self.temperature_milli.or(defaults.temperature_milli),
+            top_p_milli: self.top_p_milli.or(defaults.top_p_milli),
+            effort: self.effort.or(defaults.effort),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        *self == Settings::default()
+    }
+
+    /// Checks and keeps `temperature` (0 to 2) and `top_p` (above 0, at
+    /// most 1) as thousandths; the error names the key.
+    pub fn from_figures(
+        temperature: Option<f64>,
+        top_p: Option<f64>,
+        effort: Option<Effort>,
+    ) -> Result<Settings, String> {
+        let milli = |value: Option<f64>, key: &str, low_open: bool, high: f64| match value {
+            None => Ok(None),
+            Some(v)
+                if v.is_finite() && (if low_open { v > 0.0 } else { v >= 0.0 }) && v <= high =>
+            {
+                Ok(Some((v * 1000.0).round() as u16))
+            }
+            Some(v) => Err(format!(
+                "{key} must be {} {high}, got {v}",
+                if low_open {
+                    "above 0 and at most"
+                } else {
+                    "0 to"
+                }
+            )),
+        };
+        let settings = Settings {
+            temperature_milli: milli(temperature, "temperature", false, 2.0)?,
+            top_p_milli: milli(top_p, "top_p", true, 1.0)?,
+            effort,
+        };
+        if settings.top_p_milli == Some(0) {
+            return Err("top_p must be at least 0.001".into());
+        }
+        Ok(settings)
+    }
+}
+
+/// How hard a reasoning model thinks: OpenAI's `reasoning_effort`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Effort {
+    Low,
+    Medium,
+    High,
+}
+
+impl Effort {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Effort::Low => "low",
+            Effort::Medium => "medium",
+            Effort::High => "high",
         }
     }
 }

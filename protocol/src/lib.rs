@@ -21,8 +21,8 @@ pub mod view;
 mod duration_str;
 
 pub use agent::{
-    AgentDef, ModelRef, Network, Resources, ResourcesSpec, SandboxMode, ScriptCall, ScriptTurn,
-    ScriptUsage,
+    AgentDef, Effort, ModelRef, Network, Resources, ResourcesSpec, SandboxMode, ScriptCall,
+    ScriptTurn, ScriptUsage, Settings,
 };
 pub use approval::{ApprovalSettings, Card, CardState, Decision, Verdict};
 pub use event::{CallFacts, Event, EventKind, McpServerState, NodeKind, ParentRef};

@@ -5,14 +5,20 @@
 
 use crate::wire::{error_in_stream, parse_json, protocol_error, system_prompt, tool_arguments};
 use arbor_actors::model::{CallMeter, Message, ModelError, ModelReply, ModelRequest, ToolCall};
-use arbor_protocol::Usage;
+use arbor_protocol::{Settings, Usage};
 use serde_json::{Value, json};
 
 /// The API version this client speaks (the `anthropic-version` header).
 pub const API_VERSION: &str = "2023-06-01";
 
 /// `max_tokens`: what the body asks for (the call's reserved output).
-pub fn body(model_id: &str, request: &ModelRequest, max_tokens: u64, stream: bool) -> Value {
+pub fn body(
+    model_id: &str,
+    defaults: Settings,
+    request: &ModelRequest,
+    max_tokens: u64,
+    stream: bool,
+) -> Value {
     let mut messages: Vec<Value> = vec![];
     let mut push = |role: &str, block: Value| {
         if let Some(last) = messages.last_mut()
@@ -72,6 +78,8 @@ pub fn body(model_id: &str, request: &ModelRequest, max_tokens: u64, stream: boo
             })
             .collect();
     }
+    // `effort` is refused at load for this format (docs/models.md).
+    crate::openai::sampling(&mut body, request.settings.over(defaults));
     if stream {
         body["stream"] = json!(true);
     }
@@ -305,10 +313,11 @@ mod tests {
             tools: [ToolName::Exec].map(Into::into).into(),
             max_output_tokens: 50,
             wind_down: None,
+            settings: Default::default(),
             turn: 1,
             meter: Default::default(),
         };
-        let body = body("claude-x", &request, 50, false);
+        let body = body("claude-x", Settings::default(), &request, 50, false);
         assert_eq!(body["system"], "You are the planner.");
         let messages = body["messages"].as_array().unwrap();
         assert_eq!(messages.len(), 3, "{body}");

@@ -25,6 +25,7 @@
 //!    journal record or error message.
 
 use arbor_actors::model::{Price, RetryPolicy};
+use arbor_protocol::{Effort, Settings};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -74,6 +75,9 @@ pub struct Provider {
 pub struct ProviderModel {
     /// What the provider calls it.
     pub id: String,
+    /// Its defaults for an agent that does not say (`temperature`,
+    /// `top_p`, `effort`).
+    pub settings: Settings,
     pub context_window: u64,
     pub max_output_tokens: u64,
     pub price: Option<Price>,
@@ -113,6 +117,9 @@ pub struct ModelFile {
     max_output_tokens: i64,
     usd_per_mtok_input: Option<f64>,
     usd_per_mtok_output: Option<f64>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    effort: Option<Effort>,
 }
 
 /// Checks one block; the error names the key (`providers.NAME.KEY`).
@@ -215,10 +222,13 @@ pub fn check_provider(name: &str, file: ProviderFile) -> Result<Provider, String
                 ));
             }
         };
+        let settings = Settings::from_figures(model.temperature, model.top_p, model.effort)
+            .map_err(|e| format!("providers.{name}.models.{model_name}.{e}"))?;
         models.insert(
             model_name,
             ProviderModel {
                 id: model.id.trim().to_string(),
+                settings,
                 context_window,
                 max_output_tokens,
                 price,

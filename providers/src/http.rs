@@ -77,8 +77,20 @@ impl HttpModel {
     fn body(&self, request: &ModelRequest, max_tokens: u64) -> Value {
         let stream = self.provider.config.stream;
         match self.provider.config.kind {
-            ProviderKind::Openai => openai::body(&self.model.id, request, max_tokens, stream),
-            ProviderKind::Anthropic => anthropic::body(&self.model.id, request, max_tokens, stream),
+            ProviderKind::Openai => openai::body(
+                &self.model.id,
+                self.model.settings,
+                request,
+                max_tokens,
+                stream,
+            ),
+            ProviderKind::Anthropic => anthropic::body(
+                &self.model.id,
+                self.model.settings,
+                request,
+                max_tokens,
+                stream,
+            ),
         }
     }
 }

@@ -4,12 +4,18 @@
 
 use crate::wire::{parse_json, protocol_error, system_prompt, tool_arguments};
 use arbor_actors::model::{CallMeter, Message, ModelError, ModelReply, ModelRequest, ToolCall};
-use arbor_protocol::Usage;
+use arbor_protocol::{Settings, Usage};
 use serde_json::{Value, json};
 
 /// The request body. `max_tokens` is the call's reserved output.
 /// `max_tokens`: what the body asks for (the call's reserved output).
-pub fn body(model_id: &str, request: &ModelRequest, max_tokens: u64, stream: bool) -> Value {
+pub fn body(
+    model_id: &str,
+    defaults: Settings,
+    request: &ModelRequest,
+    max_tokens: u64,
+    stream: bool,
+) -> Value {
     let mut messages = vec![json!({"role": "system", "content": system_prompt(request)})];
     for message in &request.messages {
         messages.push(match message {
@@ -62,11 +68,32 @@ pub fn body(model_id: &str, request: &ModelRequest, max_tokens: u64, stream: boo
             })
             .collect();
     }
+    let settings = request.settings.over(defaults);
+    sampling(&mut body, settings);
+    if let Some(effort) = settings.effort {
+        body["reasoning_effort"] = json!(effort.as_str());
+        // Reasoning models take their cap, thinking included, only by this name.
+        if let Some(map) = body.as_object_mut()
+            && let Some(cap) = map.remove("max_tokens")
+        {
+            map.insert("max_completion_tokens".into(), cap);
+        }
+    }
     if stream {
         body["stream"] = json!(true);
         body["stream_options"] = json!({"include_usage": true});
     }
     body
+}
+
+/// `temperature` and `top_p` as the provider takes them (a fraction).
+pub(crate) fn sampling(body: &mut Value, settings: Settings) {
+    if let Some(t) = settings.temperature_milli {
+        body["temperature"] = json!(f64::from(t) / 1000.0);
+    }
+    if let Some(p) = settings.top_p_milli {
+        body["top_p"] = json!(f64::from(p) / 1000.0);
+    }
 }
 
 /// A whole (not streamed) answer.
@@ -257,14 +284,31 @@ mod tests {
                 .into(),
             max_output_tokens: 77,
             wind_down: Some("Finish now.".into()),
+            settings: Default::default(),
             turn: 1,
             meter: Default::default(),
         }
     }
 
     #[test]
+    fn settings_are_the_agents_over_the_models_and_effort_renames_the_cap() {
+        let defaults = Settings::from_figures(Some(0.7), Some(0.5), None).unwrap();
+        let mut request = request();
+        request.settings = Settings::from_figures(None, Some(0.9), None).unwrap();
+        let plain = body("gpt-x", defaults, &request, 77, false);
+        assert_eq!(plain["temperature"], 0.7);
+        assert_eq!(plain["top_p"], 0.9);
+        assert!(plain.get("reasoning_effort").is_none());
+        request.settings.effort = Some(arbor_protocol::Effort::High);
+        let reasoning = body("gpt-x", Settings::default(), &request, 77, false);
+        assert_eq!(reasoning["reasoning_effort"], "high");
+        assert_eq!(reasoning["max_completion_tokens"], 77);
+        assert!(reasoning.get("max_tokens").is_none());
+    }
+
+    #[test]
     fn the_body_carries_the_system_prompt_tools_history_and_max_tokens() {
-        let body = body("gpt-x", &request(), 77, true);
+        let body = body("gpt-x", Settings::default(), &request(), 77, true);
         assert_eq!(body["model"], "gpt-x");
         assert_eq!(body["max_tokens"], 77);
         assert_eq!(body["stream_options"]["include_usage"], true);

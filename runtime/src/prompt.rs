@@ -10,7 +10,7 @@
 use crate::workspace::Workspace;
 use arbor_actors::agent_loop::{Prompt, first_request};
 use arbor_actors::policy::Policy;
-use arbor_protocol::{ModelRef, NodeKind};
+use arbor_protocol::{ModelRef, NodeKind, Settings};
 use arbor_providers::{ProviderKind, request_body};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -36,10 +36,11 @@ pub fn first_body(
         )
     })?;
     let config = &workspace.config;
-    let (own_wire, model_id, stream, max_output) = match &def.model {
+    let (own_wire, model_id, defaults, stream, max_output) = match &def.model {
         ModelRef::Scripted => (
             ProviderKind::Openai,
             "scripted".to_string(),
+            Settings::default(),
             false,
             config.limits.max_output_tokens,
         ),
@@ -51,7 +52,8 @@ pub fn first_body(
                 format!("agent {agent:?}: provider {provider:?} has no model {model:?}")
             })?;
             let max_output = info.max_output_tokens.min(config.limits.max_output_tokens);
-            (entry.kind, info.id.clone(), entry.stream, max_output)
+            let id = info.id.clone();
+            (entry.kind, id, info.settings, entry.stream, max_output)
         }
     };
     let policy = Policy::root(def, &config.limits, &config.approvals.tools);
@@ -64,5 +66,7 @@ pub fn first_body(
     let prompt = Prompt::for_job(def, &offered, &agents, &[]);
     let request = first_request(def, &prompt, input, max_output);
     let kind = wire.unwrap_or(own_wire);
-    Ok(request_body(kind, &model_id, &request, max_output, stream))
+    Ok(request_body(
+        kind, &model_id, defaults, &request, max_output, stream,
+    ))
 }

@@ -123,6 +123,7 @@ mod tests {
             tools: Arc::new([]),
             max_output_tokens: max_output,
             wind_down: None,
+            settings: Default::default(),
             turn,
             meter: Default::default(),
         }

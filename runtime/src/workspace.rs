@@ -25,7 +25,7 @@
 //!    broken workspace always reports the same problem.
 
 use arbor_protocol::tools::parse_duration_arg;
-use arbor_protocol::{AgentDef, BudgetArg, FlowSpec, ModelRef, RunSpec, SandboxMode};
+use arbor_protocol::{AgentDef, BudgetArg, FlowSpec, ModelRef, RunSpec, SandboxMode, Settings};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
@@ -434,7 +434,7 @@ fn check_models(agents: &BTreeMap<String, AgentDef>, config: &Config) -> Result<
                 ),
             ));
         };
-        if !p.models.contains_key(model) {
+        let Some(entry) = p.models.get(model) else {
             return Err(invalid(
                 &agent_path(name),
                 format!(
@@ -442,7 +442,46 @@ fn check_models(agents: &BTreeMap<String, AgentDef>, config: &Config) -> Result<
                     known(p.models.keys())
                 ),
             ));
+        };
+        let settings = agent.settings.over(entry.settings);
+        settings_refused(p.kind, settings).map_err(|why| {
+            invalid(
+                &agent_path(name),
+                format!("{why} (on `{provider}/{model}`)"),
+            )
+        })?;
+    }
+    Ok(())
+}
+
+/// Settings a provider of `kind` would refuse, as a line naming the key.
+fn settings_refused(kind: arbor_providers::ProviderKind, settings: Settings) -> Result<(), String> {
+    use arbor_providers::ProviderKind;
+    if settings.effort.is_some() {
+        if kind == ProviderKind::Anthropic {
+            return Err(
+                "effort: Anthropic's extended thinking is not offered yet (its thinking \
+                        blocks would have to go back with every turn); remove it, or use an \
+                        openai-format provider"
+                    .into(),
+            );
         }
+        for (key, set) in [
+            ("temperature", settings.temperature_milli.is_some()),
+            ("top_p", settings.top_p_milli.is_some()),
+        ] {
+            if set {
+                return Err(format!(
+                    "{key}: a reasoning model (effort) refuses sampling settings; set one or the other"
+                ));
+            }
+        }
+    }
+    if kind == ProviderKind::Anthropic
+        && settings.temperature_milli.is_some()
+        && settings.top_p_milli.is_some()
+    {
+        return Err("top_p: Anthropic's models take temperature or top_p, not both".into());
     }
     Ok(())
 }

@@ -115,6 +115,7 @@ fn a_full_workspace_loads_with_every_field_mapped() {
         budget_tokens: Some(5000),
         max_turns: Some(7),
         max_repeats: None,
+        settings: Default::default(),
         timeout: Some(Duration::from_secs(300)),
         script: vec![
             ScriptTurn {
@@ -451,9 +452,9 @@ fn a_malformed_provider_block_names_arbor_toml_and_the_key() {
         (
             PROVIDERS.replace(
                 "max_output_tokens = 4096",
-                "max_output_tokens = 4096\ntemperature = 0.2",
+                "max_output_tokens = 4096\nseed = 7",
             ),
-            "arbor.toml: unknown key `temperature`",
+            "arbor.toml: unknown key `seed`",
         ),
         (
             PROVIDERS.replace("id = \"gpt-4o-mini\"\n", ""),
@@ -1162,4 +1163,93 @@ fn the_journal_section_is_read_and_a_bad_setting_is_named() {
     assert_eq!(parse_node_id("node-1.eu_west"), Ok("node-1.eu_west".into()));
     assert!(parse_node_id("").is_err());
     assert!(parse_node_id("a/b").unwrap_err().contains("not a node id"));
+}
+
+/// agent.md's `temperature`, `top_p` and `effort` over its model entry's,
+/// in thousandths; a value out of range, or a combination the provider
+/// would refuse, is a load error naming the agent and the key.
+#[test]
+fn settings_are_read_over_the_models_and_a_refused_combination_is_named() {
+    use arbor_protocol::{Effort, Settings};
+    let toml = |kind: &str, defaults: &str| {
+        format!(
+            "[providers.p]\nkind = \"{kind}\"\nbase_url = \"http://127.0.0.1:9/v1\"\n[providers.p.models.m]\nid = \"m-1\"\ncontext_window = 8192\nmax_output_tokens = 1024\n{defaults}\n"
+        )
+    };
+    let load = |toml: &str, front: &str| {
+        let agent = format!("---\nmodel: p/m\n{front}\n---\nYou work.\n");
+        Workspace::from_texts(
+            PathBuf::from("ws"),
+            Some(toml),
+            &[("a", agent.as_str())],
+            &[],
+        )
+    };
+    let ws = load(
+        &toml("openai", "temperature = 0.2\ntop_p = 0.5"),
+        "top_p: 0.9",
+    )
+    .unwrap();
+    assert_eq!(
+        ws.agents["a"].settings,
+        Settings {
+            temperature_milli: None,
+            top_p_milli: Some(900),
+            effort: None
+        }
+    );
+    let model = &ws.config.providers["p"].models["m"];
+    assert_eq!(
+        ws.agents["a"]
+            .settings
+            .over(model.settings)
+            .temperature_milli,
+        Some(200)
+    );
+    let ws = load(&toml("openai", ""), "effort: high").unwrap();
+    assert_eq!(ws.agents["a"].settings.effort, Some(Effort::High));
+
+    for (kind, defaults, front, words) in [
+        (
+            "openai",
+            "",
+            "temperature: 2.5",
+            "agents/a/agent.md: temperature must be 0 to 2, got 2.5",
+        ),
+        (
+            "openai",
+            "",
+            "top_p: 0",
+            "top_p must be above 0 and at most 1, got 0",
+        ),
+        ("openai", "", "effort: extreme", "effort"),
+        (
+            "openai",
+            "temperature = 0.3",
+            "effort: low",
+            "agents/a/agent.md: temperature: a reasoning model (effort) refuses sampling settings",
+        ),
+        (
+            "anthropic",
+            "",
+            "effort: low",
+            "agents/a/agent.md: effort: Anthropic's extended thinking is not offered yet",
+        ),
+        (
+            "anthropic",
+            "",
+            "temperature: 0.5\ntop_p: 0.9",
+            "top_p: Anthropic's models take temperature or top_p, not both",
+        ),
+        (
+            "openai",
+            "temperature = 9",
+            "",
+            "providers.p.models.m.temperature must be 0 to 2, got 9",
+        ),
+    ] {
+        let message = load(&toml(kind, defaults), front).unwrap_err().to_string();
+        assert!(message.contains(words), "{front:?}: {message}");
+        assert!(!message.contains('\n'), "not one line: {message}");
+    }
 }

@@ -213,6 +213,7 @@ pub(super) fn call_request(
         max_output_tokens: max_output_limit,
         // Counted with the notice, so the bound holds whether it is sent or not.
         wind_down: Some(WIND_DOWN_NOTICE.to_string()),
+        settings: agent.settings,
         turn,
         meter,
     }

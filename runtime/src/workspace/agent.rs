@@ -9,7 +9,8 @@ use arbor_protocol::agent::{FrontMatter, ScriptCallSpec, ScriptTurnSpec};
 use arbor_protocol::mcp::check_server_name;
 use arbor_protocol::tools::parse_duration_arg;
 use arbor_protocol::{
-    AgentDef, BudgetArg, McpPattern, ModelRef, Offer, ScriptCall, ScriptTurn, ToolName, ToolRef,
+    AgentDef, BudgetArg, McpPattern, ModelRef, Offer, ScriptCall, ScriptTurn, Settings, ToolName,
+    ToolRef,
 };
 use std::path::Path;
 
@@ -77,6 +78,9 @@ fn agent_from_front_matter(
         budget,
         max_turns,
         max_repeats,
+        temperature,
+        top_p,
+        effort,
         timeout,
         script,
         resources: resources_spec,
@@ -129,6 +133,7 @@ fn agent_from_front_matter(
     if max_repeats == Some(0) {
         return Err("max_repeats must be at least 1".into());
     }
+    let settings = Settings::from_figures(temperature, top_p, effort)?;
     let script = script
         .into_iter()
         .enumerate()
@@ -156,6 +161,7 @@ fn agent_from_front_matter(
             .flatten(),
         max_turns,
         max_repeats,
+        settings,
         timeout: parse_duration_arg("timeout", timeout.as_deref())?,
         script: script.into(),
         prompt: prompt.to_string(),
