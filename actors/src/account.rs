@@ -184,7 +184,8 @@ pub enum AccountMsg {
         spent: Amount,
         /// The call's `ModelCalled` event, emitted with the charge so that no
         /// stop can land between them (the tree checks spent = its calls).
-        event: Option<EventKind>,
+        /// Boxed: the largest field of any message the account takes.
+        event: Option<Box<EventKind>>,
         reply: RpcReplyPort<()>,
     },
     /// The child is done: charge what it spent, return the rest (I-10).
@@ -301,7 +302,7 @@ async fn handle_message(
             event,
             reply,
         } => {
-            state.settle_call(reserved, spent, event)?;
+            state.settle_call(reserved, spent, event.map(|e| *e))?;
             let _ = reply.send(());
         }
         AccountMsg::Settle {

@@ -263,6 +263,7 @@ impl Actor for Job {
                 record_seq: start.record_seq,
                 request: start.brief.request.clone(),
                 call: lineage.call.as_deref().map(str::to_string),
+                model: start.agent.model.to_string(),
             },
         );
         Ok(JobState {

@@ -197,6 +197,7 @@ mod tests {
             max_turns: None,
             max_repeats: None,
             settings: Default::default(),
+            models: vec![],
             timeout: None,
             script: Default::default(),
             prompt: String::new(),

@@ -337,6 +337,7 @@ mod tests {
             record_seq: 1,
             request: "x".into(),
             call: None,
+            model: String::new(),
         };
         let [s1, s2, j1, j2] = ids;
         let mut tree = Tree::new(run);

@@ -13,7 +13,12 @@ use std::time::Duration;
 pub struct AgentDef {
     pub name: String,
     pub description: Option<String>,
+    /// The model a job of it runs on unless its delegate call names another.
     pub model: ModelRef,
+    /// The models a job of it may run on (I-55), `model` among them; empty:
+    /// `model` only.
+    #[serde(default)]
+    pub models: Vec<ModelRef>,
     /// The sandbox tools it may use (`exec`, `read_file`, `write_file`).
     pub tools: Vec<ToolName>,
     /// The MCP tools it may use: `mcp: [SERVER]` and the `mcp__` names of
@@ -118,6 +123,8 @@ pub struct FrontMatter {
     pub max_turns: Option<u32>,
     pub timeout: Option<String>,
     pub max_repeats: Option<u32>,
+    #[serde(default)]
+    pub models: Vec<String>,
     pub temperature: Option<f64>,
     pub top_p: Option<f64>,
     pub effort: Option<Effort>,
@@ -132,6 +139,27 @@ pub enum ModelRef {
     Scripted,
     /// `provider/model` from arbor.toml.
     Provider { provider: String, model: String },
+}
+
+impl std::fmt::Display for ModelRef {
+    /// As agent.md names it: `scripted` or `provider/model`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ModelRef::Scripted => f.write_str("scripted"),
+            ModelRef::Provider { provider, model } => write!(f, "{provider}/{model}"),
+        }
+    }
+}
+
+impl AgentDef {
+    /// The models a job of it may run on (I-55): `models`, or its `model`.
+    pub fn allowed_models(&self) -> &[ModelRef] {
+        if self.models.is_empty() {
+            std::slice::from_ref(&self.model)
+        } else {
+            &self.models
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -127,6 +127,9 @@ pub enum EventKind {
         /// under that call.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         call: Option<String>,
+        /// The model it runs on, as `provider/model` (or `scripted`).
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        model: String,
     },
     JobRunning {
         id: JobId,

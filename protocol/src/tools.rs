@@ -273,6 +273,12 @@ pub struct JobArgs {
     pub agent: String,
     /// What it should do, whole: it sees nothing of your conversation.
     pub request: String,
+    /// The model to run it on (`provider/model`), one of those your
+    /// instructions list for its agent; its default otherwise.
+    // Left out when unset, so a delegation's digest (I-32) journaled before
+    // this field existed still matches after an upgrade.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
     /// A short name to collect, steer or stop it by (unique among your children).
     pub label: Option<String>,
     /// The most it may spend, taken from your own budget.

@@ -16,6 +16,9 @@ pub struct TreeNode {
     pub id: String,
     pub kind: NodeKind,
     pub agent: Option<String>,
+    /// The model it runs on, `provider/model` or `scripted` (I-55).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
     pub label: Option<String>,
     pub status: Status,
     pub task_status: Option<TaskStatus>,
@@ -123,6 +126,7 @@ impl Tree {
                 id: run.to_string(),
                 kind: NodeKind::Run,
                 agent: None,
+                model: None,
                 label: None,
                 status: Status::Pending,
                 task_status: None,
@@ -231,6 +235,7 @@ impl Tree {
                 grant_tokens,
                 grant_usd_micros,
                 workdir,
+                model,
                 ..
             } => {
                 let parent_job = match parent {
@@ -249,6 +254,7 @@ impl Tree {
                 node.id = id.to_string();
                 node.kind = *kind;
                 node.agent = Some(agent.clone());
+                node.model = (!model.is_empty()).then(|| model.clone());
                 node.label = label.clone();
                 node.status = Status::Pending;
                 node.started_at_ms = Some(event.at_ms);
@@ -611,6 +617,7 @@ mod tests {
             record_seq: 1,
             request: "x".into(),
             call: None,
+            model: "scripted".into(),
         }
     }
 

@@ -31,11 +31,12 @@ impl ModelFactory for Models {
     }
 
     fn preflight(&self, agent: &AgentDef) -> Result<(), String> {
-        match &agent.model {
-            ModelRef::Scripted => Ok(()),
-            ModelRef::Provider { provider, model } => {
-                self.providers.preflight(&agent.name, provider, model)
+        // Every model a job of it may be put on (I-55), not only its default.
+        for allowed in agent.allowed_models() {
+            if let ModelRef::Provider { provider, model } = allowed {
+                self.providers.preflight(&agent.name, provider, model)?;
             }
         }
+        Ok(())
     }
 }

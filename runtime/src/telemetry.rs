@@ -825,6 +825,7 @@ impl Spans {
             grant_tokens,
             request,
             call,
+            model,
             ..
         } = &event.kind
         else {
@@ -848,6 +849,10 @@ impl Spans {
         ];
         if let Some(label) = label {
             attributes.push(KeyValue::new("arbor.label", label.clone()));
+        }
+        if !model.is_empty() {
+            // The model the job runs on (I-55), as agent.md names it.
+            attributes.push(KeyValue::new("arbor.model", model.clone()));
         }
         if self.capture && !request.is_empty() {
             attributes.push(KeyValue::new(

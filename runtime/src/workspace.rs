@@ -422,36 +422,38 @@ fn own_sandbox_delegates(parent: &str, sub: &AgentDef) -> Option<String> {
 /// Every agent that names `provider/model` names one arbor.toml configures.
 fn check_models(agents: &BTreeMap<String, AgentDef>, config: &Config) -> Result<(), LoadError> {
     for (name, agent) in agents {
-        let ModelRef::Provider { provider, model } = &agent.model else {
-            continue;
-        };
-        let Some(p) = config.providers.get(provider) else {
-            return Err(invalid(
-                &agent_path(name),
-                format!(
-                    "model: `{provider}/{model}`: arbor.toml has no [providers.{provider}] (known: {})",
-                    known(config.providers.keys())
-                ),
-            ));
-        };
-        let Some(entry) = p.models.get(model) else {
-            return Err(invalid(
-                &agent_path(name),
-                format!(
-                    "model: `{provider}/{model}`: arbor.toml has no [providers.{provider}.models.{model}] (known: {})",
-                    known(p.models.keys())
-                ),
-            ));
-        };
-        let settings = agent.settings.over(entry.settings);
-        settings_refused(p.kind, settings).map_err(|why| {
-            invalid(
-                &agent_path(name),
-                format!("{why} (on `{provider}/{model}`)"),
-            )
-        })?;
+        for allowed in agent.allowed_models() {
+            check_model(agent, allowed, config).map_err(|why| invalid(&agent_path(name), why))?;
+        }
     }
     Ok(())
+}
+
+/// One model an agent may run on (I-55): declared in arbor.toml, with
+/// settings its provider takes.
+fn check_model(agent: &AgentDef, model: &ModelRef, config: &Config) -> Result<(), String> {
+    let ModelRef::Provider { provider, model } = model else {
+        return Ok(());
+    };
+    let key = if agent.models.is_empty() {
+        "model"
+    } else {
+        "models"
+    };
+    let Some(p) = config.providers.get(provider) else {
+        return Err(format!(
+            "{key}: `{provider}/{model}`: arbor.toml has no [providers.{provider}] (known: {})",
+            known(config.providers.keys())
+        ));
+    };
+    let Some(entry) = p.models.get(model) else {
+        return Err(format!(
+            "{key}: `{provider}/{model}`: arbor.toml has no [providers.{provider}.models.{model}] (known: {})",
+            known(p.models.keys())
+        ));
+    };
+    let settings = agent.settings.over(entry.settings);
+    settings_refused(p.kind, settings).map_err(|why| format!("{why} (on `{provider}/{model}`)"))
 }
 
 /// Settings a provider of `kind` would refuse, as a line naming the key.
@@ -486,17 +488,20 @@ fn settings_refused(kind: arbor_providers::ProviderKind, settings: Settings) -> 
     Ok(())
 }
 
-/// The provider model `agent` uses when it has no price, as `provider/model`.
+/// A provider model `agent` may run on that has no price, as `provider/model`.
 fn unpriced(agent: &AgentDef, config: &Config) -> Option<String> {
-    let ModelRef::Provider { provider, model } = &agent.model else {
-        return None;
-    };
-    let priced = config
-        .providers
-        .get(provider)
-        .and_then(|p| p.models.get(model))
-        .is_some_and(|m| m.price.is_some());
-    (!priced).then(|| format!("{provider}/{model}"))
+    // Any model a job of it may run on (I-55) must keep a usd ceiling.
+    agent.allowed_models().iter().find_map(|allowed| {
+        let ModelRef::Provider { provider, model } = allowed else {
+            return None;
+        };
+        let priced = config
+            .providers
+            .get(provider)
+            .and_then(|p| p.models.get(model))
+            .is_some_and(|m| m.price.is_some());
+        (!priced).then(|| format!("{provider}/{model}"))
+    })
 }
 
 /// An agent's own `budget.usd` needs a price on its model.

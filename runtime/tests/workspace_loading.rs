@@ -116,6 +116,7 @@ fn a_full_workspace_loads_with_every_field_mapped() {
         max_turns: Some(7),
         max_repeats: None,
         settings: Default::default(),
+        models: vec![],
         timeout: Some(Duration::from_secs(300)),
         script: vec![
             ScriptTurn {
@@ -1251,5 +1252,47 @@ fn settings_are_read_over_the_models_and_a_refused_combination_is_named() {
         let message = load(&toml(kind, defaults), front).unwrap_err().to_string();
         assert!(message.contains(words), "{front:?}: {message}");
         assert!(!message.contains('\n'), "not one line: {message}");
+    }
+}
+
+/// I-55: `models` lists what a job of the agent may run on; its `model`
+/// is among them (the first when not given), and each is declared.
+#[test]
+fn models_hold_the_default_and_each_is_declared() {
+    use arbor_protocol::ModelRef;
+    let toml = "[providers.p]\nkind = \"openai\"\nbase_url = \"http://127.0.0.1:9/v1\"\n\
+                [providers.p.models.a]\nid = \"a\"\ncontext_window = 8192\nmax_output_tokens = 1024\n\
+                [providers.p.models.b]\nid = \"b\"\ncontext_window = 8192\nmax_output_tokens = 1024\n";
+    let load = |front: &str| {
+        let agent = format!("---\n{front}\n---\nYou work.\n");
+        Workspace::from_texts(
+            PathBuf::from("ws"),
+            Some(toml),
+            &[("x", agent.as_str())],
+            &[],
+        )
+    };
+    let model = |m: &str| ModelRef::Provider {
+        provider: "p".into(),
+        model: m.into(),
+    };
+    let ws = load("models: [p/b, p/a]").unwrap();
+    assert_eq!(ws.agents["x"].model, model("b"));
+    assert_eq!(ws.agents["x"].allowed_models(), [model("b"), model("a")]);
+    let ws = load("model: p/a\nmodels: [p/b, p/a]").unwrap();
+    assert_eq!(ws.agents["x"].model, model("a"));
+    for (front, words) in [
+        (
+            "model: p/a\nmodels: [p/b]",
+            "agents/x/agent.md: model: `p/a` is not among its models (p/b)",
+        ),
+        (
+            "models: [p/a, p/zzz]",
+            "agents/x/agent.md: models: `p/zzz`: arbor.toml has no [providers.p.models.zzz]",
+        ),
+        ("models: [nope]", "models: model: `nope` is not known"),
+    ] {
+        let message = load(front).unwrap_err().to_string();
+        assert!(message.contains(words), "{front:?}: {message}");
     }
 }

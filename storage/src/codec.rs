@@ -290,6 +290,7 @@ mod tests {
                 record_seq: 0,
                 request: String::new(),
                 call: Some("call_1".into()),
+                model: "p/m".into(),
             },
         ];
         for (seq, kind) in [0, 7, u64::MAX].into_iter().zip(kinds) {

@@ -444,6 +444,7 @@ impl<'a> Writer<'a> {
                 record_seq: self.written,
                 request: "go".into(),
                 call: None,
+                model: "scripted".into(),
             },
         );
     }

@@ -1061,3 +1061,95 @@ async fn a_stalled_stream_is_an_idle_timeout_and_the_retry_succeeds() {
         node.shutdown().await;
     }
 }
+
+/// I-55: a parent names a model for its child's job among those the
+/// child's agent allows. The job runs on it (its node and its request say
+/// so), its first call is reserved at that model's prices, and a model the
+/// agent does not allow is a tool error that starts nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn inv_55_a_job_runs_on_the_model_its_parent_names_within_what_its_agent_allows() {
+    let mock = MockProvider::start().await;
+    let format = Format::Openai;
+    let config = format!(
+        "[budget]\ntokens = 1000000\nusd = 5.0\n\
+         [providers.mock]\nkind = \"openai\"\nbase_url = \"{}\"\nstream = false\n\
+         [providers.mock.models.small]\nid = \"mock-small\"\ncontext_window = 8192\nmax_output_tokens = 1024\nusd_per_mtok_input = 1.0\nusd_per_mtok_output = 1.0\n\
+         [providers.mock.models.large]\nid = \"mock-large\"\ncontext_window = 8192\nmax_output_tokens = 1024\nusd_per_mtok_input = 10.0\nusd_per_mtok_output = 10.0\n",
+        mock.base_url(format)
+    );
+    let researcher = format!(
+        "---\ndescription: finds facts\nmodel: mock/small\nmodels: [mock/small, mock/large]\n---\n{RESEARCHER}\n"
+    );
+    let delegate = |model: &str| {
+        format!(
+            "  - call: {{tool: delegate, args: {{jobs: [{{agent: researcher, request: Find it., label: {}, model: {model}}}]}}}}\n",
+            model.replace('/', "-")
+        )
+    };
+    let planner = format!(
+        "---\nsubagents: [researcher]\nscript:\n{}{}{}  - call: {{tool: submit_output, args: {{output: done}}}}\n---\nPlan.\n",
+        delegate("mock/small"),
+        delegate("mock/large"),
+        delegate("mock/huge"),
+    );
+    mock.push_for(format, RESEARCHER, openai::text("A fact.", 30, 5));
+    mock.push_for(format, RESEARCHER, openai::text("A fact.", 30, 5));
+    let node = TestNode::start_with_config(
+        &config,
+        &[("planner", &planner), ("researcher", &researcher)],
+    )
+    .await;
+    let run = node.run_agent("planner", "Go.").await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Done);
+
+    // Each ran on the model named, and said so.
+    let sent: Vec<String> = mock
+        .received_for(RESEARCHER)
+        .iter()
+        .map(|r| serde_json::from_slice::<serde_json::Value>(&r.raw).unwrap()["model"].to_string())
+        .collect();
+    assert_eq!(sent, ["\"mock-small\"", "\"mock-large\""]);
+    let small = tree.find("mock-small").unwrap();
+    let large = tree.find("mock-large").unwrap();
+    assert_eq!(
+        tree.node(small).unwrap().model.as_deref(),
+        Some("mock/small")
+    );
+    assert_eq!(
+        tree.node(large).unwrap().model.as_deref(),
+        Some("mock/large")
+    );
+
+    // The same request's worst case, reserved at ten times the price.
+    let usd_reserved = |job| {
+        node.ledger(arbor_protocol::ParentRef::Job(job))
+            .iter()
+            .find_map(|e| match e.op {
+                arbor_storage::LedgerOp::BilledCallReserve { amount }
+                    if e.unit == arbor_storage::Unit::UsdMicros =>
+                {
+                    Some(amount)
+                }
+                _ => None,
+            })
+            .expect("a priced call is reserved in micro-dollars")
+    };
+    assert!(usd_reserved(small) > 0);
+    assert_eq!(usd_reserved(large), 10 * usd_reserved(small));
+
+    // A model the agent does not allow: a tool error, nothing started.
+    assert!(tree.find("mock-huge").is_none());
+    let refused = node
+        .tool_calls(run)
+        .into_iter()
+        .filter(|c| c.tool == "delegate" && !c.ok)
+        .map(|c| c.detail)
+        .collect::<Vec<_>>();
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert!(
+        refused[0].contains("model \"mock/huge\" is not one agent \"researcher\" may run on; name one of: mock/small, mock/large"),
+        "{refused:?}"
+    );
+    node.shutdown().await;
+}

@@ -38,7 +38,7 @@ pub async fn settle_cut(account: &ActorRef<AccountMsg>, id: JobId, call: InFligh
     let _ = ractor::call!(account, |reply| AccountMsg::SettleCall {
         reserved: call.reserved,
         spent: call.cost(usage),
-        event: Some(event),
+        event: Some(Box::new(event)),
         reply
     });
 }
@@ -499,7 +499,7 @@ pub(super) async fn settle_with(
     let _ = ractor::call!(args.account, |reply| AccountMsg::SettleCall {
         reserved,
         spent,
-        event,
+        event: event.map(Box::new),
         reply
     });
 }

@@ -7,8 +7,8 @@
 //! Invariants:
 //! 1. I-54: the roster names exactly the sub-agents `delegate` accepts (the
 //!    agent's `subagents`, when delegation is offered), each with its
-//!    description and whether it works in a sandbox of its own; nothing
-//!    else of a sub-agent is shown. `delegate`'s `agent` is an enum of the
+//!    description, whether it works in a sandbox of its own and the models
+//!    a job of it may be put on (I-55); nothing else of a sub-agent is shown. `delegate`'s `agent` is an enum of the
 //!    same names.
 //! 2. The same agent, offer and MCP tools give the same prompt, byte for
 //!    byte: a parent planning its child's first call (`first_call`) plans
@@ -36,6 +36,9 @@ pub struct RosterEntry {
     pub name: String,
     pub description: String,
     pub own_sandbox: bool,
+    /// The models a job of it may be put on, its default first, when it
+    /// allows more than one (I-55).
+    pub models: Vec<String>,
 }
 
 impl Prompt {
@@ -83,8 +86,22 @@ pub fn roster(agent: &AgentDef, agents: &BTreeMap<String, Arc<AgentDef>>) -> Vec
                 // (workspace invariant 2); a hand-built spec may not.
                 description: sub.and_then(|s| s.description.clone()).unwrap_or_default(),
                 own_sandbox: sub.is_some_and(|s| s.sandbox == SandboxMode::Own),
+                models: sub.map(|s| choosable_models(s)).unwrap_or_default(),
             }
         })
+        .collect()
+}
+
+/// The models a parent may name for a job of `sub`, its default first;
+/// none when it runs on one model only.
+fn choosable_models(sub: &AgentDef) -> Vec<String> {
+    let allowed = sub.allowed_models();
+    if allowed.len() < 2 {
+        return vec![];
+    }
+    std::iter::once(&sub.model)
+        .chain(allowed.iter().filter(|m| **m != sub.model))
+        .map(ToString::to_string)
         .collect()
 }
 
@@ -103,6 +120,14 @@ fn system_prompt(own: &str, roster: &[RosterEntry]) -> String {
         if entry.own_sandbox {
             text.push_str(
                 " (Works in a sandbox of its own: it does not see your files, nor you its.)",
+            );
+        }
+        if let Some((default, others)) = entry.models.split_first() {
+            let others: Vec<String> = others.iter().map(|m| format!("`{m}`")).collect();
+            let _ = write!(
+                text,
+                " (Runs on `{default}` unless a job names another `model`: {}.)",
+                others.join(", ")
             );
         }
     }
@@ -135,6 +160,7 @@ mod tests {
             name: name.into(),
             description: format!("does {name} things"),
             own_sandbox,
+            models: vec![],
         }
     }
 
@@ -148,6 +174,13 @@ mod tests {
             "{text}"
         );
         assert_eq!(system_prompt("You plan.\n", &[]), "You plan.\n");
+        let mut choosy = entry("c", false);
+        choosy.models = vec!["p/small".into(), "p/large".into()];
+        let text = system_prompt("You plan.", &[choosy]);
+        assert!(
+            text.contains("- `c`: does c things (Runs on `p/small` unless a job names another `model`: `p/large`.)"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -171,6 +171,7 @@ impl JobState {
         let Some(agent) = self.ctx.agent(&job.agent) else {
             return Err(bad(format!("no agent {:?} on this node", job.agent)));
         };
+        let agent = on_model(agent, job.model.as_deref()).map_err(bad)?;
         if job.request.trim().is_empty() {
             return Err(bad("request is empty".into()));
         }
@@ -552,6 +553,34 @@ pub fn delegation_digest(args: &DelegateArgs) -> String {
         .flat_map(|b| [HEX[usize::from(b >> 4)], HEX[usize::from(b & 15)]])
         .map(char::from)
         .collect()
+}
+
+/// `agent` as a job of it runs on `model` (I-55): one of the models it
+/// allows, named as `provider/model`; its default when none is named.
+fn on_model(
+    agent: std::sync::Arc<arbor_protocol::AgentDef>,
+    model: Option<&str>,
+) -> Result<std::sync::Arc<arbor_protocol::AgentDef>, String> {
+    let Some(name) = model.map(str::trim) else {
+        return Ok(agent);
+    };
+    let allowed = agent.allowed_models();
+    match allowed.iter().find(|m| m.to_string() == name) {
+        Some(m) if *m == agent.model => Ok(agent),
+        Some(m) => Ok(std::sync::Arc::new(arbor_protocol::AgentDef {
+            model: m.clone(),
+            ..(*agent).clone()
+        })),
+        None => Err(format!(
+            "model {name:?} is not one agent {:?} may run on; name one of: {}",
+            agent.name,
+            allowed
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        )),
+    }
 }
 
 #[cfg(test)]

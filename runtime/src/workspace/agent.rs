@@ -78,6 +78,7 @@ fn agent_from_front_matter(
         budget,
         max_turns,
         max_repeats,
+        models,
         temperature,
         top_p,
         effort,
@@ -134,6 +135,7 @@ fn agent_from_front_matter(
         return Err("max_repeats must be at least 1".into());
     }
     let settings = Settings::from_figures(temperature, top_p, effort)?;
+    let (model, models) = allowed_models(model.as_deref(), &models)?;
     let script = script
         .into_iter()
         .enumerate()
@@ -143,7 +145,8 @@ fn agent_from_front_matter(
     Ok(AgentDef {
         name: folder_name.to_string(),
         description,
-        model: model_ref(model.as_deref())?,
+        model,
+        models,
         tools,
         mcp,
         limits,
@@ -174,6 +177,32 @@ fn agent_from_front_matter(
 }
 
 /// `scripted`, or `provider/model` (checked against arbor.toml by `check_models`).
+/// Its default model and the models it allows (I-55): with `models`, its
+/// `model` must be among them, and is the first of them when not given.
+fn allowed_models(
+    model: Option<&str>,
+    models: &[String],
+) -> Result<(ModelRef, Vec<ModelRef>), String> {
+    let allowed = models
+        .iter()
+        .map(|m| model_ref(Some(m)).map_err(|e| format!("models: {e}")))
+        .collect::<Result<Vec<_>, _>>()?;
+    if allowed.is_empty() {
+        return Ok((model_ref(model)?, allowed));
+    }
+    let default = match model {
+        None => allowed[0].clone(),
+        Some(m) => model_ref(Some(m))?,
+    };
+    if !allowed.contains(&default) {
+        return Err(format!(
+            "model: `{default}` is not among its models ({})",
+            models.join(", ")
+        ));
+    }
+    Ok((default, allowed))
+}
+
 fn model_ref(model: Option<&str>) -> Result<ModelRef, String> {
     match model.map(str::trim) {
         None | Some("scripted") => Ok(ModelRef::Scripted),
