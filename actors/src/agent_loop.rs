@@ -29,7 +29,7 @@ mod types;
 pub use grading::grade;
 pub(crate) use model_call::first_call;
 pub use model_call::first_request;
-pub use model_call::{SUMMARY_PROMPT, settle_cut, take_in_flight};
+pub use model_call::{PRESSURE_NOTICE, SUMMARY_PROMPT, settle_cut, take_in_flight};
 pub use types::{
     ChildHandle, InFlight, InFlightSlot, LoopArgs, LoopEnd, LoopMsg, LoopOutcome, WIND_DOWN_NOTICE,
     panic_message,
@@ -38,7 +38,7 @@ pub use types::{
 use crate::mcp::McpToolbox;
 use crate::model::{Message, ModelReply, ToolCall};
 use arbor_protocol::{ErrorClass, EventKind, TaskStatus};
-use model_call::{CallEnd, call_model, fit_context};
+use model_call::{CallEnd, call_model, fit_context, tell_pressure};
 pub use prompt::{Prompt, ROSTER_HEADING, RosterEntry, roster};
 pub use repeats::REPEAT_NOTICE;
 use repeats::{Repeats, Verdict};
@@ -84,6 +84,7 @@ async fn run_turns(args: LoopArgs) -> LoopOutcome {
         .max_repeats
         .unwrap_or(args.ctx.limits.max_repeats);
     let mut repeats = Repeats::new(max_repeats);
+    let mut pressure_told = false;
     let mut history = vec![Message::User(args.request.clone())];
     let mut turn: u32 = 0;
     let mut last_text: Option<String> = None;
@@ -100,7 +101,7 @@ async fn run_turns(args: LoopArgs) -> LoopOutcome {
         if let Err(outcome) = take_steering(&args, &mut history, turn).await {
             return outcome;
         }
-        let reply = match next_reply(&args, &mut history, &prompt, turn).await {
+        let reply = match next_reply(&args, &mut history, &prompt, turn, &mut pressure_told).await {
             Ok(reply) => reply,
             Err(CallEnd::Budget(refusal)) => {
                 let why = refusal.to_string();
@@ -189,7 +190,9 @@ async fn next_reply(
     history: &mut Vec<Message>,
     prompt: &Prompt,
     turn: u32,
+    pressure_told: &mut bool,
 ) -> Result<ModelReply, CallEnd> {
+    tell_pressure(args, history, prompt, turn, pressure_told);
     let mut harder = false;
     loop {
         // Boxed, as the settlements in `call_model` are: a job waiting on its

@@ -6,7 +6,9 @@
 //!    stays, so the model knows what it did.
 //! 2. If that is not enough, the oldest turns (everything after the job's
 //!    request, up to its last `KEEP_TURNS` turns) are replaced by a summary
-//!    the model writes in a metered call of its own.
+//!    the model writes in a metered call of its own, under fixed headings
+//!    (`SUMMARY_HEADINGS`). A later compaction hands the model the earlier
+//!    summary as one to update, never as text to summarize again.
 //! 3. If it still does not fit, the job ends with `context_too_long`.
 //!
 //! Pure, but for the summary call, which the agent loop makes.
@@ -21,6 +23,19 @@ use std::ops::Range;
 
 /// Turns kept word for word when older ones are summarized.
 pub const KEEP_TURNS: usize = 2;
+
+/// The sections of every summary, in order.
+pub const SUMMARY_HEADINGS: [&str; 5] = [
+    "Goal",
+    "Constraints",
+    "Progress",
+    "Open questions",
+    "Critical context",
+];
+
+/// What a summary message in the history begins with.
+const SUMMARY_HEADER: &str =
+    "Summary of the earlier part of this conversation (made to fit the context window):\n";
 
 /// Elides tool results, oldest first, until `fits` holds of the history (or
 /// none is left). Returns how many were elided.
@@ -69,7 +84,11 @@ pub fn transcript(messages: &[Message]) -> String {
     let mut out = String::new();
     for message in messages {
         match message {
-            Message::User(text) => out.push_str(&format!("USER: {text}\n")),
+            Message::User(text) => match text.strip_prefix(SUMMARY_HEADER) {
+                // An earlier compaction's summary: to be updated, not retold.
+                Some(summary) => out.push_str(&format!("PREVIOUS SUMMARY:\n{summary}\n")),
+                None => out.push_str(&format!("USER: {text}\n")),
+            },
             Message::Assistant { text, calls } => {
                 if let Some(text) = text {
                     out.push_str(&format!("ASSISTANT: {text}\n"));
@@ -93,14 +112,48 @@ pub fn transcript(messages: &[Message]) -> String {
     out
 }
 
-/// Replaces `span` of the history by one message carrying the summary.
+/// Replaces `span` of the history by one message carrying the summary,
+/// with every section of `SUMMARY_HEADINGS`.
 pub fn apply_summary(history: &mut Vec<Message>, span: Range<usize>, summary: &str) {
     history.splice(
         span,
         [Message::User(format!(
-            "Summary of the earlier part of this conversation (made to fit the context window):\n{summary}"
+            "{SUMMARY_HEADER}{}",
+            sectioned(summary)
         ))],
     );
+}
+
+/// The summary laid out under `SUMMARY_HEADINGS`, in order: each
+/// section in the model's words, `(not said)` where it wrote none (the next
+/// compaction has a place to fill it), and words under no heading kept as
+/// critical context.
+fn sectioned(summary: &str) -> String {
+    let mut sections: [Vec<&str>; SUMMARY_HEADINGS.len()] = Default::default();
+    let last = SUMMARY_HEADINGS.len() - 1;
+    let mut current = None;
+    for line in summary.lines() {
+        let heading = line.trim().strip_prefix("## ").and_then(|h| {
+            SUMMARY_HEADINGS
+                .iter()
+                .position(|known| known.eq_ignore_ascii_case(h.trim()))
+        });
+        match heading {
+            Some(at) => current = Some(at),
+            None => sections[current.unwrap_or(last)].push(line),
+        }
+    }
+    SUMMARY_HEADINGS
+        .iter()
+        .zip(sections)
+        .map(|(heading, lines)| {
+            let text = lines.join("\n");
+            let text = text.trim();
+            let text = if text.is_empty() { "(not said)" } else { text };
+            format!("## {heading}\n{text}")
+        })
+        .collect::<Vec<_>>()
+        .join("\n\n")
 }
 
 #[cfg(test)]
@@ -180,8 +233,49 @@ mod tests {
         let mut h = history.clone();
         apply_summary(&mut h, 1..4, "did a");
         assert_eq!(h.len(), 6);
-        assert!(matches!(&h[1], Message::User(t) if t.ends_with("did a")));
+        assert!(
+            matches!(&h[1], Message::User(t) if t.contains("## Goal\n(not said)") && t.ends_with("## Critical context\ndid a"))
+        );
         assert_eq!(h[2], call("b"), "a call still precedes its result");
         assert!(transcript(&history[1..4]).contains("ASSISTANT CALLED exec"));
+    }
+
+    /// A summary has every section, in the model's words where it gave
+    /// them; the next compaction hands it back as one to update.
+    #[test]
+    fn a_summary_has_its_sections_and_is_updated_not_summarized_again() {
+        let written = "## Goal\nfour files\n## Progress\nwrote a";
+        let mut history = vec![
+            Message::User("go".into()),
+            call("a"),
+            result("a", 10),
+            call("b"),
+            result("b", 10),
+        ];
+        apply_summary(&mut history, 1..3, written);
+        let Message::User(summary) = &history[1] else {
+            panic!("{history:?}")
+        };
+        let mut at = 0;
+        for heading in SUMMARY_HEADINGS {
+            let found = summary[at..]
+                .find(&format!("## {heading}"))
+                .unwrap_or_else(|| panic!("{heading} missing or out of order in {summary}"));
+            at += found;
+        }
+        assert!(
+            summary.contains("## Goal\nfour files"),
+            "the model's words kept"
+        );
+        assert_eq!(summary.matches("## Goal").count(), 1);
+        let next = transcript(&history[1..]);
+        assert!(
+            next.starts_with("PREVIOUS SUMMARY:\n## Goal\nfour files"),
+            "{next}"
+        );
+        assert!(
+            !next.contains("USER: Summary of the earlier part"),
+            "{next}"
+        );
     }
 }

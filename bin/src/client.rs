@@ -978,6 +978,7 @@ fn event_line(event: &Event) -> String {
         | EventKind::WindDown { .. }
         | EventKind::ModelCalled { .. }
         | EventKind::ContextCompacted { .. }
+        | EventKind::ContextPressure { .. }
         | EventKind::BudgetOverrun { .. }
         | EventKind::ToolStarted { .. }
         | EventKind::McpServer { .. }

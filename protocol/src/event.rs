@@ -189,6 +189,15 @@ pub enum EventKind {
         estimate_before: u64,
         estimate_after: u64,
     },
+    /// A request reached `[limits] context_warn` of its model's window: the
+    /// model was told, once a job.
+    ContextPressure {
+        id: JobId,
+        turn: u32,
+        /// The prompt's estimate in tokens, and the model's window.
+        estimate: u64,
+        window: u64,
+    },
     /// The provider reported more than the call had reserved; it was charged
     /// what it reported (I-11 is then breached by `reported - reserved`).
     BudgetOverrun {
@@ -306,6 +315,7 @@ impl EventKind {
             | ModelCalled { id, .. }
             | BudgetOverrun { id, .. }
             | ContextCompacted { id, .. }
+            | ContextPressure { id, .. }
             | ToolStarted { id, .. }
             | ToolCalled { id, .. }
             | McpServer { id, .. }

@@ -30,6 +30,9 @@ pub struct Limits {
     /// gets a notice in its result; twice as many ends the job with class
     /// `no_progress`. An agent's `max_repeats` overrides it.
     pub max_repeats: u32,
+    /// The share of a model's context window at which a job's model is
+    /// told, once, that its context is filling (`context_pressure`).
+    pub context_warn: f64,
 }
 
 impl Default for Limits {
@@ -45,6 +48,7 @@ impl Default for Limits {
             tools: Default::default(),
             max_recoveries: 3,
             max_repeats: 3,
+            context_warn: 0.75,
         }
     }
 }
@@ -80,6 +84,12 @@ impl Limits {
                 "limits.max_recoveries must be at least 1 (0 would park every interrupted run)"
                     .into(),
             );
+        }
+        if !fraction_ok(self.context_warn) {
+            return Err(format!(
+                "limits.context_warn must be in (0, 1], got {}",
+                self.context_warn
+            ));
         }
         if self.max_repeats == 0 {
             return Err("limits.max_repeats must be at least 1".into());

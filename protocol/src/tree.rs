@@ -404,6 +404,7 @@ impl Tree {
             EventKind::Recovered { .. }
             | EventKind::WindDown { .. }
             | EventKind::ContextCompacted { .. }
+            | EventKind::ContextPressure { .. }
             | EventKind::BudgetOverrun { .. }
             | EventKind::ToolStarted { .. }
             | EventKind::Refused { .. }

@@ -705,6 +705,7 @@ impl Spans {
             | EventKind::AccountChanged { .. }
             | EventKind::WindDown { .. }
             | EventKind::ContextCompacted { .. }
+            | EventKind::ContextPressure { .. }
             | EventKind::BudgetOverrun { .. }
             | EventKind::ToolStarted { .. }
             | EventKind::McpServer { .. }

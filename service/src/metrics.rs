@@ -292,6 +292,7 @@ impl Metrics {
             | EventKind::WindDown { .. }
             | EventKind::ModelCalled { .. }
             | EventKind::ContextCompacted { .. }
+            | EventKind::ContextPressure { .. }
             | EventKind::BudgetOverrun { .. }
             | EventKind::ToolStarted { .. }
             | EventKind::McpServer { .. }

@@ -507,7 +507,7 @@ $("stop-run").addEventListener("click", async () => {
 const EVENT_KINDS = {
   run_started: "name", run_resumed: "name", recovered: "name", run_finished: "line",
   job_spawned: "line", job_running: "name", job_finished: "line", account_changed: "line",
-  wind_down: "name", model_called: "turn", context_compacted: "turn", budget_overrun: "name",
+  wind_down: "name", model_called: "turn", context_compacted: "turn", context_pressure: "turn", budget_overrun: "name",
   tool_started: "name", tool_called: "turn", mcp_server: "name", refused: "turn",
   steer_queued: "name", steer_delivered: "turn", steer_discarded: "name",
   approval_requested: "turn", approval_expiring: "name", approval_decided: "turn",
@@ -695,7 +695,7 @@ function noteTurn(job, event) {
   // A model call, a compaction and a steering delivery name the turns done
   // before them; a tool call names the turn it is in (the call's answer
   // began it). Events without a turn go with the latest.
-  const before = ["model_called", "context_compacted", "steer_delivered", "budget_overrun"];
+  const before = ["model_called", "context_compacted", "context_pressure", "steer_delivered", "budget_overrun"];
   const turn = k.turn === undefined ? job.last : before.includes(k.type) ? k.turn + 1 : k.turn;
   job.last = Math.max(job.last, turn);
   if (!job.turns.has(turn)) job.turns.set(turn, []);
@@ -707,6 +707,7 @@ function noteTurn(job, event) {
   else if (k.type === "approval_requested") lines.push(`${k.tool} waits for a person`);
   else if (k.type === "approval_decided") lines.push(`card ${k.state} by ${k.by}${k.reason ? `: ${k.reason}` : ""}`);
   else if (k.type === "context_compacted") lines.push(`history compacted: ${k.estimate_before} → ${k.estimate_after} tokens`);
+  else if (k.type === "context_pressure") lines.push(`context filling: ${k.estimate} of ${k.window} tokens`);
 }
 
 function drawTurns(job) {

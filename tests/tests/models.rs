@@ -901,6 +901,42 @@ async fn when_eliding_is_not_enough_old_turns_become_a_summary_made_by_a_metered
         "{last}"
     );
     assert!(last.contains("Write four files."), "the request is kept");
+    // The summary has its fixed sections; the model's words, under no
+    // heading, are kept as critical context.
+    for heading in arbor_actors::compaction::SUMMARY_HEADINGS {
+        assert!(last.contains(&format!("## {heading}")), "{heading}: {last}");
+    }
+    assert!(
+        last.contains("## Critical context\\nWrote the first files."),
+        "{last}"
+    );
+    // A later summary updates the earlier one instead of retelling it.
+    assert!(
+        summaries.len() >= 2,
+        "a second compaction: {}",
+        summaries.len()
+    );
+    for later in &summaries[1..] {
+        let text = later.body.to_string();
+        assert!(text.contains("PREVIOUS SUMMARY:"), "{text}");
+    }
+    // The window filled past `context_warn` (0.75): the model was told once.
+    let pressure: Vec<_> = node
+        .events(run)
+        .into_iter()
+        .filter(|e| matches!(e.kind, EventKind::ContextPressure { .. }))
+        .collect();
+    assert_eq!(pressure.len(), 1, "{pressure:?}");
+    let told = mock
+        .received_for(WRITER)
+        .iter()
+        .filter(|r| {
+            r.body
+                .to_string()
+                .contains("[arbor] Your context window is")
+        })
+        .count();
+    assert!(told >= 1, "the notice reached the model");
     // The summary calls are metered like any other: spent is every call's usage.
     let calls = model_calls(&node.events(run));
     assert_eq!(calls.len(), 5 + summaries.len());

@@ -93,10 +93,53 @@ pub(super) enum CallEnd {
 }
 
 /// The system prompt of the call that summarizes old turns (compaction step 2).
-pub const SUMMARY_PROMPT: &str = "Summarize this conversation of an agent at work for the agent itself, so it can go on without it: what it was asked, what it did and found (names, numbers, paths, results), what failed, and what is left to do. Be brief and exact.";
+pub const SUMMARY_PROMPT: &str = "Summarize this conversation of an agent at work for the agent itself, so it can go on without it. Write exactly these sections, each under its heading: `## Goal` (what it was asked), `## Constraints` (limits and rules it works under), `## Progress` (what it did and found: names, numbers, paths, results; what failed), `## Open questions` (what is left to do or decide), `## Critical context` (anything it cannot go on without). If the transcript begins with a PREVIOUS SUMMARY, update that summary section by section: keep what still holds, add what is new, drop what is settled; do not summarize the summary. Be brief and exact.";
 
 /// The output room a prompt must leave in the context window.
 const MIN_OUTPUT_ROOM: u64 = 1024;
+
+/// What a model is told, once a job, when its context fills.
+pub const PRESSURE_NOTICE: &str = "[arbor] Your context window is {share}% full. Finish what matters most, keep what you still read short, and submit_output before it runs out; older turns will be summarized to make room.";
+
+/// Context pressure: once a job's prompt reaches `[limits] context_warn`
+/// of its model's window, the model is told (a message in its history, so
+/// it keeps knowing) and `context_pressure` is journaled. `told` keeps it
+/// to once a job.
+pub(super) fn tell_pressure(
+    args: &LoopArgs,
+    history: &mut Vec<Message>,
+    prompt: &Prompt,
+    turn: u32,
+    told: &mut bool,
+) {
+    let info = args.model.info();
+    let Some(window) = info.context_window.filter(|w| *w > 0) else {
+        return;
+    };
+    if *told {
+        return;
+    }
+    let request = call_request(&args.agent, prompt, history, 0, turn, CallMeter::default());
+    let estimate = args.model.estimate_prompt(&request);
+    if (estimate as f64) < args.ctx.limits.context_warn * window as f64 {
+        return;
+    }
+    *told = true;
+    let share = (estimate.saturating_mul(100) / window).min(100);
+    history.push(Message::User(
+        PRESSURE_NOTICE.replace("{share}", &share.to_string()),
+    ));
+    args.held.emit(
+        &args.ctx,
+        args.run,
+        EventKind::ContextPressure {
+            id: args.id,
+            turn,
+            estimate,
+            window,
+        },
+    );
+}
 
 /// Compaction (see `compaction`): the history made to fit the model's
 /// context window before a call, or the job ends with `context_too_long`.
