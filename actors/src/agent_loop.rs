@@ -31,8 +31,8 @@ pub(crate) use model_call::first_call;
 pub use model_call::first_request;
 pub use model_call::{PRESSURE_NOTICE, SUMMARY_PROMPT, settle_cut, take_in_flight};
 pub use types::{
-    ChildHandle, InFlight, InFlightSlot, LoopArgs, LoopEnd, LoopMsg, LoopOutcome, WIND_DOWN_NOTICE,
-    panic_message,
+    ChildHandle, InFlight, InFlightSlot, LoopArgs, LoopEnd, LoopMsg, LoopOutcome, Made,
+    WIND_DOWN_NOTICE, panic_message,
 };
 
 use crate::mcp::McpToolbox;
@@ -83,7 +83,7 @@ async fn run_turns(args: LoopArgs) -> LoopOutcome {
         .agent
         .max_repeats
         .unwrap_or(args.ctx.limits.max_repeats);
-    let mut repeats = Repeats::new(max_repeats);
+    let mut repeats = Repeats::new(max_repeats, args.tool_counts.streak.clone());
     let mut pressure_told = false;
     let mut history = vec![Message::User(args.request.clone())];
     let mut turn: u32 = 0;
@@ -278,6 +278,7 @@ async fn answer_call(
             detail,
             latency_ms: began.elapsed().as_millis() as u64,
             repeat: repeats.count(),
+            digest: repeats.last_digest().to_string(),
         },
     );
     if let Step::Submit(submitted) = step {

@@ -107,7 +107,7 @@ pub struct JobStart {
     pub record_seq: u64,
     /// Calls already counted against its limits (I-45): those of the
     /// attempt a restart interrupted, when this one takes over from it.
-    pub tool_counts: BTreeMap<String, u64>,
+    pub tool_counts: crate::agent_loop::Made,
     /// Its first model call, reserved by its parent in its admission's commit.
     pub first_call: Option<crate::account::FirstCall>,
     /// Its model, made by its parent to plan that call: one model a job (a
@@ -543,7 +543,7 @@ pub struct JobState {
     /// Shared with its loop, which it starts once.
     offered: Arc<BTreeMap<ToolName, Result<(), String>>>,
     /// Handed to its loop when it starts.
-    tool_counts: BTreeMap<String, u64>,
+    tool_counts: crate::agent_loop::Made,
     grant: Grant,
     workdir: PathBuf,
     parent: Parent,

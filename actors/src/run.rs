@@ -45,7 +45,7 @@ pub struct Carried {
     /// Attempts already made, by step label.
     pub attempts: std::collections::HashMap<String, u32>,
     /// Calls counted by limits, by step label.
-    pub tool_counts: std::collections::HashMap<String, BTreeMap<String, u64>>,
+    pub tool_counts: std::collections::HashMap<String, crate::agent_loop::Made>,
     /// The recording a replay replays, when the caller has it (a fixture);
     /// else it is read from the journal, under the replayed run.
     pub tape: Option<Arc<arbor_protocol::tape::Tape>>,
@@ -68,7 +68,7 @@ pub struct Resume {
     pub spawned: u64,
     /// By step label: the calls its interrupted attempts made that limits
     /// count (I-45), so the attempt that takes over starts from them.
-    pub tool_counts: std::collections::HashMap<String, BTreeMap<String, u64>>,
+    pub tool_counts: std::collections::HashMap<String, crate::agent_loop::Made>,
 }
 
 /// A step's report arrives as `RunMsg::ChildEnded` (`parent::Parent`).
@@ -367,7 +367,7 @@ pub struct RunState {
     attempts: std::collections::HashMap<String, u32>,
     /// Counted calls by label, from before a restart; taken by the step's
     /// next attempt.
-    tool_counts: std::collections::HashMap<String, BTreeMap<String, u64>>,
+    tool_counts: std::collections::HashMap<String, crate::agent_loop::Made>,
     account: ActorRef<AccountMsg>,
     meter: SpentMeter,
     group: usize,

@@ -232,6 +232,10 @@ pub enum EventKind {
         /// made, this one included (`max_repeats`).
         #[serde(default = "one", skip_serializing_if = "is_one")]
         repeat: u32,
+        /// The call's digest (tool and arguments), so that a restart goes on
+        /// counting its repeats.
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        digest: String,
     },
     /// One of a job's MCP servers changed state.
     McpServer {

@@ -28,6 +28,7 @@
 //! it is open in its parent's ledger, so running recovery again changes nothing.
 
 use arbor_actors::EventBus;
+use arbor_actors::agent_loop::Made;
 use arbor_actors::run::Resume;
 use arbor_protocol::{
     Amount, Card, CardState, Decision, ErrorClass, EventKind, JobId, NodeKind, ParentRef,
@@ -565,16 +566,26 @@ fn resumes(history: &[arbor_protocol::Event]) -> u32 {
 }
 
 /// Each job's counted calls (I-45), from the `ToolStarted` events that made
-/// each durable before it ran.
-pub fn tool_counts(history: &[arbor_protocol::Event]) -> HashMap<JobId, BTreeMap<String, u64>> {
-    let mut counts: HashMap<JobId, BTreeMap<String, u64>> = HashMap::new();
+/// each durable before it ran, and the run of identical calls it was on,
+/// from its last `ToolCalled`.
+pub fn tool_counts(history: &[arbor_protocol::Event]) -> HashMap<JobId, Made> {
+    let mut counts: HashMap<JobId, Made> = HashMap::new();
     for event in history {
-        if let EventKind::ToolStarted { id, tool, .. } = &event.kind {
-            *counts
-                .entry(*id)
-                .or_default()
-                .entry(tool.clone())
-                .or_default() += 1;
+        match &event.kind {
+            EventKind::ToolStarted { id, tool, .. } => {
+                *counts
+                    .entry(*id)
+                    .or_default()
+                    .calls
+                    .entry(tool.clone())
+                    .or_default() += 1;
+            }
+            EventKind::ToolCalled {
+                id, repeat, digest, ..
+            } if !digest.is_empty() => {
+                counts.entry(*id).or_default().streak = Some((digest.clone(), *repeat));
+            }
+            _ => {}
         }
     }
     counts
@@ -776,7 +787,7 @@ pub fn plan_resume(
     spec: RunSpec,
     jobs: &[JobRecord],
     spent: Amount,
-    counts: &HashMap<JobId, BTreeMap<String, u64>>,
+    counts: &HashMap<JobId, Made>,
 ) -> RunOutcome {
     let latest = |label: &str| {
         jobs.iter()
@@ -799,9 +810,10 @@ pub fn plan_resume(
             m
         });
     // I-45: a step's next attempt starts from the calls its interrupted
-    // attempts made, back to the last attempt that ended otherwise; a
-    // restart never resets a limit.
-    let mut tool_counts: HashMap<String, BTreeMap<String, u64>> = HashMap::new();
+    // attempts made, back to the last attempt that ended otherwise, and on
+    // the streak of identical calls the latest was on: a restart never
+    // resets a limit or `max_repeats`.
+    let mut tool_counts: HashMap<String, Made> = HashMap::new();
     let mut steps: Vec<&JobRecord> = jobs.iter().filter(|j| j.kind == NodeKind::Step).collect();
     steps.sort_by_key(|j| std::cmp::Reverse(j.attempt));
     let mut closed: std::collections::HashSet<&str> = Default::default();
@@ -817,8 +829,16 @@ pub fn plan_resume(
             continue;
         }
         let made = tool_counts.entry(label.to_string()).or_default();
-        for (tool, n) in counts.get(&step.id).into_iter().flatten() {
-            *made.entry(tool.clone()).or_default() += n;
+        let Some(theirs) = counts.get(&step.id) else {
+            continue;
+        };
+        for (tool, n) in &theirs.calls {
+            *made.calls.entry(tool.clone()).or_default() += n;
+        }
+        // The latest interrupted attempt (visited first) was on the streak
+        // the next attempt goes on.
+        if made.streak.is_none() {
+            made.streak = theirs.streak.clone();
         }
     }
     let labels = spec.step_labels();

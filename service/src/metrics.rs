@@ -445,6 +445,7 @@ mod tests {
             detail: detail.into(),
             latency_ms,
             repeat: 1,
+            digest: String::new(),
         })
     }
 

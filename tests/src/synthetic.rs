@@ -409,6 +409,7 @@ impl<'a> Writer<'a> {
                 detail: format!("{tool}: ok"),
                 latency_ms: 0,
                 repeat: 1,
+                digest: String::new(),
             },
         );
     }

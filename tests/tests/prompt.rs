@@ -145,3 +145,52 @@ async fn a_job_that_repeats_one_call_is_told_then_ended_no_progress_and_not_retr
     assert_eq!(tree.run_status(), Status::Done);
     node.shutdown().await;
 }
+
+/// The run of identical calls survives a restart: a step that made the same
+/// call twice (max_repeats 2: the second was told) is killed while it
+/// thinks; its next attempt, making the same call, goes on counting from
+/// two, is told at three and ends `no_progress` at four, instead of being
+/// given a fresh count by every crash.
+#[tokio::test(flavor = "multi_thread")]
+async fn no_progress_counts_on_across_a_restart() {
+    let same = "  - call: {tool: read_file, args: {path: notes.txt}}\n";
+    let looper = format!(
+        "---\ntools: [read_file]\nmax_repeats: 2\nscript:\n{same}{same}  - say: thinking\n    delay: 1h\n{same}{same}{same}  - call: {{tool: submit_output, args: {{output: never}}}}\n---\nLoop.\n"
+    );
+    let flow = "[[group]]\nsteps = [{ agent = \"looper\", instruction = \"go\" }]\n";
+    let models = RecordingModels::new();
+    let node = TestNode::start_workspace(
+        None,
+        &[("looper", &looper)],
+        &[("loop", flow)],
+        models.clone(),
+    )
+    .await;
+    let run = node.run_flow("loop").await;
+    // Its third call is sent only once its reservation, and the two
+    // calls' events before it, are committed.
+    let _thinking = models.meter("looper", 2).await;
+    let node = node.crash_and_restart().await;
+    let tree = node.wait_run(run).await;
+    let root = tree.root();
+    let step = root.children.last().unwrap();
+    assert_eq!(step.attempt, 2, "{step:?}");
+    assert_eq!(
+        step.error_class,
+        Some(arbor_protocol::ErrorClass::NoProgress),
+        "{step:?}"
+    );
+    assert!(
+        step.reason
+            .as_deref()
+            .unwrap_or("")
+            .contains("read_file was called 4 times in a row"),
+        "{step:?}"
+    );
+    let requests = models.requests("looper");
+    // Its second attempt's second request carries the result of the third call in a row.
+    let told = requests.iter().filter(|r| {
+        matches!(r.messages.last(), Some(arbor_actors::model::Message::ToolResult { content, .. }) if content.contains("3 times in a row"))
+    });
+    assert_eq!(told.count(), 1);
+}

@@ -5,6 +5,7 @@
 //! same history would repeat itself again).
 
 use crate::model::ToolCall;
+use sha2::{Digest, Sha256};
 
 /// What a call's result gets appended when it repeats (`{n}`: how many in a row).
 pub const REPEAT_NOTICE: &str = "[arbor] You have made this same call, with the same arguments, {n} times in a row, and its result will not change. Do something else: another tool, other arguments, or submit_output with what you have. At {stop} in a row your job ends as stuck.";
@@ -13,7 +14,8 @@ pub const REPEAT_NOTICE: &str = "[arbor] You have made this same call, with the 
 #[derive(Debug)]
 pub struct Repeats {
     max: u32,
-    last: Option<(String, String)>,
+    /// The last call's digest.
+    last: String,
     count: u32,
 }
 
@@ -28,23 +30,24 @@ pub enum Verdict {
 }
 
 impl Repeats {
-    pub fn new(max: u32) -> Self {
+    /// `carried`: the run of identical calls an interrupted attempt was
+    /// on, which this one goes on counting.
+    pub fn new(max: u32, carried: Option<(String, u32)>) -> Self {
+        let (last, count) = carried.unwrap_or_default();
         Self {
             max: max.max(1),
-            last: None,
-            count: 0,
+            last,
+            count,
         }
     }
 
-    /// Counts `call` and says what to do with it. `serde_json`'s maps keep
-    /// their keys sorted, so arguments that differ only in key order are
-    /// the same call.
+    /// Counts `call` and says what to do with it.
     pub fn see(&mut self, call: &ToolCall) -> Verdict {
-        let key = (call.tool.clone(), call.args.to_string());
-        if self.last.as_ref() == Some(&key) {
+        let key = digest(call);
+        if self.last == key {
             self.count += 1;
         } else {
-            self.last = Some(key);
+            self.last = key;
             self.count = 1;
         }
         let stop = self.max.saturating_mul(2);
@@ -68,6 +71,19 @@ impl Repeats {
     pub fn count(&self) -> u32 {
         self.count
     }
+
+    /// The last call's digest (journaled with it, so a restart goes on counting).
+    pub fn last_digest(&self) -> &str {
+        &self.last
+    }
+}
+
+/// A call's identity: its tool and canonical arguments, as the first 8
+/// bytes of their SHA-256 in hex. `serde_json`'s maps keep their keys
+/// sorted, so arguments that differ only in key order are the same call.
+pub fn digest(call: &ToolCall) -> String {
+    let hash = Sha256::digest(format!("{}\n{}", call.tool, call.args).as_bytes());
+    hash[..8].iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]
@@ -84,7 +100,7 @@ mod tests {
 
     #[test]
     fn the_same_call_is_told_at_max_and_stopped_at_twice_max() {
-        let mut repeats = Repeats::new(2);
+        let mut repeats = Repeats::new(2, None);
         let same = || {
             call(
                 "exec",
@@ -104,8 +120,17 @@ mod tests {
     }
 
     #[test]
+    fn a_carried_streak_goes_on_counting() {
+        let same = call("exec", serde_json::json!({"command": "ls"}));
+        let mut repeats = Repeats::new(2, Some((digest(&same), 3)));
+        assert!(matches!(repeats.see(&same), Verdict::Stuck(_)));
+        let mut repeats = Repeats::new(2, Some(("another".into(), 3)));
+        assert_eq!(repeats.see(&same), Verdict::Run);
+    }
+
+    #[test]
     fn another_call_in_between_starts_the_count_again() {
-        let mut repeats = Repeats::new(2);
+        let mut repeats = Repeats::new(2, None);
         let a = call("exec", serde_json::json!({"command": "ls"}));
         let b = call("exec", serde_json::json!({"command": "pwd"}));
         assert_eq!(repeats.see(&a), Verdict::Run);

@@ -41,7 +41,7 @@ impl<'a> Tools<'a> {
             args,
             toolbox,
             counts: CallCounts {
-                made: args.tool_counts.clone(),
+                made: args.tool_counts.calls.clone(),
             },
         }
     }

@@ -106,8 +106,9 @@ pub struct LoopArgs {
     pub offered: Arc<BTreeMap<ToolName, Result<(), String>>>,
     /// Its MCP tools and its limits come from here (I-44, I-45).
     pub policy: Arc<Policy>,
-    /// Calls counted against its limits before it started (a predecessor's).
-    pub tool_counts: BTreeMap<String, u64>,
+    /// Calls counted against its limits before it started, and the run of
+    /// identical calls it was on (a predecessor's).
+    pub tool_counts: Made,
     pub request: String,
     pub max_turns: u32,
     pub cancel: CancellationToken,
@@ -118,6 +119,17 @@ pub struct LoopArgs {
     /// Its children's ends it was answered on before they were durable, and
     /// its events after them: told (`Held::release`) before it acts outside.
     pub held: crate::ends::Held,
+}
+
+/// What a job's interrupted attempts leave the attempt that takes over
+/// from them: the calls its limits counted (I-45), and the run of
+/// identical calls it was on (`max_repeats`), so a restart resets neither.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Made {
+    pub calls: BTreeMap<String, u64>,
+    /// The last call's digest (`repeats::digest`), and how many times in a
+    /// row it was made.
+    pub streak: Option<(String, u32)>,
 }
 
 /// How the loop ended.
