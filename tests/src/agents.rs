@@ -15,7 +15,12 @@ pub fn leaf_at_once() -> String {
 /// A parent that delegates `calls` times to `leaf` (wait = true), one call
 /// a turn, then submits.
 pub fn serial_parent(calls: usize) -> String {
-    let mut front = format!("subagents: [leaf]\nmax_turns: {}\nscript:\n", calls + 1);
+    // The same call again and again is the workload, not a stuck loop.
+    let mut front = format!(
+        "subagents: [leaf]\nmax_turns: {}\nmax_repeats: {}\nscript:\n",
+        calls + 1,
+        calls + 1
+    );
     for _ in 0..calls {
         front.push_str("  - call: {tool: delegate, args: {jobs: [{agent: leaf, request: go}]}}\n");
     }
