@@ -59,6 +59,18 @@ pub enum Answer {
 }
 
 impl Answer {
+    /// A streamed answer's first `k` events, then `end` (a dropped
+    /// connection, or one held open with nothing more on it); a body as it is.
+    pub fn cut_after(self, k: usize, end: StreamEnd) -> Answer {
+        match self {
+            Answer::Stream { events, .. } => Answer::Stream {
+                events: events[..k.min(events.len())].to_vec(),
+                end,
+            },
+            other => other,
+        }
+    }
+
     pub fn json(status: u16, body: Value) -> Self {
         Answer::Body {
             status,

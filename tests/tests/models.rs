@@ -1046,18 +1046,6 @@ async fn inv_31_a_call_to_a_provider_in_flight_at_a_crash_is_charged_its_reserva
     node.assert_conserved(run);
 }
 
-/// The first `k` events of a streamed answer, then a connection held open
-/// with nothing more on it.
-fn stalled_after(answer: Answer, k: usize) -> Answer {
-    match answer {
-        Answer::Stream { events, .. } => Answer::Stream {
-            events: events[..k].to_vec(),
-            end: StreamEnd::Hang,
-        },
-        other => other,
-    }
-}
-
 /// A stream that stalls (its first bytes, then nothing) fails its attempt
 /// as a retryable `model_timeout` after the provider's `idle_timeout`, long
 /// before the call's whole `timeout`; the retry, answered, completes the
@@ -1068,7 +1056,7 @@ async fn a_stalled_stream_is_an_idle_timeout_and_the_retry_succeeds() {
         let mock = MockProvider::start().await;
         let (stalled, answer) = match format {
             Format::Openai => (
-                stalled_after(openai::stream("Half an answer", &[], Some((40, 5))), 2),
+                openai::stream("Half an answer", &[], Some((40, 5))).cut_after(2, StreamEnd::Hang),
                 openai::stream(
                     "",
                     &[("submit_output", json!({"output": "whole"}))],

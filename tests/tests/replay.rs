@@ -4,7 +4,7 @@
 
 use arbor_protocol::tape::ToolReplay;
 use arbor_protocol::{ErrorClass, EventKind, Status};
-use arbor_testkit::mock_provider::{Answer, Format, MockProvider, StreamEnd, anthropic, openai};
+use arbor_testkit::mock_provider::{Format, MockProvider, StreamEnd, anthropic, openai};
 use arbor_testkit::replay::{Fixture, ReplayError, ReplayOptions, Shuffled};
 use arbor_testkit::{DefaultModels, TestNode, agent_md, secrets_file};
 use std::sync::Arc;
@@ -241,17 +241,6 @@ async fn the_committed_fixtures_replay_to_their_recordings() {
     }
 }
 
-/// The first `k` events of a streamed answer, then the connection cut.
-fn cut_after(answer: Answer, k: usize) -> Answer {
-    match answer {
-        Answer::Stream { events, .. } => Answer::Stream {
-            events: events[..k].to_vec(),
-            end: StreamEnd::Drop,
-        },
-        other => other,
-    }
-}
-
 /// Over each wire format, on a provider that goes away after the run: a
 /// planner whose first answer's stream is cut at its fourth chunk (charged
 /// what streamed, then retried), a researcher, and the planner's report.
@@ -282,7 +271,7 @@ async fn inv_49_a_run_on_either_wire_format_replays_offline_a_cut_stream_charged
                 anthropic::stream("Report: tide pools hold anemones.", &[], 150, 9),
             ),
         };
-        mock.push_for(format, PLANNER, cut_after(cut, 4));
+        mock.push_for(format, PLANNER, cut.cut_after(4, StreamEnd::Drop));
         mock.push_for(format, PLANNER, delegating);
         mock.push_for(format, RESEARCHER, fact);
         mock.push_for(format, PLANNER, report);
