@@ -192,12 +192,13 @@ async fn next_reply(
     turn: u32,
     pressure_told: &mut bool,
 ) -> Result<ModelReply, CallEnd> {
-    tell_pressure(args, history, prompt, turn, pressure_told);
     let mut harder = false;
     loop {
         // Boxed, as the settlements in `call_model` are: a job waiting on its
         // model holds this loop's future, sized by its largest await.
-        Box::pin(fit_context(args, history, prompt, turn, harder)).await?;
+        let estimate = Box::pin(fit_context(args, history, prompt, turn, harder)).await?;
+        // How full the window grew, measured before any compaction.
+        tell_pressure(args, history, estimate, turn, pressure_told);
         match call_model(args, prompt, history, turn).await {
             Err(CallEnd::Failed(outcome))
                 if !harder

@@ -103,6 +103,18 @@ impl From<arbor_storage::Error> for ApiError {
     }
 }
 
+impl From<crate::admission::SubmitError> for ApiError {
+    fn from(e: crate::admission::SubmitError) -> Self {
+        use crate::admission::SubmitError;
+        match e {
+            SubmitError::KeyConflict(_) => ApiError::conflict(e.to_string()),
+            SubmitError::QueueFull(_) => ApiError::queue_full(e.to_string()),
+            SubmitError::Closed => ApiError::unavailable(e.to_string()),
+            SubmitError::Journal(e) => ApiError::from(e),
+        }
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> axum::response::Response {
         let body = ErrorBody {

@@ -101,27 +101,21 @@ const MIN_OUTPUT_ROOM: u64 = 1024;
 /// What a model is told, once a job, when its context fills.
 pub const PRESSURE_NOTICE: &str = "[arbor] Your context window is {share}% full. Finish what matters most, keep what you still read short, and submit_output before it runs out; older turns will be summarized to make room.";
 
-/// Context pressure: once a job's prompt reaches `[limits] context_warn`
-/// of its model's window, the model is told (a message in its history, so
-/// it keeps knowing) and `context_pressure` is journaled. `told` keeps it
-/// to once a job.
+/// Context pressure: once a job's prompt (`estimate`, as `fit_context`
+/// measured it) reaches `[limits] context_warn` of its model's window, the
+/// model is told (a message in its history, so it keeps knowing) and
+/// `context_pressure` is journaled. `told` keeps it to once a job.
 pub(super) fn tell_pressure(
     args: &LoopArgs,
     history: &mut Vec<Message>,
-    prompt: &Prompt,
+    estimate: u64,
     turn: u32,
     told: &mut bool,
 ) {
-    let info = args.model.info();
-    let Some(window) = info.context_window.filter(|w| *w > 0) else {
+    let Some(window) = args.model.info().context_window.filter(|w| *w > 0) else {
         return;
     };
-    if *told {
-        return;
-    }
-    let request = call_request(&args.agent, prompt, history, 0, turn, CallMeter::default());
-    let estimate = args.model.estimate_prompt(&request);
-    if (estimate as f64) < args.ctx.limits.context_warn * window as f64 {
+    if *told || (estimate as f64) < args.ctx.limits.context_warn * window as f64 {
         return;
     }
     *told = true;
@@ -144,17 +138,18 @@ pub(super) fn tell_pressure(
 /// Compaction (see `compaction`): the history made to fit the model's
 /// context window before a call, or the job ends with `context_too_long`.
 /// `harder`: the provider refused a prompt this judged to fit, so aim for
-/// half the window.
+/// half the window. Returns the prompt's estimate before any compaction,
+/// how full the window grew (0 for a model of no known window).
 pub(super) async fn fit_context(
     args: &LoopArgs,
     history: &mut Vec<Message>,
     prompt: &Prompt,
     turn: u32,
     harder: bool,
-) -> Result<(), CallEnd> {
+) -> Result<u64, CallEnd> {
     let info = args.model.info();
     let Some(window) = info.context_window else {
-        return Ok(());
+        return Ok(0);
     };
     let room = info
         .max_output_tokens
@@ -172,11 +167,11 @@ pub(super) async fn fit_context(
         );
         args.model.estimate_prompt(&request)
     };
-    let fits = |messages: &[Message]| estimate(messages) + room <= target;
-    if fits(history) {
-        return Ok(());
-    }
     let before = estimate(history);
+    if before + room <= target {
+        return Ok(before);
+    }
+    let fits = |messages: &[Message]| estimate(messages) + room <= target;
     let elided = crate::compaction::elide_tool_results(history, fits);
     let mut summarized = 0;
     if !fits(history)
@@ -214,8 +209,8 @@ pub(super) async fn fit_context(
             estimate_after: after,
         },
     );
-    if fits(history) {
-        Ok(())
+    if after + room <= target {
+        Ok(before)
     } else {
         Err(CallEnd::Failed(LoopOutcome::failed(
             ErrorClass::ContextTooLong,

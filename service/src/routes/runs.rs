@@ -4,7 +4,7 @@ use super::common::{
     Reply, S, accepting, errors, idempotency_key, json, linked, parse_run, secured, stop_accepted,
 };
 use crate::Shared;
-use crate::admission::{SubmitError, Submitted};
+use crate::admission::Submitted;
 use crate::api::*;
 use crate::error::ApiError;
 use crate::extract::{JsonBody, Path, Query};
@@ -292,16 +292,7 @@ async fn submit_run(
     if key.is_none() {
         accepting(&shared)?;
     }
-    let submitted = shared
-        .admission
-        .submit(&spec, key, digest)
-        .await
-        .map_err(|e| match e {
-            SubmitError::KeyConflict(_) => ApiError::conflict(e.to_string()),
-            SubmitError::QueueFull(_) => ApiError::queue_full(e.to_string()),
-            SubmitError::Closed => ApiError::unavailable(e.to_string()),
-            SubmitError::Journal(e) => ApiError::from(e),
-        })?;
+    let submitted = shared.admission.submit(&spec, key, digest).await?;
     let (run, status, replayed) = match submitted {
         Submitted::New(run) => (run, StatusCode::CREATED, false),
         Submitted::Replayed(run) => (run, StatusCode::OK, true),
@@ -370,16 +361,7 @@ async fn replay_run(
     };
     accepting(&shared)?;
     let digest = String::new();
-    let submitted = shared
-        .admission
-        .submit(&spec, None, digest)
-        .await
-        .map_err(|e| match e {
-            SubmitError::KeyConflict(_) => ApiError::conflict(e.to_string()),
-            SubmitError::QueueFull(_) => ApiError::queue_full(e.to_string()),
-            SubmitError::Closed => ApiError::unavailable(e.to_string()),
-            SubmitError::Journal(e) => ApiError::from(e),
-        })?;
+    let submitted = shared.admission.submit(&spec, None, digest).await?;
     let (Submitted::New(run) | Submitted::Replayed(run)) = submitted;
     let status = run_tree(&shared, run)
         .await?
