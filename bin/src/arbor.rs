@@ -245,7 +245,7 @@ fn main() -> ExitCode {
                 with_client(&conn, |c| Box::pin(client::continue_job(c, &args.job))).await
             }
             Command::Prompt(args) => match conn.format() {
-                Ok(output) => prompt(&args, output),
+                Ok(output) => prompt(&args, output).await,
                 Err(failed) => Err(Failure::Client(failed)),
             },
             Command::Check { dir } => match conn.format() {
@@ -516,7 +516,7 @@ enum WireArg {
     Anthropic,
 }
 
-fn prompt(args: &PromptArgs, output: client::Output) -> Result<ExitCode, Failure> {
+async fn prompt(args: &PromptArgs, output: client::Output) -> Result<ExitCode, Failure> {
     use arbor_runtime::ProviderKind;
     let workspace = Workspace::load(&args.dir).map_err(bad)?;
     let wire = args.wire.map(|w| match w {
@@ -524,6 +524,7 @@ fn prompt(args: &PromptArgs, output: client::Output) -> Result<ExitCode, Failure
         WireArg::Anthropic => ProviderKind::Anthropic,
     });
     let body = arbor_runtime::prompt::first_body(&workspace, &args.agent, &args.input, wire)
+        .await
         .map_err(bad)?;
     match output {
         client::Output::Text => outln!("{}", render::request_body(&body)),

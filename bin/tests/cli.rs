@@ -426,8 +426,11 @@ fn the_docs_name_every_verb_of_the_cli() {
 /// provider's key is set and never shown.
 #[test]
 fn arbor_prompt_prints_the_first_request_body_of_each_wire_format() {
+    // The bodies themselves are pinned by goldens in arbor-tests (with an
+    // MCP server, whose path only that crate's tests know); here, the
+    // command: each wire's shape, and never the key.
     let ws = repo().join("tests/prompt");
-    for (wire, golden) in [("openai", "openai.json"), ("anthropic", "anthropic.json")] {
+    for (wire, system_at) in [("openai", "/messages/0/content"), ("anthropic", "/system")] {
         let out = Command::new(env!("CARGO_BIN_EXE_arbor"))
             .args(["prompt", ws.to_str().unwrap(), "planner"])
             .args([
@@ -449,17 +452,10 @@ fn arbor_prompt_prints_the_first_request_body_of_each_wire_format() {
         let text = String::from_utf8(out.stdout).unwrap();
         assert!(!text.contains("sk-never-shown-4417"));
         let body: serde_json::Value = serde_json::from_str(&text).unwrap();
-        let path = ws.join("golden").join(golden);
-        if std::env::var_os("BLESS").is_some() {
-            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-            std::fs::write(&path, serde_json::to_string_pretty(&body).unwrap() + "\n").unwrap();
-        }
-        let committed: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        assert_eq!(
-            body, committed,
-            "{golden} is not what arbor prompt prints; if the change is meant, \
-             run `BLESS=1 cargo test -p arbor-bin --test cli arbor_prompt` and commit it"
+        let system = body.pointer(system_at).and_then(|s| s.as_str());
+        assert!(
+            system.is_some_and(|s| s.starts_with("You are the planner.")),
+            "{wire}: {body:#}"
         );
     }
     // The text form names the roster and each tool; a wrong agent is a usage error.

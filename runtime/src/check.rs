@@ -137,7 +137,6 @@ pub async fn check_servers(dir: &Path) -> Vec<Finding> {
 }
 
 async fn server_findings(workspace: &Workspace) -> Vec<Finding> {
-    use arbor_actors::mcp::McpCatalog;
     let mut findings = vec![];
     let named: BTreeSet<&str> = workspace
         .agents
@@ -152,23 +151,10 @@ async fn server_findings(workspace: &Workspace) -> Vec<Finding> {
         file,
         message,
     };
-    let secrets = match crate::secrets::load(workspace) {
-        Ok(secrets) => std::sync::Arc::new(secrets),
-        Err(message) => return vec![error("arbor.toml".into(), message)],
+    let (catalog, _scratch) = match listing_catalog(workspace).await {
+        Ok(listing) => listing,
+        Err((file, message)) => return vec![error(file, message)],
     };
-    let scratch = match tempfile::tempdir() {
-        Ok(dir) => dir,
-        Err(e) => return vec![error(String::new(), format!("a temporary folder: {e}"))],
-    };
-    let posture = arbor_sandbox::seal::Posture::probe(workspace.config.isolation).await;
-    let catalog = McpCatalog::new(
-        workspace.config.mcp.clone(),
-        scratch.path().join("mcp"),
-        std::sync::Arc::new(posture),
-        workspace.config.sandbox,
-        Some(scratch.path().join("roots")),
-        secrets,
-    );
     for server in named {
         let Some(spec) = workspace.config.mcp.get(server) else {
             continue;
@@ -211,6 +197,30 @@ async fn server_findings(workspace: &Workspace) -> Vec<Finding> {
         }
     }
     findings
+}
+
+/// A catalogue of the workspace's MCP servers that lists each as a job
+/// would see it (sealed, with its declared secrets), in a temporary folder
+/// that lives as long as the returned guard. An error names the file at
+/// fault (empty for the machine's) and why.
+pub(crate) async fn listing_catalog(
+    workspace: &Workspace,
+) -> Result<(arbor_actors::mcp::McpCatalog, tempfile::TempDir), (String, String)> {
+    let secrets = crate::secrets::load(workspace)
+        .map(std::sync::Arc::new)
+        .map_err(|message| ("arbor.toml".to_string(), message))?;
+    let scratch =
+        tempfile::tempdir().map_err(|e| (String::new(), format!("a temporary folder: {e}")))?;
+    let posture = arbor_sandbox::seal::Posture::probe(workspace.config.isolation).await;
+    let catalog = arbor_actors::mcp::McpCatalog::new(
+        workspace.config.mcp.clone(),
+        scratch.path().join("mcp"),
+        std::sync::Arc::new(posture),
+        workspace.config.sandbox,
+        Some(scratch.path().join("roots")),
+        secrets,
+    );
+    Ok((catalog, scratch))
 }
 
 /// The sandbox's PATH: where a server's command is looked up.

@@ -2,13 +2,15 @@
 //! (`arbor prompt`): the agent's prompt and roster, its built-in tools with
 //! their schemas, and the request body of its provider's wire format.
 //!
-//! Nothing here reads a secret or an API key: the body is what goes over
-//! the wire, and a key travels in a header. MCP tools are listed only when
-//! a job starts its servers, so they are not in this body (their names are
-//! in the agent's `mcp:` and `tools:`).
+//! Nothing here shows a secret or an API key: the body is what goes over
+//! the wire, and a key travels in a header. The MCP servers the agent names
+//! are started and asked for their tools as a job's would be (sealed, with
+//! their declared secrets), so their tools appear as the model sees them.
 
 use crate::workspace::Workspace;
 use arbor_actors::agent_loop::{Prompt, first_request};
+use arbor_actors::mcp::McpToolbox;
+use arbor_actors::model::ToolSpec;
 use arbor_actors::policy::Policy;
 use arbor_protocol::{ModelRef, NodeKind, Settings};
 use arbor_providers::{ProviderKind, request_body};
@@ -18,7 +20,7 @@ use std::sync::Arc;
 /// The first request body a step of `agent` would send when asked
 /// `input`, in `wire` (default: its provider's; the scripted model's is
 /// shown as OpenAI's).
-pub fn first_body(
+pub async fn first_body(
     workspace: &Workspace,
     agent: &str,
     input: &str,
@@ -63,10 +65,24 @@ pub fn first_body(
         .iter()
         .map(|(name, def)| (name.clone(), Arc::new(def.clone())))
         .collect();
-    let prompt = Prompt::for_job(def, &offered, &agents, &[]);
+    let mcp = mcp_tools(workspace, &policy).await?;
+    let prompt = Prompt::for_job(def, &offered, &agents, &mcp);
     let request = first_request(def, &prompt, input, max_output);
     let kind = wire.unwrap_or(own_wire);
     Ok(request_body(
         kind, &model_id, defaults, &request, max_output, stream,
     ))
+}
+
+/// The MCP tools a job under `policy` is offered, its servers listed as a
+/// node lists them.
+async fn mcp_tools(workspace: &Workspace, policy: &Policy) -> Result<Vec<ToolSpec>, String> {
+    if !policy.may_use_mcp() {
+        return Ok(vec![]);
+    }
+    let (catalog, _scratch) = crate::check::listing_catalog(workspace)
+        .await
+        .map_err(|(_, message)| message)?;
+    let toolbox = McpToolbox::for_job(&catalog, policy).await?;
+    Ok(toolbox.specs().to_vec())
 }

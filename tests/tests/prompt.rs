@@ -194,3 +194,86 @@ async fn no_progress_counts_on_across_a_restart() {
     });
     assert_eq!(told.count(), 1);
 }
+
+/// `tests/prompt` copied to a temporary folder, with the test MCP server
+/// as `[mcp.servers.notes]` (only a test knows its path) and the planner
+/// given its `echo`.
+fn prompt_workspace() -> tempfile::TempDir {
+    let from = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("prompt");
+    let dir = tempfile::tempdir().unwrap();
+    for entry in walk(&from) {
+        let rel = entry.strip_prefix(&from).unwrap();
+        if rel.starts_with("golden") {
+            continue;
+        }
+        let to = dir.path().join(rel);
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        std::fs::copy(&entry, &to).unwrap();
+    }
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_mcp-test-server"));
+    let toml = dir.path().join("arbor.toml");
+    let mut text = std::fs::read_to_string(&toml).unwrap();
+    text += &format!(
+        "\n[mcp.servers.notes]\ncommand = {:?}\nread_only = [{:?}]\n",
+        bin.display().to_string(),
+        bin.parent().unwrap().display().to_string()
+    );
+    std::fs::write(&toml, text).unwrap();
+    let planner = dir.path().join("agents/planner/agent.md");
+    let text = std::fs::read_to_string(&planner).unwrap().replacen(
+        "subagents: [researcher, coder]\n",
+        "subagents: [researcher, coder]\ntools: [mcp__notes__echo]\n",
+        1,
+    );
+    std::fs::write(&planner, text).unwrap();
+    dir
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut files = vec![];
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            files.extend(walk(&path));
+        } else {
+            files.push(path);
+        }
+    }
+    files
+}
+
+/// Golden request bodies (`arbor prompt -o json` prints exactly these): a
+/// parent with two sub-agents, a tool of an MCP server (listed by starting
+/// it, as a job would) and settings, in both wire formats.
+#[tokio::test(flavor = "multi_thread")]
+async fn first_request_bodies_match_their_goldens_in_both_wire_formats() {
+    let ws = prompt_workspace();
+    let workspace = arbor_runtime::Workspace::load(ws.path()).unwrap();
+    let golden_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("prompt/golden");
+    for (wire, golden) in [
+        (arbor_runtime::ProviderKind::Openai, "openai.json"),
+        (arbor_runtime::ProviderKind::Anthropic, "anthropic.json"),
+    ] {
+        let body = arbor_runtime::prompt::first_body(
+            &workspace,
+            "planner",
+            "Compare two suppliers.",
+            Some(wire),
+        )
+        .await
+        .unwrap();
+        let text = body.to_string();
+        assert!(text.contains("mcp__notes__echo"), "{text}");
+        let path = golden_dir.join(golden);
+        if std::env::var_os("BLESS").is_some() {
+            std::fs::write(&path, serde_json::to_string_pretty(&body).unwrap() + "\n").unwrap();
+        }
+        let committed: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(
+            body, committed,
+            "{golden} is not what arbor prompt prints; if the change is meant, \
+             run `BLESS=1 cargo test -p arbor-tests --test prompt first_request_bodies` and commit it"
+        );
+    }
+}
