@@ -39,7 +39,7 @@ use crate::mcp::McpToolbox;
 use crate::model::{Message, ModelReply, ToolCall};
 use arbor_protocol::{ErrorClass, EventKind, TaskStatus};
 use model_call::{CallEnd, call_model, fit_context, tell_pressure};
-pub use prompt::{Prompt, ROSTER_HEADING, RosterEntry, roster};
+pub use prompt::{Prompt, ROSTER_HEADING, RosterEntry, SKILLS_HEADING, roster};
 pub use repeats::REPEAT_NOTICE;
 use repeats::{Repeats, Verdict};
 use std::sync::atomic::Ordering;
@@ -72,10 +72,12 @@ async fn run_turns(args: LoopArgs) -> LoopOutcome {
         Ok(toolbox) => toolbox,
         Err(outcome) => return outcome,
     };
+    let skills = crate::skills::listed(&args.ctx.skills, &args.agent, &args.policy);
     let prompt = Prompt::for_job(
         &args.agent,
         &args.offered,
         &args.ctx.agents,
+        &skills,
         toolbox.specs(),
     );
     let mut tools = Tools::new(&args, &toolbox);
@@ -258,7 +260,12 @@ async fn answer_call(
     let (ok, detail, mut content) = match &step {
         Step::Submit(_) => (true, "submitted".to_string(), String::new()),
         Step::Result(Ok(v)) => {
-            let content = v.to_string();
+            // Text (a file, a skill, an MCP result) is given as it is, not
+            // as a JSON string of escaped lines.
+            let content = match v {
+                serde_json::Value::String(text) => text.clone(),
+                v => v.to_string(),
+            };
             (true, clip(&content, 300), content)
         }
         Step::Result(Err(e)) => (false, clip(e, 300), e.clone()),

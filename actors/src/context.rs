@@ -25,6 +25,8 @@ pub struct NodeContext {
     /// The values of the secrets agents declare, by name (I-27). Read when a
     /// sandbox starts; never logged, journaled or shown.
     pub secrets: Arc<crate::secrets::Secrets>,
+    /// The workspace's skills (`skills/NAME/SKILL.md`), by name.
+    pub skills: BTreeMap<String, Arc<arbor_protocol::Skill>>,
     /// The node's MCP servers and the tools each lists.
     pub mcp: Arc<crate::mcp::McpCatalog>,
     /// `[approvals]`: what every agent asks about, how long a card waits.

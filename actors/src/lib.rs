@@ -21,6 +21,7 @@ pub mod policy;
 pub mod run;
 pub mod sandbox;
 pub mod secrets;
+pub mod skills;
 pub mod tape;
 
 pub use account::{Account, AccountMsg, CallHold, GrantAsk, Ledger, Share, SpentMeter};

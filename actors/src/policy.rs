@@ -31,6 +31,9 @@ pub struct Policy {
     /// The most calls one job attempt may make (I-45); never above any
     /// ancestor's.
     pub limits: ToolLimits,
+    /// The skills it may read: its agent's, cut to every ancestor's
+    /// (I-25), own sandbox or not.
+    pub skills: BTreeSet<String>,
 }
 
 impl Policy {
@@ -46,6 +49,7 @@ impl Policy {
             network: agent.network,
             secrets: agent.secrets.iter().cloned().collect(),
             limits: agent.limits.tighter(&limits.tools),
+            skills: agent.skills.iter().cloned().collect(),
         }
     }
 
@@ -96,6 +100,12 @@ impl Policy {
             network,
             secrets,
             limits: self.limits.tighter(&child.limits),
+            skills: child
+                .skills
+                .iter()
+                .filter(|s| self.skills.contains(*s))
+                .cloned()
+                .collect(),
         }
     }
 
@@ -126,6 +136,17 @@ impl Policy {
     /// Whether any MCP tool may be offered at all (a job then needs a sandbox).
     pub fn may_use_mcp(&self) -> bool {
         !self.mcp.is_empty()
+    }
+
+    /// The skills a job of `agent` under this policy may read, in the
+    /// order its agent lists them.
+    pub fn readable_skills<'a>(&self, agent: &'a AgentDef) -> Vec<&'a str> {
+        agent
+            .skills
+            .iter()
+            .filter(|s| self.skills.contains(*s))
+            .map(String::as_str)
+            .collect()
     }
 
     /// Whether it may run commands: `exec`, not denied.
@@ -159,6 +180,12 @@ impl Policy {
                         "the depth cap {} is reached at depth {depth}",
                         limits.depth
                     ))
+                } else {
+                    Ok(())
+                }
+            } else if offer == Offer::Skills {
+                if self.skills.is_empty() {
+                    Err("this agent has no skills it may read".into())
                 } else {
                     Ok(())
                 }
@@ -196,6 +223,7 @@ mod tests {
             budget_usd_micros: None,
             max_turns: None,
             max_repeats: None,
+            skills: vec![],
             settings: Default::default(),
             models: vec![],
             timeout: None,

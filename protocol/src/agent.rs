@@ -49,6 +49,10 @@ pub struct AgentDef {
     /// Overrides `[limits] max_repeats` for its jobs.
     #[serde(default)]
     pub max_repeats: Option<u32>,
+    /// The workspace's skills it may read, in the order its prompt lists
+    /// them; a job's are cut to its parent's (I-25).
+    #[serde(default)]
+    pub skills: Vec<String>,
     /// How its model samples and reasons, over its model entry's defaults.
     #[serde(default)]
     pub settings: Settings,
@@ -125,6 +129,9 @@ pub struct FrontMatter {
     pub max_repeats: Option<u32>,
     #[serde(default)]
     pub models: Vec<String>,
+    /// Skills (`skills/NAME/SKILL.md`) its prompt lists and `read_skill` reads.
+    #[serde(default)]
+    pub skills: Vec<String>,
     pub temperature: Option<f64>,
     pub top_p: Option<f64>,
     pub effort: Option<Effort>,

@@ -11,6 +11,7 @@ pub mod limits;
 pub mod mcp;
 pub mod refusal;
 pub mod result;
+pub mod skill;
 pub mod spec;
 pub mod status;
 pub mod tape;
@@ -33,11 +34,13 @@ pub use mcp::{
 };
 pub use refusal::Refusal;
 pub use result::{Amount, ResultEnvelope, Usage};
+pub use skill::Skill;
 pub use spec::{FlowGroup, FlowSpec, RunSpec, StepSpec};
 pub use status::{ErrorClass, Status, TaskStatus};
 pub use tools::{
     BudgetArg, CollectArgs, DelegateArgs, ExecArgs, JobArgs, Offer, OnFailure, ReadFileArgs,
-    SendMessageArgs, StopChildArgs, SubmitOutputArgs, ToolInfo, ToolName, WriteFileArgs,
+    ReadSkillArgs, SendMessageArgs, StopChildArgs, SubmitOutputArgs, ToolInfo, ToolName,
+    WriteFileArgs,
 };
 pub use tree::{AccountView, McpServerView, Tree, TreeNode, WaitingView};
 pub use view::{ActorView, SandboxPosture};

@@ -23,6 +23,7 @@ pub enum ToolName {
     Exec,
     ReadFile,
     WriteFile,
+    ReadSkill,
     SubmitOutput,
 }
 
@@ -35,6 +36,8 @@ pub enum Offer {
     Delegation,
     /// When the agent's `tools:` names it, and no deny above it does.
     Named,
+    /// To an agent with skills it may read, unless denied.
+    Skills,
 }
 
 /// One built-in tool, whole: its name, what the model is told, its
@@ -119,6 +122,14 @@ impl ToolName {
                 sandbox: true,
                 recorded: false,
                 schema: schema_of::<WriteFileArgs>,
+            },
+            ToolName::ReadSkill => ToolInfo {
+                name: "read_skill",
+                description: "Read one of the skills listed in your instructions before you do work it covers: its instructions, or with file, a file it names (a path inside the skill's folder).",
+                offer: Offer::Skills,
+                sandbox: false,
+                recorded: false,
+                schema: schema_of::<ReadSkillArgs>,
             },
             ToolName::SubmitOutput => ToolInfo {
                 name: "submit_output",
@@ -332,6 +343,17 @@ pub struct ExecArgs {
 #[serde(deny_unknown_fields)]
 pub struct ReadFileArgs {
     pub path: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReadSkillArgs {
+    /// One of the skills your instructions list.
+    pub name: String,
+    /// A file of the skill's, relative to its folder; without it, its
+    /// instructions (SKILL.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]

@@ -308,6 +308,7 @@ impl EmbeddedNode {
             sandbox_roots: data_dir.join("roots"),
             sandbox,
             secrets,
+            skills: workspace.skills.clone(),
             mcp,
             approvals: workspace.config.approvals.clone(),
             gate: Default::default(),

@@ -66,7 +66,8 @@ pub async fn first_body(
         .map(|(name, def)| (name.clone(), Arc::new(def.clone())))
         .collect();
     let mcp = mcp_tools(workspace, &policy).await?;
-    let prompt = Prompt::for_job(def, &offered, &agents, &mcp);
+    let skills = arbor_actors::skills::listed(&workspace.skills, def, &policy);
+    let prompt = Prompt::for_job(def, &offered, &agents, &skills, &mcp);
     let request = first_request(def, &prompt, input, max_output);
     let kind = wire.unwrap_or(own_wire);
     Ok(request_body(

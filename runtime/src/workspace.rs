@@ -25,14 +25,18 @@
 //!    broken workspace always reports the same problem.
 
 use arbor_protocol::tools::parse_duration_arg;
-use arbor_protocol::{AgentDef, BudgetArg, FlowSpec, ModelRef, RunSpec, SandboxMode, Settings};
+use arbor_protocol::{
+    AgentDef, BudgetArg, FlowSpec, ModelRef, RunSpec, SandboxMode, Settings, Skill,
+};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 mod agent;
 mod config;
 mod flow;
 mod parse;
+mod skill;
 
 pub use agent::parse_agent;
 pub(crate) use agent::split_front_matter;
@@ -51,8 +55,11 @@ pub struct Workspace {
     pub config: Config,
     pub agents: BTreeMap<String, AgentDef>,
     pub flows: BTreeMap<String, FlowSpec>,
+    /// `skills/NAME/SKILL.md`, by name.
+    pub skills: BTreeMap<String, Arc<Skill>>,
     /// Each definition's SHA-256 by its path: `arbor.toml` (of its text, or
-    /// of nothing), `agents/NAME/agent.md`, `flows/NAME.toml`.
+    /// of nothing), `agents/NAME/agent.md`, `flows/NAME.toml`,
+    /// `skills/NAME/SKILL.md`.
     pub digests: BTreeMap<String, String>,
 }
 
@@ -60,7 +67,8 @@ impl Workspace {
     /// Reads and checks everything; the first problem is returned, naming the file and the key.
     ///
     /// In `agents/`, every folder not starting with `.` must hold an `agent.md`;
-    /// loose files are ignored. In `flows/`, every `*.toml` file is a flow.
+    /// loose files are ignored. In `flows/`, every `*.toml` file is a flow. In
+    /// `skills/`, every folder not starting with `.` must hold a `SKILL.md`.
     pub fn load(dir: &Path) -> Result<Workspace, LoadError> {
         if !dir.is_dir() {
             return Err(LoadError::NotADirectory {
@@ -106,6 +114,23 @@ impl Workspace {
             }
         }
 
+        let mut skills = Vec::new();
+        let skills_dir = dir.join("skills");
+        if skills_dir.is_dir() {
+            for (name, path) in list_dir(&skills_dir)? {
+                if !path.is_dir() || name.starts_with('.') {
+                    continue;
+                }
+                let file = path.join("SKILL.md");
+                let at = PathBuf::from(format!("skills/{name}/SKILL.md"));
+                if !file.is_file() {
+                    return Err(invalid(&at, "no SKILL.md in this skill's folder"));
+                }
+                let text = read(&file)?;
+                skills.push((sha256(&text), skill::parse_skill(&name, &text, path, &at)?));
+            }
+        }
+
         let agents: Vec<(&str, &str)> = agent_texts
             .iter()
             .map(|(name, text)| (name.as_str(), text.as_str()))
@@ -114,7 +139,13 @@ impl Workspace {
             .iter()
             .map(|(name, text)| (name.as_str(), text.as_str()))
             .collect();
-        Self::from_texts(dir.to_path_buf(), config_text.as_deref(), &agents, &flows)
+        Self::from_parts(
+            dir.to_path_buf(),
+            config_text.as_deref(),
+            &agents,
+            &flows,
+            skills,
+        )
     }
 
     /// Builds a Workspace from in-memory texts (for the test harness): agents as
@@ -125,6 +156,18 @@ impl Workspace {
         arbor_toml: Option<&str>,
         agents: &[(&str, &str)],
         flows: &[(&str, &str)],
+    ) -> Result<Workspace, LoadError> {
+        Self::from_parts(root, arbor_toml, agents, flows, vec![])
+    }
+
+    /// `from_texts` with the skills `load` parsed, each with its SKILL.md's
+    /// SHA-256.
+    fn from_parts(
+        root: PathBuf,
+        arbor_toml: Option<&str>,
+        agents: &[(&str, &str)],
+        flows: &[(&str, &str)],
+        skills: Vec<(String, Skill)>,
     ) -> Result<Workspace, LoadError> {
         let mut config = match arbor_toml {
             Some(text) => parse_config(text, &root)?,
@@ -146,6 +189,15 @@ impl Workspace {
             }
         }
         check_subagents(&agent_defs)?;
+        let mut digests = BTreeMap::new();
+        let skills: BTreeMap<String, Arc<Skill>> = skills
+            .into_iter()
+            .map(|(digest, skill)| {
+                digests.insert(format!("skills/{}/SKILL.md", skill.name), digest);
+                (skill.name.clone(), Arc::new(skill))
+            })
+            .collect();
+        check_skills(&agent_defs, &skills)?;
         check_mcp_servers(&agent_defs, &config)?;
         check_resources(&mut agent_defs, &config)?;
         check_models(&agent_defs, &config)?;
@@ -160,7 +212,6 @@ impl Workspace {
             }
         }
 
-        let mut digests = BTreeMap::new();
         digests.insert("arbor.toml".to_string(), sha256(arbor_toml.unwrap_or("")));
         for &(name, text) in agents {
             digests.insert(format!("agents/{name}/agent.md"), sha256(text));
@@ -173,6 +224,7 @@ impl Workspace {
             config,
             agents: agent_defs,
             flows: flow_specs,
+            skills,
             digests,
         };
         // A usd ceiling written in a file is checked now, against every model it covers.
@@ -356,6 +408,29 @@ fn check_mcp_servers(
                     missing.server,
                     known(config.mcp.keys())
                 ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Every skill an agent names is in `skills/`.
+fn check_skills(
+    agents: &BTreeMap<String, AgentDef>,
+    skills: &BTreeMap<String, Arc<Skill>>,
+) -> Result<(), LoadError> {
+    for (name, agent) in agents {
+        if let Some(missing) = agent.skills.iter().find(|s| !skills.contains_key(*s)) {
+            let have = match skills.is_empty() {
+                true => "it has none".to_string(),
+                false => format!(
+                    "it has: {}",
+                    skills.keys().cloned().collect::<Vec<_>>().join(", ")
+                ),
+            };
+            return Err(invalid(
+                &agent_path(name),
+                format!("skills: `{missing}` is not a skill in skills/ ({have})"),
             ));
         }
     }

@@ -115,6 +115,7 @@ fn a_full_workspace_loads_with_every_field_mapped() {
         budget_tokens: Some(5000),
         max_turns: Some(7),
         max_repeats: None,
+        skills: vec![],
         settings: Default::default(),
         models: vec![],
         timeout: Some(Duration::from_secs(300)),

@@ -191,6 +191,18 @@ impl TestNode {
         Self::start_in(temp, workspace, None).await
     }
 
+    /// `start_dir` with the models a test chooses (a recorder, faults).
+    pub async fn start_dir_with(
+        dir: impl AsRef<std::path::Path>,
+        models: Arc<dyn ModelFactory>,
+    ) -> Self {
+        let dir = dir.as_ref();
+        let workspace = Workspace::load(dir)
+            .unwrap_or_else(|e| panic!("the workspace {} does not load: {e}", dir.display()));
+        let temp = tempfile::tempdir().expect("a temporary directory");
+        Self::start_in(temp, workspace, Some(models)).await
+    }
+
     /// `models` None: the workspace's own (`Models` of its arbor.toml).
     async fn start_inner(
         arbor_toml: Option<&str>,

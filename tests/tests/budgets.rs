@@ -40,6 +40,7 @@ async fn account_of(
             arbor_sandbox::seal::SandboxIsolation::Sealed,
         )),
         secrets: Default::default(),
+        skills: Default::default(),
         mcp: Arc::new(arbor_actors::mcp::McpCatalog::empty()),
         approvals: Default::default(),
         gate: Default::default(),

@@ -277,3 +277,155 @@ async fn first_request_bodies_match_their_goldens_in_both_wire_formats() {
         );
     }
 }
+
+/// Writes `files` (path, text) below a new temporary folder.
+fn write_tree(files: &[(&str, &str)]) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for (path, text) in files {
+        let path = dir.path().join(path);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, text).unwrap();
+    }
+    dir
+}
+
+/// The text of every tool result `agent`'s model was sent, in order.
+fn tool_results(models: &RecordingModels, agent: &str) -> Vec<(String, bool)> {
+    let requests = models.requests(agent);
+    let last = requests.last().expect("the agent made requests");
+    last.messages
+        .iter()
+        .filter_map(|m| match m {
+            arbor_actors::model::Message::ToolResult {
+                content, is_error, ..
+            } => Some((content.clone(), *is_error)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A planner that may read `deploy` over a worker that names `deploy` and
+/// `style`; `style` is its parent's to give, and it is not.
+const SKILLS_WORKSPACE: &[(&str, &str)] = &[
+    (
+        "skills/deploy/SKILL.md",
+        "---\nname: deploy\ndescription: How to ship a release,\n  with its checklist.\nlicense: MIT\n---\nDEPLOY-BODY: follow checklist.md.\n",
+    ),
+    ("skills/deploy/checklist.md", "CHECKLIST-TEXT\n"),
+    (
+        "skills/style/SKILL.md",
+        "---\nname: style\ndescription: The house style for reports.\n---\nSTYLE-BODY\n",
+    ),
+    (
+        "agents/planner/agent.md",
+        "---\nskills: [deploy]\nsubagents: [worker]\nscript:\n  - call: {tool: read_skill, args: {name: deploy}}\n  - call: {tool: read_skill, args: {name: deploy, file: checklist.md}}\n  - call: {tool: read_skill, args: {name: deploy, file: ../style/SKILL.md}}\n  - call: {tool: read_skill, args: {name: style}}\n  - call: {tool: delegate, args: {jobs: [{agent: worker, request: ship it}]}}\n  - call: {tool: submit_output, args: {output: shipped}}\n---\nYou are the planner.\n",
+    ),
+    (
+        "agents/worker/agent.md",
+        "---\ndescription: Ships what it is asked to.\nskills: [deploy, style]\nscript:\n  - call: {tool: read_skill, args: {name: style}}\n  - call: {tool: read_skill, args: {name: deploy}}\n  - call: {tool: submit_output, args: {output: done}}\n---\nYou are the worker.\n",
+    ),
+    (
+        "agents/loner/agent.md",
+        "---\nscript:\n  - call: {tool: submit_output, args: {output: alone}}\n---\nYou work alone.\n",
+    ),
+];
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_skill_is_listed_read_on_demand_and_refused_to_a_child_whose_parent_lacks_it() {
+    use arbor_actors::agent_loop::SKILLS_HEADING;
+    let ws = write_tree(SKILLS_WORKSPACE);
+    let models = RecordingModels::new();
+    let node = TestNode::start_dir_with(ws.path(), models.clone()).await;
+    let run = node.run_agent("planner", "Ship.").await;
+    assert_eq!(node.wait_run(run).await.run_status(), Status::Done);
+
+    // Listed: the planner's own skill, with its description on one line,
+    // and the tool to read it.
+    let first = &models.requests("planner")[0];
+    let listing = &first.system[first.system.find(SKILLS_HEADING).expect("skills listed")..];
+    assert!(
+        listing.contains("\n- `deploy`: How to ship a release, with its checklist.\n"),
+        "{listing}"
+    );
+    assert!(!listing.contains("style"), "{listing}");
+    assert!(
+        !first.system.contains("DEPLOY-BODY"),
+        "the body is read on demand"
+    );
+    assert!(first.tools.iter().any(|t| &*t.name == "read_skill"));
+
+    // Read on demand: the body, a file beside it; never a path out of it,
+    // nor a skill the agent does not name.
+    let read = tool_results(&models, "planner");
+    assert_eq!(read[0], ("DEPLOY-BODY: follow checklist.md.".into(), false));
+    assert_eq!(read[1], ("CHECKLIST-TEXT\n".into(), false));
+    assert!(
+        read[2].1 && read[2].0.contains("without `..`"),
+        "{:?}",
+        read[2]
+    );
+    assert!(!read[2].0.contains("STYLE-BODY"));
+    assert!(
+        read[3].1
+            && read[3]
+                .0
+                .contains("not among this agent's skills; read one of: deploy"),
+        "{:?}",
+        read[3]
+    );
+
+    // The worker names style, but its parent may not read it (I-25): not
+    // listed, and refused with the reason.
+    let worker = &models.requests("worker")[0];
+    let listing = &worker.system[worker.system.find(SKILLS_HEADING).unwrap()..];
+    assert!(
+        listing.contains("`deploy`") && !listing.contains("`style`"),
+        "{listing}"
+    );
+    let read = tool_results(&models, "worker");
+    assert!(
+        read[0].1 && read[0].0.contains("its parent may not read it"),
+        "{:?}",
+        read[0]
+    );
+    assert_eq!(read[1], ("DEPLOY-BODY: follow checklist.md.".into(), false));
+
+    // An agent with no skills is shown neither the section nor the tool.
+    let run = node.run_agent("loner", "Go.").await;
+    assert_eq!(node.wait_run(run).await.run_status(), Status::Done);
+    let alone = &models.requests("loner")[0];
+    assert!(!alone.system.contains(SKILLS_HEADING));
+    assert!(alone.tools.iter().all(|t| &*t.name != "read_skill"));
+}
+
+#[test]
+fn a_skill_an_agent_names_must_be_in_the_workspace_and_well_formed() {
+    let load = |extra: &[(&str, &str)]| {
+        let mut files: Vec<(&str, &str)> = SKILLS_WORKSPACE.to_vec();
+        files.extend_from_slice(extra);
+        let ws = write_tree(&files);
+        arbor_runtime::Workspace::load(ws.path())
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    };
+    assert_eq!(load(&[]), Ok(()));
+    let err = load(&[("agents/extra/agent.md", "---\nskills: [ghost]\n---\nX\n")]).unwrap_err();
+    assert!(
+        err.contains("agents/extra/agent.md")
+            && err.contains("`ghost` is not a skill in skills/ (it has: deploy, style)"),
+        "{err}"
+    );
+    let err = load(&[(
+        "skills/bad/SKILL.md",
+        "---\nname: other\ndescription: d\n---\n",
+    )])
+    .unwrap_err();
+    assert!(
+        err.contains("skills/bad/SKILL.md") && err.contains("not its folder's name"),
+        "{err}"
+    );
+    let err = load(&[("skills/bare/SKILL.md", "---\nname: bare\n---\nbody\n")]).unwrap_err();
+    assert!(err.contains("description: missing"), "{err}");
+    let err = load(&[("skills/empty/notes.md", "x")]).unwrap_err();
+    assert!(err.contains("no SKILL.md"), "{err}");
+}

@@ -268,12 +268,13 @@ pub(crate) fn first_call(
     agent: &AgentDef,
     offered: &BTreeMap<ToolName, Result<(), String>>,
     agents: &BTreeMap<String, Arc<AgentDef>>,
+    skills: &[Arc<arbor_protocol::Skill>],
     request: &str,
     limits: &arbor_protocol::Limits,
 ) -> crate::account::PlannedCall {
     let info = model.info();
     let max_output_limit = max_output_limit(&info, limits);
-    let prompt = Prompt::for_job(agent, offered, agents, &[]);
+    let prompt = Prompt::for_job(agent, offered, agents, skills, &[]);
     let history = [Message::User(request.to_string())];
     let request = call_request(
         agent,

@@ -1,8 +1,8 @@
 //! What a job's model is shown besides its history, made once per job: the
 //! system prompt (the agent's own, then a generated roster of the
-//! sub-agents it may delegate to) and its tools (the built-in ones offered
-//! to it, `delegate`'s `agent` narrowed to the roster's names, then its MCP
-//! tools).
+//! sub-agents it may delegate to, then the skills it may read) and its
+//! tools (the built-in ones offered to it, `delegate`'s `agent` narrowed to
+//! the roster's names, then its MCP tools).
 //!
 //! Invariants:
 //! 1. I-54: the roster names exactly the sub-agents `delegate` accepts (the
@@ -15,13 +15,16 @@
 //!    what the child's loop will send, and a replay compares it (I-49).
 
 use crate::model::ToolSpec;
-use arbor_protocol::{AgentDef, SandboxMode, ToolName};
+use arbor_protocol::{AgentDef, SandboxMode, Skill, ToolName};
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::Arc;
 
 /// The heading of the generated roster, after the agent's own prompt.
 pub const ROSTER_HEADING: &str = "## Sub-agents you may delegate to";
+
+/// The heading of the skills a job may read, after the roster.
+pub const SKILLS_HEADING: &str = "## Skills you may read";
 
 /// A job's system prompt and tools, as every request of it carries them.
 #[derive(Clone, Debug)]
@@ -43,12 +46,14 @@ pub struct RosterEntry {
 
 impl Prompt {
     /// `agent`'s prompt for a job offered `offered`, its sub-agents looked
-    /// up in `agents`, with `mcp` (its MCP tools, listed before its first
-    /// turn; none when a parent plans the first call).
+    /// up in `agents`, the `skills` it may read (`skills::listed`), with
+    /// `mcp` (its MCP tools, listed before its first turn; none when a
+    /// parent plans the first call).
     pub fn for_job(
         agent: &AgentDef,
         offered: &BTreeMap<ToolName, Result<(), String>>,
         agents: &BTreeMap<String, Arc<AgentDef>>,
+        skills: &[Arc<Skill>],
         mcp: &[ToolSpec],
     ) -> Prompt {
         let delegates = offered.get(&ToolName::Delegate).is_some_and(Result::is_ok);
@@ -66,8 +71,12 @@ impl Prompt {
             })
             .chain(mcp.iter().cloned())
             .collect();
+        let skills = match offered.get(&ToolName::ReadSkill) {
+            Some(Ok(())) => skills,
+            _ => &[],
+        };
         Prompt {
-            system: system_prompt(&agent.prompt, &roster).into(),
+            system: system_prompt(&agent.prompt, &roster, skills).into(),
             tools,
         }
     }
@@ -105,12 +114,39 @@ fn choosable_models(sub: &AgentDef) -> Vec<String> {
         .collect()
 }
 
-/// The agent's own prompt, then the roster when it has one.
-fn system_prompt(own: &str, roster: &[RosterEntry]) -> String {
-    if roster.is_empty() {
+/// The agent's own prompt, then the roster and the skills when it has them.
+fn system_prompt(own: &str, roster: &[RosterEntry], skills: &[Arc<Skill>]) -> String {
+    if roster.is_empty() && skills.is_empty() {
         return own.to_string();
     }
     let mut text = own.trim_end().to_string();
+    if !roster.is_empty() {
+        write_roster(&mut text, roster);
+    }
+    if !skills.is_empty() {
+        let _ = write!(
+            text,
+            "\n\n{SKILLS_HEADING}\n\nBefore you do work one of these covers, read it with the `read_skill` tool (its `name`); a skill may name files of its own, read with `file`.\n"
+        );
+        for skill in skills {
+            let _ = write!(
+                text,
+                "\n- `{}`: {}",
+                skill.name,
+                one_line(&skill.description)
+            );
+        }
+        text.push('\n');
+    }
+    text
+}
+
+/// A description on one line, as a list item needs it.
+fn one_line(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+fn write_roster(text: &mut String, roster: &[RosterEntry]) {
     let _ = write!(
         text,
         "\n\n{ROSTER_HEADING}\n\nHand work to one of these with the `delegate` tool, naming it as a job's `agent`; give each job a request it can do alone, since it sees nothing of your conversation.\n"
@@ -132,7 +168,6 @@ fn system_prompt(own: &str, roster: &[RosterEntry]) -> String {
         }
     }
     text.push('\n');
-    text
 }
 
 /// `delegate` with its jobs' `agent` an enum of the roster's names.
@@ -166,17 +201,17 @@ mod tests {
 
     #[test]
     fn the_roster_follows_the_agents_own_prompt_and_names_each_sub_agent_once() {
-        let text = system_prompt("You plan.\n", &[entry("a", false), entry("b", true)]);
+        let text = system_prompt("You plan.\n", &[entry("a", false), entry("b", true)], &[]);
         assert!(text.starts_with("You plan.\n\n## Sub-agents"), "{text}");
         assert!(text.contains("\n- `a`: does a things\n"), "{text}");
         assert!(
             text.contains("- `b`: does b things (Works in a sandbox of its own"),
             "{text}"
         );
-        assert_eq!(system_prompt("You plan.\n", &[]), "You plan.\n");
+        assert_eq!(system_prompt("You plan.\n", &[], &[]), "You plan.\n");
         let mut choosy = entry("c", false);
         choosy.models = vec!["p/small".into(), "p/large".into()];
-        let text = system_prompt("You plan.", &[choosy]);
+        let text = system_prompt("You plan.", &[choosy], &[]);
         assert!(
             text.contains("- `c`: does c things (Runs on `p/small` unless a job names another `model`: `p/large`.)"),
             "{text}"

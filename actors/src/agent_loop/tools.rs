@@ -12,8 +12,8 @@ use crate::sandbox::{OUTPUT_LIMIT, SandboxMsg};
 use crate::tape::Served;
 use arbor_protocol::tools::parse_duration_arg;
 use arbor_protocol::{
-    CollectArgs, DelegateArgs, EventKind, ExecArgs, ReadFileArgs, Refusal, SendMessageArgs,
-    StopChildArgs, SubmitOutputArgs, ToolName, WriteFileArgs,
+    CollectArgs, DelegateArgs, EventKind, ExecArgs, ReadFileArgs, ReadSkillArgs, Refusal,
+    SendMessageArgs, StopChildArgs, SubmitOutputArgs, ToolName, WriteFileArgs,
 };
 use futures::FutureExt;
 use ractor::{ActorRef, RpcReplyPort};
@@ -248,6 +248,7 @@ fn builtin_check(tool: ToolName, args: &serde_json::Value) -> Result<(), String>
             .and_then(|a| parse_duration_arg("timeout", a.timeout.as_deref()).map(|_| ())),
         ToolName::ReadFile => parse::<ReadFileArgs>(tool, args).map(|_| ()),
         ToolName::WriteFile => parse::<WriteFileArgs>(tool, args).map(|_| ()),
+        ToolName::ReadSkill => parse::<ReadSkillArgs>(tool, args).map(|_| ()),
     }
 }
 
@@ -560,6 +561,12 @@ async fn call_builtin(args: &LoopArgs, tool: ToolName, call: &ToolCall) -> Step 
                 Err(e) => Err(e),
             },
             (Err(e), _) | (_, Err(e)) => Err(e),
+        },
+        ToolName::ReadSkill => match parse::<ReadSkillArgs>(tool, &call.args) {
+            Ok(a) => crate::skills::read(&args.ctx.skills, &args.agent, &args.policy, a)
+                .await
+                .map(serde_json::Value::String),
+            Err(e) => Err(e),
         },
         ToolName::ReadFile => match (parse::<ReadFileArgs>(tool, &call.args), sandbox_of(args)) {
             (Ok(a), Ok(sandbox)) => ractor::call!(sandbox, |reply| SandboxMsg::ReadFile {

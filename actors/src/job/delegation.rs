@@ -375,11 +375,13 @@ impl JobState {
             self.lineage.depth + 1,
             &self.ctx.limits,
         );
+        let skills = crate::skills::listed(&self.ctx.skills, &plan.agent, &plan.policy);
         let call = crate::agent_loop::first_call(
             model.as_ref(),
             &plan.agent,
             &offered,
             &self.ctx.agents,
+            &skills,
             &plan.brief.request,
             &self.ctx.limits,
         );

@@ -79,6 +79,7 @@ fn agent_from_front_matter(
         max_turns,
         max_repeats,
         models,
+        skills,
         temperature,
         top_p,
         effort,
@@ -107,6 +108,14 @@ fn agent_from_front_matter(
     for tool in named_tools {
         match tool {
             ToolRef::Builtin(t) if t.info().offer == Offer::Named => tools.push(t),
+            // Offered with `skills:`; naming it too is allowed, alone it is a mistake.
+            ToolRef::Builtin(ToolName::ReadSkill) if !skills.is_empty() => {}
+            ToolRef::Builtin(ToolName::ReadSkill) => {
+                return Err(
+                    "tools: `read_skill` reads the skills an agent names; list them in `skills:`                      (it is then offered without naming it)"
+                        .into(),
+                );
+            }
             ToolRef::Builtin(t) => {
                 let nameable: Vec<&str> = ToolName::nameable().map(ToolName::as_str).collect();
                 return Err(format!(
@@ -164,6 +173,7 @@ fn agent_from_front_matter(
             .flatten(),
         max_turns,
         max_repeats,
+        skills,
         settings,
         timeout: parse_duration_arg("timeout", timeout.as_deref())?,
         script: script.into(),
