@@ -28,6 +28,7 @@ macro_rules! outln_styled {
 
 mod client;
 mod journal;
+mod new;
 mod render;
 mod replay;
 
@@ -74,6 +75,15 @@ enum Command {
     Node(NodeCommand),
     /// Lint a workspace: every problem in one pass (exit 1 if any is an error).
     Check { dir: PathBuf },
+    /// Write a new agents/NAME/agent.md (every key commented) or
+    /// skills/NAME/SKILL.md in a workspace; it loads as it is.
+    New {
+        kind: new::Kind,
+        name: String,
+        /// The workspace folder.
+        #[arg(long, default_value = ".")]
+        workspace: PathBuf,
+    },
     /// The first request a step of AGENT would send, as its provider would
     /// receive it: system prompt and roster, messages, tools with their
     /// schemas, settings (`-o json`: exactly the body). Keys are never in it.
@@ -247,6 +257,17 @@ fn main() -> ExitCode {
             Command::Prompt(args) => match conn.format() {
                 Ok(output) => prompt(&args, output).await,
                 Err(failed) => Err(Failure::Client(failed)),
+            },
+            Command::New {
+                kind,
+                name,
+                workspace,
+            } => match new::write(kind, &name, &workspace) {
+                Ok(path) => {
+                    outln!("{}", path.display());
+                    Ok(ExitCode::SUCCESS)
+                }
+                Err(why) => Err(bad(why)),
             },
             Command::Check { dir } => match conn.format() {
                 Ok(output) => Ok(check(&dir, output).await),

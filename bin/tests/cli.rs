@@ -420,10 +420,8 @@ fn the_docs_name_every_verb_of_the_cli() {
     }
 }
 
-/// `arbor prompt`: the planner's first request body, golden in each wire
-/// format (`BLESS=1` rewrites them): its roster of two sub-agents, the
-/// `delegate` enum of their names, its tools' schemas and settings; its
-/// provider's key is set and never shown.
+/// `arbor prompt`: the planner's first request body in each wire format,
+/// its provider's key set and never shown.
 #[test]
 fn arbor_prompt_prints_the_first_request_body_of_each_wire_format() {
     // The bodies themselves are pinned by goldens in arbor-tests (with an
@@ -472,4 +470,100 @@ fn arbor_prompt_prints_the_first_request_body_of_each_wire_format() {
         String::from_utf8_lossy(&out.stderr)
             .contains("no agent \"ghost\" in this workspace (it has: coder, planner, researcher)")
     );
+}
+
+/// The keys of the agent contract arbor does not read yet (their issues
+/// are open): `arbor new agent` leaves them out, and a file naming one is
+/// refused.
+const NOT_READ_YET: &[&str] = &["fallback", "memory", "env", "hooks", "expose"];
+
+/// `arbor new agent` and `arbor new skill`: a file that loads and runs as
+/// it is, every key the agent contract has (and arbor reads) commented,
+/// and nothing overwritten.
+#[test]
+fn arbor_new_writes_an_agent_with_every_key_and_a_skill_that_load_as_they_are() {
+    let ws = tempfile::tempdir().unwrap();
+    let dir = ws.path().to_str().unwrap();
+    let out = arbor(&["new", "agent", "helper", "--workspace", dir]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let path = ws.path().join("agents/helper/agent.md");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        path.display().to_string()
+    );
+    let text = std::fs::read_to_string(&path).unwrap();
+
+    // Every key of the contract is in it, commented unless it is set.
+    let contract: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(repo().join("docs/contract/agent.schema.json")).unwrap(),
+    )
+    .unwrap();
+    let keys: Vec<&String> = contract["properties"].as_object().unwrap().keys().collect();
+    for key in keys {
+        let named = text
+            .lines()
+            .any(|l| l.starts_with(&format!("# {key}:")) || l.starts_with(&format!("{key}:")));
+        if NOT_READ_YET.contains(&key.as_str()) {
+            assert!(!named, "{key} is not read yet, so not offered");
+            let other = tempfile::tempdir().unwrap();
+            let agent = other.path().join("agents/a/agent.md");
+            std::fs::create_dir_all(agent.parent().unwrap()).unwrap();
+            std::fs::write(&agent, format!("---\n{key}: x\n---\nA.\n")).unwrap();
+            let out = arbor(&["check", other.path().to_str().unwrap()]);
+            assert_eq!(out.status.code(), Some(1), "{key} should be refused today");
+        } else {
+            assert!(named, "the template lacks `{key}`:\n{text}");
+        }
+    }
+
+    // It loads, and runs offline on the scripted model as it is.
+    let out = arbor(&["check", dir]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let data = tempfile::tempdir().unwrap();
+    let out = arbor(&[
+        "run",
+        dir,
+        "--agent",
+        "helper",
+        "--input",
+        "hi",
+        "--json",
+        "--data-dir",
+        data.path().to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // A skill, and an agent that names it.
+    let out = arbor(&["new", "skill", "deploy", "--workspace", dir]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::write(&path, text.replace("# skills: [SKILL]", "skills: [deploy]")).unwrap();
+    let out = arbor(&["prompt", dir, "helper"]);
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(shown.contains("- `deploy`: What deploy is for"), "{shown}");
+
+    // Nothing is overwritten; a bad name is a usage error; both change nothing.
+    let before = std::fs::read_to_string(&path).unwrap();
+    let out = arbor(&["new", "agent", "helper", "--workspace", dir]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("already exists; nothing was written"));
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), before);
+    let out = arbor(&["new", "skill", "Bad Name", "--workspace", dir]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(!ws.path().join("skills/Bad Name").exists());
 }

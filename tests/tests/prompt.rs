@@ -330,8 +330,11 @@ const SKILLS_WORKSPACE: &[(&str, &str)] = &[
     ),
 ];
 
+/// A skill listed in the prompt, read on demand (its body, a file beside
+/// it, never a path out of its folder), and refused to a child whose
+/// parent lacks it.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_skill_is_listed_read_on_demand_and_refused_to_a_child_whose_parent_lacks_it() {
+async fn inv_25_a_child_reads_only_the_skills_its_parent_may() {
     use arbor_actors::agent_loop::SKILLS_HEADING;
     let ws = write_tree(SKILLS_WORKSPACE);
     let models = RecordingModels::new();
