@@ -38,6 +38,7 @@ pub use types::{
 use crate::mcp::McpToolbox;
 use crate::model::{Message, ModelReply, ToolCall};
 use arbor_protocol::{ErrorClass, EventKind, TaskStatus};
+pub use model_call::max_output_limit;
 use model_call::{CallEnd, call_model, fit_context, tell_pressure};
 pub use prompt::{Prompt, ROSTER_HEADING, RosterEntry, SKILLS_HEADING, roster};
 pub use repeats::REPEAT_NOTICE;
@@ -118,6 +119,7 @@ async fn run_turns(args: LoopArgs) -> LoopOutcome {
         history.push(Message::Assistant {
             text: reply.text.clone(),
             calls: reply.calls.clone(),
+            thinking: reply.thinking.clone(),
         });
         if reply.calls.is_empty() {
             return final_answer(reply, turn, last_text.is_some());

@@ -89,7 +89,7 @@ pub fn transcript(messages: &[Message]) -> String {
                 Some(summary) => out.push_str(&format!("PREVIOUS SUMMARY:\n{summary}\n")),
                 None => out.push_str(&format!("USER: {text}\n")),
             },
-            Message::Assistant { text, calls } => {
+            Message::Assistant { text, calls, .. } => {
                 if let Some(text) = text {
                     out.push_str(&format!("ASSISTANT: {text}\n"));
                 }
@@ -164,6 +164,7 @@ mod tests {
     fn call(id: &str) -> Message {
         Message::Assistant {
             text: None,
+            thinking: vec![],
             calls: vec![ToolCall {
                 id: id.into(),
                 tool: "exec".into(),

@@ -80,6 +80,9 @@ pub enum Message {
     Assistant {
         text: Option<String>,
         calls: Vec<ToolCall>,
+        /// The provider's thinking blocks of this turn (Anthropic's extended
+        /// thinking), sent back unchanged with it; empty for most.
+        thinking: Vec<serde_json::Value>,
     },
     ToolResult {
         call_id: String,
@@ -92,8 +95,13 @@ impl Message {
     pub fn text_len(&self) -> usize {
         match self {
             Message::User(t) => t.len(),
-            Message::Assistant { text, calls } => {
-                text.as_ref().map_or(0, |t| t.len())
+            Message::Assistant {
+                text,
+                calls,
+                thinking,
+            } => {
+                thinking.iter().map(|b| b.to_string().len()).sum::<usize>()
+                    + text.as_ref().map_or(0, |t| t.len())
                     + calls
                         .iter()
                         .map(|c| c.tool.len() + c.args.to_string().len())
@@ -115,6 +123,8 @@ pub struct ToolCall {
 pub struct ModelReply {
     pub text: Option<String>,
     pub calls: Vec<ToolCall>,
+    /// Thinking blocks to send back with this turn (`Message::Assistant`).
+    pub thinking: Vec<serde_json::Value>,
     /// What the provider reported it counted; None when it reported nothing
     /// (the loop then charges the call's whole reservation).
     pub usage: Option<Usage>,
@@ -222,6 +232,11 @@ pub struct ModelInfo {
     /// Its provider bills what it receives, so a call a crash cut short is
     /// charged in full at recovery (the scripted model bills nothing).
     pub billed: bool,
+    /// Anthropic's extended thinking: the budget at each effort, counted in
+    /// a call's reservation as output.
+    pub thinking_tokens: Option<arbor_protocol::ThinkingTokens>,
+    /// Its entry's `effort`, for an agent that does not say.
+    pub default_effort: Option<arbor_protocol::Effort>,
 }
 
 impl ModelInfo {
@@ -235,6 +250,21 @@ impl ModelInfo {
             price: Some(Price::default()),
             retry: RetryPolicy::NONE,
             billed: false,
+            thinking_tokens: None,
+            default_effort: None,
+        }
+    }
+
+    /// The tokens a call made with `settings` may think with, beside its
+    /// answer: the thinking budget at its effort, 0 for a model that does
+    /// not think apart.
+    pub fn thinking_budget(&self, settings: arbor_protocol::Settings) -> u64 {
+        match (
+            self.thinking_tokens,
+            settings.effort.or(self.default_effort),
+        ) {
+            (Some(tokens), Some(effort)) => tokens.at(effort),
+            _ => 0,
         }
     }
 }

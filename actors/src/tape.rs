@@ -296,7 +296,9 @@ pub fn canonical(model: &str, volatile: &Volatile, request: &ModelRequest) -> Ca
     for (i, message) in request.messages.iter().enumerate() {
         let (role, body) = match message {
             Message::User(text) => ("user", volatile.clean(text).into_owned()),
-            Message::Assistant { text, calls } => {
+            // Thinking is the provider's to check, and a recording keeps
+            // none: a replay's history has the same turns without it.
+            Message::Assistant { text, calls, .. } => {
                 let mut body = text.clone().unwrap_or_default();
                 for call in calls {
                     body.push('\0');
@@ -371,6 +373,8 @@ fn recorded_model(info: &ModelInfo) -> RecordedModel {
         retry_base_ms: info.retry.base.as_millis() as u64,
         retry_cap_ms: info.retry.cap.as_millis() as u64,
         billed: info.billed,
+        thinking_tokens: info.thinking_tokens.map(Box::new),
+        default_effort: info.default_effort,
     }
 }
 
@@ -390,6 +394,8 @@ fn model_info(recorded: &RecordedModel) -> ModelInfo {
             cap: Duration::from_millis(recorded.retry_cap_ms),
         },
         billed: recorded.billed,
+        thinking_tokens: recorded.thinking_tokens.as_deref().copied(),
+        default_effort: recorded.default_effort,
     }
 }
 
@@ -799,6 +805,7 @@ fn answer(
             truncated,
         } => Ok(ModelReply {
             text: text.clone(),
+            thinking: vec![],
             calls: calls
                 .iter()
                 .map(|c| ToolCall {

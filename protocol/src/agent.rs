@@ -311,8 +311,29 @@ impl Settings {
     }
 }
 
-/// How hard a reasoning model thinks: OpenAI's `reasoning_effort`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+/// Anthropic's extended thinking: the tokens a model may think with at
+/// each `effort` (a model entry's `thinking_tokens`), counted as output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ThinkingTokens {
+    pub low: u64,
+    pub medium: u64,
+    pub high: u64,
+}
+
+impl ThinkingTokens {
+    pub fn at(&self, effort: Effort) -> u64 {
+        match effort {
+            Effort::Low => self.low,
+            Effort::Medium => self.medium,
+            Effort::High => self.high,
+        }
+    }
+}
+
+/// How hard a reasoning model thinks: OpenAI's `reasoning_effort`, or
+/// Anthropic's extended thinking at a model entry's `thinking_tokens`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Effort {
     Low,

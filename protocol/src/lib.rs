@@ -23,7 +23,7 @@ mod duration_str;
 
 pub use agent::{
     AgentDef, Effort, ModelRef, Network, Resources, ResourcesSpec, SandboxMode, ScriptCall,
-    ScriptTurn, ScriptUsage, Settings,
+    ScriptTurn, ScriptUsage, Settings, ThinkingTokens,
 };
 pub use approval::{ApprovalSettings, Card, CardState, Decision, Verdict};
 pub use event::{CallFacts, Event, EventKind, McpServerState, NodeKind, ParentRef};

@@ -168,6 +168,12 @@ pub struct RecordedModel {
     pub retry_base_ms: u64,
     pub retry_cap_ms: u64,
     pub billed: bool,
+    /// Its extended thinking (`thinking_tokens`), if its entry gives it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub thinking_tokens: Option<Box<crate::ThinkingTokens>>,
+    /// Its entry's default `effort`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default_effort: Option<crate::Effort>,
 }
 
 /// One thing an adapter told the call's meter, in order.

@@ -1,20 +1,27 @@
 //! Anthropic's Messages wire format: the request body (tool results as
 //! `tool_result` blocks, consecutive turns of one role merged, as the API
-//! requires), a whole answer, and a streamed one (usage from
-//! `message_start` and `message_delta`). Pure, like `openai`.
+//! requires; `effort` as extended thinking, each turn's thinking blocks
+//! sent back before its tool calls, unchanged, as the API requires), a
+//! whole answer, and a streamed one (usage from `message_start` and
+//! `message_delta`). Pure, like `openai`.
 
 use crate::wire::{error_in_stream, parse_json, protocol_error, system_prompt, tool_arguments};
 use arbor_actors::model::{CallMeter, Message, ModelError, ModelReply, ModelRequest, ToolCall};
-use arbor_protocol::{Settings, Usage};
+use arbor_protocol::{Settings, ThinkingTokens, Usage};
 use serde_json::{Value, json};
 
 /// The API version this client speaks (the `anthropic-version` header).
 pub const API_VERSION: &str = "2023-06-01";
 
-/// `max_tokens`: what the body asks for (the call's reserved output).
+/// Anthropic's least thinking budget: below it a call goes without.
+const MIN_THINKING: u64 = 1024;
+
+/// `max_tokens`: what the body asks for (the call's reserved output, its
+/// thinking budget included); `thinking`: the model entry's budgets.
 pub fn body(
     model_id: &str,
     defaults: Settings,
+    thinking: Option<ThinkingTokens>,
     request: &ModelRequest,
     max_tokens: u64,
     stream: bool,
@@ -33,7 +40,14 @@ pub fn body(
     for message in &request.messages {
         match message {
             Message::User(text) => push("user", json!({"type": "text", "text": text})),
-            Message::Assistant { text, calls } => {
+            Message::Assistant {
+                text,
+                calls,
+                thinking,
+            } => {
+                for block in thinking.iter() {
+                    push("assistant", block.clone());
+                }
                 if let Some(text) = text.as_ref().filter(|t| !t.is_empty()) {
                     push("assistant", json!({"type": "text", "text": text}));
                 }
@@ -78,8 +92,18 @@ pub fn body(
             })
             .collect();
     }
-    // `effort` is refused at load for this format (docs/models.md).
-    crate::openai::sampling(&mut body, request.settings.over(defaults));
+    let settings = request.settings.over(defaults);
+    // Within `max_tokens`, leaving at least one token of answer; a call
+    // whose account covers too little for the least budget goes without.
+    let budget = match (thinking, settings.effort) {
+        (Some(tokens), Some(effort)) => tokens.at(effort).min(max_tokens.saturating_sub(1)),
+        _ => 0,
+    };
+    if budget >= MIN_THINKING {
+        body["thinking"] = json!({"type": "enabled", "budget_tokens": budget});
+    }
+    // With thinking, sampling settings are refused at load (docs/models.md).
+    crate::openai::sampling(&mut body, settings);
     if stream {
         body["stream"] = json!(true);
     }
@@ -94,9 +118,11 @@ pub fn parse_reply(bytes: &[u8]) -> Result<ModelReply, ModelError> {
         .ok_or_else(|| protocol_error("the answer has no content"))?;
     let mut text = String::new();
     let mut calls = vec![];
+    let mut thinking = vec![];
     for block in blocks {
         match block.get("type").and_then(Value::as_str) {
             Some("text") => text.push_str(block.get("text").and_then(Value::as_str).unwrap_or("")),
+            Some("thinking" | "redacted_thinking") => thinking.push(block.clone()),
             Some("tool_use") => calls.push(ToolCall {
                 id: block
                     .get("id")
@@ -122,6 +148,7 @@ pub fn parse_reply(bytes: &[u8]) -> Result<ModelReply, ModelError> {
     Ok(ModelReply {
         text: (!text.is_empty()).then_some(text),
         calls,
+        thinking,
         usage,
         truncated: value.get("stop_reason").and_then(Value::as_str) == Some("max_tokens"),
     })
@@ -143,6 +170,9 @@ pub struct Stream {
     text: String,
     /// By block index: (id, name, partial json), for tool_use blocks.
     calls: Vec<(usize, String, String, String)>,
+    /// By block index: thinking blocks as they grow (text and signature
+    /// appended), or a redacted one whole.
+    thinking: Vec<(usize, Value)>,
     input_tokens: Option<u64>,
     output_tokens: Option<u64>,
     stop_reason: Option<String>,
@@ -169,6 +199,7 @@ impl Stream {
                         let t = block.get("text").and_then(Value::as_str).unwrap_or("");
                         self.text.push_str(t);
                     }
+                    Some("thinking" | "redacted_thinking") => self.thinking.push((index, block)),
                     Some("tool_use") => self.calls.push((
                         index,
                         block
@@ -194,6 +225,23 @@ impl Stream {
                         let t = delta.get("text").and_then(Value::as_str).unwrap_or("");
                         meter.add_streamed(t.len() as u64);
                         self.text.push_str(t);
+                    }
+                    Some(kind @ ("thinking_delta" | "signature_delta")) => {
+                        let key = if kind == "thinking_delta" {
+                            "thinking"
+                        } else {
+                            "signature"
+                        };
+                        let piece = delta.get(key).and_then(Value::as_str).unwrap_or("");
+                        meter.add_streamed(piece.len() as u64);
+                        let Some((_, block)) = self.thinking.iter_mut().find(|b| b.0 == index)
+                        else {
+                            return Err(protocol_error(
+                                "a thinking delta for a block that is not thinking",
+                            ));
+                        };
+                        let grown = format!("{}{piece}", block[key].as_str().unwrap_or(""));
+                        block[key] = Value::String(grown);
                     }
                     Some("input_json_delta") => {
                         let piece = delta
@@ -265,6 +313,7 @@ impl Stream {
                     args: tool_arguments(&args),
                 })
                 .collect(),
+            thinking: self.thinking.into_iter().map(|(_, block)| block).collect(),
             usage,
             truncated: self.stop_reason.as_deref() == Some("max_tokens"),
         })
@@ -284,6 +333,7 @@ mod tests {
             messages: vec![
                 Message::User("go".into()),
                 Message::Assistant {
+                    thinking: vec![],
                     text: Some("Two things.".into()),
                     calls: vec![
                         ToolCall {
@@ -317,7 +367,7 @@ mod tests {
             turn: 1,
             meter: Default::default(),
         };
-        let body = body("claude-x", Settings::default(), &request, 50, false);
+        let body = body("claude-x", Settings::default(), None, &request, 50, false);
         assert_eq!(body["system"], "You are the planner.");
         let messages = body["messages"].as_array().unwrap();
         assert_eq!(messages.len(), 3, "{body}");
@@ -386,5 +436,105 @@ mod tests {
             )
             .unwrap_err();
         assert_eq!(e.class, arbor_protocol::ErrorClass::ModelOverloaded);
+    }
+
+    #[test]
+    fn a_streamed_thinking_block_is_kept_whole_and_effort_sets_its_budget() {
+        let meter = CallMeter::default();
+        let mut s = Stream::default();
+        let events = [
+            r#"{"type":"message_start","message":{"id":"m","usage":{"input_tokens":25,"output_tokens":1}}}"#,
+            r#"{"type":"content_block_start","index":0,"content_block":{"type":"thinking","thinking":"","signature":""}}"#,
+            r#"{"type":"content_block_delta","index":0,"delta":{"type":"thinking_delta","thinking":"Check "}}"#,
+            r#"{"type":"content_block_delta","index":0,"delta":{"type":"thinking_delta","thinking":"first."}}"#,
+            r#"{"type":"content_block_delta","index":0,"delta":{"type":"signature_delta","signature":"EqQB"}}"#,
+            r#"{"type":"content_block_start","index":1,"content_block":{"type":"redacted_thinking","data":"xyz"}}"#,
+            r#"{"type":"content_block_start","index":2,"content_block":{"type":"tool_use","id":"toolu_1","name":"exec","input":{}}}"#,
+            r#"{"type":"content_block_delta","index":2,"delta":{"type":"input_json_delta","partial_json":"{}"}}"#,
+            r#"{"type":"message_delta","delta":{"stop_reason":"tool_use"},"usage":{"output_tokens":15}}"#,
+        ];
+        for e in events {
+            assert!(!s.on_data(e, &meter).unwrap());
+        }
+        assert!(s.on_data(r#"{"type":"message_stop"}"#, &meter).unwrap());
+        let reply = s.finish().unwrap();
+        assert_eq!(
+            reply.thinking,
+            vec![
+                json!({"type": "thinking", "thinking": "Check first.", "signature": "EqQB"}),
+                json!({"type": "redacted_thinking", "data": "xyz"}),
+            ]
+        );
+
+        let thinking = ThinkingTokens {
+            low: 1024,
+            medium: 2048,
+            high: 4096,
+        };
+        let request = |effort| ModelRequest {
+            agent: "a".into(),
+            system: "s".into(),
+            messages: vec![
+                Message::User("go".into()),
+                Message::Assistant {
+                    text: None,
+                    calls: reply.calls.clone(),
+                    thinking: reply.thinking.clone(),
+                },
+            ],
+            tools: [].into(),
+            max_output_tokens: 5000,
+            wind_down: None,
+            settings: Settings {
+                effort,
+                ..Settings::default()
+            },
+            turn: 1,
+            meter: Default::default(),
+        };
+        let high = body(
+            "claude-x",
+            Settings::default(),
+            Some(thinking),
+            &request(Some(arbor_protocol::Effort::High)),
+            5000,
+            false,
+        );
+        assert_eq!(
+            high["thinking"],
+            json!({"type": "enabled", "budget_tokens": 4096})
+        );
+        let content = &high["messages"][1]["content"];
+        assert_eq!(content[0]["signature"], "EqQB");
+        assert_eq!(content[1]["type"], "redacted_thinking");
+        assert_eq!(content[2]["type"], "tool_use");
+        // Cut to what max_tokens leaves; below Anthropic's least, none.
+        let cut = body(
+            "claude-x",
+            Settings::default(),
+            Some(thinking),
+            &request(Some(arbor_protocol::Effort::High)),
+            3000,
+            false,
+        );
+        assert_eq!(cut["thinking"]["budget_tokens"], 2999);
+        let none = body(
+            "claude-x",
+            Settings::default(),
+            Some(thinking),
+            &request(Some(arbor_protocol::Effort::Low)),
+            1000,
+            false,
+        );
+        assert!(none.get("thinking").is_none());
+        let plain = body(
+            "claude-x",
+            Settings::default(),
+            Some(thinking),
+            &request(None),
+            5000,
+            false,
+        );
+        assert!(plain.get("thinking").is_none());
     }
 }

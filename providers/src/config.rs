@@ -25,7 +25,7 @@
 //!    journal record or error message.
 
 use arbor_actors::model::{Price, RetryPolicy};
-use arbor_protocol::{Effort, Settings};
+use arbor_protocol::{Effort, Settings, ThinkingTokens};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -81,9 +81,26 @@ pub struct ProviderModel {
     pub context_window: u64,
     pub max_output_tokens: u64,
     pub price: Option<Price>,
+    /// Anthropic's extended thinking at each `effort`.
+    pub thinking_tokens: Option<ThinkingTokens>,
 }
 
 impl Provider {
+    /// What the loop knows of `model`, one of this provider's.
+    pub fn model_info(&self, model: &ProviderModel) -> arbor_actors::model::ModelInfo {
+        arbor_actors::model::ModelInfo {
+            provider: self.name.clone(),
+            model: model.id.clone(),
+            max_output_tokens: Some(model.max_output_tokens),
+            context_window: Some(model.context_window),
+            price: model.price,
+            retry: self.retry,
+            billed: true,
+            thinking_tokens: model.thinking_tokens,
+            default_effort: model.settings.effort,
+        }
+    }
+
     /// The URL one request goes to.
     pub fn endpoint(&self) -> String {
         match self.kind {
@@ -120,6 +137,7 @@ pub struct ModelFile {
     temperature: Option<f64>,
     top_p: Option<f64>,
     effort: Option<Effort>,
+    thinking_tokens: Option<ThinkingTokens>,
 }
 
 /// Checks one block; the error names the key (`providers.NAME.KEY`).
@@ -224,6 +242,10 @@ pub fn check_provider(name: &str, file: ProviderFile) -> Result<Provider, String
         };
         let settings = Settings::from_figures(model.temperature, model.top_p, model.effort)
             .map_err(|e| format!("providers.{name}.models.{model_name}.{e}"))?;
+        if let Some(thinking) = model.thinking_tokens {
+            check_thinking(file.kind, thinking, max_output_tokens)
+                .map_err(|e| format!("{}: {e}", mkey("thinking_tokens")))?;
+        }
         models.insert(
             model_name,
             ProviderModel {
@@ -232,6 +254,7 @@ pub fn check_provider(name: &str, file: ProviderFile) -> Result<Provider, String
                 context_window,
                 max_output_tokens,
                 price,
+                thinking_tokens: model.thinking_tokens,
             },
         );
     }
@@ -251,6 +274,35 @@ pub fn check_provider(name: &str, file: ProviderFile) -> Result<Provider, String
         },
         models,
     })
+}
+
+/// Anthropic's least thinking budget.
+pub const MIN_THINKING_TOKENS: u64 = 1024;
+
+/// A `thinking_tokens` table Anthropic would take: each level at least
+/// its least budget, below the model's `max_output_tokens` (the budget is
+/// part of `max_tokens`).
+fn check_thinking(kind: ProviderKind, t: ThinkingTokens, max_output: u64) -> Result<(), String> {
+    if kind != ProviderKind::Anthropic {
+        return Err(
+            "is Anthropic's extended thinking; an openai-format model takes effort as \
+             reasoning_effort, with no budget"
+                .into(),
+        );
+    }
+    for (level, n) in [("low", t.low), ("medium", t.medium), ("high", t.high)] {
+        if n < MIN_THINKING_TOKENS {
+            return Err(format!(
+                "{level} = {n}: Anthropic takes at least {MIN_THINKING_TOKENS}"
+            ));
+        }
+        if n >= max_output {
+            return Err(format!(
+                "{level} = {n}: must be below max_output_tokens ({max_output}), which holds it"
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn positive(value: Option<i64>, key: &str) -> Result<Option<u64>, String> {

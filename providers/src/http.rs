@@ -87,6 +87,7 @@ impl HttpModel {
             ProviderKind::Anthropic => anthropic::body(
                 &self.model.id,
                 self.model.settings,
+                self.model.thinking_tokens,
                 request,
                 max_tokens,
                 stream,
@@ -142,15 +143,7 @@ impl Model for HttpModel {
     }
 
     fn info(&self) -> ModelInfo {
-        ModelInfo {
-            provider: self.provider.config.name.clone(),
-            model: self.model.id.clone(),
-            max_output_tokens: Some(self.model.max_output_tokens),
-            context_window: Some(self.model.context_window),
-            price: self.model.price,
-            retry: self.provider.config.retry,
-            billed: true,
-        }
+        self.provider.config.model_info(&self.model)
     }
 }
 

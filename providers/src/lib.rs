@@ -119,18 +119,22 @@ fn no_http(agent: &str, provider: &str, model: &str) -> String {
 
 /// The body of `request` in `kind`'s wire format, exactly as its client
 /// sends it (the key is not in it: it travels in a header).
-/// `defaults` are the model entry's settings, under the agent's.
+/// `defaults` are the model entry's settings, under the agent's;
+/// `thinking` its `thinking_tokens` (Anthropic's).
 pub fn request_body(
     kind: ProviderKind,
     model_id: &str,
     defaults: arbor_protocol::Settings,
+    thinking: Option<arbor_protocol::ThinkingTokens>,
     request: &ModelRequest,
     max_tokens: u64,
     stream: bool,
 ) -> serde_json::Value {
     match kind {
         ProviderKind::Openai => openai::body(model_id, defaults, request, max_tokens, stream),
-        ProviderKind::Anthropic => anthropic::body(model_id, defaults, request, max_tokens, stream),
+        ProviderKind::Anthropic => {
+            anthropic::body(model_id, defaults, thinking, request, max_tokens, stream)
+        }
     }
 }
 

@@ -20,7 +20,8 @@ pub fn body(
     for message in &request.messages {
         messages.push(match message {
             Message::User(text) => json!({"role": "user", "content": text}),
-            Message::Assistant { text, calls } => {
+            // Chat Completions has no thinking blocks to send back.
+            Message::Assistant { text, calls, .. } => {
                 let mut m = json!({"role": "assistant", "content": text});
                 if !calls.is_empty() {
                     m["tool_calls"] = calls
@@ -132,6 +133,7 @@ pub fn parse_reply(bytes: &[u8], turn: u32) -> Result<ModelReply, ModelError> {
         }
     }
     Ok(ModelReply {
+        thinking: vec![],
         text,
         calls,
         usage: usage(value.get("usage")),
@@ -246,6 +248,7 @@ impl Stream {
             })
             .collect();
         Ok(ModelReply {
+            thinking: vec![],
             text: (!self.text.is_empty()).then_some(self.text),
             calls,
             usage: self.usage,
@@ -266,6 +269,7 @@ mod tests {
             messages: vec![
                 Message::User("go".into()),
                 Message::Assistant {
+                    thinking: vec![],
                     text: None,
                     calls: vec![ToolCall {
                         id: "call_1".into(),

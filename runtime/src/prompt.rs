@@ -8,8 +8,9 @@
 //! their declared secrets), so their tools appear as the model sees them.
 
 use crate::workspace::Workspace;
-use arbor_actors::agent_loop::{Prompt, first_request};
+use arbor_actors::agent_loop::{Prompt, first_request, max_output_limit};
 use arbor_actors::mcp::McpToolbox;
+use arbor_actors::model::ModelInfo;
 use arbor_actors::model::ToolSpec;
 use arbor_actors::policy::Policy;
 use arbor_protocol::{ModelRef, NodeKind, Settings};
@@ -38,26 +39,33 @@ pub async fn first_body(
         )
     })?;
     let config = &workspace.config;
-    let (own_wire, model_id, defaults, stream, max_output) = match &def.model {
+    let (own_wire, model_id, defaults, stream, info) = match &def.model {
         ModelRef::Scripted => (
             ProviderKind::Openai,
             "scripted".to_string(),
             Settings::default(),
             false,
-            config.limits.max_output_tokens,
+            ModelInfo::scripted(),
         ),
         ModelRef::Provider { provider, model } => {
             let entry = config.providers.get(provider).ok_or_else(|| {
                 format!("agent {agent:?}: no provider {provider:?} in arbor.toml")
             })?;
-            let info = entry.models.get(model).ok_or_else(|| {
+            let model = entry.models.get(model).ok_or_else(|| {
                 format!("agent {agent:?}: provider {provider:?} has no model {model:?}")
             })?;
-            let max_output = info.max_output_tokens.min(config.limits.max_output_tokens);
-            let id = info.id.clone();
-            (entry.kind, id, info.settings, entry.stream, max_output)
+            let info = entry.model_info(model);
+            (
+                entry.kind,
+                model.id.clone(),
+                model.settings,
+                entry.stream,
+                info,
+            )
         }
     };
+    // The loop's own rule: its output cap, a thinking budget included.
+    let max_output = max_output_limit(&info, &config.limits, def.settings);
     let policy = Policy::root(def, &config.limits, &config.approvals.tools);
     let offered = policy.offered(def, NodeKind::Step, 0, &config.limits);
     let agents: BTreeMap<String, Arc<_>> = workspace
@@ -71,7 +79,13 @@ pub async fn first_body(
     let request = first_request(def, &prompt, input, max_output);
     let kind = wire.unwrap_or(own_wire);
     Ok(request_body(
-        kind, &model_id, defaults, &request, max_output, stream,
+        kind,
+        &model_id,
+        defaults,
+        info.thinking_tokens,
+        &request,
+        max_output,
+        stream,
     ))
 }
 

@@ -49,6 +49,7 @@ impl Model for ScriptedModel {
             // A script that runs out ends the loop with no answer.
             let Some(turn) = turn else {
                 return Ok(ModelReply {
+                    thinking: vec![],
                     text: None,
                     calls: vec![],
                     usage: Some(Usage {
@@ -81,6 +82,7 @@ impl Model for ScriptedModel {
             });
             let output = wanted.min(request.max_output_tokens);
             Ok(ModelReply {
+                thinking: vec![],
                 text: turn.say.clone(),
                 calls,
                 usage: Some(Usage {

@@ -528,18 +528,23 @@ fn check_model(agent: &AgentDef, model: &ModelRef, config: &Config) -> Result<()
         ));
     };
     let settings = agent.settings.over(entry.settings);
-    settings_refused(p.kind, settings).map_err(|why| format!("{why} (on `{provider}/{model}`)"))
+    settings_refused(p.kind, settings, entry.thinking_tokens.is_some())
+        .map_err(|why| format!("{why} (on `{provider}/{model}`)"))
 }
 
 /// Settings a provider of `kind` would refuse, as a line naming the key.
-fn settings_refused(kind: arbor_providers::ProviderKind, settings: Settings) -> Result<(), String> {
+/// `thinks`: the model entry gives `thinking_tokens`.
+fn settings_refused(
+    kind: arbor_providers::ProviderKind,
+    settings: Settings,
+    thinks: bool,
+) -> Result<(), String> {
     use arbor_providers::ProviderKind;
     if settings.effort.is_some() {
-        if kind == ProviderKind::Anthropic {
+        if kind == ProviderKind::Anthropic && !thinks {
             return Err(
-                "effort: Anthropic's extended thinking is not offered yet (its thinking \
-                        blocks would have to go back with every turn); remove it, or use an \
-                        openai-format provider"
+                "effort: on Anthropic it is extended thinking, and its model entry in arbor.toml \
+                 gives no budget: add thinking_tokens = { low = 2048, medium = 8192, high = 16384 }"
                     .into(),
             );
         }

@@ -1175,7 +1175,7 @@ fn settings_are_read_over_the_models_and_a_refused_combination_is_named() {
     use arbor_protocol::{Effort, Settings};
     let toml = |kind: &str, defaults: &str| {
         format!(
-            "[providers.p]\nkind = \"{kind}\"\nbase_url = \"http://127.0.0.1:9/v1\"\n[providers.p.models.m]\nid = \"m-1\"\ncontext_window = 8192\nmax_output_tokens = 1024\n{defaults}\n"
+            "[providers.p]\nkind = \"{kind}\"\nbase_url = \"http://127.0.0.1:9/v1\"\n[providers.p.models.m]\nid = \"m-1\"\ncontext_window = 32768\nmax_output_tokens = 8192\n{defaults}\n"
         )
     };
     let load = |toml: &str, front: &str| {
@@ -1210,6 +1210,10 @@ fn settings_are_read_over_the_models_and_a_refused_combination_is_named() {
     );
     let ws = load(&toml("openai", ""), "effort: high").unwrap();
     assert_eq!(ws.agents["a"].settings.effort, Some(Effort::High));
+    let thinks = "thinking_tokens = { low = 1024, medium = 2048, high = 4096 }";
+    let ws = load(&toml("anthropic", thinks), "effort: medium").unwrap();
+    let entry = &ws.config.providers["p"].models["m"];
+    assert_eq!(entry.thinking_tokens.unwrap().at(Effort::Medium), 2048);
 
     for (kind, defaults, front, words) in [
         (
@@ -1235,7 +1239,19 @@ fn settings_are_read_over_the_models_and_a_refused_combination_is_named() {
             "anthropic",
             "",
             "effort: low",
-            "agents/a/agent.md: effort: Anthropic's extended thinking is not offered yet",
+            "agents/a/agent.md: effort: on Anthropic it is extended thinking, and its model entry in arbor.toml gives no budget",
+        ),
+        (
+            "anthropic",
+            "thinking_tokens = { low = 512, medium = 2048, high = 4096 }",
+            "effort: low",
+            "providers.p.models.m.thinking_tokens: low = 512: Anthropic takes at least 1024",
+        ),
+        (
+            "openai",
+            "thinking_tokens = { low = 1024, medium = 2048, high = 4096 }",
+            "",
+            "providers.p.models.m.thinking_tokens: is Anthropic's extended thinking",
         ),
         (
             "anthropic",

@@ -1177,3 +1177,60 @@ async fn inv_55_a_job_runs_on_the_model_its_parent_names_within_what_its_agent_a
     );
     node.shutdown().await;
 }
+
+/// Anthropic's extended thinking for `effort`: the model entry's budget
+/// for the level goes in the body and in the call's reservation as output,
+/// and the turn's thinking block goes back unchanged, before its tool call.
+#[tokio::test(flavor = "multi_thread")]
+async fn effort_on_anthropic_thinks_within_the_reservation_and_sends_its_thinking_back() {
+    let mock = MockProvider::start().await;
+    let toml = format!(
+        "[providers.mock]\nkind = \"anthropic\"\nbase_url = \"{}\"\nstream = false\n\
+         [providers.mock.models.big]\nid = \"mock-big\"\ncontext_window = 32768\n\
+         max_output_tokens = 8192\nthinking_tokens = {{ low = 1024, medium = 2048, high = 4096 }}\n",
+        mock.base_url(Format::Anthropic)
+    );
+    let thinker = "---\nmodel: mock/big\neffort: medium\n---\nYou think first.\n";
+    let block =
+        json!({"type": "thinking", "thinking": "The file is small.", "signature": "sig-7f3a"});
+    mock.push(
+        Format::Anthropic,
+        Answer::json(
+            200,
+            json!({
+                "id": "msg_1", "type": "message", "role": "assistant", "model": "mock-big",
+                "content": [block, {"type": "tool_use", "id": "toolu_1", "name": "look", "input": {}}],
+                "stop_reason": "tool_use", "usage": {"input_tokens": 40, "output_tokens": 900}
+            }),
+        ),
+    );
+    let submit = [("submit_output", json!({"output": "done"}))];
+    mock.push(Format::Anthropic, anthropic::message("", &submit, 60, 10));
+    let node = TestNode::start_with_config(&toml, &[("thinker", thinker)]).await;
+    let run = node.run_agent("thinker", "Look.").await;
+    assert_eq!(node.wait_run(run).await.run_status(), Status::Done);
+
+    let received = mock.received();
+    let first = &received[0].body;
+    // [limits] max_output_tokens (4096) for the answer, 2048 to think.
+    assert_eq!(
+        first["thinking"],
+        json!({"type": "enabled", "budget_tokens": 2048})
+    );
+    assert_eq!(first["max_tokens"], 4096 + 2048);
+    assert!(first.get("temperature").is_none());
+    let reserved: Vec<u64> = node
+        .events(run)
+        .iter()
+        .filter_map(|e| match e.kind {
+            EventKind::ModelCalled { reserved, .. } => Some(reserved),
+            _ => None,
+        })
+        .collect();
+    assert!(reserved.iter().all(|r| *r > 4096 + 2048), "{reserved:?}");
+    // The thinking block, unchanged, opens the assistant turn it came with.
+    let assistant = &received[1].body["messages"][1];
+    assert_eq!(assistant["role"], "assistant");
+    assert_eq!(assistant["content"][0], block);
+    assert_eq!(assistant["content"][1]["type"], "tool_use");
+}

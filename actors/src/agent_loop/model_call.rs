@@ -225,11 +225,21 @@ pub(super) async fn fit_context(
 }
 
 /// The most output tokens a call to `info`'s model may ask for.
-pub(super) fn max_output_limit(info: &ModelInfo, limits: &arbor_protocol::Limits) -> u64 {
-    info.max_output_tokens
+/// The most output a call of an agent with `settings` may be reserved
+/// and ask for: its answer's cap (the model's and `[limits]`'s) and its
+/// thinking budget, within the model's whole output.
+pub fn max_output_limit(
+    info: &ModelInfo,
+    limits: &arbor_protocol::Limits,
+    settings: arbor_protocol::Settings,
+) -> u64 {
+    let answer = info
+        .max_output_tokens
         .map_or(limits.max_output_tokens, |m| {
             m.min(limits.max_output_tokens)
-        })
+        });
+    let whole = answer.saturating_add(info.thinking_budget(settings));
+    info.max_output_tokens.map_or(whole, |m| whole.min(m))
 }
 
 /// A call's request as its reservation is planned from, made in one place
@@ -273,7 +283,7 @@ pub(crate) fn first_call(
     limits: &arbor_protocol::Limits,
 ) -> crate::account::PlannedCall {
     let info = model.info();
-    let max_output_limit = max_output_limit(&info, limits);
+    let max_output_limit = max_output_limit(&info, limits, agent.settings);
     let prompt = Prompt::for_job(agent, offered, agents, skills, &[]);
     let history = [Message::User(request.to_string())];
     let request = call_request(
@@ -324,7 +334,7 @@ pub(super) async fn call_model(
     turn: u32,
 ) -> Result<ModelReply, CallEnd> {
     let info = args.model.info();
-    let max_output_limit = max_output_limit(&info, &args.ctx.limits);
+    let max_output_limit = max_output_limit(&info, &args.ctx.limits, args.agent.settings);
     let mut retries = 0;
     loop {
         let meter = CallMeter::default();

@@ -61,6 +61,7 @@ impl Model for CallEveryTool {
         };
         Box::pin(async move {
             Ok(ModelReply {
+                thinking: vec![],
                 text: None,
                 calls,
                 usage: None,
