@@ -567,3 +567,30 @@ fn arbor_new_writes_an_agent_with_every_key_and_a_skill_that_load_as_they_are() 
     assert_eq!(out.status.code(), Some(2));
     assert!(!ws.path().join("skills/Bad Name").exists());
 }
+
+/// The README's `arbor prompt` line, run as written (its args after
+/// `cargo run -q -p arbor-bin --`), from the repository's root.
+#[test]
+fn the_readmes_arbor_prompt_line_runs_as_written() {
+    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let marker = "cargo run -q -p arbor-bin -- prompt ";
+    let at = readme
+        .find(marker)
+        .expect("the README shows `arbor prompt`");
+    let line = &readme[at + "cargo run -q -p arbor-bin -- ".len()..];
+    let line = &line[..line.find('`').unwrap()];
+    let args: Vec<&str> = line.split_whitespace().collect();
+    let out = Command::new(env!("CARGO_BIN_EXE_arbor"))
+        .args(&args)
+        .current_dir(repo())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{line}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("## Sub-agents you may delegate to"), "{text}");
+    assert!(text.contains("- `researcher`: "), "{text}");
+}
