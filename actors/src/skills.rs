@@ -5,13 +5,14 @@
 //! 1. A job reads only the skills its policy holds: its agent's, cut to
 //!    every ancestor's (I-25). Another is refused, naming those it may read.
 //! 2. A file is returned only if it is a regular file below the skill's
-//!    folder once every link is followed: an absolute path, a `..`, a link
-//!    out of the folder, a folder or a device is refused and nothing is read.
+//!    folder, opened as `read_file` opens one (`arbor_sandbox::files`):
+//!    an absolute path, a `..`, a symlink, a folder or a device is refused
+//!    and nothing is read.
 
 use crate::policy::Policy;
 use arbor_protocol::{AgentDef, ReadSkillArgs, Skill};
 use std::collections::BTreeMap;
-use std::path::{Component, Path};
+use std::path::Path;
 use std::sync::Arc;
 
 /// The most of a skill's file a model is given, in bytes.
@@ -62,40 +63,14 @@ pub async fn read(
             tokio::task::spawn_blocking(move || read_file(&dir, &file))
                 .await
                 .map_err(|e| format!("the read failed: {e}"))?
-                .map_err(|why| format!("skill {name:?} has no readable file {why}"))
+                .map_err(|why| format!("skill {name:?}: {why}"))
         }
     }
 }
 
-/// `file` of the skill in `dir`, if it is a regular text file below it.
+/// `file` of the skill in `dir`, if it is a regular file below it.
 fn read_file(dir: &Path, file: &str) -> Result<String, String> {
-    let relative = Path::new(file);
-    if relative
-        .components()
-        .any(|c| !matches!(c, Component::Normal(_) | Component::CurDir))
-    {
-        return Err(format!(
-            "{file:?}: name a path inside the skill's folder, without `..` or a leading `/`"
-        ));
-    }
-    let missing = |e: std::io::Error| format!("{file:?}: {e}");
-    let root = std::fs::canonicalize(dir).map_err(missing)?;
-    let path = std::fs::canonicalize(root.join(relative)).map_err(missing)?;
-    if !path.starts_with(&root) {
-        return Err(format!("{file:?}: it leads out of the skill's folder"));
-    }
-    let meta = std::fs::metadata(&path).map_err(missing)?;
-    if !meta.is_file() {
-        return Err(format!("{file:?}: it is not a regular file"));
-    }
-    if meta.len() > FILE_LIMIT {
-        return Err(format!(
-            "{file:?}: it has {} bytes, more than the {FILE_LIMIT} a skill's file may give",
-            meta.len()
-        ));
-    }
-    let bytes = std::fs::read(&path).map_err(missing)?;
-    String::from_utf8(bytes).map_err(|_| format!("{file:?}: it is not UTF-8 text"))
+    arbor_sandbox::files::read_below(dir, file, "the skill's folder", FILE_LIMIT)
 }
 
 #[cfg(test)]
@@ -120,12 +95,17 @@ mod tests {
         assert!(
             read_file(&skill, "link.md")
                 .unwrap_err()
-                .contains("out of the skill's folder")
+                .contains("symlink")
+        );
+        assert!(
+            read_file(&skill, "../x")
+                .unwrap_err()
+                .contains("leaves the skill's folder")
         );
         assert!(
             read_file(&skill, "refs")
                 .unwrap_err()
-                .contains("not a regular file")
+                .contains("not a file")
         );
     }
 }

@@ -12,19 +12,24 @@ pub const READ_LIMIT: u64 = 1024 * 1024;
 
 /// Joins a model-given relative path to the workdir, refusing what could leave it.
 pub fn confine(workdir: &Path, path: &str) -> Result<PathBuf, String> {
+    confine_in(workdir, path, "the workdir")
+}
+
+/// `confine` below `root`, which its errors call `place`.
+fn confine_in(workdir: &Path, path: &str, place: &str) -> Result<PathBuf, String> {
     if path.trim().is_empty() {
         return Err("the path is empty".into());
     }
     let p = Path::new(path);
     if p.is_absolute() {
         return Err(format!(
-            "{path:?} is absolute: give a path relative to the workdir"
+            "{path:?} is absolute: give a path relative to {place}"
         ));
     }
     for c in p.components() {
         match c {
             Component::Normal(_) | Component::CurDir => {}
-            _ => return Err(format!("{path:?} leaves the workdir: `..` is refused")),
+            _ => return Err(format!("{path:?} leaves {place}: `..` is refused")),
         }
     }
     // No symlink on the way may lead out, not even one the job made itself.
@@ -65,11 +70,11 @@ fn open_workdir(workdir: &Path) -> Result<std::fs::File, String> {
     std::fs::File::open(workdir).map_err(|e| format!("the workdir: {e}"))
 }
 
-/// Says why an open beneath the workdir failed, in the tool's words.
-fn beneath_error(path: &str, e: nix::Error) -> String {
+/// Says why an open beneath `place` failed, in the tool's words.
+fn beneath_error(path: &str, e: nix::Error, place: &str) -> String {
     match e {
         nix::Error::EXDEV | nix::Error::ELOOP => {
-            format!("{path:?} leads out of the workdir (through a symlink or `..`): refused")
+            format!("{path:?} leads out of {place} (through a symlink or `..`): refused")
         }
         nix::Error::ENOSYS => {
             "this kernel has no openat2 (Linux 5.6 or newer is needed): file tools are refused"
@@ -92,23 +97,30 @@ pub fn is_file_beneath(workdir: &Path, path: &str) -> bool {
 }
 
 pub fn read_confined(workdir: &Path, path: &str) -> Result<String, String> {
-    confine(workdir, path)?;
-    let dir = open_workdir(workdir)?;
+    read_below(workdir, path, "the workdir", READ_LIMIT)
+}
+
+/// A regular file below `root` (which errors call `place`) of at most
+/// `limit` bytes, opened as `read_confined` opens one: never through a
+/// symlink or out of `root`.
+pub fn read_below(root: &Path, path: &str, place: &str, limit: u64) -> Result<String, String> {
+    confine_in(root, path, place)?;
+    let dir = std::fs::File::open(root).map_err(|e| format!("{place}: {e}"))?;
     let file = open_beneath(&dir, Path::new(path), nix::fcntl::OFlag::O_RDONLY)
         .map(std::fs::File::from)
-        .map_err(|e| beneath_error(path, e))?;
+        .map_err(|e| beneath_error(path, e, place))?;
     let meta = file.metadata().map_err(|e| format!("{path}: {e}"))?;
     if !meta.is_file() {
         return Err(format!("{path} is not a file"));
     }
-    if meta.len() > READ_LIMIT {
+    if meta.len() > limit {
         return Err(format!(
-            "{path} is {} bytes; read_file returns at most {READ_LIMIT}",
+            "{path} is {} bytes; at most {limit} are read",
             meta.len()
         ));
     }
     let mut bytes = vec![];
-    std::io::Read::read_to_end(&mut std::io::Read::take(&file, READ_LIMIT), &mut bytes)
+    std::io::Read::read_to_end(&mut std::io::Read::take(&file, limit), &mut bytes)
         .map_err(|e| format!("{path}: {e}"))?;
     Ok(String::from_utf8_lossy(&bytes).into_owned())
 }
@@ -146,10 +158,10 @@ pub fn write_confined(
         ) {
             Ok(()) => true,
             Err(nix::Error::EEXIST) => false,
-            Err(e) => return Err(beneath_error(path, e)),
+            Err(e) => return Err(beneath_error(path, e, "the workdir")),
         };
         dir = open_beneath(&dir, Path::new(part), OFlag::O_DIRECTORY | OFlag::O_RDONLY)
-            .map_err(|e| beneath_error(path, e))?;
+            .map_err(|e| beneath_error(path, e, "the workdir"))?;
         if made {
             chown(&dir)?;
         }
@@ -160,7 +172,7 @@ pub fn write_confined(
         OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_TRUNC,
     )
     .map(std::fs::File::from)
-    .map_err(|e| beneath_error(path, e))?;
+    .map_err(|e| beneath_error(path, e, "the workdir"))?;
     chown(&file)?;
     std::io::Write::write_all(&mut &file, content.as_bytes()).map_err(|e| format!("{path}: {e}"))
 }

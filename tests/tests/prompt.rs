@@ -363,7 +363,7 @@ async fn inv_25_a_child_reads_only_the_skills_its_parent_may() {
     assert_eq!(read[0], ("DEPLOY-BODY: follow checklist.md.".into(), false));
     assert_eq!(read[1], ("CHECKLIST-TEXT\n".into(), false));
     assert!(
-        read[2].1 && read[2].0.contains("without `..`"),
+        read[2].1 && read[2].0.contains("leaves the skill's folder"),
         "{:?}",
         read[2]
     );
