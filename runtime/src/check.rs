@@ -277,6 +277,23 @@ fn across(
             if let Some(message) = unasked_own(name, agent, child) {
                 push(Level::Warning, sub, message);
             }
+            // Skills are cut to the parent's in either sandbox (I-25).
+            let unread: Vec<&str> = child
+                .skills
+                .iter()
+                .filter(|s| !agent.skills.contains(s))
+                .map(String::as_str)
+                .collect();
+            if !unread.is_empty() {
+                push(
+                    Level::Warning,
+                    sub,
+                    format!(
+                        "names skills {} but its parent {name} may not read them: below {name} they are not offered",
+                        unread.join(", ")
+                    ),
+                );
+            }
             let parent_tools: BTreeSet<&str> = agent
                 .tools
                 .iter()

@@ -412,6 +412,28 @@ fn a_skill_an_agent_names_must_be_in_the_workspace_and_well_formed() {
             .map_err(|e| e.to_string())
     };
     assert_eq!(load(&[]), Ok(()));
+    // `arbor check` says which skills a child names that its parent lacks.
+    let ws = write_tree(SKILLS_WORKSPACE);
+    let findings = arbor_runtime::check::check(ws.path());
+    let said: Vec<String> = findings
+        .iter()
+        .map(|f| format!("{}: {}", f.file, f.message))
+        .collect();
+    assert!(
+        said.iter().any(|f| f.starts_with(
+            "agents/worker/agent.md: names skills style but its parent planner may not read them"
+        )),
+        "{said:?}"
+    );
+    let ghost = write_tree(&[("agents/a/agent.md", "---\nskills: [ghost]\n---\nA.\n")]);
+    let said: Vec<String> = arbor_runtime::check::check(ghost.path())
+        .iter()
+        .map(|f| f.message.clone())
+        .collect();
+    assert!(
+        said.iter().any(|m| m.contains("`ghost` is not a skill")),
+        "{said:?}"
+    );
     let err = load(&[("agents/extra/agent.md", "---\nskills: [ghost]\n---\nX\n")]).unwrap_err();
     assert!(
         err.contains("agents/extra/agent.md")
