@@ -235,9 +235,8 @@ impl Actor for Run {
         myself: ActorRef<Self::Msg>,
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
-        if let Some(timeout) = state.spec.timeout {
-            myself.send_after(timeout, || RunMsg::TimedOut);
-        }
+        // I-59: a run's cap is its own, or the node's `[limits] run_timeout`.
+        myself.send_after(state.wall_cap(), || RunMsg::TimedOut);
         if let Some(replay) = &state.run_ctx.replay {
             let diverged = replay.diverged();
             let run = myself.clone();
@@ -280,7 +279,7 @@ impl Actor for Run {
                 state.begin_finish(Status::Failed, Some(ErrorClass::Diverged), why);
             }
             RunMsg::TimedOut => {
-                let timeout = humantime::format_duration(state.spec.timeout.unwrap_or_default());
+                let timeout = humantime::format_duration(state.wall_cap());
                 state.begin_finish(
                     Status::Failed,
                     Some(ErrorClass::Timeout),
@@ -391,6 +390,11 @@ struct PlannedStep {
 }
 
 impl RunState {
+    /// Its wall-clock cap (I-59): its own, or the node's `[limits] run_timeout`.
+    fn wall_cap(&self) -> std::time::Duration {
+        self.spec.timeout.unwrap_or(self.ctx.limits.run_timeout)
+    }
+
     async fn start_group(&mut self, myself: &ActorRef<RunMsg>) {
         let Some(group) = self.spec.groups.get(self.group).cloned() else {
             return;
@@ -564,7 +568,8 @@ impl RunState {
             brief: Brief {
                 request: format!("{instruction}{context}"),
                 max_turns: agent.max_turns.unwrap_or(job::DEFAULT_MAX_TURNS),
-                timeout: agent.timeout,
+                // I-59: every step has a cap.
+                timeout: Some(agent.timeout.unwrap_or(self.ctx.limits.job_timeout)),
                 output_schema: None,
                 require_artifacts: vec![],
             },

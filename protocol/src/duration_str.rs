@@ -5,3 +5,18 @@ use std::time::Duration;
 pub fn parse(text: &str) -> Result<Duration, String> {
     humantime::parse_duration(text.trim()).map_err(|e| format!("bad duration {text:?}: {e}"))
 }
+
+/// A `Duration` field written as humantime (`"4h"`), for serde's `with`.
+pub mod serde_humantime {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&humantime::format_duration(*d).to_string())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let text = String::deserialize(d)?;
+        super::parse(&text).map_err(serde::de::Error::custom)
+    }
+}

@@ -1,6 +1,7 @@
 //! The caps of I-03 to I-12, with their defaults. `arbor.toml [limits]` overrides them.
 
 use serde::{Deserialize, Serialize};
+use std::time::Duration;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -33,6 +34,14 @@ pub struct Limits {
     /// The share of a model's context window at which a job's model is
     /// told, once, that its context is filling (`context_pressure`).
     pub context_warn: f64,
+    /// I-59: the wall-clock cap of a run whose flow (or submission) gives
+    /// none. Never zero: there is no unlimited.
+    #[serde(with = "crate::duration_str::serde_humantime")]
+    pub run_timeout: Duration,
+    /// I-59: the wall-clock cap of a step or delegated job whose agent (or
+    /// delegate call) gives none.
+    #[serde(with = "crate::duration_str::serde_humantime")]
+    pub job_timeout: Duration,
 }
 
 impl Default for Limits {
@@ -49,6 +58,8 @@ impl Default for Limits {
             max_recoveries: 3,
             max_repeats: 3,
             context_warn: 0.75,
+            run_timeout: Duration::from_secs(4 * 3600),
+            job_timeout: Duration::from_secs(3600),
         }
     }
 }
@@ -66,6 +77,16 @@ impl Limits {
         }
         if self.spawn_cap == 0 {
             return Err("limits.spawn_cap must be at least 1".into());
+        }
+        for (key, d) in [
+            ("run_timeout", self.run_timeout),
+            ("job_timeout", self.job_timeout),
+        ] {
+            if d.is_zero() {
+                return Err(format!(
+                    "limits.{key} must be more than 0 (there is no unlimited: raise it instead)"
+                ));
+            }
         }
         if !fraction_ok(self.grant_fraction) {
             return Err(format!(

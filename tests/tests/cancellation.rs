@@ -293,3 +293,70 @@ async fn inv_17_a_node_shutdown_stops_every_run_and_kills_its_processes() {
     );
     assert_eq!(journal.run(run).unwrap().unwrap().status, Status::Stopped);
 }
+
+/// I-59: a step and a delegated job whose agents give no `timeout`, and a
+/// run whose flow gives none, are capped by `[limits] job_timeout` and
+/// `run_timeout`; neither may be set to zero.
+#[tokio::test]
+async fn inv_59_every_run_and_job_has_a_wall_clock_cap_by_default() {
+    // A job: the node's job_timeout ends the hung child; the step says a
+    // longer cap of its own.
+    let boss = agent_md(
+        "subagents: [slowpoke]\ntimeout: 1m\nscript:\n  - call: {tool: delegate, args: {jobs: [{agent: slowpoke, request: go, label: s}]}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let slowpoke = agent_md("description: slow\nscript:\n  - say: late\n    delay: 1h");
+    let node = TestNode::start_with_config(
+        "[limits]\njob_timeout = \"300ms\"\n",
+        &[("boss", &boss), ("slowpoke", &slowpoke)],
+    )
+    .await;
+    let run = node.run_agent("boss", "go").await;
+    let tree = node.wait_run(run).await;
+    let s = tree.node(tree.find("s").unwrap()).unwrap();
+    assert_eq!(
+        (s.status, s.error_class, s.reason.as_deref()),
+        (
+            Status::Failed,
+            Some(ErrorClass::Timeout),
+            Some("timed out after 300ms")
+        )
+    );
+    assert_eq!(tree.run_status(), Status::Done);
+    node.assert_conserved(run);
+
+    // A run: run_timeout ends it though its step's own cap is longer.
+    let node = TestNode::start_with_config(
+        "[limits]\nrun_timeout = \"300ms\"\njob_timeout = \"1h\"\n",
+        &[("slowpoke", &slowpoke)],
+    )
+    .await;
+    let run = node.run_agent("slowpoke", "go").await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Failed);
+    let root = tree.root();
+    assert_eq!(root.error_class, Some(ErrorClass::Timeout), "{root:#?}");
+    assert!(
+        root.reason
+            .as_deref()
+            .is_some_and(|r| r.contains("timed out after 300ms")),
+        "{root:#?}"
+    );
+    node.assert_conserved(run);
+
+    // The defaults are finite, and zero (unlimited) is refused.
+    let limits = arbor_protocol::Limits::default();
+    assert_eq!(limits.run_timeout, std::time::Duration::from_secs(4 * 3600));
+    assert_eq!(limits.job_timeout, std::time::Duration::from_secs(3600));
+    for key in ["run_timeout", "job_timeout"] {
+        let toml = format!("[limits]\n{key} = \"0s\"\n");
+        let err =
+            arbor_runtime::Workspace::from_texts("ws".into(), Some(&toml), &[("a", &boss)], &[])
+                .map(|_| ())
+                .unwrap_err()
+                .to_string();
+        assert!(
+            err.contains(&format!("limits.{key} must be more than 0")),
+            "{err}"
+        );
+    }
+}

@@ -208,7 +208,9 @@ impl JobState {
         };
         let timeout = parse_duration_arg("timeout", job.timeout.as_deref())
             .map_err(bad)?
-            .or(agent.timeout);
+            .or(agent.timeout)
+            // I-59: every job has a cap.
+            .or(Some(self.ctx.limits.job_timeout));
         let retries = match job.retries {
             None => 0,
             Some(n) if n < 0 => {
