@@ -24,7 +24,8 @@ pub struct RunSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replay: Option<crate::tape::ReplaySpec>,
     /// A recorded run's definitions, each file's SHA-256 by its path in the
-    /// workspace (`arbor.toml`, `agents/NAME/agent.md`, `flows/NAME.toml`):
+    /// workspace (`arbor.toml`, `agents/NAME/agent.md`, `flows/NAME.toml`,
+    /// `skills/NAME/SKILL.md`):
     /// what a replay and a rerun check they run with.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub digests: std::collections::BTreeMap<String, String>,

@@ -566,6 +566,17 @@ pub fn plan_rerun(
         return Err(ReplayError::Changed { run, changed });
     }
     let config_changed = changed.iter().any(|p| p == "arbor.toml");
+    // Each agent's first changed definition: its agent.md, or a skill it reads.
+    let changed_of: std::collections::BTreeMap<String, String> = workspace
+        .agents
+        .values()
+        .filter_map(|a| {
+            std::iter::once(format!("agents/{}/agent.md", a.name))
+                .chain(a.skills.iter().map(|s| format!("skills/{s}/SKILL.md")))
+                .find(|p| changed.contains(p))
+                .map(|p| (a.name.clone(), p))
+        })
+        .collect();
     let mut jobs = vec![];
     let mut worst = (0u64, 0u64);
     let usd = recorded.spec.budget_usd_micros.is_some();
@@ -574,7 +585,7 @@ pub fn plan_rerun(
         node: &TreeNode,
         above: Option<&str>,
         parent_reused: bool,
-        changed: &[String],
+        changed_of: &std::collections::BTreeMap<String, String>,
         config_changed: bool,
         jobs: &mut Vec<PlannedJob>,
         worst: &mut (u64, u64),
@@ -587,14 +598,13 @@ pub fn plan_rerun(
                 .unwrap_or_default();
             let lineage = arbor_actors::tape::lineage_key(above, &label, child.attempt).to_string();
             let agent = child.agent.clone().unwrap_or_default();
-            let agent_changed = changed.contains(&format!("agents/{agent}/agent.md"));
             let why = if child.status != arbor_protocol::Status::Done {
                 Some(match &child.reason {
                     Some(reason) => format!("{}: {reason}", child.status),
                     None => child.status.to_string(),
                 })
-            } else if agent_changed {
-                Some(format!("agents/{agent}/agent.md changed"))
+            } else if let Some(path) = changed_of.get(&agent) {
+                Some(format!("{path} changed"))
             } else if config_changed {
                 Some("arbor.toml changed".into())
             } else {
@@ -617,7 +627,7 @@ pub fn plan_rerun(
                 child,
                 Some(&lineage),
                 reuse,
-                changed,
+                changed_of,
                 config_changed,
                 jobs,
                 worst,
@@ -628,7 +638,7 @@ pub fn plan_rerun(
         &root,
         None,
         true,
-        &changed,
+        &changed_of,
         config_changed,
         &mut jobs,
         &mut worst,

@@ -360,17 +360,16 @@ impl Workspace {
     }
 
     /// The digests of what `spec` runs with: arbor.toml, its flow (unless
-    /// it is a single agent's run) and every agent it can reach.
+    /// it is a single agent's run), every agent it can reach and their skills.
     pub fn digests_for(&self, spec: &RunSpec) -> BTreeMap<String, String> {
         let mut paths = vec![
             "arbor.toml".to_string(),
             format!("flows/{}.toml", spec.flow),
         ];
-        paths.extend(
-            spec.reachable_agents(|name| self.agents.get(name))
-                .into_iter()
-                .map(|a| format!("agents/{}/agent.md", a.name)),
-        );
+        for agent in spec.reachable_agents(|name| self.agents.get(name)) {
+            paths.push(format!("agents/{}/agent.md", agent.name));
+            paths.extend(agent.skills.iter().map(|s| format!("skills/{s}/SKILL.md")));
+        }
         paths
             .into_iter()
             .filter_map(|path| Some((path.clone(), self.digests.get(&path)?.clone())))

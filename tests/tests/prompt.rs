@@ -412,6 +412,25 @@ fn a_skill_an_agent_names_must_be_in_the_workspace_and_well_formed() {
             .map_err(|e| e.to_string())
     };
     assert_eq!(load(&[]), Ok(()));
+    // A recording names the skills its agents can read (I-49): a replay
+    // says which changed.
+    let ws = write_tree(SKILLS_WORKSPACE);
+    let workspace = arbor_runtime::Workspace::load(ws.path()).unwrap();
+    let spec = workspace.agent_run("planner", "Ship.", None).unwrap();
+    let digests = workspace.digests_for(&spec);
+    for skill in ["deploy", "style"] {
+        assert!(
+            digests.contains_key(&format!("skills/{skill}/SKILL.md")),
+            "{digests:?}"
+        );
+    }
+    let spec = workspace.agent_run("loner", "Go.", None).unwrap();
+    assert!(
+        !workspace
+            .digests_for(&spec)
+            .keys()
+            .any(|k| k.starts_with("skills/"))
+    );
     // `arbor check` says which skills a child names that its parent lacks.
     let ws = write_tree(SKILLS_WORKSPACE);
     let findings = arbor_runtime::check::check(ws.path());

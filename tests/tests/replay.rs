@@ -465,3 +465,58 @@ async fn inv_49_a_replay_applies_the_recorded_approval_and_asks_no_one() {
     let written = std::fs::read_to_string(node.workdir(replayed, job).join("out.txt")).unwrap();
     assert_eq!(written, "hi", "the person's edit, applied again");
 }
+
+/// A skill is a definition a recording names (I-49): when one changed, a
+/// rerun names it, and runs again the jobs of the agents that read it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rerun_names_a_changed_skill_and_runs_again_the_jobs_that_read_it() {
+    use arbor_testkit::faults::{FaultyModels, ModelFault};
+    let (defs, flow) = report_workspace("Write.");
+    let ws = tempfile::tempdir().unwrap();
+    let write = |path: &str, text: &str| {
+        let path = ws.path().join(path);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, text).unwrap();
+    };
+    write("arbor.toml", RECORD);
+    for (name, text) in &defs {
+        let text = text.replace(
+            "subagents: [worker]",
+            "subagents: [worker]\nskills: [style]",
+        );
+        write(&format!("agents/{name}/agent.md"), &text);
+    }
+    let skill = "---\nname: style\ndescription: The house style.\n---\nBe brief.\n";
+    write("skills/style/SKILL.md", skill);
+    write("flows/report.toml", flow);
+    let faulty = FaultyModels::new();
+    faulty.on_job("writer", 0, [ModelFault::Malformed]);
+    let node = TestNode::start_dir_with(ws.path(), faulty).await;
+    let failed = node.run_flow("report").await;
+    assert_eq!(node.wait_run(failed).await.run_status(), Status::Failed);
+    let dir = node.crash().await;
+
+    write("skills/style/SKILL.md", &skill.replace("brief", "thorough"));
+    let workspace = arbor_runtime::Workspace::load(ws.path()).unwrap();
+    let node = TestNode::open(workspace, &dir.path().join("data"), FaultyModels::new())
+        .await
+        .unwrap();
+    let refused = arbor_runtime::replay::plan_rerun(node.journal(), &node.workspace, failed, false)
+        .unwrap_err();
+    assert!(
+        refused
+            .to_string()
+            .contains(": skills/style/SKILL.md; give --allow-changed"),
+        "{refused}"
+    );
+    let plan =
+        arbor_runtime::replay::plan_rerun(node.journal(), &node.workspace, failed, true).unwrap();
+    assert_eq!(plan.changed, ["skills/style/SKILL.md"]);
+    let gather = plan.jobs.iter().find(|j| j.lineage == "gather#1").unwrap();
+    assert_eq!(
+        (gather.reuse, gather.why.as_deref()),
+        (false, Some("skills/style/SKILL.md changed"))
+    );
+    let worker = plan.jobs.iter().find(|j| j.agent == "worker").unwrap();
+    assert!(worker.reuse, "the worker reads no skill: {worker:?}");
+}
