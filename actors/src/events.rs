@@ -389,6 +389,7 @@ mod tests {
         bus.emit(
             run,
             EventKind::RunFinished {
+                limitations: Vec::new(),
                 status: arbor_protocol::Status::Done,
                 error_class: None,
                 reason: None,
@@ -415,6 +416,7 @@ mod tests {
             id: arbor_protocol::JobId::new(),
         };
         let finished = || EventKind::RunFinished {
+            limitations: Vec::new(),
             status: arbor_protocol::Status::Done,
             error_class: None,
             reason: None,

@@ -199,6 +199,7 @@ impl Actor for Node {
             state.ctx.events.emit(
                 run,
                 EventKind::RunFinished {
+                    limitations: Vec::new(),
                     status: Status::Failed,
                     error_class: Some(ErrorClass::Panicked),
                     reason: Some(reason),

@@ -69,6 +69,8 @@ pub struct Resume {
     /// By step label: the calls its interrupted attempts made that limits
     /// count (I-45), so the attempt that takes over starts from them.
     pub tool_counts: std::collections::HashMap<String, crate::agent_loop::Made>,
+    /// What the run's optional steps that did not complete left undone.
+    pub limitations: Vec<String>,
 }
 
 /// A step's report arrives as `RunMsg::ChildEnded` (`parent::Parent`).
@@ -223,6 +225,7 @@ impl Actor for Run {
             group: resume.group,
             steps,
             previous: resume.previous,
+            limitations: resume.limitations,
             finish: None,
             ended: Ends::default(),
             _cancel_on_drop: cancel.clone().drop_guard(),
@@ -373,6 +376,8 @@ pub struct RunState {
     steps: BTreeMap<JobId, StepEntry>,
     /// (label, output) of the previous group's steps, handed to the next group.
     previous: Vec<(String, serde_json::Value)>,
+    /// Its optional steps that did not complete (the run is then `partial`).
+    limitations: Vec<String>,
     finish: Option<RunFinish>,
     /// Steps' ends appended and not yet durable, held back from watchers.
     ended: Ends,
@@ -390,6 +395,17 @@ struct PlannedStep {
 }
 
 impl RunState {
+    /// Whether the step of this label (in the current group) is optional.
+    fn is_optional(&self, label: &str) -> bool {
+        let steps = self.spec.groups.get(self.group).map(|g| g.steps.as_slice());
+        let labels = self.labels.get(self.group).map(Vec::as_slice);
+        steps
+            .unwrap_or_default()
+            .iter()
+            .zip(labels.unwrap_or_default())
+            .any(|(step, l)| l == label && step.optional)
+    }
+
     /// Its wall-clock cap (I-59): its own, or the node's `[limits] run_timeout`.
     fn wall_cap(&self) -> std::time::Duration {
         self.spec.timeout.unwrap_or(self.ctx.limits.run_timeout)
@@ -730,7 +746,16 @@ impl RunState {
         if self.finish.is_some() {
             return Ok(());
         }
-        if envelope.status != Status::Done {
+        if envelope.status != Status::Done && self.is_optional(&label) {
+            // Its end does not fail the run; the run says what it lacks.
+            let why = envelope.error.clone().unwrap_or_default();
+            self.limitations
+                .push(arbor_protocol::StepSpec::optional_limitation(
+                    &label,
+                    envelope.status,
+                    &why,
+                ));
+        } else if envelope.status != Status::Done {
             let why = envelope.error.clone().unwrap_or_default();
             // A stopped step is not a failure of its own: no class is invented for it.
             let class = match envelope.status {
@@ -825,6 +850,7 @@ impl RunState {
         self.ctx.events.emit(
             self.id,
             EventKind::RunFinished {
+                limitations: std::mem::take(&mut self.limitations),
                 status: finish.status,
                 error_class: finish.class,
                 reason: finish.reason,

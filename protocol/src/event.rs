@@ -102,6 +102,10 @@ pub enum EventKind {
         error_class: Option<ErrorClass>,
         reason: Option<String>,
         output: serde_json::Value,
+        /// What a done run left undone: its optional steps that did not
+        /// complete (it is then `partial`).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        limitations: Vec<String>,
     },
     /// A step or job was admitted: its grant is held and its record is durable.
     JobSpawned {

@@ -96,6 +96,7 @@ impl RunSpec {
                     instruction: input.to_string(),
                     label: None,
                     retries: None,
+                    optional: false,
                 }],
             }],
             budget_tokens,
@@ -134,10 +135,20 @@ pub struct StepSpec {
     /// How many new attempts the step may get when a restart interrupted it
     /// (I-34). Default 1; 0 makes an interruption fail the run.
     pub retries: Option<u32>,
+    /// Its failure or stop does not fail the run: the run completes
+    /// `partial`, the step named in its limitations.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub optional: bool,
 }
 
 impl StepSpec {
     pub const DEFAULT_RETRIES: u32 = 1;
+
+    /// What a run's limitations say of an optional step that ended `status`
+    /// (not done) for `reason`.
+    pub fn optional_limitation(label: &str, status: crate::Status, reason: &str) -> String {
+        format!("optional step {label} {status}: {reason}")
+    }
 
     pub fn retries(&self) -> u32 {
         self.retries.unwrap_or(Self::DEFAULT_RETRIES)
@@ -154,6 +165,7 @@ mod tests {
             instruction: "x".into(),
             label: label.map(String::from),
             retries: None,
+            optional: false,
         }
     }
 

@@ -213,14 +213,17 @@ impl Tree {
                 error_class,
                 reason,
                 output,
+                limitations,
             } => {
                 self.root.status = *status;
                 self.root.ended_at_ms = Some(event.at_ms);
                 self.root.error_class = *error_class;
                 self.root.reason = reason.clone();
                 self.root.output = output.clone();
+                self.root.limitations = limitations.clone();
                 self.root.task_status = match status {
-                    Status::Done => Some(TaskStatus::Completed),
+                    Status::Done if limitations.is_empty() => Some(TaskStatus::Completed),
+                    Status::Done => Some(TaskStatus::Partial),
                     _ => None,
                 };
             }

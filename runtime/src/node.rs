@@ -426,6 +426,7 @@ impl EmbeddedNode {
                     ),
                     label: Some(label.clone()),
                     retries: Some(0),
+                    optional: false,
                 }],
             }],
             budget_tokens: record.grant_tokens,
@@ -727,6 +728,7 @@ impl EmbeddedNode {
         self.ctx.events.emit(
             run,
             EventKind::RunFinished {
+                limitations: Vec::new(),
                 status,
                 error_class,
                 reason: Some(reason.to_string()),

@@ -32,7 +32,7 @@ use arbor_actors::agent_loop::Made;
 use arbor_actors::run::Resume;
 use arbor_protocol::{
     Amount, Card, CardState, Decision, ErrorClass, EventKind, JobId, NodeKind, ParentRef,
-    ResultEnvelope, RunId, RunSpec, Status,
+    ResultEnvelope, RunId, RunSpec, Status, StepSpec,
 };
 use arbor_storage::{
     ApprovalRecord, JobRecord, Journal, LedgerOp, LedgerRecord, Record, RunRecord, SandboxRecord,
@@ -258,9 +258,18 @@ fn retell_lost_ends(
         retold += 1;
     }
     if run.status.is_terminal() && !run_told {
+        // What its optional steps left undone, as the run said it.
+        let limitations = history
+            .iter()
+            .find_map(|e| match &e.kind {
+                EventKind::RunStarted { spec, .. } => Some(optional_limitations(spec, jobs)),
+                _ => None,
+            })
+            .unwrap_or_default();
         events.emit(
             run.id,
             EventKind::RunFinished {
+                limitations,
                 status: run.status,
                 error_class: run.error_class,
                 reason: run.reason.clone(),
@@ -773,6 +782,7 @@ fn end_unresumed(
     events.emit(
         run.id,
         EventKind::RunFinished {
+            limitations: Vec::new(),
             status,
             error_class: class,
             reason: Some(reason.to_string()),
@@ -780,6 +790,34 @@ fn end_unresumed(
         },
     );
     Ok(())
+}
+
+/// The limitations of a run: each optional step whose latest attempt
+/// ended, not done and not interrupted. Pure.
+pub fn optional_limitations(spec: &RunSpec, jobs: &[JobRecord]) -> Vec<String> {
+    let labels = spec.step_labels();
+    spec.groups
+        .iter()
+        .zip(&labels)
+        .flat_map(|(group, labels)| group.steps.iter().zip(labels))
+        .filter(|(step, _)| step.optional)
+        .filter_map(|(_, label)| {
+            let job = jobs
+                .iter()
+                .filter(|j| j.kind == NodeKind::Step && j.label.as_deref() == Some(label))
+                .max_by_key(|j| j.attempt)?;
+            let ended = job.status.is_terminal()
+                && job.status != Status::Done
+                && job.error_class != Some(ErrorClass::Interrupted);
+            ended.then(|| {
+                StepSpec::optional_limitation(
+                    label,
+                    job.status,
+                    job.reason.as_deref().unwrap_or_default(),
+                )
+            })
+        })
+        .collect()
 }
 
 /// I-34: where the run picks up, or why it cannot. Pure.
@@ -866,6 +904,10 @@ pub fn plan_resume(
                         };
                     }
                 }
+                // An optional step's end does not fail the run.
+                Some(job) if step.optional && job.status.is_terminal() => {
+                    kept.push(envelope_of(job));
+                }
                 Some(job) => {
                     return RunOutcome::Ended {
                         status: Status::Failed,
@@ -898,6 +940,7 @@ pub fn plan_resume(
                 spent,
                 spawned,
                 tool_counts,
+                limitations: optional_limitations(&spec, jobs),
             }),
         };
     }
@@ -911,6 +954,7 @@ pub fn plan_resume(
             spent,
             spawned,
             tool_counts,
+            limitations: optional_limitations(&spec, jobs),
         }),
         spec,
     }

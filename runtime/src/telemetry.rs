@@ -787,6 +787,7 @@ impl Spans {
             error_class,
             reason,
             output,
+            ..
         } = &event.kind
         else {
             return;

@@ -176,6 +176,7 @@ fn a_full_workspace_loads_with_every_field_mapped() {
                 instruction: "Plan it".into(),
                 label: Some("plan".into()),
                 retries: None,
+                optional: false,
             }],
         }
     );

@@ -216,6 +216,7 @@ mod tests {
         bus.emit(
             run,
             EventKind::RunFinished {
+                limitations: Vec::new(),
                 status: arbor_protocol::Status::Done,
                 error_class: None,
                 reason: None,

@@ -251,6 +251,7 @@ mod tests {
             run: RunId::new(),
             at_ms: 1,
             kind: EventKind::RunFinished {
+                limitations: Vec::new(),
                 status: Status::Done,
                 error_class: None,
                 reason: None,
@@ -271,6 +272,7 @@ mod tests {
         let kinds = [
             EventKind::JobRunning { id: JobId::new() },
             EventKind::RunFinished {
+                limitations: Vec::new(),
                 status: Status::Failed,
                 error_class: None,
                 reason: Some("a \"quoted\" reason\nover two lines".into()),

@@ -597,6 +597,7 @@ impl<'a> Writer<'a> {
         self.event(
             run,
             EventKind::RunFinished {
+                limitations: Vec::new(),
                 status: Status::Done,
                 error_class: None,
                 reason: None,

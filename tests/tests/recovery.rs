@@ -578,3 +578,66 @@ async fn inv_48_a_run_is_parked_after_max_recoveries_resumes_the_node_died_under
     assert!(node.node().resumed().is_empty());
     assert_eq!(node.tree(run).root().error_class, Some(ErrorClass::Parked));
 }
+
+/// `optional = true`: a step whose failure does not fail its run. The run
+/// goes on to its next group and completes `partial`, the step named in
+/// its limitations, and still so when a restart resumes it after that
+/// failure; a step that is not optional fails its run as before.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_optional_step_that_fails_leaves_its_run_partial_across_a_restart() {
+    let flaky = agent_md("script:\n  - say: \"\"");
+    let steady = agent_md("script:\n  - call: {tool: submit_output, args: {output: steady}}");
+    let last = agent_md(
+        "script:\n  - say: writing\n    delay: 3s\n    call: {tool: submit_output, args: {output: report}}",
+    );
+    let flow = |optional: bool| {
+        format!(
+            "[[group]]\nsteps = [{{ agent = \"flaky\", instruction = \"try\", optional = {optional} }}, {{ agent = \"steady\", instruction = \"do\" }}]\n\n[[group]]\nsteps = [{{ agent = \"last\", instruction = \"write\" }}]\n"
+        )
+    };
+    let agents = [
+        ("flaky", flaky.as_str()),
+        ("steady", steady.as_str()),
+        ("last", last.as_str()),
+    ];
+    let (optional, required) = (flow(true), flow(false));
+    let node = TestNode::start_workspace(
+        None,
+        &agents,
+        &[
+            ("optional", optional.as_str()),
+            ("required", required.as_str()),
+        ],
+        Arc::new(arbor_runtime::DefaultModels),
+    )
+    .await;
+
+    let run = node.run_flow("optional").await;
+    // The last group started: the optional step's failure did not end the run.
+    node.wait_for(run, "last").await;
+    let node = node.crash_and_restart().await;
+    let tree = node.wait_run(run).await;
+    let root = tree.root();
+    assert_eq!(root.status, Status::Done, "{:?}", root.reason);
+    assert_eq!(root.task_status, Some(arbor_protocol::TaskStatus::Partial));
+    assert_eq!(root.limitations.len(), 1, "{:?}", root.limitations);
+    assert!(
+        root.limitations[0].starts_with("optional step flaky failed: "),
+        "{:?}",
+        root.limitations
+    );
+    // The last step's attempt the restart cut, and the one that finished.
+    let mut last: Vec<(u32, Status)> = tree
+        .nodes()
+        .filter(|(_, n)| n.label.as_deref() == Some("last"))
+        .map(|(_, n)| (n.attempt, n.status))
+        .collect();
+    last.sort_by_key(|(attempt, _)| *attempt);
+    assert_eq!(last, [(1, Status::Failed), (2, Status::Done)]);
+    node.assert_conserved(run);
+
+    let run = node.run_flow("required").await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Failed);
+    assert!(tree.find("last").is_none(), "the next group never started");
+}

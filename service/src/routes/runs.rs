@@ -204,6 +204,7 @@ async fn run_tree(shared: &Shared, run: RunId) -> Result<Option<Tree>, ApiError>
                 run,
                 at_ms: 0,
                 kind: arbor_protocol::EventKind::RunFinished {
+                    limitations: Vec::new(),
                     status: record.status,
                     error_class: record.error_class,
                     reason: record.reason,
