@@ -441,18 +441,26 @@ impl Spawned {
         spawner()
             .send(Box::new(move || {
                 // Nobody waits for the reply when the start was given up
-                // on (its deadline, its job's stop): what it made goes.
-                match tx.send(make()) {
-                    Err(Ok((child, _pipes))) => child.abandon(abandoned),
-                    Err(Err(_)) => remove_root(abandoned),
-                    Ok(()) => {}
+                // on (its deadline, its job's stop): what it made goes,
+                // whether the reply finds no receiver or lies unread in a
+                // channel dropped later (`Unclaimed`).
+                match make() {
+                    Ok(made) => {
+                        let _ = tx.send(Ok(Unclaimed(Some((made, abandoned)))));
+                    }
+                    Err(e) => {
+                        if tx.send(Err(e)).is_err() {
+                            remove_root(abandoned);
+                        }
+                    }
                 }
             }))
             .map_err(|_| "the spawner thread is gone")?;
         // A dropped reply: the fork panicked (and the spawner went on).
         let (mut child, (stdin, stdout, stderr)) = rx
             .await
-            .map_err(|_| "the command's fork failed inside arbor; see the node's log")??;
+            .map_err(|_| "the command's fork failed inside arbor; see the node's log")??
+            .claim();
         let pid = child.pid();
         // SAFETY: a plain syscall. The child is ours and not yet reaped, so
         // its pid names it.
@@ -484,6 +492,27 @@ impl Spawned {
             stdout: stdout.map(receiver).transpose()?,
             stderr: stderr.map(receiver).transpose()?,
         })
+    }
+}
+
+/// A fork's child on its way to the task that asked for it: killed and
+/// reaped if it is dropped unclaimed (its start given up on after it was
+/// made), so no command outlives a stop that raced its start (I-17).
+struct Unclaimed(Option<((Forked, Pipes), Option<PathBuf>)>);
+
+impl Unclaimed {
+    fn claim(mut self) -> (Forked, Pipes) {
+        let (made, _root) = self.0.take().expect("claimed once");
+        made
+    }
+}
+
+impl Drop for Unclaimed {
+    fn drop(&mut self) {
+        if let Some(((child, _pipes), root)) = self.0.take() {
+            // Off the async threads: abandon waits for the child to die.
+            std::thread::spawn(move || child.abandon(root));
+        }
     }
 }
 
@@ -985,6 +1014,39 @@ mod tests {
                     .await
                     .unwrap_or_else(|_| panic!("the command given up on (pid {pid}) still runs"))
                     .unwrap();
+        }
+    }
+
+    /// A start given up on after its fork reported, its reply unread in
+    /// the channel (a stop that raced the start's end): the command is
+    /// killed when the reply is dropped, not left running (I-17).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_start_given_up_on_with_its_reply_unread_is_killed() {
+        let dir = tempfile::tempdir().unwrap();
+        let user = SandboxUser::for_new_sandbox();
+        if let Some(u) = user {
+            u.own(dir.path()).unwrap();
+        }
+        let spec = plain_spec(dir.path(), user, Some(dir.path().join("roots")));
+        let marker = format!("{}.{}", 601, std::process::id());
+        let command = format!("sleep {marker}");
+        let mut start = Box::pin(spawn(&spec, &command));
+        assert!(futures::poll!(&mut start).is_pending());
+        // The spawner forks one command at a time: once the next has run,
+        // this one's reply lies in its channel, never read.
+        let (code, _, err) = run(&spec, "true").await;
+        assert_eq!(code, Some(0), "{err}");
+        let running = processes_with(&marker);
+        assert!(
+            !running.is_empty(),
+            "the command runs before its start is dropped"
+        );
+        drop(start);
+        for pid in running {
+            assert!(
+                crate::pidfd::process_exits_within(pid, std::time::Duration::from_secs(10)).await,
+                "the command given up on (pid {pid}) still runs"
+            );
         }
     }
 
