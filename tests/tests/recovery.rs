@@ -613,8 +613,9 @@ async fn an_optional_step_that_fails_leaves_its_run_partial_across_a_restart() {
     .await;
 
     let run = node.run_flow("optional").await;
-    // The last group started: the optional step's failure did not end the run.
-    node.wait_for(run, "last").await;
+    // The last group started (its step running, so the crash below does not
+    // race its start): the optional step's failure did not end the run.
+    node.wait_status(run, "last", Status::Running).await;
     let node = node.crash_and_restart().await;
     let tree = node.wait_run(run).await;
     let root = tree.root();
