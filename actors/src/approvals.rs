@@ -19,6 +19,7 @@
 //!    on it rather than asking again.
 
 use crate::events::{EventBus, now_ms};
+use crate::timer::{self, Timer};
 use arbor_protocol::{
     ApprovalSettings, Card, CardId, CardState, Decision, EventKind, JobId, RunId, Verdict,
 };
@@ -131,6 +132,8 @@ pub enum GateMsg {
 struct Entry {
     card: Card,
     waiter: Option<Waiter>,
+    /// A pending card's warning and expiry, called off when it closes.
+    timers: Vec<Timer<GateMsg>>,
 }
 
 struct Waiter {
@@ -222,28 +225,42 @@ impl GateState {
     /// Takes cards a recovery carried over (invariant 4).
     fn carry(&mut self, myself: &ActorRef<GateMsg>, cards: Vec<Card>) {
         for card in cards {
-            if card.state.is_pending() {
-                self.arm(myself, &card);
-            }
-            self.cards.insert(card.id, Entry { card, waiter: None });
+            let timers = if card.state.is_pending() {
+                self.arm(myself, &card)
+            } else {
+                Vec::new()
+            };
+            self.cards.insert(
+                card.id,
+                Entry {
+                    card,
+                    waiter: None,
+                    timers,
+                },
+            );
         }
     }
 
     /// Timers for a pending card: its warning (if still to come) and its expiry.
-    fn arm(&self, myself: &ActorRef<GateMsg>, card: &Card) {
+    fn arm(&self, myself: &ActorRef<GateMsg>, card: &Card) -> Vec<Timer<GateMsg>> {
         let now = now_ms();
         let wait = card.deadline_ms.saturating_sub(card.asked_at_ms);
         let warn_ms = card.asked_at_ms + (wait as f64 * self.settings.warn_at) as u64;
         let id = card.id;
+        let mut timers = Vec::with_capacity(2);
         if warn_ms > now && warn_ms < card.deadline_ms {
-            myself.send_after(Duration::from_millis(warn_ms - now), move || {
-                GateMsg::Warn { card: id }
-            });
+            timers.push(timer::after(
+                myself,
+                Duration::from_millis(warn_ms - now),
+                move || GateMsg::Warn { card: id },
+            ));
         }
-        myself.send_after(
+        timers.push(timer::after(
+            myself,
             Duration::from_millis(card.deadline_ms.saturating_sub(now)),
             move || GateMsg::Expire { card: id },
-        );
+        ));
+        timers
     }
 
     async fn ask(&mut self, myself: &ActorRef<GateMsg>, ask: Ask, reply: RpcReplyPort<Answer>) {
@@ -283,11 +300,13 @@ impl GateState {
             }
             self.requested(&card);
             let waiter = self.waiter(myself, id, reply, ask.cancel, ask.check);
+            let timers = self.cards.remove(&id).map(|e| e.timers).unwrap_or_default();
             self.cards.insert(
                 id,
                 Entry {
                     card,
                     waiter: Some(waiter),
+                    timers,
                 },
             );
             return;
@@ -313,13 +332,14 @@ impl GateState {
             return;
         }
         self.requested(&card);
-        self.arm(myself, &card);
+        let timers = self.arm(myself, &card);
         let waiter = self.waiter(myself, card.id, reply, ask.cancel, ask.check);
         self.cards.insert(
             card.id,
             Entry {
                 card,
                 waiter: Some(waiter),
+                timers,
             },
         );
     }
@@ -498,6 +518,7 @@ impl GateState {
                     Entry {
                         card: card.clone(),
                         waiter: None,
+                        timers: Vec::new(),
                     },
                 );
             }

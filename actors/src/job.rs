@@ -331,8 +331,10 @@ impl Actor for Job {
                 since: std::time::Instant::now(),
                 paused: false,
                 generation: 0,
+                _timer: Some(crate::timer::after(&myself, timeout, || JobMsg::TimedOut {
+                    generation: 0,
+                })),
             });
-            myself.send_after(timeout, || JobMsg::TimedOut { generation: 0 });
         }
         state.start_loop(myself);
         Ok(())
@@ -588,6 +590,8 @@ struct WallTimer {
     since: std::time::Instant,
     paused: bool,
     generation: u64,
+    /// Armed while it runs; dropped on a pause, and with the job.
+    _timer: Option<crate::timer::Timer<JobMsg>>,
 }
 
 impl WallTimer {
@@ -599,10 +603,13 @@ impl WallTimer {
         self.paused = pause;
         if pause {
             self.left = self.left.saturating_sub(self.since.elapsed());
+            self._timer = None;
         } else {
             self.since = std::time::Instant::now();
             let generation = self.generation;
-            myself.send_after(self.left, move || JobMsg::TimedOut { generation });
+            self._timer = Some(crate::timer::after(myself, self.left, move || {
+                JobMsg::TimedOut { generation }
+            }));
         }
     }
 }

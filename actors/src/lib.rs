@@ -23,6 +23,7 @@ pub mod sandbox;
 pub mod secrets;
 pub mod skills;
 pub mod tape;
+mod timer;
 
 pub use account::{Account, AccountMsg, CallHold, GrantAsk, Ledger, Share, SpentMeter};
 pub use approvals::{Gate, GateArgs, GateMsg};

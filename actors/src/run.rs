@@ -229,6 +229,7 @@ impl Actor for Run {
             finish: None,
             ended: Ends::default(),
             _cancel_on_drop: cancel.clone().drop_guard(),
+            _wall: None,
             cancel,
         })
     }
@@ -239,7 +240,9 @@ impl Actor for Run {
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         // I-59: a run's cap is its own, or the node's `[limits] run_timeout`.
-        myself.send_after(state.wall_cap(), || RunMsg::TimedOut);
+        state._wall = Some(crate::timer::after(&myself, state.wall_cap(), || {
+            RunMsg::TimedOut
+        }));
         if let Some(replay) = &state.run_ctx.replay {
             let diverged = replay.diverged();
             let run = myself.clone();
@@ -383,6 +386,8 @@ pub struct RunState {
     ended: Ends,
     cancel: CancellationToken,
     _cancel_on_drop: DropGuard,
+    /// Its wall cap's timer (I-59), armed once it has started.
+    _wall: Option<crate::timer::Timer<RunMsg>>,
 }
 
 /// A step of the group about to start.

@@ -78,6 +78,8 @@ pub(super) struct Waiter {
     /// Labels before this one were settled when last looked at: a waiter on
     /// 10,000 children is not read from the start at each one's end.
     pub(super) settled_upto: usize,
+    /// Its timeout's timer, called off when the waiter is answered.
+    pub(super) timer: Option<crate::timer::Timer<super::JobMsg>>,
 }
 
 #[derive(Default)]

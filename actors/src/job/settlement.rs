@@ -85,12 +85,16 @@ impl JobState {
                 timeout,
                 reply,
                 settled_upto: 0,
+                timer: None,
             },
         );
         if !self.answer_waiters().contains(&id)
             && let Some(timeout) = timeout
+            && let Some(waiter) = self.children.waiters.get_mut(&id)
         {
-            myself.send_after(timeout, move || JobMsg::WaitTimedOut { waiter: id });
+            waiter.timer = Some(crate::timer::after(myself, timeout, move || {
+                JobMsg::WaitTimedOut { waiter: id }
+            }));
         }
     }
 
