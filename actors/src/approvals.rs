@@ -133,7 +133,7 @@ struct Entry {
     card: Card,
     waiter: Option<Waiter>,
     /// A pending card's warning and expiry, called off when it closes.
-    timers: Vec<Timer<GateMsg>>,
+    timers: Vec<Timer>,
 }
 
 struct Waiter {
@@ -242,7 +242,7 @@ impl GateState {
     }
 
     /// Timers for a pending card: its warning (if still to come) and its expiry.
-    fn arm(&self, myself: &ActorRef<GateMsg>, card: &Card) -> Vec<Timer<GateMsg>> {
+    fn arm(&self, myself: &ActorRef<GateMsg>, card: &Card) -> Vec<Timer> {
         let now = now_ms();
         let wait = card.deadline_ms.saturating_sub(card.asked_at_ms);
         let warn_ms = card.asked_at_ms + (wait as f64 * self.settings.warn_at) as u64;

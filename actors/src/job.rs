@@ -591,7 +591,7 @@ struct WallTimer {
     paused: bool,
     generation: u64,
     /// Armed while it runs; dropped on a pause, and with the job.
-    _timer: Option<crate::timer::Timer<JobMsg>>,
+    _timer: Option<crate::timer::Timer>,
 }
 
 impl WallTimer {

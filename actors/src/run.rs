@@ -71,6 +71,24 @@ pub struct Resume {
     pub tool_counts: std::collections::HashMap<String, crate::agent_loop::Made>,
     /// What the run's optional steps that did not complete left undone.
     pub limitations: Vec<String>,
+    /// Steps of `group` whose latest attempt failed and that their retry
+    /// policy tries again: the waits to resume (I-56).
+    pub retry_waits: Vec<RetryWait>,
+}
+
+/// A failed step waiting to be tried again, as recovery found it.
+#[derive(Clone, Debug)]
+pub struct RetryWait {
+    /// The attempt that failed.
+    pub failed: JobId,
+    pub label: String,
+    /// The attempt that will run.
+    pub attempt: u32,
+    pub class: ErrorClass,
+    pub error: String,
+    /// When it starts, if its `RetryWaiting` was journaled; else the wait
+    /// starts over at the restart (never skipped).
+    pub until_ms: Option<u64>,
 }
 
 /// A step's report arrives as `RunMsg::ChildEnded` (`parent::Parent`).
@@ -112,6 +130,10 @@ pub enum RunMsg {
         result: Result<(), String>,
     },
     TimedOut,
+    /// A failed step's retry wait is over: its next attempt starts.
+    RetryDue {
+        label: String,
+    },
     /// A replay's request differed from its recording's (I-49).
     Diverged {
         why: String,
@@ -230,6 +252,9 @@ impl Actor for Run {
             ended: Ends::default(),
             _cancel_on_drop: cancel.clone().drop_guard(),
             _wall: None,
+            retrying: BTreeMap::new(),
+            failures: std::collections::HashMap::new(),
+            resumed_waits: resume.retry_waits,
             cancel,
         })
     }
@@ -256,6 +281,9 @@ impl Actor for Run {
             // A resumed run whose every group had finished: only its end was lost.
             state.finish_done();
         } else {
+            for wait in std::mem::take(&mut state.resumed_waits) {
+                state.wait_to_retry(&myself, wait).await?;
+            }
             state.start_group(&myself).await;
         }
         state.maybe_complete(&myself).await
@@ -292,6 +320,7 @@ impl Actor for Run {
                     format!("the run timed out after {timeout}"),
                 );
             }
+            RunMsg::RetryDue { label } => state.retry_due(&myself, label).await,
             RunMsg::ChildEnded { report } => state.step_ended(&myself, report).await?,
             RunMsg::StepGone { actor, why } => {
                 if let Some(report) = state.report_for_dead(actor, &why) {
@@ -345,6 +374,7 @@ impl Actor for Run {
 struct StepEntry {
     id: JobId,
     label: String,
+    attempt: u32,
     agent: String,
     /// None for a step a resumed run kept from before the restart.
     actor: Option<ActorRef<JobMsg>>,
@@ -387,7 +417,23 @@ pub struct RunState {
     cancel: CancellationToken,
     _cancel_on_drop: DropGuard,
     /// Its wall cap's timer (I-59), armed once it has started.
-    _wall: Option<crate::timer::Timer<RunMsg>>,
+    _wall: Option<crate::timer::Timer>,
+    /// By label: failed steps of the current group waiting to be tried
+    /// again. The group is not over while one waits; a stop or the run's
+    /// end drops them, timers and all.
+    retrying: BTreeMap<String, Retrying>,
+    /// Waits a restart found, armed once the run has started.
+    resumed_waits: Vec<RetryWait>,
+    /// By label: why the attempt before the one about to start failed.
+    failures: std::collections::HashMap<String, String>,
+}
+
+/// A failed step's wait for its next attempt.
+struct Retrying {
+    /// The attempt that failed, and why: the next is told.
+    failed_attempt: u32,
+    error: String,
+    _timer: crate::timer::Timer,
 }
 
 /// A step of the group about to start.
@@ -400,15 +446,81 @@ struct PlannedStep {
 }
 
 impl RunState {
+    /// The step of this label in the current group.
+    fn step_spec(&self, label: &str) -> Option<&arbor_protocol::StepSpec> {
+        let steps = self.spec.groups.get(self.group)?.steps.iter();
+        let labels = self.labels.get(self.group)?;
+        steps.zip(labels).find(|(_, l)| *l == label).map(|(s, _)| s)
+    }
+
     /// Whether the step of this label (in the current group) is optional.
     fn is_optional(&self, label: &str) -> bool {
-        let steps = self.spec.groups.get(self.group).map(|g| g.steps.as_slice());
-        let labels = self.labels.get(self.group).map(Vec::as_slice);
-        steps
-            .unwrap_or_default()
-            .iter()
-            .zip(labels.unwrap_or_default())
-            .any(|(step, l)| l == label && step.optional)
+        self.step_spec(label).is_some_and(|s| s.optional)
+    }
+
+    /// A failed step waits for its next attempt (its retry policy). The
+    /// wait is journaled (`RetryWaiting`, with when it ends) and durable
+    /// before it begins, so a restart resumes it where it was (I-56).
+    async fn wait_to_retry(
+        &mut self,
+        myself: &ActorRef<RunMsg>,
+        wait: RetryWait,
+    ) -> Result<(), ActorProcessingErr> {
+        let until_ms = match wait.until_ms {
+            Some(until) => until,
+            None => {
+                // Its end is told first: a watcher sees the failure, then the wait.
+                self.ended.settle(&self.ctx, self.id).await?;
+                let policy = self.step_spec(&wait.label).and_then(|s| s.retry.as_ref());
+                let delay = policy
+                    .map(|p| p.wait_before(wait.attempt))
+                    .unwrap_or_default();
+                let until = crate::events::now_ms().saturating_add(delay.as_millis() as u64);
+                self.ctx.events.emit(
+                    self.id,
+                    EventKind::RetryWaiting {
+                        id: wait.failed,
+                        label: wait.label.clone(),
+                        attempt: wait.attempt,
+                        class: wait.class,
+                        until_ms: until,
+                    },
+                );
+                self.ctx.journal.flush().await?;
+                until
+            }
+        };
+        tracing::info!(run = %self.id, step = %wait.label, attempt = wait.attempt, class = %wait.class, until_ms, "step waits to be tried again");
+        let label = wait.label.clone();
+        let left = until_ms.saturating_sub(crate::events::now_ms());
+        let timer =
+            crate::timer::after(myself, std::time::Duration::from_millis(left), move || {
+                RunMsg::RetryDue { label }
+            });
+        self.retrying.insert(
+            wait.label,
+            Retrying {
+                failed_attempt: wait.attempt - 1,
+                error: wait.error,
+                _timer: timer,
+            },
+        );
+        Ok(())
+    }
+
+    /// A retry's wait is over: the step's next attempt is admitted as any
+    /// step is (its grant reserved, its record durable), in a clean workdir.
+    async fn retry_due(&mut self, myself: &ActorRef<RunMsg>, label: String) {
+        let Some(retrying) = self.retrying.remove(&label) else {
+            return;
+        };
+        if self.finish.is_some() {
+            return;
+        }
+        self.steps.retain(|_, s| s.label != label);
+        self.attempts.insert(label.clone(), retrying.failed_attempt);
+        self.failures.insert(label, retrying.error);
+        self.start_group(myself).await;
     }
 
     /// Its wall-clock cap (I-59): its own, or the node's `[limits] run_timeout`.
@@ -423,8 +535,9 @@ impl RunState {
         let labels = self.labels.get(self.group).cloned().unwrap_or_default();
         let mut planned = vec![];
         for (step, label) in group.steps.iter().zip(labels) {
-            // A step a resumed run kept needs no new attempt.
-            if self.steps.values().any(|s| s.label == label) {
+            // A step a resumed run kept needs no new attempt, nor one that
+            // waits to be tried again.
+            if self.steps.values().any(|s| s.label == label) || self.retrying.contains_key(&label) {
                 continue;
             }
             let Some(agent) = self.ctx.agent(&step.agent) else {
@@ -436,11 +549,17 @@ impl RunState {
                 return;
             };
             let attempt = self.attempts.get(&label).copied().unwrap_or(0) + 1;
+            let instruction = match self.failures.remove(&label) {
+                Some(error) => {
+                    format!("{}\n\nA previous attempt failed: {error}", step.instruction)
+                }
+                None => step.instruction.clone(),
+            };
             planned.push(PlannedStep {
                 id: JobId::new(),
                 label,
                 agent,
-                instruction: step.instruction.clone(),
+                instruction,
                 attempt,
             });
         }
@@ -614,6 +733,7 @@ impl RunState {
                     StepEntry {
                         id,
                         label,
+                        attempt,
                         agent: agent.name.clone(),
                         actor: Some(actor),
                         grant,
@@ -643,7 +763,7 @@ impl RunState {
             envelope: crate::parent::dead_envelope(
                 step.id,
                 &step.label,
-                1,
+                step.attempt,
                 &step.agent,
                 &format!("the step's actor {why} before it reported"),
                 step.meter.amount(),
@@ -703,6 +823,8 @@ impl RunState {
         for id in running {
             self.stop_step(id, why, true);
         }
+        // A wait for a retry ends at once: no attempt starts after this.
+        self.retrying.clear();
         self.finish = Some(RunFinish {
             status,
             class,
@@ -744,12 +866,32 @@ impl RunState {
         )
         .await?;
         let label = step.label.clone();
+        let attempt = step.attempt;
+        let stopped = step.stop_reason.is_some();
         if let Some(step) = self.steps.get_mut(&report.id) {
             step.envelope = Some(envelope.clone());
         }
         self.release_ended(myself);
         if self.finish.is_some() {
             return Ok(());
+        }
+        let class = envelope.error_class.unwrap_or(ErrorClass::Task);
+        if envelope.status == Status::Failed
+            && !stopped
+            && self
+                .step_spec(&label)
+                .and_then(|s| s.retry.as_ref())
+                .is_some_and(|policy| policy.retries(attempt, class))
+        {
+            let wait = RetryWait {
+                failed: report.id,
+                label,
+                attempt: attempt + 1,
+                class,
+                error: envelope.error.clone().unwrap_or_default(),
+                until_ms: None,
+            };
+            return self.wait_to_retry(myself, wait).await;
         }
         if envelope.status != Status::Done && self.is_optional(&label) {
             // Its end does not fail the run; the run says what it lacks.
@@ -774,7 +916,7 @@ impl RunState {
             );
             return Ok(());
         }
-        if self.steps.values().all(|s| s.envelope.is_some()) {
+        if self.retrying.is_empty() && self.steps.values().all(|s| s.envelope.is_some()) {
             self.previous = self
                 .steps
                 .values()
@@ -874,6 +1016,7 @@ fn kept_steps(kept: &[ResultEnvelope]) -> BTreeMap<JobId, StepEntry> {
             let entry = StepEntry {
                 id: kept.job,
                 label: kept.label.clone().unwrap_or_default(),
+                attempt: kept.attempt,
                 agent: kept.agent.clone(),
                 actor: None,
                 grant: Grant {

@@ -5,20 +5,26 @@
 //! kept a task alive for an hour after the job was stopped. A `Timer` is
 //! kept in the state it belongs to, so it goes with that state.
 
-use ractor::{ActorRef, Message, MessagingErr};
+use ractor::{ActorRef, Message};
 use std::time::Duration;
-use tokio_util::task::AbortOnDropHandle;
+use tokio::task::AbortHandle;
 
 #[must_use = "a timer is called off when dropped"]
-pub struct Timer<M: Message>(#[allow(dead_code)] AbortOnDropHandle<Result<(), MessagingErr<M>>>);
+pub struct Timer(AbortHandle);
+
+impl Drop for Timer {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
 
 /// Sends `msg()` to `actor` after `delay`, unless the `Timer` is dropped first.
-pub fn after<M, F>(actor: &ActorRef<M>, delay: Duration, msg: F) -> Timer<M>
+pub fn after<M, F>(actor: &ActorRef<M>, delay: Duration, msg: F) -> Timer
 where
     M: Message,
     F: FnOnce() -> M + Send + 'static,
 {
-    Timer(AbortOnDropHandle::new(actor.send_after(delay, msg)))
+    Timer(actor.send_after(delay, msg).abort_handle())
 }
 
 #[cfg(test)]

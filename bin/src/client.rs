@@ -969,6 +969,16 @@ fn event_line(event: &Event) -> String {
         EventKind::ToolCalled { tool, ok, .. } => {
             format!(" {tool} {}", if *ok { "ok" } else { "refused or failed" })
         }
+        EventKind::RetryWaiting {
+            label,
+            attempt,
+            class,
+            until_ms,
+            ..
+        } => format!(
+            " {label} failed ({class}): attempt {attempt} at {}",
+            arbor_protocol::approval::rfc3339(*until_ms)
+        ),
         EventKind::RunStarted { .. }
         | EventKind::RunResumed { .. }
         | EventKind::Recovered { .. }

@@ -186,15 +186,32 @@ pub fn print_output(output: &serde_json::Value) {
     }
 }
 
-/// What a job waits on: `waiting for approval of TOOL: card CARD (expires ...)`.
+/// What a node waits on: `waiting for approval of TOOL: card CARD (expires
+/// ...)`, or `waiting to try LABEL again (attempt N at ...)`.
 pub fn waiting(w: &arbor_protocol::WaitingView) -> String {
-    format!(
-        "waiting for approval of {}: card {} (expires {}{})",
-        w.tool,
-        w.card,
-        arbor_protocol::approval::rfc3339(w.deadline_ms),
-        if w.expiring { ", soon" } else { "" }
-    )
+    use arbor_protocol::WaitingView;
+    match w {
+        WaitingView::Approval {
+            card,
+            tool,
+            deadline_ms,
+            expiring,
+        } => format!(
+            "waiting for approval of {tool}: card {card} (expires {}{})",
+            arbor_protocol::approval::rfc3339(*deadline_ms),
+            if *expiring { ", soon" } else { "" }
+        ),
+        WaitingView::Retry {
+            label,
+            attempt,
+            class,
+            until_ms,
+            ..
+        } => format!(
+            "waiting to try {label} again after {class} (attempt {attempt} at {})",
+            arbor_protocol::approval::rfc3339(*until_ms)
+        ),
+    }
 }
 
 /// A node's line in the drawn tree: a branch for each level above it (from

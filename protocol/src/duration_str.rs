@@ -20,3 +20,22 @@ pub mod serde_humantime {
         super::parse(&text).map_err(serde::de::Error::custom)
     }
 }
+
+/// An optional `Duration` written as humantime, for serde's `with`.
+pub mod serde_humantime_opt {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+
+    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        match d {
+            Some(d) => super::serde_humantime::serialize(d, s),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+        Option::<String>::deserialize(d)?
+            .map(|text| super::parse(&text).map_err(serde::de::Error::custom))
+            .transpose()
+    }
+}

@@ -296,6 +296,16 @@ pub enum EventKind {
         /// From the card's asking to this outcome.
         waited_ms: u64,
     },
+    /// The failed step or job `id` is tried again under its retry policy:
+    /// attempt `attempt` of `label` starts at `until_ms`. Durable before
+    /// the wait begins, so a restart resumes the wait where it was (I-56).
+    RetryWaiting {
+        id: JobId,
+        label: String,
+        attempt: u32,
+        class: ErrorClass,
+        until_ms: u64,
+    },
 }
 
 impl EventKind {
@@ -333,7 +343,8 @@ impl EventKind {
             | SteerDiscarded { id, .. }
             | ApprovalRequested { id, .. }
             | ApprovalExpiring { id, .. }
-            | ApprovalDecided { id, .. } => Some(*id),
+            | ApprovalDecided { id, .. }
+            | RetryWaiting { id, .. } => Some(*id),
             AccountChanged { owner, .. } | WindDown { owner, .. } => match owner {
                 ParentRef::Job(id) => Some(*id),
                 ParentRef::Run(_) => None,

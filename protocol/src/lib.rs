@@ -11,6 +11,7 @@ pub mod limits;
 pub mod mcp;
 pub mod refusal;
 pub mod result;
+pub mod retry;
 pub mod skill;
 pub mod spec;
 pub mod status;
@@ -34,6 +35,7 @@ pub use mcp::{
 };
 pub use refusal::Refusal;
 pub use result::{Amount, ResultEnvelope, Usage};
+pub use retry::RetryPolicy;
 pub use skill::Skill;
 pub use spec::{FlowGroup, FlowSpec, RunSpec, StepSpec};
 pub use status::{ErrorClass, Status, TaskStatus};

@@ -97,6 +97,7 @@ impl RunSpec {
                     label: None,
                     retries: None,
                     optional: false,
+                    retry: None,
                 }],
             }],
             budget_tokens,
@@ -139,6 +140,9 @@ pub struct StepSpec {
     /// `partial`, the step named in its limitations.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub optional: bool,
+    /// How a failed attempt is tried again; none: a failure is the step's end.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry: Option<crate::RetryPolicy>,
 }
 
 impl StepSpec {
@@ -166,6 +170,7 @@ mod tests {
             label: label.map(String::from),
             retries: None,
             optional: false,
+            retry: None,
         }
     }
 

@@ -56,15 +56,39 @@ pub struct TreeNode {
     pub children: Vec<TreeNode>,
 }
 
-/// The card a job waits on.
+/// What a node waits on, named by `reason`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
-pub struct WaitingView {
-    pub card: crate::CardId,
-    pub tool: String,
-    pub deadline_ms: u64,
-    /// Past `[approvals] warn_at` of its wait.
-    #[serde(default)]
-    pub expiring: bool,
+#[serde(tag = "reason", rename_all = "snake_case")]
+pub enum WaitingView {
+    /// A job's gated call waits for a person's decision on this card (I-46).
+    Approval {
+        card: crate::CardId,
+        tool: String,
+        deadline_ms: u64,
+        /// Past `[approvals] warn_at` of its wait.
+        #[serde(default)]
+        expiring: bool,
+    },
+    /// The run (for a step) or a job (for its child) waits to try `label`
+    /// again: attempt `attempt` starts at `until_ms` (its retry policy).
+    Retry {
+        /// The attempt that failed.
+        job: JobId,
+        label: String,
+        attempt: u32,
+        class: ErrorClass,
+        until_ms: u64,
+    },
+}
+
+impl WaitingView {
+    /// The approval card it waits on, if it waits on one.
+    pub fn card(&self) -> Option<crate::CardId> {
+        match self {
+            WaitingView::Approval { card, .. } => Some(*card),
+            WaitingView::Retry { .. } => None,
+        }
+    }
 }
 
 /// One MCP server of a job, as its events tell it.
@@ -221,6 +245,7 @@ impl Tree {
                 self.root.reason = reason.clone();
                 self.root.output = output.clone();
                 self.root.limitations = limitations.clone();
+                self.root.waiting = None;
                 self.root.task_status = match status {
                     Status::Done if limitations.is_empty() => Some(TaskStatus::Completed),
                     Status::Done => Some(TaskStatus::Partial),
@@ -282,6 +307,17 @@ impl Tree {
                 node.children = vec![];
                 node.tools = BTreeMap::new();
                 node.mcp = BTreeMap::new();
+                node.waiting = None;
+                let waiter = match parent_job {
+                    Some(p) => self.entries.get_mut(&p).map(|e| &mut e.node),
+                    None => Some(&mut self.root),
+                };
+                if let Some(w) = waiter
+                    && matches!(&w.waiting, Some(WaitingView::Retry { label: l, .. })
+                        if Some(l) == label.as_ref())
+                {
+                    w.waiting = None;
+                }
                 self.entries.insert(
                     *id,
                     Entry {
@@ -367,7 +403,7 @@ impl Tree {
                 deadline_ms,
             } => {
                 if let Some(e) = self.entries.get_mut(id) {
-                    e.node.waiting = Some(WaitingView {
+                    e.node.waiting = Some(WaitingView::Approval {
                         card: *card,
                         tool: tool.clone(),
                         deadline_ms: *deadline_ms,
@@ -376,20 +412,49 @@ impl Tree {
                 }
             }
             EventKind::ApprovalExpiring { id, card, .. } => {
-                if let Some(w) = self
+                if let Some(WaitingView::Approval {
+                    card: waits_on,
+                    expiring,
+                    ..
+                }) = self
                     .entries
                     .get_mut(id)
                     .and_then(|e| e.node.waiting.as_mut())
-                    && w.card == *card
+                    && waits_on == card
                 {
-                    w.expiring = true;
+                    *expiring = true;
                 }
             }
             EventKind::ApprovalDecided { id, card, .. } => {
                 if let Some(e) = self.entries.get_mut(id)
-                    && e.node.waiting.as_ref().is_some_and(|w| w.card == *card)
+                    && matches!(&e.node.waiting,
+                        Some(WaitingView::Approval { card: waits_on, .. }) if waits_on == card)
                 {
                     e.node.waiting = None;
+                }
+            }
+            EventKind::RetryWaiting {
+                id,
+                label,
+                attempt,
+                class,
+                until_ms,
+            } => {
+                let view = WaitingView::Retry {
+                    job: *id,
+                    label: label.clone(),
+                    attempt: *attempt,
+                    class: *class,
+                    until_ms: *until_ms,
+                };
+                match self.entries.get(id).map(|e| e.parent) {
+                    Some(Some(parent)) => {
+                        if let Some(p) = self.entries.get_mut(&parent) {
+                            p.node.waiting = Some(view);
+                        }
+                    }
+                    Some(None) => self.root.waiting = Some(view),
+                    None => {}
                 }
             }
             EventKind::ModelCalled {

@@ -427,6 +427,7 @@ impl EmbeddedNode {
                     label: Some(label.clone()),
                     retries: Some(0),
                     optional: false,
+                    retry: None,
                 }],
             }],
             budget_tokens: record.grant_tokens,

@@ -29,7 +29,7 @@
 
 use arbor_actors::EventBus;
 use arbor_actors::agent_loop::Made;
-use arbor_actors::run::Resume;
+use arbor_actors::run::{Resume, RetryWait};
 use arbor_protocol::{
     Amount, Card, CardState, Decision, ErrorClass, EventKind, JobId, NodeKind, ParentRef,
     ResultEnvelope, RunId, RunSpec, Status, StepSpec,
@@ -538,7 +538,13 @@ fn recover_run(
             class: Some(ErrorClass::Interrupted),
             reason: "interrupted: its spec was not journaled, so it cannot resume".into(),
         },
-        Some(spec) => match plan_resume(spec, &jobs, run_spent, &tool_counts(&history)) {
+        Some(spec) => match plan_resume(
+            spec,
+            &jobs,
+            run_spent,
+            &tool_counts(&history),
+            &retry_waits(&history),
+        ) {
             // I-48: each resume the node died under again counts. A drain
             // or a shutdown ends its runs, so only a death resumes one.
             RunOutcome::Resume { .. } if resumes(&history) >= max_recoveries => RunOutcome::Ended {
@@ -801,13 +807,17 @@ pub fn optional_limitations(spec: &RunSpec, jobs: &[JobRecord]) -> Vec<String> {
         .zip(&labels)
         .flat_map(|(group, labels)| group.steps.iter().zip(labels))
         .filter(|(step, _)| step.optional)
-        .filter_map(|(_, label)| {
-            let job = jobs
-                .iter()
-                .filter(|j| j.kind == NodeKind::Step && j.label.as_deref() == Some(label))
-                .max_by_key(|j| j.attempt)?;
+        .filter_map(|(step, label)| {
+            let job = latest_step(jobs, label)?;
+            let class = job.error_class.unwrap_or(ErrorClass::Task);
+            let retried = job.status == Status::Failed
+                && step
+                    .retry
+                    .as_ref()
+                    .is_some_and(|p| p.retries(job.attempt, class));
             let ended = job.status.is_terminal()
                 && job.status != Status::Done
+                && !retried
                 && job.error_class != Some(ErrorClass::Interrupted);
             ended.then(|| {
                 StepSpec::optional_limitation(
@@ -820,37 +830,29 @@ pub fn optional_limitations(spec: &RunSpec, jobs: &[JobRecord]) -> Vec<String> {
         .collect()
 }
 
-/// I-34: where the run picks up, or why it cannot. Pure.
-pub fn plan_resume(
-    spec: RunSpec,
-    jobs: &[JobRecord],
-    spent: Amount,
-    counts: &HashMap<JobId, Made>,
-) -> RunOutcome {
-    let latest = |label: &str| {
-        jobs.iter()
-            .filter(|j| j.kind == NodeKind::Step && j.label.as_deref() == Some(label))
-            .max_by_key(|j| j.attempt)
-    };
-    // I-05: every job that started spent a spawn, however it ended; only a
-    // job whose actor never started (class `start`) was given its count back.
-    let spawned = jobs
+/// When each journaled retry wait ends, by the attempt that failed (I-56).
+pub fn retry_waits(history: &[arbor_protocol::Event]) -> HashMap<JobId, u64> {
+    history
         .iter()
-        .filter(|j| j.kind == NodeKind::Job && j.error_class != Some(ErrorClass::Start))
-        .count() as u64;
-    let attempts: HashMap<String, u32> = jobs
-        .iter()
-        .filter(|j| j.kind == NodeKind::Step)
-        .filter_map(|j| j.label.clone().map(|l| (l, j.attempt)))
-        .fold(HashMap::new(), |mut m, (l, a)| {
-            let e = m.entry(l).or_insert(0);
-            *e = (*e).max(a);
-            m
-        });
-    // I-45: a step's next attempt starts from the calls its interrupted
-    // attempts made, back to the last attempt that ended otherwise, and on
-    // the streak of identical calls the latest was on: a restart never
-    // resets a limit or `max_repeats`.
+        .filter_map(|e| match &e.kind {
+            EventKind::RetryWaiting { id, until_ms, .. } => Some((*id, *until_ms)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The latest attempt of the step `label`.
+fn latest_step<'a>(jobs: &'a [JobRecord], label: &str) -> Option<&'a JobRecord> {
+    jobs.iter()
+        .filter(|j| j.kind == NodeKind::Step && j.label.as_deref() == Some(label))
+        .max_by_key(|j| j.attempt)
+}
+
+/// I-45: a step's next attempt starts from the calls its interrupted
+/// attempts made, back to the last attempt that ended otherwise, and on
+/// the streak of identical calls the latest was on: a restart never
+/// resets a limit or `max_repeats`.
+fn carried_counts(jobs: &[JobRecord], counts: &HashMap<JobId, Made>) -> HashMap<String, Made> {
     let mut tool_counts: HashMap<String, Made> = HashMap::new();
     let mut steps: Vec<&JobRecord> = jobs.iter().filter(|j| j.kind == NodeKind::Step).collect();
     steps.sort_by_key(|j| std::cmp::Reverse(j.attempt));
@@ -879,10 +881,46 @@ pub fn plan_resume(
             made.streak = theirs.streak.clone();
         }
     }
+    tool_counts
+}
+
+/// I-34: where the run picks up, or why it cannot. Pure. `waits`: when
+/// each journaled retry wait ends, by the attempt that failed.
+pub fn plan_resume(
+    spec: RunSpec,
+    jobs: &[JobRecord],
+    spent: Amount,
+    counts: &HashMap<JobId, Made>,
+    waits: &HashMap<JobId, u64>,
+) -> RunOutcome {
+    let latest = |label: &str| latest_step(jobs, label);
+    let interruptions = |label: &str| {
+        jobs.iter()
+            .filter(|j| j.kind == NodeKind::Step && j.label.as_deref() == Some(label))
+            .filter(|j| j.error_class == Some(ErrorClass::Interrupted) || !j.status.is_terminal())
+            .count() as u32
+    };
+    // I-05: every job that started spent a spawn, however it ended; only a
+    // job whose actor never started (class `start`) was given its count back.
+    let spawned = jobs
+        .iter()
+        .filter(|j| j.kind == NodeKind::Job && j.error_class != Some(ErrorClass::Start))
+        .count() as u64;
+    let attempts: HashMap<String, u32> = jobs
+        .iter()
+        .filter(|j| j.kind == NodeKind::Step)
+        .filter_map(|j| j.label.clone().map(|l| (l, j.attempt)))
+        .fold(HashMap::new(), |mut m, (l, a)| {
+            let e = m.entry(l).or_insert(0);
+            *e = (*e).max(a);
+            m
+        });
+    let tool_counts = carried_counts(jobs, counts);
     let labels = spec.step_labels();
     let mut previous = vec![];
     for (g, (group, labels)) in spec.groups.iter().zip(&labels).enumerate() {
         let mut kept = vec![];
+        let mut retry_waits = vec![];
         let mut all_done = true;
         for (step, label) in group.steps.iter().zip(labels) {
             match latest(label) {
@@ -893,7 +931,7 @@ pub fn plan_resume(
                         || job.status == Status::Running =>
                 {
                     all_done = false;
-                    if job.attempt > step.retries() {
+                    if interruptions(label) > step.retries() {
                         return RunOutcome::Ended {
                             status: Status::Failed,
                             class: Some(ErrorClass::Interrupted),
@@ -903,6 +941,23 @@ pub fn plan_resume(
                             ),
                         };
                     }
+                }
+                // A failure its retry policy tries again: the wait goes on (I-56).
+                Some(job)
+                    if job.status == Status::Failed
+                        && step.retry.as_ref().is_some_and(|p| {
+                            p.retries(job.attempt, job.error_class.unwrap_or(ErrorClass::Task))
+                        }) =>
+                {
+                    all_done = false;
+                    retry_waits.push(RetryWait {
+                        failed: job.id,
+                        label: label.clone(),
+                        attempt: job.attempt + 1,
+                        class: job.error_class.unwrap_or(ErrorClass::Task),
+                        error: job.reason.clone().unwrap_or_default(),
+                        until_ms: waits.get(&job.id).copied(),
+                    });
                 }
                 // An optional step's end does not fail the run.
                 Some(job) if step.optional && job.status.is_terminal() => {
@@ -941,6 +996,7 @@ pub fn plan_resume(
                 spawned,
                 tool_counts,
                 limitations: optional_limitations(&spec, jobs),
+                retry_waits,
             }),
         };
     }
@@ -955,6 +1011,7 @@ pub fn plan_resume(
             spawned,
             tool_counts,
             limitations: optional_limitations(&spec, jobs),
+            retry_waits: vec![],
         }),
         spec,
     }

@@ -714,7 +714,8 @@ impl Spans {
             | EventKind::SteerDiscarded { .. }
             | EventKind::ApprovalRequested { .. }
             | EventKind::ApprovalExpiring { .. }
-            | EventKind::ApprovalDecided { .. } => {}
+            | EventKind::ApprovalDecided { .. }
+            | EventKind::RetryWaiting { .. } => {}
         }
     }
 

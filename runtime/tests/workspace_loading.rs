@@ -177,6 +177,7 @@ fn a_full_workspace_loads_with_every_field_mapped() {
                 label: Some("plan".into()),
                 retries: None,
                 optional: false,
+                retry: None,
             }],
         }
     );
@@ -359,6 +360,44 @@ fn a_flow_naming_an_unknown_agent_is_refused() {
         message,
         "flows/research.toml: step 1 of group 2 names unknown agent `writr`"
     );
+}
+
+#[test]
+fn a_retry_policy_is_read_and_one_that_could_not_hold_is_refused_naming_the_step() {
+    let with = |retry: &str| {
+        FLOW.replace(
+            "instruction = \"Check it\"",
+            &format!("instruction = \"Check it\", retry = {retry}"),
+        )
+    };
+    let ws = workspace(
+        None,
+        &with(r#"{ attempts = 3, wait = "15s", backoff = 2.0 }"#),
+    )
+    .unwrap();
+    let run = ws.flow_run("research", None).unwrap();
+    let retry = run.groups[1].steps[0].retry.clone().expect("read");
+    assert_eq!(
+        (retry.attempts, retry.wait_before(3)),
+        (3, Duration::from_secs(30))
+    );
+    for (retry, says) in [
+        (
+            r#"{ attempts = 2, on = ["model_auth"] }"#,
+            "flows/research.toml: step 1 of group 2: retry.on names `model_auth`, which is never tried again",
+        ),
+        (
+            "{ attempts = 0 }",
+            "flows/research.toml: step 1 of group 2: retry.attempts is 0",
+        ),
+        (
+            r#"{ attempts = 2, on = ["tiredness"] }"#,
+            "unknown variant `tiredness`",
+        ),
+    ] {
+        let message = workspace(None, &with(retry)).unwrap_err().to_string();
+        assert!(message.contains(says), "{retry}: {message}");
+    }
 }
 
 #[test]

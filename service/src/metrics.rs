@@ -67,6 +67,7 @@ pub struct Metrics {
     registry: Mutex<Registry>,
     runs: Family<StatusLabel, Gauge>,
     runs_failed: Family<ClassLabel, Counter>,
+    retries: Family<ClassLabel, Counter>,
     jobs: Family<StatusLabel, Gauge>,
     running_jobs: Gauge,
     queued_runs: Gauge,
@@ -94,6 +95,7 @@ impl Metrics {
             registry: Mutex::new(Registry::with_prefix("arbor")),
             runs: Family::<StatusLabel, Gauge>::default(),
             runs_failed: Family::<ClassLabel, Counter>::default(),
+            retries: Family::<ClassLabel, Counter>::default(),
             jobs: Family::<StatusLabel, Gauge>::default(),
             running_jobs: Gauge::default(),
             queued_runs: Gauge::default(),
@@ -133,6 +135,11 @@ impl Metrics {
             "runs_failed",
             "Runs that ended failed since this start, by error class",
             self.runs_failed.clone(),
+        );
+        registry.register(
+            "retries",
+            "Failed steps and jobs tried again under their retry policy since this start, by error class",
+            self.retries.clone(),
         );
         registry.register("jobs", "Steps and jobs by status", self.jobs.clone());
         registry.register(
@@ -268,6 +275,11 @@ impl Metrics {
                 self.approval_seconds
                     .get_or_create(&label)
                     .observe(*waited_ms as f64 / 1000.0);
+                return;
+            }
+            EventKind::RetryWaiting { class, .. } => {
+                let class = class.to_string();
+                self.retries.get_or_create(&ClassLabel { class }).inc();
                 return;
             }
             EventKind::RunFinished {

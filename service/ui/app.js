@@ -16,6 +16,14 @@ const EVENTS_SHOWN = 200;
 
 // --- helpers ---------------------------------------------------------------
 
+// What a node waits on, as the tree's `waiting` names it by `reason`.
+function waitingText(w) {
+  if (!w) return "";
+  if (w.reason === "retry") return ` · waits to try ${w.label} again (attempt ${w.attempt}, after ${w.class})`;
+  if (w.reason === "approval") return ` · waits for approval of ${w.tool}`;
+  return ` · waits: ${w.reason}`;
+}
+
 function el(tag, props = {}, ...children) {
   const node = document.createElement(tag);
   for (const [key, value] of Object.entries(props)) {
@@ -421,7 +429,7 @@ function treeRow(node, open) {
     toggle,
     statusBadge(node.status),
     el("a", { href: `#/jobs/${node.id}`, text: node.label ?? node.agent ?? node.id }),
-    el("span", { class: "muted", text: `${node.kind}${node.agent && node.label !== node.agent ? ` · ${node.agent}` : ""}${node.waiting ? ` · waits for approval of ${node.waiting.tool}` : ""}` }),
+    el("span", { class: "muted", text: `${node.kind}${node.agent && node.label !== node.agent ? ` · ${node.agent}` : ""}${waitingText(node.waiting)}` }),
     bar(node.account, "tokens"),
   );
 }
@@ -444,7 +452,7 @@ function drawTree() {
       if (failedOnly && !hasFailure(node)) continue;
       const open = !page.collapsed.has(node.id);
       const a = node.account;
-      const shows = [node.status, a.spent, a.held, a.grant, node.label, node.waiting?.tool, open, node.children.length].join("|");
+      const shows = [node.status, a.spent, a.held, a.grant, node.label, waitingText(node.waiting), open, node.children.length].join("|");
       let entry = page.rows.get(node.id);
       if (!entry) {
         entry = { li: el("li"), shows: null, ul: null };
@@ -511,6 +519,7 @@ const EVENT_KINDS = {
   tool_started: "name", tool_called: "turn", mcp_server: "name", refused: "turn",
   steer_queued: "name", steer_delivered: "turn", steer_discarded: "name",
   approval_requested: "turn", approval_expiring: "name", approval_decided: "turn",
+  retry_waiting: "line",
 };
 
 // One line per event: its index, its kind and whose it is.
@@ -525,6 +534,7 @@ function describe(event) {
     tool_called: () => ` turn ${k.turn}, ${k.tool} ${k.ok ? "ok" : "failed"}`,
     refused: () => ` ${k.tool}: ${k.refusal?.refusal ?? ""}`,
     run_finished: () => ` ${k.status}${k.reason ? `: ${k.reason}` : ""}`,
+    retry_waiting: () => ` ${k.label} failed (${k.class}): attempt ${k.attempt} at ${new Date(k.until_ms).toISOString()}`,
   }[k.type];
   const known = k.type in EVENT_KINDS ? "" : " (a kind this console does not know)";
   return `#${event.index} ${k.type}${who}${more ? more() : ""}${known}`;

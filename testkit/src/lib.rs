@@ -136,6 +136,16 @@ impl TestNode {
         Self::start_inner(Some(arbor_toml), agents, &[], None).await
     }
 
+    /// Starts a node on arbor.toml, agents and flows, its models the
+    /// providers arbor.toml configures (a `MockProvider`'s, say).
+    pub async fn start_with_flows(
+        arbor_toml: &str,
+        agents: &[(&str, &str)],
+        flows: &[(&str, &str)],
+    ) -> Self {
+        Self::start_inner(Some(arbor_toml), agents, flows, None).await
+    }
+
     /// Starts a node with the models a test chooses (a recorder, faults).
     pub async fn start_full(
         arbor_toml: Option<&str>,

@@ -80,7 +80,8 @@ fn approve_all(node: &TestNode, run: RunId) -> BoxFuture<'_, ()> {
                         || t.nodes().any(|(_, n)| {
                             n.waiting
                                 .as_ref()
-                                .is_some_and(|w| !decided.contains(&w.card))
+                                .and_then(|w| w.card())
+                                .is_some_and(|card| !decided.contains(&card))
                         })
                 })
                 .await;

@@ -54,7 +54,7 @@ async fn inv_46_an_approved_call_runs_only_after_its_approval_is_committed() {
         .wait_until(run, |t| t.root().children[0].waiting.is_some())
         .await;
     let step = &tree.root().children[0];
-    assert_eq!(step.waiting.as_ref().map(|w| w.card), Some(card.id));
+    assert_eq!(step.waiting.as_ref().and_then(|w| w.card()), Some(card.id));
     assert_eq!(written(&node, run), None);
 
     let decided = node
@@ -365,7 +365,8 @@ async fn inv_47_a_pending_card_survives_a_kill_with_its_deadline_and_is_not_aske
     );
     node.wait_until(run, |t| {
         t.root().children.iter().any(|s| {
-            s.status == Status::Running && s.waiting.as_ref().is_some_and(|w| w.card == card.id)
+            s.status == Status::Running
+                && s.waiting.as_ref().and_then(|w| w.card()) == Some(card.id)
         })
     })
     .await;

@@ -642,3 +642,158 @@ async fn an_optional_step_that_fails_leaves_its_run_partial_across_a_restart() {
     assert_eq!(tree.run_status(), Status::Failed);
     assert!(tree.find("last").is_none(), "the next group never started");
 }
+
+mod retries {
+    use super::*;
+    use arbor_testkit::mock_provider::{Format, MockProvider, openai};
+    use arbor_testkit::protocol::WaitingView;
+
+    const WORKER: &str = "You are the worker.";
+
+    async fn node(mock: &MockProvider, retry: &str) -> TestNode {
+        let worker = format!("---\nmodel: mock/small\n---\n{WORKER}\n");
+        let flow = format!(
+            "budget = {{ tokens = 100000 }}\n[[group]]\nsteps = [{{ agent = \"worker\", instruction = \"work\", retry = {retry} }}]\n"
+        );
+        TestNode::start_with_flows(
+            &mock.arbor_toml(Format::Openai, ""),
+            &[("worker", &worker)],
+            &[("work", &flow)],
+        )
+        .await
+    }
+
+    fn bad_request() -> arbor_testkit::mock_provider::Answer {
+        openai::error(400, "invalid_request_error", "bad", "no such parameter")
+    }
+
+    /// The step's attempts in the tree, in order: (attempt, status).
+    fn attempts(tree: &arbor_protocol::Tree) -> Vec<(u32, Status)> {
+        let mut found: Vec<(u32, Status)> = tree
+            .nodes()
+            .filter(|(_, n)| n.label.as_deref() == Some("worker"))
+            .map(|(_, n)| (n.attempt, n.status))
+            .collect();
+        found.sort_by_key(|(attempt, _)| *attempt);
+        found
+    }
+
+    /// A failed step is tried again after its wait, told why the attempt
+    /// before failed, in a node of its own; a class its policy does not
+    /// name fails the run at once.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_failed_step_is_tried_again_after_its_wait_and_only_for_the_classes_named() {
+        let mock = MockProvider::start().await;
+        mock.push_for(Format::Openai, WORKER, bad_request());
+        let submit = [("submit_output", serde_json::json!({"output": "all done"}))];
+        let answer = openai::stream("", &submit, Some((20, 5)));
+        mock.push_for(Format::Openai, WORKER, answer);
+        let node = node(&mock, "{ attempts = 3, wait = \"300ms\" }").await;
+        let run = node.run_flow("work").await;
+        let tree = node.wait_run(run).await;
+        assert_eq!(tree.run_status(), Status::Done, "{:?}", tree.root().reason);
+        assert_eq!(attempts(&tree), [(1, Status::Failed), (2, Status::Done)]);
+        let events = node.events(run);
+        let (waited_at, until) = events
+            .iter()
+            .find_map(|e| match &e.kind {
+                EventKind::RetryWaiting {
+                    attempt: 2,
+                    class: ErrorClass::ModelBadRequest,
+                    until_ms,
+                    ..
+                } => Some((e.at_ms, *until_ms)),
+                _ => None,
+            })
+            .expect("a RetryWaiting for attempt 2");
+        assert!(until >= waited_at + 300, "{until} < {waited_at} + 300");
+        let second = events
+            .iter()
+            .find(|e| matches!(&e.kind, EventKind::JobSpawned { attempt: 2, .. }))
+            .expect("attempt 2 spawned");
+        assert!(
+            second.at_ms >= until,
+            "attempt 2 started before its wait ended"
+        );
+        let asked = mock.received_for(WORKER);
+        assert_eq!(asked.len(), 2);
+        assert!(
+            asked[1]
+                .body
+                .to_string()
+                .contains("A previous attempt failed"),
+            "{}",
+            asked[1].body
+        );
+        node.assert_conserved(run);
+
+        // Only the classes named: a bad request is not a rate limit.
+        let mock = MockProvider::start().await;
+        mock.push_for(Format::Openai, WORKER, bad_request());
+        let node =
+            super::retries::node(&mock, "{ attempts = 3, on = [\"model_rate_limit\"] }").await;
+        let run = node.run_flow("work").await;
+        let tree = node.wait_run(run).await;
+        assert_eq!(tree.run_status(), Status::Failed);
+        assert_eq!(tree.root().error_class, Some(ErrorClass::ModelBadRequest));
+        assert_eq!(attempts(&tree), [(1, Status::Failed)]);
+        assert!(
+            !node
+                .events(run)
+                .iter()
+                .any(|e| matches!(e.kind, EventKind::RetryWaiting { .. }))
+        );
+    }
+
+    /// I-56: a retry's wait is journaled with when it ends. A node killed
+    /// during it comes back waiting for the same moment (not a new wait,
+    /// and no attempt started early or skipped); a stop during the wait
+    /// ends the run at once, and the attempt never starts.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn inv_56_a_retry_wait_survives_a_kill_and_a_stop_ends_it_at_once() {
+        let mock = MockProvider::start().await;
+        mock.push_for(Format::Openai, WORKER, bad_request());
+        let node = node(&mock, "{ attempts = 2, wait = \"1h\" }").await;
+        let run = node.run_flow("work").await;
+        let waiting = node
+            .wait_event(run, |k| matches!(k, EventKind::RetryWaiting { .. }))
+            .await;
+        let EventKind::RetryWaiting { until_ms, .. } = waiting.kind else {
+            unreachable!()
+        };
+        // Its end is reckoned just before the event is stamped.
+        assert!(until_ms + 1_000 >= waiting.at_ms + 3_600_000);
+        let node = node.crash_and_restart().await;
+        let tree = node
+            .node()
+            .wait_tree(run, |t| {
+                t.head().waiting.is_some() && !node.journal().jobs(run).unwrap().is_empty()
+            })
+            .await;
+        match &tree.head().waiting {
+            Some(WaitingView::Retry {
+                attempt: 2,
+                until_ms: resumed,
+                ..
+            }) => assert_eq!(*resumed, until_ms, "the wait resumed where it was"),
+            other => panic!("the run waits on {other:?}"),
+        }
+        assert_eq!(tree.run_status(), Status::Running);
+        let waits = node
+            .events(run)
+            .iter()
+            .filter(|e| matches!(e.kind, EventKind::RetryWaiting { .. }))
+            .count();
+        assert_eq!(waits, 1, "the wait was journaled once, not started over");
+        node.stop_run(run).await;
+        let tree = node.wait_run(run).await;
+        assert_eq!(tree.run_status(), Status::Stopped);
+        assert_eq!(
+            attempts(&tree),
+            [(1, Status::Failed)],
+            "no attempt after the stop"
+        );
+        assert_eq!(mock.received_for(WORKER).len(), 1);
+        node.assert_conserved(run);
+    }
+}

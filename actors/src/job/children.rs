@@ -79,7 +79,7 @@ pub(super) struct Waiter {
     /// 10,000 children is not read from the start at each one's end.
     pub(super) settled_upto: usize,
     /// Its timeout's timer, called off when the waiter is answered.
-    pub(super) timer: Option<crate::timer::Timer<super::JobMsg>>,
+    pub(super) timer: Option<crate::timer::Timer>,
 }
 
 #[derive(Default)]

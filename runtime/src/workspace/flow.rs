@@ -41,6 +41,11 @@ pub(super) fn parse_flow(
                     ),
                 ));
             }
+            if let Some(retry) = &step.retry {
+                retry.check().map_err(|m| {
+                    invalid(path, format!("step {} of group {}: {m}", s + 1, g + 1))
+                })?;
+            }
         }
     }
     Ok(flow)
