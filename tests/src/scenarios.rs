@@ -43,6 +43,31 @@ pub fn fan_out_with_retries_and_steer() -> Scenario {
     })
 }
 
+/// A step whose first attempt fails (an answer no adapter can parse) and
+/// that its retry policy tries again after a wait: the retry's wait is a
+/// commit point of its own (I-56).
+pub fn retried_step() -> Scenario {
+    let flaky = agent_md(
+        "script:\n  - usage: {input: 20, output: 5}\n    call: {tool: submit_output, args: {output: second time lucky}}",
+    );
+    Scenario::flow_texts(
+        None,
+        &[("flaky", &flaky)],
+        &[(
+            "retried",
+            "budget = { tokens = 1000000 }\n[[group]]\nsteps = [{ agent = \"flaky\", instruction = \"go\", retries = 100, retry = { attempts = 100, wait = \"30ms\" } }]\n",
+        )],
+        "retried",
+    )
+    .models(|workspace| {
+        let models = FaultyModels::wrapping(Arc::new(arbor_runtime::Models::new(
+            &workspace.config.providers,
+        )));
+        models.on_job("flaky", 0, [ModelFault::Malformed]);
+        models
+    })
+}
+
 /// Human gates at every commit point: a step asks about its own
 /// `write_file` and, inherited, its child's; a person approves each card as
 /// it appears, before and after a crash. A card committed and not yet

@@ -1,5 +1,6 @@
-//! A crash at every commit point of a fan-out with retries and a steer, as a
-//! kill and as a power cut (`explore_crashes`). The README's example is
+//! A crash at every commit point of a fan-out with retries and a steer, a
+//! gated delegation and a retried step, as a kill and as a power cut
+//! (`explore_crashes`). The README's example is
 //! explored by the user-side example crate, `examples/testing`.
 
 use arbor_protocol::Status;
@@ -25,6 +26,67 @@ async fn every_commit_point_of_a_fan_out_with_retries_and_a_steer_recovers() {
     if arbor_testkit::backend::on_postgres() {
         assert!(report.fenced > 0, "no case was fenced: {report}");
     }
+}
+
+/// I-56 at every commit point of a retried step, killed and powered off:
+/// the run ends done, and every journaled wait was followed by its
+/// attempt, started no earlier than the wait's end and once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inv_56_every_commit_point_of_a_retried_step_keeps_its_wait() {
+    use arbor_protocol::EventKind;
+    let scenario = arbor_tests::scenarios::retried_step();
+    let report = explore_crashes(&scenario, |node, run| {
+        let tree = node.tree(run);
+        if tree.run_status() != Status::Done {
+            return Err(format!(
+                "the run ended {}: {}",
+                tree.run_status(),
+                tree.root().reason.clone().unwrap_or_default()
+            ));
+        }
+        let events = node.events(run);
+        let mut waits = std::collections::HashMap::new();
+        for event in &events {
+            if let EventKind::RetryWaiting {
+                id,
+                attempt,
+                until_ms,
+                ..
+            } = &event.kind
+                && waits.insert(*id, (*attempt, *until_ms)).is_some()
+            {
+                return Err(format!("the wait after {id} was journaled twice"));
+            }
+        }
+        if waits.is_empty() {
+            return Err("no retry waited".into());
+        }
+        // Each wait is followed by its attempt, once (admitted: its record
+        // is journaled, whether or not a later crash cut it), and never
+        // started before the wait's end.
+        let records = node.journal().jobs(run).map_err(|e| e.to_string())?;
+        for (failed, (attempt, until_ms)) in waits {
+            let admitted = records.iter().filter(|j| j.attempt == attempt).count();
+            if admitted != 1 {
+                return Err(format!(
+                    "the wait after {failed} was followed by {admitted} attempts {attempt}"
+                ));
+            }
+            if let Some(early) = events.iter().find(|e| {
+                matches!(&e.kind, EventKind::JobSpawned { attempt: a, .. } if *a == attempt)
+                    && e.at_ms < until_ms
+            }) {
+                return Err(format!(
+                    "attempt {attempt} started {} ms before its wait ended",
+                    until_ms - early.at_ms
+                ));
+            }
+        }
+        Ok(())
+    })
+    .await;
+    println!("{report}");
+    assert!(report.crashed > 0, "no case crashed: {report}");
 }
 
 /// I-46 and I-47 at every commit point (the card's, the decision's, and all
