@@ -48,16 +48,8 @@ covers. A file beside this one is read with `read_skill {name: {name}, file: PAT
 /// Writes `agents/NAME/agent.md` or `skills/NAME/SKILL.md` below
 /// `workspace`; returns the file written.
 pub fn write(kind: Kind, name: &str, workspace: &Path) -> Result<PathBuf, String> {
-    let valid = !name.is_empty()
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-');
-    if !valid {
-        return Err(format!(
-            "{} name {name:?} must be lowercase letters, digits, `_` and `-`",
-            kind.word()
-        ));
-    }
+    // The loader's own rule: a name written here is one it reads.
+    arbor_runtime::workspace::check_name(kind.word(), name)?;
     let (folder, file, template) = match kind {
         Kind::Agent => ("agents", "agent.md", AGENT),
         Kind::Skill => ("skills", "SKILL.md", SKILL),

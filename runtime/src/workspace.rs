@@ -45,7 +45,7 @@ pub use config::{
     Config, DEFAULT_LEASE, DEFAULT_SANDBOX, DEFAULT_UNSEALED, JournalConfig, parse_node_id,
 };
 use flow::parse_flow;
-pub use parse::{DEFAULT_BUDGET_TOKENS, LoadError};
+pub use parse::{DEFAULT_BUDGET_TOKENS, LoadError, check_name};
 use parse::{budget_tokens, invalid, over};
 
 /// Everything a node needs from a user's workspace, checked.

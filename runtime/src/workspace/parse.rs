@@ -107,7 +107,7 @@ pub(super) fn budget_tokens(budget: Option<&BudgetArg>) -> Result<Option<u64>, S
     Ok(budget.map(BudgetArg::tokens).transpose()?.flatten())
 }
 
-pub(super) fn check_name(kind: &str, name: &str) -> Result<(), String> {
+pub fn check_name(kind: &str, name: &str) -> Result<(), String> {
     let valid = !name.is_empty()
         && name
             .bytes()
