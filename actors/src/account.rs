@@ -146,8 +146,10 @@ pub struct Grant {
 pub enum Share {
     /// I-08: a delegate call grants together at most this share of available.
     Fraction(f64),
-    /// The steps of a flow group share what is available evenly.
-    Even,
+    /// The steps of a flow group share what is available evenly, with
+    /// `held_back` more of them that start later (a retry's or a person's
+    /// wait): their shares stay in the account for them.
+    Even { held_back: usize },
 }
 
 /// A model call's reservation (I-11).
@@ -680,7 +682,7 @@ impl Purse {
         }
         let cap = match share {
             Share::Fraction(f) => (((available as f64) * f).floor() as u64).min(available),
-            Share::Even => available,
+            Share::Even { .. } => available,
         };
         let asked_total: u64 = asks.iter().filter_map(|a| a.0).sum();
         if asked_total > cap {
@@ -688,13 +690,19 @@ impl Purse {
                 Share::Fraction(f) => format!(
                     "the jobs ask {asked_total} {unit} together; one delegate call may grant at most {cap} ({f} of the {available} available)"
                 ),
-                Share::Even => {
+                Share::Even { .. } => {
                     format!("the steps ask {asked_total} {unit}; {available} are available")
                 }
             });
         }
         let unasked = asks.iter().filter(|a| a.0.is_none()).count() as u64;
-        let each = (cap - asked_total).checked_div(unasked).unwrap_or(0);
+        let held_back = match share {
+            Share::Even { held_back } => held_back as u64,
+            Share::Fraction(_) => 0,
+        };
+        let each = (cap - asked_total)
+            .checked_div(unasked + held_back)
+            .unwrap_or(0);
         let mut grants = Vec::with_capacity(asks.len());
         for ((asked, max), agent) in asks.iter().zip(agents) {
             let grant = match asked {
@@ -1056,9 +1064,24 @@ mod tests {
                 999,
                 0,
                 vec![ask(None, None), ask(None, None), ask(None, None)],
-                Share::Even,
+                Share::Even { held_back: 0 },
             ),
             Ok(vec![333, 333, 333]),
+        );
+    }
+
+    /// Steps that start later (a retry's wait, a person's) keep their even
+    /// share in the account: those starting now take theirs only.
+    #[test]
+    fn steps_held_back_keep_their_even_share() {
+        check(
+            (
+                900,
+                0,
+                vec![ask(None, None), ask(None, None)],
+                Share::Even { held_back: 1 },
+            ),
+            Ok(vec![300, 300]),
         );
     }
 
@@ -1074,7 +1097,12 @@ mod tests {
             Err("would be granted 0 tokens"),
         );
         check(
-            (100, 100, vec![ask(None, None)], Share::Even),
+            (
+                100,
+                100,
+                vec![ask(None, None)],
+                Share::Even { held_back: 0 },
+            ),
             Err("would be granted 0 tokens"),
         );
     }

@@ -207,7 +207,7 @@ async fn next_reply(
             Err(CallEnd::Failed(outcome))
                 if !harder
                     && outcome.error.as_ref().map(|e| e.0) == Some(ErrorClass::ContextTooLong)
-                    && args.model.info().context_window.is_some() =>
+                    && args.model.current().info().context_window.is_some() =>
             {
                 harder = true;
             }

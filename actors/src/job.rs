@@ -121,7 +121,7 @@ pub struct JobStart {
 fn job_model(
     ctx: &NodeContext,
     start: &JobStart,
-) -> Result<(Arc<dyn crate::model::Model>, crate::tape::JobTapes), String> {
+) -> Result<(Arc<crate::model::ModelChain>, crate::tape::JobTapes), String> {
     use crate::tape::{JobTapes, RecordingModel, TapeModel, TapeWriter, Volatile, model_ref};
     let lineage = &start.lineage;
     let model_ref = model_ref(&start.agent);
@@ -158,9 +158,44 @@ fn job_model(
             Volatile::new(&ctx.work_root),
         ));
         tapes.writer = Some(writer.clone());
-        model = Arc::new(RecordingModel::new(model, writer, model_ref));
+        model = Arc::new(RecordingModel::new(model, writer.clone(), model_ref));
     }
-    Ok((model, tapes))
+    // I-55: where its calls go when its model's supply is walled, each
+    // recorded as its model is. A replay answers from its recording alone.
+    let fallbacks = match &start.run_ctx.replay {
+        Some(_) => vec![],
+        None => start
+            .agent
+            .fallback
+            .iter()
+            .filter(|next| **next != start.agent.model)
+            .filter_map(|next| {
+                let agent = arbor_protocol::AgentDef {
+                    model: next.clone(),
+                    ..(*start.agent).clone()
+                };
+                let model = ctx
+                    .models
+                    .model_for(&agent)
+                    .map_err(|e| tracing::warn!(job = %lineage.id, fallback = %next, error = %e, "a fallback model is not available"))
+                    .ok()?;
+                let name = crate::tape::model_ref(&agent);
+                Some(match &tapes.writer {
+                    Some(writer) => (
+                        name.clone(),
+                        Arc::new(RecordingModel::new(model, writer.clone(), name))
+                            as Arc<dyn crate::model::Model>,
+                    ),
+                    None => (name, model),
+                })
+            })
+            .collect(),
+    };
+    let named = (crate::tape::model_ref(&start.agent), model);
+    Ok((
+        Arc::new(crate::model::ModelChain::new(named, fallbacks)),
+        tapes,
+    ))
 }
 
 impl Actor for Job {
@@ -557,7 +592,7 @@ pub struct JobState {
     account: ActorRef<AccountMsg>,
     /// None for a job offered no tool that uses one (`ToolInfo::sandbox`).
     sandbox: Option<ActorRef<SandboxMsg>>,
-    model: Option<Arc<dyn crate::model::Model>>,
+    model: Option<Arc<crate::model::ModelChain>>,
     /// Its side of the run's recording or replay, handed to its loop.
     tapes: crate::tape::JobTapes,
     /// Aborted when dropped, so a killed job leaves no loop running.

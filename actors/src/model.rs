@@ -220,6 +220,9 @@ impl RetryPolicy {
 pub struct ModelInfo {
     /// The provider's name in arbor.toml, or `scripted`.
     pub provider: String,
+    /// The account it draws on: its provider's `supply`, else the
+    /// provider's name. A fallback never stays on a walled supply (I-55).
+    pub supply: String,
     /// The model as the provider calls it.
     pub model: String,
     /// The most output tokens one call may ask for.
@@ -243,6 +246,7 @@ impl ModelInfo {
     pub fn scripted() -> Self {
         Self {
             provider: "scripted".into(),
+            supply: "scripted".into(),
             model: "scripted".into(),
             max_output_tokens: None,
             context_window: None,
@@ -282,6 +286,51 @@ pub trait Model: Send + Sync {
     /// context window (`count_input` is the bound that is reserved).
     fn estimate_prompt(&self, request: &ModelRequest) -> u64 {
         estimate_tokens(request)
+    }
+}
+
+/// The model a job's calls go to, and the models they move to, in order,
+/// when its supply is walled (I-55: its agent's `fallback`, each among
+/// the models it allows, checked at load).
+/// Each model with its name as agent.md writes it (`provider/model`).
+pub struct ModelChain {
+    current: std::sync::Mutex<(String, Arc<dyn Model>)>,
+    fallbacks: std::sync::Mutex<std::collections::VecDeque<(String, Arc<dyn Model>)>>,
+}
+
+impl ModelChain {
+    pub fn new(model: (String, Arc<dyn Model>), fallbacks: Vec<(String, Arc<dyn Model>)>) -> Self {
+        Self {
+            current: std::sync::Mutex::new(model),
+            fallbacks: std::sync::Mutex::new(fallbacks.into()),
+        }
+    }
+
+    /// The model a call goes to now, and its name.
+    pub fn current_named(&self) -> (String, Arc<dyn Model>) {
+        self.current
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The model a call goes to now.
+    pub fn current(&self) -> Arc<dyn Model> {
+        self.current_named().1
+    }
+
+    /// Moves on to the next fallback on none of the `walled` supplies (those
+    /// passed over are dropped: their supply is walled too, or they come
+    /// before); the model moved to and its name, or None when none is left.
+    pub fn fall_back(&self, walled: &[String]) -> Option<(String, Arc<dyn Model>)> {
+        let mut fallbacks = self.fallbacks.lock().unwrap_or_else(|p| p.into_inner());
+        while let Some(next) = fallbacks.pop_front() {
+            if !walled.contains(&next.1.info().supply) {
+                *self.current.lock().unwrap_or_else(|p| p.into_inner()) = next.clone();
+                return Some(next);
+            }
+        }
+        None
     }
 }
 

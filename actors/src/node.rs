@@ -31,7 +31,7 @@ pub enum NodeMsg {
     ResumeRun {
         id: RunId,
         spec: RunSpec,
-        resume: crate::run::Resume,
+        resume: Box<crate::run::Resume>,
         reply: RpcReplyPort<Result<RunId, String>>,
     },
     StopRun {
@@ -44,6 +44,13 @@ pub enum NodeMsg {
         run: RunId,
         job: JobId,
         reason: String,
+        reply: RpcReplyPort<Result<(), String>>,
+    },
+    /// A person continues step `job` of `run`, which waits for that decision
+    /// (I-57): its next attempt starts in the same run.
+    ContinueStep {
+        run: RunId,
+        job: JobId,
         reply: RpcReplyPort<Result<(), String>>,
     },
     /// Stops every run (each stops its subtree and kills its processes) and
@@ -101,7 +108,7 @@ impl Actor for Node {
                 reply,
             } => {
                 let result = state
-                    .spawn_run(&myself, id, spec, Some(resume), Default::default())
+                    .spawn_run(&myself, id, spec, Some(*resume), Default::default())
                     .await;
                 let _ = reply.send(result);
             }
@@ -114,6 +121,16 @@ impl Actor for Node {
                 };
                 let _ = reply.send(result);
             }
+            NodeMsg::ContinueStep { run, job, reply } => match state.runs.get(&run) {
+                Some((actor, _)) => {
+                    if let Err(e) = actor.cast(RunMsg::Continue { job, reply }) {
+                        tracing::warn!(%run, %job, error = %e, "a continue did not reach its run");
+                    }
+                }
+                None => {
+                    let _ = reply.send(Err(format!("run {run} is not running on this node")));
+                }
+            },
             NodeMsg::StopJob {
                 run,
                 job,

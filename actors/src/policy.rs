@@ -226,6 +226,7 @@ mod tests {
             skills: vec![],
             settings: Default::default(),
             models: vec![],
+            fallback: vec![],
             timeout: None,
             script: Default::default(),
             prompt: String::new(),

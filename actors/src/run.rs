@@ -74,6 +74,12 @@ pub struct Resume {
     /// Steps of `group` whose latest attempt failed and that their retry
     /// policy tries again: the waits to resume (I-56).
     pub retry_waits: Vec<RetryWait>,
+    /// Steps of `group` whose latest attempt a restart interrupted: label
+    /// -> that attempt. One that may have acted outside its workdir waits
+    /// for a person (I-57); the rest run again.
+    pub interrupted: std::collections::HashMap<String, JobId>,
+    /// The interrupted attempts whose `NeedsDecision` is journaled already.
+    pub asked: std::collections::HashSet<JobId>,
 }
 
 /// A failed step waiting to be tried again, as recovery found it.
@@ -133,6 +139,12 @@ pub enum RunMsg {
     /// A failed step's retry wait is over: its next attempt starts.
     RetryDue {
         label: String,
+    },
+    /// A person continues the interrupted step `job`, which waits for that
+    /// decision (I-57).
+    Continue {
+        job: JobId,
+        reply: ractor::RpcReplyPort<Result<(), String>>,
     },
     /// A replay's request differed from its recording's (I-49).
     Diverged {
@@ -253,6 +265,9 @@ impl Actor for Run {
             _cancel_on_drop: cancel.clone().drop_guard(),
             _wall: None,
             retrying: BTreeMap::new(),
+            deciding: BTreeMap::new(),
+            interrupted: resume.interrupted,
+            asked: resume.asked,
             failures: std::collections::HashMap::new(),
             resumed_waits: resume.retry_waits,
             cancel,
@@ -321,6 +336,10 @@ impl Actor for Run {
                 );
             }
             RunMsg::RetryDue { label } => state.retry_due(&myself, label).await,
+            RunMsg::Continue { job, reply } => {
+                let continued = state.continue_step(&myself, job).await;
+                let _ = reply.send(continued);
+            }
             RunMsg::ChildEnded { report } => state.step_ended(&myself, report).await?,
             RunMsg::StepGone { actor, why } => {
                 if let Some(report) = state.report_for_dead(actor, &why) {
@@ -426,6 +445,13 @@ pub struct RunState {
     resumed_waits: Vec<RetryWait>,
     /// By label: why the attempt before the one about to start failed.
     failures: std::collections::HashMap<String, String>,
+    /// By label: interrupted steps that wait for a person (I-57): the
+    /// attempt a restart cut. The group is not over while one waits.
+    deciding: BTreeMap<String, JobId>,
+    /// From a restart: label -> its interrupted attempt, until planned.
+    interrupted: std::collections::HashMap<String, JobId>,
+    /// Interrupted attempts whose `NeedsDecision` is journaled already.
+    asked: std::collections::HashSet<JobId>,
 }
 
 /// A failed step's wait for its next attempt.
@@ -508,6 +534,61 @@ impl RunState {
         Ok(())
     }
 
+    /// Journals that each of `asks` (an interrupted attempt, its label, why
+    /// it may have acted outside its workdir) waits for a person, once per
+    /// attempt across restarts, durable before the run waits on it (I-57).
+    async fn ask_decisions(&mut self, asks: Vec<(JobId, String, String)>) {
+        let mut told = false;
+        for (job, label, why) in asks {
+            tracing::warn!(run = %self.id, step = %label, %job, why, "interrupted step waits for a person");
+            if self.asked.insert(job) {
+                self.ctx.events.emit(
+                    self.id,
+                    EventKind::NeedsDecision {
+                        id: job,
+                        label,
+                        why,
+                    },
+                );
+                told = true;
+            }
+        }
+        if told && let Err(e) = self.ctx.journal.flush().await {
+            self.begin_finish(
+                Status::Failed,
+                Some(ErrorClass::Internal),
+                format!("the journal could not record a step that waits for a person: {e}"),
+            );
+        }
+    }
+
+    /// A person continues an interrupted step that waited for them (I-57):
+    /// its next attempt is admitted as any step is.
+    async fn continue_step(&mut self, myself: &ActorRef<RunMsg>, job: JobId) -> Result<(), String> {
+        if self.finish.is_some() {
+            return Err(format!("run {} is ending", self.id));
+        }
+        let Some(label) = self
+            .deciding
+            .iter()
+            .find(|(_, waiting)| **waiting == job)
+            .map(|(label, _)| label.clone())
+        else {
+            return Err(format!(
+                "run {} does not wait for a decision on {job}",
+                self.id
+            ));
+        };
+        self.deciding.remove(&label);
+        tracing::info!(run = %self.id, step = %label, %job, "a person continued an interrupted step");
+        self.failures.insert(
+            label,
+            "it was interrupted by a restart; a person chose to run it again".into(),
+        );
+        self.start_group(myself).await;
+        Ok(())
+    }
+
     /// A retry's wait is over: the step's next attempt is admitted as any
     /// step is (its grant reserved, its record durable), in a clean workdir.
     async fn retry_due(&mut self, myself: &ActorRef<RunMsg>, label: String) {
@@ -534,10 +615,14 @@ impl RunState {
         };
         let labels = self.labels.get(self.group).cloned().unwrap_or_default();
         let mut planned = vec![];
+        let mut asks = vec![];
         for (step, label) in group.steps.iter().zip(labels) {
             // A step a resumed run kept needs no new attempt, nor one that
             // waits to be tried again.
-            if self.steps.values().any(|s| s.label == label) || self.retrying.contains_key(&label) {
+            if self.steps.values().any(|s| s.label == label)
+                || self.retrying.contains_key(&label)
+                || self.deciding.contains_key(&label)
+            {
                 continue;
             }
             let Some(agent) = self.ctx.agent(&step.agent) else {
@@ -548,6 +633,17 @@ impl RunState {
                 );
                 return;
             };
+            if let Some(job) = self.interrupted.remove(&label)
+                && let Some(why) = arbor_protocol::needs_decision(
+                    step,
+                    |name| self.ctx.agents.get(name).map(|a| a.as_ref()),
+                    |name| self.ctx.mcp.server(name).map(|s| s.as_ref()),
+                )
+            {
+                asks.push((job, label.clone(), why));
+                self.deciding.insert(label, job);
+                continue;
+            }
             let attempt = self.attempts.get(&label).copied().unwrap_or(0) + 1;
             let instruction = match self.failures.remove(&label) {
                 Some(error) => {
@@ -563,6 +659,7 @@ impl RunState {
                 attempt,
             });
         }
+        self.ask_decisions(asks).await;
         if planned.is_empty() {
             return;
         }
@@ -607,7 +704,9 @@ impl RunState {
             .collect();
         match ractor::call!(self.account, |reply| AccountMsg::Reserve {
             asks,
-            share: Share::Even,
+            share: Share::Even {
+                held_back: self.retrying.len() + self.deciding.len()
+            },
             reply
         }) {
             Ok(Ok(grants)) => Some(grants),
@@ -823,8 +922,9 @@ impl RunState {
         for id in running {
             self.stop_step(id, why, true);
         }
-        // A wait for a retry ends at once: no attempt starts after this.
+        // A wait for a retry or a person ends at once: no attempt starts after this.
         self.retrying.clear();
+        self.deciding.clear();
         self.finish = Some(RunFinish {
             status,
             class,
@@ -916,7 +1016,10 @@ impl RunState {
             );
             return Ok(());
         }
-        if self.retrying.is_empty() && self.steps.values().all(|s| s.envelope.is_some()) {
+        if self.retrying.is_empty()
+            && self.deciding.is_empty()
+            && self.steps.values().all(|s| s.envelope.is_some())
+        {
             self.previous = self
                 .steps
                 .values()

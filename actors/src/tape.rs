@@ -381,6 +381,7 @@ fn recorded_model(info: &ModelInfo) -> RecordedModel {
 fn model_info(recorded: &RecordedModel) -> ModelInfo {
     ModelInfo {
         provider: recorded.provider.clone(),
+        supply: recorded.provider.clone(),
         model: recorded.model.clone(),
         max_output_tokens: recorded.max_output_tokens,
         context_window: recorded.context_window,

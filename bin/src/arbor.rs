@@ -5,8 +5,10 @@
 //!
 //! Exit codes: 0 ok (a run it ran or waited for is done); 1 a run failed or
 //! was stopped, or the service refused as a conflict; 2 bad usage or bad
-//! input, with a one-line reason on stderr; 3 no such run or job; 4 arbord
-//! unreachable or shutting down; 5 the token was refused.
+//! input, with a one-line reason on stderr; 3 no such run or job (for
+//! `arbor run` and `arbor continue`: the run waits for a person to continue
+//! a step a crash interrupted, I-57); 4 arbord unreachable or shutting
+//! down; 5 the token was refused.
 
 /// `println!` for what `arbor` prints: a reader that went away (`arbor runs
 /// | head`) ends the printing, not the process with a panic, and a run
@@ -33,6 +35,7 @@ mod render;
 mod replay;
 
 use anyhow::Context;
+use arbor_protocol::WaitingView;
 use arbor_protocol::{RunSpec, Status, Tree};
 use arbor_runtime::{EmbeddedNode, Models, Workspace};
 use clap::{Args, Parser, Subcommand};
@@ -427,7 +430,7 @@ async fn run(args: RunArgs) -> Result<ExitCode, Failure> {
         &workspace,
         &data_dir,
         Arc::new(Models::new(&workspace.config.providers)),
-        |s| s.flow == wanted.flow && s.groups == wanted.groups,
+        |s, _| s.flow == wanted.flow && s.groups == wanted.groups,
     )
     .await
     .map_err(|e| bad(format!("{}: {e}", data_dir.display())))?;
@@ -610,12 +613,25 @@ async fn continue_job(args: ContinueArgs) -> Result<ExitCode, Failure> {
             .unwrap_or_else(|| PathBuf::from(".")),
     };
     let workspace = Workspace::load(&dir).map_err(bad)?;
-    // Interrupted runs stay as recovery left them: only the job is continued.
+    // Interrupted runs stay as recovery left them, but for the one whose
+    // step this is, if it waits for this decision (I-57): it goes on.
     let node = EmbeddedNode::start_resuming(
         &workspace,
         &data_dir,
         Arc::new(Models::new(&workspace.config.providers)),
-        |_| false,
+        |spec, plan| {
+            plan.interrupted.iter().any(|(label, j)| {
+                *j == job
+                    && spec.step(label).is_some_and(|step| {
+                        arbor_protocol::needs_decision(
+                            step,
+                            |name| workspace.agents.get(name),
+                            |name| workspace.config.mcp.get(name).map(|s| s.as_ref()),
+                        )
+                        .is_some()
+                    })
+            })
+        },
     )
     .await
     .map_err(|e| bad(format!("{}: {e}", data_dir.display())))?;
@@ -625,13 +641,32 @@ async fn continue_job(args: ContinueArgs) -> Result<ExitCode, Failure> {
     follow(node, run, args.json).await
 }
 
-/// Shows the run until it ends, prints its tree, shuts the node down.
+/// Shows the run until it ends, prints its tree, shuts the node down. A
+/// run that waits for a person to continue an interrupted step (I-57)
+/// leaves it waiting in the journal: exit 3, naming the step and the
+/// command that goes on.
 async fn follow(
     node: EmbeddedNode,
     run: arbor_protocol::RunId,
     json: bool,
 ) -> Result<ExitCode, Failure> {
     let (tree, view) = watch(&node, run, json).await;
+    if let Some(WaitingView::NeedsDecision { job, label, why }) = tree.head().waiting.clone()
+        && !tree.run_status().is_terminal()
+    {
+        let data_dir = node.data_dir().display().to_string();
+        print_tree(&node, &tree, view, json)?;
+        node.shutdown_for_exit()
+            .await
+            .context("shutting the node down")?;
+        eprintln!(
+            "arbor: run {run} waits for a person: step {label} was interrupted by a restart \
+             and may have acted outside its workdir ({why}). Run it again with \
+             `arbor continue {job} --data-dir {data_dir}`, or stop the run with \
+             `arbor stop {run}` where arbord serves this workspace"
+        );
+        return Ok(ExitCode::from(3));
+    }
     finish(node, &tree, view, json).await
 }
 
@@ -693,8 +728,12 @@ async fn watch(
     let mut interrupted = false;
     let mut cards_told = std::collections::HashSet::new();
     let tree = loop {
+        // Its end, or a wait for a person no one here can answer (I-57).
         let ended = node.events().with_tree(run, |tree| {
-            tree.is_some_and(|tree| tree.run_status().is_terminal())
+            tree.is_some_and(|tree| {
+                tree.run_status().is_terminal()
+                    || matches!(tree.head().waiting, Some(WaitingView::NeedsDecision { .. }))
+            })
         });
         if ended {
             break node.tree(run);
@@ -705,9 +744,9 @@ async fn watch(
                     break node.tree(run);
                 }
             }
-            _ = tick.tick(), if !json => {
+            _ = tick.tick() => {
                 let version = node.events().version();
-                if drawn != Some(version) {
+                if !json && drawn != Some(version) {
                     drawn = Some(version);
                     // Read under the bus's lock, written after it.
                     let frame = node.events().with_tree(run, |tree| tree.map(|t| view.frame(t)));

@@ -979,6 +979,12 @@ fn event_line(event: &Event) -> String {
             " {label} failed ({class}): attempt {attempt} at {}",
             arbor_protocol::approval::rfc3339(*until_ms)
         ),
+        EventKind::ModelFallback {
+            from, to, class, ..
+        } => format!(" {from} walled ({class}): on to {to}"),
+        EventKind::NeedsDecision { label, why, .. } => {
+            format!(" {label} waits for a person: {why}")
+        }
         EventKind::RunStarted { .. }
         | EventKind::RunResumed { .. }
         | EventKind::Recovered { .. }

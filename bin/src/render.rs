@@ -211,6 +211,10 @@ pub fn waiting(w: &arbor_protocol::WaitingView) -> String {
             "waiting to try {label} again after {class} (attempt {attempt} at {})",
             arbor_protocol::approval::rfc3339(*until_ms)
         ),
+        WaitingView::NeedsDecision { job, label, why } => format!(
+            "waiting for a person: step {label} was interrupted and may have acted outside \
+             its workdir ({why}); `arbor continue {job}` runs it again"
+        ),
     }
 }
 

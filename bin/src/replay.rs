@@ -179,7 +179,7 @@ pub async fn replay(args: ReplayArgs, conn: &crate::client::Conn) -> Result<Exit
         &workspace,
         &data_dir,
         Arc::new(Models::new(&workspace.config.providers)),
-        |_| false,
+        |_, _| false,
     )
     .await
     .map_err(|e| bad(format!("{}: {e}", data_dir.display())))?;
@@ -251,7 +251,7 @@ async fn rerun(
         workspace,
         data_dir,
         Arc::new(Models::new(&workspace.config.providers)),
-        |_| false,
+        |_, _| false,
     )
     .await
     .map_err(|e| bad(format!("{}: {e}", data_dir.display())))?;

@@ -232,6 +232,49 @@ fn every_example_agent_is_valid_against_the_agent_schema() {
     assert_eq!(checked, 7);
 }
 
+/// docs/contract/flow.schema.json is what the flow types generate, and
+/// every flow file of the examples and the CI workspaces is valid by it.
+#[test]
+fn the_flow_schema_is_the_types_and_every_flow_file_is_valid_by_it() {
+    let path = repo().join("docs/contract/flow.schema.json");
+    let generated =
+        serde_json::to_string_pretty(&arbor_protocol::FlowSpec::schema()).unwrap() + "\n";
+    if std::env::var_os("BLESS").is_some() {
+        std::fs::write(&path, &generated).unwrap();
+    }
+    let committed = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        committed == generated,
+        "docs/contract/flow.schema.json is not what the types generate; \
+         run `BLESS=1 cargo test -p arbor-bin --test cli the_flow_schema` and commit it"
+    );
+    let validator = schema("flow.schema.json");
+    let mut checked = 0;
+    for root in ["examples", "tests/fakellm"] {
+        for workspace in std::fs::read_dir(repo().join(root)).unwrap() {
+            let flows = workspace.unwrap().path().join("flows");
+            for flow in std::fs::read_dir(&flows).into_iter().flatten() {
+                let path = flow.unwrap().path();
+                let text = std::fs::read_to_string(&path).unwrap();
+                let value: serde_json::Value = toml::from_str(&text).unwrap();
+                let errors: Vec<String> = validator
+                    .iter_errors(&value)
+                    .map(|e| e.to_string())
+                    .collect();
+                assert!(errors.is_empty(), "{}: {errors:?}", path.display());
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 4, "{checked} flow files");
+    // And one the loader refuses is refused by the schema too.
+    let bad: serde_json::Value = toml::from_str(
+        "[[group]]\nsteps = [{ agent = \"a\", instruction = \"x\", retry = { tries = 2 } }]\n",
+    )
+    .unwrap();
+    assert!(!validator.is_valid(&bad));
+}
+
 #[test]
 fn the_contract_copies_match_the_shared_originals_when_present() {
     let shared = repo().join("../shared/contract");
@@ -593,4 +636,79 @@ fn the_readmes_arbor_prompt_line_runs_as_written() {
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.contains("## Sub-agents you may delegate to"), "{text}");
     assert!(text.contains("- `researcher`: "), "{text}");
+}
+
+/// I-57 from the outside: `arbor run` killed with SIGKILL while a step
+/// whose commands have the network runs. Run again, it does not run the
+/// step again: it exits 3, naming the step and the command that goes on,
+/// and leaves the run waiting in the journal; `arbor continue JOB` runs
+/// the step's next attempt in that same run, to its end.
+#[test]
+fn inv_57_arbor_run_exits_3_on_an_interrupted_outward_step_and_continue_finishes_it() {
+    use std::io::BufRead;
+    let ws = tempfile::tempdir().unwrap();
+    let agent = ws.path().join("agents/payer");
+    std::fs::create_dir_all(&agent).unwrap();
+    std::fs::write(
+        agent.join("agent.md"),
+        "---\ndescription: pays\ntools: [exec]\nnetwork: open\nscript:\n  - say: paying\n    delay: 3s\n  - call: {tool: submit_output, args: {output: paid}}\n---\nYou pay.\n",
+    )
+    .unwrap();
+    std::fs::create_dir_all(ws.path().join("flows")).unwrap();
+    std::fs::write(
+        ws.path().join("flows/pay.toml"),
+        "[[group]]\nsteps = [{ agent = \"payer\", instruction = \"pay\" }]\n",
+    )
+    .unwrap();
+    let data = ws.path().join("data");
+    let (ws_arg, data_arg) = (ws.path().to_str().unwrap(), data.to_str().unwrap());
+    let mut first = Command::new(env!("CARGO_BIN_EXE_arbor"))
+        .args(["run", ws_arg, "--data-dir", data_arg])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(first.stdout.take().unwrap()).lines();
+    let running = lines.any(|l| {
+        let l = l.unwrap();
+        l.contains("payer") && l.contains("[running]")
+    });
+    assert!(running, "the step was seen running");
+    first.kill().unwrap();
+    first.wait().unwrap();
+
+    let again = arbor(&["run", ws_arg, "--data-dir", data_arg]);
+    let stderr = String::from_utf8_lossy(&again.stderr);
+    assert_eq!(again.status.code(), Some(3), "{stderr}");
+    assert!(stderr.contains("step payer was interrupted"), "{stderr}");
+    assert!(
+        stderr.contains("payer: its commands have the network"),
+        "{stderr}"
+    );
+    let job = stderr
+        .split("`arbor continue ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no continue command in: {stderr}"));
+
+    let out = arbor(&["continue", job, "--data-dir", data_arg, "--json"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let run = &doc["run"];
+    assert_eq!(run["status"], "done", "{doc}");
+    // The same run went on: its step's second attempt, and no other.
+    let attempts: Vec<(u64, String)> = run["children"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["status"] != "failed")
+        .map(|c| {
+            (
+                c["attempt"].as_u64().unwrap(),
+                c["status"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(attempts, [(2, "done".into())], "{doc}");
 }

@@ -19,6 +19,11 @@ pub struct AgentDef {
     /// `model` only.
     #[serde(default)]
     pub models: Vec<ModelRef>,
+    /// Where a call goes, in order, when its model's supply is walled (a
+    /// usage cap, an auth failure, a rate limit or overload that outlasted
+    /// the call's retries): each among `models` (I-55).
+    #[serde(default)]
+    pub fallback: Vec<ModelRef>,
     /// The sandbox tools it may use (`exec`, `read_file`, `write_file`).
     pub tools: Vec<ToolName>,
     /// The MCP tools it may use: `mcp: [SERVER]` and the `mcp__` names of
@@ -129,6 +134,9 @@ pub struct FrontMatter {
     pub max_repeats: Option<u32>,
     #[serde(default)]
     pub models: Vec<String>,
+    /// Where a call goes when its model's supply is walled (I-55), in order.
+    #[serde(default)]
+    pub fallback: Vec<String>,
     /// Skills (`skills/NAME/SKILL.md`) its prompt lists and `read_skill` reads.
     #[serde(default)]
     pub skills: Vec<String>,
@@ -349,4 +357,72 @@ impl Effort {
             Effort::High => "high",
         }
     }
+}
+
+/// Why `step`, interrupted by a restart, waits for a person before it runs
+/// again (I-57): what it may have done outside its workdir. None: it is
+/// re-run as it is (it touches only its workdir, or its flow says
+/// `rerun_interrupted`). `agent` and `server` look names up.
+pub fn needs_decision<'a>(
+    step: &crate::StepSpec,
+    agent: impl Fn(&str) -> Option<&'a AgentDef>,
+    server: impl Fn(&str) -> Option<&'a crate::McpServerSpec>,
+) -> Option<String> {
+    if step.rerun_interrupted == Some(true) {
+        return None;
+    }
+    let root = agent(&step.agent)?;
+    let reasons = outward_reasons(root, agent, server);
+    (!reasons.is_empty()).then(|| reasons.join("; "))
+}
+
+/// Why a step of `root` may act outside its workdir (I-57): `root` or a
+/// sub-agent it can reach runs commands with the network open or holds a
+/// secret, or uses an MCP server that can reach out (over HTTP, or with
+/// the network open) or holds a secret. Each reason names its agent; none:
+/// it touches only its own workdir, and a restart re-runs it as it is.
+/// `agent` and `server` look names up; a name they do not know is passed
+/// over (the loader refuses those).
+pub fn outward_reasons<'a>(
+    root: &'a AgentDef,
+    agent: impl Fn(&str) -> Option<&'a AgentDef>,
+    server: impl Fn(&str) -> Option<&'a crate::McpServerSpec>,
+) -> Vec<String> {
+    let mut reasons = vec![];
+    let mut seen = std::collections::BTreeSet::new();
+    let mut queue = vec![root];
+    while let Some(def) = queue.pop() {
+        if !seen.insert(def.name.as_str()) {
+            continue;
+        }
+        let who = &def.name;
+        if def.network == Network::Open && def.tools.contains(&crate::ToolName::Exec) {
+            reasons.push(format!(
+                "{who}: its commands have the network (network: open)"
+            ));
+        }
+        if !def.secrets.is_empty() {
+            reasons.push(format!("{who}: holds secrets {}", def.secrets.join(", ")));
+        }
+        let mut servers: Vec<&str> = def.mcp.iter().map(|p| p.server.as_str()).collect();
+        servers.dedup();
+        for spec in servers.into_iter().filter_map(&server) {
+            let name = &spec.name;
+            match &spec.transport {
+                crate::McpTransport::Http(http) => reasons.push(format!(
+                    "{who}: MCP server {name} is reached over HTTP ({})",
+                    http.url
+                )),
+                crate::McpTransport::Stdio(stdio) if stdio.network == Network::Open => {
+                    reasons.push(format!("{who}: MCP server {name} has the network"))
+                }
+                crate::McpTransport::Stdio(_) => {}
+            }
+            if !spec.secrets.is_empty() {
+                reasons.push(format!("{who}: MCP server {name} holds secrets"));
+            }
+        }
+        queue.extend(def.subagents.iter().filter_map(|s| agent(s)));
+    }
+    reasons
 }

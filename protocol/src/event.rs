@@ -306,6 +306,25 @@ pub enum EventKind {
         class: ErrorClass,
         until_ms: u64,
     },
+    /// Job `id`'s call of `turn` failed on `from` (`provider/model`) in a
+    /// way that walls its supply (`class`), so it goes to `to`, the next of
+    /// its agent's `fallback` on another supply (I-55); its next
+    /// `model_called` names the model that answered.
+    ModelFallback {
+        id: JobId,
+        turn: u32,
+        from: String,
+        to: String,
+        class: ErrorClass,
+    },
+    /// A restart interrupted step `id`, which may have acted outside its
+    /// workdir (`why`): it is not run again until a person continues it or
+    /// stops the run (I-57). Journaled once per interrupted attempt.
+    NeedsDecision {
+        id: JobId,
+        label: String,
+        why: String,
+    },
 }
 
 impl EventKind {
@@ -344,7 +363,9 @@ impl EventKind {
             | ApprovalRequested { id, .. }
             | ApprovalExpiring { id, .. }
             | ApprovalDecided { id, .. }
-            | RetryWaiting { id, .. } => Some(*id),
+            | RetryWaiting { id, .. }
+            | ModelFallback { id, .. }
+            | NeedsDecision { id, .. } => Some(*id),
             AccountChanged { owner, .. } | WindDown { owner, .. } => match owner {
                 ParentRef::Job(id) => Some(*id),
                 ParentRef::Run(_) => None,

@@ -24,7 +24,7 @@ mod duration_str;
 
 pub use agent::{
     AgentDef, Effort, ModelRef, Network, Resources, ResourcesSpec, SandboxMode, ScriptCall,
-    ScriptTurn, ScriptUsage, Settings, ThinkingTokens,
+    ScriptTurn, ScriptUsage, Settings, ThinkingTokens, needs_decision, outward_reasons,
 };
 pub use approval::{ApprovalSettings, Card, CardState, Decision, Verdict};
 pub use event::{CallFacts, Event, EventKind, McpServerState, NodeKind, ParentRef};

@@ -86,6 +86,17 @@ impl RunSpec {
             .collect()
     }
 
+    /// The step labelled `label` (`step_labels`).
+    pub fn step(&self, label: &str) -> Option<&StepSpec> {
+        let labels = self.step_labels();
+        self.groups
+            .iter()
+            .zip(&labels)
+            .flat_map(|(g, l)| g.steps.iter().zip(l))
+            .find(|(_, l)| *l == label)
+            .map(|(s, _)| s)
+    }
+
     /// A run of one agent on one input.
     pub fn single(agent: &str, input: &str, budget_tokens: u64) -> Self {
         Self {
@@ -98,6 +109,7 @@ impl RunSpec {
                     retries: None,
                     optional: false,
                     retry: None,
+                    rerun_interrupted: None,
                 }],
             }],
             budget_tokens,
@@ -116,8 +128,23 @@ impl RunSpec {
 pub struct FlowSpec {
     pub budget: Option<crate::BudgetArg>,
     pub timeout: Option<String>,
+    /// Every step's `rerun_interrupted` unless the step says otherwise.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub rerun_interrupted: bool,
     #[serde(default, rename = "group")]
     pub groups: Vec<FlowGroup>,
+}
+
+impl FlowSpec {
+    /// The flow file's JSON Schema, its TOML read as JSON
+    /// (docs/contract/flow.schema.json).
+    pub fn schema() -> serde_json::Value {
+        let mut schema = serde_json::to_value(schemars::schema_for!(FlowSpec)).unwrap_or_default();
+        if let Some(object) = schema.as_object_mut() {
+            object.insert("$id".into(), "arbor/flow".into());
+        }
+        schema
+    }
 }
 
 /// Groups run in order; the steps of a group run in parallel.
@@ -143,6 +170,10 @@ pub struct StepSpec {
     /// How a failed attempt is tried again; none: a failure is the step's end.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry: Option<crate::RetryPolicy>,
+    /// Re-run it after a restart interrupted it even if it may have acted
+    /// outside its workdir (I-57); none: its flow's `rerun_interrupted`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rerun_interrupted: Option<bool>,
 }
 
 impl StepSpec {
@@ -171,6 +202,7 @@ mod tests {
             retries: None,
             optional: false,
             retry: None,
+            rerun_interrupted: None,
         }
     }
 

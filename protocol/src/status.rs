@@ -144,6 +144,20 @@ impl ErrorClass {
         )
     }
 
+    /// A model call that failed this way says its supply (a provider's
+    /// account) will not serve it now, whatever is sent: a call that still
+    /// fails so after its own retries moves to an agent's `fallback`, on
+    /// another supply (I-55). A bad request is not one: it would fail anywhere.
+    pub fn walls_supply(self) -> bool {
+        matches!(
+            self,
+            ErrorClass::ModelUsageCap
+                | ErrorClass::ModelAuth
+                | ErrorClass::ModelRateLimit
+                | ErrorClass::ModelOverloaded
+        )
+    }
+
     /// A model call that failed this way may succeed if sent again after a
     /// pause: the agent loop retries it, each attempt reserved anew.
     pub fn is_transient(self) -> bool {

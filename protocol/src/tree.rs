@@ -79,6 +79,14 @@ pub enum WaitingView {
         class: ErrorClass,
         until_ms: u64,
     },
+    /// The run waits for a person: step `label` (its attempt `job`) was
+    /// interrupted by a restart and may have acted outside its workdir
+    /// (`why`); `arbor continue JOB` runs it again, a stop ends the run.
+    NeedsDecision {
+        job: JobId,
+        label: String,
+        why: String,
+    },
 }
 
 impl WaitingView {
@@ -86,7 +94,7 @@ impl WaitingView {
     pub fn card(&self) -> Option<crate::CardId> {
         match self {
             WaitingView::Approval { card, .. } => Some(*card),
-            WaitingView::Retry { .. } => None,
+            WaitingView::Retry { .. } | WaitingView::NeedsDecision { .. } => None,
         }
     }
 }
@@ -313,7 +321,8 @@ impl Tree {
                     None => Some(&mut self.root),
                 };
                 if let Some(w) = waiter
-                    && matches!(&w.waiting, Some(WaitingView::Retry { label: l, .. })
+                    && matches!(&w.waiting, Some(WaitingView::Retry { label: l, .. }
+                        | WaitingView::NeedsDecision { label: l, .. })
                         if Some(l) == label.as_ref())
                 {
                     w.waiting = None;
@@ -447,15 +456,20 @@ impl Tree {
                     class: *class,
                     until_ms: *until_ms,
                 };
-                match self.entries.get(id).map(|e| e.parent) {
-                    Some(Some(parent)) => {
-                        if let Some(p) = self.entries.get_mut(&parent) {
-                            p.node.waiting = Some(view);
-                        }
-                    }
-                    Some(None) => self.root.waiting = Some(view),
-                    None => {}
+                self.set_waiting_above(*id, view);
+            }
+            EventKind::ModelFallback { id, to, .. } => {
+                if let Some(e) = self.entries.get_mut(id) {
+                    e.node.model = Some(to.clone());
                 }
+            }
+            EventKind::NeedsDecision { id, label, why } => {
+                let view = WaitingView::NeedsDecision {
+                    job: *id,
+                    label: label.clone(),
+                    why: why.clone(),
+                };
+                self.set_waiting_above(*id, view);
             }
             EventKind::ModelCalled {
                 id,
@@ -479,6 +493,20 @@ impl Tree {
             | EventKind::SteerQueued { .. }
             | EventKind::SteerDelivered { .. }
             | EventKind::SteerDiscarded { .. } => {}
+        }
+    }
+
+    /// `view` on the node above `id`: its parent job's, or the run's for a
+    /// step, and for one the tree has not seen (a crash can take a step's
+    /// `JobSpawned` while its record, committed first, survives).
+    fn set_waiting_above(&mut self, id: JobId, view: WaitingView) {
+        match self.entries.get(&id).and_then(|e| e.parent) {
+            Some(parent) => {
+                if let Some(p) = self.entries.get_mut(&parent) {
+                    p.node.waiting = Some(view);
+                }
+            }
+            None => self.root.waiting = Some(view),
         }
     }
 
@@ -766,6 +794,57 @@ mod tests {
                 vec![true]
             ]
         );
+    }
+
+    /// A run waits on a retry or a person: shown on the run node, even for
+    /// a step whose `JobSpawned` a crash took; the step's next attempt
+    /// ends the wait, and a job's child's retry shows on the job.
+    #[test]
+    fn a_wait_shows_above_the_attempt_and_the_next_attempt_ends_it() {
+        let run = RunId::new();
+        let (lost, next, job, child) = (JobId::new(), JobId::new(), JobId::new(), JobId::new());
+        let mut tree = Tree::new(run);
+        let mut seq = 0;
+        let mut apply = |tree: &mut Tree, kind| {
+            seq += 1;
+            tree.apply(&at(run, seq, kind));
+        };
+        apply(
+            &mut tree,
+            EventKind::NeedsDecision {
+                id: lost,
+                label: "pay".into(),
+                why: "payer: holds secrets KEY".into(),
+            },
+        );
+        assert!(matches!(
+            &tree.head().waiting,
+            Some(WaitingView::NeedsDecision { job, label, .. }) if *job == lost && label == "pay"
+        ));
+        let mut again = spawned(run, next, ParentRef::Run(run), 10);
+        if let EventKind::JobSpawned { label, attempt, .. } = &mut again {
+            *label = Some("pay".into());
+            *attempt = 2;
+        }
+        apply(&mut tree, again);
+        assert_eq!(tree.head().waiting, None);
+        apply(&mut tree, spawned(run, job, ParentRef::Run(run), 10));
+        apply(&mut tree, spawned(run, child, ParentRef::Job(job), 5));
+        apply(
+            &mut tree,
+            EventKind::RetryWaiting {
+                id: child,
+                label: "c".into(),
+                attempt: 2,
+                class: ErrorClass::ModelServer,
+                until_ms: 7,
+            },
+        );
+        assert_eq!(tree.head().waiting, None);
+        assert!(matches!(
+            tree.node(job).and_then(|n| n.waiting.as_ref()),
+            Some(WaitingView::Retry { until_ms: 7, .. })
+        ));
     }
 
     #[test]

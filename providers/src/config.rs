@@ -53,6 +53,9 @@ pub enum ProviderKind {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Provider {
     pub name: String,
+    /// The account it bills (`supply`, default its name): two providers on
+    /// one account are one supply, so a fallback skips both (I-55).
+    pub supply: String,
     pub kind: ProviderKind,
     /// Without a trailing `/`. OpenAI's ends in `/v1` (the client appends
     /// `/chat/completions`); Anthropic's is the host (it appends `/v1/messages`).
@@ -90,6 +93,7 @@ impl Provider {
     pub fn model_info(&self, model: &ProviderModel) -> arbor_actors::model::ModelInfo {
         arbor_actors::model::ModelInfo {
             provider: self.name.clone(),
+            supply: self.supply.clone(),
             model: model.id.clone(),
             max_output_tokens: Some(model.max_output_tokens),
             context_window: Some(model.context_window),
@@ -122,6 +126,7 @@ pub struct ProviderFile {
     idle_timeout: Option<String>,
     stream: Option<bool>,
     max_retries: Option<i64>,
+    supply: Option<String>,
     #[serde(default)]
     models: BTreeMap<String, ModelFile>,
 }
@@ -258,8 +263,19 @@ pub fn check_provider(name: &str, file: ProviderFile) -> Result<Provider, String
             },
         );
     }
+    let supply = match file.supply.map(|s| s.trim().to_string()) {
+        None => name.to_string(),
+        Some(s) if is_plain_name(&s) => s,
+        Some(s) => {
+            return Err(format!(
+                "{}: {s:?} must be lowercase letters, digits, `_` and `-`",
+                key("supply")
+            ));
+        }
+    };
     Ok(Provider {
         name: name.to_string(),
+        supply,
         kind: file.kind,
         base_url,
         api_key_env: file.api_key_env,

@@ -16,7 +16,8 @@
 //!   and can send outward, all three at once (it can be talked into sending
 //!   its secrets away);
 //! - info: a `sandbox: own` sub-agent holding tools, network or secrets its
-//!   parent lacks (it keeps them, by I-26).
+//!   parent lacks (it keeps them, by I-26); a flow step that may act outside
+//!   its workdir, and why (after a crash it waits for a person, I-57).
 //!
 //! `check_servers` adds what only the MCP servers can tell: a server whose
 //! command is not on the sandbox's PATH, one that does not start and list
@@ -102,9 +103,14 @@ pub fn check(dir: &Path) -> Vec<Finding> {
     across(&agents, &unreadable, &mut findings);
     // What only the whole load sees (arbor.toml, flows, models), if the
     // agents themselves were sound.
-    if findings.iter().all(|f| f.level != Level::Error)
-        && let Err(e) = Workspace::load(dir)
-    {
+    let loaded = findings
+        .iter()
+        .all(|f| f.level != Level::Error)
+        .then(|| Workspace::load(dir));
+    if let Some(Ok(workspace)) = &loaded {
+        findings.extend(outward_steps(workspace));
+    }
+    if let Some(Err(e)) = loaded {
         let text = e.to_string();
         let (file, message) = match text.split_once(": ") {
             Some((file, message)) if !file.contains(' ') => (file.to_string(), message.to_string()),
@@ -117,6 +123,43 @@ pub fn check(dir: &Path) -> Vec<Finding> {
         });
     }
     findings.sort_by(|a, b| (a.level, &a.file).cmp(&(b.level, &b.file)));
+    findings
+}
+
+/// I-57: each flow step that may act outside its workdir, and why: after a
+/// crash it waits for a person, unless its flow re-runs it regardless.
+fn outward_steps(workspace: &Workspace) -> Vec<Finding> {
+    let mut findings = vec![];
+    for name in workspace.flows.keys() {
+        let Ok(spec) = workspace.flow_run(name, None) else {
+            continue;
+        };
+        for (group, labels) in spec.groups.iter().zip(spec.step_labels()) {
+            for (step, label) in group.steps.iter().zip(labels) {
+                let Some(root) = workspace.agents.get(&step.agent) else {
+                    continue;
+                };
+                let reasons = arbor_protocol::outward_reasons(
+                    root,
+                    |n| workspace.agents.get(n),
+                    |n| workspace.config.mcp.get(n).map(|s| s.as_ref()),
+                );
+                if reasons.is_empty() {
+                    continue;
+                }
+                let then = if step.rerun_interrupted == Some(true) {
+                    "interrupted by a crash, it is run again all the same (rerun_interrupted)"
+                } else {
+                    "interrupted by a crash, it waits for a person to continue it or stop the run"
+                };
+                findings.push(Finding {
+                    level: Level::Info,
+                    file: format!("flows/{name}.toml"),
+                    message: format!("step {label} is outward ({}): {then}", reasons.join("; ")),
+                });
+            }
+        }
+    }
     findings
 }
 
@@ -542,6 +585,50 @@ mod tests {
             let findings = check(&examples.join(example));
             assert!(findings.is_empty(), "{example}: {findings:#?}");
         }
+    }
+
+    #[test]
+    fn an_outward_step_is_named_with_why_and_what_a_crash_does_to_it() {
+        let dir = workspace(&[
+            ("lead", "subagents: [payer]"),
+            (
+                "payer",
+                "description: pays\ntools: [exec]\nnetwork: open\nsandbox: own",
+            ),
+            ("reader", "description: reads"),
+        ]);
+        std::fs::create_dir_all(dir.path().join("flows")).unwrap();
+        let flow = |rerun: &str| {
+            format!(
+                "[[group]]\nsteps = [{{ agent = \"lead\", instruction = \"go\"{rerun} }}, {{ agent = \"reader\", instruction = \"read\" }}]\n"
+            )
+        };
+        std::fs::write(dir.path().join("flows/asks.toml"), flow("")).unwrap();
+        let reruns = flow(", rerun_interrupted = true");
+        std::fs::write(dir.path().join("flows/reruns.toml"), reruns).unwrap();
+        let flows: Vec<_> = said(&check(dir.path()))
+            .into_iter()
+            .filter(|(_, file, _)| file.starts_with("flows/"))
+            .collect();
+        assert_eq!(
+            flows,
+            [
+                (
+                    Level::Info,
+                    "flows/asks.toml".to_string(),
+                    "step lead is outward (payer: its commands have the network (network: open)): \
+                     interrupted by a crash, it waits for a person to continue it or stop the run"
+                        .to_string()
+                ),
+                (
+                    Level::Info,
+                    "flows/reruns.toml".to_string(),
+                    "step lead is outward (payer: its commands have the network (network: open)): \
+                     interrupted by a crash, it is run again all the same (rerun_interrupted)"
+                        .to_string()
+                ),
+            ]
+        );
     }
 
     #[test]

@@ -98,14 +98,14 @@ async fn open_journal(config: &JournalConfig, data_dir: &Path) -> Result<Journal
 async fn resume_runs(
     node: &ActorRef<NodeMsg>,
     recovery: &RecoveryReport,
-    resume: &impl Fn(&RunSpec) -> bool,
+    resume: &impl Fn(&RunSpec, &arbor_actors::run::Resume) -> bool,
 ) -> Result<Vec<(RunId, RunSpec)>, String> {
     let mut resumed = vec![];
     for run in &recovery.runs {
         if let RunOutcome::Resume { spec, resume: plan } = &run.outcome
-            && resume(spec)
+            && resume(spec, plan)
         {
-            let (id, spec, resume) = (run.run, spec.clone(), plan.as_ref().clone());
+            let (id, spec, resume) = (run.run, spec.clone(), plan.clone());
             let again = spec.clone();
             ractor::call!(node, |reply| NodeMsg::ResumeRun {
                 id,
@@ -186,7 +186,7 @@ async fn take_over(
                 cards: recovery.carried_cards.clone(),
             });
         }
-        if let Err(e) = resume_runs(&node, &recovery, &|_| true).await {
+        if let Err(e) = resume_runs(&node, &recovery, &|_, _| true).await {
             tracing::error!(error = %e, "resuming a run taken over failed");
         }
     }
@@ -242,7 +242,7 @@ impl EmbeddedNode {
         data_dir: &Path,
         models: Arc<dyn ModelFactory>,
     ) -> Result<Self, Error> {
-        Self::start_resuming(workspace, data_dir, models, |_| true).await
+        Self::start_resuming(workspace, data_dir, models, |_, _| true).await
     }
 
     /// As `start_with`, resuming only the interrupted runs `resume` picks; the
@@ -251,7 +251,7 @@ impl EmbeddedNode {
         workspace: &Workspace,
         data_dir: &Path,
         models: Arc<dyn ModelFactory>,
-        resume: impl Fn(&RunSpec) -> bool,
+        resume: impl Fn(&RunSpec, &arbor_actors::run::Resume) -> bool,
     ) -> Result<Self, Error> {
         std::fs::create_dir_all(data_dir)
             .map_err(|e| Error::Start(format!("{}: {e}", data_dir.display())))?;
@@ -331,7 +331,7 @@ impl EmbeddedNode {
                     .filter(|card| {
                         recovery.runs.iter().any(|r| {
                             r.run == card.run
-                                && matches!(&r.outcome, RunOutcome::Resume { spec, .. } if resume(spec))
+                                && matches!(&r.outcome, RunOutcome::Resume { spec, resume: plan } if resume(spec, plan))
                         })
                     })
                     .cloned()
@@ -370,8 +370,10 @@ impl EmbeddedNode {
         })
     }
 
-    /// Continues a job a restart interrupted (I-33): a new run whose one step
-    /// is the job's next attempt, on the job's request and grant. Explicit
+    /// Continues a job a restart interrupted (I-33). A step its run waits on
+    /// for a person (I-57) goes on in that run: its next attempt starts
+    /// there, and the run's id comes back. Else a new run whose one step is
+    /// the job's next attempt, on the job's request and grant. Explicit
     /// and idempotent: a second call returns the run the first one started.
     pub async fn continue_job(&self, job: JobId) -> Result<RunId, Error> {
         let journal = &self.ctx.journal;
@@ -389,6 +391,30 @@ impl EmbeddedNode {
                     .map(|c| format!(" ({c})"))
                     .unwrap_or_default()
             )));
+        }
+        // A step its own run, still going, has run again since (resumed, or
+        // continued there by a person): that run took it over. Once that
+        // run has ended, the step is continued by a run of its own (I-33).
+        let live = journal
+            .run(record.run)?
+            .is_some_and(|r| !r.status.is_terminal());
+        let taken_over = live
+            && record.kind == arbor_protocol::NodeKind::Step
+            && journal.jobs(record.run)?.iter().any(|j| {
+                j.kind == arbor_protocol::NodeKind::Step
+                    && j.label == record.label
+                    && j.attempt > record.attempt
+            });
+        if taken_over {
+            return Ok(record.run);
+        }
+        // I-57: its run waits for a person on this step: it goes on in place.
+        if let Ok(Ok(())) = ractor::call!(self.node, |reply| NodeMsg::ContinueStep {
+            run: record.run,
+            job,
+            reply
+        }) {
+            return Ok(record.run);
         }
         // A continuation already started is returned, not started again. One
         // recorded whose run never started (its start failed, or a crash came
@@ -428,6 +454,7 @@ impl EmbeddedNode {
                     retries: Some(0),
                     optional: false,
                     retry: None,
+                    rerun_interrupted: None,
                 }],
             }],
             budget_tokens: record.grant_tokens,

@@ -560,6 +560,17 @@ fn recover_run(
             outcome => outcome,
         },
     };
+    let mut outcome = outcome;
+    if let RunOutcome::Resume { resume, .. } = &mut outcome {
+        // I-57: a step that waits for a person is asked once, not at each restart.
+        resume.asked = history
+            .iter()
+            .filter_map(|e| match &e.kind {
+                EventKind::NeedsDecision { id, .. } => Some(*id),
+                _ => None,
+            })
+            .collect();
+    }
     if let RunOutcome::Ended {
         status,
         class,
@@ -884,6 +895,18 @@ fn carried_counts(jobs: &[JobRecord], counts: &HashMap<JobId, Made>) -> HashMap<
     tool_counts
 }
 
+/// The latest attempt of each step, by label.
+fn attempts_by_label(jobs: &[JobRecord]) -> HashMap<String, u32> {
+    let mut attempts: HashMap<String, u32> = HashMap::new();
+    for job in jobs.iter().filter(|j| j.kind == NodeKind::Step) {
+        if let Some(label) = &job.label {
+            let latest = attempts.entry(label.clone()).or_insert(0);
+            *latest = (*latest).max(job.attempt);
+        }
+    }
+    attempts
+}
+
 /// I-34: where the run picks up, or why it cannot. Pure. `waits`: when
 /// each journaled retry wait ends, by the attempt that failed.
 pub fn plan_resume(
@@ -906,21 +929,14 @@ pub fn plan_resume(
         .iter()
         .filter(|j| j.kind == NodeKind::Job && j.error_class != Some(ErrorClass::Start))
         .count() as u64;
-    let attempts: HashMap<String, u32> = jobs
-        .iter()
-        .filter(|j| j.kind == NodeKind::Step)
-        .filter_map(|j| j.label.clone().map(|l| (l, j.attempt)))
-        .fold(HashMap::new(), |mut m, (l, a)| {
-            let e = m.entry(l).or_insert(0);
-            *e = (*e).max(a);
-            m
-        });
+    let attempts = attempts_by_label(jobs);
     let tool_counts = carried_counts(jobs, counts);
     let labels = spec.step_labels();
     let mut previous = vec![];
     for (g, (group, labels)) in spec.groups.iter().zip(&labels).enumerate() {
         let mut kept = vec![];
         let mut retry_waits = vec![];
+        let mut interrupted = HashMap::new();
         let mut all_done = true;
         for (step, label) in group.steps.iter().zip(labels) {
             match latest(label) {
@@ -931,6 +947,7 @@ pub fn plan_resume(
                         || job.status == Status::Running =>
                 {
                     all_done = false;
+                    interrupted.insert(label.clone(), job.id);
                     if interruptions(label) > step.retries() {
                         return RunOutcome::Ended {
                             status: Status::Failed,
@@ -997,6 +1014,8 @@ pub fn plan_resume(
                 tool_counts,
                 limitations: optional_limitations(&spec, jobs),
                 retry_waits,
+                interrupted,
+                asked: Default::default(),
             }),
         };
     }
@@ -1012,6 +1031,8 @@ pub fn plan_resume(
             tool_counts,
             limitations: optional_limitations(&spec, jobs),
             retry_waits: vec![],
+            interrupted: HashMap::new(),
+            asked: Default::default(),
         }),
         spec,
     }

@@ -715,7 +715,9 @@ impl Spans {
             | EventKind::ApprovalRequested { .. }
             | EventKind::ApprovalExpiring { .. }
             | EventKind::ApprovalDecided { .. }
-            | EventKind::RetryWaiting { .. } => {}
+            | EventKind::RetryWaiting { .. }
+            | EventKind::ModelFallback { .. }
+            | EventKind::NeedsDecision { .. } => {}
         }
     }
 

@@ -314,10 +314,17 @@ impl Workspace {
             .flatten();
         let timeout = parse_duration_arg("timeout", flow.timeout.as_deref())
             .map_err(|m| invalid(&path, m))?;
+        let mut groups = flow.groups.clone();
+        // The flow's `rerun_interrupted` is each step's that says nothing.
+        if flow.rerun_interrupted {
+            for step in groups.iter_mut().flat_map(|g| g.steps.iter_mut()) {
+                step.rerun_interrupted.get_or_insert(true);
+            }
+        }
         Ok(RunSpec {
             budget_usd_micros: flow_usd.or(self.config.budget_usd_micros),
             flow: name.to_string(),
-            groups: flow.groups.clone(),
+            groups,
             budget_tokens,
             timeout,
             record: false,

@@ -118,6 +118,7 @@ fn a_full_workspace_loads_with_every_field_mapped() {
         skills: vec![],
         settings: Default::default(),
         models: vec![],
+        fallback: vec![],
         timeout: Some(Duration::from_secs(300)),
         script: vec![
             ScriptTurn {
@@ -178,6 +179,7 @@ fn a_full_workspace_loads_with_every_field_mapped() {
                 retries: None,
                 optional: false,
                 retry: None,
+                rerun_interrupted: None,
             }],
         }
     );
@@ -1348,8 +1350,18 @@ fn models_hold_the_default_and_each_is_declared() {
             "agents/x/agent.md: models: `p/zzz`: arbor.toml has no [providers.p.models.zzz]",
         ),
         ("models: [nope]", "models: model: `nope` is not known"),
+        (
+            "model: p/a\nmodels: [p/a]\nfallback: [p/b]",
+            "agents/x/agent.md: fallback: `p/b` is not among its models: list it in `models:` too",
+        ),
+        (
+            "model: p/a\nmodels: [p/a, p/b]\nfallback: [p/a]",
+            "fallback: `p/a` is its own model",
+        ),
     ] {
         let message = load(front).unwrap_err().to_string();
         assert!(message.contains(words), "{front:?}: {message}");
     }
+    let ws = load("model: p/a\nmodels: [p/a, p/b]\nfallback: [p/b]").unwrap();
+    assert_eq!(ws.agents["x"].fallback, [model("b")]);
 }

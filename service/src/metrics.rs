@@ -294,6 +294,8 @@ impl Metrics {
             // A run that ended otherwise than failed, and the kinds below,
             // are counted after this match or not at all.
             EventKind::RunFinished { .. }
+            | EventKind::NeedsDecision { .. }
+            | EventKind::ModelFallback { .. }
             | EventKind::RunStarted { .. }
             | EventKind::RunResumed { .. }
             | EventKind::Recovered { .. }

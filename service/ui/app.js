@@ -21,6 +21,7 @@ function waitingText(w) {
   if (!w) return "";
   if (w.reason === "retry") return ` · waits to try ${w.label} again (attempt ${w.attempt}, after ${w.class})`;
   if (w.reason === "approval") return ` · waits for approval of ${w.tool}`;
+  if (w.reason === "needs_decision") return ` · waits for a person to continue ${w.label} or stop the run: ${w.why}`;
   return ` · waits: ${w.reason}`;
 }
 
@@ -519,7 +520,7 @@ const EVENT_KINDS = {
   tool_started: "name", tool_called: "turn", mcp_server: "name", refused: "turn",
   steer_queued: "name", steer_delivered: "turn", steer_discarded: "name",
   approval_requested: "turn", approval_expiring: "name", approval_decided: "turn",
-  retry_waiting: "line",
+  retry_waiting: "line", needs_decision: "line", model_fallback: "turn",
 };
 
 // One line per event: its index, its kind and whose it is.
@@ -534,6 +535,8 @@ function describe(event) {
     tool_called: () => ` turn ${k.turn}, ${k.tool} ${k.ok ? "ok" : "failed"}`,
     refused: () => ` ${k.tool}: ${k.refusal?.refusal ?? ""}`,
     run_finished: () => ` ${k.status}${k.reason ? `: ${k.reason}` : ""}`,
+    model_fallback: () => ` ${k.from} walled (${k.class}): on to ${k.to}`,
+    needs_decision: () => ` ${k.label} waits for a person: ${k.why}`,
     retry_waiting: () => ` ${k.label} failed (${k.class}): attempt ${k.attempt} at ${new Date(k.until_ms).toISOString()}`,
   }[k.type];
   const known = k.type in EVENT_KINDS ? "" : " (a kind this console does not know)";

@@ -128,7 +128,7 @@ pub async fn run(
         }
         let at = format!("point {point} (delay {delay} ms)");
         let node =
-            EmbeddedNode::start_resuming(&workspace, &data, Arc::new(DefaultModels), |_| false)
+            EmbeddedNode::start_resuming(&workspace, &data, Arc::new(DefaultModels), |_, _| false)
                 .await;
         let node = match node {
             Ok(node) => node,

@@ -62,6 +62,33 @@ print(f"fakellm: {sys.argv[2]}: done, {run['account']['spent']} tokens, one dele
 PY
 done
 
+# A model whose supply fakellm walls (429 forever), each way between the
+# wire formats: every call moves to its agent's fallback on the other
+# provider (I-55), the run completes there, and its tree says which model
+# answered each step.
+out="$work/out-fallback.json"
+if ! target/debug/arbor run tests/fakellm/fallback --json --data-dir "$work/data-fallback" >"$out"; then
+  echo "fakellm: the fallback flow failed:" >&2
+  cat "$out" >&2
+  tail -n 20 target/fakellm.log >&2
+  exit 1
+fi
+"$venv/bin/python" - "$out" "$port" <<'PY'
+import json, sys, urllib.request
+run = json.load(open(sys.argv[1]))["run"]
+assert run["status"] == "done", run
+answered = {c["label"]: (c["status"], c["model"], c["output"]) for c in run["children"]}
+assert answered == {
+    "to-anthropic": ("done", "ant/m", "Answered on the fallback."),
+    "to-openai": ("done", "oai/m", "Answered on the fallback."),
+}, answered
+assert run["account"]["held"] == 0, run["account"]
+stats = json.load(urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[2]}/_fakellm/stats"))
+walled = stats["by_rule"].get("walled_supply", 0)
+assert walled >= 4, f"each walled model was asked and retried once: {stats['by_rule']}"
+print(f"fakellm: walled supplies on both wires: each step fell back and answered ({walled} calls refused first)")
+PY
+
 # The roster is what the planner's delegation turns on: its first request,
 # as `arbor prompt` prints it, is answered with a delegate call; the same
 # request with the roster cut from its system prompt is not (no rule matches).

@@ -1234,3 +1234,137 @@ async fn effort_on_anthropic_thinks_within_the_reservation_and_sends_its_thinkin
     assert_eq!(assistant["content"][0], block);
     assert_eq!(assistant["content"][1]["type"], "tool_use");
 }
+
+/// I-55: a call whose supply is walled (a usage cap) goes to the agent's
+/// next fallback on another supply: a fallback on the same supply (a
+/// provider that says `supply = "a"`) is passed over. The call is reserved
+/// again at the fallback's prices, the event says why it moved, the
+/// answer's `model_called` names who answered, and the ledger balances. A
+/// bad request does not move: it would fail anywhere.
+#[tokio::test(flavor = "multi_thread")]
+async fn inv_55_a_call_falls_back_on_a_walled_supply_at_its_prices_not_on_a_bad_request() {
+    let mock = MockProvider::start().await;
+    let format = Format::Openai;
+    let url = mock.base_url(format);
+    let provider = |name: &str, extra: &str, price: f64| {
+        format!(
+            "[providers.{name}]\nkind = \"openai\"\nbase_url = \"{url}\"\nstream = false\n{extra}\
+             [providers.{name}.models.m]\nid = \"{name}-m\"\ncontext_window = 8192\nmax_output_tokens = 1024\n\
+             usd_per_mtok_input = {price}\nusd_per_mtok_output = {price}\n"
+        )
+    };
+    let config = format!(
+        "[budget]\ntokens = 1000000\nusd = 5.0\n{}{}{}",
+        provider("a", "", 1.0),
+        provider("twin", "supply = \"a\"\n", 1.0),
+        provider("b", "", 10.0),
+    );
+    let agent = |prompt: &str| {
+        format!(
+            "---\nmodel: a/m\nmodels: [a/m, twin/m, b/m]\nfallback: [twin/m, b/m]\n---\n{prompt}\n"
+        )
+    };
+    let capped = openai::error(
+        429,
+        "insufficient_quota",
+        "insufficient_quota",
+        "over quota",
+    );
+    mock.push_for(format, PLANNER, capped);
+    mock.push_for(format, PLANNER, openai::text("Done on b.", 40, 6));
+    mock.push_for(
+        format,
+        RESEARCHER,
+        openai::error(400, "invalid_request_error", "bad", "no such parameter"),
+    );
+    let node = TestNode::start_with_config(
+        &config,
+        &[
+            ("planner", &agent(PLANNER)),
+            ("researcher", &agent(RESEARCHER)),
+        ],
+    )
+    .await;
+
+    let run = node.run_agent("planner", "Go.").await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Done, "{:?}", tree.root().reason);
+    assert_eq!(tree.root().output, "Done on b.");
+    let sent: Vec<String> = mock
+        .received_for(PLANNER)
+        .iter()
+        .map(|r| r.body["model"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(sent, ["a-m", "b-m"], "twin is on a's supply: passed over");
+    let events = node.events(run);
+    let moved: Vec<_> = events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            EventKind::ModelFallback {
+                from, to, class, ..
+            } => Some((from.clone(), to.clone(), *class)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        moved,
+        [(
+            "a/m".to_string(),
+            "b/m".to_string(),
+            arbor_protocol::ErrorClass::ModelUsageCap
+        )]
+    );
+    let calls: Vec<(String, String, u64)> = events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            EventKind::ModelCalled { call, .. } => {
+                Some((call.provider.clone(), call.outcome.clone(), call.usd_micros))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    assert_eq!(
+        (calls[0].0.as_str(), calls[0].1.as_str()),
+        ("a", "model_usage_cap")
+    );
+    assert_eq!((calls[1].0.as_str(), calls[1].1.as_str()), ("b", "ok"));
+    // Charged at b's prices: 46 tokens at $10 a million.
+    assert_eq!(calls[1].2, 460);
+    // Each attempt reserved at its own model's prices: b's at ten times a's.
+    let step = tree.find("planner").unwrap();
+    assert_eq!(tree.node(step).unwrap().model.as_deref(), Some("b/m"));
+    let reserved: Vec<u64> = node
+        .ledger(arbor_protocol::ParentRef::Job(step))
+        .iter()
+        .filter_map(|e| match e.op {
+            arbor_storage::LedgerOp::BilledCallReserve { amount }
+                if e.unit == arbor_storage::Unit::UsdMicros =>
+            {
+                Some(amount)
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(reserved.len(), 2, "{reserved:?}");
+    assert!(reserved[1] >= 9 * reserved[0], "{reserved:?}");
+    node.assert_conserved(run);
+
+    // A bad request fails where it is: nothing moves.
+    let run = node.run_agent("researcher", "Find it.").await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Failed);
+    assert_eq!(
+        tree.root().error_class,
+        Some(arbor_protocol::ErrorClass::ModelBadRequest)
+    );
+    assert!(
+        !node
+            .events(run)
+            .iter()
+            .any(|e| matches!(e.kind, EventKind::ModelFallback { .. }))
+    );
+    assert_eq!(mock.received_for(RESEARCHER).len(), 1);
+    node.assert_conserved(run);
+    node.shutdown().await;
+}

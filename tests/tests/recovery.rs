@@ -225,7 +225,8 @@ async fn inv_05_a_job_that_failed_after_it_started_stays_counted_across_a_restar
     let node = TestNode::start_workspace(
         Some(&config),
         &[("boss", &boss), ("lost", &lost), ("slow", &agent_md(SLOW))],
-        &[("work", &flow(1))],
+        // `lost` reaches an MCP server over HTTP: re-run it without asking (I-57).
+        &[("work", &format!("rerun_interrupted = true\n{}", flow(1)))],
         Arc::new(arbor_runtime::DefaultModels),
     )
     .await;
@@ -795,5 +796,119 @@ mod retries {
         );
         assert_eq!(mock.received_for(WORKER).len(), 1);
         node.assert_conserved(run);
+    }
+}
+
+/// I-57: after a crash, a step that may have acted outside its workdir
+/// (its commands have the network) is not run again: its run waits for a
+/// person, says why in its tree and in one journaled `needs_decision`
+/// (not again at the next restart), holds nothing for it and charges
+/// nothing twice, while its inward sibling is re-run at once. A person's
+/// continue starts its next attempt in the same run; `rerun_interrupted`
+/// re-runs it without asking.
+#[tokio::test(flavor = "multi_thread")]
+async fn inv_57_an_outward_step_interrupted_by_a_crash_waits_for_a_person_an_inward_one_reruns() {
+    use arbor_protocol::WaitingView;
+    let slow = |extra: &str| agent_md(&format!("{extra}script:\n  - say: working\n    delay: 1h"));
+    let (payer, reader) = (
+        slow("tools: [exec]\nnetwork: open\n"),
+        slow("tools: [read_file]\n"),
+    );
+    let flow = |rerun: &str| {
+        format!(
+            "{rerun}[[group]]\nsteps = [{{ agent = \"payer\", instruction = \"pay\", retries = 5 }}, {{ agent = \"reader\", instruction = \"read\", retries = 5 }}]\n"
+        )
+    };
+    let (asks, reruns) = (flow(""), flow("rerun_interrupted = true\n"));
+    let node = TestNode::start_workspace(
+        None,
+        &[("payer", payer.as_str()), ("reader", reader.as_str())],
+        &[("asks", asks.as_str()), ("reruns", reruns.as_str())],
+        Arc::new(arbor_runtime::DefaultModels),
+    )
+    .await;
+    let run = node.run_flow("asks").await;
+    let other = node.run_flow("reruns").await;
+    for r in [run, other] {
+        node.wait_status(r, "payer", Status::Running).await;
+        node.wait_status(r, "reader", Status::Running).await;
+    }
+    let node = node.crash_and_restart().await;
+    let attempts = |node: &TestNode, run, label: &str| {
+        let mut found: Vec<u32> = node
+            .journal()
+            .jobs(run)
+            .unwrap()
+            .iter()
+            .filter(|j| j.label.as_deref() == Some(label))
+            .map(|j| j.attempt)
+            .collect();
+        found.sort_unstable();
+        found
+    };
+    let decided = |node: &TestNode, run| {
+        node.events(run)
+            .iter()
+            .filter(|e| matches!(e.kind, EventKind::NeedsDecision { .. }))
+            .count()
+    };
+    // The inward step runs again at once; the outward one waits.
+    node.wait_until(run, |t| {
+        t.head().waiting.is_some()
+            && t.nodes()
+                .any(|(_, n)| n.label.as_deref() == Some("reader") && n.attempt == 2)
+    })
+    .await;
+    let tree = node.tree(run);
+    let Some(WaitingView::NeedsDecision { job, label, why }) = tree.head().waiting.clone() else {
+        panic!("the run waits on {:?}", tree.head().waiting);
+    };
+    assert_eq!(label, "payer");
+    assert!(
+        why.contains("payer: its commands have the network"),
+        "{why}"
+    );
+    assert_eq!(
+        attempts(&node, run, "payer"),
+        [1],
+        "nothing re-run before a decision"
+    );
+    assert_eq!(decided(&node, run), 1);
+    assert_eq!(tree.run_status(), Status::Running);
+    // With rerun_interrupted, the same step runs again without asking.
+    node.wait_until(other, |t| {
+        t.nodes().filter(|(_, n)| n.attempt == 2).count() == 2
+    })
+    .await;
+    assert_eq!(decided(&node, other), 0);
+
+    // Asked once: a second restart keeps the wait, and does not ask again.
+    let node = node.crash_and_restart().await;
+    node.wait_until(run, |t| {
+        matches!(t.head().waiting, Some(WaitingView::NeedsDecision { .. }))
+            && t.nodes()
+                .any(|(_, n)| n.label.as_deref() == Some("reader") && n.attempt == 3)
+    })
+    .await;
+    assert_eq!(decided(&node, run), 1);
+    assert_eq!(attempts(&node, run, "payer"), [1]);
+
+    // A person continues it: its next attempt starts in the same run.
+    assert_eq!(node.node().continue_job(job).await.unwrap(), run);
+    node.wait_until(run, |t| {
+        t.head().waiting.is_none()
+            && t.nodes().any(|(_, n)| {
+                n.label.as_deref() == Some("payer") && n.attempt == 2 && n.status == Status::Running
+            })
+    })
+    .await;
+    assert_eq!(attempts(&node, run, "payer"), [1, 2]);
+    // Only once: a second continue finds its run took the step over.
+    assert_eq!(node.node().continue_job(job).await.unwrap(), run);
+    assert_eq!(attempts(&node, run, "payer"), [1, 2]);
+    for r in [run, other] {
+        node.stop_run(r).await;
+        assert_eq!(node.wait_run(r).await.run_status(), Status::Stopped);
+        node.assert_conserved(r);
     }
 }

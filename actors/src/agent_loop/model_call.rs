@@ -112,7 +112,13 @@ pub(super) fn tell_pressure(
     turn: u32,
     told: &mut bool,
 ) {
-    let Some(window) = args.model.info().context_window.filter(|w| *w > 0) else {
+    let Some(window) = args
+        .model
+        .current()
+        .info()
+        .context_window
+        .filter(|w| *w > 0)
+    else {
         return;
     };
     if *told || (estimate as f64) < args.ctx.limits.context_warn * window as f64 {
@@ -147,7 +153,7 @@ pub(super) async fn fit_context(
     turn: u32,
     harder: bool,
 ) -> Result<u64, CallEnd> {
-    let info = args.model.info();
+    let info = args.model.current().info();
     let Some(window) = info.context_window else {
         return Ok(0);
     };
@@ -165,7 +171,7 @@ pub(super) async fn fit_context(
             turn,
             CallMeter::default(),
         );
-        args.model.estimate_prompt(&request)
+        args.model.current().estimate_prompt(&request)
     };
     let before = estimate(history);
     if before + room <= target {
@@ -324,16 +330,57 @@ pub fn first_request(
     request
 }
 
-/// One model call of turn `turn`: reserved at its worst case (I-11), sent,
-/// settled on the reported usage; a transient failure is retried after a
-/// backoff, each attempt reserved and settled on its own.
+/// One model call of turn `turn`, on its job's model; when that fails in a
+/// way that walls its supply (after its own retries), the same call goes
+/// to the next of its agent's fallbacks on another supply, reserved anew
+/// at that model's window and prices (I-55), and the move is told.
 pub(super) async fn call_model(
     args: &LoopArgs,
     prompt: &Prompt,
     history: &[Message],
     turn: u32,
 ) -> Result<ModelReply, CallEnd> {
-    let info = args.model.info();
+    let mut walled: Vec<String> = vec![];
+    loop {
+        let (from, model) = args.model.current_named();
+        let result = call_on(args, &model, prompt, history, turn).await;
+        let class = match &result {
+            Err(CallEnd::Failed(outcome)) => outcome.error.as_ref().map(|(class, _)| *class),
+            _ => None,
+        };
+        let Some(class) = class.filter(|c| c.walls_supply()) else {
+            return result;
+        };
+        walled.push(model.info().supply);
+        let Some((to, _)) = args.model.fall_back(&walled) else {
+            return result;
+        };
+        tracing::warn!(run = %args.run, job = %args.id, turn, %class, from, to, "model supply walled; falling back");
+        args.held.emit(
+            &args.ctx,
+            args.run,
+            EventKind::ModelFallback {
+                id: args.id,
+                turn,
+                from,
+                to,
+                class,
+            },
+        );
+    }
+}
+
+/// One model call of turn `turn` on `model`: reserved at its worst case
+/// (I-11), sent, settled on the reported usage; a transient failure is
+/// retried after a backoff, each attempt reserved and settled on its own.
+async fn call_on(
+    args: &LoopArgs,
+    model: &Arc<dyn crate::model::Model>,
+    prompt: &Prompt,
+    history: &[Message],
+    turn: u32,
+) -> Result<ModelReply, CallEnd> {
+    let info = model.info();
     let max_output_limit = max_output_limit(&info, &args.ctx.limits, args.agent.settings);
     let mut retries = 0;
     loop {
@@ -346,7 +393,7 @@ pub(super) async fn call_model(
             turn,
             meter.clone(),
         );
-        let input_estimate = args.model.count_input(&request);
+        let input_estimate = model.count_input(&request);
         let hold = reserve(args, &info, input_estimate, max_output_limit, turn).await?;
         request.max_output_tokens = hold.max_output;
         if !hold.wind_down {
@@ -376,7 +423,7 @@ pub(super) async fn call_model(
                 }
                 return Err(CallEnd::Failed(stopped(turn)));
             }
-            answer = AssertUnwindSafe(args.model.complete(request)).catch_unwind().instrument(span.clone()) => answer,
+            answer = AssertUnwindSafe(model.complete(request)).catch_unwind().instrument(span.clone()) => answer,
         };
         let Some(call) = take_in_flight(&args.in_flight) else {
             // The job took the call: it is stopping and settled it.

@@ -4,7 +4,7 @@
 
 use crate::account::AccountMsg;
 use crate::context::NodeContext;
-use crate::model::{CallMeter, Model, ModelInfo};
+use crate::model::{CallMeter, ModelInfo};
 use crate::policy::Policy;
 use crate::sandbox::SandboxMsg;
 use arbor_protocol::{
@@ -101,7 +101,8 @@ pub struct LoopArgs {
     pub steering_queued: Arc<AtomicUsize>,
     /// Woken when a message is queued.
     pub steering_arrived: Arc<tokio::sync::Notify>,
-    pub model: Arc<dyn Model>,
+    /// Its model, and its fallbacks (I-55).
+    pub model: Arc<crate::model::ModelChain>,
     pub agent: Arc<AgentDef>,
     pub offered: Arc<BTreeMap<ToolName, Result<(), String>>>,
     /// Its MCP tools and its limits come from here (I-44, I-45).

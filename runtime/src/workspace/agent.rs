@@ -79,6 +79,7 @@ fn agent_from_front_matter(
         max_turns,
         max_repeats,
         models,
+        fallback,
         skills,
         temperature,
         top_p,
@@ -145,6 +146,7 @@ fn agent_from_front_matter(
     }
     let settings = Settings::from_figures(temperature, top_p, effort)?;
     let (model, models) = allowed_models(model.as_deref(), &models)?;
+    let fallback = fallback_models(&model, &models, &fallback)?;
     let script = script
         .into_iter()
         .enumerate()
@@ -156,6 +158,7 @@ fn agent_from_front_matter(
         description,
         model,
         models,
+        fallback,
         tools,
         mcp,
         limits,
@@ -211,6 +214,31 @@ fn allowed_models(
         ));
     }
     Ok((default, allowed))
+}
+
+/// `fallback`: each a model it allows (I-55), none its own default.
+fn fallback_models(
+    model: &ModelRef,
+    models: &[ModelRef],
+    fallback: &[String],
+) -> Result<Vec<ModelRef>, String> {
+    fallback
+        .iter()
+        .map(|text| {
+            let next = model_ref(Some(text)).map_err(|e| format!("fallback: {e}"))?;
+            if next == *model {
+                return Err(format!(
+                    "fallback: `{next}` is its own model: a fallback is where a call goes instead"
+                ));
+            }
+            if !models.contains(&next) {
+                return Err(format!(
+                    "fallback: `{next}` is not among its models: list it in `models:` too                      (a job runs only on a model its agent allows)"
+                ));
+            }
+            Ok(next)
+        })
+        .collect()
 }
 
 fn model_ref(model: Option<&str>) -> Result<ModelRef, String> {
