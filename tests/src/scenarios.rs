@@ -1,6 +1,6 @@
 //! Workloads that `explore_crashes` runs in arbor's own suites.
 
-use arbor_protocol::{CardState, RunId, Status, Verdict};
+use arbor_protocol::{CardState, RunId, Status, Verdict, WaitingView};
 use arbor_testkit::faults::{FaultyModels, ModelFault};
 use arbor_testkit::{Scenario, TestNode, agent_md};
 use futures::future::BoxFuture;
@@ -65,6 +65,53 @@ pub fn retried_step() -> Scenario {
         )));
         models.on_job("flaky", 0, [ModelFault::Malformed]);
         models
+    })
+}
+
+/// An outward step (its commands have the network) beside an inward one,
+/// crashed at every commit point: after a restart that cut the outward
+/// step, its run waits for a person (I-57), who continues it.
+pub fn outward_step() -> Scenario {
+    let payer = agent_md(
+        "tools: [exec]\nnetwork: open\nscript:\n  - usage: {input: 20, output: 5}\n    say: paying\n  - call: {tool: submit_output, args: {output: paid}}",
+    );
+    let reader = agent_md(
+        "tools: [read_file]\nscript:\n  - usage: {input: 20, output: 5}\n    call: {tool: submit_output, args: {output: read}}",
+    );
+    Scenario::flow_texts(
+        None,
+        &[("payer", &payer), ("reader", &reader)],
+        &[(
+            "pay",
+            "budget = { tokens = 1000000 }\n[[group]]\nsteps = [{ agent = \"payer\", instruction = \"pay\", retries = 100 }, { agent = \"reader\", instruction = \"read\", retries = 100 }]\n",
+        )],
+        "pay",
+    )
+    .after_restart(continue_waiting)
+}
+
+/// A person who continues each interrupted step the run waits on, as it
+/// comes, until the run ends.
+fn continue_waiting(node: &TestNode, run: RunId) -> BoxFuture<'_, ()> {
+    Box::pin(async move {
+        loop {
+            let tree = node
+                .node()
+                .wait_tree(run, |t| {
+                    t.run_status().is_terminal()
+                        || matches!(t.head().waiting, Some(WaitingView::NeedsDecision { .. }))
+                })
+                .await;
+            match &tree.head().waiting {
+                Some(WaitingView::NeedsDecision { job, .. })
+                    if !tree.run_status().is_terminal() =>
+                {
+                    // The run may end first (a stop wins); either is an outcome.
+                    let _ = node.node().continue_job(*job).await;
+                }
+                _ => return,
+            }
+        }
     })
 }
 

@@ -89,6 +89,53 @@ async fn inv_56_every_commit_point_of_a_retried_step_keeps_its_wait() {
     assert!(report.crashed > 0, "no case crashed: {report}");
 }
 
+/// I-57 at every commit point of a step that may act outside its workdir,
+/// beside one that may not, killed and powered off: the run ends done; an
+/// outward attempt a crash cut is followed by another only after its
+/// `needs_decision` (a person's continue), while the inward one is simply
+/// run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inv_57_every_commit_point_of_an_outward_step_waits_for_a_person() {
+    use arbor_protocol::EventKind;
+    let scenario = arbor_tests::scenarios::outward_step();
+    let report = explore_crashes(&scenario, |node, run| {
+        let tree = node.tree(run);
+        if tree.run_status() != Status::Done {
+            return Err(format!(
+                "the run ended {}: {}",
+                tree.run_status(),
+                tree.root().reason.clone().unwrap_or_default()
+            ));
+        }
+        let asked: std::collections::HashSet<_> = node
+            .events(run)
+            .iter()
+            .filter_map(|e| match &e.kind {
+                EventKind::NeedsDecision { id, .. } => Some(*id),
+                _ => None,
+            })
+            .collect();
+        let records = node.journal().jobs(run).map_err(|e| e.to_string())?;
+        let mut payer: Vec<_> = records
+            .iter()
+            .filter(|j| j.label.as_deref() == Some("payer"))
+            .collect();
+        payer.sort_by_key(|j| j.attempt);
+        for pair in payer.windows(2) {
+            if !asked.contains(&pair[0].id) {
+                return Err(format!(
+                    "payer's attempt {} ran after attempt {} without a person's decision",
+                    pair[1].attempt, pair[0].attempt
+                ));
+            }
+        }
+        Ok(())
+    })
+    .await;
+    println!("{report}");
+    assert!(report.crashed > 0, "no case crashed: {report}");
+}
+
 /// I-46 and I-47 at every commit point (the card's, the decision's, and all
 /// around them), killed and powered off: the run ends done, no card is left
 /// pending, and every gated call that ran has a committed approval of its
