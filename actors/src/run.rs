@@ -80,6 +80,22 @@ pub struct Resume {
     pub interrupted: std::collections::HashMap<String, JobId>,
     /// The interrupted attempts whose `NeedsDecision` is journaled already.
     pub asked: std::collections::HashSet<JobId>,
+    /// By label: an interrupted rescue, run again as one (its rescuer, its
+    /// request, the failed attempt's workdir).
+    pub rescues: std::collections::HashMap<String, (String, String, String)>,
+    /// Steps whose latest attempt failed and whose rescuer has not started.
+    pub rescue_now: Vec<Failed>,
+}
+
+/// A step's failed attempt, as its rescuer is told of it.
+#[derive(Clone, Debug)]
+pub struct Failed {
+    pub label: String,
+    pub attempt: u32,
+    pub class: ErrorClass,
+    pub error: String,
+    pub output: serde_json::Value,
+    pub workdir: String,
 }
 
 /// A failed step waiting to be tried again, as recovery found it.
@@ -268,6 +284,8 @@ impl Actor for Run {
             deciding: BTreeMap::new(),
             interrupted: resume.interrupted,
             asked: resume.asked,
+            rescues: resume.rescues,
+            resumed_rescues: resume.rescue_now,
             failures: std::collections::HashMap::new(),
             resumed_waits: resume.retry_waits,
             cancel,
@@ -298,6 +316,9 @@ impl Actor for Run {
         } else {
             for wait in std::mem::take(&mut state.resumed_waits) {
                 state.wait_to_retry(&myself, wait).await?;
+            }
+            for failed in std::mem::take(&mut state.resumed_rescues) {
+                state.rescue_or_fail(&myself, failed).await;
             }
             state.start_group(&myself).await;
         }
@@ -443,6 +464,8 @@ pub struct RunState {
     retrying: BTreeMap<String, Retrying>,
     /// Waits a restart found, armed once the run has started.
     resumed_waits: Vec<RetryWait>,
+    /// Failures a restart found that their rescuer has yet to take over.
+    resumed_rescues: Vec<Failed>,
     /// By label: why the attempt before the one about to start failed.
     failures: std::collections::HashMap<String, String>,
     /// By label: interrupted steps that wait for a person (I-57): the
@@ -452,6 +475,9 @@ pub struct RunState {
     interrupted: std::collections::HashMap<String, JobId>,
     /// Interrupted attempts whose `NeedsDecision` is journaled already.
     asked: std::collections::HashSet<JobId>,
+    /// By label: the rescue (`on_fail`) its next attempt is: the
+    /// rescuer's name, its request, and the failed attempt's workdir.
+    rescues: std::collections::HashMap<String, (String, String, String)>,
 }
 
 /// A failed step's wait for its next attempt.
@@ -589,6 +615,61 @@ impl RunState {
         Ok(())
     }
 
+    /// A step failed for good: its rescuer (`on_fail`) takes over as its next
+    /// attempt, told what failed, with a copy of the failed workdir below
+    /// `failed/` in its own; its answer stands in for the step's. Not when
+    /// the failure walls a supply the rescuer's model draws on too: the
+    /// run fails, and its limitations say the rescuer was skipped and why.
+    async fn rescue_or_fail(&mut self, myself: &ActorRef<RunMsg>, failed: Failed) {
+        let Some(step) = self.step_spec(&failed.label).cloned() else {
+            return;
+        };
+        let Some(rescuer) = step.on_fail.clone() else {
+            return;
+        };
+        let supply = |name: &str| {
+            let agent = self.ctx.agent(name)?;
+            Some(self.ctx.models.model_for(&agent).ok()?.info().supply)
+        };
+        let walled = failed
+            .class
+            .walls_supply()
+            .then(|| supply(&step.agent))
+            .flatten();
+        if let Some(walled) = walled.filter(|w| supply(&rescuer).as_ref() == Some(w)) {
+            let skipped = format!(
+                "rescuer {rescuer} skipped: step {} failed with {}, which walls supply {walled}, \
+                 and {rescuer}'s model draws on it too",
+                failed.label, failed.class
+            );
+            tracing::warn!(run = %self.id, step = %failed.label, rescuer, "{skipped}");
+            self.limitations.push(skipped);
+            self.begin_finish(
+                Status::Failed,
+                Some(failed.class),
+                format!("step {} failed: {}", failed.label, failed.error),
+            );
+            return;
+        }
+        let next = failed.attempt + 1;
+        let request = format!(
+            "The step {label} failed ({class}): {error}\n\nIts request was:\n{request}\n\n\
+             What it had produced: {output}\n\nIts workdir as it was left is copied below \
+             `failed/` in yours.\n\nDo what it was asked; your answer stands in for its.",
+            label = failed.label,
+            class = failed.class,
+            error = failed.error,
+            request = step.instruction,
+            output = failed.output,
+        );
+        tracing::info!(run = %self.id, step = %failed.label, rescuer, attempt = next, "a rescuer takes over a failed step");
+        self.steps.retain(|_, s| s.label != failed.label);
+        self.attempts.insert(failed.label.clone(), failed.attempt);
+        self.rescues
+            .insert(failed.label, (rescuer, request, failed.workdir));
+        self.start_group(myself).await;
+    }
+
     /// A retry's wait is over: the step's next attempt is admitted as any
     /// step is (its grant reserved, its record durable), in a clean workdir.
     async fn retry_due(&mut self, myself: &ActorRef<RunMsg>, label: String) {
@@ -625,6 +706,12 @@ impl RunState {
             {
                 continue;
             }
+            // A rescue (`on_fail`) runs its own agent on its own request.
+            let rescue = self.rescues.get(&label).cloned();
+            let step = &arbor_protocol::StepSpec {
+                agent: rescue.as_ref().map_or(step.agent.clone(), |r| r.0.clone()),
+                ..step.clone()
+            };
             let Some(agent) = self.ctx.agent(&step.agent) else {
                 self.begin_finish(
                     Status::Failed,
@@ -645,11 +732,19 @@ impl RunState {
                 continue;
             }
             let attempt = self.attempts.get(&label).copied().unwrap_or(0) + 1;
-            let instruction = match self.failures.remove(&label) {
-                Some(error) => {
+            let instruction = match (self.rescues.remove(&label), self.failures.remove(&label)) {
+                (Some((rescuer, request, failed)), _) => {
+                    // The failed attempt's files, for its rescuer to read.
+                    let to = self.step_workdir(&label, attempt).join("failed");
+                    if let Err(e) = copy_tree(std::path::Path::new(&failed), &to) {
+                        tracing::warn!(run = %self.id, step = %label, rescuer, error = %e, "the failed workdir could not be copied");
+                    }
+                    request
+                }
+                (None, Some(error)) => {
                     format!("{}\n\nA previous attempt failed: {error}", step.instruction)
                 }
-                None => step.instruction.clone(),
+                (None, None) => step.instruction.clone(),
             };
             planned.push(PlannedStep {
                 id: JobId::new(),
@@ -968,6 +1063,7 @@ impl RunState {
         let label = step.label.clone();
         let attempt = step.attempt;
         let stopped = step.stop_reason.is_some();
+        let ran = step.agent.clone();
         if let Some(step) = self.steps.get_mut(&report.id) {
             step.envelope = Some(envelope.clone());
         }
@@ -978,10 +1074,10 @@ impl RunState {
         let class = envelope.error_class.unwrap_or(ErrorClass::Task);
         if envelope.status == Status::Failed
             && !stopped
-            && self
-                .step_spec(&label)
-                .and_then(|s| s.retry.as_ref())
-                .is_some_and(|policy| policy.retries(attempt, class))
+            && self.step_spec(&label).is_some_and(|s| {
+                // A rescue is not retried as the step's own agent.
+                s.agent == ran && s.retry.as_ref().is_some_and(|p| p.retries(attempt, class))
+            })
         {
             let wait = RetryWait {
                 failed: report.id,
@@ -992,6 +1088,24 @@ impl RunState {
                 until_ms: None,
             };
             return self.wait_to_retry(myself, wait).await;
+        }
+        // Its rescuer takes over, once per failure: not a rescue's own.
+        if envelope.status == Status::Failed
+            && !stopped
+            && self
+                .step_spec(&label)
+                .is_some_and(|s| s.on_fail.is_some() && s.agent == ran)
+        {
+            let failed = Failed {
+                label,
+                attempt,
+                class,
+                error: envelope.error.clone().unwrap_or_default(),
+                output: envelope.output.clone(),
+                workdir: envelope.workdir.clone(),
+            };
+            self.rescue_or_fail(myself, failed).await;
+            return Ok(());
         }
         if envelope.status != Status::Done && self.is_optional(&label) {
             // Its end does not fail the run; the run says what it lacks.
@@ -1133,4 +1247,27 @@ fn kept_steps(kept: &[ResultEnvelope]) -> BTreeMap<JobId, StepEntry> {
             (kept.job, entry)
         })
         .collect()
+}
+
+/// Copies the regular files and folders below `from` into `to` (symlinks
+/// and the rest passed over); how many files. A failed step's workdir, for
+/// its rescuer to read.
+fn copy_tree(from: &std::path::Path, to: &std::path::Path) -> std::io::Result<u64> {
+    if !from.is_dir() {
+        return Ok(0);
+    }
+    std::fs::create_dir_all(to)?;
+    let mut files = 0;
+    for entry in std::fs::read_dir(from)? {
+        let entry = entry?;
+        let kind = entry.file_type()?;
+        let target = to.join(entry.file_name());
+        if kind.is_dir() {
+            files += copy_tree(&entry.path(), &target)?;
+        } else if kind.is_file() {
+            std::fs::copy(entry.path(), &target)?;
+            files += 1;
+        }
+    }
+    Ok(files)
 }

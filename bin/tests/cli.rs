@@ -232,6 +232,59 @@ fn every_example_agent_is_valid_against_the_agent_schema() {
     assert_eq!(checked, 7);
 }
 
+/// examples/recovery, offline: its first step fails each of its two
+/// attempts (the second after its wait) and its rescuer's answer stands in;
+/// its optional step fails and the run ends done but partial, naming it.
+#[test]
+fn the_recovery_example_retries_rescues_and_ends_partial() {
+    let data = tempfile::tempdir().unwrap();
+    let example = repo().join("examples/recovery");
+    let out = arbor(&[
+        "run",
+        example.to_str().unwrap(),
+        "--json",
+        "--data-dir",
+        data.path().to_str().unwrap(),
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let run = &doc["run"];
+    assert_eq!(
+        (&run["status"], &run["task_status"]),
+        (&"done".into(), &"partial".into())
+    );
+    assert_eq!(
+        run["limitations"][0],
+        "optional step scout failed: the answer is empty"
+    );
+    let prices: Vec<(String, u64, String)> = run["children"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["label"] == "prices")
+        .map(|c| {
+            (
+                c["agent"].as_str().unwrap().to_string(),
+                c["attempt"].as_u64().unwrap(),
+                c["status"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        prices,
+        [
+            ("fetcher".into(), 1, "failed".into()),
+            ("fetcher".into(), 2, "failed".into()),
+            ("fixer".into(), 3, "done".into()),
+        ]
+    );
+}
+
 /// docs/contract/flow.schema.json is what the flow types generate, and
 /// every flow file of the examples and the CI workspaces is valid by it.
 #[test]

@@ -43,7 +43,8 @@ impl RunSpec {
         let mut queue: Vec<&str> = self
             .groups
             .iter()
-            .flat_map(|g| g.steps.iter().map(|s| s.agent.as_str()))
+            .flat_map(|g| g.steps.iter())
+            .flat_map(|s| std::iter::once(s.agent.as_str()).chain(s.on_fail.as_deref()))
             .collect();
         let mut found = vec![];
         while let Some(name) = queue.pop() {
@@ -110,6 +111,7 @@ impl RunSpec {
                     optional: false,
                     retry: None,
                     rerun_interrupted: None,
+                    on_fail: None,
                 }],
             }],
             budget_tokens,
@@ -174,6 +176,10 @@ pub struct StepSpec {
     /// outside its workdir (I-57); none: its flow's `rerun_interrupted`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rerun_interrupted: Option<bool>,
+    /// An agent that takes over once it has failed (after its retries):
+    /// its answer stands in for the step's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_fail: Option<String>,
 }
 
 impl StepSpec {
@@ -203,6 +209,7 @@ mod tests {
             optional: false,
             retry: None,
             rerun_interrupted: None,
+            on_fail: None,
         }
     }
 

@@ -581,7 +581,7 @@ mod tests {
     #[test]
     fn the_examples_are_clean() {
         let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
-        for example in ["research", "local-model", "approvals"] {
+        for example in ["research", "local-model", "approvals", "recovery"] {
             let findings = check(&examples.join(example));
             assert!(findings.is_empty(), "{example}: {findings:#?}");
         }

@@ -455,6 +455,7 @@ impl EmbeddedNode {
                     optional: false,
                     retry: None,
                     rerun_interrupted: None,
+                    on_fail: None,
                 }],
             }],
             budget_tokens: record.grant_tokens,

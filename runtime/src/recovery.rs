@@ -29,7 +29,7 @@
 
 use arbor_actors::EventBus;
 use arbor_actors::agent_loop::Made;
-use arbor_actors::run::{Resume, RetryWait};
+use arbor_actors::run::{Failed, Resume, RetryWait};
 use arbor_protocol::{
     Amount, Card, CardState, Decision, ErrorClass, EventKind, JobId, NodeKind, ParentRef,
     ResultEnvelope, RunId, RunSpec, Status, StepSpec,
@@ -561,7 +561,39 @@ fn recover_run(
         },
     };
     let mut outcome = outcome;
-    if let RunOutcome::Resume { resume, .. } = &mut outcome {
+    if let RunOutcome::Resume { spec, resume } = &mut outcome {
+        // An interrupted rescue runs again as the rescue it was: its
+        // rescuer, on the request it was given.
+        for (label, job) in &resume.interrupted {
+            let Some(record) = jobs.iter().find(|j| j.id == *job) else {
+                continue;
+            };
+            let Some(step) = spec.step(label) else {
+                continue;
+            };
+            if step.on_fail.as_deref() == Some(record.agent.as_str()) && record.agent != step.agent
+            {
+                let request = history
+                    .iter()
+                    .find_map(|e| match &e.kind {
+                        EventKind::JobSpawned { id, request, .. } if id == job => {
+                            Some(request.clone())
+                        }
+                        _ => None,
+                    })
+                    .unwrap_or_else(|| step.instruction.clone());
+                // The step's own last failed attempt: what it left.
+                let failed = jobs
+                    .iter()
+                    .filter(|j| j.label.as_deref() == Some(label.as_str()) && j.agent == step.agent)
+                    .max_by_key(|j| j.attempt)
+                    .map(|j| j.workdir.clone())
+                    .unwrap_or_default();
+                resume
+                    .rescues
+                    .insert(label.clone(), (record.agent.clone(), request, failed));
+            }
+        }
         // I-57: a step that waits for a person is asked once, not at each restart.
         resume.asked = history
             .iter()
@@ -895,6 +927,38 @@ fn carried_counts(jobs: &[JobRecord], counts: &HashMap<JobId, Made>) -> HashMap<
     tool_counts
 }
 
+/// How many attempts of the step `label` a restart cut.
+fn interruptions(jobs: &[JobRecord], label: &str) -> u32 {
+    jobs.iter()
+        .filter(|j| j.kind == NodeKind::Step && j.label.as_deref() == Some(label))
+        .filter(|j| j.error_class == Some(ErrorClass::Interrupted) || !j.status.is_terminal())
+        .count() as u32
+}
+
+/// A step's failed attempt, as its rescuer is told of it.
+fn failed_of(label: &str, job: &JobRecord) -> Failed {
+    Failed {
+        label: label.to_string(),
+        attempt: job.attempt,
+        class: job.error_class.unwrap_or(ErrorClass::Task),
+        error: job.reason.clone().unwrap_or_default(),
+        output: serde_json::from_str(&job.output_json).unwrap_or(serde_json::Value::Null),
+        workdir: job.workdir.clone(),
+    }
+}
+
+/// The wait before a failed attempt's next one, its end not yet known.
+fn retry_of(label: &str, job: &JobRecord) -> RetryWait {
+    RetryWait {
+        failed: job.id,
+        label: label.to_string(),
+        attempt: job.attempt + 1,
+        class: job.error_class.unwrap_or(ErrorClass::Task),
+        error: job.reason.clone().unwrap_or_default(),
+        until_ms: None,
+    }
+}
+
 /// The latest attempt of each step, by label.
 fn attempts_by_label(jobs: &[JobRecord]) -> HashMap<String, u32> {
     let mut attempts: HashMap<String, u32> = HashMap::new();
@@ -917,12 +981,7 @@ pub fn plan_resume(
     waits: &HashMap<JobId, u64>,
 ) -> RunOutcome {
     let latest = |label: &str| latest_step(jobs, label);
-    let interruptions = |label: &str| {
-        jobs.iter()
-            .filter(|j| j.kind == NodeKind::Step && j.label.as_deref() == Some(label))
-            .filter(|j| j.error_class == Some(ErrorClass::Interrupted) || !j.status.is_terminal())
-            .count() as u32
-    };
+    let interruptions = |label: &str| interruptions(jobs, label);
     // I-05: every job that started spent a spawn, however it ended; only a
     // job whose actor never started (class `start`) was given its count back.
     let spawned = jobs
@@ -936,6 +995,7 @@ pub fn plan_resume(
     for (g, (group, labels)) in spec.groups.iter().zip(&labels).enumerate() {
         let mut kept = vec![];
         let mut retry_waits = vec![];
+        let mut rescue_now = vec![];
         let mut interrupted = HashMap::new();
         let mut all_done = true;
         for (step, label) in group.steps.iter().zip(labels) {
@@ -962,19 +1022,26 @@ pub fn plan_resume(
                 // A failure its retry policy tries again: the wait goes on (I-56).
                 Some(job)
                     if job.status == Status::Failed
+                        && job.agent == step.agent
                         && step.retry.as_ref().is_some_and(|p| {
                             p.retries(job.attempt, job.error_class.unwrap_or(ErrorClass::Task))
                         }) =>
                 {
                     all_done = false;
                     retry_waits.push(RetryWait {
-                        failed: job.id,
-                        label: label.clone(),
-                        attempt: job.attempt + 1,
-                        class: job.error_class.unwrap_or(ErrorClass::Task),
-                        error: job.reason.clone().unwrap_or_default(),
                         until_ms: waits.get(&job.id).copied(),
+                        ..retry_of(label, job)
                     });
+                }
+                // Failed for good, its rescuer yet to take over (a crash
+                // came between): it does now, once.
+                Some(job)
+                    if job.status == Status::Failed
+                        && step.on_fail.is_some()
+                        && job.agent == step.agent =>
+                {
+                    all_done = false;
+                    rescue_now.push(failed_of(label, job));
                 }
                 // An optional step's end does not fail the run.
                 Some(job) if step.optional && job.status.is_terminal() => {
@@ -1016,6 +1083,8 @@ pub fn plan_resume(
                 retry_waits,
                 interrupted,
                 asked: Default::default(),
+                rescues: HashMap::new(),
+                rescue_now,
             }),
         };
     }
@@ -1033,6 +1102,8 @@ pub fn plan_resume(
             retry_waits: vec![],
             interrupted: HashMap::new(),
             asked: Default::default(),
+            rescues: HashMap::new(),
+            rescue_now: vec![],
         }),
         spec,
     }

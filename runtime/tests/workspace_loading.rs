@@ -180,6 +180,7 @@ fn a_full_workspace_loads_with_every_field_mapped() {
                 optional: false,
                 retry: None,
                 rerun_interrupted: None,
+                on_fail: None,
             }],
         }
     );
@@ -362,6 +363,28 @@ fn a_flow_naming_an_unknown_agent_is_refused() {
         message,
         "flows/research.toml: step 1 of group 2 names unknown agent `writr`"
     );
+}
+
+#[test]
+fn a_rescuer_must_be_an_agent() {
+    let flow = FLOW.replace(
+        "instruction = \"Check it\"",
+        "instruction = \"Check it\", on_fail = \"nobody\"",
+    );
+    let message = workspace(None, &flow).unwrap_err().to_string();
+    assert_eq!(
+        message,
+        "flows/research.toml: step 1 of group 2 names unknown agent `nobody` in on_fail"
+    );
+    let flow = FLOW.replace(
+        "instruction = \"Check it\"",
+        "instruction = \"Check it\", on_fail = \"planner\"",
+    );
+    let run = workspace(None, &flow)
+        .unwrap()
+        .flow_run("research", None)
+        .unwrap();
+    assert_eq!(run.groups[1].steps[0].on_fail.as_deref(), Some("planner"));
 }
 
 #[test]

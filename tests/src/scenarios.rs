@@ -68,6 +68,24 @@ pub fn retried_step() -> Scenario {
     })
 }
 
+/// A step that fails for good and its rescuer (`on_fail`), crashed at
+/// every commit point: the rescue's start among them (I-56).
+pub fn rescued_step() -> Scenario {
+    let flaky = agent_md("script:\n  - usage: {input: 20, output: 5}\n    say: \"\"");
+    let fixer = agent_md(
+        "script:\n  - usage: {input: 20, output: 5}\n    call: {tool: submit_output, args: {output: rescued}}",
+    );
+    Scenario::flow_texts(
+        None,
+        &[("flaky", &flaky), ("fixer", &fixer)],
+        &[(
+            "rescued",
+            "budget = { tokens = 1000000 }\n[[group]]\nsteps = [{ agent = \"flaky\", instruction = \"go\", retries = 100, on_fail = \"fixer\" }]\n",
+        )],
+        "rescued",
+    )
+}
+
 /// An outward step (its commands have the network) beside an inward one,
 /// crashed at every commit point: after a restart that cut the outward
 /// step, its run waits for a person (I-57), who continues it.

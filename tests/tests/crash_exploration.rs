@@ -89,6 +89,57 @@ async fn inv_56_every_commit_point_of_a_retried_step_keeps_its_wait() {
     assert!(report.crashed > 0, "no case crashed: {report}");
 }
 
+/// I-56 at every commit point of a rescue, killed and powered off: the run
+/// ends done on the rescuer's answer, and the failure was rescued once:
+/// one rescue ended, any other a crash cut, and none after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inv_56_every_commit_point_of_a_rescue_rescues_once() {
+    use arbor_protocol::ErrorClass;
+    let scenario = arbor_tests::scenarios::rescued_step();
+    let report = explore_crashes(&scenario, |node, run| {
+        let tree = node.tree(run);
+        if tree.run_status() != Status::Done || tree.root().output != "rescued" {
+            return Err(format!(
+                "the run ended {} with {}: {}",
+                tree.run_status(),
+                tree.root().output,
+                tree.root().reason.clone().unwrap_or_default()
+            ));
+        }
+        let records = node.journal().jobs(run).map_err(|e| e.to_string())?;
+        let mut rescues: Vec<_> = records.iter().filter(|j| j.agent == "fixer").collect();
+        rescues.sort_by_key(|j| j.attempt);
+        let ended: Vec<_> = rescues
+            .iter()
+            .filter(|j| j.error_class != Some(ErrorClass::Interrupted))
+            .collect();
+        if ended.len() != 1 || rescues.last().map(|j| j.id) != ended.first().map(|j| j.id) {
+            return Err(format!(
+                "{} rescues ended, the last of {} attempts {}",
+                ended.len(),
+                rescues.len(),
+                rescues
+                    .last()
+                    .map(|j| j.status.to_string())
+                    .unwrap_or_default()
+            ));
+        }
+        if let Some(late) = records
+            .iter()
+            .find(|j| j.agent == "flaky" && j.attempt > rescues[0].attempt)
+        {
+            return Err(format!(
+                "the step's own agent ran again after its rescue: {}",
+                late.attempt
+            ));
+        }
+        Ok(())
+    })
+    .await;
+    println!("{report}");
+    assert!(report.crashed > 0, "no case crashed: {report}");
+}
+
 /// I-57 at every commit point of a step that may act outside its workdir,
 /// beside one that may not, killed and powered off: the run ends done; an
 /// outward attempt a crash cut is followed by another only after its

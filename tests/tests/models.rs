@@ -1368,3 +1368,66 @@ async fn inv_55_a_call_falls_back_on_a_walled_supply_at_its_prices_not_on_a_bad_
     node.assert_conserved(run);
     node.shutdown().await;
 }
+
+/// `on_fail` is never handed to a rescuer on the supply that walled the
+/// step: a usage cap on provider `a`, a rescuer on `a` too: the run fails
+/// and its limitations say the rescuer was skipped and why. A rescuer on
+/// another supply (the scripted model) takes over.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rescuer_on_the_walled_supply_is_skipped_and_said_so() {
+    let mock = MockProvider::start().await;
+    let format = Format::Openai;
+    let config = format!(
+        "[providers.a]\nkind = \"openai\"\nbase_url = \"{}\"\nstream = false\n\
+         [providers.a.models.m]\nid = \"a-m\"\ncontext_window = 8192\nmax_output_tokens = 1024\n",
+        mock.base_url(format)
+    );
+    let on_a = |prompt: &str| format!("---\nmodel: a/m\n---\n{prompt}\n");
+    let scripted = arbor_testkit::agent_md(
+        "script:\n  - call: {tool: submit_output, args: {output: rescued elsewhere}}",
+    );
+    let capped = || openai::error(402, "insufficient_quota", "insufficient_quota", "pay up");
+    mock.push_for(format, PLANNER, capped());
+    mock.push_for(format, PLANNER, capped());
+    let flow = |rescuer: &str| {
+        format!(
+            "[[group]]\nsteps = [{{ agent = \"planner\", instruction = \"go\", on_fail = \"{rescuer}\" }}]\n"
+        )
+    };
+    let (same, other) = (flow("researcher"), flow("elsewhere"));
+    let node = TestNode::start_with_flows(
+        &config,
+        &[
+            ("planner", &on_a(PLANNER)),
+            ("researcher", &on_a(RESEARCHER)),
+            ("elsewhere", &scripted),
+        ],
+        &[("same", &same), ("other", &other)],
+    )
+    .await;
+    let run = node.run_flow("same").await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Failed);
+    assert_eq!(
+        tree.root().error_class,
+        Some(arbor_protocol::ErrorClass::ModelUsageCap)
+    );
+    assert_eq!(
+        tree.root().limitations,
+        [
+            "rescuer researcher skipped: step planner failed with model_usage_cap, which walls \
+          supply a, and researcher's model draws on it too"
+        ]
+    );
+    assert!(
+        mock.received_for(RESEARCHER).is_empty(),
+        "the rescuer never ran"
+    );
+
+    let run = node.run_flow("other").await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Done, "{:?}", tree.root().reason);
+    assert_eq!(tree.root().output, "rescued elsewhere");
+    node.assert_conserved(run);
+    node.shutdown().await;
+}

@@ -912,3 +912,75 @@ async fn inv_57_an_outward_step_interrupted_by_a_crash_waits_for_a_person_an_inw
         node.assert_conserved(r);
     }
 }
+
+/// `on_fail`: a step that fails for good is taken over by its rescuer,
+/// once: told what failed and given its workdir (a copy, below `failed/`);
+/// its answer stands in for the step's. A crash during the rescue runs the
+/// rescue again (its rescuer, not the step's agent), never a second rescue.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rescuer_takes_over_a_failed_step_once_across_a_restart() {
+    let flaky = agent_md(
+        "tools: [write_file]\nscript:\n  - call: {tool: write_file, args: {path: notes.txt, content: half done}}\n  - say: \"\"",
+    );
+    let fixer = agent_md(
+        "tools: [read_file]\nscript:\n  - call: {tool: read_file, args: {path: failed/notes.txt}}\n  - say: fixing\n    delay: 2s\n    call: {tool: submit_output, args: {output: rescued}}",
+    );
+    let flow = "[[group]]\nsteps = [{ agent = \"flaky\", instruction = \"try\", on_fail = \"fixer\", retries = 3 }]\n";
+    let node = TestNode::start_workspace(
+        None,
+        &[("flaky", flaky.as_str()), ("fixer", fixer.as_str())],
+        &[("rescued", flow)],
+        Arc::new(arbor_runtime::DefaultModels),
+    )
+    .await;
+    let run = node.run_flow("rescued").await;
+    // The rescue has read the failed step's file and works on.
+    node.wait_until(run, |t| {
+        t.nodes().any(|(_, n)| {
+            n.agent.as_deref() == Some("fixer") && n.tools.get("read_file") == Some(&1)
+        })
+    })
+    .await;
+    let node = node.crash_and_restart().await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Done, "{:?}", tree.root().reason);
+    assert_eq!(tree.root().output, "rescued");
+    let records = node.journal().jobs(run).unwrap();
+    let mut attempts: Vec<(u32, String, Status)> = records
+        .iter()
+        .map(|j| (j.attempt, j.agent.clone(), j.status))
+        .collect();
+    attempts.sort_by_key(|(a, ..)| *a);
+    assert_eq!(
+        attempts,
+        [
+            (1, "flaky".into(), Status::Failed),
+            (2, "fixer".into(), Status::Failed),
+            (3, "fixer".into(), Status::Done),
+        ],
+        "one rescue, run again after the crash"
+    );
+    let read_ok = node
+        .tool_calls(run)
+        .iter()
+        .filter(|c| c.tool == "read_file" && c.ok)
+        .count();
+    assert_eq!(
+        read_ok, 2,
+        "each rescue attempt read the failed step's file"
+    );
+    let asked = node
+        .events(run)
+        .iter()
+        .find_map(|e| match &e.kind {
+            EventKind::JobSpawned {
+                attempt: 3,
+                request,
+                ..
+            } => Some(request.clone()),
+            _ => None,
+        })
+        .unwrap();
+    assert!(asked.starts_with("The step flaky failed"), "{asked}");
+    node.assert_conserved(run);
+}

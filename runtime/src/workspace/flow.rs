@@ -41,6 +41,18 @@ pub(super) fn parse_flow(
                     ),
                 ));
             }
+            if let Some(rescuer) = &step.on_fail
+                && !agents.contains_key(rescuer)
+            {
+                return Err(invalid(
+                    path,
+                    format!(
+                        "step {} of group {} names unknown agent `{rescuer}` in on_fail",
+                        s + 1,
+                        g + 1
+                    ),
+                ));
+            }
             if let Some(retry) = &step.retry {
                 retry.check().map_err(|m| {
                     invalid(path, format!("step {} of group {}: {m}", s + 1, g + 1))
