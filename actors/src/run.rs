@@ -663,10 +663,17 @@ impl RunState {
             output = failed.output,
         );
         tracing::info!(run = %self.id, step = %failed.label, rescuer, attempt = next, "a rescuer takes over a failed step");
-        self.steps.retain(|_, s| s.label != failed.label);
-        self.attempts.insert(failed.label.clone(), failed.attempt);
         self.rescues
-            .insert(failed.label, (rescuer, request, failed.workdir));
+            .insert(failed.label.clone(), (rescuer, request, failed.workdir));
+        self.next_attempt(myself, failed.label, failed.attempt)
+            .await;
+    }
+
+    /// Starts `label`'s attempt after `failed`, in place of the failed one
+    /// (a retry's or a rescue's; what it is told is set before).
+    async fn next_attempt(&mut self, myself: &ActorRef<RunMsg>, label: String, failed: u32) {
+        self.steps.retain(|_, s| s.label != label);
+        self.attempts.insert(label, failed);
         self.start_group(myself).await;
     }
 
@@ -679,10 +686,9 @@ impl RunState {
         if self.finish.is_some() {
             return;
         }
-        self.steps.retain(|_, s| s.label != label);
-        self.attempts.insert(label.clone(), retrying.failed_attempt);
-        self.failures.insert(label, retrying.error);
-        self.start_group(myself).await;
+        self.failures.insert(label.clone(), retrying.error);
+        self.next_attempt(myself, label, retrying.failed_attempt)
+            .await;
     }
 
     /// Its wall-clock cap (I-59): its own, or the node's `[limits] run_timeout`.

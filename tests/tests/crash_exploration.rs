@@ -6,6 +6,18 @@
 use arbor_protocol::Status;
 use arbor_testkit::explore_crashes;
 
+/// Ok when the run ended done, else how it ended.
+fn ended_done(node: &arbor_testkit::TestNode, run: arbor_protocol::RunId) -> Result<(), String> {
+    let tree = node.tree(run);
+    match tree.run_status() {
+        Status::Done => Ok(()),
+        other => Err(format!(
+            "the run ended {other}: {}",
+            tree.root().reason.clone().unwrap_or_default()
+        )),
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_commit_point_of_a_fan_out_with_retries_and_a_steer_recovers() {
     let scenario = arbor_tests::scenarios::fan_out_with_retries_and_steer();
@@ -36,14 +48,7 @@ async fn inv_56_every_commit_point_of_a_retried_step_keeps_its_wait() {
     use arbor_protocol::EventKind;
     let scenario = arbor_tests::scenarios::retried_step();
     let report = explore_crashes(&scenario, |node, run| {
-        let tree = node.tree(run);
-        if tree.run_status() != Status::Done {
-            return Err(format!(
-                "the run ended {}: {}",
-                tree.run_status(),
-                tree.root().reason.clone().unwrap_or_default()
-            ));
-        }
+        ended_done(node, run)?;
         let events = node.events(run);
         let mut waits = std::collections::HashMap::new();
         for event in &events {
@@ -150,14 +155,7 @@ async fn inv_57_every_commit_point_of_an_outward_step_waits_for_a_person() {
     use arbor_protocol::EventKind;
     let scenario = arbor_tests::scenarios::outward_step();
     let report = explore_crashes(&scenario, |node, run| {
-        let tree = node.tree(run);
-        if tree.run_status() != Status::Done {
-            return Err(format!(
-                "the run ended {}: {}",
-                tree.run_status(),
-                tree.root().reason.clone().unwrap_or_default()
-            ));
-        }
+        ended_done(node, run)?;
         let asked: std::collections::HashSet<_> = node
             .events(run)
             .iter()
@@ -196,14 +194,7 @@ async fn every_commit_point_of_a_gated_delegation_keeps_its_cards() {
     use arbor_protocol::{CardState, EventKind};
     let scenario = arbor_tests::scenarios::gated_delegation();
     let report = explore_crashes(&scenario, |node, run| {
-        let tree = node.tree(run);
-        if tree.run_status() != Status::Done {
-            return Err(format!(
-                "the run ended {}: {}",
-                tree.run_status(),
-                tree.root().reason.clone().unwrap_or_default()
-            ));
-        }
+        ended_done(node, run)?;
         let cards = node.cards(run);
         if let Some(card) = cards.iter().find(|c| c.state == CardState::Pending) {
             return Err(format!("card {} is still pending after the run", card.id));
