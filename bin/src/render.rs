@@ -253,6 +253,11 @@ fn describe(node: &TreeNode, in_tree: bool) -> String {
     } else {
         String::new()
     };
+    // A provider's model is named: after a fallback (I-55), the one that answered.
+    let model = match node.model.as_deref() {
+        Some(m) if m != "scripted" => format!(" on {m}"),
+        _ => String::new(),
+    };
     let reason = match (&node.reason, node.status, &node.waiting) {
         (Some(r), Status::Failed | Status::Stopped, _) => format!(" — {r}"),
         (_, Status::Running, Some(w)) => format!(" — {}", waiting(w)),
@@ -264,7 +269,7 @@ fn describe(node: &TreeNode, in_tree: bool) -> String {
         format!(" depth {}", node.depth)
     };
     format!(
-        "{who} [{status}]{attempt}{depth} tokens spent {} held {} of {}{reason}",
+        "{who} [{status}]{attempt}{model}{depth} tokens spent {} held {} of {}{reason}",
         acct.spent, acct.held, acct.grant
     )
 }

@@ -234,9 +234,11 @@ fn every_example_agent_is_valid_against_the_agent_schema() {
 
 /// examples/recovery, offline: its first step fails each of its two
 /// attempts (the second after its wait) and its rescuer's answer stands in;
-/// its optional step fails and the run ends done but partial, naming it.
+/// its optional step fails and the run ends done but partial, naming it;
+/// its writer's model is walled on its usage cap, and the report is
+/// written on its fallback, on another supply.
 #[test]
-fn the_recovery_example_retries_rescues_and_ends_partial() {
+fn the_recovery_example_retries_rescues_falls_back_and_ends_partial() {
     let data = tempfile::tempdir().unwrap();
     let example = repo().join("examples/recovery");
     let out = arbor(&[
@@ -282,6 +284,17 @@ fn the_recovery_example_retries_rescues_and_ends_partial() {
             ("fetcher".into(), 2, "failed".into()),
             ("fixer".into(), 3, "done".into()),
         ]
+    );
+    let writer = run["children"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["agent"] == "writer")
+        .unwrap();
+    assert_eq!(
+        (&writer["status"], &writer["model"]),
+        (&"done".into(), &"backup/m".into()),
+        "the writer answered on its fallback"
     );
 }
 

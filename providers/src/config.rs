@@ -16,6 +16,12 @@
 //! usd_per_mtok_output = 0.60
 //! ```
 //!
+//! `kind = "scripted"` is a provider with no wire: its models answer from
+//! each agent's `script:`, offline, under its name, supply and prices; with
+//! `fail_with = "CLASS"` every call fails so (a stand-in for an account past
+//! its cap, to try a fallback without a network). It has no `base_url` and
+//! no key.
+//!
 //! Invariants:
 //! 1. A provider that loads has a usable http(s) base URL, at least one
 //!    model, and positive limits; a price is both figures or neither.
@@ -25,7 +31,7 @@
 //!    journal record or error message.
 
 use arbor_actors::model::{Price, RetryPolicy};
-use arbor_protocol::{Effort, Settings, ThinkingTokens};
+use arbor_protocol::{Effort, ErrorClass, Settings, ThinkingTokens};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -49,6 +55,22 @@ pub enum ProviderKind {
     Anthropic,
 }
 
+/// `kind` as arbor.toml writes it: a wire format, or `scripted`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum KindFile {
+    Openai,
+    Anthropic,
+    Scripted,
+}
+
+/// A `kind = "scripted"` provider: no wire, its models answer from scripts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Scripted {
+    /// Every call fails with this class (a model call's: `model_...`).
+    pub fail_with: Option<ErrorClass>,
+}
+
 /// One `[providers.NAME]` block, checked.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Provider {
@@ -56,8 +78,12 @@ pub struct Provider {
     /// The account it bills (`supply`, default its name): two providers on
     /// one account are one supply, so a fallback skips both (I-55).
     pub supply: String,
+    /// Its wire format; a scripted provider's requests are shown in
+    /// OpenAI's, as the scripted model's are.
     pub kind: ProviderKind,
-    /// Without a trailing `/`. OpenAI's ends in `/v1` (the client appends
+    /// Some for `kind = "scripted"`: no client is made for it.
+    pub scripted: Option<Scripted>,
+    /// Without a trailing `/` (empty for a scripted provider). OpenAI's ends in `/v1` (the client appends
     /// `/chat/completions`); Anthropic's is the host (it appends `/v1/messages`).
     pub base_url: String,
     /// The environment variable that holds the key; None sends no key (a local server).
@@ -118,8 +144,8 @@ impl Provider {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ProviderFile {
-    kind: ProviderKind,
-    base_url: String,
+    kind: KindFile,
+    base_url: Option<String>,
     api_key_env: Option<String>,
     max_concurrent: Option<i64>,
     timeout: Option<String>,
@@ -127,6 +153,7 @@ pub struct ProviderFile {
     stream: Option<bool>,
     max_retries: Option<i64>,
     supply: Option<String>,
+    fail_with: Option<ErrorClass>,
     #[serde(default)]
     models: BTreeMap<String, ModelFile>,
 }
@@ -153,8 +180,24 @@ pub fn check_provider(name: &str, file: ProviderFile) -> Result<Provider, String
             "providers.{name}: a provider name must be lowercase letters, digits, `_` and `-`"
         ));
     }
-    let base_url = file.base_url.trim().trim_end_matches('/').to_string();
+    let (kind, scripted) = match file.kind {
+        KindFile::Openai => (ProviderKind::Openai, None),
+        KindFile::Anthropic => (ProviderKind::Anthropic, None),
+        KindFile::Scripted => (ProviderKind::Openai, Some(scripted(name, &file)?)),
+    };
+    if scripted.is_none() && file.fail_with.is_some() {
+        return Err(format!(
+            "{}: only a scripted provider fails on purpose (kind = \"scripted\")",
+            key("fail_with")
+        ));
+    }
+    let base_url = match (&file.base_url, scripted) {
+        (_, Some(_)) => String::new(),
+        (None, None) => return Err(format!("{}: missing", key("base_url"))),
+        (Some(url), None) => url.trim().trim_end_matches('/').to_string(),
+    };
     match url::Url::parse(&base_url) {
+        _ if scripted.is_some() => {} // no URL: checked to be absent
         Ok(url) if matches!(url.scheme(), "http" | "https") && url.has_host() => {}
         Ok(_) => {
             return Err(format!(
@@ -248,7 +291,7 @@ pub fn check_provider(name: &str, file: ProviderFile) -> Result<Provider, String
         let settings = Settings::from_figures(model.temperature, model.top_p, model.effort)
             .map_err(|e| format!("providers.{name}.models.{model_name}.{e}"))?;
         if let Some(thinking) = model.thinking_tokens {
-            check_thinking(file.kind, thinking, max_output_tokens)
+            check_thinking(kind, thinking, max_output_tokens)
                 .map_err(|e| format!("{}: {e}", mkey("thinking_tokens")))?;
         }
         models.insert(
@@ -276,7 +319,8 @@ pub fn check_provider(name: &str, file: ProviderFile) -> Result<Provider, String
     Ok(Provider {
         name: name.to_string(),
         supply,
-        kind: file.kind,
+        kind,
+        scripted,
         base_url,
         api_key_env: file.api_key_env,
         max_concurrent,
@@ -290,6 +334,31 @@ pub fn check_provider(name: &str, file: ProviderFile) -> Result<Provider, String
         },
         models,
     })
+}
+
+/// A scripted provider's block: nothing of a wire (a URL, a key, a
+/// stream), and a `fail_with` that is a model call's class.
+fn scripted(name: &str, file: &ProviderFile) -> Result<Scripted, String> {
+    let wire = [
+        ("base_url", file.base_url.is_some()),
+        ("api_key_env", file.api_key_env.is_some()),
+        ("stream", file.stream.is_some()),
+        ("idle_timeout", file.idle_timeout.is_some()),
+    ];
+    if let Some((k, _)) = wire.iter().find(|(_, set)| *set) {
+        return Err(format!(
+            "providers.{name}.{k}: a scripted provider answers from each agent's script, \
+             offline: it has no {k}"
+        ));
+    }
+    match file.fail_with {
+        Some(class) if !class.as_str().starts_with("model") => Err(format!(
+            "providers.{name}.fail_with: `{class}` is not a class a model call fails with \
+             (use one of model_usage_cap, model_auth, model_rate_limit, model_overloaded, \
+             model_server, model_timeout, model_bad_request)"
+        )),
+        fail_with => Ok(Scripted { fail_with }),
+    }
 }
 
 /// Anthropic's least thinking budget.
@@ -509,6 +578,46 @@ usd_per_mtok_output = 0.6
         }
         let no_models = GOOD.split("[models.small]").next().unwrap();
         assert!(load(no_models).unwrap_err().contains("no models"));
+    }
+
+    /// A scripted provider has its name, supply and prices, no wire; it
+    /// fails on purpose only with a model call's class, and only it does.
+    #[test]
+    fn a_scripted_provider_loads_without_a_wire_and_fails_only_as_a_model_call() {
+        let scripted = "kind = \"scripted\"\nfail_with = \"model_usage_cap\"\nsupply = \"shared\"\n\
+            [models.m]\nid = \"m\"\ncontext_window = 1000\nmax_output_tokens = 100\n";
+        let p = load(scripted).unwrap();
+        assert_eq!(
+            (p.scripted, p.supply.as_str(), p.base_url.as_str()),
+            (
+                Some(Scripted {
+                    fail_with: Some(ErrorClass::ModelUsageCap)
+                }),
+                "shared",
+                ""
+            )
+        );
+        assert_eq!(load(GOOD).unwrap().scripted, None);
+        let cases = [
+            ("supply", "base_url = \"http://x/v1\"\nsupply", "has no base_url"),
+            ("supply", "api_key_env = \"K\"\nsupply", "has no api_key_env"),
+            ("supply", "stream = true\nsupply", "has no stream"),
+            (
+                "model_usage_cap",
+                "budget_exhausted",
+                "not a class a model call fails with",
+            ),
+            ("model_usage_cap", "melted", "melted"),
+        ];
+        for (from, to, words) in cases {
+            let text = scripted.replacen(from, to, 1);
+            let e = load(&text).expect_err(&text);
+            assert!(e.contains(words), "{words:?} not in {e:?}");
+        }
+        let wired = GOOD.replace("[models", "fail_with = \"model_auth\"\n[models");
+        assert!(load(&wired).unwrap_err().contains("only a scripted provider"));
+        let no_url = GOOD.replace("base_url = \"http://127.0.0.1:8000/v1/\"", "");
+        assert!(load(&no_url).unwrap_err().contains("providers.local.base_url: missing"));
     }
 
     #[test]

@@ -35,6 +35,8 @@ use std::sync::Arc;
 /// The configured providers, each with its client made once: its connection
 /// pool and its limit of requests in flight are shared by every job.
 pub struct Providers {
+    /// `kind = "scripted"` providers: no client, their models answer from scripts.
+    scripted: BTreeMap<String, Provider>,
     #[cfg(feature = "http")]
     clients: BTreeMap<String, Arc<http::ProviderClient>>,
     #[cfg(not(feature = "http"))]
@@ -47,12 +49,32 @@ impl Providers {
         let client = |p: &Provider| Arc::new(http::ProviderClient::new(p.clone()));
         #[cfg(not(feature = "http"))]
         let client = |p: &Provider| Arc::new(p.clone());
+        let (scripted, wired): (BTreeMap<_, _>, BTreeMap<_, _>) =
+            providers.iter().partition(|(_, p)| p.scripted.is_some());
         Self {
-            clients: providers
-                .iter()
+            scripted: scripted
+                .into_iter()
+                .map(|(name, p)| (name.clone(), p.clone()))
+                .collect(),
+            clients: wired
+                .into_iter()
                 .map(|(name, p)| (name.clone(), client(p)))
                 .collect(),
         }
+    }
+
+    /// `provider/model` when its provider is scripted: what the model is (its
+    /// name, supply, window and prices) and the class every call fails with.
+    pub fn scripted(
+        &self,
+        provider: &str,
+        model: &str,
+    ) -> Option<(arbor_actors::model::ModelInfo, Option<arbor_protocol::ErrorClass>)> {
+        let p = self.scripted.get(provider)?;
+        let mut info = p.model_info(p.models.get(model)?);
+        // Nothing is sent anywhere: a cut call costs what its script says.
+        info.billed = false;
+        Some((info, p.scripted.and_then(|s| s.fail_with)))
     }
 
     /// `provider/model`'s model for the agent named `agent` (the error names both).

@@ -25,7 +25,14 @@ impl ModelFactory for Models {
         match &agent.model {
             ModelRef::Scripted => Ok(Arc::new(ScriptedModel::new(Arc::clone(&agent.script)))),
             ModelRef::Provider { provider, model } => {
-                self.providers.model(&agent.name, provider, model)
+                match self.providers.scripted(provider, model) {
+                    Some((info, fail_with)) => Ok(Arc::new(ScriptedModel::as_provider(
+                        Arc::clone(&agent.script),
+                        info,
+                        fail_with,
+                    ))),
+                    None => self.providers.model(&agent.name, provider, model),
+                }
             }
         }
     }
@@ -33,7 +40,9 @@ impl ModelFactory for Models {
     fn preflight(&self, agent: &AgentDef) -> Result<(), String> {
         // Every model a job of it may be put on (I-55), not only its default.
         for allowed in agent.allowed_models() {
-            if let ModelRef::Provider { provider, model } = allowed {
+            if let ModelRef::Provider { provider, model } = allowed
+                && self.providers.scripted(provider, model).is_none()
+            {
                 self.providers.preflight(&agent.name, provider, model)?;
             }
         }

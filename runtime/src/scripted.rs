@@ -8,14 +8,18 @@
 //! `count_input` always covers what the call is charged (I-11).
 
 use arbor_actors::model::{
-    Model, ModelError, ModelFactory, ModelReply, ModelRequest, ToolCall, estimate_tokens,
+    Model, ModelError, ModelFactory, ModelInfo, ModelReply, ModelRequest, ToolCall,
+    estimate_tokens,
 };
-use arbor_protocol::{AgentDef, ModelRef, ScriptTurn, Usage};
+use arbor_protocol::{AgentDef, ErrorClass, ModelRef, ScriptTurn, Usage};
 use futures::future::BoxFuture;
 use std::sync::Arc;
 
 pub struct ScriptedModel {
     turns: Arc<Vec<ScriptTurn>>,
+    info: ModelInfo,
+    /// A scripted provider's `fail_with`: every call fails so.
+    fail_with: Option<ErrorClass>,
 }
 
 impl ScriptedModel {
@@ -23,6 +27,22 @@ impl ScriptedModel {
     pub fn new(turns: impl Into<Arc<Vec<ScriptTurn>>>) -> Self {
         Self {
             turns: turns.into(),
+            info: ModelInfo::scripted(),
+            fail_with: None,
+        }
+    }
+
+    /// The script answered under a scripted provider's model (`info`: its
+    /// name, supply, window and prices), or every call failed with `fail_with`.
+    pub fn as_provider(
+        turns: impl Into<Arc<Vec<ScriptTurn>>>,
+        info: ModelInfo,
+        fail_with: Option<ErrorClass>,
+    ) -> Self {
+        Self {
+            info,
+            fail_with,
+            ..Self::new(turns)
         }
     }
 
@@ -39,10 +59,21 @@ impl Model for ScriptedModel {
             .unwrap_or_else(|| estimate_tokens(request))
     }
 
+    fn info(&self) -> ModelInfo {
+        self.info.clone()
+    }
+
     fn complete(
         &self,
         request: ModelRequest,
     ) -> BoxFuture<'static, Result<ModelReply, ModelError>> {
+        if let Some(class) = self.fail_with {
+            let why = format!(
+                "{}/{} fails every call with {class} (its provider's fail_with)",
+                self.info.provider, self.info.model
+            );
+            return Box::pin(std::future::ready(Err(ModelError::new(class, why))));
+        }
         let input = self.count_input(&request);
         let turn = self.turn(&request).cloned();
         Box::pin(async move {
