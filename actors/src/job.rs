@@ -126,11 +126,17 @@ fn job_model(
     let lineage = &start.lineage;
     let model_ref = model_ref(&start.agent);
     let mut tapes = JobTapes::default();
+    // I-55: the models its calls move to when its model's supply is walled:
+    // its agent's fallbacks, or, in a replay, those the recorded job moved to.
+    let mut fallbacks: Vec<(String, Arc<dyn crate::model::Model>)> = vec![];
     let mut model: Arc<dyn crate::model::Model> = match &start.run_ctx.replay {
-        None => match &start.model {
-            Some(model) => model.clone(),
-            None => ctx.models.model_for(&start.agent)?,
-        },
+        None => {
+            fallbacks = live_fallbacks(ctx, start);
+            match &start.model {
+                Some(model) => model.clone(),
+                None => ctx.models.model_for(&start.agent)?,
+            }
+        }
         Some(replay) => {
             let live = match replay.spec.after_divergence {
                 arbor_protocol::tape::AfterDivergence::Live => {
@@ -145,7 +151,11 @@ fn job_model(
                 live,
             );
             tapes.replay = Some(job.clone());
-            ctx.models.replaying(&start.agent, Arc::new(TapeModel(job)))
+            for (name, fallback) in TapeModel::fallbacks(&job) {
+                fallbacks.push((name, ctx.models.replaying(&start.agent, Arc::new(fallback))));
+            }
+            ctx.models
+                .replaying(&start.agent, Arc::new(TapeModel::new(job)))
         }
     };
     if start.run_ctx.record {
@@ -159,43 +169,45 @@ fn job_model(
         ));
         tapes.writer = Some(writer.clone());
         model = Arc::new(RecordingModel::new(model, writer.clone(), model_ref));
+        for (name, fallback) in &mut fallbacks {
+            *fallback = Arc::new(RecordingModel::fallback(
+                fallback.clone(),
+                writer.clone(),
+                name.clone(),
+            ));
+        }
     }
-    // I-55: where its calls go when its model's supply is walled, each
-    // recorded as its model is. A replay answers from its recording alone.
-    let fallbacks = match &start.run_ctx.replay {
-        Some(_) => vec![],
-        None => start
-            .agent
-            .fallback
-            .iter()
-            .filter(|next| **next != start.agent.model)
-            .filter_map(|next| {
-                let agent = arbor_protocol::AgentDef {
-                    model: next.clone(),
-                    ..(*start.agent).clone()
-                };
-                let model = ctx
-                    .models
-                    .model_for(&agent)
-                    .map_err(|e| tracing::warn!(job = %lineage.id, fallback = %next, error = %e, "a fallback model is not available"))
-                    .ok()?;
-                let name = crate::tape::model_ref(&agent);
-                Some(match &tapes.writer {
-                    Some(writer) => (
-                        name.clone(),
-                        Arc::new(RecordingModel::new(model, writer.clone(), name))
-                            as Arc<dyn crate::model::Model>,
-                    ),
-                    None => (name, model),
-                })
-            })
-            .collect(),
-    };
     let named = (crate::tape::model_ref(&start.agent), model);
     Ok((
         Arc::new(crate::model::ModelChain::new(named, fallbacks)),
         tapes,
     ))
+}
+
+/// The agent's fallbacks that can be made, each with its name (one that
+/// cannot is passed over, and said so).
+fn live_fallbacks(
+    ctx: &NodeContext,
+    start: &JobStart,
+) -> Vec<(String, Arc<dyn crate::model::Model>)> {
+    start
+        .agent
+        .fallback
+        .iter()
+        .filter(|next| **next != start.agent.model)
+        .filter_map(|next| {
+            let agent = arbor_protocol::AgentDef {
+                model: next.clone(),
+                ..(*start.agent).clone()
+            };
+            let model = ctx
+                .models
+                .model_for(&agent)
+                .map_err(|e| tracing::warn!(job = %start.lineage.id, fallback = %next, error = %e, "a fallback model is not available"))
+                .ok()?;
+            Some((crate::tape::model_ref(&agent), model))
+        })
+        .collect()
 }
 
 impl Actor for Job {

@@ -410,6 +410,8 @@ pub struct RecordingModel {
     model_ref: String,
     /// What `count_input` said of the call about to be made.
     counted: AtomicU64,
+    /// It is one of the agent's fallbacks: its calls say so, for a replay.
+    fallback: bool,
 }
 
 impl RecordingModel {
@@ -419,6 +421,16 @@ impl RecordingModel {
             writer,
             model_ref,
             counted: AtomicU64::new(0),
+            fallback: false,
+        }
+    }
+
+    /// A fallback's model (I-55): each call names it, so that a replay
+    /// moves where the recorded run moved.
+    pub fn fallback(inner: Arc<dyn Model>, writer: Arc<TapeWriter>, model_ref: String) -> Self {
+        Self {
+            fallback: true,
+            ..Self::new(inner, writer, model_ref)
         }
     }
 }
@@ -436,7 +448,7 @@ impl Pending {
         if let Some(mut exchange) = self.exchange.take() {
             exchange.meter = self.meter.log();
             exchange.outcome = outcome;
-            self.writer.write(TapeEntry::Call(exchange));
+            self.writer.write(TapeEntry::Call(Box::new(exchange)));
         }
     }
 }
@@ -478,6 +490,7 @@ impl Model for RecordingModel {
                 parts: canonical.parts,
                 input_counted: self.counted.load(Ordering::Acquire),
                 model: recorded_model(&self.inner.info()),
+                fallback: self.fallback.then(|| self.model_ref.clone()),
                 meter: vec![],
                 outcome: CallOutcome::Cut,
             }),
@@ -699,11 +712,53 @@ impl JobReplay {
 }
 
 /// A replaying job's model: its calls are answered from the recording.
-pub struct TapeModel(pub Arc<JobReplay>);
+/// One per model the recorded job called: its own, and each fallback it
+/// moved to (I-55), all reading the one recording in order.
+pub struct TapeModel {
+    job: Arc<JobReplay>,
+    /// Which fallback this is; None: the job's own model.
+    fallback: Option<String>,
+}
+
+impl TapeModel {
+    pub fn new(job: Arc<JobReplay>) -> Self {
+        Self {
+            job,
+            fallback: None,
+        }
+    }
+
+    /// The models the recorded job moved to, in the order it moved, each
+    /// with its name: a replay's fallbacks are exactly those.
+    pub fn fallbacks(job: &Arc<JobReplay>) -> Vec<(String, Self)> {
+        let mut names: Vec<&String> = vec![];
+        for call in job.tape.iter().flat_map(|t| &t.calls) {
+            if let Some(name) = &call.fallback
+                && !names.contains(&name)
+            {
+                names.push(name);
+            }
+        }
+        names
+            .into_iter()
+            .map(|name| {
+                let model = Self {
+                    job: job.clone(),
+                    fallback: Some(name.clone()),
+                };
+                (name.clone(), model)
+            })
+            .collect()
+    }
+
+    fn model_ref(&self) -> &str {
+        self.fallback.as_deref().unwrap_or(&self.job.model_ref)
+    }
+}
 
 impl Model for TapeModel {
     fn count_input(&self, request: &ModelRequest) -> u64 {
-        let job = &self.0;
+        let job = &self.job;
         let live = job.live.as_ref().map(|m| m.count_input(request));
         if job.forked() {
             return live.unwrap_or_else(|| estimate_tokens(request));
@@ -719,7 +774,7 @@ impl Model for TapeModel {
     }
 
     fn estimate_prompt(&self, request: &ModelRequest) -> u64 {
-        let job = &self.0;
+        let job = &self.job;
         match &job.live {
             Some(live) if job.forked() => live.estimate_prompt(request),
             _ => {
@@ -733,7 +788,7 @@ impl Model for TapeModel {
     }
 
     fn info(&self) -> ModelInfo {
-        let job = &self.0;
+        let job = &self.job;
         if let Some(live) = job.live.as_ref().filter(|_| job.forked()) {
             return live.info();
         }
@@ -751,7 +806,7 @@ impl Model for TapeModel {
         &self,
         request: ModelRequest,
     ) -> BoxFuture<'static, Result<ModelReply, ModelError>> {
-        let job = &self.0;
+        let job = &self.job;
         if let Some(live) = job.live.as_ref().filter(|_| job.forked()) {
             return live.complete(request);
         }
@@ -764,7 +819,7 @@ impl Model for TapeModel {
                 job.tape.as_ref().map_or(0, |t| t.calls.len())
             ),
             Some(recorded) => {
-                let replayed = canonical(&job.model_ref, &job.volatile, &request);
+                let replayed = canonical(self.model_ref(), &job.volatile, &request);
                 if replayed.digest == recorded.digest {
                     return answer(recorded, &request.meter);
                 }

@@ -92,7 +92,7 @@ pub type Tape = BTreeMap<String, JobTape>;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum TapeEntry {
-    Call(ModelExchange),
+    Call(Box<ModelExchange>),
     Estimate(u64),
     Tool(ToolExchange),
     Steering(SteeringEntry),
@@ -116,7 +116,7 @@ impl TapeEntry {
     /// Adds the entry to its job's tape, at its place.
     pub fn add_to(self, tape: &mut JobTape) {
         match self {
-            TapeEntry::Call(call) => tape.calls.push(call),
+            TapeEntry::Call(call) => tape.calls.push(*call),
             TapeEntry::Estimate(estimate) => tape.estimates.push(estimate),
             TapeEntry::Tool(tool) => tape.tools.push(tool),
             TapeEntry::Steering(steering) => tape.steering.push(steering),
@@ -139,6 +139,10 @@ pub struct ModelExchange {
     /// What the adapter counted the prompt at (what was reserved, I-11).
     pub input_counted: u64,
     pub model: RecordedModel,
+    /// The fallback it went to, as its agent names it (`provider/model`),
+    /// once its own model's supply was walled (I-55); None: the job's model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback: Option<String>,
     /// What the adapter reported while the call was in flight: a stream's
     /// chunk boundaries, its usage reports.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -599,8 +599,16 @@ usd_per_mtok_output = 0.6
         );
         assert_eq!(load(GOOD).unwrap().scripted, None);
         let cases = [
-            ("supply", "base_url = \"http://x/v1\"\nsupply", "has no base_url"),
-            ("supply", "api_key_env = \"K\"\nsupply", "has no api_key_env"),
+            (
+                "supply",
+                "base_url = \"http://x/v1\"\nsupply",
+                "has no base_url",
+            ),
+            (
+                "supply",
+                "api_key_env = \"K\"\nsupply",
+                "has no api_key_env",
+            ),
             ("supply", "stream = true\nsupply", "has no stream"),
             (
                 "model_usage_cap",
@@ -615,9 +623,17 @@ usd_per_mtok_output = 0.6
             assert!(e.contains(words), "{words:?} not in {e:?}");
         }
         let wired = GOOD.replace("[models", "fail_with = \"model_auth\"\n[models");
-        assert!(load(&wired).unwrap_err().contains("only a scripted provider"));
+        assert!(
+            load(&wired)
+                .unwrap_err()
+                .contains("only a scripted provider")
+        );
         let no_url = GOOD.replace("base_url = \"http://127.0.0.1:8000/v1/\"", "");
-        assert!(load(&no_url).unwrap_err().contains("providers.local.base_url: missing"));
+        assert!(
+            load(&no_url)
+                .unwrap_err()
+                .contains("providers.local.base_url: missing")
+        );
     }
 
     #[test]

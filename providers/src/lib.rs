@@ -69,7 +69,10 @@ impl Providers {
         &self,
         provider: &str,
         model: &str,
-    ) -> Option<(arbor_actors::model::ModelInfo, Option<arbor_protocol::ErrorClass>)> {
+    ) -> Option<(
+        arbor_actors::model::ModelInfo,
+        Option<arbor_protocol::ErrorClass>,
+    )> {
         let p = self.scripted.get(provider)?;
         let mut info = p.model_info(p.models.get(model)?);
         // Nothing is sent anywhere: a cut call costs what its script says.

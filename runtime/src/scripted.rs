@@ -8,8 +8,7 @@
 //! `count_input` always covers what the call is charged (I-11).
 
 use arbor_actors::model::{
-    Model, ModelError, ModelFactory, ModelInfo, ModelReply, ModelRequest, ToolCall,
-    estimate_tokens,
+    Model, ModelError, ModelFactory, ModelInfo, ModelReply, ModelRequest, ToolCall, estimate_tokens,
 };
 use arbor_protocol::{AgentDef, ErrorClass, ModelRef, ScriptTurn, Usage};
 use futures::future::BoxFuture;

@@ -520,3 +520,85 @@ async fn a_rerun_names_a_changed_skill_and_runs_again_the_jobs_that_read_it() {
     let worker = plan.jobs.iter().find(|j| j.agent == "worker").unwrap();
     assert!(worker.reuse, "the worker reads no skill: {worker:?}");
 }
+
+/// Two offline providers: `primary` past its usage cap, `backup` on another
+/// account answering from the scripts.
+const WALLED: &str = "[record]\nmodels = true\n[budget]\ntokens = 100000\nusd = 1.0\n\
+    [providers.primary]\nkind = \"scripted\"\nfail_with = \"model_usage_cap\"\n\
+    [providers.primary.models.m]\nid = \"p\"\ncontext_window = 9000\nmax_output_tokens = 900\n\
+    usd_per_mtok_input = 1.0\nusd_per_mtok_output = 1.0\n\
+    [providers.backup]\nkind = \"scripted\"\n\
+    [providers.backup.models.m]\nid = \"b\"\ncontext_window = 9000\nmax_output_tokens = 900\n\
+    usd_per_mtok_input = 3.0\nusd_per_mtok_output = 3.0\n";
+
+/// A run whose calls fell back (I-55) replays to its recording (I-49): each
+/// job moves where the recorded one moved, at the same call, and is
+/// charged the same; nothing is asked of a model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inv_49_a_run_that_fell_back_replays_its_moves_and_charges() {
+    let on = "model: primary/m\nmodels: [primary/m, backup/m]\nfallback: [backup/m]\n";
+    let lead = agent_md(&format!(
+        "{on}subagents: [worker]\nscript:\n  - call: {{tool: delegate, args: {{jobs: [{{agent: worker, request: one}}, {{agent: worker, request: two}}]}}}}\n  - call: {{tool: submit_output, args: {{output: both}}}}"
+    ));
+    let worker = agent_md(&format!(
+        "description: does a part\n{on}script:\n  - say: a part\n    usage: {{input: 30, output: 5}}"
+    ));
+    let ws = tempfile::tempdir().unwrap();
+    for (path, text) in [
+        ("arbor.toml", WALLED),
+        ("agents/lead/agent.md", &lead),
+        ("agents/worker/agent.md", &worker),
+    ] {
+        let path = ws.path().join(path);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, text).unwrap();
+    }
+    let providers = arbor_runtime::Workspace::load(ws.path())
+        .unwrap()
+        .config
+        .providers;
+    let models = Shuffled::new(Arc::new(arbor_runtime::Models::new(&providers)), 0);
+    let node = TestNode::start_dir_with(ws.path(), models.clone()).await;
+    let recorded = node.run_agent("lead", "go").await;
+    let tree = node.wait_run(recorded).await;
+    assert_eq!(tree.run_status(), Status::Done, "{:?}", tree.root());
+    let moves = |run| {
+        node.events(run)
+            .iter()
+            .filter(|e| {
+                matches!(&e.kind, EventKind::ModelFallback { to, class, .. }
+                if to == "backup/m" && *class == ErrorClass::ModelUsageCap)
+            })
+            .count()
+    };
+    assert_eq!(
+        moves(recorded),
+        3,
+        "the lead's and each worker's first call"
+    );
+    let usd = |run| node.tree(run).root().usd.expect("a usd ceiling").spent;
+    assert!(usd(recorded) > 0, "charged at backup's prices");
+    let live = models.live_calls();
+
+    for seed in 1..=3 {
+        models.reseed(seed);
+        let replayed = node
+            .replay(recorded, ReplayOptions::default())
+            .await
+            .unwrap();
+        let tree = node.wait_run(replayed).await;
+        assert_eq!(tree.run_status(), Status::Done, "{:?}", tree.root());
+        assert_eq!(
+            node.replay_differences(recorded, replayed),
+            Vec::<String>::new()
+        );
+        assert_eq!(moves(replayed), 3);
+        assert_eq!(usd(replayed), usd(recorded));
+        assert_eq!(
+            node.tree(replayed).root().children[0].model.as_deref(),
+            Some("backup/m")
+        );
+        node.assert_conserved(replayed);
+    }
+    assert_eq!(models.live_calls(), live, "a replay asks no model");
+}

@@ -343,6 +343,8 @@ pub(super) async fn call_model(
     let mut walled: Vec<String> = vec![];
     loop {
         let (from, model) = args.model.current_named();
+        // Read before the call: a replay's model is the recorded call's.
+        let supply = model.info().supply;
         let result = call_on(args, &model, prompt, history, turn).await;
         let class = match &result {
             Err(CallEnd::Failed(outcome)) => outcome.error.as_ref().map(|(class, _)| *class),
@@ -351,7 +353,7 @@ pub(super) async fn call_model(
         let Some(class) = class.filter(|c| c.walls_supply()) else {
             return result;
         };
-        walled.push(model.info().supply);
+        walled.push(supply);
         let Some((to, _)) = args.model.fall_back(&walled) else {
             return result;
         };
