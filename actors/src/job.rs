@@ -485,6 +485,10 @@ impl Actor for Job {
                 }
             }
             JobMsg::WaitTimedOut { waiter } => state.wait_timed_out(waiter).await?,
+            JobMsg::RetryDue { label } => {
+                Box::pin(state.retry_due(&myself, &label)).await;
+                state.maybe_complete(&myself).await?;
+            }
             JobMsg::EndsDurable { result } => {
                 state.ended.waited();
                 result?;

@@ -300,6 +300,13 @@ pub struct JobArgs {
     pub timeout: Option<String>,
     /// How many times it is started again after a transient failure (0 to 2).
     pub retries: Option<i64>,
+    /// Instead of `retries`, tried again after a wait: `{attempts, wait,
+    /// backoff, max_wait, on}` (attempts count the first; `on` the error
+    /// classes to try again). Each attempt is a new job.
+    // Left out when unset: a delegation's digest (I-32) stays as it was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "job_retry_schema")]
+    pub retry: Option<crate::retry::RetryPolicy>,
     /// Tools it may not use, beyond those denied to you.
     #[serde(default)]
     pub deny: Vec<String>,
@@ -308,6 +315,40 @@ pub struct JobArgs {
     /// Files it must leave in its workdir (relative paths).
     #[serde(default)]
     pub require_artifacts: Vec<String>,
+}
+
+/// `retry` as a model is shown it: the policy's keys in a few words, and
+/// `on` only the classes that can be tried again (`ErrorClass::is_retryable`),
+/// taken from the class's own schema so the two cannot drift.
+fn job_retry_schema(generator: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    let classes = crate::ErrorClass::json_schema(generator);
+    let retryable: Vec<serde_json::Value> = classes
+        .get("oneOf")
+        .and_then(|v| v.as_array())
+        .into_iter()
+        .flatten()
+        .filter_map(|variant| variant.get("const"))
+        .filter(|name| {
+            serde_json::from_value::<crate::ErrorClass>((*name).clone())
+                .is_ok_and(|c| c.is_retryable())
+        })
+        .cloned()
+        .collect();
+    schemars::json_schema!({
+        "type": ["object", "null"],
+        "additionalProperties": false,
+        "required": ["attempts"],
+        "properties": {
+            "attempts": {"type": "integer", "minimum": 1, "maximum": crate::retry::MAX_ATTEMPTS,
+                "description": "Attempts in all, the first included."},
+            "wait": {"type": "string", "description": "Before the second attempt, as `15s`."},
+            "backoff": {"type": "number", "minimum": 1,
+                "description": "Each later wait is the one before times this."},
+            "max_wait": {"type": "string", "description": "The longest wait, as `5m`."},
+            "on": {"type": "array", "items": {"enum": retryable},
+                "description": "The error classes tried again; none named: every one here."}
+        }
+    })
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]

@@ -309,3 +309,149 @@ async fn inv_42_by_default_siblings_finish() {
         (Status::Done, Some(TaskStatus::Completed))
     );
 }
+
+/// A boss whose `f` job of `flaky` has `retry` (as a step's: attempts,
+/// wait, backoff, the classes tried again).
+fn retrying_boss(retry: &str) -> String {
+    agent_md(&format!(
+        "subagents: [flaky]\nscript:\n  - call: {{tool: delegate, args: {{jobs: [{{agent: flaky, request: try, label: f, retry: {retry}}}]}}}}\n  - call: {{tool: submit_output, args: {{output: done}}}}"
+    ))
+}
+
+const FLAKY: &str =
+    "description: fails at first\nscript:\n  - call: {tool: submit_output, args: {output: fine}}";
+
+/// A delegated job's retry policy (issue 45): a failed attempt of a class
+/// it names is tried again after its wait, growing by its backoff, each a
+/// new node with its attempt; the wait is told and its parent's collect
+/// waits through it for the attempt that stands (I-56).
+#[tokio::test]
+async fn inv_56_a_delegated_job_is_tried_again_after_its_waits() {
+    use arbor_testkit::faults::{FaultyModels, ModelFault};
+    let models = FaultyModels::new();
+    models.on_job("flaky", 0, [ModelFault::Malformed]);
+    models.on_job("flaky", 1, [ModelFault::Malformed]);
+    let boss = retrying_boss("{attempts: 3, wait: 150ms, backoff: 2.0, \"on\": [model_protocol]}");
+    let flaky = agent_md(FLAKY);
+    let node = TestNode::start_full(None, &[("boss", &boss), ("flaky", &flaky)], models).await;
+    let run = node.run_agent("boss", "go").await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Done, "{:?}", tree.root());
+
+    let events = node.events(run);
+    let waits: Vec<(JobId, u32, u64, u64)> = events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            EventKind::RetryWaiting {
+                id,
+                attempt,
+                until_ms,
+                ..
+            } => Some((*id, *attempt, *until_ms, e.at_ms)),
+            _ => None,
+        })
+        .collect();
+    let attempts: Vec<(JobId, u32, u64)> = events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            EventKind::JobSpawned {
+                id, label, attempt, ..
+            } if label.as_deref() == Some("f") => Some((*id, *attempt, e.at_ms)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        attempts.iter().map(|a| a.1).collect::<Vec<_>>(),
+        [1, 2, 3],
+        "three nodes, each with its attempt"
+    );
+    assert_eq!(waits.len(), 2, "{waits:?}");
+    for (i, (failed, attempt, until, told)) in waits.iter().enumerate() {
+        assert_eq!(
+            *failed, attempts[i].0,
+            "the wait names the attempt that failed"
+        );
+        assert_eq!(*attempt, attempts[i + 1].1);
+        let wait = until - told;
+        let wanted = 150 << i;
+        assert!(
+            (wanted..wanted + 100).contains(&wait),
+            "wait {i} is {wait} ms, not {wanted}"
+        );
+        assert!(
+            attempts[i + 1].2 >= *until,
+            "attempt {} started at {}, before its wait's end at {until}",
+            attempts[i + 1].1,
+            attempts[i + 1].2
+        );
+    }
+    let last = tree.node(attempts[2].0).unwrap();
+    assert_eq!((last.attempt, &last.output), (3, &"fine".into()));
+    node.assert_conserved(run);
+}
+
+/// A class the policy does not name fails at once; a stop during a wait
+/// calls the next attempt off at once, and nothing is left running; bad
+/// policies are tool errors that start nothing.
+#[tokio::test]
+async fn a_delegated_jobs_retry_tries_only_its_classes_and_a_stop_ends_its_wait() {
+    use arbor_testkit::faults::{FaultyModels, ModelFault};
+    let models = FaultyModels::new();
+    models.on_every_job("flaky", [ModelFault::Malformed]);
+    let boss = retrying_boss("{attempts: 3, \"on\": [model_server]}");
+    let flaky = agent_md(FLAKY);
+    let node =
+        TestNode::start_full(None, &[("boss", &boss), ("flaky", &flaky)], models.clone()).await;
+    let run = node.run_agent("boss", "go").await;
+    node.wait_run(run).await;
+    let attempts = |node: &TestNode, run| {
+        node.jobs(run)
+            .iter()
+            .filter(|j| j.agent.as_deref() == Some("flaky"))
+            .count()
+    };
+    assert_eq!(
+        attempts(&node, run),
+        1,
+        "model_protocol is not among its classes"
+    );
+
+    let waiting = retrying_boss("{attempts: 3, wait: 1h}");
+    let node = TestNode::start_full(
+        None,
+        &[("boss", &waiting), ("flaky", &flaky)],
+        models.clone(),
+    )
+    .await;
+    let run = node.run_agent("boss", "go").await;
+    node.wait_event(run, |k| matches!(k, EventKind::RetryWaiting { .. }))
+        .await;
+    let boss_id = node.tree(run).find("boss").unwrap();
+    assert!(
+        node.tree(run).node(boss_id).unwrap().waiting.is_some(),
+        "the parent's node shows the wait"
+    );
+    node.stop_run(run).await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Stopped);
+    assert_eq!(attempts(&node, run), 1, "the stop called the retry off");
+    node.assert_conserved(run);
+
+    let bad = agent_md(
+        "subagents: [flaky]\nscript:\n  - call: {tool: delegate, args: {jobs: [{agent: flaky, request: a, retries: 1, retry: {attempts: 2}}]}}\n  - call: {tool: delegate, args: {jobs: [{agent: flaky, request: b, retry: {attempts: 0}}]}}\n  - call: {tool: delegate, args: {jobs: [{agent: flaky, request: c, retry: {attempts: 2, \"on\": [budget_exhausted]}}]}}\n  - call: {tool: delegate, args: {wait: false, jobs: [{agent: flaky, request: d, retry: {attempts: 2}}]}}\n  - call: {tool: submit_output, args: {output: refused}}",
+    );
+    let node = TestNode::start(&[("boss", &bad), ("flaky", &flaky)]).await;
+    let run = node.run_agent("boss", "go").await;
+    node.wait_run(run).await;
+    let refused = node.failed_calls(run, "delegate");
+    assert_eq!(refused.len(), 4, "{refused:?}");
+    for (detail, says) in refused.iter().zip([
+        "retries or retry, not both",
+        "retry.attempts is 0",
+        "`budget_exhausted`",
+        "only while its caller waits",
+    ]) {
+        assert!(detail.contains(says), "{says:?} not in {detail:?}");
+    }
+    assert_eq!(attempts(&node, run), 0, "nothing started");
+}

@@ -25,6 +25,8 @@ pub(super) struct PlannedChild {
     pub(super) policy: Policy,
     pub(super) agent: Arc<AgentDef>,
     pub(super) retries: u32,
+    /// Its retry policy (`retry`), in place of `retries`: attempts after waits.
+    pub(super) retry: Option<Arc<arbor_protocol::RetryPolicy>>,
     pub(super) attempt: u32,
     pub(super) group: usize,
     /// The model's id of the delegate call that asked for it.
@@ -96,6 +98,16 @@ pub(super) struct Children {
     /// one's end.
     unsettled: usize,
     unsettled_actors: HashMap<ractor::ActorId, JobId>,
+    /// Labels whose failed attempt waits to be tried again (its `retry`):
+    /// unsettled until the next attempt starts or the retry is called off.
+    pub(super) retrying: BTreeMap<String, PendingRetry>,
+}
+
+/// A failed child's next attempt, started when its timer fires.
+pub(super) struct PendingRetry {
+    pub(super) plan: PlannedChild,
+    pub(super) grant: Grant,
+    pub(super) _timer: crate::timer::Timer,
 }
 
 impl Children {
@@ -199,13 +211,22 @@ impl Children {
     }
 
     pub(super) fn all_settled(&self) -> bool {
-        self.unsettled == 0
+        self.unsettled == 0 && self.retrying.is_empty()
+    }
+
+    /// Whether `label` is done: its latest attempt settled and none to come.
+    pub(super) fn label_settled(&self, label: &str) -> bool {
+        !self.retrying.contains_key(label)
+            && self
+                .latest(label)
+                .is_none_or(|c| c.state == ChildState::Settled)
     }
 
     pub(super) fn cancel_retries(&mut self) {
         for c in self.by_id.values_mut() {
             c.retries_left = 0;
         }
+        self.retrying.clear();
     }
 
     pub(super) fn uncollected_labels(&self) -> Vec<String> {
@@ -224,11 +245,7 @@ impl Children {
 
     /// The waiters whose children have all settled.
     pub(super) fn ready_waiters(&mut self) -> Vec<u64> {
-        let settled = |children: &Children, label: &String| {
-            children
-                .latest(label)
-                .is_none_or(|c| c.state == ChildState::Settled)
-        };
+        let settled = |children: &Children, label: &String| children.label_settled(label);
         let mut ready = vec![];
         let ids: Vec<u64> = self.waiters.keys().copied().collect();
         for id in ids {

@@ -218,7 +218,16 @@ impl JobState {
             }
             Some(n) => (n as u32).min(MAX_RETRIES),
         };
-        if retries > 0 && !wait {
+        if let Some(policy) = &job.retry {
+            if job.retries.is_some() {
+                return Err(bad(
+                    "give retries or retry, not both: retry is retries with waits".into(),
+                ));
+            }
+            policy.check().map_err(bad)?;
+        }
+        let tries_again = retries > 0 || job.retry.as_ref().is_some_and(|p| p.attempts > 1);
+        if tries_again && !wait {
             return Err(bad(
                 "retries need wait = true: a job is retried only while its caller waits".into(),
             ));
@@ -248,6 +257,7 @@ impl JobState {
             policy,
             agent,
             retries,
+            retry: job.retry.clone().map(std::sync::Arc::new),
             attempt: 1,
             group,
         })

@@ -89,6 +89,10 @@ pub enum JobMsg {
     WaitTimedOut {
         waiter: u64,
     },
+    /// A failed child's retry has waited its time (`retry`'s wait).
+    RetryDue {
+        label: String,
+    },
     /// The children's ends appended so far are durable (or the journal failed).
     EndsDurable {
         result: Result<(), String>,

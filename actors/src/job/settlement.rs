@@ -26,6 +26,11 @@ impl JobState {
         reason: &str,
         propagated: bool,
     ) -> Result<String, Refusal> {
+        if self.children.retrying.remove(label).is_some() {
+            // Its failed attempt stands; the wait's timer goes with it.
+            self.answer_waiters();
+            return Ok(format!("{label} will not be tried again"));
+        }
         let Some(entry) = self.children.latest_mut(label) else {
             return Err(Refusal::UnknownChild {
                 child: label.to_string(),
@@ -112,7 +117,7 @@ impl JobState {
         for label in &w.labels {
             let entry = self.children.latest(label).cloned();
             let Some(entry) = entry else { continue };
-            if entry.state == ChildState::Settled {
+            if self.children.label_settled(label) {
                 if let Some(env) = &entry.envelope {
                     results.push(env.clone());
                 }
@@ -198,16 +203,19 @@ impl JobState {
         .await?;
         self.children.settle(entry.id, envelope.clone());
         let class = envelope.error_class.unwrap_or(ErrorClass::Task);
+        let tries_again = match &entry.plan.retry {
+            Some(policy) => policy.retries(entry.attempt, class),
+            None => entry.retries_left > 0 && class.is_retryable(),
+        };
         let retry = envelope.status == Status::Failed
-            && entry.retries_left > 0
+            && tries_again
             && entry.stop_reason.is_none()
-            && class.is_retryable()
             && self.finish.is_none();
         if retry {
             let mut plan = entry.plan.clone();
             plan.id = JobId::new();
             plan.attempt += 1;
-            plan.retries = entry.retries_left - 1;
+            plan.retries = entry.retries_left.saturating_sub(1);
             plan.asked = None;
             plan.asked_usd_micros = None;
             plan.brief.request = format!(
@@ -222,19 +230,18 @@ impl JobState {
             );
             // The first attempt's end is told before the next one starts.
             self.settles_durable().await?;
-            match self.retry_child(myself, plan, entry.grant).await {
-                Ok(()) => {
-                    self.answer_waiters();
-                    return Ok(());
-                }
-                Err(refusal) => {
-                    if let Some(e) = self.children.by_id.get_mut(&entry.id)
-                        && let Some(env) = e.envelope.as_mut()
-                    {
-                        env.limitations.push(format!("retry refused: {refusal}"));
-                    }
-                }
+            let wait = entry
+                .plan
+                .retry
+                .as_ref()
+                .map(|p| p.wait_before(plan.attempt))
+                .unwrap_or_default();
+            if !wait.is_zero() {
+                self.wait_to_retry(myself, &entry, plan, class, wait);
+                return Ok(());
             }
+            self.start_retry(myself, plan, entry.grant).await;
+            return Ok(());
         }
         if envelope.status == Status::Failed
             && self
@@ -282,6 +289,72 @@ impl JobState {
     pub(super) async fn settles_durable(&mut self) -> Result<(), ActorProcessingErr> {
         self.ended.settle(&self.ctx, self.lineage.run).await?;
         Ok(())
+    }
+
+    /// A failed child's next attempt waits `wait` (its `retry` policy): the
+    /// wait is told (`retry_waiting`, the parent's node shows it) and the
+    /// label stays unsettled, so a collect waits on through it. A stop, of
+    /// the label or of this job, calls it off. Not resumed after a restart:
+    /// recovery runs an interrupted step again whole.
+    fn wait_to_retry(
+        &mut self,
+        myself: &ActorRef<JobMsg>,
+        failed: &super::children::ChildEntry,
+        plan: PlannedChild,
+        class: ErrorClass,
+        wait: Duration,
+    ) {
+        let until_ms = crate::events::now_ms().saturating_add(wait.as_millis() as u64);
+        self.ctx.events.emit(
+            self.lineage.run,
+            arbor_protocol::EventKind::RetryWaiting {
+                id: failed.id,
+                label: failed.label.clone(),
+                attempt: plan.attempt,
+                class,
+                until_ms,
+            },
+        );
+        let label = failed.label.clone();
+        let timer = crate::timer::after(myself, wait, move || JobMsg::RetryDue { label });
+        self.children.retrying.insert(
+            failed.label.clone(),
+            super::children::PendingRetry {
+                plan,
+                grant: failed.grant,
+                _timer: timer,
+            },
+        );
+    }
+
+    /// A waiting retry's time has come: its attempt starts, unless it was
+    /// called off meanwhile.
+    pub(super) async fn retry_due(&mut self, myself: &ActorRef<JobMsg>, label: &str) {
+        if let Some(pending) = self.children.retrying.remove(label) {
+            self.start_retry(myself, pending.plan, pending.grant).await;
+        }
+    }
+
+    /// Starts a failed child's next attempt; a refusal (the spawn cap, the
+    /// budget) leaves the failure standing, with the refusal among its
+    /// limitations.
+    async fn start_retry(
+        &mut self,
+        myself: &ActorRef<JobMsg>,
+        plan: PlannedChild,
+        previous_grant: Grant,
+    ) {
+        let label = plan.label.clone();
+        if let Err(refusal) = self.retry_child(myself, plan, previous_grant).await
+            && let Some(env) = self
+                .children
+                .latest_mut(&label)
+                .and_then(|e| e.envelope.as_mut())
+        {
+            env.limitations.push(format!("retry refused: {refusal}"));
+        }
+        self.answer_waiters();
+        self.release_ended(myself);
     }
 
     /// A new attempt: new id, new reservation, counted by the spawn cap (I-23).
