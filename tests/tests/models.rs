@@ -1374,7 +1374,7 @@ async fn inv_55_a_call_falls_back_on_a_walled_supply_at_its_prices_not_on_a_bad_
 /// and its limitations say the rescuer was skipped and why. A rescuer on
 /// another supply (the scripted model) takes over.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_rescuer_on_the_walled_supply_is_skipped_and_said_so() {
+async fn inv_55_a_rescuer_on_the_walled_supply_is_skipped_and_said_so() {
     let mock = MockProvider::start().await;
     let format = Format::Openai;
     let config = format!(

@@ -585,7 +585,7 @@ async fn inv_48_a_run_is_parked_after_max_recoveries_resumes_the_node_died_under
 /// its limitations, and still so when a restart resumes it after that
 /// failure; a step that is not optional fails its run as before.
 #[tokio::test(flavor = "multi_thread")]
-async fn an_optional_step_that_fails_leaves_its_run_partial_across_a_restart() {
+async fn inv_56_an_optional_step_that_fails_leaves_its_run_partial_across_a_restart() {
     let flaky = agent_md("script:\n  - say: \"\"");
     let steady = agent_md("script:\n  - call: {tool: submit_output, args: {output: steady}}");
     let last = agent_md(
@@ -918,7 +918,7 @@ async fn inv_57_an_outward_step_interrupted_by_a_crash_waits_for_a_person_an_inw
 /// its answer stands in for the step's. A crash during the rescue runs the
 /// rescue again (its rescuer, not the step's agent), never a second rescue.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_rescuer_takes_over_a_failed_step_once_across_a_restart() {
+async fn inv_56_a_rescuer_takes_over_a_failed_step_once_across_a_restart() {
     let flaky = agent_md(
         "tools: [write_file]\nscript:\n  - call: {tool: write_file, args: {path: notes.txt, content: half done}}\n  - say: \"\"",
     );
