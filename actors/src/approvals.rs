@@ -21,7 +21,7 @@
 use crate::events::{EventBus, now_ms};
 use crate::timer::{self, Timer};
 use arbor_protocol::{
-    ApprovalSettings, Card, CardId, CardState, Decision, EventKind, JobId, RunId, Verdict,
+    ApprovalSettings, Card, CardId, CardKind, CardState, Decision, EventKind, JobId, RunId, Verdict,
 };
 use arbor_storage::{ApprovalRecord, Journal, Record};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -73,6 +73,11 @@ pub enum Answer {
         by: String,
         reason: String,
     },
+    /// A question's answer.
+    Answered {
+        by: String,
+        answer: String,
+    },
     Expired,
     Cancelled,
     /// The card could not be made durable, so the call does not run.
@@ -85,6 +90,8 @@ pub struct Decide {
     pub verdict: Verdict,
     pub reason: Option<String>,
     pub args: Option<serde_json::Value>,
+    /// A question's answer (`Verdict::Answer`).
+    pub answer: Option<String>,
     /// The API token's name.
     pub by: String,
 }
@@ -192,13 +199,25 @@ impl Actor for Gate {
             GateMsg::Warn { card } => state.warn(card),
             GateMsg::Expire { card } => {
                 let reason = "no decision by the deadline".to_string();
-                let _ =
-                    Box::pin(state.close(card, CardState::Expired, NODE, Some(reason), None)).await;
+                let _ = Box::pin(state.close(
+                    card,
+                    CardState::Expired,
+                    NODE,
+                    Some(reason),
+                    Closing::default(),
+                ))
+                .await;
             }
             GateMsg::Stopped { card } => {
                 let reason = "its job was stopped".to_string();
-                let _ = Box::pin(state.close(card, CardState::Cancelled, NODE, Some(reason), None))
-                    .await;
+                let _ = Box::pin(state.close(
+                    card,
+                    CardState::Cancelled,
+                    NODE,
+                    Some(reason),
+                    Closing::default(),
+                ))
+                .await;
             }
             GateMsg::RunEnded { run, reply } => {
                 let ids: Vec<CardId> = state
@@ -209,9 +228,14 @@ impl Actor for Gate {
                     .collect();
                 for id in ids {
                     let reason = "its run ended".to_string();
-                    let _ =
-                        Box::pin(state.close(id, CardState::Cancelled, NODE, Some(reason), None))
-                            .await;
+                    let _ = Box::pin(state.close(
+                        id,
+                        CardState::Cancelled,
+                        NODE,
+                        Some(reason),
+                        Closing::default(),
+                    ))
+                    .await;
                     state.cards.remove(&id);
                 }
                 let _ = reply.send(());
@@ -314,6 +338,7 @@ impl GateState {
         let asked_at_ms = now_ms();
         let card = Card {
             id: CardId::new(),
+            kind: arbor_protocol::CardKind::of_tool(&ask.tool),
             run: ask.run,
             job: ask.job,
             lineage: ask.lineage,
@@ -405,8 +430,14 @@ impl GateState {
             .is_some_and(|w| w.cancel.is_cancelled())
         {
             let reason = "its job was stopped".to_string();
-            self.close(id, CardState::Cancelled, NODE, Some(reason), None)
-                .await?;
+            self.close(
+                id,
+                CardState::Cancelled,
+                NODE,
+                Some(reason),
+                Closing::default(),
+            )
+            .await?;
             return Err(DecideError::Closed {
                 id,
                 state: CardState::Cancelled,
@@ -416,7 +447,39 @@ impl GateState {
             .reason
             .map(|r| r.trim().to_string())
             .filter(|r| !r.is_empty());
+        let kind = entry.card.kind;
+        match (kind, decide.verdict) {
+            (CardKind::Question, Verdict::Approve | Verdict::Edit) => {
+                return Err(DecideError::Invalid(format!(
+                    "card {id} is a question: answer it (decision \"answer\" with an answer), \
+                     or reject it with a reason"
+                )));
+            }
+            (CardKind::Call | CardKind::Step, Verdict::Answer) => {
+                return Err(DecideError::Invalid(format!(
+                    "card {id} asks for a {}'s go-ahead, not an answer: approve or reject it",
+                    kind.as_str()
+                )));
+            }
+            (CardKind::Step, Verdict::Edit) => {
+                return Err(DecideError::Invalid(format!(
+                    "card {id} is a step's go-ahead: it has no arguments to edit; approve or \
+                     reject it"
+                )));
+            }
+            _ => {}
+        }
+        if decide.answer.is_some() && decide.verdict != Verdict::Answer {
+            return Err(DecideError::Invalid(
+                "an answer is for a question: give decision \"answer\" with it".into(),
+            ));
+        }
+        let mut answer = None;
         let (state, edited) = match decide.verdict {
+            Verdict::Answer => {
+                answer = Some(check_answer(&entry.card.args, decide.answer)?);
+                (CardState::Answered, None)
+            }
             Verdict::Approve => {
                 if decide.args.is_some() {
                     return Err(DecideError::Invalid(
@@ -454,7 +517,8 @@ impl GateState {
                 (CardState::Approved, Some(args))
             }
         };
-        self.close(id, state, &decide.by, reason, edited).await
+        self.close(id, state, &decide.by, reason, Closing { edited, answer })
+            .await
     }
 
     /// Closes a pending card: its one outcome, durable, then told.
@@ -464,8 +528,9 @@ impl GateState {
         state: CardState,
         by: &str,
         reason: Option<String>,
-        edited: Option<serde_json::Value>,
+        closing: Closing,
     ) -> Result<Card, DecideError> {
+        let Closing { edited, answer } = closing;
         let Some(entry) = self.cards.get(&id) else {
             return Err(DecideError::Unknown(id));
         };
@@ -483,6 +548,7 @@ impl GateState {
             reason: reason.clone(),
             at_ms,
             edited: edited.is_some(),
+            answer,
         });
         if let Some(args) = &edited {
             card.args = args.clone();
@@ -560,7 +626,57 @@ pub fn answer_of(card: &Card) -> Answer {
             by: decision.map(|d| d.by.clone()).unwrap_or_default(),
             reason: decision.and_then(|d| d.reason.clone()).unwrap_or_default(),
         },
+        CardState::Answered => Answer::Answered {
+            by: decision.map(|d| d.by.clone()).unwrap_or_default(),
+            answer: decision.and_then(|d| d.answer.clone()).unwrap_or_default(),
+        },
         CardState::Expired => Answer::Expired,
         CardState::Cancelled | CardState::Pending => Answer::Cancelled,
     }
 }
+
+/// What a closing decision carries beyond its state: a call's edited
+/// arguments, a question's answer.
+#[derive(Default)]
+struct Closing {
+    edited: Option<serde_json::Value>,
+    answer: Option<String>,
+}
+
+/// A question's answer, checked: not empty, and one of its choices when it
+/// gives some (the text of the choice, as the model wrote it).
+fn check_answer(args: &serde_json::Value, answer: Option<String>) -> Result<String, DecideError> {
+    let answer = answer
+        .map(|a| a.trim().to_string())
+        .filter(|a| !a.is_empty())
+        .ok_or_else(|| DecideError::Invalid("an answer needs its text (answer)".into()))?;
+    if answer.len() > MAX_ANSWER_LEN {
+        return Err(DecideError::Invalid(format!(
+            "the answer is {} bytes: at most {MAX_ANSWER_LEN}",
+            answer.len()
+        )));
+    }
+    let choices: Vec<&str> = args
+        .get("choices")
+        .and_then(|c| c.as_array())
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c.as_str())
+        .collect();
+    if choices.is_empty() {
+        return Ok(answer);
+    }
+    choices
+        .iter()
+        .find(|c| c.trim() == answer)
+        .map(|c| c.to_string())
+        .ok_or_else(|| {
+            DecideError::Invalid(format!(
+                "{answer:?} is not one of the question's choices: {}",
+                choices.join(", ")
+            ))
+        })
+}
+
+/// The longest answer a person may give, in bytes.
+pub const MAX_ANSWER_LEN: usize = 16 * 1024;

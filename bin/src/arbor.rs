@@ -1,6 +1,6 @@
 //! `arbor`: the command line. `arbor run DIR` runs a flow on an embedded
 //! node; `status`, `runs`, `show`, `watch`, `submit`, `stop`, `steer`,
-//! `continue`, `approvals`, `approve`, `reject` and `events` talk to arbord
+//! `continue`, `approvals`, `approve`, `reject`, `answer` and `events` talk to arbord
 //! (`client.rs`).
 //!
 //! Exit codes: 0 ok (a run it ran or waited for is done); 1 a run failed or
@@ -127,6 +127,8 @@ enum Command {
         #[arg(long)]
         reason: String,
     },
+    /// Answer an agent's question (a card of kind question): the agent reads the answer.
+    Answer { card: String, text: String },
     /// A run's events; with --follow, until it ends.
     Events {
         run: String,
@@ -304,6 +306,9 @@ fn main() -> ExitCode {
             }
             Command::Reject { card, reason } => {
                 with_client(&conn, |c| Box::pin(client::reject(c, &card, &reason))).await
+            }
+            Command::Answer { card, text } => {
+                with_client(&conn, |c| Box::pin(client::answer(c, &card, &text))).await
             }
             Command::Events { run, follow } => {
                 with_client(&conn, |c| Box::pin(client::events(c, &run, follow))).await

@@ -840,6 +840,7 @@ pub async fn approve(
         },
         reason,
         args,
+        answer: None,
     };
     decide(client, card, body).await
 }
@@ -849,6 +850,18 @@ pub async fn reject(client: &Client, card: &str, reason: &str) -> Outcome {
         decision: arbor_protocol::Verdict::Reject,
         reason: Some(reason.to_string()),
         args: None,
+        answer: None,
+    };
+    decide(client, card, body).await
+}
+
+/// `arbor answer CARD TEXT`: a question's answer (I-60).
+pub async fn answer(client: &Client, card: &str, text: &str) -> Outcome {
+    let body = DecisionBody {
+        decision: arbor_protocol::Verdict::Answer,
+        reason: None,
+        args: None,
+        answer: Some(text.to_string()),
     };
     decide(client, card, body).await
 }

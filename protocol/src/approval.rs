@@ -28,6 +28,47 @@ pub enum CardState {
     Expired,
     /// Its job or run was stopped, or ended, while it waited: a stop wins.
     Cancelled,
+    /// A person answered the question (`Decision::answer`).
+    Answered,
+}
+
+/// What a card asks of a person.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum CardKind {
+    /// A gated tool call: approve (perhaps with edited arguments) or reject.
+    #[default]
+    Call,
+    /// An agent's `ask_person`: answer it (one of its choices, if it gives
+    /// some), or reject it with a reason.
+    Question,
+    /// A flow step that waits for a go-ahead before it starts.
+    Step,
+}
+
+/// A step card's `tool`.
+pub const STEP_TOOL: &str = "step";
+
+impl CardKind {
+    /// A card's kind follows from its tool: `ask_person` asks a question,
+    /// `step` a step's go-ahead (neither is a tool a call card may gate).
+    pub fn of_tool(tool: &str) -> Self {
+        match tool {
+            "ask_person" => CardKind::Question,
+            STEP_TOOL => CardKind::Step,
+            _ => CardKind::Call,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CardKind::Call => "call",
+            CardKind::Question => "question",
+            CardKind::Step => "step",
+        }
+    }
 }
 
 impl CardState {
@@ -38,6 +79,7 @@ impl CardState {
             CardState::Rejected => "rejected",
             CardState::Expired => "expired",
             CardState::Cancelled => "cancelled",
+            CardState::Answered => "answered",
         }
     }
 
@@ -61,8 +103,10 @@ impl std::str::FromStr for CardState {
             "rejected" => Ok(CardState::Rejected),
             "expired" => Ok(CardState::Expired),
             "cancelled" => Ok(CardState::Cancelled),
+            "answered" => Ok(CardState::Answered),
             other => Err(format!(
-                "unknown card state {other:?}: pending, approved, rejected, expired or cancelled"
+                "unknown card state {other:?}: pending, approved, rejected, expired, cancelled \
+                 or answered"
             )),
         }
     }
@@ -77,6 +121,8 @@ pub enum Verdict {
     /// Approve with other arguments (`args`), checked against the tool's
     /// schema and the policy before anything is committed.
     Edit,
+    /// Answer a question (`answer`).
+    Answer,
 }
 
 /// Who closed a card, how and why.
@@ -89,23 +135,31 @@ pub struct Decision {
     pub at_ms: u64,
     /// Whether the person changed the arguments (`args` are then the edited ones).
     pub edited: bool,
+    /// A question's answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answer: Option<String>,
 }
 
 /// One gated call, staged. It is in the journal before anyone can see it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Card {
     pub id: CardId,
+    /// What it asks: a call's approval, a question's answer, a step's go-ahead.
+    #[serde(default)]
+    pub kind: CardKind,
     pub run: RunId,
     pub job: JobId,
     /// Labels from the root: the step's, then each delegated child's.
     pub lineage: Vec<String>,
     pub agent: String,
-    /// The canonical tool name (`exec`, `mcp__github__merge`).
+    /// The canonical tool name (`exec`, `mcp__github__merge`; `ask_person`
+    /// for a question; for a step, `step`).
     pub tool: String,
     /// The model's id for the call.
     pub call: String,
     /// The arguments, secrets redacted and long strings clipped; after an
-    /// edit, the edited arguments.
+    /// edit, the edited arguments. A question's are `{question, choices}`;
+    /// a step's `{label, agent, instruction}`.
     pub args: serde_json::Value,
     pub state: CardState,
     pub asked_at_ms: u64,
@@ -147,6 +201,9 @@ pub fn check_approve_entry(entry: &str) -> Result<(), String> {
         Ok(ToolName::SubmitOutput) => Err(
             "submit_output cannot wait for a person: an agent must always be able to answer".into(),
         ),
+        Ok(ToolName::AskPerson) => {
+            Err("ask_person already waits for a person: its question is the card".into())
+        }
         Ok(_) => Ok(()),
         Err(_) => Err(format!(
             "{entry:?} is not a tool: name a built-in tool (exec, write_file, delegate, ...) \

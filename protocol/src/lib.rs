@@ -26,7 +26,7 @@ pub use agent::{
     AgentDef, Effort, ModelRef, Network, Resources, ResourcesSpec, SandboxMode, ScriptCall,
     ScriptTurn, ScriptUsage, Settings, ThinkingTokens, needs_decision, outward_reasons,
 };
-pub use approval::{ApprovalSettings, Card, CardState, Decision, Verdict};
+pub use approval::{ApprovalSettings, Card, CardKind, CardState, Decision, Verdict};
 pub use event::{CallFacts, Event, EventKind, McpServerState, NodeKind, ParentRef};
 pub use ids::{CardId, JobId, RunId};
 pub use limits::Limits;
@@ -40,9 +40,9 @@ pub use skill::Skill;
 pub use spec::{FlowGroup, FlowSpec, RunSpec, StepSpec};
 pub use status::{ErrorClass, Status, TaskStatus};
 pub use tools::{
-    BudgetArg, CollectArgs, DelegateArgs, ExecArgs, JobArgs, Offer, OnFailure, ReadFileArgs,
-    ReadSkillArgs, SendMessageArgs, StopChildArgs, SubmitOutputArgs, ToolInfo, ToolName,
-    WriteFileArgs,
+    AskPersonArgs, BudgetArg, CollectArgs, DelegateArgs, ExecArgs, JobArgs, Offer, OnFailure,
+    ReadFileArgs, ReadSkillArgs, SendMessageArgs, StopChildArgs, SubmitOutputArgs, ToolInfo,
+    ToolName, WriteFileArgs,
 };
 pub use tree::{AccountView, McpServerView, Tree, TreeNode, WaitingView};
 pub use view::{ActorView, SandboxPosture};

@@ -24,6 +24,7 @@ pub enum ToolName {
     ReadFile,
     WriteFile,
     ReadSkill,
+    AskPerson,
     SubmitOutput,
 }
 
@@ -130,6 +131,14 @@ impl ToolName {
                 sandbox: false,
                 recorded: false,
                 schema: schema_of::<ReadSkillArgs>,
+            },
+            ToolName::AskPerson => ToolInfo {
+                name: "ask_person",
+                description: "Ask a person a question when you cannot go on well without their answer (a choice only they can make, a fact only they know); you wait until they answer or the question expires. Give choices when the answer is one of a few.",
+                offer: Offer::Named,
+                sandbox: false,
+                recorded: false,
+                schema: schema_of::<AskPersonArgs>,
             },
             ToolName::SubmitOutput => ToolInfo {
                 name: "submit_output",
@@ -395,6 +404,57 @@ pub struct ReadSkillArgs {
     /// instructions (SKILL.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub file: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AskPersonArgs {
+    /// The question, whole: the person sees nothing else of your work.
+    pub question: String,
+    /// The answers they may pick from; none: they answer in their own words.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub choices: Vec<String>,
+}
+
+/// The most choices a question may offer, and the longest one.
+pub const MAX_CHOICES: usize = 20;
+pub const MAX_CHOICE_LEN: usize = 200;
+/// The longest question, in bytes.
+pub const MAX_QUESTION_LEN: usize = 4000;
+
+impl AskPersonArgs {
+    /// Refused before any card is made, in words the model acts on.
+    pub fn check(&self) -> Result<(), String> {
+        let question = self.question.trim();
+        if question.is_empty() {
+            return Err("question is empty: ask what you need to know".into());
+        }
+        if question.len() > MAX_QUESTION_LEN {
+            return Err(format!(
+                "question is {} bytes: ask in at most {MAX_QUESTION_LEN}",
+                question.len()
+            ));
+        }
+        if self.choices.len() > MAX_CHOICES {
+            return Err(format!(
+                "{} choices: give at most {MAX_CHOICES}, or none to take any answer",
+                self.choices.len()
+            ));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for choice in &self.choices {
+            let c = choice.trim();
+            if c.is_empty() || c.len() > MAX_CHOICE_LEN {
+                return Err(format!(
+                    "choice {choice:?}: each choice is 1 to {MAX_CHOICE_LEN} bytes"
+                ));
+            }
+            if !seen.insert(c) {
+                return Err(format!("choice {c:?} is given twice"));
+            }
+        }
+        Ok(())
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]

@@ -699,6 +699,7 @@ fn recover_cards(
             reason: Some(reason.into()),
             at_ms: now,
             edited: false,
+            answer: None,
         });
         journal.append(vec![Record::Approval(ApprovalRecord::of(
             &card,

@@ -383,8 +383,9 @@ pub struct ApprovalQuery {
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DecisionBody {
-    /// `approve`, `reject` (a reason is required: the agent reads it), or
-    /// `edit` (approve with `args`, checked against the tool's arguments).
+    /// `approve`, `reject` (a reason is required: the agent reads it),
+    /// `edit` (approve with `args`, checked against the tool's arguments),
+    /// or, for a question, `answer` (with `answer`).
     pub decision: Verdict,
     /// Why; recorded with the decision, and told to the agent on a rejection.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -393,6 +394,10 @@ pub struct DecisionBody {
     /// For `edit`: the arguments the call runs with.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub args: Option<serde_json::Value>,
+    /// For `answer`: a question's answer (one of its `choices` if it has some).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 16384))]
+    pub answer: Option<String>,
 }
 
 /// A card's outcome: who closed it, when and why.
@@ -405,12 +410,18 @@ pub struct DecisionView {
     pub at: String,
     /// The arguments were edited (`args` are the edited ones).
     pub edited: bool,
+    /// A question's answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answer: Option<String>,
 }
 
 /// One approval card (I-46).
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
 pub struct CardView {
     pub id: CardId,
+    /// `call` (a gated tool call), `question` (an agent's `ask_person`:
+    /// `args` are its `question` and `choices`), or `step` (a step's go-ahead).
+    pub kind: arbor_protocol::CardKind,
     pub run: RunId,
     /// The step or job whose call waits.
     pub job: JobId,
@@ -435,6 +446,7 @@ impl From<Card> for CardView {
         use arbor_protocol::approval::rfc3339;
         CardView {
             id: card.id,
+            kind: card.kind,
             run: card.run,
             job: card.job,
             lineage: card.lineage,
@@ -451,6 +463,7 @@ impl From<Card> for CardView {
                 reason: d.reason,
                 at: rfc3339(d.at_ms),
                 edited: d.edited,
+                answer: d.answer,
             }),
         }
     }

@@ -20,6 +20,7 @@ const EVENTS_SHOWN = 200;
 function waitingText(w) {
   if (!w) return "";
   if (w.reason === "retry") return ` · waits to try ${w.label} again (attempt ${w.attempt}, after ${w.class})`;
+  if (w.reason === "approval" && w.tool === "ask_person") return " · waits for a person's answer";
   if (w.reason === "approval") return ` · waits for approval of ${w.tool}`;
   if (w.reason === "needs_decision") return ` · waits for a person to continue ${w.label} or stop the run: ${w.why}`;
   return ` · waits: ${w.reason}`;
@@ -676,30 +677,64 @@ function drawCards(cards, decided) {
     $("job-cards"),
     cards.map((card) => {
       if (cardEls.has(card.id)) return cardEls.get(card.id);
-      const reason = el("input", { type: "text", "aria-label": `Why (for ${card.tool})`, placeholder: "why (needed to reject)" });
-      const decide = async (decision) => {
-        const why = reason.value.trim();
-        if (decision === "reject" && !why) {
-          reason.focus();
-          return;
-        }
-        if (decision === "reject" && !confirm(`Reject ${card.tool}? The agent is told why.`)) return;
-        const done = await post(`/v1/approvals/${card.id}`, { decision, ...(why ? { reason: why } : {}) }).catch(problem);
-        if (done) decided();
-      };
-      const article = el(
-        "article",
-        { class: "card", "aria-label": `Approval for ${card.tool}` },
-        el("h3", { text: `Waits for a person: ${card.tool}` }),
-        el("p", { text: `${card.lineage.join(" › ")} asks; expires ${new Date(card.deadline_ms).toLocaleString()}.` }),
-        el("pre", { text: clip(JSON.stringify(card.args, null, 2), 2000) }),
-        reason,
-        el("button", { type: "button", text: "Approve", onclick: () => decide("approve") }),
-        el("button", { type: "button", text: "Reject", onclick: () => decide("reject") }),
-      );
+      const article = card.kind === "question" ? questionCard(card, decided) : callCard(card, decided);
       cardEls.set(card.id, article);
       return article;
     }),
+  );
+}
+
+// A gated call (or a step's go-ahead): approve, or reject with a reason.
+function callCard(card, decided) {
+  const reason = el("input", { type: "text", "aria-label": `Why (for ${card.tool})`, placeholder: "why (needed to reject)" });
+  const decide = async (decision) => {
+    const why = reason.value.trim();
+    if (decision === "reject" && !why) {
+      reason.focus();
+      return;
+    }
+    if (decision === "reject" && !confirm(`Reject ${card.tool}? The agent is told why.`)) return;
+    const done = await post(`/v1/approvals/${card.id}`, { decision, ...(why ? { reason: why } : {}) }).catch(problem);
+    if (done) decided();
+  };
+  return el(
+    "article",
+    { class: "card", "aria-label": `Approval for ${card.tool}` },
+    el("h3", { text: `Waits for a person: ${card.tool}` }),
+    el("p", { text: `${card.lineage.join(" › ")} asks; expires ${new Date(card.deadline_ms).toLocaleString()}.` }),
+    el("pre", { text: clip(JSON.stringify(card.args, null, 2), 2000) }),
+    reason,
+    el("button", { type: "button", text: "Approve", onclick: () => decide("approve") }),
+    el("button", { type: "button", text: "Reject", onclick: () => decide("reject") }),
+  );
+}
+
+// An agent's question (ask_person): its choices as buttons, or an answer box.
+function questionCard(card, decided) {
+  const answer = async (text) => {
+    const done = await post(`/v1/approvals/${card.id}`, { decision: "answer", answer: text }).catch(problem);
+    if (done) decided();
+  };
+  const choices = card.args.choices || [];
+  const box = el("input", { type: "text", "aria-label": "Your answer", placeholder: "your answer" });
+  const send = el("button", {
+    type: "button",
+    text: "Answer",
+    onclick: () => {
+      const text = box.value.trim();
+      if (!text) box.focus();
+      else answer(text);
+    },
+  });
+  return el(
+    "article",
+    { class: "card", "aria-label": "Question" },
+    el("h3", { text: "A question for a person" }),
+    el("p", { text: `${card.lineage.join(" › ")} asks; expires ${new Date(card.deadline_ms).toLocaleString()}.` }),
+    el("blockquote", { text: clip(String(card.args.question || ""), 4000) }),
+    ...(choices.length
+      ? choices.map((choice) => el("button", { type: "button", text: choice, onclick: () => answer(choice) }))
+      : [box, send]),
   );
 }
 

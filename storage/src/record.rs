@@ -195,6 +195,9 @@ pub struct TapeRecord {
 /// An approval card's latest state (I-46, I-47): written when it is asked,
 /// and again at its one outcome, each time durable before anyone acts on it.
 /// The arguments are JSON text: bincode cannot carry an untyped value.
+/// A card's kind is its tool's (`CardKind::of_tool`), and a question's
+/// answer is kept as its `reason`, so records written before questions
+/// existed read as they were.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ApprovalRecord {
     pub id: CardId,
@@ -231,7 +234,7 @@ impl ApprovalRecord {
             asked_at_ms: card.asked_at_ms,
             deadline_ms: card.deadline_ms,
             decided_by: decision.map(|d| d.by.clone()),
-            reason: decision.and_then(|d| d.reason.clone()),
+            reason: decision.and_then(|d| d.answer.clone().or_else(|| d.reason.clone())),
             decided_at_ms: decision.map(|d| d.at_ms),
             edited: decision.is_some_and(|d| d.edited),
             epoch,
@@ -239,8 +242,10 @@ impl ApprovalRecord {
     }
 
     pub fn card(&self) -> Card {
+        let answered = self.state == CardState::Answered;
         Card {
             id: self.id,
+            kind: arbor_protocol::CardKind::of_tool(&self.tool),
             run: self.run,
             job: self.job,
             lineage: self.lineage.clone(),
@@ -253,9 +258,10 @@ impl ApprovalRecord {
             deadline_ms: self.deadline_ms,
             decision: self.decided_at_ms.map(|at_ms| Decision {
                 by: self.decided_by.clone().unwrap_or_default(),
-                reason: self.reason.clone(),
+                reason: self.reason.clone().filter(|_| !answered),
                 at_ms,
                 edited: self.edited,
+                answer: self.reason.clone().filter(|_| answered),
             }),
         }
     }

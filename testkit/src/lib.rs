@@ -637,6 +637,28 @@ impl TestNode {
                     verdict,
                     reason: reason.map(str::to_string),
                     args,
+                    answer: None,
+                    by: "tester".into(),
+                },
+            )
+            .await
+    }
+
+    /// Answers a question card (`ask_person`, I-60) as the person named
+    /// `tester` would through the API.
+    pub async fn answer(
+        &self,
+        card: arbor_protocol::CardId,
+        answer: &str,
+    ) -> Result<arbor_protocol::Card, arbor_runtime::DecideError> {
+        self.node
+            .decide(
+                card,
+                arbor_runtime::Decide {
+                    verdict: arbor_protocol::Verdict::Answer,
+                    reason: None,
+                    args: None,
+                    answer: Some(answer.to_string()),
                     by: "tester".into(),
                 },
             )

@@ -245,6 +245,27 @@ test("approve a pending call from its job's page", async () => {
   await page.context().close();
 });
 
+test("answer an agent's question from its job's page", async () => {
+  const page = await newPage();
+  const { id } = await node.api("POST", "/v1/runs", { flow: "question" });
+  const step = await until("the step to ask its question", async () => {
+    const doc = await node.api("GET", `/v1/runs/${id}`);
+    return doc.run.children.find((c) => c.waiting);
+  });
+  await login(page, node.base, node.token);
+  await page.goto(`${node.base}/ui#/jobs/${step.id}`);
+  const card = page.getByRole("article", { name: "Question" });
+  await card.waitFor();
+  assert.match(await card.innerText(), /Announce v2\.0 on which channel\?/);
+  await card.getByRole("button", { name: "mailing list" }).click();
+  await page.locator("#job-title", { hasText: "✔ done" }).waitFor();
+  const [answered] = (await node.api("GET", `/v1/approvals?run=${id}`)).approvals;
+  assert.equal(answered.kind, "question");
+  assert.equal(answered.state, "answered");
+  assert.equal(answered.decision.answer, "mailing list");
+  await page.context().close();
+});
+
 test("the node view says what `arbor status` says", async () => {
   const page = await newPage();
   await login(page, node.base, node.token);

@@ -444,3 +444,159 @@ async fn inv_27_a_card_shows_no_secrets_value_and_clips_long_arguments() {
     let written = std::fs::read_to_string(dir.join(format!("key-{value}.txt"))).unwrap();
     assert_eq!(written, format!("{value} {long}"));
 }
+
+// ---------------------------------------------------------------- questions
+
+/// An agent that asks which colour, from two choices, then answers with
+/// what it read.
+fn asker(extra: &str) -> String {
+    agent_md(&format!(
+        "tools: [ask_person]\n{extra}script:\n  - call: {{tool: ask_person, args: {{question: Which colour?, choices: [red, blue]}}}}\n  - call: {{tool: submit_output, args: {{output: asked}}}}"
+    ))
+}
+
+/// What the asker's model read back from its question: (text, is_error).
+fn heard(node: &TestNode, run: RunId) -> (String, bool) {
+    let call = node
+        .tool_calls(run)
+        .into_iter()
+        .find(|c| c.tool == "ask_person")
+        .expect("the question was asked");
+    (call.detail, !call.ok)
+}
+
+/// I-60: a question is a card of kind `question`, durable before it is
+/// listed; its answer (one of its choices) is the tool's result, once;
+/// answering it as a call, or off its choices, changes nothing.
+#[tokio::test]
+async fn inv_60_a_question_is_a_card_and_its_answer_is_the_result() {
+    use arbor_protocol::CardKind;
+    let node = TestNode::start(&[("asker", &asker(""))]).await;
+    let run = node.run_agent("asker", "go").await;
+    let card = node.wait_card(run).await;
+    assert_eq!(
+        (card.kind, card.tool.as_str()),
+        (CardKind::Question, "ask_person")
+    );
+    assert_eq!(
+        card.args,
+        json!({"question": "Which colour?", "choices": ["red", "blue"]})
+    );
+    node.wait_until(run, |t| t.root().children[0].waiting.is_some())
+        .await;
+
+    let wrong = node.decide(card.id, Verdict::Approve, None, None).await;
+    assert!(
+        matches!(&wrong, Err(DecideError::Invalid(e)) if e.contains("is a question")),
+        "{wrong:?}"
+    );
+    let off = node.answer(card.id, "green").await;
+    assert!(
+        matches!(&off, Err(DecideError::Invalid(e)) if e.contains("red, blue")),
+        "{off:?}"
+    );
+    assert_eq!(
+        node.cards(run)[0].state,
+        CardState::Pending,
+        "nothing changed"
+    );
+
+    let answered = node.answer(card.id, " blue ").await.unwrap();
+    assert_eq!(answered.state, CardState::Answered);
+    assert_eq!(
+        answered.decision.as_ref().and_then(|d| d.answer.as_deref()),
+        Some("blue")
+    );
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Done);
+    let (text, error) = heard(&node, run);
+    assert!(
+        !error && text.contains("The person answered: blue"),
+        "{text}"
+    );
+    assert_eq!(
+        card_events(&node, run),
+        [("requested", None), ("decided", Some(CardState::Answered))]
+    );
+    let again = node.answer(card.id, "red").await;
+    assert!(matches!(
+        again,
+        Err(DecideError::Closed {
+            state: CardState::Answered,
+            ..
+        })
+    ));
+    // A question's card is read back from the journal as it was written.
+    let stored = &node.cards(run)[0];
+    assert_eq!(
+        (stored.kind, stored.state),
+        (CardKind::Question, CardState::Answered)
+    );
+}
+
+/// I-60: an unanswered question expires as "no answer" (the agent goes
+/// on); a stop while it waits cancels it; a bad question makes no card.
+#[tokio::test]
+async fn inv_60_a_question_expires_as_no_answer_and_a_stop_cancels_it() {
+    let node = TestNode::start_with_config(
+        "[approvals]\ntimeout = \"300ms\"\n",
+        &[("asker", &asker(""))],
+    )
+    .await;
+    let run = node.run_agent("asker", "go").await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Done, "it goes on without one");
+    let (text, error) = heard(&node, run);
+    assert!(error && text.contains("no answer"), "{text}");
+    assert_eq!(node.cards(run)[0].state, CardState::Expired);
+
+    let node = TestNode::start(&[("asker", &asker(""))]).await;
+    let run = node.run_agent("asker", "go").await;
+    let card = node.wait_card(run).await;
+    node.stop_run(run).await;
+    assert_eq!(node.wait_run(run).await.run_status(), Status::Stopped);
+    assert_eq!(node.cards(run)[0].state, CardState::Cancelled);
+    let late = node.answer(card.id, "red").await;
+    assert!(matches!(
+        late,
+        Err(DecideError::Closed {
+            state: CardState::Cancelled,
+            ..
+        })
+    ));
+
+    let bad = agent_md(
+        "tools: [ask_person]\nscript:\n  - call: {tool: ask_person, args: {question: \"  \"}}\n  - call: {tool: ask_person, args: {question: Which?, choices: [a, a]}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let node = TestNode::start(&[("bad", &bad)]).await;
+    let run = node.run_agent("bad", "go").await;
+    node.wait_run(run).await;
+    let failed = node.failed_calls(run, "ask_person");
+    assert!(failed[0].contains("question is empty"), "{failed:?}");
+    assert!(failed[1].contains("given twice"), "{failed:?}");
+    assert!(node.cards(run).is_empty(), "no card for a bad question");
+}
+
+/// I-60: a question pending across a kill -9 keeps its card and deadline;
+/// the resumed step waits on it, is not asked again, and reads the answer.
+#[tokio::test]
+async fn inv_60_a_pending_question_survives_a_kill_and_is_answered_once() {
+    let node = TestNode::start(&[("asker", &asker(""))]).await;
+    let run = node.run_agent("asker", "go").await;
+    let card = node.wait_card(run).await;
+    let node = node.crash_and_restart().await;
+    let again = node.wait_card(run).await;
+    assert_eq!((again.id, again.deadline_ms), (card.id, card.deadline_ms));
+    node.wait_until(run, |t| {
+        t.root().children.iter().any(|s| {
+            s.status == Status::Running
+                && s.waiting.as_ref().and_then(|w| w.card()) == Some(card.id)
+        })
+    })
+    .await;
+    node.answer(card.id, "red").await.unwrap();
+    assert_eq!(node.wait_run(run).await.run_status(), Status::Done);
+    assert_eq!(node.cards(run).len(), 1, "not asked again");
+    let (text, error) = heard(&node, run);
+    assert!(!error && text.contains("answered: red"), "{text}");
+}

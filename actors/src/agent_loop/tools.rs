@@ -249,6 +249,9 @@ fn builtin_check(tool: ToolName, args: &serde_json::Value) -> Result<(), String>
         ToolName::ReadFile => parse::<ReadFileArgs>(tool, args).map(|_| ()),
         ToolName::WriteFile => parse::<WriteFileArgs>(tool, args).map(|_| ()),
         ToolName::ReadSkill => parse::<ReadSkillArgs>(tool, args).map(|_| ()),
+        ToolName::AskPerson => {
+            parse::<arbor_protocol::AskPersonArgs>(tool, args).and_then(|a| a.check())
+        }
     }
 }
 
@@ -257,6 +260,7 @@ fn builtin_check(tool: ToolName, args: &serde_json::Value) -> Result<(), String>
 /// person's edited arguments; `Err` is what the model reads instead, and
 /// the call does not run. While it waits the job holds no reservation (no
 /// model call is in flight between turns) and its wall timeout is paused.
+/// A question (`ask_person`, I-60) goes the same way: `Ok(Some(answer))`.
 async fn ask_person(
     args: &LoopArgs,
     tool: &str,
@@ -272,7 +276,10 @@ async fn ask_person(
     {
         return decided;
     }
-    let decided = ask_gate(args, tool, call, check).await;
+    let kind = arbor_protocol::CardKind::of_tool(tool);
+    let decided = ask_gate(args, tool, call, check)
+        .await
+        .and_then(|answer| outcome(kind, answer));
     // What a stop cut short is no one's decision.
     if let (Some(writer), false) = (&args.tapes.writer, args.cancel.is_cancelled()) {
         writer.approval(&call.id, tool, &decided);
@@ -280,18 +287,19 @@ async fn ask_person(
     decided
 }
 
-/// The gate's side of `ask_person`: the card, and its one outcome.
+/// The gate's side of `ask_person`: the card, and its one outcome; `Err`
+/// when no card could be waited on, in words the model reads.
 async fn ask_gate(
     args: &LoopArgs,
     tool: &str,
     call: &ToolCall,
     check: crate::approvals::ArgsCheck,
-) -> Result<Option<serde_json::Value>, String> {
+) -> Result<crate::approvals::Answer, String> {
     use crate::approvals::{Answer, Ask, GateMsg};
     // Fail safe: with no gate, a call meant to wait for a person does not run.
     let Some(gate) = args.ctx.gate.get() else {
         return Err(format!(
-            "{tool} needs a person's approval and this node has no approval gate, so it did not run"
+            "{tool} needs a person and this node has no approval gate, so it did not run"
         ));
     };
     let ask = Ask {
@@ -309,30 +317,80 @@ async fn ask_gate(
     let answer = tokio::select! {
         answer = gate.call(|reply| GateMsg::Ask { ask: Box::new(ask), reply }, None) => answer,
         _ = args.cancel.cancelled() => {
-            return Err("the job was stopped while the call waited for approval".into());
+            return Err("the job was stopped while it waited for a person".into());
         }
     };
     let _ = args.job.cast(LoopMsg::Waiting(false));
     let answer = match answer {
         Ok(ractor::rpc::CallResult::Success(answer)) => answer,
-        _ => Answer::Failed("the approval gate is gone, so the call did not run".into()),
+        _ => Answer::Failed("the approval gate is gone".into()),
     };
-    // A stop after the approval still wins: nothing runs once it came.
+    // A stop after the decision still wins: nothing runs once it came.
     if args.cancel.is_cancelled() {
-        return Err("the job was stopped, so the approved call did not run".into());
+        return Err("the job was stopped, so nothing it waited for goes on".into());
     }
-    match answer {
-        Answer::Approved { edited } => Ok(edited),
-        Answer::Rejected { by, reason } => Err(format!(
+    Ok(answer)
+}
+
+/// What a card's outcome means to the model: for a call, run it (perhaps
+/// with edited arguments) or the reason it did not run; for a question,
+/// the answer or why there is none.
+fn outcome(
+    kind: arbor_protocol::CardKind,
+    answer: crate::approvals::Answer,
+) -> Result<Option<serde_json::Value>, String> {
+    use crate::approvals::Answer;
+    use arbor_protocol::CardKind;
+    match (kind, answer) {
+        (CardKind::Question, Answer::Answered { answer, .. }) => {
+            Ok(Some(serde_json::Value::String(answer)))
+        }
+        (CardKind::Question, Answer::Rejected { by, reason }) => Err(format!(
+            "a person ({by}) declined to answer: {reason}. Go on without it"
+        )),
+        (CardKind::Question, Answer::Expired) => Err(
+            "no answer: nobody answered before the question's deadline. This is not a \
+             refusal: go on without it, or ask again later"
+                .into(),
+        ),
+        (CardKind::Question, Answer::Failed(why)) => {
+            Err(format!("the question could not be asked: {why}"))
+        }
+        (CardKind::Question, _) => Err("the question was closed without an answer".into()),
+        (_, Answer::Approved { edited }) => Ok(edited),
+        (_, Answer::Rejected { by, reason }) => Err(format!(
             "a person ({by}) rejected this call, so it did not run: {reason}"
         )),
-        Answer::Expired => Err(
+        (_, Answer::Expired) => Err(
             "no one decided on this call before its approval deadline, so it did not run. \
              This is not a rejection: go on without it, or ask again later"
                 .into(),
         ),
-        Answer::Cancelled => Err("the call's approval was cancelled, so it did not run".into()),
-        Answer::Failed(why) => Err(format!("the call could not be staged for approval: {why}")),
+        (_, Answer::Failed(why)) => Err(format!(
+            "the call could not be staged for approval, so it did not run: {why}"
+        )),
+        (_, Answer::Cancelled | Answer::Answered { .. }) => {
+            Err("the call's approval was cancelled, so it did not run".into())
+        }
+    }
+}
+
+/// `ask_person` (I-60): the question becomes a card of kind `question`; its
+/// answer is the result. Refused before any card when the question is bad.
+async fn question(args: &LoopArgs, call: &ToolCall) -> Result<serde_json::Value, String> {
+    let tool = ToolName::AskPerson;
+    let asked = parse::<arbor_protocol::AskPersonArgs>(tool, &call.args)?;
+    asked.check()?;
+    let call = ToolCall {
+        args: serde_json::to_value(&asked).unwrap_or_default(),
+        ..call.clone()
+    };
+    let check: crate::approvals::ArgsCheck = Arc::new(|_| Ok(()));
+    match ask_person(args, "ask_person", &call, check).await? {
+        Some(serde_json::Value::String(answer)) => Ok(serde_json::Value::String(format!(
+            "The person answered: {answer}"
+        ))),
+        _ => Err("the question was closed without an answer".into()),
     }
 }
 
@@ -562,6 +620,7 @@ async fn call_builtin(args: &LoopArgs, tool: ToolName, call: &ToolCall) -> Step 
             },
             (Err(e), _) | (_, Err(e)) => Err(e),
         },
+        ToolName::AskPerson => question(args, call).await,
         ToolName::ReadSkill => match parse::<ReadSkillArgs>(tool, &call.args) {
             Ok(a) => crate::skills::read(&args.ctx.skills, &args.agent, &args.policy, a)
                 .await

@@ -45,12 +45,13 @@ pub(super) fn approval_routes() -> ApiRouter<Arc<Shared>> {
                 errors!(
                     secured(op)
                         .id("decideApproval")
-                        .summary("Approve, reject or edit a pending card (I-46)")
+                        .summary("Approve, reject or edit a pending card, or answer a question (I-46, I-60)")
                         .description(
                             "The decision is committed before the call may run and records \
                              the token's name. 409 once the card is closed (decided, expired, \
                              or cancelled by a stop, which wins); 422 for a rejection without \
-                             a reason or edited arguments the tool does not take.",
+                             a reason, edited arguments the tool does not take, an answer to \
+                             a card that is not a question, or an answer not among its choices.",
                         )
                         .response::<200, Json<CardView>>(),
                     400,
@@ -117,6 +118,7 @@ pub(super) async fn decide_here(
         verdict: body.decision,
         reason: body.reason,
         args: body.args,
+        answer: body.answer,
         by,
     };
     match shared.node.decide(id, decide).await {
