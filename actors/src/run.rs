@@ -166,6 +166,11 @@ pub enum RunMsg {
     Diverged {
         why: String,
     },
+    /// A gated step's card (`approve = true`) has its one outcome.
+    GateDecided {
+        label: String,
+        answer: crate::approvals::Answer,
+    },
 }
 
 impl Actor for Run {
@@ -288,6 +293,8 @@ impl Actor for Run {
             resumed_rescues: resume.rescue_now,
             failures: std::collections::HashMap::new(),
             resumed_waits: resume.retry_waits,
+            gating: BTreeMap::new(),
+            approved: std::collections::HashSet::new(),
             cancel,
         })
     }
@@ -357,6 +364,9 @@ impl Actor for Run {
                 );
             }
             RunMsg::RetryDue { label } => state.retry_due(&myself, label).await,
+            RunMsg::GateDecided { label, answer } => {
+                state.gate_decided(&myself, label, answer).await?;
+            }
             RunMsg::Continue { job, reply } => {
                 let continued = state.continue_step(&myself, job).await;
                 let _ = reply.send(continued);
@@ -478,6 +488,12 @@ pub struct RunState {
     /// By label: the rescue (`on_fail`) its next attempt is: the
     /// rescuer's name, its request, and the failed attempt's workdir.
     rescues: std::collections::HashMap<String, (String, String, String)>,
+    /// By label: steps waiting for a person's go-ahead (`approve = true`),
+    /// with the token that cancels the card. The group is not over while
+    /// one waits.
+    gating: BTreeMap<String, CancellationToken>,
+    /// Labels a person let start (their go-ahead covers every attempt).
+    approved: std::collections::HashSet<String>,
 }
 
 /// A failed step's wait for its next attempt.
@@ -691,6 +707,102 @@ impl RunState {
             .await;
     }
 
+    /// A step with `approve = true` waits for a person's go-ahead: a card of
+    /// kind `step` (its label, agent and instruction), durable before it is
+    /// listed and kept across a restart (I-60); its outcome comes back as
+    /// `GateDecided`. A stop of the run cancels it.
+    fn ask_go_ahead(
+        &mut self,
+        myself: &ActorRef<RunMsg>,
+        step: &arbor_protocol::StepSpec,
+        label: String,
+    ) {
+        use crate::approvals::{Answer, Ask, GateMsg};
+        let cancel = self.cancel.child_token();
+        self.gating.insert(label.clone(), cancel.clone());
+        let ask = Ask {
+            run: self.id,
+            job: JobId::new(),
+            lineage: vec![label.clone()],
+            agent: step.agent.clone(),
+            tool: arbor_protocol::approval::STEP_TOOL.into(),
+            call: format!("step:{label}"),
+            args: serde_json::json!({
+                "label": label,
+                "agent": step.agent,
+                "instruction": step.instruction,
+            }),
+            cancel,
+            check: Arc::new(|_| Ok(())),
+        };
+        tracing::info!(run = %self.id, step = %label, "step waits for a person's go-ahead");
+        let gate = self.ctx.gate.get().cloned();
+        let myself = myself.clone();
+        tokio::spawn(async move {
+            let answer = match gate {
+                None => Answer::Failed("this node has no approval gate".into()),
+                Some(gate) => match gate
+                    .call(
+                        |reply| GateMsg::Ask {
+                            ask: Box::new(ask),
+                            reply,
+                        },
+                        None,
+                    )
+                    .await
+                {
+                    Ok(ractor::rpc::CallResult::Success(answer)) => answer,
+                    _ => Answer::Failed("the approval gate is gone".into()),
+                },
+            };
+            let _ = myself.cast(RunMsg::GateDecided { label, answer });
+        });
+    }
+
+    /// A gated step's card has its outcome: approved, it starts as any step
+    /// does; otherwise it ends failed with why, which fails the run unless
+    /// the step is optional.
+    async fn gate_decided(
+        &mut self,
+        myself: &ActorRef<RunMsg>,
+        label: String,
+        answer: crate::approvals::Answer,
+    ) -> Result<(), ActorProcessingErr> {
+        use crate::approvals::Answer;
+        if self.gating.remove(&label).is_none() || self.finish.is_some() {
+            return Ok(());
+        }
+        let why = match answer {
+            Answer::Approved { .. } => {
+                tracing::info!(run = %self.id, step = %label, "a person let the step start");
+                self.approved.insert(label);
+                self.start_group(myself).await;
+                return Ok(());
+            }
+            Answer::Rejected { by, reason } => {
+                format!("a person ({by}) did not let it start: {reason}")
+            }
+            Answer::Expired => "nobody let it start before its card's deadline".into(),
+            Answer::Failed(why) => format!("its go-ahead could not be asked: {why}"),
+            Answer::Cancelled | Answer::Answered { .. } => return Ok(()),
+        };
+        if self.is_optional(&label) {
+            self.limitations
+                .push(arbor_protocol::StepSpec::optional_limitation(
+                    &label,
+                    Status::Failed,
+                    &why,
+                ));
+            return self.next_group_if_done(myself).await;
+        }
+        self.begin_finish(
+            Status::Failed,
+            Some(ErrorClass::Task),
+            format!("step {label} failed: {why}"),
+        );
+        Ok(())
+    }
+
     /// Its wall-clock cap (I-59): its own, or the node's `[limits] run_timeout`.
     fn wall_cap(&self) -> std::time::Duration {
         self.spec.timeout.unwrap_or(self.ctx.limits.run_timeout)
@@ -709,7 +821,12 @@ impl RunState {
             if self.steps.values().any(|s| s.label == label)
                 || self.retrying.contains_key(&label)
                 || self.deciding.contains_key(&label)
+                || self.gating.contains_key(&label)
             {
+                continue;
+            }
+            if step.approve && !self.approved.contains(&label) {
+                self.ask_go_ahead(myself, step, label);
                 continue;
             }
             // A rescue (`on_fail`) runs its own agent on its own request.
@@ -806,7 +923,7 @@ impl RunState {
         match ractor::call!(self.account, |reply| AccountMsg::Reserve {
             asks,
             share: Share::Even {
-                held_back: self.retrying.len() + self.deciding.len()
+                held_back: self.retrying.len() + self.deciding.len() + self.gating.len()
             },
             reply
         }) {
@@ -1026,6 +1143,9 @@ impl RunState {
         // A wait for a retry or a person ends at once: no attempt starts after this.
         self.retrying.clear();
         self.deciding.clear();
+        for (_, card) in std::mem::take(&mut self.gating) {
+            card.cancel();
+        }
         self.finish = Some(RunFinish {
             status,
             class,
@@ -1136,8 +1256,19 @@ impl RunState {
             );
             return Ok(());
         }
-        if self.retrying.is_empty()
+        self.next_group_if_done(myself).await
+    }
+
+    /// Once every step of the group has ended, with no retry, decision or
+    /// go-ahead to come, the next group starts (or the run is done).
+    async fn next_group_if_done(
+        &mut self,
+        myself: &ActorRef<RunMsg>,
+    ) -> Result<(), ActorProcessingErr> {
+        if self.finish.is_none()
+            && self.retrying.is_empty()
             && self.deciding.is_empty()
+            && self.gating.is_empty()
             && self.steps.values().all(|s| s.envelope.is_some())
         {
             self.previous = self

@@ -112,6 +112,7 @@ impl RunSpec {
                     retry: None,
                     rerun_interrupted: None,
                     on_fail: None,
+                    approve: false,
                 }],
             }],
             budget_tokens,
@@ -180,6 +181,10 @@ pub struct StepSpec {
     /// its answer stands in for the step's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub on_fail: Option<String>,
+    /// It does not start until a person approves its card (kind `step`);
+    /// a rejection, or no decision by the deadline, ends it failed (I-60).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub approve: bool,
 }
 
 impl StepSpec {
@@ -210,6 +215,7 @@ mod tests {
             retry: None,
             rerun_interrupted: None,
             on_fail: None,
+            approve: false,
         }
     }
 

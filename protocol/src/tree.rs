@@ -411,35 +411,32 @@ impl Tree {
                 tool,
                 deadline_ms,
             } => {
-                if let Some(e) = self.entries.get_mut(id) {
-                    e.node.waiting = Some(WaitingView::Approval {
-                        card: *card,
-                        tool: tool.clone(),
-                        deadline_ms: *deadline_ms,
-                        expiring: false,
-                    });
-                }
+                // A step's go-ahead is asked before the step has a node: the run waits.
+                let node = self.waiter(*id);
+                node.waiting = Some(WaitingView::Approval {
+                    card: *card,
+                    tool: tool.clone(),
+                    deadline_ms: *deadline_ms,
+                    expiring: false,
+                });
             }
             EventKind::ApprovalExpiring { id, card, .. } => {
                 if let Some(WaitingView::Approval {
                     card: waits_on,
                     expiring,
                     ..
-                }) = self
-                    .entries
-                    .get_mut(id)
-                    .and_then(|e| e.node.waiting.as_mut())
+                }) = self.waiter(*id).waiting.as_mut()
                     && waits_on == card
                 {
                     *expiring = true;
                 }
             }
             EventKind::ApprovalDecided { id, card, .. } => {
-                if let Some(e) = self.entries.get_mut(id)
-                    && matches!(&e.node.waiting,
-                        Some(WaitingView::Approval { card: waits_on, .. }) if waits_on == card)
+                let node = self.waiter(*id);
+                if matches!(&node.waiting,
+                    Some(WaitingView::Approval { card: waits_on, .. }) if waits_on == card)
                 {
-                    e.node.waiting = None;
+                    node.waiting = None;
                 }
             }
             EventKind::RetryWaiting {
@@ -499,6 +496,15 @@ impl Tree {
     /// `view` on the node above `id`: its parent job's, or the run's for a
     /// step, and for one the tree has not seen (a crash can take a step's
     /// `JobSpawned` while its record, committed first, survives).
+    /// The node a card of job `id` waits at: the job's, or the run's when
+    /// the job has no node yet (a step waiting for its go-ahead).
+    fn waiter(&mut self, id: JobId) -> &mut TreeNode {
+        match self.entries.get_mut(&id) {
+            Some(e) => &mut e.node,
+            None => &mut self.root,
+        }
+    }
+
     fn set_waiting_above(&mut self, id: JobId, view: WaitingView) {
         match self.entries.get(&id).and_then(|e| e.parent) {
             Some(parent) => {

@@ -456,6 +456,7 @@ impl EmbeddedNode {
                     retry: None,
                     rerun_interrupted: None,
                     on_fail: None,
+                    approve: false,
                 }],
             }],
             budget_tokens: record.grant_tokens,

@@ -181,6 +181,7 @@ fn a_full_workspace_loads_with_every_field_mapped() {
                 retry: None,
                 rerun_interrupted: None,
                 on_fail: None,
+                approve: false,
             }],
         }
     );

@@ -600,3 +600,85 @@ async fn inv_60_a_pending_question_survives_a_kill_and_is_answered_once() {
     let (text, error) = heard(&node, run);
     assert!(!error && text.contains("answered: red"), "{text}");
 }
+
+// ---------------------------------------------------------------- step gates
+
+const SHIP: &str = "---\ndescription: ships\nscript:\n  - call: {tool: submit_output, args: {output: shipped}}\n---\nYou ship.\n";
+const CHECK: &str = "---\ndescription: checks\nscript:\n  - call: {tool: submit_output, args: {output: checked}}\n---\nYou check.\n";
+/// A check, then a deploy that waits for a person's go-ahead.
+const GATED: &str = "[[group]]\nsteps = [{ agent = \"check\", instruction = \"Check.\" }]\n\
+    [[group]]\nsteps = [{ agent = \"ship\", instruction = \"Ship v2.\", label = \"deploy\", approve = true }]\n";
+
+/// I-60: a gated step does not start until its card (kind `step`, showing
+/// the step, its agent and its instruction) is approved; the run waits
+/// meanwhile, and a rejection ends the step failed with the reason.
+#[tokio::test]
+async fn inv_60_a_step_gate_lets_the_step_start_only_once_approved_and_a_rejection_fails_it() {
+    use arbor_protocol::CardKind;
+    let node =
+        TestNode::start_with_flows("", &[("ship", SHIP), ("check", CHECK)], &[("gated", GATED)])
+            .await;
+    let run = node.run_flow("gated").await;
+    let card = node.wait_card(run).await;
+    assert_eq!((card.kind, card.tool.as_str()), (CardKind::Step, "step"));
+    assert_eq!(
+        card.args,
+        json!({"label": "deploy", "agent": "ship", "instruction": "Ship v2."})
+    );
+    let tree = node.wait_until(run, |t| t.root().waiting.is_some()).await;
+    assert!(tree.find("check").is_some(), "the group before ran");
+    assert!(tree.find("deploy").is_none(), "nothing of the step started");
+    let edit = node
+        .decide(card.id, Verdict::Edit, None, Some(json!({})))
+        .await;
+    assert!(matches!(&edit, Err(DecideError::Invalid(e)) if e.contains("no arguments")));
+    node.decide(card.id, Verdict::Approve, None, None)
+        .await
+        .unwrap();
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Done);
+    assert_eq!(tree.root().output, "shipped");
+    assert_eq!(tree.root().waiting, None);
+
+    let run = node.run_flow("gated").await;
+    let card = node.wait_card(run).await;
+    node.decide(card.id, Verdict::Reject, Some("freeze until Monday"), None)
+        .await
+        .unwrap();
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Failed);
+    let reason = tree.root().reason.clone().unwrap_or_default();
+    assert!(
+        reason.contains("step deploy failed") && reason.contains("freeze until Monday"),
+        "{reason}"
+    );
+    assert!(tree.find("deploy").is_none(), "it never started");
+    node.assert_conserved(run);
+}
+
+/// I-60: a step's go-ahead pending across a kill -9 keeps its card and
+/// deadline; once approved after the restart, the step runs once.
+#[tokio::test]
+async fn inv_60_a_pending_step_gate_survives_a_kill() {
+    let node =
+        TestNode::start_with_flows("", &[("ship", SHIP), ("check", CHECK)], &[("gated", GATED)])
+            .await;
+    let run = node.run_flow("gated").await;
+    let card = node.wait_card(run).await;
+    let node = node.crash_and_restart().await;
+    let again = node.wait_card(run).await;
+    assert_eq!((again.id, again.deadline_ms), (card.id, card.deadline_ms));
+    node.wait_until(run, |t| t.root().waiting.is_some()).await;
+    node.decide(card.id, Verdict::Approve, None, None)
+        .await
+        .unwrap();
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Done, "{:?}", tree.root().reason);
+    assert_eq!(node.cards(run).len(), 1, "not asked again");
+    let checks = node
+        .jobs(run)
+        .iter()
+        .filter(|j| j.agent.as_deref() == Some("check"))
+        .count();
+    assert_eq!(checks, 1, "the finished group is not run again");
+}
