@@ -235,6 +235,7 @@ impl Actor for Job {
         // fan-out only think and answer, and an actor each (its spawn, its
         // calls at the end, its stop) was a good part of their cost.
         let needs_sandbox = start.policy.may_use_mcp()
+            || !start.policy.hooks.is_empty()
             || offered
                 .iter()
                 .any(|(tool, verdict)| tool.info().sandbox && verdict.is_ok());

@@ -34,6 +34,9 @@ pub struct Policy {
     /// The skills it may read: its agent's, cut to every ancestor's
     /// (I-25), own sandbox or not.
     pub skills: BTreeSet<String>,
+    /// `hooks.before_call` commands asked before each tool call, the
+    /// topmost ancestor's first: a child adds its own, never drops one (I-62).
+    pub hooks: Vec<String>,
 }
 
 impl Policy {
@@ -50,6 +53,7 @@ impl Policy {
             secrets: agent.secrets.iter().cloned().collect(),
             limits: agent.limits.tighter(&limits.tools),
             skills: agent.skills.iter().cloned().collect(),
+            hooks: agent.hooks.before_call.iter().cloned().collect(),
         }
     }
 
@@ -92,6 +96,9 @@ impl Policy {
         // stays gated below it.
         let mut ask = self.ask.clone();
         ask.extend(child.approve.iter().cloned());
+        // Hooks too: what a parent asks of its calls it asks below it.
+        let mut hooks = self.hooks.clone();
+        hooks.extend(child.hooks.before_call.iter().cloned());
         Self {
             allowed,
             mcp,
@@ -106,6 +113,7 @@ impl Policy {
                 .filter(|s| self.skills.contains(*s))
                 .cloned()
                 .collect(),
+            hooks,
         }
     }
 
@@ -151,7 +159,8 @@ impl Policy {
 
     /// Whether it may run commands: `exec`, not denied.
     pub fn runs_commands(&self) -> bool {
-        self.allowed.contains(&ToolName::Exec) && !self.is_denied(ToolName::Exec.as_str())
+        (self.allowed.contains(&ToolName::Exec) && !self.is_denied(ToolName::Exec.as_str()))
+            || !self.hooks.is_empty()
     }
 
     /// Every tool, offered (`Ok`) or not with the reason. `submit_output` is
@@ -215,6 +224,7 @@ mod tests {
             limits: Default::default(),
             deny: deny.iter().map(|s| s.to_string()).collect(),
             approve: vec![],
+            hooks: Default::default(),
             subagents: vec!["b".into()],
             sandbox,
             network: Network::None,
@@ -397,6 +407,7 @@ mod tests {
                 },
                 secrets: link.secrets.clone(),
                 approve: link.approve.clone(),
+                hooks: Default::default(),
                 mcp: link
                     .mcp
                     .iter()

@@ -85,6 +85,13 @@ pub enum SandboxMsg {
         timeout: Option<Duration>,
         reply: RpcReplyPort<ExecOutcome>,
     },
+    /// A hook (I-62): `command` run as a command is, `input` on its stdin.
+    Hook {
+        command: String,
+        input: Vec<u8>,
+        timeout: Duration,
+        reply: RpcReplyPort<ExecOutcome>,
+    },
     /// A command or an MCP call ended; these paths of the workdir changed
     /// while it ran (I-24: what the runtime saw written). Cast before the
     /// reply, so the job's next `Artifacts` comes after it.
@@ -231,6 +238,7 @@ impl Actor for Sandbox {
                     groups: state.groups.clone(),
                     cancel: state.cancel.clone(),
                     timeout: timeout.unwrap_or(state.exec_timeout),
+                    stdin: None,
                 };
                 tokio::spawn(async move {
                     let outcome = job.run(&command).await;
@@ -238,6 +246,24 @@ impl Actor for Sandbox {
                         changed: outcome.changed.clone(),
                     });
                     let _ = reply.send(outcome);
+                });
+            }
+            SandboxMsg::Hook {
+                command,
+                input,
+                timeout,
+                reply,
+            } => {
+                let job = ExecJob {
+                    how: state.how.clone(),
+                    groups: state.groups.clone(),
+                    cancel: state.cancel.clone(),
+                    timeout,
+                    stdin: Some(input),
+                };
+                // What a hook writes is not the job's work: no artifact.
+                tokio::spawn(async move {
+                    let _ = reply.send(job.run(&command).await);
                 });
             }
             SandboxMsg::Wrote { changed } => {
@@ -802,6 +828,8 @@ struct ExecJob {
     groups: ProcessGroups,
     cancel: CancellationToken,
     timeout: Duration,
+    /// Written to its stdin, then closed; None: stdin is `/dev/null`.
+    stdin: Option<Vec<u8>>,
 }
 
 type Pipe = tokio::net::unix::pipe::Receiver;
@@ -864,6 +892,14 @@ impl ExecJob {
             return outcome;
         }
         let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
+        if let (Some(mut pipe), Some(input)) = (child.stdin.take(), self.stdin.clone()) {
+            // Written beside the reads: a command that answers before it
+            // has read all of it cannot block on a full pipe.
+            tokio::spawn(async move {
+                use tokio::io::AsyncWriteExt;
+                let _ = pipe.write_all(&input).await;
+            });
+        }
         let stdout = tokio::spawn(read_bounded(stdout));
         let stderr = tokio::spawn(read_bounded(stderr));
         tokio::select! {
@@ -906,16 +942,22 @@ impl ExecJob {
                 env: self.how.env.clone(),
                 roots: self.how.roots.clone(),
                 read_only: vec![],
-                stdin: false,
+                stdin: self.stdin.is_some(),
             };
             return seal::spawn(&spec, command)
                 .await
                 .map_err(|e| format!("could not start the command in its sandbox: {e}"));
         }
         let env = self.how.env.clone();
-        seal::spawn_host(workdir, env, &self.how.resources, command, false)
-            .await
-            .map_err(|e| format!("could not start the command: {e}"))
+        seal::spawn_host(
+            workdir,
+            env,
+            &self.how.resources,
+            command,
+            self.stdin.is_some(),
+        )
+        .await
+        .map_err(|e| format!("could not start the command: {e}"))
     }
 }
 

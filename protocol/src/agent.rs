@@ -38,6 +38,10 @@ pub struct AgentDef {
     /// Tools whose calls wait for a person, here and everywhere below (I-46).
     #[serde(default)]
     pub approve: Vec<String>,
+    /// Commands asked before each of its tool calls, here and everywhere
+    /// below (I-62).
+    #[serde(default)]
+    pub hooks: Hooks,
     pub subagents: Vec<String>,
     pub sandbox: SandboxMode,
     pub network: Network,
@@ -104,6 +108,17 @@ pub struct ResourcesSpec {
     pub processes: Option<u64>,
 }
 
+/// agent.md `hooks`: policy as code (I-62).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Hooks {
+    /// A command run sealed before each of its tool calls (the call as JSON
+    /// on stdin), answering `{"decision": "allow" | "deny" | "ask",
+    /// "reason": "..."}` on stdout; anything else denies.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub before_call: Option<String>,
+}
+
 /// The front matter exactly as written. Unknown keys are an error.
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -119,6 +134,8 @@ pub struct FrontMatter {
     /// Tools whose calls wait for a person's approval (names or `*` patterns).
     #[serde(default)]
     pub approve: Vec<String>,
+    #[serde(default)]
+    pub hooks: Hooks,
     pub limits: Option<ToolLimits>,
     #[serde(default)]
     pub deny: Vec<String>,

@@ -60,6 +60,9 @@ pub enum Refusal {
     },
     #[error("this job is stopping; nothing new starts under it")]
     Stopping,
+    /// A `before_call` hook denied it (I-62).
+    #[error("{tool} was not run: {why}; go on without it, or do it another way")]
+    Denied { tool: String, why: String },
     #[error("{message}")]
     Invalid { message: String },
 }

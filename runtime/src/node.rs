@@ -912,15 +912,16 @@ impl EmbeddedNode {
 /// the journal opens and recovery runs, since nothing of those needs its
 /// answer, and it was the larger part of a start. Only where a command could
 /// run: the probe's fork and exec were a sixth of a one-job `arbor run`
-/// (docs/benchmarks.md, S), and a workspace whose agents have no `exec` and
-/// no MCP server has nothing to seal (its agents are fixed for the node's
+/// (docs/benchmarks.md, S), and a workspace whose agents have no `exec`, no
+/// MCP server and no hook has nothing to seal (its agents are fixed for the node's
 /// life).
 fn start_probe(workspace: &Workspace) -> tokio::task::JoinHandle<Posture> {
     let mode = workspace.config.isolation;
-    let seals = workspace
-        .agents
-        .values()
-        .any(|agent| agent.tools.contains(&ToolName::Exec) || !agent.mcp.is_empty());
+    let seals = workspace.agents.values().any(|agent| {
+        agent.tools.contains(&ToolName::Exec)
+            || !agent.mcp.is_empty()
+            || agent.hooks.before_call.is_some()
+    });
     tokio::spawn(async move {
         match mode {
             SandboxIsolation::Sealed if !seals => Posture::not_probed(),

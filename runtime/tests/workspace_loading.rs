@@ -108,6 +108,7 @@ fn a_full_workspace_loads_with_every_field_mapped() {
         limits: Default::default(),
         deny: vec!["write_file".into()],
         approve: vec![],
+        hooks: Default::default(),
         subagents: vec!["researcher".into()],
         sandbox: SandboxMode::Own,
         network: Network::Open,

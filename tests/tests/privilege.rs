@@ -149,3 +149,92 @@ async fn inv_26_an_own_sandbox_sub_agent_keeps_its_tools_and_workdir_inherits_de
     );
     assert!(!step_dir.join("made.txt").exists());
 }
+
+// ---------------------------------------------------------------- hooks
+
+/// A hook that allows commands, denies writes and asks before a read.
+const HOOK: &str = "hooks:\n  before_call: |\n    call=$(cat)\n    case \"$call\" in\n      *'\"tool\":\"write_file\"'*) echo '{\"decision\": \"deny\", \"reason\": \"no writes here\"}' ;;\n      *'\"tool\":\"read_file\"'*) echo '{\"decision\": \"ask\"}' ;;\n      *) echo '{\"decision\": \"allow\"}' ;;\n    esac\n";
+
+/// I-62: a hook's allow lets a call run, its deny refuses it with the
+/// reason the model reads, and its ask makes the call wait for a person;
+/// `submit_output` is never asked about.
+#[tokio::test]
+async fn inv_62_a_hook_allows_denies_and_asks() {
+    use arbor_protocol::Verdict;
+    let worker = arbor_testkit::agent_md(&format!(
+        "tools: [exec, write_file, read_file]\n{HOOK}script:\n  - call: {{tool: exec, args: {{command: echo ran}}}}\n  - call: {{tool: write_file, args: {{path: a.txt, content: x}}}}\n  - call: {{tool: read_file, args: {{path: a.txt}}}}\n  - call: {{tool: submit_output, args: {{output: done}}}}"
+    ));
+    let node = arbor_testkit::TestNode::start(&[("worker", &worker)]).await;
+    let run = node.run_agent("worker", "go").await;
+    let card = node.wait_card(run).await;
+    assert_eq!(card.tool, "read_file", "the hook asked");
+    node.decide(card.id, Verdict::Approve, None, None)
+        .await
+        .unwrap();
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), arbor_protocol::Status::Done);
+    let calls = node.tool_calls(run);
+    let of = |tool: &str| calls.iter().find(|c| c.tool == tool).unwrap();
+    assert!(
+        of("exec").ok && of("exec").detail.contains("ran"),
+        "allowed"
+    );
+    assert!(!of("write_file").ok, "denied");
+    assert!(
+        of("write_file").detail.contains("no writes here"),
+        "{}",
+        of("write_file").detail
+    );
+    let dir = node.workdir(run, tree.find("worker").unwrap());
+    assert!(!dir.join("a.txt").exists(), "a denied call never ran");
+    assert!(of("submit_output").ok);
+}
+
+/// I-62: a hook that fails, or answers nonsense, denies (fail closed); a
+/// parent's hook holds below it, and a child cannot drop it.
+#[tokio::test]
+async fn inv_62_a_hook_that_crashes_or_answers_nonsense_denies_and_holds_below() {
+    let crashes = arbor_testkit::agent_md(
+        "tools: [exec]\nhooks: {before_call: \"exit 3\"}\nscript:\n  - call: {tool: exec, args: {command: echo ran}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let babbles = arbor_testkit::agent_md(
+        "tools: [exec]\nhooks: {before_call: \"cat >/dev/null; echo maybe\"}\nscript:\n  - call: {tool: exec, args: {command: echo ran}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let boss = arbor_testkit::agent_md(&format!(
+        "tools: [exec, write_file]\nsubagents: [kid]\n{HOOK}script:\n  - call: {{tool: delegate, args: {{jobs: [{{agent: kid, request: write}}]}}}}\n  - call: {{tool: submit_output, args: {{output: done}}}}"
+    ));
+    let kid = arbor_testkit::agent_md(
+        "description: writes\ntools: [write_file]\nhooks: {before_call: \"cat >/dev/null; echo '{\\\"decision\\\": \\\"allow\\\"}'\"}\nscript:\n  - call: {tool: write_file, args: {path: k.txt, content: x}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let node = arbor_testkit::TestNode::start(&[
+        ("crashes", &crashes),
+        ("babbles", &babbles),
+        ("boss", &boss),
+        ("kid", &kid),
+    ])
+    .await;
+    for (agent, says) in [("crashes", "exited with Some(3)"), ("babbles", "\"maybe\"")] {
+        let run = node.run_agent(agent, "go").await;
+        node.wait_run(run).await;
+        let denied = node.failed_calls(run, "exec");
+        assert!(
+            denied.len() == 1
+                && denied[0].contains("failed, so it is denied")
+                && denied[0].contains(says),
+            "{agent}: {denied:?}"
+        );
+        assert!(
+            node.tool_calls(run)
+                .iter()
+                .all(|c| !c.detail.contains("ran")),
+            "{agent}: the command never ran"
+        );
+    }
+    let run = node.run_agent("boss", "go").await;
+    node.wait_run(run).await;
+    let denied = node.failed_calls(run, "write_file");
+    assert!(
+        denied.len() == 1 && denied[0].contains("no writes here"),
+        "the boss's hook holds for its child, whose own allows: {denied:?}"
+    );
+}

@@ -219,7 +219,11 @@ async fn call_tool(
     if let Err(e) = admit(args, counts, &named, &call.id, turn, false).await {
         return (named, Step::Result(Err(e)));
     }
-    if args.policy.asks(&named) {
+    let hooked = match before_call(args, &named, call).await {
+        Ok(asks) => asks,
+        Err(e) => return (named, Step::Result(Err(e))),
+    };
+    if hooked || args.policy.asks(&named) {
         let check: crate::approvals::ArgsCheck = Arc::new(move |a| builtin_check(tool, a));
         match ask_person(args, &named, call, check).await {
             Err(e) => return (named, Step::Result(Err(e))),
@@ -497,7 +501,8 @@ async fn mcp_call(
 ) -> Result<serde_json::Value, String> {
     let mut arguments = entry.check(&call.args)?;
     admit(args, counts, &entry.canonical, &call.id, turn, true).await?;
-    if args.policy.asks(&entry.canonical) {
+    let hooked = before_call(args, &entry.canonical, call).await?;
+    if hooked || args.policy.asks(&entry.canonical) {
         let schema = entry.clone();
         let check: crate::approvals::ArgsCheck = Arc::new(move |a| schema.check(a).map(|_| ()));
         if let Some(edited) = ask_person(args, &entry.canonical, call, check).await? {
@@ -656,6 +661,111 @@ async fn call_builtin(args: &LoopArgs, tool: ToolName, call: &ToolCall) -> Step 
 /// The job's Sandbox. A job has one whenever a tool that uses it is
 /// offered, and only such a tool gets here; were it missing, the call fails
 /// as a tool error, never the loop.
+/// How long a hook may take before it is killed and the call denied.
+pub const HOOK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// A hook's answer on its stdout.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HookAnswer {
+    decision: HookDecision,
+    #[serde(default)]
+    reason: Option<String>,
+}
+
+#[derive(serde::Deserialize, PartialEq)]
+#[serde(rename_all = "snake_case")]
+enum HookDecision {
+    Allow,
+    Deny,
+    Ask,
+}
+
+/// I-62: the policy's `before_call` hooks, the topmost ancestor's first,
+/// each run sealed in the job's sandbox with the call as JSON on its stdin.
+/// `Ok(true)`: one asks, so the call waits for a person; `Err`: one denied
+/// it (or failed, timed out or answered nonsense: a hook fails closed),
+/// and the model reads why. `submit_output` is never asked about: an agent
+/// must always be able to answer.
+async fn before_call(args: &LoopArgs, tool: &str, call: &ToolCall) -> Result<bool, String> {
+    if args.policy.hooks.is_empty() || tool == ToolName::SubmitOutput.as_str() {
+        return Ok(false);
+    }
+    let input = serde_json::json!({
+        "tool": tool,
+        "args": call.args,
+        "agent": args.agent.name,
+        "run": args.run,
+        "job": args.id,
+        "lineage": args.path,
+    });
+    let input = serde_json::to_vec(&input).unwrap_or_default();
+    let mut asks = false;
+    for (i, command) in args.policy.hooks.iter().enumerate() {
+        let answer = run_hook(args, command, input.clone()).await;
+        let deny = |why: String| {
+            let refusal = Refusal::Denied {
+                tool: tool.to_string(),
+                why: format!("hook {} ({command}) {why}", i + 1),
+            };
+            refused(args, tool, refusal)
+        };
+        match answer {
+            Ok(HookAnswer {
+                decision: HookDecision::Allow,
+                ..
+            }) => {}
+            Ok(HookAnswer {
+                decision: HookDecision::Ask,
+                ..
+            }) => asks = true,
+            Ok(HookAnswer {
+                decision: HookDecision::Deny,
+                reason,
+            }) => {
+                let reason = reason.unwrap_or_else(|| "gave no reason".into());
+                return Err(deny(format!("denied it: {reason}")));
+            }
+            Err(why) => return Err(deny(format!("failed, so it is denied: {why}"))),
+        }
+    }
+    Ok(asks)
+}
+
+/// One hook's answer, or why it gave none a call may go on with.
+async fn run_hook(args: &LoopArgs, command: &str, input: Vec<u8>) -> Result<HookAnswer, String> {
+    let sandbox = sandbox_of(args)?;
+    let outcome = ractor::call!(sandbox, |reply| SandboxMsg::Hook {
+        command: command.to_string(),
+        input,
+        timeout: HOOK_TIMEOUT,
+        reply
+    })
+    .map_err(|e| format!("the sandbox is gone: {e}"))?;
+    if outcome.timed_out {
+        return Err(format!(
+            "did not answer within {}",
+            humantime::format_duration(HOOK_TIMEOUT)
+        ));
+    }
+    if let Some(error) = outcome.error {
+        return Err(error);
+    }
+    match outcome.exit_code {
+        Some(0) => {}
+        code => {
+            let stderr: String = outcome.stderr.trim().chars().take(200).collect();
+            return Err(format!("exited with {code:?}: {stderr}"));
+        }
+    }
+    serde_json::from_str(outcome.stdout.trim()).map_err(|e| {
+        format!(
+            "answered {:?}, not {{\"decision\": \"allow\" | \"deny\" | \"ask\", \"reason\": ...}}: {e}",
+            outcome.stdout.trim().chars().take(200).collect::<String>()
+        )
+    })
+}
+
 fn sandbox_of(args: &LoopArgs) -> Result<&ActorRef<SandboxMsg>, String> {
     args.sandbox
         .as_ref()

@@ -69,6 +69,7 @@ fn agent_from_front_matter(
         tools: named_tools,
         mcp: servers,
         approve,
+        hooks,
         limits,
         deny,
         subagents,
@@ -113,7 +114,8 @@ fn agent_from_front_matter(
             ToolRef::Builtin(ToolName::ReadSkill) if !skills.is_empty() => {}
             ToolRef::Builtin(ToolName::ReadSkill) => {
                 return Err(
-                    "tools: `read_skill` reads the skills an agent names; list them in `skills:`                      (it is then offered without naming it)"
+                    "tools: `read_skill` reads the skills an agent names; list them in `skills:` \
+                     (it is then offered without naming it)"
                         .into(),
                 );
             }
@@ -135,6 +137,11 @@ fn agent_from_front_matter(
     for entry in &approve {
         arbor_protocol::approval::check_approve_entry(entry)
             .map_err(|m| format!("approve: {m}"))?;
+    }
+    if let Some(command) = &hooks.before_call
+        && command.trim().is_empty()
+    {
+        return Err("hooks.before_call is empty: give the command to run, or leave it out".into());
     }
     let limits = limits.unwrap_or_default();
     limits.check("limits.")?;
@@ -164,6 +171,7 @@ fn agent_from_front_matter(
         limits,
         deny,
         approve,
+        hooks,
         subagents,
         sandbox: sandbox.unwrap_or_default(),
         network: network.unwrap_or_default(),
@@ -233,7 +241,8 @@ fn fallback_models(
             }
             if !models.contains(&next) {
                 return Err(format!(
-                    "fallback: `{next}` is not among its models: list it in `models:` too                      (a job runs only on a model its agent allows)"
+                    "fallback: `{next}` is not among its models: list it in `models:` too \
+                     (a job runs only on a model its agent allows)"
                 ));
             }
             Ok(next)
