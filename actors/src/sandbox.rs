@@ -231,41 +231,15 @@ impl Actor for Sandbox {
                 timeout,
                 reply,
             } => {
-                // The command runs in its own task: the mailbox stays free for
-                // KillAll while it runs.
-                let job = ExecJob {
-                    how: state.how.clone(),
-                    groups: state.groups.clone(),
-                    cancel: state.cancel.clone(),
-                    timeout: timeout.unwrap_or(state.exec_timeout),
-                    stdin: None,
-                };
-                tokio::spawn(async move {
-                    let outcome = job.run(&command).await;
-                    let _ = myself.cast(SandboxMsg::Wrote {
-                        changed: outcome.changed.clone(),
-                    });
-                    let _ = reply.send(outcome);
-                });
+                let timeout = timeout.unwrap_or(state.exec_timeout);
+                state.command(&myself, command, timeout, None, reply);
             }
             SandboxMsg::Hook {
                 command,
                 input,
                 timeout,
                 reply,
-            } => {
-                let job = ExecJob {
-                    how: state.how.clone(),
-                    groups: state.groups.clone(),
-                    cancel: state.cancel.clone(),
-                    timeout,
-                    stdin: Some(input),
-                };
-                // What a hook writes is not the job's work: no artifact.
-                tokio::spawn(async move {
-                    let _ = reply.send(job.run(&command).await);
-                });
-            }
+            } => state.command(&myself, command, timeout, Some(input), reply),
             SandboxMsg::Wrote { changed } => {
                 state.artifacts.extend(changed);
             }
@@ -820,6 +794,39 @@ impl McpCallJob {
         let starts = self.slot.starts.load(std::sync::atomic::Ordering::Acquire);
         let restarts = starts.saturating_sub(1);
         self.groups.tell(&self.spec.name, state, restarts, detail);
+    }
+}
+
+impl SandboxState {
+    /// Runs a command in its own task, so the mailbox stays free for
+    /// `KillAll` while it runs. A command's writes become artifacts; a
+    /// hook's (`input` on its stdin) are not the job's work.
+    fn command(
+        &self,
+        myself: &ActorRef<SandboxMsg>,
+        command: String,
+        timeout: Duration,
+        input: Option<Vec<u8>>,
+        reply: RpcReplyPort<ExecOutcome>,
+    ) {
+        let hook = input.is_some();
+        let job = ExecJob {
+            how: self.how.clone(),
+            groups: self.groups.clone(),
+            cancel: self.cancel.clone(),
+            timeout,
+            stdin: input,
+        };
+        let myself = myself.clone();
+        tokio::spawn(async move {
+            let outcome = job.run(&command).await;
+            if !hook {
+                let _ = myself.cast(SandboxMsg::Wrote {
+                    changed: outcome.changed.clone(),
+                });
+            }
+            let _ = reply.send(outcome);
+        });
     }
 }
 

@@ -23,7 +23,7 @@ pub mod view;
 mod duration_str;
 
 pub use agent::{
-    AgentDef, Effort, ModelRef, Network, Resources, ResourcesSpec, SandboxMode, ScriptCall,
+    AgentDef, Effort, Hooks, ModelRef, Network, Resources, ResourcesSpec, SandboxMode, ScriptCall,
     ScriptTurn, ScriptUsage, Settings, ThinkingTokens, needs_decision, outward_reasons,
 };
 pub use approval::{ApprovalSettings, Card, CardKind, CardState, Decision, Verdict};

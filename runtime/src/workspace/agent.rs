@@ -134,15 +134,7 @@ fn agent_from_front_matter(
         check_server_name(server).map_err(|m| format!("mcp: {m}"))?;
         mcp.push(McpPattern::all(server));
     }
-    for entry in &approve {
-        arbor_protocol::approval::check_approve_entry(entry)
-            .map_err(|m| format!("approve: {m}"))?;
-    }
-    if let Some(command) = &hooks.before_call
-        && command.trim().is_empty()
-    {
-        return Err("hooks.before_call is empty: give the command to run, or leave it out".into());
-    }
+    check_gates(&approve, &hooks)?;
     let limits = limits.unwrap_or_default();
     limits.check("limits.")?;
     if max_turns == Some(0) {
@@ -222,6 +214,20 @@ fn allowed_models(
         ));
     }
     Ok((default, allowed))
+}
+
+/// `approve` names tools a person may be asked about; a hook is a command.
+fn check_gates(approve: &[String], hooks: &arbor_protocol::Hooks) -> Result<(), String> {
+    for entry in approve {
+        arbor_protocol::approval::check_approve_entry(entry)
+            .map_err(|m| format!("approve: {m}"))?;
+    }
+    if let Some(command) = &hooks.before_call
+        && command.trim().is_empty()
+    {
+        return Err("hooks.before_call is empty: give the command to run, or leave it out".into());
+    }
+    Ok(())
 }
 
 /// `fallback`: each a model it allows (I-55), none its own default.
