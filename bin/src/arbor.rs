@@ -28,6 +28,7 @@ macro_rules! outln_styled {
     }};
 }
 
+mod ask;
 mod client;
 mod journal;
 mod new;
@@ -732,6 +733,8 @@ async fn watch(
     let mut drawn = None;
     let mut interrupted = false;
     let mut cards_told = std::collections::HashSet::new();
+    // A person at a terminal answers the run's cards there (I-60).
+    let mut asker = std::io::stdin().is_terminal().then(ask::Asker::start);
     let tree = loop {
         // Its end, or a wait for a person no one here can answer (I-57).
         let ended = node.events().with_tree(run, |tree| {
@@ -749,15 +752,33 @@ async fn watch(
                     break node.tree(run);
                 }
             }
+            line = async {
+                match asker.as_mut() {
+                    Some(asker) => asker.line().await,
+                    None => std::future::pending().await,
+                }
+            } => match (line, asker.as_mut()) {
+                (Some(line), Some(asker)) => asker.decide(node, line).await,
+                // stdin closed: nobody is left to answer here.
+                _ => asker = None,
+            },
             _ = tick.tick() => {
+                if let Some(asker) = asker.as_mut() {
+                    asker.prompt_next(node, run);
+                    if let Some(line) = asker.typed_ahead() {
+                        asker.decide(node, line).await;
+                    }
+                }
+                let asking = asker.as_ref().is_some_and(|a| a.is_asking());
                 let version = node.events().version();
-                if !json && drawn != Some(version) {
+                // Not drawn over a prompt that waits for its answer.
+                if !json && !asking && drawn != Some(version) {
                     drawn = Some(version);
                     // Read under the bus's lock, written after it.
                     let frame = node.events().with_tree(run, |tree| tree.map(|t| view.frame(t)));
                     let frame = frame.unwrap_or_else(|| view.frame(&Tree::new(run)));
                     view.draw(frame);
-                    if !live {
+                    if !live && asker.is_none() {
                         tell_new_cards(node, run, &mut cards_told);
                     }
                 }

@@ -778,3 +778,52 @@ fn inv_57_arbor_run_exits_3_on_an_interrupted_outward_step_and_continue_finishes
         .collect();
     assert_eq!(attempts, [(2, "done".into())], "{doc}");
 }
+
+/// I-60: `arbor run` with a terminal on stdin asks the run's question
+/// there: an answer off its choices is refused and asked again, one of
+/// them is the answer, and the run goes on to its end. Run through a pty
+/// (`script`), the answers typed ahead.
+#[test]
+fn arbor_run_in_a_terminal_asks_its_question_there() {
+    use std::io::Write;
+    let ws = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(ws.path().join("agents/asker")).unwrap();
+    std::fs::write(
+        ws.path().join("agents/asker/agent.md"),
+        "---\ntools: [ask_person]\nscript:\n  - call: {tool: ask_person, args: {question: Which colour?, choices: [red, blue]}}\n  - call: {tool: submit_output, args: {output: asked}}\n---\nYou ask.\n",
+    )
+    .unwrap();
+    // Were the question not answered here, it would expire and the run
+    // end all the same: the card's state below is what tells.
+    std::fs::write(
+        ws.path().join("arbor.toml"),
+        "[approvals]\ntimeout = \"60s\"\n",
+    )
+    .unwrap();
+    let data = ws.path().join("data");
+    let command = format!(
+        "{} run {} --agent asker --input go --json --data-dir {}",
+        env!("CARGO_BIN_EXE_arbor"),
+        ws.path().display(),
+        data.display()
+    );
+    let mut child = Command::new("script")
+        .args(["-qfec", &command, "/dev/null"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("script (util-linux) runs");
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(b"green\nblue\n").unwrap();
+    let out = child.wait_with_output().unwrap();
+    drop(stdin);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(text.contains("asks: Which colour?"), "{text}");
+    assert!(
+        text.contains("\"green\" is not one of the question's choices: red, blue"),
+        "{text}"
+    );
+    assert!(text.contains("answered: blue"), "{text}");
+}
