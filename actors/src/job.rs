@@ -31,7 +31,7 @@ mod messages;
 mod settlement;
 mod steering;
 
-pub use messages::{Brief, JobMsg};
+pub use messages::{Brief, JobMsg, PeerSend, Peers};
 
 use children::Children;
 
@@ -113,6 +113,8 @@ pub struct JobStart {
     /// Its model, made by its parent to plan that call: one model a job (a
     /// replaying job answers from its recording instead).
     pub model: Option<Arc<dyn crate::model::Model>>,
+    /// A step of a `peers` group: its siblings, and the way to them.
+    pub peers: Option<Arc<messages::Peers>>,
 }
 
 /// The job's model: its agent's, or the recording's in a replay (with its
@@ -184,6 +186,22 @@ fn job_model(
     ))
 }
 
+/// The built-in tools a job is offered, or why not: its policy's, and
+/// `send_peer` for a step of a `peers` group, unless denied.
+fn offered_to(
+    start: &JobStart,
+    limits: &arbor_protocol::Limits,
+) -> BTreeMap<ToolName, Result<(), String>> {
+    let lineage = &start.lineage;
+    let mut offered = start
+        .policy
+        .offered(&start.agent, lineage.kind, lineage.depth, limits);
+    if start.peers.is_some() && !start.policy.is_denied(ToolName::SendPeer.as_str()) {
+        offered.insert(ToolName::SendPeer, Ok(()));
+    }
+    offered
+}
+
 /// The agent's fallbacks that can be made, each with its name (one that
 /// cannot is passed over, and said so).
 fn live_fallbacks(
@@ -228,9 +246,7 @@ impl Actor for Job {
         let (model, tapes) = job_model(&ctx, &start)?;
         // I-27: a secret without a value refuses the job before anything is made.
         let env = ctx.secrets.env_for(&start.policy.secrets)?;
-        let offered = start
-            .policy
-            .offered(&start.agent, lineage.kind, lineage.depth, &ctx.limits);
+        let offered = offered_to(&start, &ctx.limits);
         // A Sandbox only for a job that may use one: most jobs of a wide
         // fan-out only think and answer, and an actor each (its spawn, its
         // calls at the end, its stop) was a good part of their cost.
@@ -340,6 +356,8 @@ impl Actor for Job {
             steering_arrived: Default::default(),
             steering_queued: Default::default(),
             next_message_id: 1,
+            peer_messages: Default::default(),
+            peers: start.peers,
             turns: 0,
             finish: None,
             ended: Default::default(),
@@ -436,6 +454,20 @@ impl Actor for Job {
             JobMsg::Loop(LoopMsg::SendMessage { child, text, reply }) => {
                 state.send_message(child, text, reply)
             }
+            JobMsg::Loop(LoopMsg::SendPeer { to, text, reply }) => match &state.peers {
+                Some(peers) => (peers.send)(messages::PeerSend {
+                    from: state.lineage.label.clone().unwrap_or_default(),
+                    to,
+                    text,
+                    reply,
+                }),
+                None => {
+                    let _ = reply.send(Err(arbor_protocol::Refusal::Invalid {
+                        message: "this job has no peers".into(),
+                    }));
+                }
+            },
+            JobMsg::Peer { from, text, reply } => state.queue_peer(from, text, reply),
             JobMsg::Loop(LoopMsg::TakeSteering { turn, reply }) => {
                 let texts = state.deliver_steering(turn);
                 let _ = reply.send(texts);
@@ -626,6 +658,10 @@ pub struct JobState {
     /// not once a turn.
     steering_queued: Arc<AtomicUsize>,
     next_message_id: u64,
+    /// Queued messages a peer sent, by id: its label (events say so).
+    peer_messages: std::collections::HashMap<u64, String>,
+    /// A step of a `peers` group: its siblings and the way to them.
+    peers: Option<Arc<messages::Peers>>,
     turns: u32,
     finish: Option<Finish>,
     /// Children's ends not yet durable, held back from everything outside.
@@ -672,6 +708,11 @@ impl JobState {
             return;
         };
         let args = LoopArgs {
+            peers: self
+                .peers
+                .as_ref()
+                .map(|p| Arc::from(p.siblings.as_slice()))
+                .unwrap_or_else(|| Arc::from(Vec::new())),
             ctx: self.ctx.clone(),
             run: self.lineage.run,
             id: self.lineage.id,

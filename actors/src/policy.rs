@@ -192,6 +192,9 @@ impl Policy {
                 } else {
                     Ok(())
                 }
+            } else if offer == Offer::Peers {
+                // Offered by its job when it is a step of a `peers` group.
+                Err("it is offered only to the steps of a flow group with peers = true".into())
             } else if offer == Offer::Skills {
                 if self.skills.is_empty() {
                     Err("this agent has no skills it may read".into())

@@ -166,6 +166,8 @@ pub enum RunMsg {
     Diverged {
         why: String,
     },
+    /// A step of a `peers` group messages a sibling (`send_peer`).
+    Peer(crate::job::PeerSend),
     /// A gated step's card (`approve = true`) has its one outcome.
     GateDecided {
         label: String,
@@ -295,6 +297,7 @@ impl Actor for Run {
             resumed_waits: resume.retry_waits,
             gating: BTreeMap::new(),
             approved: std::collections::HashSet::new(),
+            peer_sent: std::collections::HashMap::new(),
             cancel,
         })
     }
@@ -364,6 +367,7 @@ impl Actor for Run {
                 );
             }
             RunMsg::RetryDue { label } => state.retry_due(&myself, label).await,
+            RunMsg::Peer(send) => state.pass_peer(send),
             RunMsg::GateDecided { label, answer } => {
                 state.gate_decided(&myself, label, answer).await?;
             }
@@ -494,6 +498,8 @@ pub struct RunState {
     gating: BTreeMap<String, CancellationToken>,
     /// Labels a person let start (their go-ahead covers every attempt).
     approved: std::collections::HashSet<String>,
+    /// Messages each step of a `peers` group has sent, by label.
+    peer_sent: std::collections::HashMap<String, u32>,
 }
 
 /// A failed step's wait for its next attempt.
@@ -705,6 +711,91 @@ impl RunState {
         self.failures.insert(label.clone(), retrying.error);
         self.next_attempt(myself, label, retrying.failed_attempt)
             .await;
+    }
+
+    /// A step of a `peers` group: its siblings, and a way to them through
+    /// this run; None for a step of another group.
+    fn peers_of(&self, myself: &ActorRef<RunMsg>, label: &str) -> Option<Arc<crate::job::Peers>> {
+        let group = self.spec.groups.get(self.group).filter(|g| g.peers)?;
+        let labels = self.labels.get(self.group)?;
+        let siblings = group
+            .steps
+            .iter()
+            .zip(labels)
+            .filter(|(_, l)| *l != label)
+            .map(|(step, l)| {
+                let description = self
+                    .ctx
+                    .agents
+                    .get(&step.agent)
+                    .and_then(|a| a.description.clone())
+                    .unwrap_or_default();
+                (l.clone(), step.agent.clone(), description)
+            })
+            .collect();
+        let run = myself.clone();
+        Some(Arc::new(crate::job::Peers {
+            siblings,
+            send: Box::new(move |send| {
+                let _ = run.cast(RunMsg::Peer(send));
+            }),
+        }))
+    }
+
+    /// A peer's message goes to its sibling's running attempt, which answers
+    /// the sender once it is durable there (I-20); to one that has ended,
+    /// is unknown, or past the sender's `max_peer_messages`, it is refused.
+    fn pass_peer(&mut self, send: crate::job::PeerSend) {
+        let crate::job::PeerSend {
+            from,
+            to,
+            text,
+            reply,
+        } = send;
+        match self.peer_of(&from, &to) {
+            Ok(actor) => {
+                *self.peer_sent.entry(from.clone()).or_default() += 1;
+                let _ = actor.cast(crate::job::JobMsg::Peer { from, text, reply });
+            }
+            Err(message) => {
+                let _ = reply.send(Err(arbor_protocol::Refusal::Invalid { message }));
+            }
+        }
+    }
+
+    /// The running attempt of `to` that `from` may message, or why not.
+    fn peer_of(&self, from: &str, to: &str) -> Result<ActorRef<crate::job::JobMsg>, String> {
+        let peers = self.labels.get(self.group).cloned().unwrap_or_default();
+        if to == from || !peers.iter().any(|l| l == to) {
+            let others: Vec<&str> = peers
+                .iter()
+                .map(String::as_str)
+                .filter(|l| *l != from)
+                .collect();
+            return Err(format!(
+                "{to:?} is not one of your peers; send to one of: {}",
+                others.join(", ")
+            ));
+        }
+        let most = self.ctx.limits.max_peer_messages;
+        if self.peer_sent.get(from).copied().unwrap_or(0) >= most {
+            return Err(format!(
+                "you have sent your peers {most} messages, the most a step may \
+                 ([limits] max_peer_messages); go on without sending more"
+            ));
+        }
+        self.steps
+            .values()
+            .filter(|s| s.label == to)
+            .max_by_key(|s| s.attempt)
+            .filter(|s| s.envelope.is_none())
+            .and_then(|s| s.actor.clone())
+            .ok_or_else(|| {
+                format!(
+                    "peer {to} has ended (or has not started): it reads no more messages, so \
+                     this one was not sent"
+                )
+            })
     }
 
     /// A step with `approve = true` waits for a person's go-ahead: a card of
@@ -1041,6 +1132,7 @@ impl RunState {
             tool_counts: self.tool_counts.remove(&label).unwrap_or_default(),
             first_call: None,
             model: None,
+            peers: self.peers_of(myself, &label),
         };
         let name = format!("arbor-job-{id}");
         match Actor::spawn_linked(Some(name), Job, start, myself.get_cell()).await {

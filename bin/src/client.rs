@@ -998,6 +998,8 @@ fn event_line(event: &Event) -> String {
         EventKind::NeedsDecision { label, why, .. } => {
             format!(" {label} waits for a person: {why}")
         }
+        EventKind::PeerQueued { from, to, .. } => format!(" {from} -> {to}"),
+        EventKind::PeerDelivered { from, turn, .. } => format!(" from {from}, read in turn {turn}"),
         EventKind::RunStarted { .. }
         | EventKind::RunResumed { .. }
         | EventKind::Recovered { .. }

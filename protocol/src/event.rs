@@ -271,6 +271,21 @@ pub enum EventKind {
         id: JobId,
         message_id: u64,
     },
+    /// Step `from` of a `peers` group sent step `to` (job `id`) a message:
+    /// journaled and queued, read at `to`'s next turn.
+    PeerQueued {
+        id: JobId,
+        from: String,
+        to: String,
+        message_id: u64,
+    },
+    /// Job `id` read peer `from`'s message in turn `turn`.
+    PeerDelivered {
+        id: JobId,
+        from: String,
+        message_id: u64,
+        turn: u32,
+    },
     /// I-46: a gated call's card is durable and waits for a person; the
     /// job spends nothing meanwhile and its wall timeout is paused.
     ApprovalRequested {
@@ -360,6 +375,8 @@ impl EventKind {
             | SteerQueued { id, .. }
             | SteerDelivered { id, .. }
             | SteerDiscarded { id, .. }
+            | PeerQueued { id, .. }
+            | PeerDelivered { id, .. }
             | ApprovalRequested { id, .. }
             | ApprovalExpiring { id, .. }
             | ApprovalDecided { id, .. }

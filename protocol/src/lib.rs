@@ -41,8 +41,8 @@ pub use spec::{FlowGroup, FlowSpec, RunSpec, StepSpec};
 pub use status::{ErrorClass, Status, TaskStatus};
 pub use tools::{
     AskPersonArgs, BudgetArg, CollectArgs, DelegateArgs, ExecArgs, JobArgs, Offer, OnFailure,
-    ReadFileArgs, ReadSkillArgs, SendMessageArgs, StopChildArgs, SubmitOutputArgs, ToolInfo,
-    ToolName, WriteFileArgs,
+    ReadFileArgs, ReadSkillArgs, SendMessageArgs, SendPeerArgs, StopChildArgs, SubmitOutputArgs,
+    ToolInfo, ToolName, WriteFileArgs,
 };
 pub use tree::{AccountView, McpServerView, Tree, TreeNode, WaitingView};
 pub use view::{ActorView, SandboxPosture};

@@ -31,6 +31,8 @@ pub struct Limits {
     /// gets a notice in its result; twice as many ends the job with class
     /// `no_progress`. An agent's `max_repeats` overrides it.
     pub max_repeats: u32,
+    /// The most messages one step of a `peers` group may send its siblings.
+    pub max_peer_messages: u32,
     /// The share of a model's context window at which a job's model is
     /// told, once, that its context is filling (`context_pressure`).
     pub context_warn: f64,
@@ -57,6 +59,7 @@ impl Default for Limits {
             tools: Default::default(),
             max_recoveries: 3,
             max_repeats: 3,
+            max_peer_messages: 20,
             context_warn: 0.75,
             run_timeout: Duration::from_secs(4 * 3600),
             job_timeout: Duration::from_secs(3600),

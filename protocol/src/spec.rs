@@ -103,6 +103,7 @@ impl RunSpec {
         Self {
             flow: format!("agent:{agent}"),
             groups: vec![FlowGroup {
+                peers: false,
                 steps: vec![StepSpec {
                     agent: agent.to_string(),
                     instruction: input.to_string(),
@@ -155,6 +156,10 @@ impl FlowSpec {
 #[serde(deny_unknown_fields)]
 pub struct FlowGroup {
     pub steps: Vec<StepSpec>,
+    /// Each step is told its siblings and may message them (`send_peer`),
+    /// delivered at the recipient's next turn.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub peers: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -225,9 +230,11 @@ mod tests {
             flow: "f".into(),
             groups: vec![
                 FlowGroup {
+                    peers: false,
                     steps: vec![step("a", None), step("a", None), step("b", Some("x"))],
                 },
                 FlowGroup {
+                    peers: false,
                     steps: vec![step("a", None), step("c", Some("x"))],
                 },
             ],

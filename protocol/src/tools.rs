@@ -25,6 +25,7 @@ pub enum ToolName {
     WriteFile,
     ReadSkill,
     AskPerson,
+    SendPeer,
     SubmitOutput,
 }
 
@@ -39,6 +40,8 @@ pub enum Offer {
     Named,
     /// To an agent with skills it may read, unless denied.
     Skills,
+    /// To a step of a flow group with `peers = true`, unless denied.
+    Peers,
 }
 
 /// One built-in tool, whole: its name, what the model is told, its
@@ -139,6 +142,14 @@ impl ToolName {
                 sandbox: false,
                 recorded: false,
                 schema: schema_of::<AskPersonArgs>,
+            },
+            ToolName::SendPeer => ToolInfo {
+                name: "send_peer",
+                description: "Send one of your peers (the sibling steps your instructions list) a message they need from you: a finding, a warning, a hand-off; they read it at their next turn. It does not wait for an answer.",
+                offer: Offer::Peers,
+                sandbox: false,
+                recorded: false,
+                schema: schema_of::<SendPeerArgs>,
             },
             ToolName::SubmitOutput => ToolInfo {
                 name: "submit_output",
@@ -404,6 +415,15 @@ pub struct ReadSkillArgs {
     /// instructions (SKILL.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub file: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SendPeerArgs {
+    /// A peer's label, as your instructions list it.
+    pub to: String,
+    /// The message, whole: it is all they see of it.
+    pub text: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]

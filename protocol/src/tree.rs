@@ -489,7 +489,9 @@ impl Tree {
             | EventKind::Refused { .. }
             | EventKind::SteerQueued { .. }
             | EventKind::SteerDelivered { .. }
-            | EventKind::SteerDiscarded { .. } => {}
+            | EventKind::SteerDiscarded { .. }
+            | EventKind::PeerQueued { .. }
+            | EventKind::PeerDelivered { .. } => {}
         }
     }
 

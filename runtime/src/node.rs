@@ -445,6 +445,7 @@ impl EmbeddedNode {
             budget_usd_micros: None,
             flow: format!("continue:{job}"),
             groups: vec![arbor_protocol::FlowGroup {
+                peers: false,
                 steps: vec![arbor_protocol::StepSpec {
                     agent: record.agent.clone(),
                     instruction: format!(

@@ -712,6 +712,8 @@ impl Spans {
             | EventKind::SteerQueued { .. }
             | EventKind::SteerDelivered { .. }
             | EventKind::SteerDiscarded { .. }
+            | EventKind::PeerQueued { .. }
+            | EventKind::PeerDelivered { .. }
             | EventKind::ApprovalRequested { .. }
             | EventKind::ApprovalExpiring { .. }
             | EventKind::ApprovalDecided { .. }

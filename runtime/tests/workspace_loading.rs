@@ -173,6 +173,7 @@ fn a_full_workspace_loads_with_every_field_mapped() {
     assert_eq!(
         run.groups[0],
         FlowGroup {
+            peers: false,
             steps: vec![StepSpec {
                 agent: "planner".into(),
                 instruction: "Plan it".into(),

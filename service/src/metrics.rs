@@ -313,6 +313,8 @@ impl Metrics {
             | EventKind::SteerQueued { .. }
             | EventKind::SteerDelivered { .. }
             | EventKind::SteerDiscarded { .. }
+            | EventKind::PeerQueued { .. }
+            | EventKind::PeerDelivered { .. }
             | EventKind::ApprovalRequested { .. }
             | EventKind::ApprovalExpiring { .. } => {}
         }

@@ -522,6 +522,7 @@ const EVENT_KINDS = {
   steer_queued: "name", steer_delivered: "turn", steer_discarded: "name",
   approval_requested: "turn", approval_expiring: "name", approval_decided: "turn",
   retry_waiting: "line", needs_decision: "line", model_fallback: "turn",
+  peer_queued: "name", peer_delivered: "turn",
 };
 
 // One line per event: its index, its kind and whose it is.
@@ -756,6 +757,7 @@ function noteTurn(job, event) {
   else if (k.type === "approval_decided") lines.push(`card ${k.state} by ${k.by}${k.reason ? `: ${k.reason}` : ""}`);
   else if (k.type === "context_compacted") lines.push(`history compacted: ${k.estimate_before} → ${k.estimate_after} tokens`);
   else if (k.type === "context_pressure") lines.push(`context filling: ${k.estimate} of ${k.window} tokens`);
+  else if (k.type === "peer_delivered") lines.push(`read a message from its peer ${k.from}`);
 }
 
 function drawTurns(job) {

@@ -137,3 +137,97 @@ async fn inv_20_an_operator_can_steer_a_running_step() {
     let refusal = node.steer(id, "again").await.unwrap_err().to_string();
     assert!(refusal.contains("has already ended (done)"), "{refusal}");
 }
+
+// ---------------------------------------------------------------- peers
+
+/// A group of three peers: `a` asks a person before it messages `c` (which
+/// has ended by then) and `b` (which waits on its own question meanwhile).
+const PEERS_FLOW: &str = "[[group]]\npeers = true\nsteps = [\n\
+    { agent = \"scout\", instruction = \"Scout.\", label = \"a\" },\n\
+    { agent = \"builder\", instruction = \"Build.\", label = \"b\" },\n\
+    { agent = \"quick\", instruction = \"Be quick.\", label = \"c\" },\n]\n";
+
+/// Issue 46, I-20 for peers: a step of a `peers` group is told its
+/// siblings; its message is journaled, queued and read at the recipient's
+/// next turn (`peer_queued`, `peer_delivered`); one to a sibling that has
+/// ended is a tool error saying so, and so is one past `max_peer_messages`.
+#[tokio::test]
+async fn inv_20_a_peer_message_is_read_at_the_next_turn_and_one_to_an_ended_peer_is_refused() {
+    use arbor_actors::agent_loop::PEERS_HEADING;
+    let scout = agent_md(
+        "description: finds the facts\ntools: [ask_person]\nscript:\n  - call: {tool: ask_person, args: {question: go?}}\n  - call: {tool: send_peer, args: {to: c, text: too late}}\n  - call: {tool: send_peer, args: {to: b, text: use port 8080}}\n  - call: {tool: send_peer, args: {to: b, text: and port 8081}}\n  - call: {tool: submit_output, args: {output: scouted}}",
+    );
+    let builder = agent_md(
+        "description: builds it\ntools: [ask_person]\nscript:\n  - call: {tool: ask_person, args: {question: ready?}}\n  - call: {tool: submit_output, args: {output: built}}",
+    );
+    let quick = agent_md(
+        "description: answers at once\nscript:\n  - call: {tool: submit_output, args: {output: quick}}",
+    );
+    let models = RecordingModels::new();
+    let node = TestNode::start_workspace(
+        Some("[limits]\nmax_peer_messages = 1\n"),
+        &[("scout", &scout), ("builder", &builder), ("quick", &quick)],
+        &[("peers", PEERS_FLOW)],
+        models.clone(),
+    )
+    .await;
+    let run = node.run_flow("peers").await;
+    // `c` has ended and both questions wait.
+    node.wait_until(run, |t| {
+        t.find("c")
+            .and_then(|c| t.node(c))
+            .is_some_and(|c| c.status == Status::Done)
+    })
+    .await;
+    let card_of = |label: &str| {
+        node.cards(run)
+            .into_iter()
+            .find(|c| c.lineage == [label.to_string()])
+    };
+    node.wait_until(run, |_| card_of("a").is_some() && card_of("b").is_some())
+        .await;
+    let first = &models.requests("scout")[0];
+    let listing = &first.system[first.system.find(PEERS_HEADING).expect("peers listed")..];
+    assert!(
+        listing.contains("- `b` (builder): builds it") && listing.contains("- `c` (quick)"),
+        "{listing}"
+    );
+    assert!(!listing.contains("`a`"), "not itself: {listing}");
+    assert!(first.tools.iter().any(|t| &*t.name == "send_peer"));
+
+    node.answer(card_of("a").unwrap().id, "go").await.unwrap();
+    node.wait_until(run, |t| {
+        t.find("a")
+            .and_then(|a| t.node(a))
+            .is_some_and(|a| a.status == Status::Done)
+    })
+    .await;
+    let refused = node.failed_calls(run, "send_peer");
+    assert!(refused[0].contains("peer c has ended"), "{refused:?}");
+    assert!(refused[1].contains("max_peer_messages"), "{refused:?}");
+    // Queued while `b` waited on its question: not read yet.
+    assert!(
+        models
+            .requests("builder")
+            .iter()
+            .all(|r| !format!("{:?}", r.messages).contains("8080"))
+    );
+    node.answer(card_of("b").unwrap().id, "yes").await.unwrap();
+    assert_eq!(node.wait_run(run).await.run_status(), Status::Done);
+    let read = models.requests("builder");
+    let last = format!("{:?}", read.last().unwrap().messages);
+    assert!(
+        last.contains("A message from your peer `a`: use port 8080"),
+        "{last}"
+    );
+    let events = node.events(run);
+    let queued = events
+        .iter()
+        .filter(|e| matches!(&e.kind, EventKind::PeerQueued { from, to, .. } if from == "a" && to == "b"))
+        .count();
+    let delivered = events
+        .iter()
+        .filter(|e| matches!(&e.kind, EventKind::PeerDelivered { from, .. } if from == "a"))
+        .count();
+    assert_eq!((queued, delivered), (1, 1));
+}

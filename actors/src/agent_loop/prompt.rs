@@ -82,6 +82,30 @@ impl Prompt {
     }
 }
 
+/// The heading of a `peers` step's list of siblings.
+pub const PEERS_HEADING: &str = "## Peers you may message";
+
+impl Prompt {
+    /// A step of a `peers` group is told its siblings (label, agent,
+    /// description) after the rest of its prompt, and how to reach them.
+    pub fn with_peers(mut self, peers: &[(String, String, String)]) -> Prompt {
+        if peers.is_empty() {
+            return self;
+        }
+        let mut text = format!(
+            "{}\n\n{PEERS_HEADING}\n\nThese steps run beside you. Send one a message with \
+             `send_peer` (its label as `to`) when it needs something you found; it reads it at \
+             its next turn, and messages from them reach you the same way.\n\n",
+            self.system
+        );
+        for (label, agent, description) in peers {
+            text.push_str(&format!("- `{label}` ({agent}): {description}\n"));
+        }
+        self.system = text.into();
+        self
+    }
+}
+
 /// The sub-agents `agent` may delegate to, in its `subagents` order.
 pub fn roster(agent: &AgentDef, agents: &BTreeMap<String, Arc<AgentDef>>) -> Vec<RosterEntry> {
     agent

@@ -256,6 +256,7 @@ fn builtin_check(tool: ToolName, args: &serde_json::Value) -> Result<(), String>
         ToolName::AskPerson => {
             parse::<arbor_protocol::AskPersonArgs>(tool, args).and_then(|a| a.check())
         }
+        ToolName::SendPeer => parse::<arbor_protocol::SendPeerArgs>(tool, args).map(|_| ()),
     }
 }
 
@@ -626,6 +627,16 @@ async fn call_builtin(args: &LoopArgs, tool: ToolName, call: &ToolCall) -> Step 
             (Err(e), _) | (_, Err(e)) => Err(e),
         },
         ToolName::AskPerson => question(args, call).await,
+        ToolName::SendPeer => match parse::<arbor_protocol::SendPeerArgs>(tool, &call.args) {
+            Ok(a) => actor_call(&args.job, |reply| LoopMsg::SendPeer {
+                to: a.to,
+                text: a.text,
+                reply,
+            })
+            .await
+            .map(|id| serde_json::json!({ "queued": true, "message_id": id })),
+            Err(e) => Err(e),
+        },
         ToolName::ReadSkill => match parse::<ReadSkillArgs>(tool, &call.args) {
             Ok(a) => crate::skills::read(&args.ctx.skills, &args.agent, &args.policy, a)
                 .await

@@ -45,6 +45,12 @@ pub enum LoopMsg {
         text: String,
         reply: RpcReplyPort<Result<u64, Refusal>>,
     },
+    /// A message for a peer (`send_peer`): its label, the text.
+    SendPeer {
+        to: String,
+        text: String,
+        reply: RpcReplyPort<Result<u64, Refusal>>,
+    },
     /// The queued messages, each with whether its parent sent it.
     TakeSteering {
         turn: u32,
@@ -87,6 +93,9 @@ pub struct InFlight {
 pub type InFlightSlot = Arc<Mutex<Option<InFlight>>>;
 
 pub struct LoopArgs {
+    /// A step of a `peers` group: its siblings' labels, agents and
+    /// descriptions, listed in its prompt.
+    pub peers: Arc<[(String, String, String)]>,
     pub ctx: Arc<NodeContext>,
     pub run: RunId,
     pub id: JobId,

@@ -494,6 +494,7 @@ impl JobState {
             tool_counts: Default::default(),
             first_call: prepared.first_call,
             model: prepared.model,
+            peers: None,
         };
         let name = format!("arbor-job-{}", plan.id);
         match Actor::spawn_linked(Some(name), Job, start, myself.get_cell()).await {

@@ -54,6 +54,23 @@ impl TryFrom<JobMsg> for ChildReport {
     }
 }
 
+/// A step's siblings in a `peers` group, and how a message reaches them
+/// (through its run, which knows who is running).
+pub struct Peers {
+    /// Each sibling's label, agent and description, in the group's order.
+    pub siblings: Vec<(String, String, String)>,
+    pub send: Box<dyn Fn(PeerSend) + Send + Sync>,
+}
+
+/// A message from one step of a `peers` group to another.
+pub struct PeerSend {
+    pub from: String,
+    pub to: String,
+    pub text: String,
+    /// The message's id in the recipient, once it is durable there.
+    pub reply: RpcReplyPort<Result<u64, Refusal>>,
+}
+
 pub enum JobMsg {
     /// From its own loop, in the loop's words.
     Loop(LoopMsg),
@@ -76,6 +93,12 @@ pub enum JobMsg {
     StopChildById {
         id: JobId,
         reason: String,
+    },
+    /// A sibling's message (`send_peer`), read at its next turn.
+    Peer {
+        from: String,
+        text: String,
+        reply: RpcReplyPort<Result<u64, Refusal>>,
     },
     // From its children and timers.
     ChildEnded {

@@ -38,6 +38,29 @@ impl JobState {
         from_parent: bool,
         reply: Option<RpcReplyPort<Result<u64, Refusal>>>,
     ) {
+        self.queue_message(text, from_parent, None, reply);
+    }
+
+    /// A sibling's message (`send_peer`): queued and delivered as steering
+    /// is (I-20), said as the peer's, told as `peer_queued` and
+    /// `peer_delivered`.
+    pub(super) fn queue_peer(
+        &mut self,
+        from: String,
+        text: String,
+        reply: RpcReplyPort<Result<u64, Refusal>>,
+    ) {
+        let text = format!("A message from your peer `{from}`: {text}");
+        self.queue_message(text, false, Some(from), Some(reply));
+    }
+
+    fn queue_message(
+        &mut self,
+        text: String,
+        from_parent: bool,
+        peer: Option<String>,
+        reply: Option<RpcReplyPort<Result<u64, Refusal>>>,
+    ) {
         let answer = |result| {
             if let Some(reply) = reply {
                 let _ = reply.send(result);
@@ -69,13 +92,22 @@ impl JobState {
         self.steering_queued
             .fetch_add(1, std::sync::atomic::Ordering::Release);
         self.steering_arrived.notify_one();
-        self.ctx.events.emit(
-            self.lineage.run,
-            EventKind::SteerQueued {
+        let kind = match peer {
+            Some(from) => {
+                self.peer_messages.insert(id, from.clone());
+                EventKind::PeerQueued {
+                    id: self.lineage.id,
+                    from,
+                    to: self.lineage.label.clone().unwrap_or_default(),
+                    message_id: id,
+                }
+            }
+            None => EventKind::SteerQueued {
                 id: self.lineage.id,
                 message_id: id,
             },
-        );
+        };
+        self.ctx.events.emit(self.lineage.run, kind);
         let journal = self.ctx.journal.clone();
         tokio::spawn(async move {
             answer(
@@ -95,15 +127,20 @@ impl JobState {
         while let Some((id, text, from_parent)) = self.steering.pop_front() {
             // After what the loop holds: its last turn's results come first.
             self.journal_steer(id, &text, SteerState::Delivered);
-            self.ended.held().emit(
-                &self.ctx,
-                self.lineage.run,
-                EventKind::SteerDelivered {
+            let kind = match self.peer_messages.remove(&id) {
+                Some(from) => EventKind::PeerDelivered {
+                    id: self.lineage.id,
+                    from,
+                    message_id: id,
+                    turn,
+                },
+                None => EventKind::SteerDelivered {
                     id: self.lineage.id,
                     message_id: id,
                     turn,
                 },
-            );
+            };
+            self.ended.held().emit(&self.ctx, self.lineage.run, kind);
             texts.push((text, from_parent));
         }
         texts

@@ -105,31 +105,7 @@ fn agent_from_front_matter(
             "name `{name}` differs from the folder name `{folder_name}`: rename one, or leave `name` out"
         ));
     }
-    let mut tools = vec![];
-    let mut mcp = vec![];
-    for tool in named_tools {
-        match tool {
-            ToolRef::Builtin(t) if t.info().offer == Offer::Named => tools.push(t),
-            // Offered with `skills:`; naming it too is allowed, alone it is a mistake.
-            ToolRef::Builtin(ToolName::ReadSkill) if !skills.is_empty() => {}
-            ToolRef::Builtin(ToolName::ReadSkill) => {
-                return Err(
-                    "tools: `read_skill` reads the skills an agent names; list them in `skills:` \
-                     (it is then offered without naming it)"
-                        .into(),
-                );
-            }
-            ToolRef::Builtin(t) => {
-                let nameable: Vec<&str> = ToolName::nameable().map(ToolName::as_str).collect();
-                return Err(format!(
-                    "tools: `{t}` cannot be named (tools may name {} and mcp__SERVER__TOOL; \
-                     delegation tools are offered to agents with subagents)",
-                    nameable.join(", ")
-                ));
-            }
-            ToolRef::Mcp(pattern) => mcp.push(pattern),
-        }
-    }
+    let (tools, mut mcp) = named(named_tools, !skills.is_empty())?;
     for server in &servers {
         check_server_name(server).map_err(|m| format!("mcp: {m}"))?;
         mcp.push(McpPattern::all(server));
@@ -214,6 +190,41 @@ fn allowed_models(
         ));
     }
     Ok((default, allowed))
+}
+
+/// `tools:` as built-in tools and MCP patterns.
+fn named(
+    named_tools: Vec<ToolRef>,
+    has_skills: bool,
+) -> Result<(Vec<ToolName>, Vec<McpPattern>), String> {
+    let mut tools = vec![];
+    let mut mcp = vec![];
+    for tool in named_tools {
+        match tool {
+            ToolRef::Builtin(t) if t.info().offer == Offer::Named => tools.push(t),
+            // Offered with `skills:` (alone, naming it is a mistake), and
+            // to the steps of a `peers` group.
+            ToolRef::Builtin(ToolName::ReadSkill) if has_skills => {}
+            ToolRef::Builtin(ToolName::SendPeer) => {}
+            ToolRef::Builtin(ToolName::ReadSkill) => {
+                return Err(
+                    "tools: `read_skill` reads the skills an agent names; list them in \
+                     `skills:` (it is then offered without naming it)"
+                        .into(),
+                );
+            }
+            ToolRef::Builtin(t) => {
+                let nameable: Vec<&str> = ToolName::nameable().map(ToolName::as_str).collect();
+                return Err(format!(
+                    "tools: `{t}` cannot be named (tools may name {} and mcp__SERVER__TOOL; \
+                     delegation tools are offered to agents with subagents)",
+                    nameable.join(", ")
+                ));
+            }
+            ToolRef::Mcp(pattern) => mcp.push(pattern),
+        }
+    }
+    Ok((tools, mcp))
 }
 
 /// `approve` names tools a person may be asked about; a hook is a command.
