@@ -191,6 +191,64 @@ fn approve_all(node: &TestNode, run: RunId) -> BoxFuture<'_, ()> {
     })
 }
 
+/// People at every commit point (I-60): a step asks a question (two
+/// choices), then a step that waits for a go-ahead; a person answers and
+/// approves each card as it appears, before and after a crash.
+pub fn question_and_step_gate() -> Scenario {
+    let asker = agent_md(
+        "tools: [ask_person]\nscript:\n  - usage: {input: 20, output: 5}\n    call: {tool: ask_person, args: {question: Which colour?, choices: [red, blue]}}\n  - call: {tool: submit_output, args: {output: asked}}",
+    );
+    let ship = agent_md(
+        "script:\n  - usage: {input: 20, output: 5}\n    call: {tool: submit_output, args: {output: shipped}}",
+    );
+    Scenario::flow_texts(
+        Some("[approvals]\ntimeout = \"1h\"\n"),
+        &[("asker", &asker), ("ship", &ship)],
+        &[(
+            "people",
+            "budget = { tokens = 1000000 }\n[[group]]\nsteps = [{ agent = \"asker\", instruction = \"ask\", retries = 100 }]\n[[group]]\nsteps = [{ agent = \"ship\", instruction = \"ship\", retries = 100, approve = true }]\n",
+        )],
+        "people",
+    )
+    .during(answer_all)
+    .after_restart(answer_all)
+}
+
+/// A person who answers every question (`blue`) and approves every other
+/// card of the run as it appears, until the run ends.
+fn answer_all(node: &TestNode, run: RunId) -> BoxFuture<'_, ()> {
+    Box::pin(async move {
+        let mut decided = std::collections::HashSet::new();
+        loop {
+            let pending = |t: &arbor_protocol::Tree| {
+                std::iter::once(t.head())
+                    .chain(t.nodes().map(|(_, n)| n))
+                    .filter_map(|n| n.waiting.as_ref().and_then(|w| w.card()))
+                    .any(|card| !decided.contains(&card))
+            };
+            let tree = node
+                .node()
+                .wait_tree(run, |t| t.run_status().is_terminal() || pending(t))
+                .await;
+            if tree.run_status().is_terminal() {
+                return;
+            }
+            for card in node
+                .node()
+                .approvals(Some(run), Some(CardState::Pending))
+                .unwrap_or_default()
+            {
+                // A stop or the deadline may win; either is an outcome.
+                let _ = match card.kind {
+                    arbor_protocol::CardKind::Question => node.answer(card.id, "blue").await,
+                    _ => node.decide(card.id, Verdict::Approve, None, None).await,
+                };
+                decided.insert(card.id);
+            }
+        }
+    })
+}
+
 /// A flow of two groups, crashed while its second group's step runs, and
 /// the node restarted on the same journal.
 pub async fn two_groups_crashed_in_the_second() -> (TestNode, RunId) {

@@ -223,3 +223,55 @@ async fn every_commit_point_of_a_gated_delegation_keeps_its_cards() {
         assert!(report.fenced > 0, "no case was fenced: {report}");
     }
 }
+
+/// I-60 at every commit point of a question and a step's go-ahead, killed
+/// and powered off: the run ends done; no card is left pending or closed
+/// twice; every question the agent read back was answered, and the gated
+/// step never started before its card's approval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inv_60_every_commit_point_of_a_question_and_a_step_gate_has_one_outcome() {
+    use arbor_protocol::{CardKind, CardState, EventKind};
+    let scenario = arbor_tests::scenarios::question_and_step_gate();
+    let report = explore_crashes(&scenario, |node, run| {
+        ended_done(node, run)?;
+        let cards = node.cards(run);
+        if let Some(card) = cards.iter().find(|c| c.state == CardState::Pending) {
+            return Err(format!("card {} is still pending after the run", card.id));
+        }
+        for kind in [CardKind::Question, CardKind::Step] {
+            if !cards.iter().any(|c| c.kind == kind) {
+                return Err(format!("no {} card was asked", kind.as_str()));
+            }
+        }
+        let events = node.events(run);
+        let mut closed = std::collections::HashMap::new();
+        let mut approved_at = None;
+        for event in &events {
+            match &event.kind {
+                EventKind::ApprovalDecided { card, state, .. } => {
+                    if closed.insert(*card, *state).is_some() {
+                        return Err(format!("card {card} was closed twice"));
+                    }
+                    let step = cards
+                        .iter()
+                        .any(|c| c.id == *card && c.kind == CardKind::Step);
+                    if step && *state == CardState::Approved {
+                        approved_at.get_or_insert(event.at_ms);
+                    }
+                }
+                EventKind::JobSpawned { agent, .. } if agent == "ship" => match approved_at {
+                    Some(at) if at <= event.at_ms => {}
+                    _ => return Err("the gated step started before its go-ahead".into()),
+                },
+                EventKind::ToolCalled { tool, ok, .. } if tool == "ask_person" && !ok => {
+                    return Err("a question was read back without its answer".into());
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    })
+    .await;
+    println!("{report}");
+    assert!(report.crashed > 0, "no case crashed: {report}");
+}
