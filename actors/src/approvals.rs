@@ -656,13 +656,7 @@ fn check_answer(args: &serde_json::Value, answer: Option<String>) -> Result<Stri
             answer.len()
         )));
     }
-    let choices: Vec<&str> = args
-        .get("choices")
-        .and_then(|c| c.as_array())
-        .into_iter()
-        .flatten()
-        .filter_map(|c| c.as_str())
-        .collect();
+    let choices = arbor_protocol::approval::question_choices(args);
     if choices.is_empty() {
         return Ok(answer);
     }

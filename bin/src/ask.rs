@@ -125,14 +125,7 @@ fn prompt(card: &Card) -> String {
     let field = |key: &str| card.args.get(key).and_then(|v| v.as_str()).unwrap_or("");
     match card.kind {
         CardKind::Question => {
-            let choices: Vec<&str> = card
-                .args
-                .get("choices")
-                .and_then(|c| c.as_array())
-                .into_iter()
-                .flatten()
-                .filter_map(|c| c.as_str())
-                .collect();
+            let choices = arbor_protocol::approval::question_choices(&card.args);
             let choices = if choices.is_empty() {
                 String::new()
             } else {

@@ -217,6 +217,16 @@ pub fn covers(entries: &std::collections::BTreeSet<String>, tool: &str) -> bool 
     entries.iter().any(|e| name_matches(e, tool))
 }
 
+/// A question card's choices (its `args.choices`), none when it takes any answer.
+pub fn question_choices(args: &serde_json::Value) -> Vec<&str> {
+    args.get("choices")
+        .and_then(|c| c.as_array())
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c.as_str())
+        .collect()
+}
+
 /// Milliseconds since the epoch as RFC 3339, for people.
 pub fn rfc3339(ms: u64) -> String {
     humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + Duration::from_millis(ms)).to_string()

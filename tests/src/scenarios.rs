@@ -153,42 +153,8 @@ pub fn gated_delegation() -> Scenario {
         )],
         "gated",
     )
-    .during(approve_all)
-    .after_restart(approve_all)
-}
-
-/// A person who approves every card of the run as it appears, until the run ends.
-fn approve_all(node: &TestNode, run: RunId) -> BoxFuture<'_, ()> {
-    Box::pin(async move {
-        let mut decided = std::collections::HashSet::new();
-        loop {
-            // A job that waits on a card not yet decided here, or the end.
-            let tree = node
-                .node()
-                .wait_tree(run, |t| {
-                    t.run_status().is_terminal()
-                        || t.nodes().any(|(_, n)| {
-                            n.waiting
-                                .as_ref()
-                                .and_then(|w| w.card())
-                                .is_some_and(|card| !decided.contains(&card))
-                        })
-                })
-                .await;
-            if tree.run_status().is_terminal() {
-                return;
-            }
-            for card in node
-                .node()
-                .approvals(Some(run), Some(CardState::Pending))
-                .unwrap_or_default()
-            {
-                // A stop or the deadline may win; either is an outcome.
-                let _ = node.decide(card.id, Verdict::Approve, None, None).await;
-                decided.insert(card.id);
-            }
-        }
-    })
+    .during(answer_all)
+    .after_restart(answer_all)
 }
 
 /// People at every commit point (I-60): a step asks a question (two
@@ -215,7 +181,8 @@ pub fn question_and_step_gate() -> Scenario {
 }
 
 /// A person who answers every question (`blue`) and approves every other
-/// card of the run as it appears, until the run ends.
+/// card of the run as it appears (a step's go-ahead waits at the run's
+/// node, a call's at its job's), until the run ends.
 fn answer_all(node: &TestNode, run: RunId) -> BoxFuture<'_, ()> {
     Box::pin(async move {
         let mut decided = std::collections::HashSet::new();
