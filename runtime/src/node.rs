@@ -398,6 +398,23 @@ impl EmbeddedNode {
         let live = journal
             .run(record.run)?
             .is_some_and(|r| !r.status.is_terminal());
+        // A run this node resumed reaches its wait for a person on its own
+        // time (its start runs beside this call): until it waits on this
+        // step, or has gone on without it, a continue would miss it. Waited
+        // for on its events; the bound is a safety net, not a clock.
+        if live && self.resumed().iter().any(|(id, _)| *id == record.run) {
+            let settled = |t: &Tree| {
+                t.run_status().is_terminal()
+                    || matches!(&t.head().waiting,
+                        Some(arbor_protocol::WaitingView::NeedsDecision { job: j, .. }) if *j == job)
+                    || t.nodes().any(|(_, n)| n.label == record.label && n.attempt > record.attempt)
+            };
+            let _ = tokio::time::timeout(
+                std::time::Duration::from_secs(30),
+                self.wait_tree(record.run, settled),
+            )
+            .await;
+        }
         let taken_over = live
             && record.kind == arbor_protocol::NodeKind::Step
             && journal.jobs(record.run)?.iter().any(|j| {
