@@ -407,7 +407,8 @@ impl EmbeddedNode {
                 t.run_status().is_terminal()
                     || matches!(&t.head().waiting,
                         Some(arbor_protocol::WaitingView::NeedsDecision { job: j, .. }) if *j == job)
-                    || t.nodes().any(|(_, n)| n.label == record.label && n.attempt > record.attempt)
+                    || t.nodes()
+                        .any(|(_, n)| n.label == record.label && n.attempt > record.attempt)
             };
             let _ = tokio::time::timeout(
                 std::time::Duration::from_secs(30),
