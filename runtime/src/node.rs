@@ -370,6 +370,27 @@ impl EmbeddedNode {
         })
     }
 
+    /// A run this node resumed reaches its wait for a person on its own
+    /// time (its start runs beside a continue): until it waits on the
+    /// interrupted step `record`, or has gone on without it, a continue
+    /// would miss it. Waited for on its events; the bound is a safety net,
+    /// not a clock.
+    async fn settled_on(&self, record: &arbor_storage::JobRecord) {
+        let job = record.id;
+        let settled = |t: &Tree| {
+            t.run_status().is_terminal()
+                || matches!(&t.head().waiting,
+                    Some(arbor_protocol::WaitingView::NeedsDecision { job: j, .. }) if *j == job)
+                || t.nodes()
+                    .any(|(_, n)| n.label == record.label && n.attempt > record.attempt)
+        };
+        let _ = tokio::time::timeout(
+            std::time::Duration::from_secs(30),
+            self.wait_tree(record.run, settled),
+        )
+        .await;
+    }
+
     /// Continues a job a restart interrupted (I-33). A step its run waits on
     /// for a person (I-57) goes on in that run: its next attempt starts
     /// there, and the run's id comes back. Else a new run whose one step is
@@ -398,23 +419,8 @@ impl EmbeddedNode {
         let live = journal
             .run(record.run)?
             .is_some_and(|r| !r.status.is_terminal());
-        // A run this node resumed reaches its wait for a person on its own
-        // time (its start runs beside this call): until it waits on this
-        // step, or has gone on without it, a continue would miss it. Waited
-        // for on its events; the bound is a safety net, not a clock.
         if live && self.resumed().iter().any(|(id, _)| *id == record.run) {
-            let settled = |t: &Tree| {
-                t.run_status().is_terminal()
-                    || matches!(&t.head().waiting,
-                        Some(arbor_protocol::WaitingView::NeedsDecision { job: j, .. }) if *j == job)
-                    || t.nodes()
-                        .any(|(_, n)| n.label == record.label && n.attempt > record.attempt)
-            };
-            let _ = tokio::time::timeout(
-                std::time::Duration::from_secs(30),
-                self.wait_tree(record.run, settled),
-            )
-            .await;
+            self.settled_on(&record).await;
         }
         let taken_over = live
             && record.kind == arbor_protocol::NodeKind::Step
