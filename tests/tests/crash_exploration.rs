@@ -18,6 +18,22 @@ fn ended_done(node: &arbor_testkit::TestNode, run: arbor_protocol::RunId) -> Res
     }
 }
 
+/// The run ended done and none of its cards is left pending: its cards.
+fn done_with_cards_closed(
+    node: &arbor_testkit::TestNode,
+    run: arbor_protocol::RunId,
+) -> Result<Vec<arbor_protocol::Card>, String> {
+    ended_done(node, run)?;
+    let cards = node.cards(run);
+    match cards
+        .iter()
+        .find(|c| c.state == arbor_protocol::CardState::Pending)
+    {
+        Some(card) => Err(format!("card {} is still pending after the run", card.id)),
+        None => Ok(cards),
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_commit_point_of_a_fan_out_with_retries_and_a_steer_recovers() {
     let scenario = arbor_tests::scenarios::fan_out_with_retries_and_steer();
@@ -194,11 +210,7 @@ async fn every_commit_point_of_a_gated_delegation_keeps_its_cards() {
     use arbor_protocol::{CardState, EventKind};
     let scenario = arbor_tests::scenarios::gated_delegation();
     let report = explore_crashes(&scenario, |node, run| {
-        ended_done(node, run)?;
-        let cards = node.cards(run);
-        if let Some(card) = cards.iter().find(|c| c.state == CardState::Pending) {
-            return Err(format!("card {} is still pending after the run", card.id));
-        }
+        let cards = done_with_cards_closed(node, run)?;
         for event in node.events(run) {
             if let EventKind::ToolCalled {
                 id, tool, ok: true, ..
@@ -233,11 +245,7 @@ async fn inv_60_every_commit_point_of_a_question_and_a_step_gate_has_one_outcome
     use arbor_protocol::{CardKind, CardState, EventKind};
     let scenario = arbor_tests::scenarios::question_and_step_gate();
     let report = explore_crashes(&scenario, |node, run| {
-        ended_done(node, run)?;
-        let cards = node.cards(run);
-        if let Some(card) = cards.iter().find(|c| c.state == CardState::Pending) {
-            return Err(format!("card {} is still pending after the run", card.id));
-        }
+        let cards = done_with_cards_closed(node, run)?;
         for kind in [CardKind::Question, CardKind::Step] {
             if !cards.iter().any(|c| c.kind == kind) {
                 return Err(format!("no {} card was asked", kind.as_str()));
