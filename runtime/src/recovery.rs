@@ -173,6 +173,12 @@ pub async fn recover_runs(
     }
     recover_cards(journal, events, runs, &mut report)?;
     journal.flush().await?;
+    // Ends told again are durable: the ended runs taken over are settled,
+    // and no later claimer takes them again (a death before this leaves
+    // them to the next, which tells again what is still missing).
+    if let Some(ids) = runs {
+        journal.settle(ids)?;
+    }
     // One full read at the end serves both checks: undecodable records are
     // reported by key (I-35), and every account must add up (I-14). Runs
     // taken over are checked alone: the others are live on other nodes.

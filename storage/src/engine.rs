@@ -163,6 +163,14 @@ pub trait Engine: Send + Sync + 'static {
         Ok(None)
     }
 
+    /// A shared journal's: marks ended runs this node claimed settled, once
+    /// what a crash may have taken of their end has been told again and
+    /// flushed; until then any later claimer takes them again. Nothing for
+    /// a journal that is the node's alone.
+    fn settle(&self, _runs: &[Vec<u8>]) -> Result<(), Error> {
+        Ok(())
+    }
+
     /// A shared journal's admission queue: takes up to `limit` queued runs
     /// (only `only`, if given), oldest first, each with its run epoch, for
     /// this node to start. `None`: the journal is the node's alone, and so

@@ -155,6 +155,14 @@ impl Journal {
         claimed_runs(self.engine.claim_orphans(wait)?)
     }
 
+    /// A shared journal's: the ended runs among those this node claimed are
+    /// settled (no claimer takes them again), once their ends have been told
+    /// again and flushed. A claimer that dies before leaves them to the next.
+    pub fn settle(&self, runs: &[RunId]) -> Result<(), Error> {
+        let keys: Vec<Vec<u8>> = runs.iter().map(|r| r.0.into_bytes().to_vec()).collect();
+        self.engine.settle(&keys)
+    }
+
     /// A shared journal's admission queue: takes up to `limit` queued runs
     /// (only `only`, if given), oldest first, each at its new run epoch,
     /// for this node to start; a run is claimed once per epoch, whichever

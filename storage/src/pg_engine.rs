@@ -494,6 +494,19 @@ impl Engine for PgEngine {
         Ok(Some(claimed))
     }
 
+    fn settle(&self, runs: &[Vec<u8>]) -> Result<(), Error> {
+        if let Some(refused) = self.refusal() {
+            return Err(refused);
+        }
+        let (pool, sql, holder) = (
+            self.pool.clone(),
+            Arc::clone(&self.sql),
+            self.holder.clone(),
+        );
+        let runs = runs.to_vec();
+        self.block(async move { lease::settle(&pool, &sql, &holder, &runs).await })
+    }
+
     fn claim_queued(
         &self,
         limit: usize,

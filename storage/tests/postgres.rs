@@ -592,3 +592,40 @@ async fn inv_51_a_queued_run_whose_claimer_died_before_it_began_is_queued_again(
         .collect();
     assert_eq!(epochs.iter().map(|e| e.1).collect::<Vec<_>>(), [1, 2]);
 }
+
+/// I-51: an ended run a claimer took is settled only once that claimer has
+/// told its end again (`settle`): a claimer that died before is followed by
+/// another that takes it again; a settled run is never taken again.
+#[tokio::test]
+#[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
+async fn inv_51_an_ended_run_is_settled_only_by_a_claimer_that_told_its_end() {
+    let store = Store::postgres();
+    let a = node(&store, "a");
+    let done = RunId::new();
+    a.commit(vec![run(done, Status::Running, a.epoch())])
+        .await
+        .unwrap();
+    a.commit(vec![run(done, Status::Done, a.epoch())])
+        .await
+        .unwrap();
+    // Closed, a's lease ends at once; b takes the ended run and dies
+    // before it settled it.
+    drop(a);
+    let b = node(&store, "b");
+    assert_eq!(b.claim_orphans(true).unwrap(), Some(vec![(done, 2)]));
+    drop(b);
+    let c = node(&store, "c");
+    assert_eq!(
+        c.claim_orphans(true).unwrap(),
+        Some(vec![(done, 3)]),
+        "taken again: b never said its end was told"
+    );
+    c.settle(&[done]).unwrap();
+    drop(c);
+    let d = node(&store, "d");
+    assert_eq!(
+        d.claim_orphans(true).unwrap(),
+        Some(vec![]),
+        "settled: nobody takes it again"
+    );
+}

@@ -147,9 +147,10 @@ pub(crate) fn own_sql(sql: &Sql) -> String {
 /// `claims` row each; with the highest seq any node has written. A run its
 /// owner claimed from the queue but had not begun (no `runs` record) goes
 /// back to the queue, where any node takes it at the next epoch. A run is
-/// settled once it has ended and a claimer has
-/// taken it once after, to tell again what a crash may have taken of its
-/// end (its last events, appended after the end was committed); a run not
+/// settled once it has ended and a claimer has taken it and told again,
+/// durably, what a crash may have taken of its end (its last events,
+/// appended after the end was committed: `settle`); a claimer that dies
+/// before that leaves it to the next. A run not
 /// ended is taken to be recovered. What is locked (a dead owner's transaction the server
 /// has not yet aborted, another node claiming) is waited for if `wait` (a
 /// start: it must find every run it is to recover), else skipped for the
@@ -223,8 +224,7 @@ async fn claim_once(
                    UPDATE {owners} o SET node = NULL, node_epoch = 0, queued = clock_timestamp() \
                    FROM orphan WHERE o.run = orphan.run AND NOT orphan.began), \
                  taken AS ( \
-                   UPDATE {owners} o SET node = $1, node_epoch = $2, epoch = o.epoch + 1, \
-                     settled = o.ended \
+                   UPDATE {owners} o SET node = $1, node_epoch = $2, epoch = o.epoch + 1 \
                    FROM orphan WHERE o.run = orphan.run AND orphan.began \
                    RETURNING o.run, o.epoch) \
                  INSERT INTO {claims} (run, epoch, node, node_epoch) \
@@ -253,6 +253,29 @@ async fn claim_once(
         })
         .collect();
     Ok((claimed, last_seq))
+}
+
+/// Marks settled the ended runs of `runs` this node (at this epoch) owns:
+/// their ends were told again and flushed (`claim_orphans`).
+pub(crate) async fn settle(
+    pool: &Pool,
+    sql: &Sql,
+    holder: &Holder,
+    runs: &[Vec<u8>],
+) -> Result<(), Error> {
+    let client = pool.get().await.map_err(pool_error)?;
+    client
+        .execute(
+            &format!(
+                "UPDATE {} SET settled = true \
+                 WHERE run = ANY($1) AND ended AND node = $2 AND node_epoch = $3",
+                sql.owners
+            ),
+            &[&runs, &holder.node, &holder.epoch],
+        )
+        .await
+        .map_err(db_error)?;
+    Ok(())
 }
 
 /// What the node means to do with its lease, for its keeper (`keep`),
