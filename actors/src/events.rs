@@ -36,9 +36,23 @@ pub struct EventBus {
 /// not a copy.
 pub type Observer = Arc<dyn Fn(&Arc<Event>) + Send + Sync>;
 
+/// What leaves the node because of an event (notifications, I-61): its
+/// records are journaled in the same append as the event, so the two are
+/// durable together or not at all. Both calls come under the bus's lock,
+/// in emission order, and must be quick.
+pub trait Outbox: Send + Sync {
+    /// The records to append with `event` (none, for most events).
+    fn entries(&self, event: &Event) -> Vec<Record>;
+    /// The append that held the entries `entries` gave since the last call
+    /// returned `appended` (its last seq, durable once a flush covers it).
+    fn appended(&self, appended: &Result<u64, arbor_storage::Error>);
+}
+
 struct Inner {
     journal: Journal,
     observers: Mutex<Vec<Observer>>,
+    /// Set once, before the first event (`set_outbox`).
+    outbox: OnceLock<Arc<dyn Outbox>>,
     state: Mutex<BusState>,
     /// Made by the first `subscribe`: until a watcher exists there is nobody
     /// to send to, and the channel makes all of its 65,536 slots at once,
@@ -106,6 +120,7 @@ impl EventBus {
             inner: Arc::new(Inner {
                 journal,
                 observers: Mutex::new(vec![]),
+                outbox: OnceLock::new(),
                 state: Mutex::new(BusState {
                     seq: first_seq,
                     trees: HashMap::new(),
@@ -191,9 +206,21 @@ impl EventBus {
             {
                 state.drop_tree(finished);
             }
+            let outbox = self.inner.outbox.get();
+            let mut outgoing = false;
+            if let Some(outbox) = outbox {
+                for event in &events {
+                    let entries = outbox.entries(event);
+                    outgoing |= !entries.is_empty();
+                    records.extend(entries);
+                }
+            }
             // Journaled under the lock so the journal's order is the emission order.
             prepared.extend(self.inner.journal.prepare(records));
             let appended = self.inner.journal.append_prepared(prepared);
+            if let Some(outbox) = outbox.filter(|_| outgoing) {
+                outbox.appended(&appended);
+            }
             // Broadcast under the lock too, so watchers receive events in seq
             // order: one that skips what it has seen by seq loses nothing.
             for event in &events {
@@ -242,6 +269,12 @@ impl EventBus {
             Some(e) => Err(e),
             None => appended.map(|_| ()),
         }
+    }
+
+    /// Journals `outbox`'s entries with every later event. Set before the
+    /// first event (a node's start): false if one was set already.
+    pub fn set_outbox(&self, outbox: Arc<dyn Outbox>) -> bool {
+        self.inner.outbox.set(outbox).is_ok()
     }
 
     /// Runs `observer` on every later event, synchronously, in the emitter's

@@ -57,7 +57,7 @@ pub fn open(place: &Place) -> Result<Journal, Failure> {
 pub fn verify(place: &Place) -> Result<ExitCode, Failure> {
     let journal = open(place)?;
     let report = journal
-        .verify_with(&[&arbor_service::SUBMISSIONS])
+        .verify_with(&[&arbor_service::SUBMISSIONS, &arbor_runtime::notify::OUTBOX])
         .map_err(|e| Failure::Other(anyhow::anyhow!("reading the journal: {e}")))?;
     for u in &report.undecodable {
         outln!(

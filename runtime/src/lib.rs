@@ -6,6 +6,7 @@
 pub mod check;
 pub mod models;
 pub mod node;
+pub mod notify;
 pub mod prompt;
 pub mod recovery;
 pub mod replay;

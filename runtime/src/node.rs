@@ -53,6 +53,8 @@ pub struct EmbeddedNode {
     lease_lost: Option<tokio::sync::watch::Receiver<Option<String>>>,
     /// Traces, when configured (`[telemetry]`, `OTEL_*`).
     telemetry: Option<Arc<crate::telemetry::Telemetry>>,
+    /// Notifications, when `[notify]` has endpoints.
+    notifications: Option<Arc<crate::notify::Notifications>>,
 }
 
 /// Opens the journal `[journal]` names: sled in `data_dir/journal`, or the
@@ -192,6 +194,20 @@ async fn take_over(
     }
 }
 
+/// Recovery at a start. A shared journal: only the runs this node takes
+/// over are its to recover (its own previous life's among them); sled's
+/// are all its.
+async fn recover_at_start(
+    journal: &Journal,
+    events: &EventBus,
+    max_recoveries: u32,
+) -> Result<RecoveryReport, Error> {
+    let claimed: Option<Vec<RunId>> = journal
+        .claim_orphans(true)?
+        .map(|runs| runs.into_iter().map(|(run, _)| run).collect());
+    Ok(recovery::recover_runs(journal, events, max_recoveries, claimed.as_deref()).await?)
+}
+
 /// Once the lease is lost, the node stops every run here: its commits are
 /// refused already (I-50), and this ends its processes and late work.
 async fn stop_when_lost(
@@ -259,6 +275,14 @@ impl EmbeddedNode {
         let probe = start_probe(workspace);
         let journal = open_journal(&workspace.config.journal, data_dir).await?;
         let events = EventBus::new(journal.clone());
+        // Before recovery: the ends it tells again are notified too.
+        let notifications = crate::notify::Notifications::install(
+            &workspace.config.notify,
+            &secrets,
+            &journal,
+            &events,
+        )
+        .map_err(Error::Start)?;
         // Before recovery: the spans it closes are exported too.
         let telemetry = crate::telemetry::Telemetry::from_config(
             &workspace.config.telemetry,
@@ -269,18 +293,8 @@ impl EmbeddedNode {
         .map_err(Error::Start)?
         .map(Arc::new);
         // Recovery before anything new starts (I-30 to I-35).
-        // A shared journal: only the runs this node takes over are its to
-        // recover (its own previous life's among them); sled's are all its.
-        let claimed: Option<Vec<RunId>> = journal
-            .claim_orphans(true)?
-            .map(|runs| runs.into_iter().map(|(run, _)| run).collect());
-        let recovery = recovery::recover_runs(
-            &journal,
-            &events,
-            workspace.config.limits.max_recoveries,
-            claimed.as_deref(),
-        )
-        .await?;
+        let recovery =
+            recover_at_start(&journal, &events, workspace.config.limits.max_recoveries).await?;
         let sandbox = Arc::new(
             probe
                 .await
@@ -358,6 +372,9 @@ impl EmbeddedNode {
             }
             _ => None,
         };
+        if let Some(notifications) = &notifications {
+            notifications.deliver();
+        }
         Ok(Self {
             ctx,
             node,
@@ -367,6 +384,7 @@ impl EmbeddedNode {
             resumed,
             lease_lost,
             telemetry,
+            notifications,
         })
     }
 
@@ -916,6 +934,9 @@ impl EmbeddedNode {
         self.node.stop_children(Some("node shutdown".into()));
         self.node.stop(Some("node shutdown".into()));
         let _ = join.await;
+        if let Some(notifications) = &self.notifications {
+            notifications.stop().await;
+        }
         // The process ends without waiting for sled to take the last
         // appends: the log holds them, synced, and the next open applies
         // them (docs/journal.md, "Closing").
@@ -930,6 +951,11 @@ impl EmbeddedNode {
     /// What telemetry exported and lost; `None` when it is off.
     pub fn telemetry(&self) -> Option<crate::telemetry::TelemetryStats> {
         self.telemetry.as_ref().map(|t| t.stats())
+    }
+
+    /// The node's notifications (`[notify]`); `None` without endpoints.
+    pub fn notifications(&self) -> Option<&crate::notify::Notifications> {
+        self.notifications.as_deref()
     }
 }
 

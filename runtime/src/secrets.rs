@@ -13,7 +13,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
 /// The values of every secret the workspace's agents and MCP servers
-/// declare. A name with no value is no error here: the run that needs it is
+/// declare, and of each notification endpoint's signing secret. A name with no value is no error here: the run that needs it is
 /// refused (`missing`), and a server that needs it does not start.
 pub fn load(workspace: &Workspace) -> Result<Secrets, String> {
     let names: BTreeSet<&String> = workspace
@@ -21,6 +21,7 @@ pub fn load(workspace: &Workspace) -> Result<Secrets, String> {
         .values()
         .flat_map(|a| &a.secrets)
         .chain(workspace.config.mcp.values().flat_map(|s| &s.secrets))
+        .chain(workspace.config.notify.values().map(|e| &e.secret))
         .collect();
     let from_file = match &workspace.config.secrets_file {
         Some(path) => read_file(path)?,

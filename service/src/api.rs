@@ -499,3 +499,79 @@ pub struct IdPath {
     #[schemars(extend("format" = "uuid"))]
     pub id: String,
 }
+
+/// Where a notification is (`GET /v1/notifications`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum NotificationState {
+    /// To be sent, or sent again after a failed try.
+    Pending,
+    /// Its endpoint answered 2xx.
+    Delivered,
+    /// Dead-lettered: every try failed, or its endpoint answered 410 Gone.
+    Failed,
+}
+
+/// The filter of `GET /v1/notifications`.
+#[derive(Clone, Debug, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NotificationQuery {
+    /// Only notifications in this state (`failed`: the dead letters).
+    pub state: Option<NotificationState>,
+    /// Only this run's.
+    pub run: Option<RunId>,
+}
+
+/// One notification of one event to one `[notify.NAME]` endpoint.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct NotificationView {
+    /// Its `webhook-id`, the same on every try.
+    pub id: String,
+    pub run: RunId,
+    /// The `[notify.NAME]` it goes to.
+    pub endpoint: String,
+    /// The event's type (`run_finished`, `approval_requested`, ...) and seq.
+    pub event_type: String,
+    pub event_seq: u64,
+    pub state: NotificationState,
+    /// Tries made so far.
+    pub attempts: u32,
+    /// When the next try is due (ms since the epoch), while pending.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_attempt_ms: Option<u64>,
+    /// What the last failed try met.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+    pub created_ms: u64,
+    pub updated_ms: u64,
+}
+
+impl From<arbor_runtime::notify::OutboxRecord> for NotificationView {
+    fn from(entry: arbor_runtime::notify::OutboxRecord) -> Self {
+        use arbor_runtime::notify::DeliveryState;
+        let state = match entry.state {
+            DeliveryState::Pending => NotificationState::Pending,
+            DeliveryState::Delivered => NotificationState::Delivered,
+            DeliveryState::Failed => NotificationState::Failed,
+        };
+        Self {
+            id: entry.webhook_id(),
+            run: entry.run,
+            endpoint: entry.endpoint,
+            event_type: entry.event_type,
+            event_seq: entry.event_seq,
+            state,
+            attempts: entry.attempts,
+            next_attempt_ms: (state == NotificationState::Pending).then_some(entry.next_ms),
+            last_error: entry.last_error,
+            created_ms: entry.created_ms,
+            updated_ms: entry.updated_ms,
+        }
+    }
+}
+
+/// `GET /v1/notifications`.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct NotificationList {
+    pub notifications: Vec<NotificationView>,
+}

@@ -52,6 +52,14 @@ struct OutcomeLabel {
     outcome: String,
 }
 
+/// A `[notify.NAME]` endpoint (as arbor.toml names it) and a try's
+/// outcome: `delivered`, `retried`, `failed` (dead-lettered), `gone` (410).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EndpointLabel {
+    endpoint: String,
+    outcome: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ServerLabel {
     server: String,
@@ -87,6 +95,9 @@ pub struct Metrics {
     spans_exported: Counter,
     spans_dropped: Counter,
     span_events_dropped: Counter,
+    notifications: Family<StatusLabel, Gauge>,
+    notification_tries: Family<EndpointLabel, Counter>,
+    endpoints_disabled: Gauge,
 }
 
 impl Metrics {
@@ -120,6 +131,9 @@ impl Metrics {
             spans_exported: Counter::default(),
             spans_dropped: Counter::default(),
             span_events_dropped: Counter::default(),
+            notifications: Family::<StatusLabel, Gauge>::default(),
+            notification_tries: Family::<EndpointLabel, Counter>::default(),
+            endpoints_disabled: Gauge::default(),
             node_runs: Family::<NodeLabel, Gauge>::default(),
             node_lease: Family::<NodeLabel, Gauge<f64, std::sync::atomic::AtomicU64>>::default(),
         };
@@ -221,6 +235,21 @@ impl Metrics {
             "telemetry_events_dropped",
             "Events the trace exporter had no room for since this start",
             self.span_events_dropped.clone(),
+        );
+        registry.register(
+            "notifications",
+            "Notifications in the outbox by state (pending, delivered, failed: the dead letters)",
+            self.notifications.clone(),
+        );
+        registry.register(
+            "notification_tries",
+            "Tries to send a notification since this start, by endpoint and outcome",
+            self.notification_tries.clone(),
+        );
+        registry.register(
+            "notification_endpoints_disabled",
+            "[notify] endpoints a 410 Gone disabled",
+            self.endpoints_disabled.clone(),
         );
         registry.register(
             "approval_decisions",
@@ -355,7 +384,11 @@ impl Metrics {
         journal: &Journal,
         queued: usize,
         telemetry: Option<arbor_runtime::telemetry::TelemetryStats>,
+        notifications: Option<&arbor_runtime::notify::Notifications>,
     ) -> Result<String, String> {
+        if let Some(notifications) = notifications {
+            self.render_notifications(notifications)?;
+        }
         if let Some(t) = telemetry {
             catch_up(&self.spans_exported, t.spans_exported);
             catch_up(&self.spans_dropped, t.spans_dropped);
@@ -419,6 +452,38 @@ impl Metrics {
         prometheus_client::encoding::text::encode(&mut text, &registry)
             .map_err(|e| e.to_string())?;
         Ok(text)
+    }
+}
+
+impl Metrics {
+    fn render_notifications(
+        &self,
+        notifications: &arbor_runtime::notify::Notifications,
+    ) -> Result<(), String> {
+        use arbor_runtime::notify::DeliveryState;
+        let entries = notifications.list(None)?;
+        for state in [
+            DeliveryState::Pending,
+            DeliveryState::Delivered,
+            DeliveryState::Failed,
+        ] {
+            let count = entries.iter().filter(|e| e.state == state).count();
+            self.notifications
+                .get_or_create(&StatusLabel {
+                    status: state.as_str().into(),
+                })
+                .set(count as i64);
+        }
+        for ((endpoint, outcome), count) in notifications.counts() {
+            let label = EndpointLabel {
+                endpoint,
+                outcome: outcome.into(),
+            };
+            catch_up(&self.notification_tries.get_or_create(&label), count);
+        }
+        self.endpoints_disabled
+            .set(notifications.disabled().len() as i64);
+        Ok(())
     }
 }
 
@@ -490,7 +555,7 @@ mod tests {
                 made: 1,
             },
         }));
-        let text = metrics.render(&journal, 0, None).unwrap();
+        let text = metrics.render(&journal, 0, None, None).unwrap();
         for needle in [
             "arbor_mcp_calls_total{server=\"fs\",outcome=\"ok\"} 2",
             "arbor_mcp_calls_total{server=\"fs\",outcome=\"timed_out\"} 1",

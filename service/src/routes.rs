@@ -15,12 +15,14 @@ mod approvals;
 mod common;
 mod jobs;
 mod node;
+mod notifications;
 mod public;
 mod runs;
 
 use approvals::{approval_routes, decide_here};
 use jobs::{job_routes, steer_here, stop_job_here};
 use node::node_routes;
+use notifications::notification_routes;
 use public::public_routes;
 use runs::{run_action_routes, run_routes, stop_run_here};
 
@@ -106,6 +108,7 @@ fn protected_routes() -> ApiRouter<Arc<Shared>> {
         .merge(run_action_routes())
         .merge(job_routes())
         .merge(approval_routes())
+        .merge(notification_routes())
         .merge(node_routes())
 }
 

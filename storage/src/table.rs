@@ -243,6 +243,9 @@ const EVENTS_TABLE: TableDef = history("events", 16, KeyedBy::Run);
 const SANDBOXES_TABLE: TableDef = state("sandboxes", KeyedBy::Job);
 /// The service's admission queue (`arbor-service` defines its records).
 pub const SUBMISSIONS_TABLE: TableDef = state("submissions", KeyedBy::Run);
+/// Notifications on their way out of the node (`arbor-runtime` defines
+/// its records), each committed with its event.
+pub const OUTBOX_TABLE: TableDef = state("outbox", KeyedBy::Run);
 const APPROVALS_TABLE: TableDef = state("approvals", KeyedBy::Run);
 const TAPES_TABLE: TableDef = state("tapes", KeyedBy::Run);
 
@@ -321,7 +324,7 @@ impl JournalTable {
 /// Every table of a journal, whoever owns its records, in the order the log
 /// numbers them (invariant 2). The one list: a table missing here is neither
 /// replayed, scanned nor verified.
-pub static JOURNAL_TABLES: [JournalTable; 10] = [
+pub static JOURNAL_TABLES: [JournalTable; 11] = [
     JournalTable::Ours(&RUNS),
     JournalTable::Ours(&JOBS),
     JournalTable::Ours(&LEDGER),
@@ -332,6 +335,7 @@ pub static JOURNAL_TABLES: [JournalTable; 10] = [
     JournalTable::Foreign(SUBMISSIONS_TABLE),
     JournalTable::Ours(&APPROVALS),
     JournalTable::Ours(&TAPES),
+    JournalTable::Foreign(OUTBOX_TABLE),
 ];
 
 /// The tables whose records storage defines, for `scan` and `verify`.
@@ -359,15 +363,16 @@ mod tests {
         }
     }
 
-    /// Only the service's submissions are another crate's (`arbor journal
-    /// verify` is handed their checker); every other table is scanned here.
+    /// Only the service's submissions and the runtime's outbox are another
+    /// crate's (`arbor journal verify` is handed their checkers); every
+    /// other table is scanned here.
     #[test]
-    fn only_the_submissions_are_another_crates_table() {
+    fn only_the_submissions_and_the_outbox_are_another_crates_tables() {
         let foreign: Vec<&str> = JOURNAL_TABLES
             .iter()
             .filter(|slot| slot.ours().is_none())
             .map(|slot| slot.def().name)
             .collect();
-        assert_eq!(foreign, [SUBMISSIONS_TABLE.name]);
+        assert_eq!(foreign, [SUBMISSIONS_TABLE.name, OUTBOX_TABLE.name]);
     }
 }

@@ -8,3 +8,4 @@ pub mod load;
 pub mod measure;
 pub mod scenarios;
 pub mod synthetic;
+pub mod webhooks;

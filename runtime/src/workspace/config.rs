@@ -53,6 +53,9 @@ pub struct Config {
     pub record_models: bool,
     /// `[telemetry]`: where traces go, if anywhere (docs/operations.md, "Traces").
     pub telemetry: crate::telemetry::TelemetryConfig,
+    /// `[notify.NAME]`: where notifications of events go (docs/operations.md,
+    /// "Notifications").
+    pub notify: BTreeMap<String, crate::notify::Endpoint>,
 }
 
 /// `[journal]`: the node's journal in sled under its data dir (the
@@ -141,6 +144,7 @@ impl Default for Config {
             journal: JournalConfig::Sled,
             record_models: false,
             telemetry: Default::default(),
+            notify: BTreeMap::new(),
         }
     }
 }
@@ -169,6 +173,8 @@ struct ConfigFile {
     record: RecordFile,
     #[serde(default)]
     telemetry: TelemetryFile,
+    #[serde(default)]
+    notify: BTreeMap<String, crate::notify::EndpointFile>,
 }
 
 /// `[telemetry]` as written.
@@ -391,8 +397,14 @@ pub(super) fn parse_config(text: &str, root: &Path) -> Result<Config, LoadError>
     let approvals = file.approvals.check().map_err(|m| invalid(path, m))?;
     let journal = file.journal.check().map_err(|m| invalid(path, m))?;
     let telemetry = file.telemetry.check().map_err(|m| invalid(path, m))?;
+    let mut notify = BTreeMap::new();
+    for (name, block) in file.notify {
+        let endpoint = block.check(&name).map_err(|m| invalid(path, m))?;
+        notify.insert(name, endpoint);
+    }
     Ok(Config {
         telemetry,
+        notify,
         approvals,
         journal,
         record_models: file.record.models,

@@ -196,7 +196,12 @@ async fn metrics(State(shared): S) -> Reply {
     let (queued, _) = shared.admission.counts().await?;
     let text = shared
         .metrics
-        .render(shared.node.journal(), queued, shared.node.telemetry())
+        .render(
+            shared.node.journal(),
+            queued,
+            shared.node.telemetry(),
+            shared.node.notifications(),
+        )
         .map_err(|e| ApiError::unavailable(format!("metrics: {e}")))?;
     Ok((
         StatusCode::OK,

@@ -1,0 +1,296 @@
+//! The deliverer: one task per node that sends the outbox's pending entries
+//! (I-61). An entry is sent once durable; each try is bounded in time, its
+//! outcome committed before the next: a 2xx delivers it, a 410 disables its
+//! endpoint, anything else (a redirect included: none is followed) waits
+//! `Endpoint::wait_after` and tries again, until `max_attempts`, when it is
+//! dead-lettered. A node that dies mid-try finds the entry pending at its
+//! next start and sends it again, with the same id.
+
+use super::{Delivery, DeliveryState, Endpoint, GONE, OutboxRecord};
+use arbor_storage::Journal;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{mpsc, watch};
+
+/// Tries sent at once, over every endpoint.
+const AT_ONCE: usize = 8;
+/// On a shared journal, how often the deliverer looks for pending entries
+/// of runs this node took over from another.
+const RESCAN: Duration = Duration::from_secs(15);
+
+pub(crate) struct Deliverer {
+    pub journal: Journal,
+    pub endpoints: BTreeMap<String, (Arc<Endpoint>, Vec<u8>)>,
+    pub disabled: Arc<Mutex<BTreeSet<String>>>,
+    pub inbox: mpsc::UnboundedReceiver<Delivery>,
+    /// Bumped after every outcome committed.
+    pub changes: watch::Sender<u64>,
+    /// Counted per endpoint and outcome (`delivered`, `retried`,
+    /// `failed`, `gone`), for metrics.
+    pub counts: Arc<Mutex<BTreeMap<(String, &'static str), u64>>>,
+    /// Turns true as the node closes: one last round of what is due, then
+    /// the task ends (and lets go of the journal).
+    pub stop: watch::Receiver<bool>,
+}
+
+/// One try's outcome.
+enum Outcome {
+    Delivered,
+    Gone,
+    Failed(String),
+}
+
+impl Deliverer {
+    /// Runs until the node's outbox is dropped.
+    pub(crate) async fn run(mut self, pending: Vec<OutboxRecord>) {
+        let client = match reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .user_agent(concat!("arbor/", env!("CARGO_PKG_VERSION")))
+            .build()
+        {
+            Ok(client) => client,
+            Err(e) => {
+                tracing::error!(error = %e, "notifications cannot be sent: no HTTP client");
+                return;
+            }
+        };
+        let mut pending: HashMap<uuid::Uuid, OutboxRecord> =
+            pending.into_iter().map(|e| (e.id, e)).collect();
+        let shared = self.journal.is_shared();
+        let mut rescan = tokio::time::interval(RESCAN);
+        rescan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_round = false;
+        let mut stop = self.stop.clone();
+        while !last_round {
+            let now = arbor_actors::events::now_ms();
+            let next = pending.values().map(|e| e.next_ms).min();
+            let due_in = next.map(|n| Duration::from_millis(n.saturating_sub(now)));
+            tokio::select! {
+                delivery = self.inbox.recv() => match delivery {
+                    Some(Delivery::New { seq, entries }) => {
+                        // Invariant 1: sent only once durable.
+                        if let Err(e) = self.journal.wait_durable(seq).await {
+                            tracing::error!(error = %e, "notifications were not made durable");
+                            return;
+                        }
+                        pending.extend(entries.into_iter().map(|e| (e.id, e)));
+                    }
+                    Some(Delivery::Again(entry)) => {
+                        pending.insert(entry.id, entry);
+                    }
+                    None => return,
+                },
+                () = sleep_for(due_in) => {}
+                _ = rescan.tick(), if shared => {
+                    for entry in taken_over(&self.journal) {
+                        pending.entry(entry.id).or_insert(entry);
+                    }
+                }
+                () = async { drop(stop.wait_for(|stop| *stop).await) } => {
+                    last_round = true;
+                    while let Ok(delivery) = self.inbox.try_recv() {
+                        match delivery {
+                            Delivery::New { seq, entries } => {
+                                if self.journal.wait_durable(seq).await.is_err() {
+                                    return;
+                                }
+                                pending.extend(entries.into_iter().map(|e| (e.id, e)));
+                            }
+                            Delivery::Again(entry) => {
+                                pending.insert(entry.id, entry);
+                            }
+                        }
+                    }
+                }
+            }
+            let now = arbor_actors::events::now_ms();
+            let mut due: Vec<OutboxRecord> = pending
+                .values()
+                .filter(|e| e.next_ms <= now)
+                .cloned()
+                .collect();
+            due.sort_by_key(|e| (e.next_ms, e.id));
+            due.truncate(AT_ONCE);
+            if due.is_empty() {
+                continue;
+            }
+            let tries = due.iter().map(|entry| self.attempt(&client, entry));
+            let outcomes = futures::future::join_all(tries).await;
+            for (mut entry, outcome) in due.into_iter().zip(outcomes) {
+                self.settle(&mut entry, outcome);
+                let record = match entry.record() {
+                    Ok(record) => record,
+                    Err(e) => {
+                        tracing::error!(error = %e, "a notification could not be encoded");
+                        pending.remove(&entry.id);
+                        continue;
+                    }
+                };
+                if let Err(e) = self.journal.commit(vec![record]).await {
+                    tracing::error!(error = %e, "a notification's outcome was not committed");
+                    return;
+                }
+                if entry.state == DeliveryState::Pending {
+                    pending.insert(entry.id, entry);
+                } else {
+                    pending.remove(&entry.id);
+                }
+                self.changes.send_modify(|v| *v += 1);
+            }
+            // A 410 disabled an endpoint: what else waits for it is failed too.
+            let disabled = self
+                .disabled
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone();
+            let stranded: Vec<uuid::Uuid> = pending
+                .values()
+                .filter(|e| disabled.contains(&e.endpoint))
+                .map(|e| e.id)
+                .collect();
+            for id in stranded {
+                if let Some(mut entry) = pending.remove(&id) {
+                    entry.state = DeliveryState::Failed;
+                    entry.last_error = Some(GONE.into());
+                    entry.updated_ms = arbor_actors::events::now_ms();
+                    if let Ok(record) = entry.record()
+                        && let Err(e) = self.journal.commit(vec![record]).await
+                    {
+                        tracing::error!(error = %e, "a notification's outcome was not committed");
+                        return;
+                    }
+                    self.changes.send_modify(|v| *v += 1);
+                }
+            }
+        }
+    }
+
+    /// One try of `entry`, bounded by its endpoint's `timeout`.
+    async fn attempt(&self, client: &reqwest::Client, entry: &OutboxRecord) -> Outcome {
+        let Some((endpoint, key)) = self.endpoints.get(&entry.endpoint) else {
+            return Outcome::Failed(format!(
+                "the endpoint {:?} is no longer in arbor.toml's [notify]",
+                entry.endpoint
+            ));
+        };
+        let id = entry.webhook_id();
+        let timestamp = arbor_actors::events::now_ms() / 1000;
+        let signature = super::sign(key, &id, timestamp, &entry.body);
+        let sent = client
+            .post(&endpoint.url)
+            .timeout(endpoint.timeout)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .header("webhook-id", &id)
+            .header("webhook-timestamp", timestamp.to_string())
+            .header("webhook-signature", signature)
+            .body(entry.body.clone())
+            .send()
+            .await;
+        match sent {
+            Ok(answer) if answer.status().is_success() => Outcome::Delivered,
+            Ok(answer) if answer.status() == reqwest::StatusCode::GONE => Outcome::Gone,
+            Ok(answer) if answer.status().is_redirection() => Outcome::Failed(format!(
+                "answered {} (redirects are not followed)",
+                answer.status()
+            )),
+            Ok(answer) => Outcome::Failed(format!("answered {}", answer.status())),
+            Err(e) if e.is_timeout() => Outcome::Failed(format!(
+                "no answer within {}",
+                humantime::format_duration(endpoint.timeout)
+            )),
+            Err(e) => Outcome::Failed(format!("could not be sent: {}", error_chain(&e))),
+        }
+    }
+
+    /// The entry after a try: delivered, dead-lettered, or due again.
+    fn settle(&self, entry: &mut OutboxRecord, outcome: Outcome) {
+        let now = arbor_actors::events::now_ms();
+        entry.attempts += 1;
+        entry.updated_ms = now;
+        let max_attempts = self
+            .endpoints
+            .get(&entry.endpoint)
+            .map_or(1, |(e, _)| e.max_attempts);
+        let counted = match outcome {
+            Outcome::Delivered => {
+                entry.state = DeliveryState::Delivered;
+                entry.last_error = None;
+                entry.gone = false;
+                "delivered"
+            }
+            Outcome::Gone => {
+                entry.state = DeliveryState::Failed;
+                entry.last_error = Some(GONE.into());
+                entry.gone = true;
+                self.disabled
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(entry.endpoint.clone());
+                tracing::warn!(endpoint = %entry.endpoint, "a notification endpoint answered 410 Gone: disabled");
+                "gone"
+            }
+            Outcome::Failed(why) if entry.attempts >= max_attempts => {
+                entry.state = DeliveryState::Failed;
+                entry.last_error =
+                    Some(format!("{why} (try {} of {max_attempts})", entry.attempts));
+                tracing::warn!(endpoint = %entry.endpoint, id = %entry.webhook_id(), %why, "a notification was dead-lettered");
+                "failed"
+            }
+            Outcome::Failed(why) => {
+                let wait = self
+                    .endpoints
+                    .get(&entry.endpoint)
+                    .map_or(Duration::from_secs(5), |(e, _)| {
+                        e.wait_after(entry.attempts)
+                    });
+                entry.next_ms = now + wait.as_millis() as u64;
+                entry.last_error =
+                    Some(format!("{why} (try {} of {max_attempts})", entry.attempts));
+                "retried"
+            }
+        };
+        *self
+            .counts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry((entry.endpoint.clone(), counted))
+            .or_default() += 1;
+    }
+}
+
+async fn sleep_for(wait: Option<Duration>) {
+    match wait {
+        Some(wait) => tokio::time::sleep(wait).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// A reqwest error with its causes (the first line alone is often "error
+/// sending request").
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        text.push_str(": ");
+        text.push_str(&c.to_string());
+        cause = c.source();
+    }
+    text
+}
+
+/// On a shared journal, the pending entries of runs this node owns (runs it
+/// took over included).
+pub(crate) fn taken_over(journal: &Journal) -> Vec<OutboxRecord> {
+    let me = journal.node_id();
+    super::all(journal)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|e| e.state == DeliveryState::Pending)
+        .filter(|e| match journal.owner(e.run) {
+            Ok(Some((node, _))) => Some(node) == me,
+            Ok(None) => me.is_none(),
+            Err(_) => false,
+        })
+        .collect()
+}
