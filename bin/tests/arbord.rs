@@ -760,6 +760,108 @@ fn inv_47_a_pending_card_survives_arbord_killed_with_sigkill() {
     assert_eq!(all["approvals"][0]["state"], "approved");
 }
 
+/// A webhook receiver on a plain thread: each request's `webhook-id`, sent
+/// as it arrives; the first `hold` requests are read and never answered,
+/// the rest answered 204.
+fn webhook_receiver(hold: usize) -> (String, mpsc::Receiver<String>) {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/hook", listener.local_addr().unwrap());
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut held = vec![];
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut request = vec![];
+            let mut buf = [0u8; 4096];
+            // Headers and body: the body's length is in content-length.
+            let id = loop {
+                let Ok(n) = stream.read(&mut buf) else {
+                    break None;
+                };
+                if n == 0 {
+                    break None;
+                }
+                request.extend_from_slice(&buf[..n]);
+                let text = String::from_utf8_lossy(&request).to_string();
+                let Some((head, body)) = text.split_once("\r\n\r\n") else {
+                    continue;
+                };
+                let header = |name: &str| {
+                    head.lines().find_map(|l| {
+                        let (k, v) = l.split_once(':')?;
+                        k.eq_ignore_ascii_case(name).then(|| v.trim().to_string())
+                    })
+                };
+                let length: usize = header("content-length")
+                    .and_then(|l| l.parse().ok())
+                    .unwrap_or(0);
+                if body.len() >= length {
+                    break header("webhook-id");
+                }
+            };
+            let Some(id) = id else { continue };
+            let _ = tx.send(id);
+            if held.len() < hold {
+                held.push(stream);
+            } else {
+                let _ = stream.write_all(b"HTTP/1.1 204 No Content\r\nconnection: close\r\n\r\n");
+            }
+        }
+    });
+    (url, rx)
+}
+
+/// I-61 with a real kill -9: arbord dies while a notification's try waits
+/// for its answer; the next start sends it again with the same
+/// `webhook-id`, and it is delivered.
+#[test]
+fn inv_61_a_notification_cut_off_by_sigkill_mid_delivery_is_sent_again_with_its_id() {
+    use std::os::unix::fs::PermissionsExt;
+    let (url, ids) = webhook_receiver(1);
+    let dir = workspace(&format!(
+        "\n[sandbox]\nsecrets_file = \"secrets.env\"\n\n[notify.ops]\nurl = \"{url}\"\nevents = [\"run_finished\"]\nsecret = \"HOOK_SECRET\"\ntimeout = \"5m\"\n"
+    ));
+    let secrets = dir.path().join("secrets.env");
+    std::fs::write(
+        &secrets,
+        "HOOK_SECRET=whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&secrets, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let data = dir.path().join(".arbor");
+    let arbord = Arbord::start(dir.path(), &data);
+    let run = arbord.submit(&["--flow", "hello"]);
+    assert_eq!(code(&arbord.arbor(&["watch", &run])), 0);
+    let first = ids.recv_timeout(LIMIT).expect("the first try arrives");
+    // The try is held unanswered: arbord dies in the middle of it.
+    arbord.signal(nix::sys::signal::Signal::SIGKILL);
+    assert_eq!(arbord.wait(), None, "killed");
+
+    let arbord = Arbord::start(dir.path(), &data);
+    let again = ids
+        .recv_timeout(LIMIT)
+        .expect("sent again after the restart");
+    assert_eq!(again, first, "the same webhook-id");
+    let deadline = std::time::Instant::now() + LIMIT;
+    let delivered = loop {
+        assert!(std::time::Instant::now() < deadline, "never delivered");
+        let listed: serde_json::Value =
+            serde_json::from_str(&arbord.get_text("/v1/notifications?state=delivered")).unwrap();
+        if let Some(entry) = listed["notifications"].as_array().and_then(|a| a.first()) {
+            break entry.clone();
+        }
+        // Polling the API for an outcome the receiver has already answered.
+        assert!(
+            ids.recv_timeout(Duration::from_millis(20)).is_err(),
+            "sent only twice"
+        );
+    };
+    assert_eq!(delivered["id"], first.as_str());
+    assert_eq!(delivered["run"], run.as_str());
+    assert!(ids.try_recv().is_err(), "delivered once after the restart");
+}
+
 /// A workspace whose journal is a fresh schema of the PostgreSQL server
 /// `ARBOR_TEST_DATABASE_URL` names, with a short lease: (the workspace,
 /// the URL, the schema).

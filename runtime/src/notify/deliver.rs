@@ -154,6 +154,7 @@ impl Deliverer {
                     entry.state = DeliveryState::Failed;
                     entry.last_error = Some(GONE.into());
                     entry.updated_ms = arbor_actors::events::now_ms();
+                    entry.epoch = self.journal.epoch();
                     if let Ok(record) = entry.record()
                         && let Err(e) = self.journal.commit(vec![record]).await
                     {
@@ -208,6 +209,8 @@ impl Deliverer {
         let now = arbor_actors::events::now_ms();
         entry.attempts += 1;
         entry.updated_ms = now;
+        // Rewritten by this open (I-41), whichever open made it.
+        entry.epoch = self.journal.epoch();
         let max_attempts = self
             .endpoints
             .get(&entry.endpoint)
