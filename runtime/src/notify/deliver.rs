@@ -42,7 +42,7 @@ enum Outcome {
 }
 
 impl Deliverer {
-    /// Runs until the node's outbox is dropped.
+    /// Runs until the node closes (`stop`), or its journal fails.
     pub(crate) async fn run(mut self, pending: Vec<OutboxRecord>) {
         let client = match reqwest::Client::builder()
             .redirect(reqwest::redirect::Policy::none())
@@ -66,105 +66,117 @@ impl Deliverer {
             let now = arbor_actors::events::now_ms();
             let next = pending.values().map(|e| e.next_ms).min();
             let due_in = next.map(|n| Duration::from_millis(n.saturating_sub(now)));
-            tokio::select! {
+            let journal_ok = tokio::select! {
                 delivery = self.inbox.recv() => match delivery {
-                    Some(Delivery::New { seq, entries }) => {
-                        // Invariant 1: sent only once durable.
-                        if let Err(e) = self.journal.wait_durable(seq).await {
-                            tracing::error!(error = %e, "notifications were not made durable");
-                            return;
-                        }
-                        pending.extend(entries.into_iter().map(|e| (e.id, e)));
-                    }
-                    Some(Delivery::Again(entry)) => {
-                        pending.insert(entry.id, entry);
-                    }
+                    Some(delivery) => self.take(delivery, &mut pending).await,
                     None => return,
                 },
-                () = sleep_for(due_in) => {}
+                () = sleep_for(due_in) => true,
                 _ = rescan.tick(), if shared => {
                     for entry in taken_over(&self.journal) {
                         pending.entry(entry.id).or_insert(entry);
                     }
+                    true
                 }
                 () = async { drop(stop.wait_for(|stop| *stop).await) } => {
                     last_round = true;
+                    let mut ok = true;
                     while let Ok(delivery) = self.inbox.try_recv() {
-                        match delivery {
-                            Delivery::New { seq, entries } => {
-                                if self.journal.wait_durable(seq).await.is_err() {
-                                    return;
-                                }
-                                pending.extend(entries.into_iter().map(|e| (e.id, e)));
-                            }
-                            Delivery::Again(entry) => {
-                                pending.insert(entry.id, entry);
-                            }
-                        }
+                        ok &= self.take(delivery, &mut pending).await;
                     }
+                    ok
                 }
-            }
-            let now = arbor_actors::events::now_ms();
-            let mut due: Vec<OutboxRecord> = pending
-                .values()
-                .filter(|e| e.next_ms <= now)
-                .cloned()
-                .collect();
-            due.sort_by_key(|e| (e.next_ms, e.id));
-            due.truncate(AT_ONCE);
-            if due.is_empty() {
-                continue;
-            }
-            let tries = due.iter().map(|entry| self.attempt(&client, entry));
-            let outcomes = futures::future::join_all(tries).await;
-            for (mut entry, outcome) in due.into_iter().zip(outcomes) {
-                self.settle(&mut entry, outcome);
-                let record = match entry.record() {
-                    Ok(record) => record,
-                    Err(e) => {
-                        tracing::error!(error = %e, "a notification could not be encoded");
-                        pending.remove(&entry.id);
-                        continue;
-                    }
-                };
-                if let Err(e) = self.journal.commit(vec![record]).await {
-                    tracing::error!(error = %e, "a notification's outcome was not committed");
-                    return;
-                }
-                if entry.state == DeliveryState::Pending {
-                    pending.insert(entry.id, entry);
-                } else {
-                    pending.remove(&entry.id);
-                }
-                self.changes.send_modify(|v| *v += 1);
-            }
-            // A 410 disabled an endpoint: what else waits for it is failed too.
-            let disabled = self
-                .disabled
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone();
-            let stranded: Vec<uuid::Uuid> = pending
-                .values()
-                .filter(|e| disabled.contains(&e.endpoint))
-                .map(|e| e.id)
-                .collect();
-            for id in stranded {
-                if let Some(mut entry) = pending.remove(&id) {
-                    entry.state = DeliveryState::Failed;
-                    entry.last_error = Some(GONE.into());
-                    entry.updated_ms = arbor_actors::events::now_ms();
-                    entry.epoch = self.journal.epoch();
-                    if let Ok(record) = entry.record()
-                        && let Err(e) = self.journal.commit(vec![record]).await
-                    {
-                        tracing::error!(error = %e, "a notification's outcome was not committed");
-                        return;
-                    }
-                    self.changes.send_modify(|v| *v += 1);
-                }
+            };
+            if !journal_ok || !self.round(&client, &mut pending).await {
+                return;
             }
         }
+    }
+
+    /// Takes what the outbox handed over; false if the journal failed.
+    async fn take(
+        &self,
+        delivery: Delivery,
+        pending: &mut HashMap<uuid::Uuid, OutboxRecord>,
+    ) -> bool {
+        match delivery {
+            Delivery::New { seq, entries } => {
+                // Invariant 1: sent only once durable.
+                if let Err(e) = self.journal.wait_durable(seq).await {
+                    tracing::error!(error = %e, "notifications were not made durable");
+                    return false;
+                }
+                pending.extend(entries.into_iter().map(|e| (e.id, e)));
+            }
+            Delivery::Again(entry) => {
+                pending.insert(entry.id, entry);
+            }
+        }
+        true
+    }
+
+    /// Sends what is due (up to `AT_ONCE`), committing each outcome; then
+    /// fails what waits for an endpoint a 410 disabled. False if the
+    /// journal failed.
+    async fn round(
+        &self,
+        client: &reqwest::Client,
+        pending: &mut HashMap<uuid::Uuid, OutboxRecord>,
+    ) -> bool {
+        let now = arbor_actors::events::now_ms();
+        let mut due: Vec<OutboxRecord> = pending
+            .values()
+            .filter(|e| e.next_ms <= now)
+            .cloned()
+            .collect();
+        due.sort_by_key(|e| (e.next_ms, e.id));
+        due.truncate(AT_ONCE);
+        let tries = due.iter().map(|entry| self.attempt(client, entry));
+        let outcomes = futures::future::join_all(tries).await;
+        let mut done = vec![];
+        for (mut entry, outcome) in due.into_iter().zip(outcomes) {
+            self.settle(&mut entry, outcome);
+            done.push(entry);
+        }
+        let disabled = self
+            .disabled
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        for entry in pending.values() {
+            if disabled.contains(&entry.endpoint) && !done.iter().any(|d| d.id == entry.id) {
+                let mut entry = entry.clone();
+                entry.state = DeliveryState::Failed;
+                entry.last_error = Some(GONE.into());
+                entry.updated_ms = now;
+                entry.epoch = self.journal.epoch();
+                done.push(entry);
+            }
+        }
+        for entry in done {
+            let committed = match entry.record() {
+                Ok(record) => self
+                    .journal
+                    .commit(vec![record])
+                    .await
+                    .map_err(|e| e.to_string()),
+                Err(e) => {
+                    tracing::error!(error = %e, "a notification could not be encoded");
+                    Ok(0)
+                }
+            };
+            if let Err(e) = committed {
+                tracing::error!(error = %e, "a notification's outcome was not committed");
+                return false;
+            }
+            if entry.state == DeliveryState::Pending {
+                pending.insert(entry.id, entry);
+            } else {
+                pending.remove(&entry.id);
+            }
+            self.changes.send_modify(|v| *v += 1);
+        }
+        true
     }
 
     /// One try of `entry`, bounded by its endpoint's `timeout`.
