@@ -60,6 +60,8 @@ pub struct Ask {
     /// The waiting job's token: cancelled, the card is.
     pub cancel: CancellationToken,
     pub check: ArgsCheck,
+    /// Its `approve:` entry's own wait, instead of `[approvals] timeout`.
+    pub timeout: Option<Duration>,
 }
 
 /// What the loop hears back.
@@ -134,6 +136,12 @@ pub enum GateMsg {
     /// Cards recovery carried over for runs this node took over from
     /// another (a shared journal), as `GateArgs::carried` at a start.
     Carry { cards: Vec<Card> },
+    /// A notify-mode call that ran (I-60): its card, decided `ran`,
+    /// committed and told; the reply once it is durable.
+    Record {
+        card: Box<Card>,
+        reply: RpcReplyPort<Result<(), String>>,
+    },
 }
 
 struct Entry {
@@ -188,6 +196,9 @@ impl Actor for Gate {
         match message {
             GateMsg::Carry { cards } => state.carry(&myself, cards),
             GateMsg::Ask { ask, reply } => Box::pin(state.ask(&myself, *ask, reply)).await,
+            GateMsg::Record { card, reply } => {
+                let _ = reply.send(Box::pin(state.record(*card)).await);
+            }
             GateMsg::Decide {
                 card,
                 decide,
@@ -348,8 +359,11 @@ impl GateState {
             args: ask.args,
             state: CardState::Pending,
             asked_at_ms,
-            deadline_ms: asked_at_ms + self.settings.timeout.as_millis() as u64,
+            deadline_ms: asked_at_ms
+                + ask.timeout.unwrap_or(self.settings.timeout).as_millis() as u64,
             decision: None,
+            result: None,
+            undo: None,
         };
         // Invariant 1: durable before anyone can see it.
         if let Err(e) = self.commit(&card).await {
@@ -367,6 +381,26 @@ impl GateState {
                 timers,
             },
         );
+    }
+
+    /// A notify-mode call's card: made decided (`ran`), durable, then told
+    /// as a decision; nothing waits on it.
+    async fn record(&self, card: Card) -> Result<(), String> {
+        self.commit(&card).await?;
+        let decision = card.decision.as_ref();
+        self.events.emit(
+            card.run,
+            EventKind::ApprovalDecided {
+                id: card.job,
+                card: card.id,
+                state: CardState::Ran,
+                by: decision.map(|d| d.by.clone()).unwrap_or_default(),
+                reason: None,
+                waited_ms: 0,
+            },
+        );
+        tracing::info!(run = %card.run, job = %card.job, card = %card.id, tool = %card.tool, "a notify-mode call ran");
+        Ok(())
     }
 
     fn requested(&self, card: &Card) {
@@ -631,6 +665,8 @@ pub fn answer_of(card: &Card) -> Answer {
             answer: decision.and_then(|d| d.answer.clone()).unwrap_or_default(),
         },
         CardState::Expired => Answer::Expired,
+        // A ran card is never waited on: its call ran before it was made.
+        CardState::Ran => Answer::Approved { edited: None },
         CardState::Cancelled | CardState::Pending => Answer::Cancelled,
     }
 }

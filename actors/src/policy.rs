@@ -11,6 +11,17 @@ use arbor_protocol::{
 };
 use std::collections::{BTreeMap, BTreeSet};
 
+/// How `approve:` gates a call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Gating {
+    /// It waits for a person; `timeout`: its own wait, else the node's.
+    Ask {
+        timeout: Option<std::time::Duration>,
+    },
+    /// It runs at once; a card decided `ran` records it.
+    Notify { undo: Option<String> },
+}
+
 /// The tools an agent may use: an allowlist of sandbox tools, MCP tool
 /// patterns, and a deny list of names and patterns (any tool alike).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -24,6 +35,13 @@ pub struct Policy {
     /// `denied`. A tool both asked and denied is denied: down a chain a tool
     /// moves allow -> ask -> deny, never back.
     pub ask: BTreeSet<String>,
+    /// An ask entry's own wait, by its pattern (the shortest, where two
+    /// entries name the same pattern).
+    pub waits: BTreeMap<String, std::time::Duration>,
+    /// Tools whose calls run at once and are recorded on a card decided
+    /// `ran` (I-60), by pattern, with the entry's undo hint. A tool both
+    /// asked and notified is asked: a child cannot loosen an ask.
+    pub notify: BTreeMap<String, Option<String>>,
     /// Whether its commands may reach the network (I-28).
     pub network: Network,
     /// The secrets its sandbox holds, by name (I-27).
@@ -44,17 +62,61 @@ impl Policy {
     /// node's `[approvals] tools`), its limits within the node's
     /// `[limits.tools]`.
     pub fn root(agent: &AgentDef, limits: &Limits, node_ask: &[String]) -> Self {
-        Self {
+        let mut policy = Self {
             allowed: agent.tools.iter().copied().collect(),
             mcp: agent.mcp.iter().cloned().collect(),
             denied: agent.deny.iter().cloned().collect(),
-            ask: agent.approve.iter().chain(node_ask).cloned().collect(),
+            ask: node_ask.iter().cloned().collect(),
+            waits: BTreeMap::new(),
+            notify: BTreeMap::new(),
             network: agent.network,
             secrets: agent.secrets.iter().cloned().collect(),
             limits: agent.limits.tighter(&limits.tools),
             skills: agent.skills.iter().cloned().collect(),
             hooks: agent.hooks.before_call.iter().cloned().collect(),
+        };
+        policy.add_approvals(&agent.approve);
+        policy
+    }
+
+    /// Adds `approve:` entries: asks (with their waits) and notifies.
+    fn add_approvals(&mut self, entries: &[arbor_protocol::ApproveEntry]) {
+        use arbor_protocol::ApproveMode;
+        for entry in entries {
+            match entry.mode {
+                ApproveMode::Ask => {
+                    self.ask.insert(entry.tool.clone());
+                    if let Some(wait) = entry.timeout {
+                        let kept = self.waits.entry(entry.tool.clone()).or_insert(wait);
+                        *kept = (*kept).min(wait);
+                    }
+                }
+                ApproveMode::Notify => {
+                    self.notify
+                        .entry(entry.tool.clone())
+                        .or_insert_with(|| entry.undo.clone());
+                }
+            }
         }
+    }
+
+    /// How a call of the tool of this (canonical) name is gated by
+    /// `approve:`, if it is: an ask (with the shortest wait an entry
+    /// that covers it sets) wins over a notify.
+    pub fn gating(&self, tool: &str) -> Option<Gating> {
+        if self.asks(tool) {
+            let timeout = self
+                .waits
+                .iter()
+                .filter(|(p, _)| name_matches(p, tool))
+                .map(|(_, wait)| *wait)
+                .min();
+            return Some(Gating::Ask { timeout });
+        }
+        self.notify
+            .iter()
+            .find(|(p, _)| name_matches(p, tool))
+            .map(|(_, undo)| Gating::Notify { undo: undo.clone() })
     }
 
     /// The policy of a child running `child` for this policy's holder, with the
@@ -94,16 +156,16 @@ impl Policy {
         denied.extend(job_deny.iter().cloned());
         // Asks union like denies, own sandbox or not: what a parent gates
         // stays gated below it.
-        let mut ask = self.ask.clone();
-        ask.extend(child.approve.iter().cloned());
         // Hooks too: what a parent asks of its calls it asks below it.
         let mut hooks = self.hooks.clone();
         hooks.extend(child.hooks.before_call.iter().cloned());
-        Self {
+        let mut narrowed = Self {
             allowed,
             mcp,
             denied,
-            ask,
+            ask: self.ask.clone(),
+            waits: self.waits.clone(),
+            notify: self.notify.clone(),
             network,
             secrets,
             limits: self.limits.tighter(&child.limits),
@@ -114,7 +176,9 @@ impl Policy {
                 .cloned()
                 .collect(),
             hooks,
-        }
+        };
+        narrowed.add_approvals(&child.approve);
+        narrowed
     }
 
     /// Whether a deny covers the tool of this (canonical) name.
@@ -409,7 +473,7 @@ mod tests {
                     Network::None
                 },
                 secrets: link.secrets.clone(),
-                approve: link.approve.clone(),
+                approve: link.approve.iter().map(|t| t.as_str().into()).collect(),
                 hooks: Default::default(),
                 mcp: link
                     .mcp

@@ -825,6 +825,7 @@ impl RunState {
             }),
             cancel,
             check: Arc::new(|_| Ok(())),
+            timeout: None,
         };
         tracing::info!(run = %self.id, step = %label, "step waits for a person's go-ahead");
         let gate = self.ctx.gate.get().cloned();

@@ -35,9 +35,10 @@ pub struct AgentDef {
     pub limits: ToolLimits,
     /// Tools this agent and everything below it may not use (I-25).
     pub deny: Vec<String>,
-    /// Tools whose calls wait for a person, here and everywhere below (I-46).
+    /// Tools whose calls wait for a person, here and everywhere below
+    /// (I-46), or run at once and are recorded on a card (`notify`, I-60).
     #[serde(default)]
-    pub approve: Vec<String>,
+    pub approve: Vec<crate::ApproveEntry>,
     /// Commands asked before each of its tool calls, here and everywhere
     /// below (I-62).
     #[serde(default)]
@@ -131,9 +132,10 @@ pub struct FrontMatter {
     /// MCP servers (arbor.toml `[mcp.servers.NAME]`) whose every tool it may use.
     #[serde(default)]
     pub mcp: Vec<String>,
-    /// Tools whose calls wait for a person's approval (names or `*` patterns).
+    /// Tools whose calls wait for a person's approval (names or `*`
+    /// patterns), each perhaps with its own wait and mode.
     #[serde(default)]
-    pub approve: Vec<String>,
+    pub approve: Vec<crate::ApproveEntry>,
     #[serde(default)]
     pub hooks: Hooks,
     pub limits: Option<ToolLimits>,

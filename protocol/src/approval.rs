@@ -30,6 +30,10 @@ pub enum CardState {
     Cancelled,
     /// A person answered the question (`Decision::answer`).
     Answered,
+    /// A call of a tool its agent's `approve:` entry gates in `notify`
+    /// mode: it ran at once, and this card, decided as it was made,
+    /// records it (`Card::result`, `Card::undo`).
+    Ran,
 }
 
 /// What a card asks of a person.
@@ -80,6 +84,7 @@ impl CardState {
             CardState::Expired => "expired",
             CardState::Cancelled => "cancelled",
             CardState::Answered => "answered",
+            CardState::Ran => "ran",
         }
     }
 
@@ -166,6 +171,136 @@ pub struct Card {
     pub deadline_ms: u64,
     /// Set once a card is decided, expired or cancelled.
     pub decision: Option<Decision>,
+    /// A `ran` card's: what the call returned (or its error), secrets
+    /// redacted and clipped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<String>,
+    /// A `ran` card's: how an operator undoes the call, as its `approve:`
+    /// entry says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub undo: Option<String>,
+}
+
+/// How an `approve:` entry gates its tool.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum ApproveMode {
+    /// The call waits for a person's decision.
+    #[default]
+    Ask,
+    /// The call runs at once; a card decided `ran` records it.
+    Notify,
+}
+
+/// One entry of agent.md's `approve:`: a tool name or pattern, as a string,
+/// or `{tool, timeout, mode, undo}`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, schemars::JsonSchema)]
+pub struct ApproveEntry {
+    /// A tool name or pattern (`mcp__pay__*`).
+    pub tool: String,
+    /// This tool's wait, instead of `[approvals] timeout` (ask mode).
+    #[serde(
+        default,
+        with = "crate::duration_str::serde_humantime_opt",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schemars(with = "Option<String>")]
+    pub timeout: Option<Duration>,
+    #[serde(default)]
+    pub mode: ApproveMode,
+    /// For notify: how an operator undoes the call, shown on its card.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub undo: Option<String>,
+}
+
+impl ApproveEntry {
+    /// An ask entry for `tool`, with the node's wait.
+    pub fn ask(tool: impl Into<String>) -> Self {
+        Self {
+            tool: tool.into(),
+            timeout: None,
+            mode: ApproveMode::Ask,
+            undo: None,
+        }
+    }
+
+    /// Why the entry is refused, if it is: in words that name the key.
+    pub fn check(&self) -> Result<(), String> {
+        if self.tool.trim().is_empty() {
+            return Err("approve: an entry names no tool".into());
+        }
+        if let Some(timeout) = self.timeout
+            && (timeout.is_zero() || timeout > Duration::from_secs(30 * 86_400))
+        {
+            return Err(format!(
+                "approve: {}: timeout must be more than 0 and at most 30 days",
+                self.tool
+            ));
+        }
+        match self.mode {
+            ApproveMode::Ask if self.undo.is_some() => Err(format!(
+                "approve: {}: undo is for mode notify (a call that runs at once); an ask \
+                 entry's call waits for a person instead",
+                self.tool
+            )),
+            ApproveMode::Notify if self.timeout.is_some() => Err(format!(
+                "approve: {}: timeout is for mode ask; a notify entry's call does not wait",
+                self.tool
+            )),
+            ApproveMode::Notify if self.tool == "ask_person" => {
+                Err("approve: ask_person cannot be notify: a question waits for its answer".into())
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+impl From<&str> for ApproveEntry {
+    fn from(tool: &str) -> Self {
+        ApproveEntry::ask(tool)
+    }
+}
+
+impl<'de> Deserialize<'de> for ApproveEntry {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        /// The object form, whose unknown keys are refused by name.
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Full {
+            tool: String,
+            #[serde(default, with = "crate::duration_str::serde_humantime_opt")]
+            timeout: Option<Duration>,
+            #[serde(default)]
+            mode: ApproveMode,
+            #[serde(default)]
+            undo: Option<String>,
+        }
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = ApproveEntry;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a tool name or pattern, or {tool, timeout, mode, undo}")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<ApproveEntry, E> {
+                Ok(ApproveEntry::ask(v))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                map: A,
+            ) -> Result<ApproveEntry, A::Error> {
+                let full = Full::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
+                Ok(ApproveEntry {
+                    tool: full.tool,
+                    timeout: full.timeout,
+                    mode: full.mode,
+                    undo: full.undo,
+                })
+            }
+        }
+        d.deserialize_any(Visitor)
+    }
 }
 
 /// `[approvals]` of arbor.toml.

@@ -26,7 +26,9 @@ pub use agent::{
     AgentDef, Effort, Hooks, ModelRef, Network, Resources, ResourcesSpec, SandboxMode, ScriptCall,
     ScriptTurn, ScriptUsage, Settings, ThinkingTokens, needs_decision, outward_reasons,
 };
-pub use approval::{ApprovalSettings, Card, CardKind, CardState, Decision, Verdict};
+pub use approval::{
+    ApprovalSettings, ApproveEntry, ApproveMode, Card, CardKind, CardState, Decision, Verdict,
+};
 pub use event::{CallFacts, Event, EventKind, McpServerState, NodeKind, ParentRef};
 pub use ids::{CardId, JobId, RunId};
 pub use limits::Limits;

@@ -422,11 +422,19 @@ fn unasked_own(name: &str, parent: &AgentDef, child: &AgentDef) -> Option<String
                 name_matches(ask, &p) || name_matches(&p, ask)
             })
     };
-    let asked_by_child = |ask: &str| child.approve.iter().any(|a| name_matches(a, ask));
+    let asks = |a: &&arbor_protocol::ApproveEntry| a.mode == arbor_protocol::ApproveMode::Ask;
+    let asked_by_child = |ask: &str| {
+        child
+            .approve
+            .iter()
+            .filter(asks)
+            .any(|a| name_matches(&a.tool, ask))
+    };
     let unasked: Vec<&str> = parent
         .approve
         .iter()
-        .map(String::as_str)
+        .filter(asks)
+        .map(|a| a.tool.as_str())
         .filter(|ask| reaches(ask) && !asked_by_child(ask))
         .collect();
     if unasked.is_empty() {

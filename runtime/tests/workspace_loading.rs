@@ -1391,3 +1391,53 @@ fn models_hold_the_default_and_each_is_declared() {
     let ws = load("model: p/a\nmodels: [p/a, p/b]\nfallback: [p/b]").unwrap();
     assert_eq!(ws.agents["x"].fallback, [model("b")]);
 }
+
+/// `approve:` entries: a name, or `{tool, timeout, mode, undo}`; each bad
+/// one is refused naming what is wrong.
+#[test]
+fn approve_entries_take_a_wait_and_a_mode_and_a_bad_one_is_named() {
+    use arbor_protocol::{ApproveEntry, ApproveMode};
+    let text = "---\ndescription: pays\ntools: [exec]\nmcp: [pay]\napprove: [exec, {tool: \"mcp__pay__*\", timeout: 24h}, {tool: mcp__pay__refund, mode: notify, undo: \"refund it back\"}]\n---\nprompt\n";
+    let agent = parse_agent("payer", text, Path::new("agents/payer/agent.md")).unwrap();
+    assert_eq!(
+        agent.approve,
+        [
+            ApproveEntry::ask("exec"),
+            ApproveEntry {
+                timeout: Some(Duration::from_secs(86_400)),
+                ..ApproveEntry::ask("mcp__pay__*")
+            },
+            ApproveEntry {
+                tool: "mcp__pay__refund".into(),
+                timeout: None,
+                mode: ApproveMode::Notify,
+                undo: Some("refund it back".into()),
+            },
+        ]
+    );
+    for (entry, expected) in [
+        (
+            "{tool: exec, wait: 1h}",
+            "unknown key `wait`, expected one of tool, timeout, mode, undo",
+        ),
+        ("{tool: exec, mode: later}", "unknown variant `later`"),
+        ("{tool: exec, timeout: soon}", "bad duration \"soon\""),
+        ("{tool: exec, undo: x}", "undo is for mode notify"),
+        (
+            "{tool: exec, mode: notify, timeout: 1h}",
+            "timeout is for mode ask",
+        ),
+        ("{tool: exec, timeout: 0s}", "timeout must be more than 0"),
+        ("{tool: depoly}", "\"depoly\" is not a tool"),
+        ("{mode: notify}", "missing field `tool`"),
+        ("{tool: ask_person, mode: notify}", "ask_person"),
+    ] {
+        let error = front_matter_error(&format!(
+            "description: x\ntools: [exec, ask_person]\napprove: [{entry}]\n"
+        ));
+        assert!(error.contains(expected), "{entry}: {error}");
+    }
+    // A question's own wait is the one thing an entry may say of it.
+    let asker = "---\ndescription: asks\ntools: [ask_person]\napprove: [{tool: ask_person, timeout: 2h}]\n---\nprompt\n";
+    parse_agent("asker", asker, Path::new("agents/asker/agent.md")).unwrap();
+}

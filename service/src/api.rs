@@ -274,8 +274,9 @@ pub struct JobSetup {
     pub tools: Vec<String>,
     /// Tools it and everything below it may not use (I-25).
     pub deny: Vec<String>,
-    /// Tools whose calls wait for a person (I-46).
-    pub approve: Vec<String>,
+    /// Its `approve:` entries: tools whose calls wait for a person (I-46),
+    /// or run at once and are recorded on a card (`mode: notify`, I-60).
+    pub approve: Vec<arbor_protocol::ApproveEntry>,
     /// `shared` (a folder of its parent's workdir) or `own` (I-26).
     pub sandbox: String,
     /// `none` or `open`.
@@ -439,6 +440,14 @@ pub struct CardView {
     pub asked_at_ms: u64,
     pub deadline_ms: u64,
     pub decision: Option<DecisionView>,
+    /// A `ran` card's (a notify-mode call that ran at once): what the call
+    /// returned, secrets redacted and clipped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<String>,
+    /// A `ran` card's: how an operator undoes the call (its `approve:`
+    /// entry's `undo`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub undo: Option<String>,
 }
 
 impl From<Card> for CardView {
@@ -458,6 +467,8 @@ impl From<Card> for CardView {
             deadline: rfc3339(card.deadline_ms),
             asked_at_ms: card.asked_at_ms,
             deadline_ms: card.deadline_ms,
+            result: card.result,
+            undo: card.undo,
             decision: card.decision.map(|d| DecisionView {
                 by: d.by,
                 reason: d.reason,

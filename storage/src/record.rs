@@ -229,7 +229,14 @@ impl ApprovalRecord {
             agent: card.agent.clone(),
             tool: card.tool.clone(),
             call: card.call.clone(),
-            args_json: card.args.to_string(),
+            // A `ran` card keeps what it ran and how to undo it beside its
+            // arguments, in the same field: the record's layout is unchanged.
+            args_json: if card.state == CardState::Ran {
+                serde_json::json!({"args": card.args, "result": card.result, "undo": card.undo})
+                    .to_string()
+            } else {
+                card.args.to_string()
+            },
             state: card.state,
             asked_at_ms: card.asked_at_ms,
             deadline_ms: card.deadline_ms,
@@ -243,6 +250,15 @@ impl ApprovalRecord {
 
     pub fn card(&self) -> Card {
         let answered = self.state == CardState::Answered;
+        let mut args: serde_json::Value =
+            serde_json::from_str(&self.args_json).unwrap_or(serde_json::Value::Null);
+        let (mut result, mut undo) = (None, None);
+        if self.state == CardState::Ran {
+            let text = |v: &serde_json::Value| v.as_str().map(str::to_string);
+            result = text(&args["result"]);
+            undo = text(&args["undo"]);
+            args = args["args"].take();
+        }
         Card {
             id: self.id,
             kind: arbor_protocol::CardKind::of_tool(&self.tool),
@@ -252,7 +268,7 @@ impl ApprovalRecord {
             agent: self.agent.clone(),
             tool: self.tool.clone(),
             call: self.call.clone(),
-            args: serde_json::from_str(&self.args_json).unwrap_or(serde_json::Value::Null),
+            args,
             state: self.state,
             asked_at_ms: self.asked_at_ms,
             deadline_ms: self.deadline_ms,
@@ -263,6 +279,8 @@ impl ApprovalRecord {
                 edited: self.edited,
                 answer: self.reason.clone().filter(|_| answered),
             }),
+            result,
+            undo,
         }
     }
 }

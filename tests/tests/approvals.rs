@@ -682,3 +682,85 @@ async fn inv_60_a_pending_step_gate_survives_a_kill() {
         .count();
     assert_eq!(checks, 1, "the finished group is not run again");
 }
+
+/// An agent whose `write_file` runs at once and is recorded (notify mode),
+/// with a secret in what it writes.
+fn notifier(approve: &str) -> String {
+    agent_md(&format!(
+        "description: writes\ntools: [write_file]\nsecrets: [API_TOKEN]\napprove: [{approve}]\nscript:\n  - call: {{tool: write_file, args: {{path: out.txt, content: \"hello s3cr3t-v4lue\"}}}}\n  - call: {{tool: submit_output, args: {{output: done}}}}"
+    ))
+}
+
+/// I-60: a notify-mode call runs at once, nobody asked; its card, decided
+/// `ran` as it is made, records the tool, the arguments (the secret
+/// redacted), the result and the undo hint, is durable and listed like any
+/// other card, and is told as a decision.
+#[tokio::test]
+async fn inv_60_a_notify_mode_call_runs_at_once_and_its_record_card_is_decided_ran() {
+    let secrets = tempfile::tempdir().unwrap();
+    let config = arbor_testkit::secrets_file(secrets.path(), "API_TOKEN=s3cr3t-v4lue\n", 0o600);
+    let node = TestNode::start_with_config(
+        &config,
+        &[(
+            "writer",
+            &notifier("{tool: write_file, mode: notify, undo: \"delete out.txt\"}"),
+        )],
+    )
+    .await;
+    let run = node.run_agent("writer", "go").await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Done);
+    assert_eq!(written(&node, run).as_deref(), Some("hello s3cr3t-v4lue"));
+    let cards = node.cards(run);
+    assert_eq!(cards.len(), 1, "{cards:#?}");
+    let card = &cards[0];
+    assert_eq!(card.state, CardState::Ran);
+    assert_eq!(card.tool, "write_file");
+    assert_eq!(card.undo.as_deref(), Some("delete out.txt"));
+    assert!(!card.args.to_string().contains("s3cr3t"), "{}", card.args);
+    let result = card.result.as_deref().unwrap();
+    assert!(!result.is_empty() && !result.contains("s3cr3t"), "{result}");
+    assert_eq!(card.decision.as_ref().unwrap().by, "notify");
+    assert_eq!(card_events(&node, run), [("decided", Some(CardState::Ran))]);
+    // Durable: the journal's record reads back as the same card.
+    let stored = node
+        .node()
+        .approvals(Some(run), Some(CardState::Ran))
+        .unwrap();
+    assert_eq!(stored, cards);
+}
+
+/// An `approve:` entry's own wait replaces `[approvals] timeout` for its
+/// tool; a child's notify entry cannot loosen its parent's ask.
+#[tokio::test]
+async fn an_entrys_own_wait_holds_and_a_child_cannot_loosen_its_parents_ask() {
+    let node = TestNode::start_with_config(
+        "[approvals]\ntimeout = \"1h\"\n",
+        &[(
+            "writer",
+            &writer("").replace(
+                "approve: [write_file]",
+                "approve: [{tool: write_file, timeout: 250ms}]",
+            ),
+        )],
+    )
+    .await;
+    let run = node.run_agent("writer", "go").await;
+    let card = node.wait_card(run).await;
+    assert_eq!(card.deadline_ms - card.asked_at_ms, 250);
+    node.wait_run(run).await;
+    assert_eq!(node.cards(run)[0].state, CardState::Expired);
+
+    let parent = agent_md(
+        "tools: [write_file]\napprove: [write_file]\nsubagents: [writer]\nscript:\n  - call: {tool: delegate, args: {jobs: [{agent: writer, request: write, label: w}]}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let child = notifier("{tool: write_file, mode: notify}");
+    let secrets = tempfile::tempdir().unwrap();
+    let config = arbor_testkit::secrets_file(secrets.path(), "API_TOKEN=s3cr3t-v4lue\n", 0o600);
+    let node =
+        TestNode::start_with_config(&config, &[("parent", &parent), ("writer", &child)]).await;
+    let run = node.run_agent("parent", "go").await;
+    let card = node.wait_card(run).await;
+    assert_eq!(card.state, CardState::Pending, "asked, not run at once");
+    assert_eq!(card.lineage, ["parent", "w"]);
+}

@@ -8,6 +8,7 @@
 use super::types::{LoopArgs, LoopMsg, clip, panic_message};
 use crate::mcp::{McpToolbox, result_text};
 use crate::model::ToolCall;
+use crate::policy::Gating;
 use crate::sandbox::{OUTPUT_LIMIT, SandboxMsg};
 use crate::tape::Served;
 use arbor_protocol::tools::parse_duration_arg;
@@ -223,21 +224,115 @@ async fn call_tool(
         Ok(asks) => asks,
         Err(e) => return (named, Step::Result(Err(e))),
     };
-    if hooked || args.policy.asks(&named) {
-        let check: crate::approvals::ArgsCheck = Arc::new(move |a| builtin_check(tool, a));
-        match ask_person(args, &named, call, check).await {
-            Err(e) => return (named, Step::Result(Err(e))),
-            Ok(Some(edited)) => {
-                let call = ToolCall {
-                    args: edited,
-                    ..call.clone()
-                };
-                return (named, call_builtin(args, tool, &call).await);
+    match gating(args, &named, hooked) {
+        Some(Gating::Ask { timeout }) => {
+            let check: crate::approvals::ArgsCheck = Arc::new(move |a| builtin_check(tool, a));
+            match ask_person(args, &named, call, check, timeout).await {
+                Err(e) => return (named, Step::Result(Err(e))),
+                Ok(Some(edited)) => {
+                    let call = ToolCall {
+                        args: edited,
+                        ..call.clone()
+                    };
+                    return (named, call_builtin(args, tool, &call).await);
+                }
+                Ok(None) => {}
             }
-            Ok(None) => {}
         }
+        Some(Gating::Notify { undo }) => {
+            let step = call_builtin(args, tool, call).await;
+            if let Step::Result(result) = &step
+                && let Err(e) = record_ran(args, &named, call, result, undo).await
+            {
+                return (named, Step::Result(Err(e)));
+            }
+            return (named, step);
+        }
+        None => {}
     }
     (named, call_builtin(args, tool, call).await)
+}
+
+/// How a call is gated: a hook that answered `ask` asks; else its
+/// agent's `approve:` entries say (`Policy::gating`).
+fn gating(args: &LoopArgs, tool: &str, hooked: bool) -> Option<Gating> {
+    // A question is a card already: an entry for it sets only its wait.
+    if tool == "ask_person" {
+        return None;
+    }
+    if hooked {
+        // The entry's own wait still holds for a hook's ask.
+        let timeout = match args.policy.gating(tool) {
+            Some(Gating::Ask { timeout }) => timeout,
+            _ => None,
+        };
+        return Some(Gating::Ask { timeout });
+    }
+    args.policy.gating(tool)
+}
+
+/// I-60: a notify-mode call ran; its card, decided `ran` as it is made,
+/// records the tool, its arguments and result (secrets redacted, clipped)
+/// and the entry's undo hint, durable before the model reads the result.
+/// `Err`: the record could not be made; the model is told the call ran.
+async fn record_ran(
+    args: &LoopArgs,
+    tool: &str,
+    call: &ToolCall,
+    result: &Result<serde_json::Value, String>,
+    undo: Option<String>,
+) -> Result<(), String> {
+    use crate::approvals::GateMsg;
+    use arbor_protocol::{Card, CardId, CardKind, CardState, Decision};
+    let Some(gate) = args.ctx.gate.get() else {
+        return Ok(());
+    };
+    let secrets = &args.ctx.secrets;
+    let shown = match result {
+        Ok(serde_json::Value::String(text)) => text.clone(),
+        Ok(value) => value.to_string(),
+        Err(e) => format!("error: {e}"),
+    };
+    let at_ms = crate::events::now_ms();
+    let card = Card {
+        id: CardId::new(),
+        kind: CardKind::Call,
+        run: args.run,
+        job: args.id,
+        lineage: args.path.to_vec(),
+        agent: args.agent.name.clone(),
+        tool: tool.to_string(),
+        call: call.id.clone(),
+        args: card_args(&call.args, secrets),
+        state: CardState::Ran,
+        asked_at_ms: at_ms,
+        deadline_ms: at_ms,
+        decision: Some(Decision {
+            by: "notify".into(),
+            reason: None,
+            at_ms,
+            edited: false,
+            answer: None,
+        }),
+        result: Some(clip(&secrets.redact(&shown), CARD_STRING_LIMIT)),
+        undo,
+    };
+    let recorded = gate
+        .call(
+            |reply| GateMsg::Record {
+                card: Box::new(card),
+                reply,
+            },
+            None,
+        )
+        .await;
+    match recorded {
+        Ok(ractor::rpc::CallResult::Success(Ok(()))) => Ok(()),
+        Ok(ractor::rpc::CallResult::Success(Err(e))) => Err(format!(
+            "the call ran, but its record card could not be journaled: {e}"
+        )),
+        _ => Err("the call ran, but the approval gate that records it is gone".into()),
+    }
 }
 
 /// Whether `args` are arguments the built-in `tool` accepts.
@@ -271,6 +366,7 @@ async fn ask_person(
     tool: &str,
     call: &ToolCall,
     check: crate::approvals::ArgsCheck,
+    timeout: Option<std::time::Duration>,
 ) -> Result<Option<serde_json::Value>, String> {
     // A replay applies the recorded decision: the person is not asked again.
     if let Some(decided) = args
@@ -282,7 +378,7 @@ async fn ask_person(
         return decided;
     }
     let kind = arbor_protocol::CardKind::of_tool(tool);
-    let decided = ask_gate(args, tool, call, check)
+    let decided = ask_gate(args, tool, call, check, timeout)
         .await
         .and_then(|answer| outcome(kind, answer));
     // What a stop cut short is no one's decision.
@@ -299,6 +395,7 @@ async fn ask_gate(
     tool: &str,
     call: &ToolCall,
     check: crate::approvals::ArgsCheck,
+    timeout: Option<std::time::Duration>,
 ) -> Result<crate::approvals::Answer, String> {
     use crate::approvals::{Answer, Ask, GateMsg};
     // Fail safe: with no gate, a call meant to wait for a person does not run.
@@ -317,6 +414,7 @@ async fn ask_gate(
         args: card_args(&call.args, &args.ctx.secrets),
         cancel: args.cancel.clone(),
         check,
+        timeout,
     };
     let _ = args.job.cast(LoopMsg::Waiting(true));
     let answer = tokio::select! {
@@ -391,7 +489,12 @@ async fn question(args: &LoopArgs, call: &ToolCall) -> Result<serde_json::Value,
         ..call.clone()
     };
     let check: crate::approvals::ArgsCheck = Arc::new(|_| Ok(()));
-    match ask_person(args, "ask_person", &call, check).await? {
+    // `approve: [{tool: ask_person, timeout}]` sets a question's wait.
+    let timeout = match args.policy.gating("ask_person") {
+        Some(Gating::Ask { timeout }) => timeout,
+        _ => None,
+    };
+    match ask_person(args, "ask_person", &call, check, timeout).await? {
         Some(serde_json::Value::String(answer)) => Ok(serde_json::Value::String(format!(
             "The person answered: {answer}"
         ))),
@@ -503,13 +606,32 @@ async fn mcp_call(
     let mut arguments = entry.check(&call.args)?;
     admit(args, counts, &entry.canonical, &call.id, turn, true).await?;
     let hooked = before_call(args, &entry.canonical, call).await?;
-    if hooked || args.policy.asks(&entry.canonical) {
-        let schema = entry.clone();
-        let check: crate::approvals::ArgsCheck = Arc::new(move |a| schema.check(a).map(|_| ()));
-        if let Some(edited) = ask_person(args, &entry.canonical, call, check).await? {
-            arguments = entry.check(&edited)?;
+    let mut notify = None;
+    match gating(args, &entry.canonical, hooked) {
+        Some(Gating::Ask { timeout }) => {
+            let schema = entry.clone();
+            let check: crate::approvals::ArgsCheck = Arc::new(move |a| schema.check(a).map(|_| ()));
+            if let Some(edited) = ask_person(args, &entry.canonical, call, check, timeout).await? {
+                arguments = entry.check(&edited)?;
+            }
         }
+        Some(Gating::Notify { undo }) => notify = Some(undo),
+        None => {}
     }
+    let result = mcp_send(args, call, entry, arguments).await;
+    if let Some(undo) = notify {
+        record_ran(args, &entry.canonical, call, &result, undo).await?;
+    }
+    result
+}
+
+/// Sends an MCP call through the job's sandbox, which owns the server.
+async fn mcp_send(
+    args: &LoopArgs,
+    call: &ToolCall,
+    entry: &crate::mcp::McpToolEntry,
+    arguments: serde_json::Map<String, serde_json::Value>,
+) -> Result<serde_json::Value, String> {
     let sandbox = sandbox_of(args)?;
     let secrets = &args.ctx.secrets;
     let outcome = ractor::call!(sandbox, |reply| SandboxMsg::McpCall {

@@ -228,10 +228,20 @@ fn named(
 }
 
 /// `approve` names tools a person may be asked about; a hook is a command.
-fn check_gates(approve: &[String], hooks: &arbor_protocol::Hooks) -> Result<(), String> {
+fn check_gates(
+    approve: &[arbor_protocol::ApproveEntry],
+    hooks: &arbor_protocol::Hooks,
+) -> Result<(), String> {
+    use arbor_protocol::ApproveMode;
     for entry in approve {
-        arbor_protocol::approval::check_approve_entry(entry)
-            .map_err(|m| format!("approve: {m}"))?;
+        // `{tool: ask_person, timeout}` sets a question's wait, and only that.
+        let question_wait =
+            entry.tool == "ask_person" && entry.mode == ApproveMode::Ask && entry.timeout.is_some();
+        if !question_wait {
+            arbor_protocol::approval::check_approve_entry(&entry.tool)
+                .map_err(|m| format!("approve: {m}"))?;
+        }
+        entry.check()?;
     }
     if let Some(command) = &hooks.before_call
         && command.trim().is_empty()
