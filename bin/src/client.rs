@@ -727,7 +727,7 @@ pub struct ApprovalsArgs {
     /// Only this run's cards.
     pub run: Option<String>,
     /// Cards in this state: pending (the default), approved, rejected,
-    /// expired, cancelled, or all.
+    /// expired, cancelled, answered, ran (a notify-mode call's record), or all.
     #[arg(long, default_value = "pending")]
     pub state: String,
     /// Only the cards' ids, one a line (for scripts).
