@@ -232,6 +232,39 @@ fn every_example_agent_is_valid_against_the_agent_schema() {
     assert_eq!(checked, 7);
 }
 
+/// examples/peers, offline: the reviewer's message to its sibling is
+/// queued while the writer drafts and read at the writer's next turn; the
+/// tree shows it on the writer's node.
+#[test]
+fn the_peers_example_delivers_the_reviewers_message_at_the_writers_next_turn() {
+    let data = tempfile::tempdir().unwrap();
+    let example = repo().join("examples/peers");
+    let out = arbor(&[
+        "run",
+        example.to_str().unwrap(),
+        "--json",
+        "--data-dir",
+        data.path().to_str().unwrap(),
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let steps = doc["run"]["children"].as_array().unwrap();
+    let draft = steps.iter().find(|c| c["label"] == "draft").unwrap();
+    assert_eq!(draft["status"], "done");
+    let messages = draft["peer_messages"].as_array().unwrap();
+    assert_eq!(messages.len(), 1, "{messages:?}");
+    assert_eq!(messages[0]["from"], "review");
+    assert!(
+        messages[0]["turn"].as_u64().is_some_and(|t| t >= 1),
+        "read at a turn after the first: {messages:?}"
+    );
+}
+
 /// examples/recovery, offline: its first step fails each of its two
 /// attempts (the second after its wait) and its rescuer's answer stands in;
 /// its optional step fails and the run ends done but partial, naming it;

@@ -44,6 +44,10 @@ pub struct TreeNode {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub mcp: BTreeMap<String, McpServerView>,
     pub events_elided: u64,
+    /// Messages its peers of a `peers` group sent it, in order: queued,
+    /// and read once `turn` is set.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub peer_messages: Vec<PeerMessageView>,
     /// The approval card it waits on, if it waits on one (I-46).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waiting: Option<WaitingView>,
@@ -97,6 +101,17 @@ impl WaitingView {
             WaitingView::Retry { .. } | WaitingView::NeedsDecision { .. } => None,
         }
     }
+}
+
+/// A message a peer sent a step (`send_peer`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct PeerMessageView {
+    /// The sender's label.
+    pub from: String,
+    pub message_id: u64,
+    /// The turn that read it; none while it waits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub turn: Option<u32>,
 }
 
 /// One MCP server of a job, as its events tell it.
@@ -177,6 +192,7 @@ impl Tree {
                 tools: BTreeMap::new(),
                 mcp: BTreeMap::new(),
                 events_elided: 0,
+                peer_messages: vec![],
                 waiting: None,
                 started_at_ms: None,
                 ended_at_ms: None,
@@ -489,9 +505,36 @@ impl Tree {
             | EventKind::Refused { .. }
             | EventKind::SteerQueued { .. }
             | EventKind::SteerDelivered { .. }
-            | EventKind::SteerDiscarded { .. }
-            | EventKind::PeerQueued { .. }
-            | EventKind::PeerDelivered { .. } => {}
+            | EventKind::SteerDiscarded { .. } => {}
+            EventKind::PeerQueued {
+                id,
+                from,
+                message_id,
+                ..
+            } => {
+                if let Some(e) = self.entries.get_mut(id) {
+                    e.node.peer_messages.push(PeerMessageView {
+                        from: from.clone(),
+                        message_id: *message_id,
+                        turn: None,
+                    });
+                }
+            }
+            EventKind::PeerDelivered {
+                id,
+                message_id,
+                turn,
+                ..
+            } => {
+                if let Some(m) = self.entries.get_mut(id).and_then(|e| {
+                    e.node
+                        .peer_messages
+                        .iter_mut()
+                        .find(|m| m.message_id == *message_id)
+                }) {
+                    m.turn = Some(*turn);
+                }
+            }
         }
     }
 
