@@ -58,6 +58,13 @@ use std::time::{Duration, Instant};
 
 /// The environment variable that makes a test binary a crash child.
 const CHILD: &str = "ARBOR_CRASH_CHILD";
+
+/// Whether this process is a crash child: a test that builds its scenario
+/// around something of its own (a receiver on a port) must build the same
+/// scenario here, and leave that something to its parent.
+pub fn is_crash_child() -> bool {
+    std::env::var_os(CHILD).is_some()
+}
 /// The environment variable that narrows an exploration to one case.
 const CASE: &str = "ARBOR_CRASH_CASE";
 

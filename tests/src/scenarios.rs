@@ -157,27 +157,67 @@ pub fn gated_delegation() -> Scenario {
     .after_restart(answer_all)
 }
 
-/// People at every commit point (I-60): a step asks a question (two
-/// choices), then a step that waits for a go-ahead; a person answers and
-/// approves each card as it appears, before and after a crash.
-pub fn question_and_step_gate() -> Scenario {
+/// People and peers at every commit point (I-60, I-61, I-20): a step asks
+/// a question (two choices), then a step waits for a go-ahead, then a
+/// `peers` group's reviewer messages its writer; a person answers and
+/// approves each card as it appears, before and after a crash. `notify`
+/// is arbor.toml text appended (a `[notify.NAME]` endpoint, say): after a
+/// restart the scenario waits until nothing is left pending in the outbox.
+pub fn people_and_peers(notify: &str) -> Scenario {
     let asker = agent_md(
         "tools: [ask_person]\nscript:\n  - usage: {input: 20, output: 5}\n    call: {tool: ask_person, args: {question: Which colour?, choices: [red, blue]}}\n  - call: {tool: submit_output, args: {output: asked}}",
     );
     let ship = agent_md(
         "script:\n  - usage: {input: 20, output: 5}\n    call: {tool: submit_output, args: {output: shipped}}",
     );
+    let writer = agent_md(
+        "description: writes\ntools: [exec]\nscript:\n  - usage: {input: 20, output: 5}\n    call: {tool: exec, args: {command: \"true\"}}\n  - call: {tool: exec, args: {command: \"true\"}}\n  - call: {tool: submit_output, args: {output: written}}",
+    );
+    let reviewer = agent_md(
+        "description: reviews\nscript:\n  - usage: {input: 20, output: 5}\n    call: {tool: send_peer, args: {to: draft, text: mention the API}}\n  - call: {tool: submit_output, args: {output: reviewed}}",
+    );
     Scenario::flow_texts(
-        Some("[approvals]\ntimeout = \"1h\"\n"),
-        &[("asker", &asker), ("ship", &ship)],
+        Some(&format!("[approvals]\ntimeout = \"1h\"\n{notify}")),
+        &[
+            ("asker", &asker),
+            ("ship", &ship),
+            ("writer", &writer),
+            ("reviewer", &reviewer),
+        ],
         &[(
             "people",
-            "budget = { tokens = 1000000 }\n[[group]]\nsteps = [{ agent = \"asker\", instruction = \"ask\", retries = 100 }]\n[[group]]\nsteps = [{ agent = \"ship\", instruction = \"ship\", retries = 100, approve = true }]\n",
+            "budget = { tokens = 1000000 }\n[[group]]\nsteps = [{ agent = \"asker\", instruction = \"ask\", retries = 100 }]\n[[group]]\nsteps = [{ agent = \"ship\", instruction = \"ship\", retries = 100, approve = true }]\n[[group]]\npeers = true\nsteps = [{ agent = \"writer\", label = \"draft\", instruction = \"write\", retries = 100 }, { agent = \"reviewer\", label = \"review\", instruction = \"review\", retries = 100 }]\n",
         )],
         "people",
     )
     .during(answer_all)
-    .after_restart(answer_all)
+    .after_restart(|node, run| {
+        Box::pin(async move {
+            answer_all(node, run).await;
+            outbox_drained(node).await;
+        })
+    })
+}
+
+/// Waits, on the deliverer's changes, until no notification is pending
+/// (a bound only for a test gone wrong: the check then says what is left).
+async fn outbox_drained(node: &TestNode) {
+    use arbor_runtime::notify::DeliveryState;
+    let Some(notifications) = node.node().notifications() else {
+        return;
+    };
+    let mut changes = notifications.changes();
+    let drained = async {
+        while notifications
+            .list(Some(DeliveryState::Pending))
+            .is_ok_and(|p| !p.is_empty())
+        {
+            if changes.changed().await.is_err() {
+                return;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(20), drained).await;
 }
 
 /// A person who answers every question (`blue`) and approves every other

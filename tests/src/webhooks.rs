@@ -46,8 +46,13 @@ pub struct Receiver {
 }
 
 impl Receiver {
-    /// Listening, answering `status` (or `HOLD`).
+    /// Listening on a port of its own, answering `status` (or `HOLD`).
     pub async fn start(status: u16) -> Receiver {
+        Self::start_at("127.0.0.1:0", status).await
+    }
+
+    /// Listening at `address`.
+    pub async fn start_at(address: &str, status: u16) -> Receiver {
         let shared = Arc::new(Shared {
             answer: AtomicU16::new(status),
             seen: Mutex::new(vec![]),
@@ -56,9 +61,9 @@ impl Receiver {
         let app = axum::Router::new()
             .fallback(receive)
             .with_state(shared.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        let listener = tokio::net::TcpListener::bind(address)
             .await
-            .expect("a loopback port");
+            .unwrap_or_else(|e| panic!("the receiver listens at {address}: {e}"));
         let url = format!("http://{}/hook", listener.local_addr().expect("an address"));
         let serving = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;

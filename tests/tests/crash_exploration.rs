@@ -243,7 +243,32 @@ async fn every_commit_point_of_a_gated_delegation_keeps_its_cards() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inv_60_every_commit_point_of_a_question_and_a_step_gate_has_one_outcome() {
     use arbor_protocol::{CardKind, CardState, EventKind};
-    let scenario = arbor_tests::scenarios::question_and_step_gate();
+    use arbor_runtime::notify::DeliveryState;
+    // Every notification goes to a receiver here (at a fixed address: each
+    // crash child builds the same scenario), signed with a secret each
+    // process writes to a file of its own.
+    const RECEIVER: &str = "127.0.0.1:18994";
+    let receiver = match arbor_testkit::explore::is_crash_child() {
+        false => Some(arbor_tests::webhooks::Receiver::start_at(RECEIVER, 204).await),
+        true => None,
+    };
+    let secrets = tempfile::tempdir().unwrap();
+    let secrets_file = secrets.path().join("secrets.env");
+    std::fs::write(
+        &secrets_file,
+        "HOOK_SECRET=whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &secrets_file,
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
+    let scenario = arbor_tests::scenarios::people_and_peers(&format!(
+        "[sandbox]\nsecrets_file = \"{}\"\n[notify.ops]\nurl = \"{}\"\nevents = [\"*\"]\nsecret = \"HOOK_SECRET\"\nretry_wait = \"50ms\"\nmax_wait = \"200ms\"\nmax_attempts = 50\n",
+        secrets_file.display(),
+        format!("http://{RECEIVER}/hook"),
+    ));
     let report = explore_crashes(&scenario, |node, run| {
         let cards = done_with_cards_closed(node, run)?;
         for kind in [CardKind::Question, CardKind::Step] {
@@ -277,9 +302,99 @@ async fn inv_60_every_commit_point_of_a_question_and_a_step_gate_has_one_outcome
                 _ => {}
             }
         }
-        Ok(())
+        peers_told_once(&events)?;
+        let seen = receiver.as_ref().map(|r| r.seen()).unwrap_or_default();
+        notified(node, run, &events, &seen)
     })
     .await;
     println!("{report}");
     assert!(report.crashed > 0, "no case crashed: {report}");
+}
+
+/// I-20 for peers: each message read once, and only a message queued.
+fn peers_told_once(events: &[arbor_protocol::Event]) -> Result<(), String> {
+    use arbor_protocol::EventKind;
+    let mut queued = std::collections::HashSet::new();
+    let mut read = std::collections::HashSet::new();
+    for event in events {
+        match &event.kind {
+            EventKind::PeerQueued { id, message_id, .. } => {
+                queued.insert((*id, *message_id));
+            }
+            EventKind::PeerDelivered { id, message_id, .. } => {
+                if !queued.contains(&(*id, *message_id)) {
+                    return Err(format!(
+                        "peer message {message_id} to {id} read, never queued"
+                    ));
+                }
+                if !read.insert((*id, *message_id)) {
+                    return Err(format!("peer message {message_id} to {id} read twice"));
+                }
+            }
+            _ => {}
+        }
+    }
+    if queued.is_empty() {
+        return Err("the reviewer's message was never queued".into());
+    }
+    Ok(())
+}
+
+/// I-61: every outbox entry of the run is for an event in its history
+/// (committed together), every notified event has its entry, and every
+/// entry was delivered, its id seen by the receiver.
+fn notified(
+    node: &arbor_testkit::TestNode,
+    run: arbor_protocol::RunId,
+    events: &[arbor_protocol::Event],
+    seen: &[arbor_tests::webhooks::Received],
+) -> Result<(), String> {
+    use arbor_runtime::notify::{DeliveryState, payload};
+    let Some(notifications) = node.node().notifications() else {
+        return Err("the node has no [notify]".into());
+    };
+    let entries: Vec<_> = notifications
+        .list(None)
+        .map_err(|e| format!("the outbox does not read: {e}"))?
+        .into_iter()
+        .filter(|e| e.run == run)
+        .collect();
+    for entry in &entries {
+        let Some(event) = events.iter().find(|e| e.seq == entry.event_seq) else {
+            return Err(format!(
+                "{} is for event {}, not in the journal",
+                entry.webhook_id(),
+                entry.event_seq
+            ));
+        };
+        if payload(event).map(|(kind, _)| kind) != Some(entry.event_type.as_str()) {
+            return Err(format!(
+                "{} is a {}, its event is {:?}",
+                entry.webhook_id(),
+                entry.event_type,
+                event.kind
+            ));
+        }
+        if entry.state != DeliveryState::Delivered {
+            return Err(format!(
+                "{} is {} after recovery: {:?}",
+                entry.webhook_id(),
+                entry.state.as_str(),
+                entry.last_error
+            ));
+        }
+        let id = entry.webhook_id();
+        if !seen.iter().any(|r| r.id == id) {
+            return Err(format!("{id} is delivered, and the receiver never saw it"));
+        }
+    }
+    for event in events.iter().filter(|e| payload(e).is_some()) {
+        if !entries.iter().any(|e| e.event_seq == event.seq) {
+            return Err(format!(
+                "event {} ({:?}) has no notification",
+                event.seq, event.kind
+            ));
+        }
+    }
+    Ok(())
 }

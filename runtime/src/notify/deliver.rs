@@ -153,29 +153,29 @@ impl Deliverer {
                 done.push(entry);
             }
         }
-        for entry in done {
-            let committed = match entry.record() {
-                Ok(record) => self
-                    .journal
-                    .commit(vec![record])
-                    .await
-                    .map_err(|e| e.to_string()),
-                Err(e) => {
-                    tracing::error!(error = %e, "a notification could not be encoded");
-                    Ok(0)
-                }
-            };
-            if let Err(e) = committed {
-                tracing::error!(error = %e, "a notification's outcome was not committed");
-                return false;
+        if done.is_empty() {
+            return true;
+        }
+        // One commit for the round's outcomes: one flush, however many tries.
+        let mut records = Vec::with_capacity(done.len());
+        for entry in &done {
+            match entry.record() {
+                Ok(record) => records.push(record),
+                Err(e) => tracing::error!(error = %e, "a notification could not be encoded"),
             }
+        }
+        if let Err(e) = self.journal.commit(records).await {
+            tracing::error!(error = %e, "notifications' outcomes were not committed");
+            return false;
+        }
+        for entry in done {
             if entry.state == DeliveryState::Pending {
                 pending.insert(entry.id, entry);
             } else {
                 pending.remove(&entry.id);
             }
-            self.changes.send_modify(|v| *v += 1);
         }
+        self.changes.send_modify(|v| *v += 1);
         true
     }
 
