@@ -243,7 +243,6 @@ async fn every_commit_point_of_a_gated_delegation_keeps_its_cards() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inv_60_every_commit_point_of_a_question_and_a_step_gate_has_one_outcome() {
     use arbor_protocol::{CardKind, CardState, EventKind};
-    use arbor_runtime::notify::DeliveryState;
     // Every notification goes to a receiver here (at a fixed address: each
     // crash child builds the same scenario), signed with a secret each
     // process writes to a file of its own.
@@ -265,9 +264,8 @@ async fn inv_60_every_commit_point_of_a_question_and_a_step_gate_has_one_outcome
     )
     .unwrap();
     let scenario = arbor_tests::scenarios::people_and_peers(&format!(
-        "[sandbox]\nsecrets_file = \"{}\"\n[notify.ops]\nurl = \"{}\"\nevents = [\"*\"]\nsecret = \"HOOK_SECRET\"\nretry_wait = \"50ms\"\nmax_wait = \"200ms\"\nmax_attempts = 50\n",
+        "[sandbox]\nsecrets_file = \"{}\"\n[notify.ops]\nurl = \"http://{RECEIVER}/hook\"\nevents = [\"*\"]\nsecret = \"HOOK_SECRET\"\nretry_wait = \"50ms\"\nmax_wait = \"200ms\"\nmax_attempts = 50\n",
         secrets_file.display(),
-        format!("http://{RECEIVER}/hook"),
     ));
     let report = explore_crashes(&scenario, |node, run| {
         let cards = done_with_cards_closed(node, run)?;
