@@ -73,6 +73,17 @@ async fn wait_outbox(
     })
 }
 
+/// Runs the quick flow; waits until a notification of it has failed.
+async fn quick_run_failed(svc: &TestService) -> (arbor_protocol::RunId, Vec<OutboxRecord>) {
+    let run = svc.submit(serde_json::json!({"flow": "quick"})).await;
+    svc.wait_run(run).await;
+    let entries = wait_outbox(svc, |all| {
+        all.iter().any(|e| e.state == DeliveryState::Failed)
+    })
+    .await;
+    (run, entries)
+}
+
 fn verified(received: &Received) {
     let key = secret_key(SECRET).unwrap();
     let timestamp: u64 = received.timestamp.parse().expect("a webhook-timestamp");
@@ -188,12 +199,7 @@ async fn inv_61_a_dead_lettered_notification_is_listed_counted_and_sent_again_wi
         "events = [\"run_finished\"]\nmax_attempts = 3\nretry_wait = \"10ms\"\nmax_wait = \"40ms\"\n",
     )
     .await;
-    let run = svc.submit(serde_json::json!({"flow": "quick"})).await;
-    svc.wait_run(run).await;
-    let entries = wait_outbox(&svc, |all| {
-        all.iter().any(|e| e.state == DeliveryState::Failed)
-    })
-    .await;
+    let (run, entries) = quick_run_failed(&svc).await;
     assert_eq!(entries.len(), 1, "only run_finished: {entries:#?}");
     let entry = &entries[0];
     assert_eq!(entry.attempts, 3);
@@ -269,12 +275,7 @@ async fn inv_61_a_410_disables_the_endpoint_until_an_entry_is_retried() {
         "events = [\"run_finished\"]\nmax_attempts = 5\nretry_wait = \"10ms\"\n",
     )
     .await;
-    let first = svc.submit(serde_json::json!({"flow": "quick"})).await;
-    svc.wait_run(first).await;
-    let entries = wait_outbox(&svc, |all| {
-        all.iter().any(|e| e.state == DeliveryState::Failed)
-    })
-    .await;
+    let (_, entries) = quick_run_failed(&svc).await;
     assert_eq!(entries[0].attempts, 1, "a 410 is not tried again");
     assert!(entries[0].last_error.as_deref().unwrap().contains("410"));
     let svc = svc.restart().await;
@@ -326,12 +327,7 @@ async fn a_redirect_is_a_failed_try_and_is_not_followed() {
         "events = [\"run_finished\"]\nmax_attempts = 1\n",
     )
     .await;
-    let run = svc.submit(serde_json::json!({"flow": "quick"})).await;
-    svc.wait_run(run).await;
-    let entries = wait_outbox(&svc, |all| {
-        all.iter().any(|e| e.state == DeliveryState::Failed)
-    })
-    .await;
+    let (_, entries) = quick_run_failed(&svc).await;
     let error = entries[0].last_error.clone().unwrap();
     assert!(error.contains("redirects are not followed"), "{error}");
     let paths: Vec<String> = receiver.seen().into_iter().map(|r| r.path).collect();
