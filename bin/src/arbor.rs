@@ -34,6 +34,7 @@ mod journal;
 mod new;
 mod render;
 mod replay;
+mod token;
 
 use anyhow::Context;
 use arbor_protocol::WaitingView;
@@ -77,6 +78,10 @@ enum Command {
     /// The nodes of a shared journal.
     #[command(subcommand)]
     Node(NodeCommand),
+    /// A node's named credentials, each with a tenant and roles: add, list,
+    /// revoke (offline, on its data dir).
+    #[command(subcommand)]
+    Token(token::TokenCommand),
     /// Lint a workspace: every problem in one pass (exit 1 if any is an error).
     Check { dir: PathBuf },
     /// Write a new agents/NAME/agent.md (every key commented) or
@@ -275,6 +280,10 @@ fn main() -> ExitCode {
                 }
                 Err(why) => Err(bad(why)),
             },
+            Command::Token(command) => conn
+                .format()
+                .and_then(|output| token::run(command, output))
+                .map_err(Failure::Client),
             Command::Check { dir } => match conn.format() {
                 Ok(output) => Ok(check(&dir, output).await),
                 Err(failed) => Err(Failure::Client(failed)),

@@ -35,7 +35,8 @@ pub mod exit {
     pub const NOT_FOUND: u8 = 3;
     /// The service could not be reached, or is shutting down (503).
     pub const UNREACHABLE: u8 = 4;
-    /// The service refused the token (401).
+    /// The service refused the token (401), or its credential has not the
+    /// role the request needs (403).
     pub const UNAUTHORIZED: u8 = 5;
 }
 
@@ -95,7 +96,7 @@ pub struct Failed {
 }
 
 impl Failed {
-    fn new(code: u8, message: impl Into<String>) -> Self {
+    pub fn new(code: u8, message: impl Into<String>) -> Self {
         Self {
             code,
             message: message.into(),
@@ -179,6 +180,7 @@ impl Client {
                 return Failed::new(exit::UNAUTHORIZED, why);
             }
             api::Error::Refused { status, .. } => match status {
+                403 => exit::UNAUTHORIZED,
                 404 => exit::NOT_FOUND,
                 409 => exit::RUN_FAILED,
                 503 => exit::UNREACHABLE,

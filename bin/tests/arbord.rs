@@ -862,6 +862,49 @@ fn inv_61_a_notification_cut_off_by_sigkill_mid_delivery_is_sent_again_with_its_
     assert!(ids.try_recv().is_err(), "delivered once after the restart");
 }
 
+/// I-63 through the binaries: a credential `arbor token add` makes works
+/// on a running arbord at once, within its role (a viewer reads, and its
+/// submit is refused, exit 5, naming the role); revoked, it is refused.
+#[test]
+fn inv_63_a_viewer_made_with_arbor_token_reads_cannot_submit_and_once_revoked_is_refused() {
+    let dir = workspace("");
+    let data = dir.path().join(".arbor");
+    let arbord = Arbord::start(dir.path(), &data);
+    let token = |args: &[&str]| {
+        let mut all = vec!["token"];
+        all.extend_from_slice(args);
+        all.extend(["--data-dir", data.to_str().unwrap()]);
+        Command::new(env!("CARGO_BIN_EXE_arbor"))
+            .args(&all)
+            .output()
+            .unwrap()
+    };
+    let made = token(&["add", "dash", "--roles", "viewer"]);
+    assert_eq!(code(&made), 0, "{}", String::from_utf8_lossy(&made.stderr));
+    let secret = String::from_utf8(made.stdout).unwrap().trim().to_string();
+    assert_eq!(secret.len(), 64, "the token alone on its line");
+    let as_viewer = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_arbor"))
+            .args(args)
+            .env("ARBOR_URL", &arbord.url)
+            .env("ARBOR_TOKEN", &secret)
+            .output()
+            .unwrap()
+    };
+    assert_eq!(code(&as_viewer(&["runs"])), 0);
+    let submit = as_viewer(&["submit", "--flow", "hello"]);
+    assert_eq!(code(&submit), 5);
+    let said = String::from_utf8_lossy(&submit.stderr);
+    assert!(said.contains("needs operator"), "{said}");
+    let listed = String::from_utf8(token(&["list"]).stdout).unwrap();
+    assert!(
+        listed.contains("dash") && !listed.contains(&secret),
+        "{listed}"
+    );
+    assert_eq!(code(&token(&["revoke", "dash"])), 0);
+    assert_eq!(code(&as_viewer(&["runs"])), 5, "revoked");
+}
+
 /// A workspace whose journal is a fresh schema of the PostgreSQL server
 /// `ARBOR_TEST_DATABASE_URL` names, with a short lease: (the workspace,
 /// the URL, the schema).

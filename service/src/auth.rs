@@ -3,10 +3,11 @@
 //! without it. Compared in constant time, so the time a refusal takes says
 //! nothing of how much of a guess was right.
 //!
-//! Beside it, the data dir's `tokens` file (0600, optional) holds named
-//! tokens, one `NAME TOKEN` a line: each opens the same routes, and a
-//! decision on an approval card records the name of the token that made it
-//! (the main token's name is `operator`).
+//! Beside it, the data dir's `tokens` file (`credentials.rs`) holds named
+//! credentials, each with a tenant and roles; a route answers a credential
+//! without the role it needs (`required_role`) 403 (I-63). A decision on
+//! an approval card records the name of the credential that made it (the
+//! main token's, an admin of every tenant, is `operator`).
 //!
 //! The console (a browser, whose EventSource cannot send a header, and
 //! whose URLs end up in logs and history) logs in instead: `POST
@@ -31,8 +32,8 @@ use subtle::ConstantTimeEq;
 
 /// The token file's name in the data dir.
 pub const TOKEN_FILE: &str = "token";
-/// The named tokens' file in the data dir.
-pub const TOKENS_FILE: &str = "tokens";
+pub use crate::credentials::TOKENS_FILE;
+use crate::credentials::{self, Credential, Roles};
 /// The name the main token decides under.
 pub const MAIN_TOKEN_NAME: &str = "operator";
 
@@ -43,13 +44,22 @@ pub const SESSION_LIFETIME: std::time::Duration = std::time::Duration::from_secs
 /// At most this many sessions at once; a login past it ends the oldest.
 const MAX_SESSIONS: usize = 256;
 
-/// Every token the node takes, each with its name, and the console's
-/// sessions opened with them.
+/// Every token the node takes: the main one, and the named credentials
+/// of `<data_dir>/tokens` (read again when the file changes); and the
+/// console's sessions opened with them.
 #[derive(Clone, Debug)]
 pub struct Tokens {
     main: Token,
-    named: Arc<[(String, Token)]>,
+    data_dir: Arc<Path>,
+    named: Arc<std::sync::Mutex<Named>>,
     sessions: Arc<std::sync::Mutex<Vec<Session>>>,
+}
+
+/// The credentials as last read, and the file's state then.
+#[derive(Debug, Default)]
+struct Named {
+    seen: Option<(std::time::SystemTime, u64)>,
+    credentials: Arc<[Credential]>,
 }
 
 /// A console session: its id (the cookie's value) and who opened it.
@@ -60,100 +70,109 @@ struct Session {
     ends: std::time::Instant,
 }
 
-/// The name of the token a request came with (a request extension).
+/// Who a request comes from (a request extension): the credential's name
+/// (`operator` for the main token), its tenant (`None`: every tenant) and
+/// its roles.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Caller(pub String);
+pub struct Caller {
+    pub name: String,
+    pub tenant: Option<String>,
+    pub roles: Roles,
+}
 
 impl Tokens {
-    /// The main token, and the named ones of `<data_dir>/tokens` if there is
-    /// such a file: it must be 0600, each line `NAME TOKEN` (blank lines and
-    /// `#` comments aside), names and tokens distinct, tokens 32 characters
-    /// or more.
+    /// The main token, and the credentials of `<data_dir>/tokens` if there
+    /// is such a file (`credentials::load`: 0600, each line checked; an
+    /// old-format file is rewritten hashed, and said on stderr).
     pub fn load(data_dir: &Path, main: Token) -> Result<Tokens, String> {
-        let path = data_dir.join(TOKENS_FILE);
-        let text = match std::fs::metadata(&path) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Ok(Tokens {
-                    main,
-                    named: Arc::from([]),
-                    sessions: Arc::default(),
-                });
-            }
-            Err(e) => return Err(format!("{}: {e}", path.display())),
-            Ok(meta) if meta.permissions().mode() & 0o077 != 0 => {
-                return Err(format!(
-                    "{}: mode {:o} lets others read the tokens; make it 0600 (chmod 600)",
-                    path.display(),
-                    meta.permissions().mode() & 0o777
-                ));
-            }
-            Ok(_) => {
-                std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?
-            }
-        };
-        let mut named: Vec<(String, Token)> = vec![];
-        for (n, line) in text.lines().enumerate() {
-            let line = line.trim();
-            if line.is_empty() || line.starts_with('#') {
-                continue;
-            }
-            let at = |why: String| format!("{} line {}: {why}", path.display(), n + 1);
-            let mut parts = line.split_whitespace();
-            let (Some(name), Some(token), None) = (parts.next(), parts.next(), parts.next()) else {
-                return Err(at("expected `NAME TOKEN`".into()));
-            };
-            let name_ok = name.len() <= 64
-                && name
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.');
-            if !name_ok {
-                return Err(at(format!(
-                    "{name:?} is not a token name: up to 64 letters, digits, `-`, `_` or `.`"
-                )));
-            }
-            if name == MAIN_TOKEN_NAME || named.iter().any(|(n, _)| n == name) {
-                return Err(at(format!("the name {name:?} is taken")));
-            }
-            if token.len() < 32 {
-                return Err(at(format!(
-                    "the token of {name} is too short (at least 32 characters)"
-                )));
-            }
-            if main.matches(token) || named.iter().any(|(_, t)| t.matches(token)) {
-                return Err(at(format!("the token of {name} is another name's too")));
-            }
-            named.push((name.to_string(), Token(token.into())));
-        }
-        Ok(Tokens {
+        let tokens = Tokens {
             main,
-            named: named.into(),
+            data_dir: Arc::from(data_dir),
+            named: Arc::default(),
             sessions: Arc::default(),
-        })
+        };
+        let rewritten = tokens.refresh()?;
+        if rewritten > 0 {
+            eprintln!(
+                "arbord: {}: {rewritten} token(s) were kept in the clear; the file now keeps                  their SHA-256, each still an admin of every tenant (`arbor token list`)",
+                data_dir.join(TOKENS_FILE).display()
+            );
+        }
+        Ok(tokens)
+    }
+
+    /// Reads the file again if it changed since; the old-format lines it
+    /// rewrote. A file that no longer reads keeps what was read before.
+    fn refresh(&self) -> Result<usize, String> {
+        let path = self.data_dir.join(TOKENS_FILE);
+        let now = std::fs::metadata(&path)
+            .ok()
+            .map(|m| (m.modified().unwrap_or(std::time::UNIX_EPOCH), m.len()));
+        let mut named = self.named.lock().unwrap_or_else(|p| p.into_inner());
+        if named.seen.is_some() && named.seen == now {
+            return Ok(0);
+        }
+        let loaded = credentials::load(&self.data_dir, self.main.as_str())?;
+        named.credentials = loaded.credentials.into();
+        named.seen = std::fs::metadata(&path)
+            .ok()
+            .map(|m| (m.modified().unwrap_or(std::time::UNIX_EPOCH), m.len()));
+        Ok(loaded.rewritten)
+    }
+
+    fn credentials(&self) -> Arc<[Credential]> {
+        if let Err(why) = self.refresh() {
+            tracing::warn!(%why, "the tokens file does not read; keeping the credentials read before");
+        }
+        self.named
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .credentials
+            .clone()
     }
 
     pub fn main(&self) -> &Token {
         &self.main
     }
 
-    /// The name of the token `presented` is, if it is one. Every token is
-    /// compared, in constant time each, whichever matches.
-    pub fn who(&self, presented: &str) -> Option<&str> {
-        let mut found = self.main.matches(presented).then_some(MAIN_TOKEN_NAME);
-        for (name, token) in self.named.iter() {
-            if token.matches(presented) && found.is_none() {
-                found = Some(name);
+    /// Who holds `presented`, if it is a token of the node's. Every digest
+    /// is compared, in constant time each, whichever matches.
+    pub fn who(&self, presented: &str) -> Option<Caller> {
+        let mut found = self.main.matches(presented).then(|| Caller {
+            name: MAIN_TOKEN_NAME.into(),
+            tenant: None,
+            roles: Roles::admin(),
+        });
+        let hash = credentials::digest(presented);
+        for c in self.credentials().iter() {
+            let same: bool = c.hash.as_bytes().ct_eq(hash.as_bytes()).into();
+            if same && found.is_none() {
+                found = Some(caller_of(c));
             }
         }
         found
     }
 
+    /// The caller a live credential's name stands for now (a session's;
+    /// none once it is revoked).
+    fn named_caller(&self, name: &str) -> Option<Caller> {
+        if name == MAIN_TOKEN_NAME {
+            return Some(Caller {
+                name: name.into(),
+                tenant: None,
+                roles: Roles::admin(),
+            });
+        }
+        self.credentials()
+            .iter()
+            .find(|c| c.name == name)
+            .map(caller_of)
+    }
+
     /// Opens a console session for the holder of `presented`: its id, for
     /// the cookie.
     pub fn open_session(&self, presented: &str) -> Result<String, SessionRefused> {
-        let caller = self
-            .who(presented)
-            .ok_or(SessionRefused::WrongToken)?
-            .to_string();
+        let caller = self.who(presented).ok_or(SessionRefused::WrongToken)?.name;
         let id = random_hex(32).map_err(SessionRefused::NoRandomness)?;
         let mut sessions = self.lock_sessions();
         let now = std::time::Instant::now();
@@ -174,13 +193,15 @@ impl Tokens {
         self.lock_sessions().retain(|s| !s.id.matches(id));
     }
 
-    /// Who opened the live session `id`.
-    fn session(&self, id: &str) -> Option<String> {
+    /// Who opened the live session `id`, as their credential stands now.
+    fn session(&self, id: &str) -> Option<Caller> {
         let now = std::time::Instant::now();
-        self.lock_sessions()
+        let name = self
+            .lock_sessions()
             .iter()
             .find(|s| s.ends > now && s.id.matches(id))
-            .map(|s| s.caller.clone())
+            .map(|s| s.caller.clone())?;
+        self.named_caller(&name)
     }
 
     fn lock_sessions(&self) -> std::sync::MutexGuard<'_, Vec<Session>> {
@@ -189,9 +210,17 @@ impl Tokens {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// How many named tokens there are, beside the main one.
+    /// How many named credentials there are, beside the main token.
     pub fn named(&self) -> usize {
-        self.named.len()
+        self.credentials().len()
+    }
+}
+
+fn caller_of(c: &Credential) -> Caller {
+    Caller {
+        name: c.name.clone(),
+        tenant: c.tenant.clone(),
+        roles: c.roles.clone(),
     }
 }
 
@@ -272,7 +301,7 @@ pub enum SessionRefused {
     NoRandomness(std::io::Error),
 }
 
-fn random_hex(bytes: usize) -> std::io::Result<String> {
+pub(crate) fn random_hex(bytes: usize) -> std::io::Result<String> {
     let mut buf = vec![0u8; bytes];
     std::fs::File::open("/dev/urandom")?.read_exact(&mut buf)?;
     Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
@@ -309,7 +338,7 @@ pub fn cross_site(headers: &axum::http::HeaderMap) -> Option<String> {
 /// The middleware on every protected route.
 pub async fn require_token(
     axum::extract::State(tokens): axum::extract::State<Tokens>,
-    mut request: Request,
+    request: Request,
     next: Next,
 ) -> Response {
     let presented = request
@@ -329,27 +358,66 @@ pub async fn require_token(
             .into_response();
         }
         return match tokens.session(id) {
-            Some(name) => {
-                request.extensions_mut().insert(Caller(name));
-                next.run(request).await
-            }
+            Some(caller) => allowed(caller, request, next).await,
             None => ApiError::unauthorized(
                 "the console's session has ended (or this node restarted): log in again",
             )
             .into_response(),
         };
     }
-    let caller = presented.and_then(|p| tokens.who(p)).map(str::to_string);
+    let caller = presented.and_then(|p| tokens.who(p));
     match (presented, caller) {
-        (_, Some(name)) => {
-            request.extensions_mut().insert(Caller(name));
-            next.run(request).await
-        }
+        (_, Some(caller)) => allowed(caller, request, next).await,
         (Some(_), None) => ApiError::unauthorized("the bearer token is wrong").into_response(),
         (None, _) => ApiError::unauthorized(
             "an `Authorization: Bearer TOKEN` header is required (the token is in the data dir's `token` file)",
         )
         .into_response(),
+    }
+}
+
+/// Runs the request if `caller`'s roles allow its route (I-63), else 403
+/// naming what it needs.
+async fn allowed(caller: Caller, mut request: Request, next: Next) -> Response {
+    let path = request
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| request.uri().path().to_string());
+    let need = required_role(request.method(), &path);
+    if !caller.roles.allow(need) {
+        return ApiError::forbidden(format!(
+            "the credential {:?} has the roles {}; {} {path} needs {}",
+            caller.name,
+            caller.roles,
+            request.method(),
+            need.as_str()
+        ))
+        .into_response();
+    }
+    request.extensions_mut().insert(caller);
+    next.run(request).await
+}
+
+/// The role a route needs (I-63): reading is a viewer's; submitting,
+/// stopping, steering, continuing and replaying an operator's; deciding a
+/// card an approver's; the node an admin's. A route not named here is an
+/// admin's: a new route is closed until it is placed.
+pub fn required_role(method: &axum::http::Method, path: &str) -> credentials::Role {
+    use credentials::Role;
+    if method == axum::http::Method::GET || method == axum::http::Method::HEAD {
+        return Role::Viewer;
+    }
+    match path {
+        "/v1/runs"
+        | "/v1/runs/{id}/stop"
+        | "/v1/runs/{id}/replay"
+        | "/v1/jobs/{id}/stop"
+        | "/v1/jobs/{id}/messages"
+        | "/v1/jobs/{id}/continue"
+        | "/v1/notifications/{id}/retry" => Role::Operator,
+        "/v1/approvals/{id}" => Role::Approver,
+        _ => Role::Admin,
     }
 }
 
@@ -375,12 +443,15 @@ mod tests {
     fn inv_37_named_tokens_are_read_from_a_0600_file_and_each_answers_to_its_name() {
         let dir = tempfile::tempdir().unwrap();
         let (main, _) = Token::load_or_create(dir.path()).unwrap();
+        let who = |tokens: &Tokens, t: &str| tokens.who(t).map(|c| c.name);
         let none = Tokens::load(dir.path(), main.clone()).unwrap();
         assert_eq!(none.named(), 0);
-        assert_eq!(none.who(main.as_str()), Some(MAIN_TOKEN_NAME));
+        assert_eq!(who(&none, main.as_str()).as_deref(), Some(MAIN_TOKEN_NAME));
         let path = dir.path().join(TOKENS_FILE);
         let alice = "a".repeat(40);
         let bob = "b".repeat(40);
+        // The older form: read, each an admin of every tenant, and
+        // rewritten with digests only.
         std::fs::write(
             &path,
             format!("# who decides\nalice {alice}\n\nbob {bob}\n"),
@@ -388,17 +459,38 @@ mod tests {
         .unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
         let tokens = Tokens::load(dir.path(), main.clone()).unwrap();
-        assert_eq!(tokens.who(&alice), Some("alice"));
-        assert_eq!(tokens.who(&bob), Some("bob"));
-        assert_eq!(tokens.who(main.as_str()), Some(MAIN_TOKEN_NAME));
-        assert_eq!(tokens.who(&"c".repeat(40)), None);
+        assert_eq!(who(&tokens, &alice).as_deref(), Some("alice"));
+        assert_eq!(tokens.who(&bob).unwrap().roles, Roles::admin());
+        assert_eq!(
+            who(&tokens, main.as_str()).as_deref(),
+            Some(MAIN_TOKEN_NAME)
+        );
+        assert_eq!(who(&tokens, &"c".repeat(40)), None);
+        let kept = std::fs::read_to_string(&path).unwrap();
+        assert!(!kept.contains(&alice) && kept.contains("sha256:"), "{kept}");
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
         for (text, why) in [
             (format!("alice {alice}\nalice {bob}\n"), "is taken"),
             (format!("operator {alice}\n"), "is taken"),
-            (format!("alice {alice}\nbob {alice}\n"), "another name's"),
+            (
+                format!("alice {alice}\nbob {alice}\n"),
+                "another credential's",
+            ),
             ("alice short\n".to_string(), "too short"),
-            (format!("al ice {alice}\n"), "expected `NAME TOKEN`"),
-            (format!("al/ice {alice}\n"), "not a token name"),
+            (
+                format!("al ice {alice}\n"),
+                "expected `NAME sha256:HEX TENANT ROLES`",
+            ),
+            (format!("al/ice {alice}\n"), "not a credential's name"),
+            (
+                "alice sha256:00 default root\n".to_string(),
+                "\"root\" is not a role",
+            ),
+            (
+                "alice sha256:00 team-a viewer\n".to_string(),
+                "tenant \"team-a\" is not configured",
+            ),
         ] {
             std::fs::write(&path, &text).unwrap();
             let err = Tokens::load(dir.path(), main.clone()).unwrap_err();
@@ -408,6 +500,37 @@ mod tests {
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o640)).unwrap();
         let err = Tokens::load(dir.path(), main).unwrap_err();
         assert!(err.contains("0600"), "{err}");
+    }
+
+    /// I-63: a credential made with `add` is known by its token at once (a
+    /// running node reads the file again), with its roles; revoked, it is
+    /// refused at the next request, its console session with it.
+    #[test]
+    fn inv_63_a_credential_added_is_taken_and_once_revoked_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (main, _) = Token::load_or_create(dir.path()).unwrap();
+        let tokens = Tokens::load(dir.path(), main.clone()).unwrap();
+        let (made, token) =
+            credentials::add(dir.path(), main.as_str(), "dash", "default", "viewer").unwrap();
+        assert_eq!(made.tenant.as_deref(), Some("default"));
+        let caller = tokens.who(&token).expect("taken without a restart");
+        assert_eq!(
+            (caller.name.as_str(), caller.roles.names()),
+            ("dash", vec!["viewer"])
+        );
+        let session = tokens.open_session(&token).unwrap();
+        assert!(tokens.session(&session).is_some());
+        let kept = std::fs::read_to_string(dir.path().join(TOKENS_FILE)).unwrap();
+        assert!(!kept.contains(&token), "only its digest is kept");
+        let again = credentials::add(dir.path(), main.as_str(), "dash", "*", "admin");
+        assert!(again.unwrap_err().contains("already"));
+        credentials::revoke(dir.path(), main.as_str(), "dash").unwrap();
+        assert_eq!(tokens.who(&token), None);
+        assert!(
+            tokens.session(&session).is_none(),
+            "its session ends with it"
+        );
+        assert!(credentials::revoke(dir.path(), main.as_str(), "dash").is_err());
     }
 
     #[test]

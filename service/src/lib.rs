@@ -16,6 +16,7 @@ pub mod auth;
 pub mod client;
 pub mod config;
 pub mod console;
+pub mod credentials;
 pub mod error;
 pub mod extract;
 mod forward;

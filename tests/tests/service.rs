@@ -1748,3 +1748,98 @@ async fn a_recorded_submission_replays_over_http_and_bad_replays_are_refused() {
     }
     assert_eq!(svc.submissions().len(), queued_before, "nothing was queued");
 }
+
+/// I-63, the role matrix: every route of the OpenAPI document, called by a
+/// credential of each role (and by one of every role, and the main token):
+/// a role without the route's is refused 403 naming what it needs, and
+/// nothing else is; each route's role is pinned here.
+#[tokio::test]
+async fn inv_63_every_route_answers_each_role_as_the_matrix_says() {
+    use arbor_service::credentials;
+    let pinned: &[(&str, &str)] = &[
+        ("GET /v1/runs", "viewer"),
+        ("POST /v1/runs", "operator"),
+        ("GET /v1/runs/{id}", "viewer"),
+        ("GET /v1/runs/{id}/events", "viewer"),
+        ("POST /v1/runs/{id}/stop", "operator"),
+        ("POST /v1/runs/{id}/replay", "operator"),
+        ("GET /v1/jobs/{id}", "viewer"),
+        ("POST /v1/jobs/{id}/stop", "operator"),
+        ("POST /v1/jobs/{id}/messages", "operator"),
+        ("POST /v1/jobs/{id}/continue", "operator"),
+        ("GET /v1/approvals", "viewer"),
+        ("POST /v1/approvals/{id}", "approver"),
+        ("GET /v1/notifications", "viewer"),
+        ("POST /v1/notifications/{id}/retry", "operator"),
+        ("GET /v1/status", "viewer"),
+        ("GET /metrics", "viewer"),
+        ("POST /v1/nodes/{id}/drain", "admin"),
+    ];
+    // Every protected route of the document is pinned (the public ones
+    // take no credential).
+    let public = [
+        "GET /healthz",
+        "GET /readyz",
+        "POST /v1/ui/session",
+        "DELETE /v1/ui/session",
+    ];
+    let api = Service::openapi();
+    let mut documented = std::collections::BTreeSet::new();
+    for (path, item) in api["paths"].as_object().unwrap() {
+        for method in item.as_object().unwrap().keys() {
+            let route = format!("{} {path}", method.to_uppercase());
+            if !public.contains(&route.as_str()) {
+                documented.insert(route);
+            }
+        }
+    }
+    let listed: std::collections::BTreeSet<String> =
+        pinned.iter().map(|(r, _)| r.to_string()).collect();
+    assert_eq!(
+        documented, listed,
+        "every protected route has its role here"
+    );
+
+    let svc = TestService::start(texts()).await;
+    let data = svc.data_dir();
+    let mut holders = vec![];
+    for roles in [
+        "viewer",
+        "operator",
+        "approver",
+        "admin",
+        "viewer,operator,approver",
+    ] {
+        let name = format!("as-{}", roles.replace(',', "-"));
+        let (_, token) = credentials::add(&data, &svc.token, &name, "default", roles).unwrap();
+        holders.push((roles, token));
+    }
+    holders.push(("main", svc.token.clone()));
+    let http = reqwest::Client::new();
+    let unknown = RunId::new().to_string();
+    for (route, need) in pinned {
+        let (method, path) = route.split_once(' ').unwrap();
+        let url = format!("{}{}", svc.url, path.replace("{id}", &unknown));
+        for (roles, token) in &holders {
+            let request = match method {
+                "GET" => http.get(&url),
+                _ => http.post(&url).json(&json!({})),
+            };
+            let answer = request.bearer_auth(token).send().await.unwrap();
+            let status = answer.status().as_u16();
+            let body = answer.text().await.unwrap_or_default();
+            let allowed = *roles == "main"
+                || roles.split(',').any(|r| r == *need || r == "admin")
+                || *need == "viewer";
+            if allowed {
+                assert!(
+                    status != 403 && status != 401,
+                    "{route} as {roles}: {status} {body}"
+                );
+            } else {
+                assert_eq!(status, 403, "{route} as {roles}: {body}");
+                assert!(body.contains(&format!("needs {need}")), "{body}");
+            }
+        }
+    }
+}

@@ -100,11 +100,11 @@ async fn decide_approval(
         let call = Forwarded::Decide {
             card: id,
             body,
-            by: caller.0,
+            by: caller.name.clone(),
         };
         return forward::send(&shared, run, &owner, call).await;
     }
-    decide_here(&shared, id, body, caller.0).await
+    decide_here(&shared, id, body, caller.name).await
 }
 
 pub(super) async fn decide_here(
