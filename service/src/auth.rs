@@ -24,7 +24,7 @@ use axum::extract::Request;
 use axum::http::header::AUTHORIZATION;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use std::io::{Read, Write};
+use std::io::Write;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -32,10 +32,9 @@ use subtle::ConstantTimeEq;
 
 /// The token file's name in the data dir.
 pub const TOKEN_FILE: &str = "token";
+pub use crate::credentials::MAIN_TOKEN_NAME;
 pub use crate::credentials::TOKENS_FILE;
-use crate::credentials::{self, Credential, Roles};
-/// The name the main token decides under.
-pub const MAIN_TOKEN_NAME: &str = "operator";
+use crate::credentials::{self, Credential, Roles, random_hex};
 
 /// The console's session cookie's name.
 pub const SESSION_COOKIE: &str = "arbor_session";
@@ -299,12 +298,6 @@ pub enum SessionRefused {
     /// The session id could not be drawn (`/dev/urandom` failed): the
     /// node's fault, not the caller's.
     NoRandomness(std::io::Error),
-}
-
-pub(crate) fn random_hex(bytes: usize) -> std::io::Result<String> {
-    let mut buf = vec![0u8; bytes];
-    std::fs::File::open("/dev/urandom")?.read_exact(&mut buf)?;
-    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 /// The value of the console's session cookie, if the request has one.

@@ -23,6 +23,9 @@ use std::path::Path;
 
 /// The named credentials' file in the data dir.
 pub const TOKENS_FILE: &str = "tokens";
+/// The name the main token decides under (an admin of every tenant).
+pub const MAIN_TOKEN_NAME: &str = "operator";
+
 /// The tenant every object belongs to while arbor.toml has no `[tenants]`.
 pub const DEFAULT_TENANT: &str = "default";
 
@@ -216,7 +219,7 @@ pub fn load(data_dir: &Path, main: &str) -> Result<Loaded, String> {
             }
         };
         check_name(&credential.name).map_err(at)?;
-        if credential.name == crate::auth::MAIN_TOKEN_NAME
+        if credential.name == MAIN_TOKEN_NAME
             || credentials.iter().any(|c| c.name == credential.name)
         {
             return Err(at(format!("the name {:?} is taken", credential.name)));
@@ -267,6 +270,14 @@ fn write(data_dir: &Path, credentials: &[Credential]) -> Result<(), String> {
     std::fs::rename(&temporary, &path).map_err(|e| format!("{}: {e}", path.display()))
 }
 
+/// `bytes` random bytes, as hex.
+pub(crate) fn random_hex(bytes: usize) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut buf = vec![0u8; bytes];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut buf)?;
+    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
+}
+
 /// Adds the credential `name`: its token, made here and returned once (the
 /// file keeps only its digest).
 pub fn add(
@@ -277,7 +288,7 @@ pub fn add(
     roles: &str,
 ) -> Result<(Credential, String), String> {
     check_name(name)?;
-    if name == crate::auth::MAIN_TOKEN_NAME {
+    if name == MAIN_TOKEN_NAME {
         return Err(format!("the name {name:?} is the main token's"));
     }
     let tenant = parse_tenant(tenant)?;
@@ -288,7 +299,7 @@ pub fn add(
             "there is a credential {name:?} already: revoke it first (`arbor token revoke {name}`)"
         ));
     }
-    let token = crate::auth::random_hex(32).map_err(|e| format!("/dev/urandom: {e}"))?;
+    let token = random_hex(32).map_err(|e| format!("/dev/urandom: {e}"))?;
     let credential = Credential {
         name: name.to_string(),
         hash: digest(&token),
