@@ -52,6 +52,8 @@ pub struct Tokens {
     data_dir: Arc<Path>,
     named: Arc<std::sync::Mutex<Named>>,
     sessions: Arc<std::sync::Mutex<Vec<Session>>>,
+    /// `[auth.oidc]`: bearer JWTs from a provider, if configured.
+    oidc: Option<Arc<crate::oidc::Oidc>>,
 }
 
 /// The credentials as last read, and the file's state then.
@@ -89,6 +91,7 @@ impl Tokens {
             data_dir: Arc::from(data_dir),
             named: Arc::default(),
             sessions: Arc::default(),
+            oidc: None,
         };
         let rewritten = tokens.refresh()?;
         if rewritten > 0 {
@@ -132,6 +135,24 @@ impl Tokens {
 
     pub fn main(&self) -> &Token {
         &self.main
+    }
+
+    /// Takes bearer JWTs of `[auth.oidc]` too.
+    pub fn with_oidc(mut self, oidc: Option<crate::oidc::Oidc>) -> Self {
+        self.oidc = oidc.map(Arc::new);
+        self
+    }
+
+    /// Who a bearer credential stands for: a token of the node's, else a
+    /// JWT of its OIDC provider; or why it is refused.
+    pub fn identify(&self, presented: &str) -> Result<Caller, String> {
+        if let Some(caller) = self.who(presented) {
+            return Ok(caller);
+        }
+        match &self.oidc {
+            Some(oidc) if presented.matches('.').count() == 2 => oidc.verify(presented),
+            _ => Err("the bearer token is wrong".into()),
+        }
     }
 
     /// Who holds `presented`, if it is a token of the node's. Every digest
@@ -358,11 +379,10 @@ pub async fn require_token(
             .into_response(),
         };
     }
-    let caller = presented.and_then(|p| tokens.who(p));
-    match (presented, caller) {
-        (_, Some(caller)) => allowed(caller, request, next).await,
-        (Some(_), None) => ApiError::unauthorized("the bearer token is wrong").into_response(),
-        (None, _) => ApiError::unauthorized(
+    match presented.map(|p| tokens.identify(p)) {
+        Some(Ok(caller)) => allowed(caller, request, next).await,
+        Some(Err(why)) => ApiError::unauthorized(why).into_response(),
+        None => ApiError::unauthorized(
             "an `Authorization: Bearer TOKEN` header is required (the token is in the data dir's `token` file)",
         )
         .into_response(),

@@ -21,6 +21,7 @@ pub mod error;
 pub mod extract;
 mod forward;
 pub mod metrics;
+pub mod oidc;
 pub mod retention;
 mod routes;
 pub mod sse;
@@ -100,7 +101,11 @@ impl Service {
             .map_err(|e| StartError::Token(format!("{}: {e}", config.data_dir.display())))?;
         let (token, token_path) =
             Token::load_or_create(&config.data_dir).map_err(StartError::Token)?;
-        let tokens = Tokens::load(&config.data_dir, token).map_err(StartError::Token)?;
+        let oidc = oidc::Oidc::from_auth(&workspace.config.auth, &workspace.root)
+            .map_err(StartError::Token)?;
+        let tokens = Tokens::load(&config.data_dir, token)
+            .map_err(StartError::Token)?
+            .with_oidc(oidc);
         // Interrupted runs are resumed (I-34) and count against the limit.
         let node = Arc::new(EmbeddedNode::start_with(&workspace, &config.data_dir, models).await?);
         let posture = node.sandbox();

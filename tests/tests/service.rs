@@ -1843,3 +1843,54 @@ async fn inv_63_every_route_answers_each_role_as_the_matrix_says() {
         }
     }
 }
+
+/// I-63 over HTTP: a bearer JWT of `[auth.oidc]` is taken as its subject
+/// with its roles (a viewer reads; its submit is 403); an expired one is a
+/// 401 saying so.
+#[tokio::test]
+async fn inv_63_a_jwt_from_the_oidc_provider_reads_within_its_roles_and_an_expired_one_is_refused()
+{
+    use jsonwebtoken::{Algorithm, EncodingKey, Header, encode};
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../service/tests/fixtures/oidc");
+    let svc = TestService::start(texts().with_config(&format!(
+        "[auth.oidc]\nissuer = \"https://login.example.com/\"\naudience = \"arbor\"\njwks_file = \"{}\"\nroles_claim = \"groups\"\n",
+        fixtures.join("jwks.json").display()
+    )))
+    .await;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let jwt = |exp: u64| {
+        let mut header = Header::new(Algorithm::RS256);
+        header.kid = Some("test-1".into());
+        let key = std::fs::read(fixtures.join("test-rsa.pem")).unwrap();
+        let claims = json!({"sub": "ada", "iss": "https://login.example.com/", "aud": "arbor", "exp": exp, "groups": ["viewer"]});
+        encode(&header, &claims, &EncodingKey::from_rsa_pem(&key).unwrap()).unwrap()
+    };
+    let http = reqwest::Client::new();
+    let good = jwt(now + 600);
+    let read = http
+        .get(format!("{}/v1/runs", svc.url))
+        .bearer_auth(&good)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(read.status(), 200);
+    let submit = http
+        .post(format!("{}/v1/runs", svc.url))
+        .bearer_auth(&good)
+        .json(&json!({"flow": "hello"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(submit.status(), 403);
+    let expired = http
+        .get(format!("{}/v1/runs", svc.url))
+        .bearer_auth(jwt(now - 600))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(expired.status(), 401);
+    assert!(expired.text().await.unwrap().contains("expired"));
+}

@@ -33,6 +33,9 @@ pub struct Config {
     /// `[service]`, as written: arbord's settings, which arbord checks
     /// (an embedded node has no use for them).
     pub service: toml::Table,
+    /// `[auth]`, as written: arbord's identities (`[auth.oidc]`), which
+    /// arbord checks.
+    pub auth: toml::Table,
     /// `[sandbox]`: the rlimits of every command, and the most an agent's
     /// `resources:` may ask.
     pub sandbox: Resources,
@@ -136,6 +139,7 @@ impl Default for Config {
             budget_usd_micros: None,
             providers: BTreeMap::new(),
             service: toml::Table::new(),
+            auth: toml::Table::new(),
             sandbox: DEFAULT_SANDBOX,
             isolation: SandboxIsolation::Sealed,
             secrets_file: None,
@@ -161,6 +165,8 @@ struct ConfigFile {
     providers: BTreeMap<String, ProviderFile>,
     #[serde(default)]
     service: toml::Table,
+    #[serde(default)]
+    auth: toml::Table,
     #[serde(default)]
     sandbox: SandboxFile,
     #[serde(default)]
@@ -413,6 +419,7 @@ pub(super) fn parse_config(text: &str, root: &Path) -> Result<Config, LoadError>
         budget_usd_micros,
         providers,
         service: file.service,
+        auth: file.auth,
         sandbox: resources(&file.sandbox.limits(), "sandbox.")
             .map(|r| {
                 over(
