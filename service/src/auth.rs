@@ -32,6 +32,7 @@ use subtle::ConstantTimeEq;
 
 /// The token file's name in the data dir.
 pub const TOKEN_FILE: &str = "token";
+pub use crate::credentials::Caller;
 pub use crate::credentials::MAIN_TOKEN_NAME;
 pub use crate::credentials::TOKENS_FILE;
 use crate::credentials::{self, Credential, Roles, random_hex};
@@ -69,16 +70,6 @@ struct Session {
     id: Token,
     caller: String,
     ends: std::time::Instant,
-}
-
-/// Who a request comes from (a request extension): the credential's name
-/// (`operator` for the main token), its tenant (`None`: every tenant) and
-/// its roles.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Caller {
-    pub name: String,
-    pub tenant: Option<String>,
-    pub roles: Roles,
 }
 
 impl Tokens {

@@ -105,6 +105,16 @@ impl std::fmt::Display for Roles {
     }
 }
 
+/// Who a request comes from (a request extension): the credential's name
+/// (`operator` for the main token; a JWT's subject), its tenant (`None`:
+/// every tenant) and its roles.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Caller {
+    pub name: String,
+    pub tenant: Option<String>,
+    pub roles: Roles,
+}
+
 /// One named credential, as the file keeps it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Credential {

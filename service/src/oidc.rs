@@ -15,8 +15,7 @@
 //! role_map = { "arbor-operators" = "operator", "arbor-viewers" = "viewer" }
 //! ```
 
-use crate::auth::Caller;
-use crate::credentials::{DEFAULT_TENANT, Role, Roles};
+use crate::credentials::{Caller, DEFAULT_TENANT, Role, Roles};
 use jsonwebtoken::jwk::{AlgorithmParameters, JwkSet};
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use std::collections::{BTreeMap, BTreeSet};
