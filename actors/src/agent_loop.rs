@@ -40,7 +40,9 @@ use crate::model::{Message, ModelReply, ToolCall};
 use arbor_protocol::{ErrorClass, EventKind, TaskStatus};
 pub use model_call::max_output_limit;
 use model_call::{CallEnd, call_model, fit_context, tell_pressure};
-pub use prompt::{PEERS_HEADING, Prompt, ROSTER_HEADING, RosterEntry, SKILLS_HEADING, roster};
+pub use prompt::{
+    PEERS_HEADING, Prompt, ROSTER_HEADING, RosterEntry, SKILLS_HEADING, TENANT_HEADING, roster,
+};
 pub use repeats::REPEAT_NOTICE;
 use repeats::{Repeats, Verdict};
 use std::sync::atomic::Ordering;
@@ -80,6 +82,7 @@ async fn run_turns(args: LoopArgs) -> LoopOutcome {
         &args.ctx.agents,
         &skills,
         toolbox.specs(),
+        args.instructions.as_deref(),
     )
     .with_peers(&args.peers);
     let mut tools = Tools::new(&args, &toolbox);

@@ -51,6 +51,8 @@ pub struct RunContext {
     pub record: bool,
     /// It replays this recording instead of asking its models.
     pub replay: Option<Arc<crate::tape::Replay>>,
+    /// Its tenant's shared instructions, in every prompt of its jobs (I-63).
+    pub instructions: Option<Arc<str>>,
 }
 
 impl RunContext {
@@ -61,6 +63,7 @@ impl RunContext {
             spawn_cap,
             record: false,
             replay: None,
+            instructions: None,
         }
     }
 
@@ -72,6 +75,7 @@ impl RunContext {
             spawn_cap,
             record: false,
             replay: None,
+            instructions: None,
         }
     }
 
@@ -79,6 +83,12 @@ impl RunContext {
     pub fn with_tape(mut self, record: bool, replay: Option<Arc<crate::tape::Replay>>) -> Self {
         self.record = record;
         self.replay = replay;
+        self
+    }
+
+    /// Its tenant's shared instructions, as its spec carries them.
+    pub fn with_instructions(mut self, instructions: Option<&str>) -> Self {
+        self.instructions = instructions.map(Arc::from);
         self
     }
 

@@ -713,6 +713,7 @@ impl JobState {
                 .as_ref()
                 .map(|p| Arc::from(p.siblings.as_slice()))
                 .unwrap_or_else(|| Arc::from(Vec::new())),
+            instructions: self.run_ctx.instructions.clone(),
             ctx: self.ctx.clone(),
             run: self.lineage.run,
             id: self.lineage.id,

@@ -261,7 +261,8 @@ impl Actor for Run {
         Ok(RunState {
             run_ctx: Arc::new(
                 RunContext::resumed(args.id, ctx.limits.spawn_cap, resume.spawned)
-                    .with_tape(args.spec.record, replay),
+                    .with_tape(args.spec.record, replay)
+                    .with_instructions(args.spec.instructions.as_deref()),
             ),
             labels,
             attempts: if resume_given {

@@ -165,6 +165,7 @@ fn submit_body(agent: &str) -> SubmitRun {
         input: Some("go".into()),
         budget: None,
         record: false,
+        tenant: None,
     }
 }
 

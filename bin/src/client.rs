@@ -597,6 +597,10 @@ pub struct SubmitArgs {
     /// Record its model exchanges and tool results, so it can be replayed.
     #[arg(long)]
     pub record: bool,
+    /// The tenant the run is for: a token of every tenant names one
+    /// (`default` if none); one of a single tenant submits for its own.
+    #[arg(long)]
+    pub tenant: Option<String>,
 }
 
 /// `arbor replay RUN` on arbord: the replay (or rerun) queued, then
@@ -641,6 +645,7 @@ pub async fn submit(client: &Client, args: SubmitArgs) -> Outcome {
         input: args.input.clone(),
         budget,
         record: args.record,
+        tenant: args.tenant.clone(),
     };
     let created = client
         .api

@@ -16,6 +16,7 @@ pub mod skill;
 pub mod spec;
 pub mod status;
 pub mod tape;
+pub mod tenant;
 pub mod tools;
 pub mod tree;
 pub mod view;
@@ -41,6 +42,7 @@ pub use retry::RetryPolicy;
 pub use skill::Skill;
 pub use spec::{FlowGroup, FlowSpec, RunSpec, StepSpec};
 pub use status::{ErrorClass, Status, TaskStatus};
+pub use tenant::DEFAULT_TENANT;
 pub use tools::{
     AskPersonArgs, BudgetArg, CollectArgs, DelegateArgs, ExecArgs, JobArgs, Offer, OnFailure,
     ReadFileArgs, ReadSkillArgs, SendMessageArgs, SendPeerArgs, StopChildArgs, SubmitOutputArgs,

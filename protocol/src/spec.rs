@@ -29,9 +29,22 @@ pub struct RunSpec {
     /// what a replay and a rerun check they run with.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub digests: std::collections::BTreeMap<String, String>,
+    /// The tenant whose run it is (I-63); none: `default`, the one tenant
+    /// there is while arbor.toml names none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    /// Its tenant's shared `instructions` as they were at its admission:
+    /// in every prompt of the run, after the agent's own, before its roster.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instructions: Option<String>,
 }
 
 impl RunSpec {
+    /// The tenant whose run it is.
+    pub fn tenant(&self) -> &str {
+        self.tenant.as_deref().unwrap_or(crate::DEFAULT_TENANT)
+    }
+
     /// The agents of its steps and every sub-agent below them, each once,
     /// in the order found: every agent a run of it can reach. `agent` looks
     /// a name up; a name it does not know is passed over.
@@ -122,6 +135,8 @@ impl RunSpec {
             record: false,
             replay: None,
             digests: Default::default(),
+            tenant: None,
+            instructions: None,
         }
     }
 }
@@ -244,6 +259,8 @@ mod tests {
             record: false,
             replay: None,
             digests: Default::default(),
+            tenant: None,
+            instructions: None,
         };
         assert_eq!(
             spec.step_labels(),

@@ -57,6 +57,10 @@ pub struct TreeNode {
     /// When it ended, in ms since the Unix epoch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ended_at_ms: Option<u64>,
+    /// The run node only: the tenant whose run it is (I-63), when
+    /// arbor.toml names tenants.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
     pub children: Vec<TreeNode>,
 }
 
@@ -196,6 +200,7 @@ impl Tree {
                 waiting: None,
                 started_at_ms: None,
                 ended_at_ms: None,
+                tenant: None,
                 children: vec![],
             },
             root_children: vec![],
@@ -209,6 +214,14 @@ impl Tree {
 
     pub fn run_id(&self) -> RunId {
         self.run
+    }
+
+    /// The tenant whose run it is, once its start is applied (I-63).
+    pub fn tenant(&self) -> Option<&str> {
+        self.root
+            .started_at_ms
+            .is_some()
+            .then(|| self.root.tenant.as_deref().unwrap_or(crate::DEFAULT_TENANT))
     }
 
     /// Folds one event in. Events of other runs are ignored.
@@ -241,8 +254,10 @@ impl Tree {
             EventKind::RunStarted {
                 budget_tokens,
                 budget_usd_micros,
+                spec,
                 ..
             } => {
+                self.root.tenant = spec.tenant.clone();
                 self.root.status = Status::Running;
                 self.root.started_at_ms.get_or_insert(event.at_ms);
                 self.root.account.grant = *budget_tokens;
@@ -332,6 +347,7 @@ impl Tree {
                 node.tools = BTreeMap::new();
                 node.mcp = BTreeMap::new();
                 node.waiting = None;
+                node.tenant = None;
                 let waiter = match parent_job {
                     Some(p) => self.entries.get_mut(&p).map(|e| &mut e.node),
                     None => Some(&mut self.root),

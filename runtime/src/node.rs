@@ -107,7 +107,7 @@ async fn resume_runs(
         if let RunOutcome::Resume { spec, resume: plan } = &run.outcome
             && resume(spec, plan)
         {
-            let (id, spec, resume) = (run.run, spec.clone(), plan.clone());
+            let (id, spec, resume) = (run.run, (**spec).clone(), plan.clone());
             let again = spec.clone();
             ractor::call!(node, |reply| NodeMsg::ResumeRun {
                 id,
@@ -483,31 +483,7 @@ impl EmbeddedNode {
             .filter(|r| !r.is_empty())
             .ok_or_else(|| Error::Refused(format!("{job}: its request was not journaled")))?;
         let label = record.label.clone().unwrap_or_else(|| record.agent.clone());
-        let spec = RunSpec {
-            budget_usd_micros: None,
-            flow: format!("continue:{job}"),
-            groups: vec![arbor_protocol::FlowGroup {
-                peers: false,
-                steps: vec![arbor_protocol::StepSpec {
-                    agent: record.agent.clone(),
-                    instruction: format!(
-                        "{request}\n\n(An earlier attempt was interrupted when the node restarted.)"
-                    ),
-                    label: Some(label.clone()),
-                    retries: Some(0),
-                    optional: false,
-                    retry: None,
-                    rerun_interrupted: None,
-                    on_fail: None,
-                    approve: false,
-                }],
-            }],
-            budget_tokens: record.grant_tokens,
-            timeout: None,
-            record: false,
-            replay: None,
-            digests: Default::default(),
-        };
+        let spec = continuation(&record, &label, &request, &history);
         // The counts its limits made, from its journaled calls (I-45).
         let made = crate::recovery::tool_counts(&history)
             .remove(&job)
@@ -1026,5 +1002,47 @@ fn sweep_forgotten_workdirs(journal: &Journal, work_root: &Path) {
                 return;
             }
         }
+    }
+}
+
+/// The one-step run that continues `record` (a job a restart interrupted)
+/// on its `request` and grant, in its run's tenant with its instructions
+/// (I-63), the run's history being `history`.
+fn continuation(
+    record: &arbor_storage::JobRecord,
+    label: &str,
+    request: &str,
+    history: &[arbor_protocol::Event],
+) -> RunSpec {
+    let origin = history.iter().find_map(|e| match &e.kind {
+        arbor_protocol::EventKind::RunStarted { spec, .. } => Some(spec),
+        _ => None,
+    });
+    RunSpec {
+        budget_usd_micros: None,
+        flow: format!("continue:{}", record.id),
+        groups: vec![arbor_protocol::FlowGroup {
+            peers: false,
+            steps: vec![arbor_protocol::StepSpec {
+                agent: record.agent.clone(),
+                instruction: format!(
+                    "{request}\n\n(An earlier attempt was interrupted when the node restarted.)"
+                ),
+                label: Some(label.to_string()),
+                retries: Some(0),
+                optional: false,
+                retry: None,
+                rerun_interrupted: None,
+                on_fail: None,
+                approve: false,
+            }],
+        }],
+        budget_tokens: record.grant_tokens,
+        timeout: None,
+        record: false,
+        replay: None,
+        digests: Default::default(),
+        tenant: origin.and_then(|s| s.tenant.clone()),
+        instructions: origin.and_then(|s| s.instructions.clone()),
     }
 }

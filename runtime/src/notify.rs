@@ -295,6 +295,14 @@ pub fn parse_id(text: &str) -> Option<uuid::Uuid> {
     uuid::Uuid::parse_str(text.strip_prefix("msg_").unwrap_or(text)).ok()
 }
 
+/// The entry `id`, if the journal has it.
+pub fn find(
+    journal: &Journal,
+    id: uuid::Uuid,
+) -> Result<Option<OutboxRecord>, arbor_storage::Error> {
+    Ok(all(journal)?.into_iter().find(|e| e.id == id))
+}
+
 /// Every entry in the journal, oldest first.
 pub fn all(journal: &Journal) -> Result<Vec<OutboxRecord>, arbor_storage::Error> {
     let mut all = journal.read(&OUTBOX, &[])?;
@@ -741,7 +749,7 @@ impl Notifications {
     /// Sends a dead-lettered entry again, from its first try; its endpoint,
     /// if a 410 disabled it, is enabled again. `Ok(None)`: no such entry.
     pub async fn retry(&self, id: uuid::Uuid) -> Result<Option<OutboxRecord>, RetryError> {
-        let Some(mut entry) = all(&self.journal)?.into_iter().find(|e| e.id == id) else {
+        let Some(mut entry) = find(&self.journal, id)? else {
             return Ok(None);
         };
         if entry.state != DeliveryState::Failed {

@@ -75,7 +75,7 @@ pub async fn first_body(
         .collect();
     let mcp = mcp_tools(workspace, &policy).await?;
     let skills = arbor_actors::skills::listed(&workspace.skills, def, &policy);
-    let prompt = Prompt::for_job(def, &offered, &agents, &skills, &mcp);
+    let prompt = Prompt::for_job(def, &offered, &agents, &skills, &mcp, None);
     let request = first_request(def, &prompt, input, max_output);
     let kind = wire.unwrap_or(own_wire);
     Ok(request_body(

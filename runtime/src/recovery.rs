@@ -69,7 +69,10 @@ pub struct RunRecovery {
 #[derive(Clone, Debug)]
 pub enum RunOutcome {
     /// To be resumed by the node, with its spec.
-    Resume { spec: RunSpec, resume: Box<Resume> },
+    Resume {
+        spec: Box<RunSpec>,
+        resume: Box<Resume>,
+    },
     /// Ended by recovery: it cannot go on.
     Ended {
         status: Status,
@@ -1077,7 +1080,7 @@ pub fn plan_resume(
             continue;
         }
         return RunOutcome::Resume {
-            spec: spec.clone(),
+            spec: Box::new(spec.clone()),
             resume: Box::new(Resume {
                 group: g,
                 previous,
@@ -1112,7 +1115,7 @@ pub fn plan_resume(
             rescues: HashMap::new(),
             rescue_now: vec![],
         }),
-        spec,
+        spec: Box::new(spec),
     }
 }
 

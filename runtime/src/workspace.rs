@@ -3,8 +3,9 @@
 //! ```text
 //! DIR/arbor.toml               optional: [limits], [budget], [providers.NAME],
 //!                              [sandbox], [mcp.servers.NAME], [approvals],
-//!                              [journal], [record], [telemetry]; [service]
-//!                              is arbord's, read by arbor-service
+//!                              [journal], [record], [telemetry], [notify.NAME],
+//!                              [tenants.NAME]; [service] and [auth] are
+//!                              arbord's, read by arbor-service
 //! DIR/agents/NAME/agent.md     YAML front matter between `---` lines, then the system prompt
 //! DIR/flows/NAME.toml          optional: groups of steps, a budget, a timeout
 //! ```
@@ -37,6 +38,7 @@ mod config;
 mod flow;
 mod parse;
 mod skill;
+mod tenants;
 
 pub use agent::parse_agent;
 pub(crate) use agent::split_front_matter;
@@ -47,6 +49,7 @@ pub use config::{
 use flow::parse_flow;
 pub use parse::{DEFAULT_BUDGET_TOKENS, LoadError, check_name};
 use parse::{budget_tokens, invalid, over};
+pub use tenants::Tenant;
 
 /// Everything a node needs from a user's workspace, checked.
 #[derive(Clone, Debug)]
@@ -212,6 +215,15 @@ impl Workspace {
             }
         }
 
+        let (flow_names, agent_names) = (
+            flow_specs.keys().map(String::as_str).collect(),
+            agent_defs.keys().map(String::as_str).collect(),
+        );
+        for (name, tenant) in &config.tenants {
+            tenant
+                .check_names(name, &flow_names, &agent_names)
+                .map_err(|m| invalid(Path::new("arbor.toml"), m))?;
+        }
         digests.insert("arbor.toml".to_string(), sha256(arbor_toml.unwrap_or("")));
         for &(name, text) in agents {
             digests.insert(format!("agents/{name}/agent.md"), sha256(text));
@@ -330,6 +342,8 @@ impl Workspace {
             record: false,
             replay: None,
             digests: Default::default(),
+            tenant: None,
+            instructions: None,
         })
         .map(|spec| self.recording(spec, self.config.record_models))
     }
@@ -352,6 +366,46 @@ impl Workspace {
         let mut spec = RunSpec::single(agent, input, budget_tokens);
         spec.budget_usd_micros = self.config.budget_usd_micros;
         Ok(self.recording(spec, self.config.record_models))
+    }
+
+    /// The tenants a run can belong to: those of `[tenants]`, else the one
+    /// there is, `default` (I-63).
+    pub fn tenant_names(&self) -> Vec<String> {
+        if self.config.tenants.is_empty() {
+            return vec![arbor_protocol::DEFAULT_TENANT.to_string()];
+        }
+        self.config.tenants.keys().cloned().collect()
+    }
+
+    /// `spec` as a run of `tenant`'s: refused if the tenant is unknown, or
+    /// may not run its flow or an agent it reaches; else it names the
+    /// tenant and carries its instructions (fixed at admission, I-67).
+    /// Without `[tenants]`, only `default`, and the spec is unchanged.
+    pub fn for_tenant(&self, tenant: &str, mut spec: RunSpec) -> Result<RunSpec, LoadError> {
+        let refused = |message: String| LoadError::Refused { message };
+        if self.config.tenants.is_empty() {
+            if tenant != arbor_protocol::DEFAULT_TENANT {
+                return Err(refused(format!(
+                    "tenant {tenant} is not configured: arbor.toml has no [tenants], so every \
+                     run is the `default` tenant's"
+                )));
+            }
+            return Ok(spec);
+        }
+        let Some(config) = self.config.tenants.get(tenant) else {
+            return Err(refused(format!(
+                "tenant {tenant} is not configured (arbor.toml's tenants: {})",
+                self.tenant_names().join(", ")
+            )));
+        };
+        let reached = spec.reachable_agents(|name| self.agents.get(name));
+        let reached: Vec<&str> = reached.iter().map(|a| a.name.as_str()).collect();
+        if let Some(why) = config.refuses(tenant, &spec.flow, &reached) {
+            return Err(refused(why));
+        }
+        spec.tenant = Some(tenant.to_string());
+        spec.instructions = config.instructions.clone();
+        Ok(spec)
     }
 
     /// `spec` recording (`record`) or not; a recording spec carries the

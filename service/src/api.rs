@@ -36,6 +36,12 @@ pub struct SubmitRun {
     /// replayed (`[record] models = true` records every run).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub record: bool,
+    /// The tenant the run is for. A credential of one tenant submits for
+    /// its own (naming another is a 404); one of every tenant names it, or
+    /// submits for `default`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "String", length(min = 1))]
+    pub tenant: Option<String>,
 }
 
 /// Where to find a run.
@@ -147,6 +153,9 @@ pub struct RunSummary {
     /// A failed run's first failing step or job: where its failure began.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failed_job: Option<FailedJob>,
+    /// The tenant whose run it is, when arbor.toml names tenants (I-63).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
 }
 
 /// The step or job a failed run's failure began at: the first to fail.

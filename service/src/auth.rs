@@ -55,6 +55,9 @@ pub struct Tokens {
     sessions: Arc<std::sync::Mutex<Vec<Session>>>,
     /// `[auth.oidc]`: bearer JWTs from a provider, if configured.
     oidc: Option<Arc<crate::oidc::Oidc>>,
+    /// The tenants arbor.toml names (`default` without `[tenants]`): a
+    /// credential of another is refused.
+    tenants: Arc<[String]>,
 }
 
 /// The credentials as last read, and the file's state then.
@@ -83,6 +86,7 @@ impl Tokens {
             named: Arc::default(),
             sessions: Arc::default(),
             oidc: None,
+            tenants: Arc::from([arbor_protocol::DEFAULT_TENANT.to_string()]),
         };
         let rewritten = tokens.refresh()?;
         if rewritten > 0 {
@@ -126,6 +130,12 @@ impl Tokens {
 
     pub fn main(&self) -> &Token {
         &self.main
+    }
+
+    /// The tenants arbor.toml names.
+    pub fn with_tenants(mut self, tenants: Vec<String>) -> Self {
+        self.tenants = tenants.into();
+        self
     }
 
     /// Takes bearer JWTs of `[auth.oidc]` too.
@@ -363,7 +373,7 @@ pub async fn require_token(
             .into_response();
         }
         return match tokens.session(id) {
-            Some(caller) => allowed(caller, request, next).await,
+            Some(caller) => allowed(&tokens, caller, request, next).await,
             None => ApiError::unauthorized(
                 "the console's session has ended (or this node restarted): log in again",
             )
@@ -371,7 +381,7 @@ pub async fn require_token(
         };
     }
     match presented.map(|p| tokens.identify(p)) {
-        Some(Ok(caller)) => allowed(caller, request, next).await,
+        Some(Ok(caller)) => allowed(&tokens, caller, request, next).await,
         Some(Err(why)) => ApiError::unauthorized(why).into_response(),
         None => ApiError::unauthorized(
             "an `Authorization: Bearer TOKEN` header is required (the token is in the data dir's `token` file)",
@@ -380,22 +390,18 @@ pub async fn require_token(
     }
 }
 
-/// Runs the request if `caller`'s roles allow its route (I-63), else 403
-/// naming what it needs.
-async fn allowed(caller: Caller, mut request: Request, next: Next) -> Response {
-    let path = request
-        .extensions()
-        .get::<axum::extract::MatchedPath>()
-        .map(|p| p.as_str().to_string())
-        .unwrap_or_else(|| request.uri().path().to_string());
-    let need = required_role(request.method(), &path);
-    if !caller.roles.allow(need) {
-        return ApiError::forbidden(format!(
-            "the credential {:?} has the roles {}; {} {path} needs {}",
+/// Runs the request as `caller`'s: what it may see and do is decided next
+/// (`tenancy::authorize`). A credential of a tenant arbor.toml does not
+/// name is refused here.
+async fn allowed(tokens: &Tokens, caller: Caller, mut request: Request, next: Next) -> Response {
+    if let Some(tenant) = &caller.tenant
+        && !tokens.tenants.iter().any(|t| t == tenant)
+    {
+        return ApiError::unauthorized(format!(
+            "the credential {:?} is of tenant {tenant}, which arbor.toml does not name \
+             (its tenants: {})",
             caller.name,
-            caller.roles,
-            request.method(),
-            need.as_str()
+            tokens.tenants.join(", ")
         ))
         .into_response();
     }
@@ -492,8 +498,8 @@ mod tests {
                 "\"root\" is not a role",
             ),
             (
-                "alice sha256:00 team-a viewer\n".to_string(),
-                "tenant \"team-a\" is not configured",
+                "alice sha256:00 team/a viewer\n".to_string(),
+                "is not a tenant's name",
             ),
         ] {
             std::fs::write(&path, &text).unwrap();

@@ -26,8 +26,7 @@ pub const TOKENS_FILE: &str = "tokens";
 /// The name the main token decides under (an admin of every tenant).
 pub const MAIN_TOKEN_NAME: &str = "operator";
 
-/// The tenant every object belongs to while arbor.toml has no `[tenants]`.
-pub const DEFAULT_TENANT: &str = "default";
+pub use arbor_protocol::DEFAULT_TENANT;
 
 /// What a credential may do (I-63). A role above `viewer` may also read;
 /// `admin` may do all.
@@ -148,17 +147,14 @@ fn check_name(name: &str) -> Result<(), String> {
     }
 }
 
-/// A tenant as written (`*`: every tenant). Until arbor.toml names tenants,
-/// everything is in `default`, the one tenant there is.
+/// A tenant as written (`*`: every tenant). Whether arbor.toml names it is
+/// arbord's to check: the file is written offline, without it.
 fn parse_tenant(text: &str) -> Result<Option<String>, String> {
-    match text {
-        "*" => Ok(None),
-        DEFAULT_TENANT => Ok(Some(DEFAULT_TENANT.into())),
-        other => Err(format!(
-            "tenant {other:?} is not configured: without [tenants] in arbor.toml there is one \
-             tenant, `default` (or `*` for every tenant)"
-        )),
+    if text == "*" {
+        return Ok(None);
     }
+    arbor_protocol::tenant::check_tenant_name(text)?;
+    Ok(Some(text.to_string()))
 }
 
 /// What `load` found.

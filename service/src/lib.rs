@@ -27,6 +27,7 @@ mod routes;
 pub mod sse;
 pub mod status;
 pub mod submission;
+mod tenancy;
 
 pub use config::{Flags, ServiceConfig};
 pub use error::{ApiError, ErrorBody};
@@ -105,7 +106,8 @@ impl Service {
             .map_err(StartError::Token)?;
         let tokens = Tokens::load(&config.data_dir, token)
             .map_err(StartError::Token)?
-            .with_oidc(oidc);
+            .with_oidc(oidc)
+            .with_tenants(workspace.tenant_names());
         // Interrupted runs are resumed (I-34) and count against the limit.
         let node = Arc::new(EmbeddedNode::start_with(&workspace, &config.data_dir, models).await?);
         let posture = node.sandbox();

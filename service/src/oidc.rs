@@ -145,12 +145,9 @@ impl Oidc {
                 let value = claims[claim].as_str().ok_or_else(|| {
                     format!("the JWT has no {claim:?} claim (its tenant) as a string")
                 })?;
-                if value != DEFAULT_TENANT {
-                    return Err(format!(
-                        "the JWT's tenant {value:?} is not configured: without [tenants] there \
-                         is one tenant, `default`"
-                    ));
-                }
+                // Whether arbor.toml names it is asked of every caller alike.
+                arbor_protocol::tenant::check_tenant_name(value)
+                    .map_err(|why| format!("the JWT's {claim:?} claim: {why}"))?;
                 Some(value.to_string())
             }
         };

@@ -90,10 +90,17 @@ fn document_info(api: aide::transform::TransformOpenApi) -> aide::transform::Tra
 
 fn api_router(shared: Arc<Shared>) -> ApiRouter {
     let token = shared.tokens.clone();
-    let protected = protected_routes().route_layer(axum::middleware::from_fn_with_state(
-        token,
-        crate::auth::require_token,
-    ));
+    // The caller is known first (`require_token`), then what it may see
+    // and do (`authorize`): the last layer added runs first.
+    let protected = protected_routes()
+        .route_layer(axum::middleware::from_fn_with_state(
+            shared.clone(),
+            crate::tenancy::authorize,
+        ))
+        .route_layer(axum::middleware::from_fn_with_state(
+            token,
+            crate::auth::require_token,
+        ));
     protected.merge(public_routes()).with_state(shared)
 }
 

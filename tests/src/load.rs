@@ -215,6 +215,7 @@ impl HttpLoad {
                     input: Some("go".into()),
                     budget: None,
                     record: false,
+                    tenant: None,
                 };
                 let started = Instant::now();
                 let created = client.submit(&run, None).await.unwrap();

@@ -473,3 +473,104 @@ fn a_skill_an_agent_names_must_be_in_the_workspace_and_well_formed() {
     let err = load(&[("skills/empty/notes.md", "x")]).unwrap_err();
     assert!(err.contains("no SKILL.md"), "{err}");
 }
+
+/// I-63: a tenant's `instructions` reach every prompt of its runs, the
+/// planner's and its sub-agent's alike, after the agent's own and before
+/// the roster; a run of another tenant, or of none, is not told them.
+#[tokio::test(flavor = "multi_thread")]
+async fn inv_63_a_tenants_instructions_reach_every_prompt_of_its_runs() {
+    use arbor_actors::agent_loop::{ROSTER_HEADING, TENANT_HEADING};
+    let agents = roster_agents();
+    let agents: Vec<(&str, &str)> = agents.iter().map(|(n, t)| (*n, t.as_str())).collect();
+    let models = RecordingModels::new();
+    let toml =
+        "[tenants.team-a]\ninstructions = \"TEAM-A-RULES: cite sources.\"\n\n[tenants.team-b]\n";
+    let node = TestNode::start_full(Some(toml), &agents, models.clone()).await;
+    let spec = node.workspace.agent_run("planner", "Plan.", None).unwrap();
+    let spec = node.workspace.for_tenant("team-a", spec).unwrap();
+    let run = node.node().start_run(spec).await.unwrap();
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Done);
+    assert_eq!(tree.tenant(), Some("team-a"));
+    let planner = &models.requests("planner")[0].system;
+    let own = planner.find("You are the planner.").unwrap();
+    let shared = planner.find(TENANT_HEADING).expect("the team's heading");
+    let roster = planner.find(ROSTER_HEADING).unwrap();
+    assert!(own < shared && shared < roster, "{planner}");
+    assert!(planner.contains("TEAM-A-RULES: cite sources."), "{planner}");
+    let researcher = &models.requests("researcher")[0].system;
+    assert!(
+        researcher.starts_with("RESEARCHER-PROMPT-BODY") && researcher.contains("TEAM-A-RULES"),
+        "{researcher}"
+    );
+    // Team b has none: its run's prompts are the agents' own.
+    let spec = node
+        .workspace
+        .agent_run("researcher", "Find.", None)
+        .unwrap();
+    let spec = node.workspace.for_tenant("team-b", spec).unwrap();
+    let run = node.node().start_run(spec).await.unwrap();
+    node.wait_run(run).await;
+    let last = models.requests("researcher").last().unwrap().system.clone();
+    assert_eq!(&*last, "RESEARCHER-PROMPT-BODY");
+    node.shutdown().await;
+}
+
+/// `[tenants.NAME]` is checked at load, each mistake named; a run is
+/// refused to a tenant that may not run its flow or an agent it reaches.
+#[test]
+fn a_tenants_block_is_checked_at_load_and_its_lists_hold_at_admission() {
+    let agents = roster_agents();
+    let flow = "[[group]]\nsteps = [{ agent = \"planner\", instruction = \"plan\" }]\n";
+    let load = |toml: &str| {
+        let mut files: Vec<(String, String)> = agents
+            .iter()
+            .map(|(n, t)| (format!("agents/{n}/agent.md"), t.clone()))
+            .collect();
+        files.push(("flows/plan.toml".into(), flow.into()));
+        files.push(("arbor.toml".into(), toml.into()));
+        let files: Vec<(&str, &str)> = files
+            .iter()
+            .map(|(p, t)| (p.as_str(), t.as_str()))
+            .collect();
+        let ws = write_tree(&files);
+        arbor_runtime::Workspace::load(ws.path()).map_err(|e| e.to_string())
+    };
+    for (toml, why) in [
+        ("[tenants.team-a]\nquota = 1\n", "unknown key `quota`"),
+        ("[tenants.\"team a\"]\n", "is not a tenant's name"),
+        (
+            "[tenants.team-a]\nflows = []\n",
+            "flows = [] would let it run nothing",
+        ),
+        (
+            "[tenants.team-a]\nflows = [\"ghost\"]\n",
+            "tenants.team-a.flows: `ghost`",
+        ),
+        (
+            "[tenants.team-a]\nagents = [\"ghost\"]\n",
+            "tenants.team-a.agents: `ghost`",
+        ),
+        (
+            "[tenants.team-a]\ninstructions = \" \"\n",
+            "instructions: empty",
+        ),
+    ] {
+        let err = load(toml).unwrap_err();
+        assert!(err.contains(why), "{toml}: {err}");
+    }
+    let ws = load("[tenants.ops]\nflows = [\"plan\"]\nagents = [\"planner\", \"researcher\"]\n")
+        .unwrap();
+    assert_eq!(ws.tenant_names(), vec!["ops".to_string()]);
+    let refused = |spec, tenant: &str| ws.for_tenant(tenant, spec).unwrap_err().to_string();
+    // The planner reaches the coder, which the list leaves out.
+    let plan = ws.flow_run("plan", None).unwrap();
+    assert!(refused(plan, "ops").contains("may not run agent coder (plan reaches it)"));
+    let solo = ws.agent_run("researcher", "Find.", None).unwrap();
+    assert_eq!(ws.for_tenant("ops", solo.clone()).unwrap().tenant(), "ops");
+    assert!(refused(solo.clone(), "default").contains("tenant default is not configured"));
+    // Without [tenants], every run is the default tenant's, unchanged.
+    let plain = load("").unwrap();
+    assert_eq!(plain.for_tenant("default", solo.clone()).unwrap(), solo);
+    assert!(plain.for_tenant("ops", solo).is_err());
+}

@@ -283,14 +283,14 @@ pub(crate) fn first_call(
     model: &dyn Model,
     agent: &AgentDef,
     offered: &BTreeMap<ToolName, Result<(), String>>,
-    agents: &BTreeMap<String, Arc<AgentDef>>,
+    ctx: &crate::context::NodeContext,
     skills: &[Arc<arbor_protocol::Skill>],
     request: &str,
-    limits: &arbor_protocol::Limits,
+    instructions: Option<&str>,
 ) -> crate::account::PlannedCall {
     let info = model.info();
-    let max_output_limit = max_output_limit(&info, limits, agent.settings);
-    let prompt = Prompt::for_job(agent, offered, agents, skills, &[]);
+    let max_output_limit = max_output_limit(&info, &ctx.limits, agent.settings);
+    let prompt = Prompt::for_job(agent, offered, &ctx.agents, skills, &[], instructions);
     let history = [Message::User(request.to_string())];
     let request = call_request(
         agent,

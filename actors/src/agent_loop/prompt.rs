@@ -1,5 +1,6 @@
 //! What a job's model is shown besides its history, made once per job: the
-//! system prompt (the agent's own, then a generated roster of the
+//! system prompt (the agent's own, then its tenant's shared instructions
+//! (I-63), then a generated roster of the
 //! sub-agents it may delegate to, then the skills it may read) and its
 //! tools (the built-in ones offered to it, `delegate`'s `agent` narrowed to
 //! the roster's names, then its MCP tools).
@@ -19,6 +20,10 @@ use arbor_protocol::{AgentDef, SandboxMode, Skill, ToolName};
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::Arc;
+
+/// The heading of a tenant's shared instructions, after the agent's own
+/// prompt and before the roster.
+pub const TENANT_HEADING: &str = "## Your team's instructions";
 
 /// The heading of the generated roster, after the agent's own prompt.
 pub const ROSTER_HEADING: &str = "## Sub-agents you may delegate to";
@@ -48,13 +53,15 @@ impl Prompt {
     /// `agent`'s prompt for a job offered `offered`, its sub-agents looked
     /// up in `agents`, the `skills` it may read (`skills::listed`), with
     /// `mcp` (its MCP tools, listed before its first turn; none when a
-    /// parent plans the first call).
+    /// parent plans the first call) and its run's tenant's `shared`
+    /// instructions.
     pub fn for_job(
         agent: &AgentDef,
         offered: &BTreeMap<ToolName, Result<(), String>>,
         agents: &BTreeMap<String, Arc<AgentDef>>,
         skills: &[Arc<Skill>],
         mcp: &[ToolSpec],
+        shared: Option<&str>,
     ) -> Prompt {
         let delegates = offered.get(&ToolName::Delegate).is_some_and(Result::is_ok);
         let roster = if delegates {
@@ -76,7 +83,7 @@ impl Prompt {
             _ => &[],
         };
         Prompt {
-            system: system_prompt(&agent.prompt, &roster, skills).into(),
+            system: system_prompt(&agent.prompt, shared, &roster, skills).into(),
             tools,
         }
     }
@@ -139,11 +146,19 @@ fn choosable_models(sub: &AgentDef) -> Vec<String> {
 }
 
 /// The agent's own prompt, then the roster and the skills when it has them.
-fn system_prompt(own: &str, roster: &[RosterEntry], skills: &[Arc<Skill>]) -> String {
-    if roster.is_empty() && skills.is_empty() {
+fn system_prompt(
+    own: &str,
+    shared: Option<&str>,
+    roster: &[RosterEntry],
+    skills: &[Arc<Skill>],
+) -> String {
+    if shared.is_none() && roster.is_empty() && skills.is_empty() {
         return own.to_string();
     }
     let mut text = own.trim_end().to_string();
+    if let Some(shared) = shared {
+        let _ = write!(text, "\n\n{TENANT_HEADING}\n\n{}\n", shared.trim());
+    }
     if !roster.is_empty() {
         write_roster(&mut text, roster);
     }
@@ -225,20 +240,48 @@ mod tests {
 
     #[test]
     fn the_roster_follows_the_agents_own_prompt_and_names_each_sub_agent_once() {
-        let text = system_prompt("You plan.\n", &[entry("a", false), entry("b", true)], &[]);
+        let text = system_prompt(
+            "You plan.\n",
+            None,
+            &[entry("a", false), entry("b", true)],
+            &[],
+        );
         assert!(text.starts_with("You plan.\n\n## Sub-agents"), "{text}");
         assert!(text.contains("\n- `a`: does a things\n"), "{text}");
         assert!(
             text.contains("- `b`: does b things (Works in a sandbox of its own"),
             "{text}"
         );
-        assert_eq!(system_prompt("You plan.\n", &[], &[]), "You plan.\n");
+        assert_eq!(system_prompt("You plan.\n", None, &[], &[]), "You plan.\n");
         let mut choosy = entry("c", false);
         choosy.models = vec!["p/small".into(), "p/large".into()];
-        let text = system_prompt("You plan.", &[choosy], &[]);
+        let text = system_prompt("You plan.", None, &[choosy], &[]);
         assert!(
             text.contains("- `c`: does c things (Runs on `p/small` unless a job names another `model`: `p/large`.)"),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn a_tenants_instructions_come_after_the_agents_own_and_before_the_roster() {
+        let text = system_prompt(
+            "You plan.\n",
+            Some("Cite sources.\n"),
+            &[entry("a", false)],
+            &[],
+        );
+        let own = text.find("You plan.").unwrap();
+        let shared = text.find("Cite sources.").unwrap();
+        let roster = text.find(ROSTER_HEADING).unwrap();
+        assert!(own < shared && shared < roster, "{text}");
+        assert!(
+            text.contains(&format!("{TENANT_HEADING}\n\nCite sources.\n")),
+            "{text}"
+        );
+        let alone = system_prompt("You plan.", Some("Cite sources."), &[], &[]);
+        assert_eq!(
+            alone,
+            format!("You plan.\n\n{TENANT_HEADING}\n\nCite sources.\n")
         );
     }
 

@@ -96,6 +96,8 @@ pub struct LoopArgs {
     /// A step of a `peers` group: its siblings' labels, agents and
     /// descriptions, listed in its prompt.
     pub peers: Arc<[(String, String, String)]>,
+    /// Its run's tenant's shared instructions (I-63), in its prompt.
+    pub instructions: Option<Arc<str>>,
     pub ctx: Arc<NodeContext>,
     pub run: RunId,
     pub id: JobId,

@@ -392,10 +392,10 @@ impl JobState {
             model.as_ref(),
             &plan.agent,
             &offered,
-            &self.ctx.agents,
+            &self.ctx,
             &skills,
             &plan.brief.request,
-            &self.ctx.limits,
+            self.run_ctx.instructions.as_deref(),
         );
         let (first_call, opened) =
             match FirstCall::plan(plan.id, grant, self.ctx.limits.wind_down, epoch, &call) {

@@ -59,6 +59,9 @@ pub struct Config {
     /// `[notify.NAME]`: where notifications of events go (docs/operations.md,
     /// "Notifications").
     pub notify: BTreeMap<String, crate::notify::Endpoint>,
+    /// `[tenants.NAME]`: the teams sharing the node (I-63); none: one
+    /// tenant, `default`.
+    pub tenants: BTreeMap<String, super::tenants::Tenant>,
 }
 
 /// `[journal]`: the node's journal in sled under its data dir (the
@@ -149,6 +152,7 @@ impl Default for Config {
             record_models: false,
             telemetry: Default::default(),
             notify: BTreeMap::new(),
+            tenants: BTreeMap::new(),
         }
     }
 }
@@ -181,6 +185,8 @@ struct ConfigFile {
     telemetry: TelemetryFile,
     #[serde(default)]
     notify: BTreeMap<String, crate::notify::EndpointFile>,
+    #[serde(default)]
+    tenants: BTreeMap<String, super::tenants::TenantFile>,
 }
 
 /// `[telemetry]` as written.
@@ -408,9 +414,15 @@ pub(super) fn parse_config(text: &str, root: &Path) -> Result<Config, LoadError>
         let endpoint = block.check(&name).map_err(|m| invalid(path, m))?;
         notify.insert(name, endpoint);
     }
+    let mut tenants = BTreeMap::new();
+    for (name, block) in file.tenants {
+        let tenant = block.check(&name).map_err(|m| invalid(path, m))?;
+        tenants.insert(name, tenant);
+    }
     Ok(Config {
         telemetry,
         notify,
+        tenants,
         approvals,
         journal,
         record_models: file.record.models,

@@ -66,8 +66,17 @@ pub(super) fn approval_routes() -> ApiRouter<Arc<Shared>> {
         )
 }
 
-async fn list_approvals(State(shared): S, Query(query): Query<ApprovalQuery>) -> Reply {
-    let cards = shared.node.approvals(query.run, query.state)?;
+async fn list_approvals(
+    State(shared): S,
+    axum::Extension(caller): axum::Extension<crate::credentials::Caller>,
+    Query(query): Query<ApprovalQuery>,
+) -> Reply {
+    let mut cards = vec![];
+    for card in shared.node.approvals(query.run, query.state)? {
+        if crate::tenancy::sees_run(&shared, &caller, card.run)? {
+            cards.push(card);
+        }
+    }
     Ok(json(
         StatusCode::OK,
         ApprovalList {

@@ -76,7 +76,10 @@ pub(super) fn node_routes() -> ApiRouter<Arc<Shared>> {
         )
 }
 
-async fn node_status(State(shared): S) -> Reply {
+async fn node_status(
+    State(shared): S,
+    axum::Extension(caller): axum::Extension<crate::credentials::Caller>,
+) -> Reply {
     let node = &shared.node;
     let journal = node.journal();
     let (queued, running) = shared.admission.counts().await?;
@@ -156,7 +159,66 @@ async fn node_status(State(shared): S) -> Reply {
             })
             .collect(),
     };
-    Ok(json(StatusCode::OK, status))
+    Ok(json(StatusCode::OK, seen_by(&shared, &caller, status)?))
+}
+
+/// The node's status as a credential of one tenant sees it (I-63): its
+/// own runs, jobs and sandboxes only; the node's figures as they are.
+fn seen_by(
+    shared: &Shared,
+    caller: &crate::credentials::Caller,
+    mut status: NodeStatus,
+) -> Result<NodeStatus, ApiError> {
+    use crate::tenancy::{sees_job, sees_run};
+    if caller.tenant.is_none() {
+        return Ok(status);
+    }
+    let mut kept = vec![];
+    for run in std::mem::take(&mut status.runs) {
+        if let Ok(id) = run.id.parse::<RunId>()
+            && sees_run(shared, caller, id)?
+        {
+            kept.push(run);
+        }
+    }
+    status.runs = kept;
+    let recovery = &mut status.recovery;
+    let mut jobs = vec![];
+    for job in std::mem::take(&mut recovery.jobs_failed) {
+        if sees_job(shared, caller, job)? {
+            jobs.push(job);
+        }
+    }
+    recovery.jobs_failed = jobs;
+    let mut runs = vec![];
+    for run in std::mem::take(&mut recovery.runs_resumed) {
+        if sees_run(shared, caller, run)? {
+            runs.push(run);
+        }
+    }
+    recovery.runs_resumed = runs;
+    // Which processes a restart killed, what broke, and the actors (named
+    // by run and job) are the node's.
+    recovery.processes_killed.clear();
+    recovery.breaches.clear();
+    status.actors.children.clear();
+    let mut sandboxes = vec![];
+    for sandbox in std::mem::take(&mut status.sandboxes) {
+        if sees_run(shared, caller, sandbox.run)? {
+            sandboxes.push(sandbox);
+        }
+    }
+    status.sandboxes = sandboxes;
+    for node in status.nodes.iter_mut().flatten() {
+        let mut runs = vec![];
+        for owned in std::mem::take(&mut node.runs) {
+            if sees_run(shared, caller, owned.run)? {
+                runs.push(owned);
+            }
+        }
+        node.runs = runs;
+    }
+    Ok(status)
 }
 
 async fn drain_node(State(shared): S, Path(path): Path<NodePath>) -> Reply {

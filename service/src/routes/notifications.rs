@@ -56,7 +56,11 @@ pub(super) fn notification_routes() -> ApiRouter<Arc<Shared>> {
         )
 }
 
-async fn list_notifications(State(shared): S, Query(query): Query<NotificationQuery>) -> Reply {
+async fn list_notifications(
+    State(shared): S,
+    axum::Extension(caller): axum::Extension<crate::credentials::Caller>,
+    Query(query): Query<NotificationQuery>,
+) -> Reply {
     use arbor_runtime::notify::DeliveryState;
     let Some(notifications) = shared.node.notifications() else {
         return Ok(json(
@@ -73,6 +77,13 @@ async fn list_notifications(State(shared): S, Query(query): Query<NotificationQu
     });
     let mut entries = notifications.list(state).map_err(ApiError::unavailable)?;
     entries.retain(|e| query.run.is_none_or(|run| e.run == run));
+    let mut seen = vec![];
+    for entry in entries {
+        if crate::tenancy::sees_run(&shared, &caller, entry.run)? {
+            seen.push(entry);
+        }
+    }
+    let entries = seen;
     Ok(json(
         StatusCode::OK,
         NotificationList {

@@ -6,6 +6,7 @@ use super::common::{
 use crate::Shared;
 use crate::admission::Submitted;
 use crate::api::*;
+use crate::credentials::Caller;
 use crate::error::ApiError;
 use crate::extract::{JsonBody, Path, Query};
 use crate::forward::{self, Forwarded};
@@ -217,8 +218,22 @@ async fn run_tree(shared: &Shared, run: RunId) -> Result<Option<Tree>, ApiError>
     Ok(None)
 }
 
+/// The tenant a submission is for (I-63): its caller's own, or the one a
+/// caller of every tenant names (`default` if none). A caller of one
+/// tenant naming another is told there is no such tenant.
+fn submitting_tenant(caller: &Caller, body: &SubmitRun) -> Result<String, ApiError> {
+    match (&caller.tenant, &body.tenant) {
+        (Some(own), Some(named)) if own != named => {
+            Err(ApiError::not_found(format!("no tenant {named}")))
+        }
+        (Some(own), _) => Ok(own.clone()),
+        (None, Some(named)) => Ok(named.clone()),
+        (None, None) => Ok(arbor_protocol::DEFAULT_TENANT.to_string()),
+    }
+}
+
 /// The request as a `RunSpec`, every I-36 check made; nothing changes here.
-fn resolve(shared: &Shared, body: &SubmitRun) -> Result<RunSpec, ApiError> {
+fn resolve(shared: &Shared, body: &SubmitRun, tenant: &str) -> Result<RunSpec, ApiError> {
     let ws = &shared.workspace;
     let cfg = &shared.config;
     let budget = body.budget.clone().unwrap_or_default();
@@ -269,6 +284,7 @@ fn resolve(shared: &Shared, body: &SubmitRun) -> Result<RunSpec, ApiError> {
         Some(micros) => ws.with_usd_ceiling(spec, micros).map_err(load)?,
         None => spec,
     };
+    let spec = ws.for_tenant(tenant, spec).map_err(load)?;
     // `record` adds to arbor.toml's `[record] models`, never turns it off.
     Ok(if body.record {
         ws.recording(spec, true)
@@ -279,11 +295,17 @@ fn resolve(shared: &Shared, body: &SubmitRun) -> Result<RunSpec, ApiError> {
 
 async fn submit_run(
     State(shared): S,
+    axum::Extension(caller): axum::Extension<Caller>,
     headers: HeaderMap,
     JsonBody(body): JsonBody<SubmitRun>,
 ) -> Reply {
-    let key = idempotency_key(&headers)?;
-    let spec = resolve(&shared, &body)?;
+    let tenant = submitting_tenant(&caller, &body)?;
+    let spec = resolve(&shared, &body, &tenant)?;
+    // A key is its tenant's: another tenant's same key is another run.
+    let key = idempotency_key(&headers)?.map(|key| match &spec.tenant {
+        Some(tenant) => format!("{tenant}/{key}"),
+        None => key,
+    });
     let digest = {
         let canonical = serde_json::to_vec(&body).unwrap_or_default();
         let hash = sha2::Sha256::digest(&canonical);
@@ -338,7 +360,7 @@ async fn replay_run(
         ));
     }
     let refused = |e: ReplayError| match e {
-        ReplayError::NoRun(_) => ApiError::not_found(e.to_string()),
+        ReplayError::NoRun(run) => ApiError::not_found(format!("no run {run}")),
         ReplayError::Journal(e) => ApiError::from(e),
         other => ApiError::refused(other.to_string()),
     };
@@ -392,7 +414,11 @@ fn created_at_ms(run: RunId) -> u64 {
     })
 }
 
-async fn list_runs(State(shared): S, Query(query): Query<RunQuery>) -> Reply {
+async fn list_runs(
+    State(shared): S,
+    axum::Extension(caller): axum::Extension<Caller>,
+    Query(query): Query<RunQuery>,
+) -> Reply {
     let limit = query.limit.unwrap_or(50);
     if !(1..=500).contains(&limit) {
         return Err(ApiError::bad_request("limit must be 1 to 500"));
@@ -409,7 +435,7 @@ async fn list_runs(State(shared): S, Query(query): Query<RunQuery>) -> Reply {
                 status: Status::Pending,
                 error_class: None,
                 reason: None,
-                budget_tokens: spec.map(|s| s.budget_tokens).unwrap_or_default(),
+                budget_tokens: spec.as_ref().map(|s| s.budget_tokens).unwrap_or_default(),
                 created_at_ms: created_at_ms(sub.run),
                 started_at_ms: None,
                 ended_at_ms: None,
@@ -417,6 +443,7 @@ async fn list_runs(State(shared): S, Query(query): Query<RunQuery>) -> Reply {
                 usd: None,
                 queue_position: Some(position),
                 failed_job: None,
+                tenant: spec.and_then(|s| s.tenant),
             }
         })
         .collect();
@@ -440,16 +467,23 @@ async fn list_runs(State(shared): S, Query(query): Query<RunQuery>) -> Reply {
                 usd: None,
                 queue_position: None,
                 failed_job: None,
+                tenant: None,
             }),
     );
     // Ids are uuid v7: newest first is id order, reversed.
     all.sort_by_key(|r| std::cmp::Reverse(r.id));
-    let mut page: Vec<RunSummary> = all
-        .into_iter()
-        .filter(|r| query.status.is_none_or(|s| r.status == s))
-        .filter(|r| query.after.is_none_or(|after| r.id < after))
-        .take(limit as usize + 1)
-        .collect();
+    let mut page: Vec<RunSummary> = vec![];
+    for run in all {
+        if page.len() > limit as usize {
+            break;
+        }
+        if query.status.is_none_or(|s| run.status == s)
+            && query.after.is_none_or(|after| run.id < after)
+            && crate::tenancy::sees_run(&shared, &caller, run.id)?
+        {
+            page.push(run);
+        }
+    }
     let next = (page.len() > limit as usize).then(|| {
         page.truncate(limit as usize);
         page.last().map(|r| r.id)
@@ -463,6 +497,9 @@ async fn list_runs(State(shared): S, Query(query): Query<RunQuery>) -> Reply {
                 run.ended_at_ms = head.ended_at_ms;
                 run.tokens = head.started_at_ms.map(|_| head.account);
                 run.usd = head.usd;
+                if head.tenant.is_some() {
+                    run.tenant = head.tenant.clone();
+                }
             }
         });
     }

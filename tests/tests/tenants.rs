@@ -1,0 +1,215 @@
+//! Many teams on one arbord (I-63): with `[tenants]`, a credential sees and
+//! acts on its own tenant's work only; another tenant's run, job, card and
+//! notification are a 404 on every route that names one, in the words an
+//! id that never was gets, and are in none of its lists.
+
+use arbor_service::credentials;
+use arbor_testkit::service::{TestService, Texts};
+use serde_json::{Value, json};
+use std::os::unix::fs::PermissionsExt;
+
+/// Asks to write a file: its card stays pending while the test looks.
+const WRITER: &str = "---\ndescription: asks to write\ntools: [write_file]\napprove: [write_file]\nscript:\n  - call: {tool: write_file, args: {path: out.txt, content: hello}}\n  - call: {tool: submit_output, args: {output: done}}\n---\nYou write.\n";
+const QUICK: &str = "---\ndescription: answers at once\nscript:\n  - call: {tool: submit_output, args: {output: hi}}\n---\nYou answer.\n";
+
+/// Two tenants; every event is a notification to a port nothing answers on
+/// (so entries wait in the outbox).
+async fn two_teams() -> TestService {
+    let dir = tempfile::tempdir().unwrap();
+    let workspace = dir.path().join("workspace");
+    std::fs::create_dir_all(&workspace).unwrap();
+    let secrets = workspace.join("secrets.env");
+    std::fs::write(
+        &secrets,
+        "HOOK_SECRET=whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&secrets, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let texts = Texts::new(
+        &[("writer", WRITER), ("quick", QUICK)],
+        &[(
+            "hello",
+            "[[group]]\nsteps = [{ agent = \"quick\", instruction = \"say hi\" }]\n",
+        )],
+    )
+    .with_config(
+        "[sandbox]\nsecrets_file = \"secrets.env\"\n\n\
+         [notify.ops]\nurl = \"http://127.0.0.1:9/hook\"\nsecret = \"HOOK_SECRET\"\nevents = [\"*\"]\nretry_wait = \"1h\"\n\n\
+         [tenants.team-a]\ninstructions = \"Cite your sources.\"\n\n\
+         [tenants.team-b]\nagents = [\"quick\"]\n",
+    );
+    TestService::start_in(dir, texts).await
+}
+
+async fn call(svc: &TestService, token: &str, method: &str, path: &str) -> (u16, String) {
+    let url = format!("{}{path}", svc.url);
+    let http = reqwest::Client::new();
+    // A body each route takes, so that what answers is the id.
+    let body = match path.rsplit('/').next() {
+        Some("messages") => json!({"text": "go on"}),
+        _ if path.starts_with("/v1/approvals/") => json!({"decision": "approve"}),
+        _ => json!({}),
+    };
+    let request = match method {
+        "GET" => http.get(&url),
+        _ => http.post(&url).json(&body),
+    };
+    let answer = request.bearer_auth(token).send().await.unwrap();
+    let status = answer.status().as_u16();
+    (status, answer.text().await.unwrap_or_default())
+}
+
+/// I-63: every route of the OpenAPI document that names an object answers
+/// 404 to each credential of tenant b, admin or viewer, for tenant a's
+/// run, step, card and notification (to its admin word for word as for an
+/// id that never was); no list of b's carries a's ids; a's own viewer reads them and is
+/// refused what it may not do with a 403; the main token sees both teams.
+#[tokio::test]
+async fn inv_63_another_tenants_objects_are_a_404_on_every_route_and_in_no_list() {
+    let svc = two_teams().await;
+    let data = svc.data_dir();
+    let add = |name: &str, tenant: &str, roles: &str| {
+        credentials::add(&data, &svc.token, name, tenant, roles)
+            .unwrap()
+            .1
+    };
+    let a_operator = add("a-op", "team-a", "operator,approver");
+    let a_viewer = add("a-view", "team-a", "viewer");
+    let b_admin = add("b-admin", "team-b", "admin");
+    let b_viewer = add("b-view", "team-b", "viewer");
+
+    // Team a's run, waiting on its card; its notifications queued.
+    let (status, body) = {
+        let answer = reqwest::Client::new()
+            .post(format!("{}/v1/runs", svc.url))
+            .bearer_auth(&a_operator)
+            .json(&json!({"agent": "writer", "input": "write it"}))
+            .send()
+            .await
+            .unwrap();
+        (answer.status().as_u16(), answer.text().await.unwrap())
+    };
+    assert_eq!(status, 201, "{body}");
+    let run: arbor_protocol::RunId = serde_json::from_str::<Value>(&body).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let seen = svc
+        .events_until(run, None, |e| e["kind"]["type"] == "approval_requested")
+        .await;
+    let asked = &seen.last().unwrap().1["kind"];
+    let card = asked["card"].as_str().unwrap().to_string();
+    let job = asked["id"].as_str().unwrap().to_string();
+    let (_, listed) = svc.get_json(&format!("/v1/notifications?run={run}")).await;
+    let notification = listed["notifications"][0]["id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("a notification of the run: {listed}"))
+        .to_string();
+    let (_, doc) = svc.get_json(&format!("/v1/runs/{run}")).await;
+    assert_eq!(doc["run"]["tenant"], "team-a", "{doc}");
+
+    // Every route that names an object, as the document lists them.
+    let api = arbor_service::Service::openapi();
+    let mut walked = 0;
+    for (path, item) in api["paths"].as_object().unwrap() {
+        let (id, fresh) = match path.split('/').nth(2) {
+            Some("runs") => (run.to_string(), arbor_protocol::RunId::new().to_string()),
+            Some("jobs") => (job.clone(), arbor_protocol::JobId::new().to_string()),
+            Some("approvals") => (card.clone(), arbor_protocol::CardId::new().to_string()),
+            Some("notifications") => (
+                notification.clone(),
+                format!("msg_{}", arbor_protocol::RunId::new().0.simple()),
+            ),
+            _ => continue,
+        };
+        if !path.contains("{id}") {
+            continue;
+        }
+        for method in item.as_object().unwrap().keys() {
+            let method = method.to_uppercase();
+            for token in [&b_admin, &b_viewer] {
+                let foreign = call(&svc, token, &method, &path.replace("{id}", &id)).await;
+                assert_eq!(foreign.0, 404, "{method} {path}: {}", foreign.1);
+            }
+            // To a credential with every role, word for word an id that never was.
+            let foreign = call(&svc, &b_admin, &method, &path.replace("{id}", &id)).await;
+            let never = call(&svc, &b_admin, &method, &path.replace("{id}", &fresh)).await;
+            assert_eq!(
+                foreign.1.replace(&id, "ID"),
+                never.1.replace(&fresh, "ID"),
+                "{method} {path}: another tenant's id reads as one that never was"
+            );
+            walked += 1;
+        }
+    }
+    assert!(walked >= 10, "{walked} routes walked");
+
+    // No list of team b's carries an id of team a's.
+    for list in [
+        "/v1/runs",
+        "/v1/approvals",
+        "/v1/notifications",
+        "/v1/status",
+    ] {
+        for token in [&b_admin, &b_viewer] {
+            let (status, body) = call(&svc, token, "GET", list).await;
+            assert_eq!(status, 200, "{list}: {body}");
+            for id in [&run.to_string(), &job, &card, &notification] {
+                assert!(!body.contains(id.as_str()), "{list} shows {id}: {body}");
+            }
+        }
+    }
+    // Team b cannot submit for team a, nor run an agent its list leaves out.
+    let refused = reqwest::Client::new()
+        .post(format!("{}/v1/runs", svc.url))
+        .bearer_auth(&b_admin)
+        .json(&json!({"flow": "hello", "tenant": "team-a"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 404);
+    let refused = reqwest::Client::new()
+        .post(format!("{}/v1/runs", svc.url))
+        .bearer_auth(&b_admin)
+        .json(&json!({"agent": "writer", "input": "x"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 422);
+    let why = refused.text().await.unwrap();
+    assert!(why.contains("may not run agent writer"), "{why}");
+
+    // Team a's viewer reads its run, and is refused its stop with a 403.
+    let (status, body) = call(&svc, &a_viewer, "GET", &format!("/v1/runs/{run}")).await;
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = call(&svc, &a_viewer, "POST", &format!("/v1/runs/{run}/stop")).await;
+    assert_eq!(status, 403, "{body}");
+    let (_, listed) = call(&svc, &a_viewer, "GET", "/v1/approvals").await;
+    assert!(listed.contains(&card), "{listed}");
+
+    // The main token is an admin of every tenant: it sees team a's run,
+    // and decides its card.
+    let (_, all) = svc.get_json("/v1/runs").await;
+    assert!(all.to_string().contains(&run.to_string()), "{all}");
+    let (status, decided) = svc
+        .post_json(
+            &format!("/v1/approvals/{card}"),
+            json!({"decision": "approve"}),
+        )
+        .await;
+    assert_eq!(status, 200, "{decided}");
+    let doc = svc.wait_run(run).await;
+    assert_eq!(doc["run"]["status"], "done", "{doc}");
+}
+
+/// A credential of a tenant arbor.toml does not name is refused, saying so.
+#[tokio::test]
+async fn inv_63_a_credential_of_an_unnamed_tenant_is_refused() {
+    let svc = two_teams().await;
+    let (_, token) =
+        credentials::add(&svc.data_dir(), &svc.token, "ghost", "team-z", "viewer").unwrap();
+    let (status, body) = call(&svc, &token, "GET", "/v1/runs").await;
+    assert_eq!(status, 401, "{body}");
+    assert!(body.contains("tenant team-z"), "{body}");
+}
