@@ -741,7 +741,8 @@ fn the_readmes_arbor_prompt_line_runs_as_written() {
 /// whose commands have the network runs. Run again, it does not run the
 /// step again: it exits 3, naming the step and the command that goes on,
 /// and leaves the run waiting in the journal; `arbor continue JOB` runs
-/// the step's next attempt in that same run, to its end.
+/// the step's next attempt to its end, even when the kill took the step's
+/// spawn event (its request is then its instruction in the run's spec).
 #[test]
 fn inv_57_arbor_run_exits_3_on_an_interrupted_outward_step_and_continue_finishes_it() {
     use std::io::BufRead;

@@ -481,6 +481,10 @@ impl EmbeddedNode {
                 _ => None,
             })
             .filter(|r| !r.is_empty())
+            // A kill can take a step's spawn event while its record, made
+            // durable first (I-29), survives: its step's instruction is
+            // in the run's spec.
+            .or_else(|| step_instruction(&record, &history))
             .ok_or_else(|| Error::Refused(format!("{job}: its request was not journaled")))?;
         let label = record.label.clone().unwrap_or_else(|| record.agent.clone());
         let spec = continuation(&record, &label, &request, &history);
@@ -1003,6 +1007,23 @@ fn sweep_forgotten_workdirs(journal: &Journal, work_root: &Path) {
             }
         }
     }
+}
+
+/// The instruction of step `record` in its run's spec (`history`'s start).
+fn step_instruction(
+    record: &arbor_storage::JobRecord,
+    history: &[arbor_protocol::Event],
+) -> Option<String> {
+    if record.kind != arbor_protocol::NodeKind::Step {
+        return None;
+    }
+    let label = record.label.as_deref()?;
+    history.iter().find_map(|e| match &e.kind {
+        arbor_protocol::EventKind::RunStarted { spec, .. } => {
+            spec.step(label).map(|step| step.instruction.clone())
+        }
+        _ => None,
+    })
 }
 
 /// The one-step run that continues `record` (a job a restart interrupted)
