@@ -96,6 +96,9 @@ pub struct Decide {
     pub answer: Option<String>,
     /// The API token's name.
     pub by: String,
+    /// The audit entry of the call that decides (I-64), committed with the
+    /// card's outcome.
+    pub audit: Option<Record>,
 }
 
 /// Why a decision was refused; nothing changed.
@@ -122,7 +125,7 @@ pub enum GateMsg {
     },
     Decide {
         card: CardId,
-        decide: Decide,
+        decide: Box<Decide>,
         reply: RpcReplyPort<Result<Card, DecideError>>,
     },
     /// The card's `warn_at` has come.
@@ -204,7 +207,7 @@ impl Actor for Gate {
                 decide,
                 reply,
             } => {
-                let result = Box::pin(state.decide(card, decide)).await;
+                let result = Box::pin(state.decide(card, *decide)).await;
                 let _ = reply.send(result);
             }
             GateMsg::Warn { card } => state.warn(card),
@@ -319,7 +322,7 @@ impl GateState {
                 let mut card = self.cards.remove(&id).expect("found above").card;
                 card.job = ask.job;
                 card.call = ask.call.clone();
-                let answer = match self.commit(&card).await {
+                let answer = match self.commit(&card, None).await {
                     Ok(()) => answer_of(&card),
                     Err(e) => Answer::Failed(e),
                 };
@@ -329,7 +332,7 @@ impl GateState {
             let mut card = entry.card.clone();
             card.job = ask.job;
             card.call = ask.call.clone();
-            if let Err(e) = self.commit(&card).await {
+            if let Err(e) = self.commit(&card, None).await {
                 let _ = reply.send(Answer::Failed(e));
                 return;
             }
@@ -366,7 +369,7 @@ impl GateState {
             undo: None,
         };
         // Invariant 1: durable before anyone can see it.
-        if let Err(e) = self.commit(&card).await {
+        if let Err(e) = self.commit(&card, None).await {
             let _ = reply.send(Answer::Failed(e));
             return;
         }
@@ -386,7 +389,7 @@ impl GateState {
     /// A notify-mode call's card: made decided (`ran`), durable, then told
     /// as a decision; nothing waits on it.
     async fn record(&self, card: Card) -> Result<(), String> {
-        self.commit(&card).await?;
+        self.commit(&card, None).await?;
         let decision = card.decision.as_ref();
         self.events.emit(
             card.run,
@@ -551,8 +554,12 @@ impl GateState {
                 (CardState::Approved, Some(args))
             }
         };
-        self.close(id, state, &decide.by, reason, Closing { edited, answer })
-            .await
+        let closing = Closing {
+            edited,
+            answer,
+            audit: decide.audit,
+        };
+        self.close(id, state, &decide.by, reason, closing).await
     }
 
     /// Closes a pending card: its one outcome, durable, then told.
@@ -564,7 +571,11 @@ impl GateState {
         reason: Option<String>,
         closing: Closing,
     ) -> Result<Card, DecideError> {
-        let Closing { edited, answer } = closing;
+        let Closing {
+            edited,
+            answer,
+            audit,
+        } = closing;
         let Some(entry) = self.cards.get(&id) else {
             return Err(DecideError::Unknown(id));
         };
@@ -587,7 +598,9 @@ impl GateState {
         if let Some(args) = &edited {
             card.args = args.clone();
         }
-        self.commit(&card).await.map_err(DecideError::Journal)?;
+        self.commit(&card, audit)
+            .await
+            .map_err(DecideError::Journal)?;
         self.events.emit(
             card.run,
             EventKind::ApprovalDecided {
@@ -639,10 +652,12 @@ impl GateState {
         }
     }
 
-    async fn commit(&self, card: &Card) -> Result<(), String> {
+    async fn commit(&self, card: &Card, also: Option<Record>) -> Result<(), String> {
         let record = Record::Approval(ApprovalRecord::of(card, self.journal.epoch()));
+        let mut records = vec![record];
+        records.extend(also);
         self.journal
-            .commit(vec![record])
+            .commit(records)
             .await
             .map(|_| ())
             .map_err(|e| e.to_string())
@@ -677,6 +692,7 @@ pub fn answer_of(card: &Card) -> Answer {
 struct Closing {
     edited: Option<serde_json::Value>,
     answer: Option<String>,
+    audit: Option<Record>,
 }
 
 /// A question's answer, checked: not empty, and one of its choices when it

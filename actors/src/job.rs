@@ -442,13 +442,13 @@ impl Actor for Job {
             }) => state.collect(&myself, children, timeout, stop_on_timeout, reply),
             JobMsg::Loop(LoopMsg::StopChild { child, reply }) => {
                 let result = state.children.resolve(&child).and_then(|label| {
-                    state.stop_child_label(&label, "stopped by its parent", false)
+                    state.stop_child_label(&label, "stopped by its parent", false, None)
                 });
                 let _ = reply.send(result);
             }
-            JobMsg::StopChildById { id, reason } => {
+            JobMsg::StopChildById { id, reason, audit } => {
                 if let Some(label) = state.children.by_id.get(&id).map(|c| c.label.clone()) {
-                    let _ = state.stop_child_label(&label, &reason, false);
+                    let _ = state.stop_child_label(&label, &reason, false, audit);
                 }
             }
             JobMsg::Loop(LoopMsg::SendMessage { child, text, reply }) => {
@@ -476,7 +476,8 @@ impl Actor for Job {
                 text,
                 from_parent,
                 reply,
-            } => state.queue_steering(text, from_parent, reply),
+                audit,
+            } => state.queue_steering(text, from_parent, reply, audit),
             JobMsg::LoopEnded { outcome } => {
                 state.loop_task = None;
                 if state.finish.is_none() {
@@ -855,7 +856,7 @@ impl JobState {
             );
         }
         for label in self.children.running_labels() {
-            let _ = self.stop_child_label(&label, reason, true);
+            let _ = self.stop_child_label(&label, reason, true, None);
         }
         self.children.cancel_retries();
     }

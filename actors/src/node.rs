@@ -34,9 +34,12 @@ pub enum NodeMsg {
         resume: Box<crate::run::Resume>,
         reply: RpcReplyPort<Result<RunId, String>>,
     },
+    /// `audit`, here and below: the audit entry of the operator's call
+    /// (I-64), committed with the change it asked for.
     StopRun {
         run: RunId,
         reason: String,
+        audit: Option<Record>,
         reply: RpcReplyPort<Result<(), String>>,
     },
     /// Stops one step or job: its parent decides, so that I-16 holds.
@@ -44,6 +47,7 @@ pub enum NodeMsg {
         run: RunId,
         job: JobId,
         reason: String,
+        audit: Option<Record>,
         reply: RpcReplyPort<Result<(), String>>,
     },
     /// A person continues step `job` of `run`, which waits for that decision
@@ -51,6 +55,7 @@ pub enum NodeMsg {
     ContinueStep {
         run: RunId,
         job: JobId,
+        audit: Option<Record>,
         reply: RpcReplyPort<Result<(), String>>,
     },
     /// Stops every run (each stops its subtree and kills its processes) and
@@ -63,6 +68,7 @@ pub enum NodeMsg {
     Steer {
         job: JobId,
         text: String,
+        audit: Option<Record>,
         reply: RpcReplyPort<Result<u64, Refusal>>,
     },
 }
@@ -112,18 +118,28 @@ impl Actor for Node {
                     .await;
                 let _ = reply.send(result);
             }
-            NodeMsg::StopRun { run, reason, reply } => {
+            NodeMsg::StopRun {
+                run,
+                reason,
+                audit,
+                reply,
+            } => {
                 let result = match state.runs.get(&run) {
                     Some((actor, _)) => actor
-                        .cast(RunMsg::Stop { reason })
+                        .cast(RunMsg::Stop { reason, audit })
                         .map_err(|e| e.to_string()),
                     None => Err(format!("no running run {run}")),
                 };
                 let _ = reply.send(result);
             }
-            NodeMsg::ContinueStep { run, job, reply } => match state.runs.get(&run) {
+            NodeMsg::ContinueStep {
+                run,
+                job,
+                reply,
+                audit,
+            } => match state.runs.get(&run) {
                 Some((actor, _)) => {
-                    if let Err(e) = actor.cast(RunMsg::Continue { job, reply }) {
+                    if let Err(e) = actor.cast(RunMsg::Continue { job, reply, audit }) {
                         tracing::warn!(%run, %job, error = %e, "a continue did not reach its run");
                     }
                 }
@@ -135,21 +151,28 @@ impl Actor for Node {
                 run,
                 job,
                 reason,
+                audit,
                 reply,
             } => {
-                let _ = reply.send(state.stop_job(run, job, reason));
+                let _ = reply.send(state.stop_job(run, job, reason, audit));
             }
             NodeMsg::StopAll { reason, reply } => {
                 state.closing = true;
                 for (actor, _) in state.runs.values() {
                     let _ = actor.cast(RunMsg::Stop {
                         reason: reason.clone(),
+                        audit: None,
                     });
                 }
                 state.stopped_waiters.push(reply);
                 state.answer_stopped_waiters();
             }
-            NodeMsg::Steer { job, text, reply } => {
+            NodeMsg::Steer {
+                job,
+                text,
+                audit,
+                reply,
+            } => {
                 match ractor::registry::where_is(job_name(job)) {
                     Some(cell) => {
                         let actor: ActorRef<JobMsg> = cell.into();
@@ -157,6 +180,7 @@ impl Actor for Node {
                             text,
                             from_parent: false,
                             reply: Some(reply),
+                            audit,
                         });
                     }
                     None => {
@@ -329,7 +353,13 @@ impl NodeState {
         Ok(id)
     }
 
-    fn stop_job(&self, run: RunId, job: JobId, reason: String) -> Result<(), String> {
+    fn stop_job(
+        &self,
+        run: RunId,
+        job: JobId,
+        reason: String,
+        audit: Option<Record>,
+    ) -> Result<(), String> {
         let Some((run_actor, _)) = self.runs.get(&run) else {
             return Err(format!("no running run {run}"));
         };
@@ -339,13 +369,21 @@ impl NodeState {
         match parent {
             None => Err(format!("run {run} has no job {job}")),
             Some(None) => run_actor
-                .cast(RunMsg::StopStep { id: job, reason })
+                .cast(RunMsg::StopStep {
+                    id: job,
+                    reason,
+                    audit,
+                })
                 .map_err(|e| e.to_string()),
             Some(Some(parent)) => match ractor::registry::where_is(job_name(parent)) {
                 Some(cell) => {
                     let actor: ActorRef<JobMsg> = cell.into();
                     actor
-                        .cast(JobMsg::StopChildById { id: job, reason })
+                        .cast(JobMsg::StopChildById {
+                            id: job,
+                            reason,
+                            audit,
+                        })
                         .map_err(|e| e.to_string())
                 }
                 None => Err(format!("job {job} has already ended")),

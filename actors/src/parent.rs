@@ -34,10 +34,13 @@ pub struct ChildReport {
 
 /// Why a parent stopped a child, and whether the stop came down from above
 /// it (propagated) or was this parent's own decision.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct StopReason {
     pub reason: String,
     pub propagated: bool,
+    /// The audit entry of the operator's call that stopped it (I-64),
+    /// committed with its end.
+    pub audit: Option<Record>,
 }
 
 impl StopReason {
@@ -45,7 +48,14 @@ impl StopReason {
         Self {
             reason: reason.into(),
             propagated,
+            audit: None,
         }
+    }
+
+    /// With the audit entry of the call that asked for it.
+    pub fn with_audit(mut self, audit: Option<Record>) -> Self {
+        self.audit = audit;
+        self
     }
 }
 
@@ -88,7 +98,9 @@ pub(crate) async fn record_child_end(
         propagated: child.stop.is_some_and(|stop| stop.propagated),
     }
     .record(ctx);
-    let seq = ctx.journal.append(vec![record])?;
+    let mut records = vec![record];
+    records.extend(child.stop.and_then(|stop| stop.audit.clone()));
+    let seq = ctx.journal.append(records)?;
     ended.push(seq, finished);
     Ok(envelope)
 }
@@ -98,7 +110,10 @@ pub(crate) fn final_envelope(
     stop: Option<&StopReason>,
     mut envelope: ResultEnvelope,
 ) -> ResultEnvelope {
-    if let Some(StopReason { reason, propagated }) = stop {
+    if let Some(StopReason {
+        reason, propagated, ..
+    }) = stop
+    {
         envelope.status = Status::Stopped;
         envelope.task_status = None;
         envelope.output = serde_json::Value::Null;

@@ -133,11 +133,16 @@ impl TryFrom<RunMsg> for ChildReport {
 pub enum RunMsg {
     Stop {
         reason: String,
+        /// The audit entry of the operator's call (I-64), committed with
+        /// the run's end.
+        audit: Option<Record>,
     },
     /// An operator stops one step.
     StopStep {
         id: JobId,
         reason: String,
+        /// Committed with the step's end.
+        audit: Option<Record>,
     },
     ChildEnded {
         report: ChildReport,
@@ -161,6 +166,8 @@ pub enum RunMsg {
     Continue {
         job: JobId,
         reply: ractor::RpcReplyPort<Result<(), String>>,
+        /// Committed with the next attempt's record.
+        audit: Option<Record>,
     },
     /// A replay's request differed from its recording's (I-49).
     Diverged {
@@ -299,6 +306,8 @@ impl Actor for Run {
             gating: BTreeMap::new(),
             approved: std::collections::HashSet::new(),
             peer_sent: std::collections::HashMap::new(),
+            audit: vec![],
+            end_audit: vec![],
             cancel,
         })
     }
@@ -352,10 +361,13 @@ impl Actor for Run {
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         match message {
-            RunMsg::Stop { reason } => {
+            RunMsg::Stop { reason, audit } => {
+                state.end_audit.extend(audit);
                 state.begin_finish(Status::Stopped, None, reason);
             }
-            RunMsg::StopStep { id, reason } => state.stop_step(id, &reason, false),
+            RunMsg::StopStep { id, reason, audit } => {
+                state.stop_step(id, &reason, false, audit);
+            }
             RunMsg::Diverged { why } => {
                 state.begin_finish(Status::Failed, Some(ErrorClass::Diverged), why);
             }
@@ -372,8 +384,8 @@ impl Actor for Run {
             RunMsg::GateDecided { label, answer } => {
                 state.gate_decided(&myself, label, answer).await?;
             }
-            RunMsg::Continue { job, reply } => {
-                let continued = state.continue_step(&myself, job).await;
+            RunMsg::Continue { job, reply, audit } => {
+                let continued = state.continue_step(&myself, job, audit).await;
                 let _ = reply.send(continued);
             }
             RunMsg::ChildEnded { report } => state.step_ended(&myself, report).await?,
@@ -469,6 +481,11 @@ pub struct RunState {
     finish: Option<RunFinish>,
     /// Steps' ends appended and not yet durable, held back from watchers.
     ended: Ends,
+    /// Audit entries of operators' calls (I-64) that go into the commit
+    /// of what they asked: a continued step's records (`audit`), the run's
+    /// end after a stop (`end_audit`).
+    audit: Vec<Record>,
+    end_audit: Vec<Record>,
     cancel: CancellationToken,
     _cancel_on_drop: DropGuard,
     /// Its wall cap's timer (I-59), armed once it has started.
@@ -613,7 +630,12 @@ impl RunState {
 
     /// A person continues an interrupted step that waited for them (I-57):
     /// its next attempt is admitted as any step is.
-    async fn continue_step(&mut self, myself: &ActorRef<RunMsg>, job: JobId) -> Result<(), String> {
+    async fn continue_step(
+        &mut self,
+        myself: &ActorRef<RunMsg>,
+        job: JobId,
+        audit: Option<Record>,
+    ) -> Result<(), String> {
         if self.finish.is_some() {
             return Err(format!("run {} is ending", self.id));
         }
@@ -629,6 +651,7 @@ impl RunState {
             ));
         };
         self.deciding.remove(&label);
+        self.audit.extend(audit);
         tracing::info!(run = %self.id, step = %label, %job, "a person continued an interrupted step");
         self.failures.insert(
             label,
@@ -978,7 +1001,8 @@ impl RunState {
             return;
         };
         // I-29: the steps' records are durable before any of them starts.
-        let records = self.step_records(&planned, &grants);
+        let mut records = self.step_records(&planned, &grants);
+        records.append(&mut self.audit);
         let record_seq = match self.ctx.journal.commit(records).await {
             Ok(seq) => seq,
             Err(e) => {
@@ -1203,12 +1227,12 @@ impl RunState {
         text
     }
 
-    fn stop_step(&mut self, id: JobId, reason: &str, propagated: bool) {
+    fn stop_step(&mut self, id: JobId, reason: &str, propagated: bool, audit: Option<Record>) {
         if let Some(step) = self.steps.get_mut(&id)
             && step.envelope.is_none()
             && step.stop_reason.is_none()
         {
-            step.stop_reason = Some(StopReason::new(reason, propagated));
+            step.stop_reason = Some(StopReason::new(reason, propagated).with_audit(audit));
             let Some(actor) = &step.actor else { return };
             let _ = actor.cast(JobMsg::Stop {
                 reason: reason.to_string(),
@@ -1232,7 +1256,7 @@ impl RunState {
             .map(|s| s.id)
             .collect();
         for id in running {
-            self.stop_step(id, why, true);
+            self.stop_step(id, why, true, None);
         }
         // A wait for a retry or a person ends at once: no attempt starts after this.
         self.retrying.clear();
@@ -1438,7 +1462,9 @@ impl RunState {
             output_json: finish.output.to_string(),
             epoch: self.ctx.journal.epoch(),
         };
-        self.ctx.journal.commit(vec![Record::Run(record)]).await?;
+        let mut records = vec![Record::Run(record)];
+        records.append(&mut self.end_audit);
+        self.ctx.journal.commit(records).await?;
         // That commit covered every step's end: they are told, before the run's.
         self.ended.settle(&self.ctx, self.id).await?;
         tracing::info!(run = %self.id, status = %finish.status, reason = finish.reason.as_deref().unwrap_or(""), "run ended");

@@ -117,6 +117,9 @@ enum Command {
     Steer { job: String, message: String },
     /// Approval cards waiting for a person (of one run, or all); --state for others.
     Approvals(client::ApprovalsArgs),
+    /// The audit log: who changed what, and who was refused (an admin's;
+    /// -o jsonl to export it whole).
+    Audit(client::AuditArgs),
     /// Approve a pending approval card: its call runs.
     Approve {
         card: String,
@@ -307,6 +310,9 @@ fn main() -> ExitCode {
             }
             Command::Approvals(args) => {
                 with_client(&conn, |c| Box::pin(client::approvals(c, args))).await
+            }
+            Command::Audit(args) => {
+                with_client(&conn, |c| Box::pin(client::audit(c, args.clone()))).await
             }
             Command::Approve { card, reason, args } => {
                 with_client(&conn, |c| {

@@ -157,6 +157,7 @@ fn parse(card: &Card, line: &str) -> Result<Decide, String> {
         args: None,
         answer: answer.map(str::to_string),
         by: BY.into(),
+        audit: None,
     };
     let line = line.trim();
     let (word, rest) = line.split_once(' ').unwrap_or((line, ""));

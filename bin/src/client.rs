@@ -11,7 +11,7 @@
 
 use crate::render;
 use arbor_protocol::{BudgetArg, Event, NodeKind, RunId, Status, Tree, TreeNode};
-use arbor_service::api::{DecisionBody, ReplayRun, StreamEvent, SubmitRun};
+use arbor_service::api::{AuditList, AuditQuery, DecisionBody, ReplayRun, StreamEvent, SubmitRun};
 use arbor_service::client as api;
 use arbor_service::status::NodeStatus;
 use clap::{Args, ValueEnum};
@@ -728,6 +728,78 @@ pub async fn drain_node(client: &Client, node: &str) -> Outcome {
 }
 
 // ---- approvals ----
+
+#[derive(Args, Clone)]
+pub struct AuditArgs {
+    /// Only this tenant's calls.
+    #[arg(long)]
+    pub tenant: Option<String>,
+    /// Only this caller's (a credential's name, a JWT's subject).
+    #[arg(long)]
+    pub subject: Option<String>,
+    /// Only calls of the last DURATION (`1h`, `7d`).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub since: Option<std::time::Duration>,
+}
+
+/// `arbor audit`: every page of the log, oldest first.
+pub async fn audit(client: &Client, args: AuditArgs) -> Outcome {
+    let since = args.since.map(|d| {
+        std::time::SystemTime::now()
+            .checked_sub(d)
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |t| t.as_millis() as u64)
+    });
+    let mut query = AuditQuery {
+        tenant: args.tenant,
+        subject: args.subject,
+        since,
+        limit: Some(1000),
+        ..Default::default()
+    };
+    let mut entries = vec![];
+    loop {
+        let page = client
+            .api
+            .audit(&query)
+            .await
+            .map_err(|e| client.failed(e))?;
+        entries.extend(page.entries);
+        match page.next {
+            Some(next) => query.after = Some(next),
+            None => break,
+        }
+    }
+    match client.output {
+        Output::Json => client.print_json(&AuditList {
+            entries,
+            next: None,
+        })?,
+        Output::Jsonl => {
+            for entry in &entries {
+                client.print_json(entry)?;
+            }
+        }
+        Output::Text => {
+            for e in &entries {
+                let at = humantime::format_rfc3339_millis(
+                    std::time::UNIX_EPOCH + std::time::Duration::from_millis(e.at_ms),
+                );
+                outln!(
+                    "{at}  {:<8} {:<3} {:<20} {:<10} {} {}  {}",
+                    e.outcome.as_str(),
+                    e.status,
+                    e.subject,
+                    e.tenant.as_deref().unwrap_or("*"),
+                    e.route,
+                    e.target.as_deref().unwrap_or("-"),
+                    e.client.as_deref().unwrap_or("-"),
+                );
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
 
 #[derive(Args)]
 pub struct ApprovalsArgs {

@@ -415,6 +415,16 @@ impl EmbeddedNode {
     /// the job's next attempt, on the job's request and grant. Explicit
     /// and idempotent: a second call returns the run the first one started.
     pub async fn continue_job(&self, job: JobId) -> Result<RunId, Error> {
+        self.continue_job_with(job, None).await
+    }
+
+    /// `continue_job`, `audit` committed with the next attempt's record or
+    /// the continuation's (I-64); a call that starts nothing commits none.
+    pub async fn continue_job_with(
+        &self,
+        job: JobId,
+        audit: Option<Record>,
+    ) -> Result<RunId, Error> {
         let journal = &self.ctx.journal;
         let record = journal
             .all_jobs()?
@@ -454,6 +464,7 @@ impl EmbeddedNode {
         if let Ok(Ok(())) = ractor::call!(self.node, |reply| NodeMsg::ContinueStep {
             run: record.run,
             job,
+            audit: audit.clone(),
             reply
         }) {
             return Ok(record.run);
@@ -509,7 +520,9 @@ impl EmbeddedNode {
                 epoch: journal.epoch(),
             })
         };
-        journal.commit(vec![record(run.to_string())]).await?;
+        let mut records = vec![record(run.to_string())];
+        records.extend(audit);
+        journal.commit(records).await?;
         let started = ractor::call!(self.node, |reply| NodeMsg::StartRun {
             spec,
             id: Some(run),
@@ -577,7 +590,7 @@ impl EmbeddedNode {
         };
         match ractor::call!(gate, |reply| GateMsg::Decide {
             card: id,
-            decide,
+            decide: Box::new(decide),
             reply
         }) {
             // Closed between the read above and the gate's turn, or pending
@@ -792,18 +805,46 @@ impl EmbeddedNode {
     }
 
     pub async fn stop_run(&self, run: RunId, reason: &str) -> Result<(), Error> {
+        self.stop_run_with(run, reason, None).await
+    }
+
+    /// `stop_run`, `audit` (an entry of the service's audit log, I-64)
+    /// committed with the run's end. The same for the `_with`s below: the
+    /// entry goes into the append of the change it asks for.
+    pub async fn stop_run_with(
+        &self,
+        run: RunId,
+        reason: &str,
+        audit: Option<Record>,
+    ) -> Result<(), Error> {
         let reason = reason.to_string();
-        ractor::call!(self.node, |reply| NodeMsg::StopRun { run, reason, reply })
-            .map_err(|e| Error::Start(e.to_string()))?
-            .map_err(Error::Refused)
+        ractor::call!(self.node, |reply| NodeMsg::StopRun {
+            run,
+            reason,
+            audit,
+            reply
+        })
+        .map_err(|e| Error::Start(e.to_string()))?
+        .map_err(Error::Refused)
     }
 
     pub async fn stop_job(&self, run: RunId, job: JobId, reason: &str) -> Result<(), Error> {
+        self.stop_job_with(run, job, reason, None).await
+    }
+
+    pub async fn stop_job_with(
+        &self,
+        run: RunId,
+        job: JobId,
+        reason: &str,
+        audit: Option<Record>,
+    ) -> Result<(), Error> {
         let reason = reason.to_string();
         ractor::call!(self.node, |reply| NodeMsg::StopJob {
             run,
             job,
             reason,
+            audit,
             reply
         })
         .map_err(|e| Error::Start(e.to_string()))?
@@ -811,8 +852,22 @@ impl EmbeddedNode {
     }
 
     pub async fn steer(&self, job: JobId, text: &str) -> Result<u64, Refusal> {
+        self.steer_with(job, text, None).await
+    }
+
+    pub async fn steer_with(
+        &self,
+        job: JobId,
+        text: &str,
+        audit: Option<Record>,
+    ) -> Result<u64, Refusal> {
         let text = text.to_string();
-        match ractor::call!(self.node, |reply| NodeMsg::Steer { job, text, reply }) {
+        match ractor::call!(self.node, |reply| NodeMsg::Steer {
+            job,
+            text,
+            audit,
+            reply
+        }) {
             Ok(result) => result,
             Err(e) => Err(Refusal::Invalid {
                 message: e.to_string(),

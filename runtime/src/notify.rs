@@ -748,7 +748,12 @@ impl Notifications {
 
     /// Sends a dead-lettered entry again, from its first try; its endpoint,
     /// if a 410 disabled it, is enabled again. `Ok(None)`: no such entry.
-    pub async fn retry(&self, id: uuid::Uuid) -> Result<Option<OutboxRecord>, RetryError> {
+    /// `audit`: the entry of the call that asks (I-64), committed with it.
+    pub async fn retry(
+        &self,
+        id: uuid::Uuid,
+        audit: Option<Record>,
+    ) -> Result<Option<OutboxRecord>, RetryError> {
         let Some(mut entry) = find(&self.journal, id)? else {
             return Ok(None);
         };
@@ -774,7 +779,9 @@ impl Notifications {
         entry.gone = false;
         entry.updated_ms = now;
         entry.epoch = self.journal.epoch();
-        self.journal.commit(vec![entry.record()?]).await?;
+        let mut records = vec![entry.record()?];
+        records.extend(audit);
+        self.journal.commit(records).await?;
         self.disabled
             .lock()
             .unwrap_or_else(|p| p.into_inner())

@@ -22,6 +22,7 @@
 use crate::submission::{self, SubmissionRecord, SubmissionState};
 use arbor_protocol::{ErrorClass, EventKind, RunId, RunSpec, Status};
 use arbor_runtime::EmbeddedNode;
+use axum::http::StatusCode;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -148,12 +149,14 @@ impl Admission {
         }))
     }
 
-    /// Queues a run (invariants 1 and 3).
+    /// Queues a run (invariants 1 and 3), the call's audit entry committed
+    /// with it (I-64).
     pub async fn submit(
         &self,
         spec: &RunSpec,
         key: Option<String>,
         digest: String,
+        audit: Option<&crate::audit::Audit>,
     ) -> Result<Submitted, SubmitError> {
         let mut state = self.state.lock().await;
         if let Some(key) = &key
@@ -186,7 +189,9 @@ impl Admission {
             state: SubmissionState::Queued,
             epoch: journal.epoch(),
         };
-        journal.commit(vec![sub.record()?]).await?;
+        let mut records = vec![sub.record()?];
+        records.extend(audit.and_then(|a| a.take(Some(sub.run.to_string()), StatusCode::CREATED)));
+        journal.commit(records).await?;
         state.next_order += 1;
         let run = sub.run;
         if let Some(key) = key {
@@ -251,11 +256,17 @@ impl Admission {
         Ok((queued, state.running.len()))
     }
 
-    /// Takes a queued run out of the queue: it ends stopped, never started.
-    /// `false` if it was not queued (it started meanwhile, or never was).
-    pub async fn cancel(&self, run: RunId, reason: &str) -> Result<bool, arbor_storage::Error> {
+    /// Takes a queued run out of the queue: it ends stopped, never started,
+    /// the call's audit entry committed with its end. `false` if it was not
+    /// queued (it started meanwhile, or never was).
+    pub async fn cancel(
+        &self,
+        run: RunId,
+        reason: &str,
+        audit: Option<&crate::audit::Audit>,
+    ) -> Result<bool, arbor_storage::Error> {
         if self.shared.is_some() {
-            return self.cancel_shared(run, reason).await;
+            return self.cancel_shared(run, reason, audit).await;
         }
         let mut state = self.state.lock().await;
         let Some(at) = state.queue.iter().position(|s| s.run == run) else {
@@ -266,14 +277,20 @@ impl Admission {
         sub.state = SubmissionState::Cancelled {
             reason: reason.to_string(),
         };
-        self.end_unstarted(sub, Status::Stopped, None, reason)
+        let audit = audit.and_then(|a| a.take(None, StatusCode::ACCEPTED));
+        self.end_unstarted(sub, Status::Stopped, None, reason, audit)
             .await?;
         Ok(true)
     }
 
     /// A shared queue's run is this node's to end once it has claimed it:
     /// then no other node can start it.
-    async fn cancel_shared(&self, run: RunId, reason: &str) -> Result<bool, arbor_storage::Error> {
+    async fn cancel_shared(
+        &self,
+        run: RunId,
+        reason: &str,
+        audit: Option<&crate::audit::Audit>,
+    ) -> Result<bool, arbor_storage::Error> {
         let journal = self.node.journal();
         if journal
             .claim_queued(1, Some(run))?
@@ -289,7 +306,8 @@ impl Admission {
         sub.state = SubmissionState::Cancelled {
             reason: reason.to_string(),
         };
-        self.end_unstarted(sub, Status::Stopped, None, reason)
+        let audit = audit.and_then(|a| a.take(None, StatusCode::ACCEPTED));
+        self.end_unstarted(sub, Status::Stopped, None, reason, audit)
             .await?;
         Ok(true)
     }
@@ -465,7 +483,7 @@ impl Admission {
                 };
                 let reason = format!("it could not start: {reason}");
                 if let Err(error) = self
-                    .end_unstarted(sub, Status::Failed, Some(ErrorClass::Start), &reason)
+                    .end_unstarted(sub, Status::Failed, Some(ErrorClass::Start), &reason, None)
                     .await
                 {
                     tracing::error!(%error, "could not journal a run that failed to start");
@@ -483,15 +501,18 @@ impl Admission {
         status: Status,
         error_class: Option<ErrorClass>,
         reason: &str,
+        audit: Option<arbor_storage::Record>,
     ) -> Result<(), arbor_storage::Error> {
         let spec: Option<RunSpec> = serde_json::from_str(&sub.spec_json).ok();
         sub.epoch = self.node.journal().epoch();
+        let mut records = vec![sub.record()?];
+        records.extend(audit);
         self.node
             .end_unstarted(
                 sub.run,
                 spec.as_ref(),
                 (status, error_class, reason),
-                vec![sub.record()?],
+                records,
             )
             .await?;
         Ok(())

@@ -595,3 +595,71 @@ impl From<arbor_runtime::notify::OutboxRecord> for NotificationView {
 pub struct NotificationList {
     pub notifications: Vec<NotificationView>,
 }
+
+/// The filter of `GET /v1/audit`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AuditQuery {
+    /// Only this tenant's calls.
+    pub tenant: Option<String>,
+    /// Only this caller's (a credential's name, a JWT's subject).
+    pub subject: Option<String>,
+    /// From this time on, in ms since the Unix epoch.
+    pub since: Option<u64>,
+    /// Before this time, in ms since the Unix epoch.
+    pub until: Option<u64>,
+    /// At most this many, 1 to 1000 (100).
+    pub limit: Option<u32>,
+    /// After this entry (the `next` of the page before).
+    pub after: Option<uuid::Uuid>,
+}
+
+/// A page of the audit log, oldest first.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct AuditList {
+    pub entries: Vec<AuditEntry>,
+    /// The last entry's id, when there are more: `?after=` it for the next page.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next: Option<uuid::Uuid>,
+}
+
+/// One call that changed something, or a refused attempt at one (I-64).
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct AuditEntry {
+    pub id: uuid::Uuid,
+    /// When, in ms since the Unix epoch.
+    pub at_ms: u64,
+    /// The credential's name (`operator`: the main token), a JWT's
+    /// subject; `anonymous` when none was taken.
+    pub subject: String,
+    /// The caller's tenant; none: every tenant, or no credential.
+    pub tenant: Option<String>,
+    /// The role the route needs.
+    pub role: Option<String>,
+    /// The method and route: `POST /v1/runs/{id}/stop`.
+    pub route: String,
+    /// The id the route names, or the run a submission made.
+    pub target: Option<String>,
+    pub outcome: crate::audit::AuditOutcome,
+    /// The answer's HTTP status.
+    pub status: u16,
+    /// The client's address.
+    pub client: Option<String>,
+}
+
+impl From<crate::audit::AuditRecord> for AuditEntry {
+    fn from(a: crate::audit::AuditRecord) -> Self {
+        Self {
+            id: a.id,
+            at_ms: a.at_ms,
+            subject: a.subject,
+            tenant: a.tenant,
+            role: a.role,
+            route: a.route,
+            target: a.target,
+            outcome: a.outcome,
+            status: a.status,
+            client: a.client,
+        }
+    }
+}

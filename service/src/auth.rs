@@ -71,8 +71,17 @@ struct Named {
 #[derive(Debug)]
 struct Session {
     id: Token,
-    caller: String,
+    who: Opener,
     ends: std::time::Instant,
+}
+
+/// Who opened a session: a credential of the node's, looked up again at
+/// each request (so a revocation ends it), or a JWT's caller, as its
+/// provider said, until the JWT expires.
+#[derive(Debug)]
+enum Opener {
+    Named(String),
+    Jwt(Caller),
 }
 
 impl Tokens {
@@ -190,39 +199,63 @@ impl Tokens {
             .map(caller_of)
     }
 
-    /// Opens a console session for the holder of `presented`: its id, for
-    /// the cookie.
+    /// Opens a console session for the holder of `presented`, a token of
+    /// the node's or a JWT of its OIDC provider: its id, for the cookie.
+    /// A JWT's session ends when the JWT does, if that is sooner.
     pub fn open_session(&self, presented: &str) -> Result<String, SessionRefused> {
-        let caller = self.who(presented).ok_or(SessionRefused::WrongToken)?.name;
+        let now = std::time::Instant::now();
+        let (who, ends) = match self.who(presented) {
+            Some(caller) => (Opener::Named(caller.name), now + SESSION_LIFETIME),
+            None => match &self.oidc {
+                Some(oidc) if presented.matches('.').count() == 2 => {
+                    let (caller, exp) = oidc
+                        .verify_until(presented)
+                        .map_err(SessionRefused::Refused)?;
+                    let left = std::time::UNIX_EPOCH + std::time::Duration::from_secs(exp);
+                    let left = left
+                        .duration_since(std::time::SystemTime::now())
+                        .unwrap_or_default();
+                    (Opener::Jwt(caller), now + left.min(SESSION_LIFETIME))
+                }
+                _ => return Err(SessionRefused::Refused("the token is wrong".into())),
+            },
+        };
         let id = random_hex(32).map_err(SessionRefused::NoRandomness)?;
         let mut sessions = self.lock_sessions();
-        let now = std::time::Instant::now();
         sessions.retain(|s| s.ends > now);
         if sessions.len() >= MAX_SESSIONS {
             sessions.remove(0); // the oldest
         }
         sessions.push(Session {
             id: Token(id.as_str().into()),
-            caller,
-            ends: now + SESSION_LIFETIME,
+            who,
+            ends,
         });
         Ok(id)
     }
 
-    /// Ends the session `id`, if there is one.
-    pub fn close_session(&self, id: &str) {
+    /// Ends the session `id`, if there is one; who had opened it.
+    pub fn close_session(&self, id: &str) -> Option<Caller> {
+        let caller = self.session(id);
         self.lock_sessions().retain(|s| !s.id.matches(id));
+        caller
     }
 
     /// Who opened the live session `id`, as their credential stands now.
     fn session(&self, id: &str) -> Option<Caller> {
         let now = std::time::Instant::now();
-        let name = self
-            .lock_sessions()
-            .iter()
-            .find(|s| s.ends > now && s.id.matches(id))
-            .map(|s| s.caller.clone())?;
-        self.named_caller(&name)
+        let named = {
+            let sessions = self.lock_sessions();
+            match &sessions
+                .iter()
+                .find(|s| s.ends > now && s.id.matches(id))?
+                .who
+            {
+                Opener::Jwt(caller) => return Some(caller.clone()),
+                Opener::Named(name) => name.clone(),
+            }
+        };
+        self.named_caller(&named)
     }
 
     fn lock_sessions(&self) -> std::sync::MutexGuard<'_, Vec<Session>> {
@@ -315,8 +348,8 @@ impl Token {
 /// Why no session was opened.
 #[derive(Debug)]
 pub enum SessionRefused {
-    /// The token presented is none of the node's.
-    WrongToken,
+    /// The token presented is none of the node's, nor a JWT it takes: why.
+    Refused(String),
     /// The session id could not be drawn (`/dev/urandom` failed): the
     /// node's fault, not the caller's.
     NoRandomness(std::io::Error),
@@ -394,6 +427,9 @@ pub async fn require_token(
 /// (`tenancy::authorize`). A credential of a tenant arbor.toml does not
 /// name is refused here.
 async fn allowed(tokens: &Tokens, caller: Caller, mut request: Request, next: Next) -> Response {
+    if let Some(audit) = request.extensions().get::<crate::audit::Audit>() {
+        audit.caller(&caller);
+    }
     if let Some(tenant) = &caller.tenant
         && !tokens.tenants.iter().any(|t| t == tenant)
     {
@@ -416,7 +452,10 @@ async fn allowed(tokens: &Tokens, caller: Caller, mut request: Request, next: Ne
 pub fn required_role(method: &axum::http::Method, path: &str) -> credentials::Role {
     use credentials::Role;
     if method == axum::http::Method::GET || method == axum::http::Method::HEAD {
-        return Role::Viewer;
+        return match path {
+            "/v1/audit" => Role::Admin,
+            _ => Role::Viewer,
+        };
     }
     match path {
         "/v1/runs"

@@ -12,8 +12,9 @@
 //!    that broke (the caller may resume from the last id).
 
 use crate::api::{
-    ApprovalList, CardView, Continued, DecisionBody, DrainAsked, ReplayRun, ReplayStarted,
-    RunCreated, RunDocument, RunList, SteerQueued, StopAccepted, StreamEvent, SubmitRun,
+    ApprovalList, AuditList, AuditQuery, CardView, Continued, DecisionBody, DrainAsked, ReplayRun,
+    ReplayStarted, RunCreated, RunDocument, RunList, SteerQueued, StopAccepted, StreamEvent,
+    SubmitRun,
 };
 use crate::status::NodeStatus;
 use arbor_protocol::RunId;
@@ -232,6 +233,12 @@ impl Client {
         query.extend(run.map(|r| ("run", r.to_string())));
         query.extend(state.map(|s| ("state", s.to_string())));
         self.call(self.request(Method::GET, "/v1/approvals").query(&query))
+            .await
+    }
+
+    /// `GET /v1/audit`: one page.
+    pub async fn audit(&self, query: &AuditQuery) -> Result<AuditList, Error> {
+        self.call(self.request(Method::GET, "/v1/audit").query(query))
             .await
     }
 

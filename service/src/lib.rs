@@ -11,6 +11,7 @@
 
 pub mod admission;
 pub mod api;
+pub mod audit;
 pub mod auth;
 #[cfg(feature = "client")]
 pub mod client;
@@ -104,6 +105,7 @@ impl Service {
             Token::load_or_create(&config.data_dir).map_err(StartError::Token)?;
         let oidc = oidc::Oidc::from_auth(&workspace.config.auth, &workspace.root)
             .map_err(StartError::Token)?;
+        let keep_audit = audit::keep(&workspace.config.retention).map_err(StartError::Token)?;
         let tokens = Tokens::load(&config.data_dir, token)
             .map_err(StartError::Token)?
             .with_oidc(oidc)
@@ -161,6 +163,13 @@ impl Service {
                 .shared
                 .tasks
                 .spawn(retention::keep_finished(shared, keep));
+        }
+        if let Some(keep) = keep_audit {
+            let shared = service.shared.clone();
+            service
+                .shared
+                .tasks
+                .spawn(retention::keep_audit(shared, keep));
         }
         // Another node's `POST /v1/nodes/{id}/drain` for this one.
         if let Some(mut asked) = service.shared.node.journal().drain_asked() {
@@ -247,8 +256,12 @@ impl Service {
                 tracing::debug!(%error, "TCP_NODELAY could not be set on a connection");
             }
         });
-        let server = axum::serve(listener, self.router())
-            .with_graceful_shutdown(stopped.clone().cancelled_owned());
+        // The client's address goes into the audit log (I-64).
+        let app = self
+            .router()
+            .into_make_service_with_connect_info::<std::net::SocketAddr>();
+        let server =
+            axum::serve(listener, app).with_graceful_shutdown(stopped.clone().cancelled_owned());
         let server = tokio::spawn(async move { server.await });
         let asked = self.shared.drain_asked.clone();
         tokio::select! {

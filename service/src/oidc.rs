@@ -109,6 +109,12 @@ impl Oidc {
 
     /// The caller a bearer JWT stands for, or why it is refused.
     pub fn verify(&self, token: &str) -> Result<Caller, String> {
+        self.verify_until(token).map(|(caller, _)| caller)
+    }
+
+    /// `verify`, and when the JWT expires (its `exp`, seconds since the
+    /// epoch): a console session opened with it ends then at the latest.
+    pub fn verify_until(&self, token: &str) -> Result<(Caller, u64), String> {
         let header = jsonwebtoken::decode_header(token)
             .map_err(|e| format!("the JWT's header does not read ({e}); `alg: none` is refused"))?;
         let jwk = match &header.kid {
@@ -170,11 +176,12 @@ impl Oidc {
                     .or_else(|| Role::parse(v).ok())
             })
             .collect();
-        Ok(Caller {
+        let caller = Caller {
             name: subject,
             tenant,
             roles: Roles(roles),
-        })
+        };
+        Ok((caller, claims["exp"].as_u64().unwrap_or(0)))
     }
 }
 

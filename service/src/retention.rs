@@ -96,3 +96,27 @@ pub(crate) async fn keep_finished(shared: Arc<Shared>, keep: Duration) {
         }
     }
 }
+
+/// Removes audit entries older than `keep` (`[retention] keep_audit`),
+/// once an hour (sooner for a shorter `keep`), until the drain.
+pub(crate) async fn keep_audit(shared: Arc<Shared>, keep: Duration) {
+    let every = (keep / 10).clamp(Duration::from_secs(1), Duration::from_secs(3600));
+    loop {
+        tokio::select! {
+            () = shared.stopped.cancelled() => return,
+            () = tokio::time::sleep(every) => {}
+        }
+        let journal = shared.node.journal().clone();
+        let pass = tokio::task::spawn_blocking(move || {
+            crate::audit::forget_before(&journal, keep, SystemTime::now())
+        })
+        .await;
+        match pass {
+            Ok(Ok(_)) => {}
+            Ok(Err(error)) => {
+                tracing::warn!(%error, "an audit retention pass failed; the next one tries again");
+            }
+            Err(error) => tracing::warn!(%error, "an audit retention pass panicked"),
+        }
+    }
+}

@@ -12,6 +12,7 @@ use axum::response::{IntoResponse, Response};
 use std::sync::Arc;
 
 mod approvals;
+mod audit;
 mod common;
 mod jobs;
 mod node;
@@ -20,6 +21,7 @@ mod public;
 mod runs;
 
 use approvals::{approval_routes, decide_here};
+use audit::audit_routes;
 use jobs::{job_routes, steer_here, stop_job_here};
 use node::node_routes;
 use notifications::notification_routes;
@@ -90,8 +92,9 @@ fn document_info(api: aide::transform::TransformOpenApi) -> aide::transform::Tra
 
 fn api_router(shared: Arc<Shared>) -> ApiRouter {
     let token = shared.tokens.clone();
-    // The caller is known first (`require_token`), then what it may see
-    // and do (`authorize`): the last layer added runs first.
+    // The last layer added runs first: a call that may change something
+    // opens its audit entry (`audit::record`, I-64), then the caller is
+    // known (`require_token`), then what it may see and do (`authorize`).
     let protected = protected_routes()
         .route_layer(axum::middleware::from_fn_with_state(
             shared.clone(),
@@ -100,6 +103,10 @@ fn api_router(shared: Arc<Shared>) -> ApiRouter {
         .route_layer(axum::middleware::from_fn_with_state(
             token,
             crate::auth::require_token,
+        ))
+        .route_layer(axum::middleware::from_fn_with_state(
+            shared.node.journal().clone(),
+            crate::audit::record,
         ));
     protected.merge(public_routes()).with_state(shared)
 }
@@ -116,6 +123,7 @@ fn protected_routes() -> ApiRouter<Arc<Shared>> {
         .merge(job_routes())
         .merge(approval_routes())
         .merge(notification_routes())
+        .merge(audit_routes())
         .merge(node_routes())
 }
 
@@ -127,10 +135,12 @@ pub(crate) fn handle_forwarded(
 ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Response> + Send + 'static>> {
     Box::pin(async move {
         let reply = match call {
-            Forwarded::StopRun { run } => stop_run_here(&shared, run).await,
-            Forwarded::StopJob { run, job } => stop_job_here(&shared, run, job).await,
-            Forwarded::Steer { job, text } => steer_here(&shared, job, text).await,
-            Forwarded::Decide { card, body, by } => decide_here(&shared, card, body, by).await,
+            Forwarded::StopRun { run } => stop_run_here(&shared, run, None).await,
+            Forwarded::StopJob { run, job } => stop_job_here(&shared, run, job, None).await,
+            Forwarded::Steer { job, text } => steer_here(&shared, job, text, None).await,
+            Forwarded::Decide { card, body, by } => {
+                decide_here(&shared, card, body, by, None).await
+            }
         };
         reply.unwrap_or_else(IntoResponse::into_response)
     })

@@ -25,6 +25,16 @@ pub(crate) fn sees(caller: &Caller, tenant: &str) -> bool {
     caller.tenant.as_deref().is_none_or(|own| own == tenant)
 }
 
+/// Whether `caller` sees an audit entry of a caller of `tenant` (none:
+/// of every tenant, or of no credential: an admin of every tenant's only).
+pub(crate) fn sees_entry(caller: &Caller, tenant: Option<&str>) -> bool {
+    match (&caller.tenant, tenant) {
+        (None, _) => true,
+        (Some(own), Some(tenant)) => own == tenant,
+        (Some(_), None) => false,
+    }
+}
+
 /// Whether `caller` sees run `run` (a list's filter): its tenant, looked
 /// up as for a route's path.
 pub(crate) fn sees_run(shared: &Shared, caller: &Caller, run: RunId) -> Result<bool, ApiError> {
@@ -114,6 +124,10 @@ pub(crate) async fn authorize(
         .get::<MatchedPath>()
         .map(|p| p.as_str().to_string())
         .unwrap_or_else(|| request.uri().path().to_string());
+    let need = crate::auth::required_role(request.method(), &template);
+    if let Some(audit) = request.extensions().get::<crate::audit::Audit>() {
+        audit.role(need);
+    }
     if caller.tenant.is_some()
         && let Some(kind) = Kind::of(&template)
         && let Some(id) = request.uri().path().split('/').nth(3)
@@ -121,11 +135,15 @@ pub(crate) async fn authorize(
         match owner(&shared, kind, id) {
             Ok(Owner::Tenant(tenant)) if sees(&caller, &tenant) => {}
             Ok(Owner::None) => {}
-            Ok(_) => return kind.unknown(id).into_response(),
+            Ok(_) => {
+                if let Some(audit) = request.extensions().get::<crate::audit::Audit>() {
+                    audit.refused();
+                }
+                return kind.unknown(id).into_response();
+            }
             Err(e) => return e.into_response(),
         }
     }
-    let need = crate::auth::required_role(request.method(), &template);
     if !caller.roles.allow(need) {
         return ApiError::forbidden(format!(
             "the credential {:?} has the roles {}; {} {template} needs {}",

@@ -629,10 +629,35 @@ impl Journal {
                             prefixes.push((table, job.0.as_bytes().to_vec()));
                         }
                     }
+                    // The audit outlives the runs it names.
+                    KeyedBy::Time => {}
                 }
             }
         }
         self.engine.remove(prefixes)
+    }
+
+    /// Removes the rows of a table keyed by time (`KeyedBy::Time`: a log of
+    /// the node's own, such as the audit) whose time is before `cutoff_ms`,
+    /// in one append; returns how many.
+    pub fn remove_before<R>(
+        &self,
+        table: &'static Table<R>,
+        cutoff_ms: u64,
+    ) -> Result<usize, Error> {
+        debug_assert_eq!(table.def.keyed_by, KeyedBy::Time);
+        let mut prefixes = Vec::new();
+        let below = cutoff_ms.to_be_bytes();
+        self.engine
+            .scan(&table.def, Span::Below(&below), &mut |key, _| {
+                prefixes.push((&table.def, key.to_vec()));
+                Ok(())
+            })?;
+        let removed = prefixes.len();
+        if removed > 0 {
+            self.engine.remove(prefixes)?;
+        }
+        Ok(removed)
     }
 
     /// Decodes every record of every table (and checks the engine's own

@@ -63,6 +63,10 @@ pub enum KeyedBy {
     /// An account's: a tag byte (0 for a run's, 1 for a job's) and its
     /// owner's uuid (`codec::ledger_prefix`).
     Account,
+    /// A time, in ms as a big-endian u64: a log of the node's own, outside
+    /// every run (the audit), never removed with a run; its owner keeps it
+    /// as long as it says.
+    Time,
 }
 
 /// A kind of record and its table.
@@ -246,6 +250,9 @@ pub const SUBMISSIONS_TABLE: TableDef = state("submissions", KeyedBy::Run);
 /// Notifications on their way out of the node (`arbor-runtime` defines
 /// its records), each committed with its event.
 pub const OUTBOX_TABLE: TableDef = state("outbox", KeyedBy::Run);
+/// Who changed what through the API, and when (`arbor-service` defines
+/// its records), each committed with the change it made (I-64).
+pub const AUDIT_TABLE: TableDef = state("audit", KeyedBy::Time);
 const APPROVALS_TABLE: TableDef = state("approvals", KeyedBy::Run);
 const TAPES_TABLE: TableDef = state("tapes", KeyedBy::Run);
 
@@ -324,7 +331,7 @@ impl JournalTable {
 /// Every table of a journal, whoever owns its records, in the order the log
 /// numbers them (invariant 2). The one list: a table missing here is neither
 /// replayed, scanned nor verified.
-pub static JOURNAL_TABLES: [JournalTable; 11] = [
+pub static JOURNAL_TABLES: [JournalTable; 12] = [
     JournalTable::Ours(&RUNS),
     JournalTable::Ours(&JOBS),
     JournalTable::Ours(&LEDGER),
@@ -336,6 +343,7 @@ pub static JOURNAL_TABLES: [JournalTable; 11] = [
     JournalTable::Ours(&APPROVALS),
     JournalTable::Ours(&TAPES),
     JournalTable::Foreign(OUTBOX_TABLE),
+    JournalTable::Foreign(AUDIT_TABLE),
 ];
 
 /// The tables whose records storage defines, for `scan` and `verify`.
@@ -373,6 +381,9 @@ mod tests {
             .filter(|slot| slot.ours().is_none())
             .map(|slot| slot.def().name)
             .collect();
-        assert_eq!(foreign, [SUBMISSIONS_TABLE.name, OUTBOX_TABLE.name]);
+        assert_eq!(
+            foreign,
+            [SUBMISSIONS_TABLE.name, OUTBOX_TABLE.name, AUDIT_TABLE.name]
+        );
     }
 }

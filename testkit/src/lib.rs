@@ -639,6 +639,7 @@ impl TestNode {
                     args,
                     answer: None,
                     by: "tester".into(),
+                    audit: None,
                 },
             )
             .await
@@ -660,6 +661,7 @@ impl TestNode {
                     args: None,
                     answer: Some(answer.to_string()),
                     by: "tester".into(),
+                    audit: None,
                 },
             )
             .await

@@ -277,3 +277,171 @@ pub async fn two_groups_crashed_in_the_second() -> (TestNode, RunId) {
     node.wait_status(run, "second", Status::Running).await;
     (node.crash_and_restart().await, run)
 }
+
+/// The name the audited person acts under, and what it writes.
+pub const AUDITOR: &str = "auditor";
+const AUDITED_STEER: &str = "audited: be brief";
+const AUDITED_STOP: &str = "stopped by an operator (audited)";
+
+/// Operators' calls at every commit point (I-64): a step asks for a
+/// go-ahead on its call and is steered, then approved; a slow step beside
+/// it is stopped. Each call carries its audit entry, as arbord's API hands
+/// it down, to be committed with the change; after a restart the person
+/// goes on approving what is pending.
+pub fn audited_calls() -> Scenario {
+    let writer = agent_md(
+        "tools: [write_file]\napprove: [write_file]\nscript:\n  - usage: {input: 20, output: 5}\n    call: {tool: write_file, args: {path: out.txt, content: hello}}\n  - call: {tool: submit_output, args: {output: wrote}}",
+    );
+    let slow = agent_md(
+        "script:\n  - say: thinking\n    delay: 8s\n  - call: {tool: submit_output, args: {output: late}}",
+    );
+    Scenario::flow_texts(
+        Some("[approvals]\ntimeout = \"1h\"\n"),
+        &[("writer", &writer), ("slow", &slow)],
+        &[(
+            "audited",
+            "budget = { tokens = 1000000 }\n[[group]]\nsteps = [{ agent = \"writer\", instruction = \"go\", retries = 100 }, { agent = \"slow\", instruction = \"wait\", optional = true, retries = 100 }]\n",
+        )],
+        "audited",
+    )
+    .during(operator)
+    .after_restart(operator)
+}
+
+/// Stops the slow step, then steers and approves the writer, each call
+/// with its entry (before a crash, and again after it).
+fn operator(node: &TestNode, run: RunId) -> BoxFuture<'_, ()> {
+    Box::pin(async move {
+        let running = |t: &arbor_protocol::Tree| {
+            t.nodes()
+                .find(|(_, n)| n.label.as_deref() == Some("slow") && n.status == Status::Running)
+                .map(|(id, _)| id)
+        };
+        let stop_slow = async {
+            let tree = node
+                .node()
+                .wait_tree(run, |t| {
+                    t.run_status().is_terminal() || running(t).is_some()
+                })
+                .await;
+            if let Some(slow) = running(&tree) {
+                let entry = audit_entry(node, "POST /v1/jobs/{id}/stop", slow.to_string());
+                let _ = node
+                    .node()
+                    .stop_job_with(run, slow, AUDITED_STOP, Some(entry))
+                    .await;
+            }
+        };
+        tokio::join!(stop_slow, audited_approvals(node, run));
+    })
+}
+
+/// An audit entry of the `auditor`'s call on `route`, about `target`, as
+/// `node`'s service would make it.
+pub fn audit_entry(node: &TestNode, route: &str, target: String) -> arbor_storage::Record {
+    let entry = arbor_service::audit::AuditRecord {
+        // A uuid v7, as the service makes them.
+        id: RunId::new().0,
+        at_ms: arbor_actors::events::now_ms(),
+        subject: AUDITOR.into(),
+        tenant: None,
+        role: None,
+        route: route.into(),
+        target: Some(target),
+        outcome: arbor_service::audit::AuditOutcome::Ok,
+        status: 202,
+        client: None,
+        epoch: node.journal().epoch(),
+    };
+    arbor_storage::Record::Row(arbor_service::audit::AUDIT.row(&entry).expect("it encodes"))
+}
+
+/// Each pending card: its job steered, then the card approved, each call
+/// with its entry.
+async fn audited_approvals(node: &TestNode, run: RunId) {
+    let mut decided = std::collections::HashSet::new();
+    loop {
+        let pending = |t: &arbor_protocol::Tree| {
+            t.nodes()
+                .filter_map(|(_, n)| n.waiting.as_ref().and_then(|w| w.card()))
+                .any(|card| !decided.contains(&card))
+        };
+        let tree = node
+            .node()
+            .wait_tree(run, |t| t.run_status().is_terminal() || pending(t))
+            .await;
+        if tree.run_status().is_terminal() {
+            return;
+        }
+        for card in node
+            .node()
+            .approvals(Some(run), Some(CardState::Pending))
+            .unwrap_or_default()
+        {
+            let entry = audit_entry(node, "POST /v1/jobs/{id}/messages", card.job.to_string());
+            let _ = node
+                .node()
+                .steer_with(card.job, AUDITED_STEER, Some(entry))
+                .await;
+            let decide = arbor_runtime::Decide {
+                verdict: Verdict::Approve,
+                reason: None,
+                args: None,
+                answer: None,
+                by: AUDITOR.into(),
+                audit: Some(audit_entry(
+                    node,
+                    "POST /v1/approvals/{id}",
+                    card.id.to_string(),
+                )),
+            };
+            let _ = node.node().decide(card.id, decide).await;
+            decided.insert(card.id);
+        }
+    }
+}
+
+/// I-64's check of `audited_calls`: each change an operator asked for has
+/// its entry, and each entry its change.
+pub fn audit_matches_changes(node: &TestNode, run: RunId) -> Result<usize, String> {
+    let journal = node.journal();
+    let entries = arbor_service::audit::entries(journal).map_err(|e| e.to_string())?;
+    let target = |route: &str, id: &str| {
+        entries
+            .iter()
+            .filter(|e| e.route == route && e.target.as_deref() == Some(id))
+            .count()
+    };
+    let cards = node
+        .node()
+        .approvals(Some(run), None)
+        .map_err(|e| e.to_string())?;
+    for card in &cards {
+        let by_auditor = card.decision.as_ref().is_some_and(|d| d.by == AUDITOR);
+        let logged = target("POST /v1/approvals/{id}", &card.id.to_string());
+        if by_auditor != (logged == 1) {
+            return Err(format!(
+                "card {}: decided by the auditor {by_auditor}, {logged} entries",
+                card.id
+            ));
+        }
+    }
+    let jobs = journal.jobs(run).map_err(|e| e.to_string())?;
+    for job in &jobs {
+        let steered = journal
+            .steering(job.id)
+            .map_err(|e| e.to_string())?
+            .iter()
+            .any(|s| s.text == AUDITED_STEER);
+        let logged = target("POST /v1/jobs/{id}/messages", &job.id.to_string());
+        if steered != (logged == 1) {
+            return Err(format!("{}: steered {steered}, {logged} entries", job.id));
+        }
+        let stopped = job.reason.as_deref() == Some(AUDITED_STOP);
+        let logged = target("POST /v1/jobs/{id}/stop", &job.id.to_string());
+        if stopped != (logged == 1) {
+            return Err(format!("{}: stopped {stopped}, {logged} entries", job.id));
+        }
+    }
+    Ok(entries.len())
+}

@@ -396,3 +396,25 @@ fn notified(
     }
     Ok(())
 }
+
+/// I-64 at every commit point of operators' calls (a steer, a decision, a
+/// stop), killed and powered off: each change an operator asked for has
+/// its audit entry, and each entry its change.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inv_64_every_commit_point_of_an_audited_call_keeps_change_and_entry_together() {
+    let scenario = arbor_tests::scenarios::audited_calls();
+    let report = explore_crashes(&scenario, |node, run| {
+        let tree = node.node().tree(run);
+        if !tree.run_status().is_terminal() {
+            return Err(format!("the run did not end: {}", tree.run_status()));
+        }
+        let entries = arbor_tests::scenarios::audit_matches_changes(node, run)?;
+        if entries == 0 {
+            return Err("no operator's call was audited".into());
+        }
+        Ok(())
+    })
+    .await;
+    println!("{report}");
+    assert!(report.crashed > 0, "no case crashed: {report}");
+}

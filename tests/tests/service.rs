@@ -1771,6 +1771,7 @@ async fn inv_63_every_route_answers_each_role_as_the_matrix_says() {
         ("POST /v1/approvals/{id}", "approver"),
         ("GET /v1/notifications", "viewer"),
         ("POST /v1/notifications/{id}/retry", "operator"),
+        ("GET /v1/audit", "admin"),
         ("GET /v1/status", "viewer"),
         ("GET /metrics", "viewer"),
         ("POST /v1/nodes/{id}/drain", "admin"),

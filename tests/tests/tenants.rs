@@ -213,3 +213,208 @@ async fn inv_63_a_credential_of_an_unnamed_tenant_is_refused() {
     assert_eq!(status, 401, "{body}");
     assert!(body.contains("tenant team-z"), "{body}");
 }
+
+/// Runs for a minute unless stopped: a step to stop.
+const SLOW: &str = "---\ndescription: takes its time\nscript:\n  - say: thinking\n    delay: 60s\n  - call: {tool: submit_output, args: {output: late}}\n---\nYou wait.\n";
+
+/// POSTs `body` to `path` as `token`: the status and the body.
+async fn post(svc: &TestService, token: &str, path: &str, body: Value) -> (u16, Value) {
+    let answer = reqwest::Client::new()
+        .post(format!("{}{path}", svc.url))
+        .bearer_auth(token)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = answer.status().as_u16();
+    (status, answer.json().await.unwrap_or(Value::Null))
+}
+
+/// I-64 over HTTP: every call that changes something, and every refused
+/// attempt, is one entry: who, tenant, role, route, target, outcome,
+/// status, time and client; `GET /v1/audit` is an admin's, filtered, and a
+/// tenant's admin reads its own tenant's entries only.
+#[tokio::test]
+async fn inv_64_every_change_and_every_refusal_through_the_api_is_one_audit_entry() {
+    let dir = tempfile::tempdir().unwrap();
+    let texts = Texts::new(&[("writer", WRITER), ("slow", SLOW)], &[])
+        .with_config("[tenants.team-a]\n[tenants.team-b]\n");
+    let svc = TestService::start_in(dir, texts).await;
+    let data = svc.data_dir();
+    let add = |name: &str, tenant: &str, roles: &str| {
+        credentials::add(&data, &svc.token, name, tenant, roles)
+            .unwrap()
+            .1
+    };
+    let a_op = add("a-op", "team-a", "operator,approver");
+    let b_view = add("b-view", "team-b", "viewer");
+    let b_admin = add("b-admin", "team-b", "admin");
+
+    // Submit, steer, decide: each an entry, ok, the change its target.
+    let (status, made) = post(
+        &svc,
+        &a_op,
+        "/v1/runs",
+        json!({"agent": "writer", "input": "w"}),
+    )
+    .await;
+    assert_eq!(status, 201, "{made}");
+    let run = made["id"].as_str().unwrap().to_string();
+    let seen = svc
+        .events_until(run.parse().unwrap(), None, |e| {
+            e["kind"]["type"] == "approval_requested"
+        })
+        .await;
+    let asked = &seen.last().unwrap().1["kind"];
+    let (card, job) = (
+        asked["card"].as_str().unwrap().to_string(),
+        asked["id"].as_str().unwrap().to_string(),
+    );
+    let (status, _) = post(
+        &svc,
+        &a_op,
+        &format!("/v1/jobs/{job}/messages"),
+        json!({"text": "hurry"}),
+    )
+    .await;
+    assert_eq!(status, 202);
+    let (status, _) = post(
+        &svc,
+        &a_op,
+        &format!("/v1/approvals/{card}"),
+        json!({"decision": "approve"}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    svc.wait_run(run.parse().unwrap()).await;
+    // A step stopped, then its run: each an entry with its end.
+    let (_, slow) = post(
+        &svc,
+        &a_op,
+        "/v1/runs",
+        json!({"agent": "slow", "input": "w"}),
+    )
+    .await;
+    let slow_run: arbor_protocol::RunId = slow["id"].as_str().unwrap().parse().unwrap();
+    let step = svc.wait_running(slow_run).await;
+    let (status, _) = post(&svc, &a_op, &format!("/v1/jobs/{step}/stop"), json!({})).await;
+    assert_eq!(status, 202);
+    svc.wait_run(slow_run).await;
+    // An error (nothing to continue), and refusals: another tenant's
+    // run, a role the credential lacks, no credential at all.
+    let (status, _) = post(&svc, &a_op, &format!("/v1/jobs/{job}/continue"), json!({})).await;
+    assert_eq!(status, 409);
+    let (status, _) = post(&svc, &b_view, &format!("/v1/runs/{run}/stop"), json!({})).await;
+    assert_eq!(status, 404);
+    let (status, _) = post(
+        &svc,
+        &b_view,
+        "/v1/runs",
+        json!({"agent": "slow", "input": "w"}),
+    )
+    .await;
+    assert_eq!(status, 403);
+    let (status, _) = post(
+        &svc,
+        "not-a-token",
+        "/v1/runs",
+        json!({"agent": "slow", "input": "w"}),
+    )
+    .await;
+    assert_eq!(status, 401);
+    // A console login: the session's caller is the credential's.
+    let login = reqwest::Client::new()
+        .post(format!("{}/v1/ui/session", svc.url))
+        .json(&json!({"token": a_op}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(login.status(), 204);
+
+    let (status, log) = svc.get_json("/v1/audit").await;
+    assert_eq!(status, 200, "{log}");
+    let entries = log["entries"].as_array().unwrap();
+    let find = |route: &str, outcome: &str| -> Vec<&Value> {
+        entries
+            .iter()
+            .filter(|e| e["route"] == route && e["outcome"] == outcome)
+            .collect()
+    };
+    let one = |route: &str, outcome: &str| -> &Value {
+        let found = find(route, outcome);
+        assert_eq!(found.len(), 1, "{route} {outcome}: {log}");
+        found[0]
+    };
+    let submitted = find("POST /v1/runs", "ok");
+    assert_eq!(submitted.len(), 2, "{log}");
+    assert_eq!(submitted[0]["target"], run.as_str());
+    assert_eq!(submitted[0]["subject"], "a-op");
+    assert_eq!(submitted[0]["tenant"], "team-a");
+    assert_eq!(submitted[0]["role"], "operator");
+    assert!(
+        submitted[0]["client"]
+            .as_str()
+            .unwrap()
+            .starts_with("127.0.0.1:"),
+        "{log}"
+    );
+    assert_eq!(
+        one("POST /v1/jobs/{id}/messages", "ok")["target"],
+        job.as_str()
+    );
+    assert_eq!(
+        one("POST /v1/approvals/{id}", "ok")["target"],
+        card.as_str()
+    );
+    assert_eq!(
+        one("POST /v1/jobs/{id}/stop", "ok")["target"],
+        step.as_str()
+    );
+    assert_eq!(one("POST /v1/jobs/{id}/continue", "error")["status"], 409);
+    let foreign = one("POST /v1/runs/{id}/stop", "refused");
+    assert_eq!(
+        (&foreign["subject"], foreign["status"].as_u64()),
+        (&json!("b-view"), Some(404))
+    );
+    assert_eq!(foreign["role"], "operator", "the role the route needs");
+    let refused: Vec<(&Value, &Value, &Value)> = find("POST /v1/runs", "refused")
+        .iter()
+        .map(|e| (&e["subject"], &e["status"], &e["role"]))
+        .collect();
+    assert_eq!(
+        refused,
+        [
+            (&json!("b-view"), &json!(403), &json!("operator")),
+            (&json!("anonymous"), &json!(401), &Value::Null)
+        ],
+        "{log}"
+    );
+    assert_eq!(
+        submitted[0]["status"], 201,
+        "a change's entry says its answer"
+    );
+    assert_eq!(one("POST /v1/ui/session", "ok")["subject"], "a-op");
+    // Reads are not entries.
+    assert!(
+        entries
+            .iter()
+            .all(|e| !e["route"].as_str().unwrap().starts_with("GET"))
+    );
+
+    // Filters, and who may read it.
+    let (_, mine) = svc.get_json("/v1/audit?subject=b-view").await;
+    assert_eq!(mine["entries"].as_array().unwrap().len(), 2, "{mine}");
+    let (status, _) = call(&svc, &a_op, "GET", "/v1/audit").await;
+    assert_eq!(status, 403, "an operator does not read the audit");
+    let (status, theirs) = call(&svc, &b_admin, "GET", "/v1/audit").await;
+    assert_eq!(status, 200);
+    let theirs: Value = serde_json::from_str(&theirs).unwrap();
+    assert!(
+        theirs["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|e| e["tenant"] == "team-b"),
+        "{theirs}"
+    );
+}

@@ -84,6 +84,8 @@ pub enum JobMsg {
         /// Its parent sent it (`send_message`), not an operator.
         from_parent: bool,
         reply: Option<RpcReplyPort<Result<u64, Refusal>>>,
+        /// An operator's call's audit entry (I-64), committed with it.
+        audit: Option<arbor_storage::Record>,
     },
     Stop {
         reason: String,
@@ -93,6 +95,8 @@ pub enum JobMsg {
     StopChildById {
         id: JobId,
         reason: String,
+        /// Committed with the child's end (I-64).
+        audit: Option<arbor_storage::Record>,
     },
     /// A sibling's message (`send_peer`), read at its next turn.
     Peer {

@@ -25,6 +25,7 @@ impl JobState {
         label: &str,
         reason: &str,
         propagated: bool,
+        audit: Option<arbor_storage::Record>,
     ) -> Result<String, Refusal> {
         if self.children.retrying.remove(label).is_some() {
             // Its failed attempt stands; the wait's timer goes with it.
@@ -42,7 +43,7 @@ impl JobState {
         match entry.state {
             ChildState::Running => {
                 entry.state = ChildState::Stopping;
-                entry.stop_reason = Some(StopReason::new(reason, propagated));
+                entry.stop_reason = Some(StopReason::new(reason, propagated).with_audit(audit));
                 let _ = entry.actor.cast(JobMsg::Stop {
                     reason: reason.to_string(),
                     propagated,
@@ -127,7 +128,7 @@ impl JobState {
             let (status, error) = if w.stop_on_timeout {
                 // I-17: the parent stopped waiting, so the child is stopped.
                 let reason = format!("its parent stopped waiting after {timeout}");
-                let _ = self.stop_child_label(label, &reason, false);
+                let _ = self.stop_child_label(label, &reason, false, None);
                 (Status::Stopped, reason)
             } else {
                 (
@@ -253,7 +254,7 @@ impl JobState {
         {
             let reason = format!("sibling {} failed", entry.label);
             for label in self.children.running_in_group(entry.plan.group) {
-                let _ = self.stop_child_label(&label, &reason, false);
+                let _ = self.stop_child_label(&label, &reason, false, None);
             }
         }
         // A loop answered takes the ends; what no loop waits on is flushed.

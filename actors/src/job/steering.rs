@@ -37,8 +37,9 @@ impl JobState {
         text: String,
         from_parent: bool,
         reply: Option<RpcReplyPort<Result<u64, Refusal>>>,
+        audit: Option<Record>,
     ) {
-        self.queue_message(text, from_parent, None, reply);
+        self.queue_message(text, from_parent, None, reply, audit);
     }
 
     /// A sibling's message (`send_peer`): queued and delivered as steering
@@ -51,7 +52,7 @@ impl JobState {
         reply: RpcReplyPort<Result<u64, Refusal>>,
     ) {
         let text = format!("A message from your peer `{from}`: {text}");
-        self.queue_message(text, false, Some(from), Some(reply));
+        self.queue_message(text, false, Some(from), Some(reply), None);
     }
 
     fn queue_message(
@@ -60,6 +61,7 @@ impl JobState {
         from_parent: bool,
         peer: Option<String>,
         reply: Option<RpcReplyPort<Result<u64, Refusal>>>,
+        audit: Option<Record>,
     ) {
         let answer = |result| {
             if let Some(reply) = reply {
@@ -83,7 +85,9 @@ impl JobState {
             state: SteerState::Queued,
             epoch: self.ctx.journal.epoch(),
         });
-        let seq = match self.ctx.journal.append(vec![record]) {
+        let mut records = vec![record];
+        records.extend(audit);
+        let seq = match self.ctx.journal.append(records) {
             Ok(seq) => seq,
             Err(e) => return answer(Err(journaled(e))),
         };
@@ -179,6 +183,7 @@ impl JobState {
                         text,
                         from_parent: true,
                         reply: Some(reply),
+                        audit: None,
                     })
                     .is_err()
                 {

@@ -36,6 +36,9 @@ pub struct Config {
     /// `[auth]`, as written: arbord's identities (`[auth.oidc]`), which
     /// arbord checks.
     pub auth: toml::Table,
+    /// `[retention]`, as written: how long arbord keeps its audit log
+    /// (`keep_audit`), which arbord checks.
+    pub retention: toml::Table,
     /// `[sandbox]`: the rlimits of every command, and the most an agent's
     /// `resources:` may ask.
     pub sandbox: Resources,
@@ -143,6 +146,7 @@ impl Default for Config {
             providers: BTreeMap::new(),
             service: toml::Table::new(),
             auth: toml::Table::new(),
+            retention: toml::Table::new(),
             sandbox: DEFAULT_SANDBOX,
             isolation: SandboxIsolation::Sealed,
             secrets_file: None,
@@ -171,6 +175,8 @@ struct ConfigFile {
     service: toml::Table,
     #[serde(default)]
     auth: toml::Table,
+    #[serde(default)]
+    retention: toml::Table,
     #[serde(default)]
     sandbox: SandboxFile,
     #[serde(default)]
@@ -432,6 +438,7 @@ pub(super) fn parse_config(text: &str, root: &Path) -> Result<Config, LoadError>
         providers,
         service: file.service,
         auth: file.auth,
+        retention: file.retention,
         sandbox: resources(&file.sandbox.limits(), "sandbox.")
             .map(|r| {
                 over(

@@ -88,6 +88,7 @@ async fn list_approvals(
 async fn decide_approval(
     State(shared): S,
     axum::Extension(caller): axum::Extension<crate::auth::Caller>,
+    axum::Extension(audit): axum::Extension<crate::audit::Audit>,
     Path(path): Path<IdPath>,
     JsonBody(body): JsonBody<DecisionBody>,
 ) -> Reply {
@@ -113,7 +114,7 @@ async fn decide_approval(
         };
         return forward::send(&shared, run, &owner, call).await;
     }
-    decide_here(&shared, id, body, caller.name).await
+    decide_here(&shared, id, body, caller.name, Some(&audit)).await
 }
 
 pub(super) async fn decide_here(
@@ -121,6 +122,7 @@ pub(super) async fn decide_here(
     id: arbor_protocol::CardId,
     body: DecisionBody,
     by: String,
+    audit: Option<&crate::audit::Audit>,
 ) -> Reply {
     use arbor_runtime::{Decide, DecideError};
     let decide = Decide {
@@ -129,6 +131,7 @@ pub(super) async fn decide_here(
         args: body.args,
         answer: body.answer,
         by,
+        audit: audit.and_then(|a| a.take(None, StatusCode::OK)),
     };
     match shared.node.decide(id, decide).await {
         Ok(card) => Ok(json(StatusCode::OK, CardView::from(card))),

@@ -34,8 +34,12 @@ pub(super) fn describe(code: u16) -> &'static str {
     match code {
         400 => "Malformed: not JSON, the wrong shape or types, a bad id or header",
         401 => "No bearer token, or the wrong one (I-37)",
-        404 => "No such run or job (a finished run is forgotten `keep_finished` after its end)",
-        403 => "The console's session cookie, sent from another site (I-53)",
+        404 => {
+            "No such run, job, card or notification, or another tenant's (I-63); a finished run is forgotten `keep_finished` after its end"
+        }
+        403 => {
+            "The credential lacks the role the route needs (I-63), or the console's session cookie was sent from another site (I-53)"
+        }
         409 => "Not in a state that allows this; or an Idempotency-Key reused with another body",
         413 => "The body is larger than the node accepts",
         415 => "The body is not sent as application/json",

@@ -128,16 +128,28 @@ async fn get_job(State(shared): S, Path(path): Path<IdPath>) -> Reply {
     ))
 }
 
-async fn stop_job(State(shared): S, Path(path): Path<IdPath>) -> Reply {
+async fn stop_job(
+    State(shared): S,
+    axum::Extension(audit): axum::Extension<crate::audit::Audit>,
+    Path(path): Path<IdPath>,
+) -> Reply {
     let job = parse_job(&path.id)?;
     let (run, _) = job_tree(&shared, job)?;
     if let Some(owner) = forward::elsewhere(&shared, run)? {
         return forward::send(&shared, run, &owner, Forwarded::StopJob { run, job }).await;
     }
-    stop_job_here(&shared, run, job).await
+    stop_job_here(&shared, run, job, Some(&audit)).await
 }
 
-pub(super) async fn stop_job_here(shared: &Shared, run: RunId, job: JobId) -> Reply {
+/// `audit`, here and in the other `_here`s: the call's entry, taken into
+/// the change's commit (I-64); none for a call another node forwarded (its
+/// node keeps the entry).
+pub(super) async fn stop_job_here(
+    shared: &Shared,
+    run: RunId,
+    job: JobId,
+    audit: Option<&crate::audit::Audit>,
+) -> Reply {
     let (_, tree) = job_tree(shared, job)?;
     let status = tree.node(job).map(|n| n.status).unwrap_or(Status::Done);
     if status.is_terminal() {
@@ -145,9 +157,10 @@ pub(super) async fn stop_job_here(shared: &Shared, run: RunId, job: JobId) -> Re
             "{job} has already ended ({status})"
         )));
     }
+    let entry = audit.and_then(|a| a.take(None, StatusCode::ACCEPTED));
     shared
         .node
-        .stop_job(run, job, "stopped by an operator (API)")
+        .stop_job_with(run, job, "stopped by an operator (API)", entry)
         .await
         .map_err(|e| ApiError::conflict(e.to_string()))?;
     Ok(stop_accepted(job, "stopping"))
@@ -157,6 +170,7 @@ pub(super) async fn stop_job_here(shared: &Shared, run: RunId, job: JobId) -> Re
 
 async fn steer_job(
     State(shared): S,
+    axum::Extension(audit): axum::Extension<crate::audit::Audit>,
     Path(path): Path<IdPath>,
     JsonBody(body): JsonBody<SteerMessage>,
 ) -> Reply {
@@ -179,10 +193,15 @@ async fn steer_job(
         };
         return forward::send(&shared, run, &owner, call).await;
     }
-    steer_here(&shared, job, body.text).await
+    steer_here(&shared, job, body.text, Some(&audit)).await
 }
 
-pub(super) async fn steer_here(shared: &Shared, job: JobId, text: String) -> Reply {
+pub(super) async fn steer_here(
+    shared: &Shared,
+    job: JobId,
+    text: String,
+    audit: Option<&crate::audit::Audit>,
+) -> Reply {
     let (_, tree) = job_tree(shared, job)?;
     if let Some(status) = tree.node(job).map(|n| n.status)
         && status.is_terminal()
@@ -191,21 +210,26 @@ pub(super) async fn steer_here(shared: &Shared, job: JobId, text: String) -> Rep
             "{job} has already ended ({status}); the message was not queued"
         )));
     }
+    let entry = audit.and_then(|a| a.take(None, StatusCode::ACCEPTED));
     let message_id = shared
         .node
-        .steer(job, &text)
+        .steer_with(job, &text, entry)
         .await
         .map_err(|refusal| ApiError::conflict(refusal.to_string()))?;
     Ok(json(StatusCode::ACCEPTED, SteerQueued { job, message_id }))
 }
 
-async fn continue_job(State(shared): S, Path(path): Path<IdPath>) -> Reply {
+async fn continue_job(
+    State(shared): S,
+    axum::Extension(audit): axum::Extension<crate::audit::Audit>,
+    Path(path): Path<IdPath>,
+) -> Reply {
     let job = parse_job(&path.id)?;
     job_tree(&shared, job)?;
     accepting(&shared)?;
     let run = shared
         .node
-        .continue_job(job)
+        .continue_job_with(job, audit.take(None, StatusCode::CREATED))
         .await
         .map_err(|e| ApiError::conflict(e.to_string()))?;
     Ok(json(

@@ -92,7 +92,11 @@ async fn list_notifications(
     ))
 }
 
-async fn retry_notification(State(shared): S, Path(path): Path<IdPath>) -> Reply {
+async fn retry_notification(
+    State(shared): S,
+    axum::Extension(audit): axum::Extension<crate::audit::Audit>,
+    Path(path): Path<IdPath>,
+) -> Reply {
     use arbor_runtime::notify::RetryError;
     let id = arbor_runtime::notify::parse_id(&path.id).ok_or_else(|| {
         ApiError::bad_request(format!(
@@ -102,7 +106,10 @@ async fn retry_notification(State(shared): S, Path(path): Path<IdPath>) -> Reply
     })?;
     let unknown = || ApiError::not_found(format!("no notification {}", path.id));
     let notifications = shared.node.notifications().ok_or_else(unknown)?;
-    match notifications.retry(id).await {
+    match notifications
+        .retry(id, audit.take(None, StatusCode::OK))
+        .await
+    {
         Ok(Some(entry)) => Ok(json(StatusCode::OK, NotificationView::from(entry))),
         Ok(None) => Err(unknown()),
         Err(e @ RetryError::Refused(_)) => Err(ApiError::conflict(e.to_string())),

@@ -83,14 +83,37 @@ fn session_cookie_header(id: &str, max_age: Duration) -> Result<HeaderValue, Api
     .map_err(|_| ApiError::internal("the session cookie could not be written"))
 }
 
+/// The client's address, when the connection gave it (the audit's).
+type Client = Option<axum::Extension<axum::extract::ConnectInfo<std::net::SocketAddr>>>;
+
+/// A login and a logout change who may act: each is an audit entry (I-64),
+/// its outcome the answer's.
 async fn open_session(
     State(shared): S,
+    client: Client,
     headers: HeaderMap,
     JsonBody(login): JsonBody<UiLogin>,
 ) -> Reply {
+    let caller = shared.tokens.identify(login.token.trim()).ok();
+    let answer = login_answer(&shared, &headers, &login).await;
+    let status = match &answer {
+        Ok(response) => response.status(),
+        Err(e) => e.status,
+    };
+    crate::audit::alone(
+        shared.node.journal(),
+        "POST /v1/ui/session",
+        caller.as_ref(),
+        client.map(|c| c.0.0),
+        status,
+    );
+    answer
+}
+
+async fn login_answer(shared: &Shared, headers: &HeaderMap, login: &UiLogin) -> Reply {
     // A login forced from another site would log the browser in as
     // someone else's token: refused as the cookie's use is.
-    if let Some(why) = crate::auth::cross_site(&headers) {
+    if let Some(why) = crate::auth::cross_site(headers) {
         return Err(ApiError::forbidden(format!(
             "{why}: the console logs in from its own page only"
         )));
@@ -100,7 +123,7 @@ async fn open_session(
         .tokens
         .open_session(login.token.trim())
         .map_err(|refused| match refused {
-            SessionRefused::WrongToken => ApiError::unauthorized("the token is wrong"),
+            SessionRefused::Refused(why) => ApiError::unauthorized(why),
             SessionRefused::NoRandomness(error) => {
                 ApiError::internal(format!("no session id could be drawn: {error}"))
             }
@@ -113,9 +136,16 @@ async fn open_session(
     Ok(response)
 }
 
-async fn close_session(State(shared): S, headers: HeaderMap) -> Reply {
+async fn close_session(State(shared): S, client: Client, headers: HeaderMap) -> Reply {
     if let Some(id) = crate::auth::session_cookie(&headers) {
-        shared.tokens.close_session(id);
+        let caller = shared.tokens.close_session(id);
+        crate::audit::alone(
+            shared.node.journal(),
+            "DELETE /v1/ui/session",
+            caller.as_ref(),
+            client.map(|c| c.0.0),
+            StatusCode::NO_CONTENT,
+        );
     }
     let mut response = StatusCode::NO_CONTENT.into_response();
     response.headers_mut().insert(

@@ -51,6 +51,8 @@ pub(super) fn run_routes() -> ApiRouter<Arc<Shared>> {
                             r.description("A replay: this key and body made this run before")
                         }),
                     400,
+                    403,
+                    404,
                     409,
                     413,
                     415,
@@ -296,6 +298,7 @@ fn resolve(shared: &Shared, body: &SubmitRun, tenant: &str) -> Result<RunSpec, A
 async fn submit_run(
     State(shared): S,
     axum::Extension(caller): axum::Extension<Caller>,
+    axum::Extension(audit): axum::Extension<crate::audit::Audit>,
     headers: HeaderMap,
     JsonBody(body): JsonBody<SubmitRun>,
 ) -> Reply {
@@ -315,7 +318,10 @@ async fn submit_run(
     if key.is_none() {
         accepting(&shared)?;
     }
-    let submitted = shared.admission.submit(&spec, key, digest).await?;
+    let submitted = shared
+        .admission
+        .submit(&spec, key, digest, Some(&audit))
+        .await?;
     let (run, status, replayed) = match submitted {
         Submitted::New(run) => (run, StatusCode::CREATED, false),
         Submitted::Replayed(run) => (run, StatusCode::OK, true),
@@ -341,6 +347,7 @@ async fn submit_run(
 
 async fn replay_run(
     State(shared): S,
+    axum::Extension(audit): axum::Extension<crate::audit::Audit>,
     Path(path): Path<IdPath>,
     JsonBody(body): JsonBody<ReplayRun>,
 ) -> Reply {
@@ -384,7 +391,10 @@ async fn replay_run(
     };
     accepting(&shared)?;
     let digest = String::new();
-    let submitted = shared.admission.submit(&spec, None, digest).await?;
+    let submitted = shared
+        .admission
+        .submit(&spec, None, digest, Some(&audit))
+        .await?;
     let (Submitted::New(run) | Submitted::Replayed(run)) = submitted;
     let status = run_tree(&shared, run)
         .await?
@@ -534,20 +544,29 @@ async fn get_run(State(shared): S, Path(path): Path<IdPath>) -> Reply {
     ))
 }
 
-async fn stop_run(State(shared): S, Path(path): Path<IdPath>) -> Reply {
+async fn stop_run(
+    State(shared): S,
+    axum::Extension(audit): axum::Extension<crate::audit::Audit>,
+    Path(path): Path<IdPath>,
+) -> Reply {
     let run = parse_run(&path.id)?;
     let reason = "stopped by an operator (API)";
-    if shared.admission.cancel(run, reason).await? {
+    if shared.admission.cancel(run, reason, Some(&audit)).await? {
         return Ok(stop_accepted(run, "stopped"));
     }
     if let Some(owner) = forward::elsewhere(&shared, run)? {
         return forward::send(&shared, run, &owner, Forwarded::StopRun { run }).await;
     }
-    stop_run_here(&shared, run).await
+    stop_run_here(&shared, run, Some(&audit)).await
 }
 
-/// Stops a run this node owns (or one it has no owner for: its own).
-pub(super) async fn stop_run_here(shared: &Shared, run: RunId) -> Reply {
+/// Stops a run this node owns (or one it has no owner for: its own), the
+/// call's audit entry committed with the run's end.
+pub(super) async fn stop_run_here(
+    shared: &Shared,
+    run: RunId,
+    audit: Option<&crate::audit::Audit>,
+) -> Reply {
     let reason = "stopped by an operator (API)";
     let tree = run_tree(shared, run)
         .await?
@@ -558,9 +577,10 @@ pub(super) async fn stop_run_here(shared: &Shared, run: RunId) -> Reply {
             "run {run} has already ended ({status})"
         )));
     }
+    let entry = audit.and_then(|a| a.take(None, StatusCode::ACCEPTED));
     shared
         .node
-        .stop_run(run, reason)
+        .stop_run_with(run, reason, entry)
         .await
         .map_err(|e| ApiError::conflict(e.to_string()))?;
     Ok(stop_accepted(run, "stopping"))
