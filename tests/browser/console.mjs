@@ -286,6 +286,49 @@ test("the node view says what `arbor status` says", async () => {
   await page.context().close();
 });
 
+test("a viewer sees its own team's runs only, and each action is refused", async () => {
+  const ours = await node.api("POST", "/v1/runs", { flow: "long" });
+  const theirs = await node.api("POST", "/v1/runs", { flow: "long", tenant: "other" });
+  const viewer = node.addToken("watcher", "default", "viewer");
+  const page = await newPage();
+  await login(page, node.base, viewer);
+  await page.locator(`#run-rows a[href="#/runs/${ours.id}"]`).waitFor();
+  assert.equal(await page.locator(`#run-rows a[href="#/runs/${theirs.id}"]`).count(), 0, "the other team's run is not listed");
+  // The other team's run, asked for by its id, is not there.
+  await page.goto(`${node.base}/ui#/runs/${theirs.id}`);
+  await page.locator("#problem", { hasText: `no run ${theirs.id}` }).waitFor();
+  // Its own team's run reads; stopping it is refused, naming the role.
+  await page.goto(`${node.base}/ui#/runs/${ours.id}`);
+  await page.locator("#run-title", { hasText: "running" }).waitFor();
+  page.on("dialog", (dialog) => dialog.accept());
+  await page.getByRole("button", { name: "Stop the run" }).click();
+  await page.locator("#problem", { hasText: "needs operator" }).waitFor();
+  assert.equal((await node.api("GET", `/v1/runs/${ours.id}`)).run.status, "running");
+  await page.context().close();
+
+  // An operator of the other team: its run only, and it stops it.
+  const operator = node.addToken("other-ops", "other", "operator");
+  const second = await newPage();
+  await login(second, node.base, operator);
+  await second.locator(`#run-rows a[href="#/runs/${theirs.id}"]`).waitFor();
+  assert.equal(await second.locator(`#run-rows a[href="#/runs/${ours.id}"]`).count(), 0);
+  await second.locator(`#run-rows a[href="#/runs/${theirs.id}"]`).click();
+  await second.locator("#run-title", { hasText: "running" }).waitFor();
+  second.on("dialog", (dialog) => dialog.accept());
+  await second.getByRole("button", { name: "Stop the run" }).click();
+  await second.locator("#run-title", { hasText: "■ stopped" }).waitFor();
+  assert.equal((await node.api("GET", `/v1/runs/${theirs.id}`)).run.status, "stopped");
+  await node.api("POST", `/v1/runs/${ours.id}/stop`);
+  // Each step of it is in the audit log, under its credential's name.
+  const { entries } = await node.api("GET", "/v1/audit");
+  const refused = entries.find((e) => e.subject === "watcher" && e.route === "POST /v1/runs/{id}/stop");
+  assert.equal(refused?.outcome, "refused");
+  const stopped = entries.find((e) => e.subject === "other-ops" && e.route === "POST /v1/runs/{id}/stop");
+  assert.equal(stopped?.outcome, "ok");
+  assert.equal(stopped?.tenant, "other");
+  await second.context().close();
+});
+
 test("no request of any page carried the token in its URL", () => {
   assert.ok(urls.length > 20, `the pages made requests (${urls.length})`);
   const leaked = urls.filter((u) => u.includes(node.token) || u.includes(encodeURIComponent(node.token)));

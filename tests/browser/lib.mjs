@@ -2,7 +2,7 @@
 // loopback, its API with the token (the test's own calls, never the
 // page's), and Debian's chromium driven by playwright-core.
 
-import { spawn } from "node:child_process";
+import { execFileSync, spawn } from "node:child_process";
 import { mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
@@ -38,6 +38,14 @@ export async function startArbord(workspace) {
     if (!response.ok) throw new Error(`${method} ${route}: ${response.status} ${text}`);
     return text ? JSON.parse(text) : null;
   };
+  // A named credential of `tenant` with `roles`, made as a person would
+  // (`arbor token add` on the data dir): its token.
+  const addToken = (name, tenant, roles) => {
+    const arbor = process.env.ARBOR ?? path.join(repo, "target/debug/arbor");
+    return execFileSync(arbor, ["token", "add", name, "--tenant", tenant, "--roles", roles, "--data-dir", data], {
+      encoding: "utf8",
+    }).trim();
+  };
   const stop = async () => {
     if (child.exitCode === null) {
       const exited = new Promise((resolve) => child.once("exit", resolve));
@@ -46,7 +54,7 @@ export async function startArbord(workspace) {
     }
     rmSync(data, { recursive: true, force: true });
   };
-  return { base, token, api, stop, log: () => log };
+  return { base, token, api, addToken, stop, log: () => log };
 }
 
 // Debian's chromium, headless; nothing is downloaded.
