@@ -32,6 +32,29 @@ struct StatusLabel {
     status: String,
 }
 
+/// A tenant of arbor.toml's (a bounded set) and a run's status.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TenantStatusLabel {
+    tenant: String,
+    status: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TenantLabel {
+    tenant: String,
+}
+
+/// One tenant's runs in one status, and the tokens they spent: what the
+/// `tenant_*` families say (I-63).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TenantRuns {
+    pub runs: i64,
+    pub tokens: i64,
+}
+
+/// The prefix of the families a credential of one tenant is shown.
+const TENANT_FAMILIES: &str = "arbor_tenant_";
+
 /// An MCP server's name (as arbor.toml declares it) and a call's outcome:
 /// `ok`, `error` (the tool's or the server's), `timed_out`, `refused`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -74,6 +97,8 @@ struct CallLabel {
 pub struct Metrics {
     registry: Mutex<Registry>,
     runs: Family<StatusLabel, Gauge>,
+    tenant_runs: Family<TenantStatusLabel, Gauge>,
+    tenant_tokens: Family<TenantLabel, Gauge>,
     runs_failed: Family<ClassLabel, Counter>,
     retries: Family<ClassLabel, Counter>,
     jobs: Family<StatusLabel, Gauge>,
@@ -105,6 +130,8 @@ impl Metrics {
         let metrics = Self {
             registry: Mutex::new(Registry::with_prefix("arbor")),
             runs: Family::<StatusLabel, Gauge>::default(),
+            tenant_runs: Family::<TenantStatusLabel, Gauge>::default(),
+            tenant_tokens: Family::<TenantLabel, Gauge>::default(),
             runs_failed: Family::<ClassLabel, Counter>::default(),
             retries: Family::<ClassLabel, Counter>::default(),
             jobs: Family::<StatusLabel, Gauge>::default(),
@@ -145,6 +172,7 @@ impl Metrics {
     fn register(&self) {
         let mut registry = self.registry.lock().unwrap_or_else(|p| p.into_inner());
         registry.register("runs", "Runs by status", self.runs.clone());
+        self.register_tenants(&mut registry);
         registry.register(
             "runs_failed",
             "Runs that ended failed since this start, by error class",
@@ -378,6 +406,43 @@ impl Metrics {
         self.commit_seconds.observe(latency.as_secs_f64());
     }
 
+    /// The families a credential of one tenant is shown (I-63).
+    fn register_tenants(&self, registry: &mut Registry) {
+        registry.register(
+            "tenant_runs",
+            "Runs in the journal by tenant (of arbor.toml's) and status",
+            self.tenant_runs.clone(),
+        );
+        registry.register(
+            "tenant_tokens_spent",
+            "Tokens spent by the runs in the journal, by tenant",
+            self.tenant_tokens.clone(),
+        );
+    }
+
+    /// Sets the `tenant_*` families to `by_tenant` (tenant, status: its
+    /// runs and tokens); a tenant or status not there reads 0.
+    pub fn set_tenants(
+        &self,
+        by_tenant: &std::collections::BTreeMap<(String, &'static str), TenantRuns>,
+    ) {
+        self.tenant_runs.clear();
+        self.tenant_tokens.clear();
+        for ((tenant, status), figures) in by_tenant {
+            self.tenant_runs
+                .get_or_create(&TenantStatusLabel {
+                    tenant: tenant.clone(),
+                    status: (*status).into(),
+                })
+                .set(figures.runs);
+            self.tenant_tokens
+                .get_or_create(&TenantLabel {
+                    tenant: tenant.clone(),
+                })
+                .inc_by(figures.tokens);
+        }
+    }
+
     /// The text a scrape gets, with the gauges read now.
     pub fn render(
         &self,
@@ -500,6 +565,29 @@ fn catch_up(counter: &Counter, now: u64) {
     if now > have {
         counter.inc_by(now - have);
     }
+}
+
+/// A scrape's text as a credential of `tenant` sees it (I-63): the
+/// `tenant_*` families, its own tenant's samples only; the node's own
+/// figures are its admins'.
+pub fn for_tenant(text: &str, tenant: &str) -> String {
+    let label = format!("tenant=\"{tenant}\"");
+    let mut kept: String = text
+        .lines()
+        .filter(|line| {
+            let family = line
+                .strip_prefix("# HELP ")
+                .or_else(|| line.strip_prefix("# TYPE "))
+                .or_else(|| line.strip_prefix("# UNIT "));
+            match family {
+                Some(rest) => rest.starts_with(TENANT_FAMILIES),
+                None => line.starts_with(TENANT_FAMILIES) && line.contains(&label),
+            }
+        })
+        .map(|line| format!("{line}\n"))
+        .collect();
+    kept.push_str("# EOF\n");
+    kept
 }
 
 #[cfg(test)]

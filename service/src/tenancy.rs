@@ -65,6 +65,43 @@ fn run_of_job(shared: &Shared, job: JobId) -> Result<Option<RunId>, ApiError> {
     })
 }
 
+/// Each tenant of arbor.toml's runs in the journal by status, and the
+/// tokens they spent: the metrics' `tenant_*` families. A run of a tenant
+/// arbor.toml no longer names is left out (the labels stay bounded).
+pub(crate) fn runs_by_tenant(
+    shared: &Shared,
+) -> Result<std::collections::BTreeMap<(String, &'static str), crate::metrics::TenantRuns>, ApiError>
+{
+    use arbor_protocol::Status;
+    let tenants = shared.workspace.tenant_names();
+    let mut by_tenant: std::collections::BTreeMap<_, crate::metrics::TenantRuns> =
+        std::collections::BTreeMap::new();
+    for tenant in &tenants {
+        for status in [
+            Status::Pending,
+            Status::Running,
+            Status::Done,
+            Status::Failed,
+            Status::Stopped,
+        ] {
+            by_tenant.insert((tenant.clone(), status.as_str()), Default::default());
+        }
+    }
+    for run in shared.node.journal().runs()? {
+        let seen = shared.node.events().with_tree(run.id, |tree| {
+            let tree = tree?;
+            Some((tree.tenant()?.to_string(), tree.head().account.spent))
+        });
+        if let Some((tenant, spent)) = seen
+            && let Some(figures) = by_tenant.get_mut(&(tenant, run.status.as_str()))
+        {
+            figures.runs += 1;
+            figures.tokens += spent as i64;
+        }
+    }
+    Ok(by_tenant)
+}
+
 /// The kinds of object a path can name, by the segment before its `{id}`.
 #[derive(Clone, Copy)]
 enum Kind {

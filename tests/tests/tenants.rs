@@ -160,6 +160,25 @@ async fn inv_63_another_tenants_objects_are_a_404_on_every_route_and_in_no_list(
             }
         }
     }
+    // Metrics: the node's admin sees each team's runs; a team's viewer
+    // sees its own team's figures and nothing of the node's.
+    let (_, all) = call(&svc, &svc.token, "GET", "/metrics").await;
+    assert!(
+        all.contains("arbor_tenant_runs{tenant=\"team-a\",status=\"running\"} 1"),
+        "{all}"
+    );
+    assert!(all.contains("arbor_runs{"), "{all}");
+    let (status, theirs) = call(&svc, &b_viewer, "GET", "/metrics").await;
+    assert_eq!(status, 200);
+    assert!(
+        theirs.contains("arbor_tenant_runs{tenant=\"team-b\",status=\"running\"} 0"),
+        "{theirs}"
+    );
+    assert!(
+        !theirs.contains("team-a") && !theirs.contains("arbor_runs{"),
+        "{theirs}"
+    );
+    assert!(theirs.ends_with("# EOF\n"), "{theirs}");
     // Team b cannot submit for team a, nor run an agent its list leaves out.
     let refused = reqwest::Client::new()
         .post(format!("{}/v1/runs", svc.url))

@@ -254,8 +254,14 @@ async fn drain_node(State(shared): S, Path(path): Path<NodePath>) -> Reply {
     }
 }
 
-async fn metrics(State(shared): S) -> Reply {
+async fn metrics(
+    State(shared): S,
+    axum::Extension(caller): axum::Extension<crate::credentials::Caller>,
+) -> Reply {
     let (queued, _) = shared.admission.counts().await?;
+    shared
+        .metrics
+        .set_tenants(&crate::tenancy::runs_by_tenant(&shared)?);
     let text = shared
         .metrics
         .render(
@@ -265,6 +271,11 @@ async fn metrics(State(shared): S) -> Reply {
             shared.node.notifications(),
         )
         .map_err(|e| ApiError::unavailable(format!("metrics: {e}")))?;
+    // A credential of one tenant sees its tenant's figures only (I-63).
+    let text = match &caller.tenant {
+        Some(tenant) => crate::metrics::for_tenant(&text, tenant),
+        None => text,
+    };
     Ok((
         StatusCode::OK,
         [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)],
