@@ -68,6 +68,9 @@ pub(crate) struct Shared {
     pub workspace: Workspace,
     pub config: ServiceConfig,
     pub tokens: Tokens,
+    /// `[auth.oidc]`, whose keys a task keeps fresh (the same keys the
+    /// tokens check JWTs with).
+    pub oidc: Option<oidc::Oidc>,
     pub token_path: PathBuf,
     pub admission: Arc<Admission>,
     pub metrics: Arc<metrics::Metrics>,
@@ -106,9 +109,16 @@ impl Service {
         let oidc = oidc::Oidc::from_auth(&workspace.config.auth, &workspace.root)
             .map_err(StartError::Token)?;
         let keep_audit = audit::keep(&workspace.config.retention).map_err(StartError::Token)?;
+        // A provider that is down does not stop the start: its JWTs are
+        // refused, saying so, until its keys are fetched (`Oidc::refresh`).
+        if let Some(oidc) = &oidc
+            && let Err(why) = oidc.fetch().await
+        {
+            tracing::warn!(%why, "the OIDC provider's keys were not fetched; JWTs are refused until they are");
+        }
         let tokens = Tokens::load(&config.data_dir, token)
             .map_err(StartError::Token)?
-            .with_oidc(oidc)
+            .with_oidc(oidc.clone())
             .with_tenants(workspace.tenant_names());
         // Interrupted runs are resumed (I-34) and count against the limit.
         let node = Arc::new(EmbeddedNode::start_with(&workspace, &config.data_dir, models).await?);
@@ -146,6 +156,7 @@ impl Service {
                 workspace,
                 config,
                 tokens,
+                oidc: oidc.clone(),
                 token_path,
                 admission,
                 metrics,
@@ -163,6 +174,10 @@ impl Service {
                 .shared
                 .tasks
                 .spawn(retention::keep_finished(shared, keep));
+        }
+        if let Some(oidc) = oidc {
+            let stopped = service.shared.stopped.clone();
+            service.shared.tasks.spawn(oidc.refresh(stopped));
         }
         if let Some(keep) = keep_audit {
             let shared = service.shared.clone();
@@ -226,6 +241,11 @@ impl Service {
 
     pub fn token(&self) -> &str {
         self.shared.tokens.main().as_str()
+    }
+
+    /// `[auth.oidc]`, if configured.
+    pub fn oidc(&self) -> Option<&oidc::Oidc> {
+        self.shared.oidc.as_ref()
     }
 
     pub fn token_path(&self) -> &std::path::Path {

@@ -1,5 +1,7 @@
 //! Identities from an OIDC provider (I-63): `[auth.oidc]` in arbor.toml.
-//! A bearer JWT is checked against the provider's keys (a JWKS file):
+//! A bearer JWT is checked against the provider's keys (a JWKS: a file, or
+//! its URL, fetched at start, every `jwks_refresh` and when a JWT names a
+//! key id it does not hold, at most once a `MIN_REFETCH`):
 //! its signature, with the algorithm pinned to its key's (`alg: none` and
 //! an HMAC algorithm against an RSA key are refused), `exp`, `nbf`, `iss`
 //! and `aud`; then its claims give the caller's tenant and roles. Each
@@ -9,27 +11,43 @@
 //! [auth.oidc]
 //! issuer = "https://login.example.com/"
 //! audience = "arbor"
-//! jwks_file = "jwks.json"          # relative to the workspace
+//! jwks_file = "jwks.json"          # relative to the workspace; or
+//! # jwks_url = "https://login.example.com/.well-known/jwks.json"
 //! tenant_claim = "team"            # its value is the caller's tenant
 //! roles_claim = "groups"           # role names, or mapped:
 //! role_map = { "arbor-operators" = "operator", "arbor-viewers" = "viewer" }
 //! ```
 
 use crate::credentials::{Caller, DEFAULT_TENANT, Role, Roles};
-use jsonwebtoken::jwk::{AlgorithmParameters, JwkSet};
+use jsonwebtoken::jwk::{AlgorithmParameters, Jwk, JwkSet};
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 /// How far a clock may be off (`exp`, `nbf`).
 const LEEWAY_SECS: u64 = 30;
+/// How often a `jwks_url` is fetched again when `jwks_refresh` does not say.
+const DEFAULT_REFRESH: Duration = Duration::from_secs(15 * 60);
+/// The least time between two fetches an unknown key id asks for: JWTs
+/// with made-up key ids cannot make arbord hammer its provider.
+const MIN_REFETCH: Duration = Duration::from_secs(30);
+/// How long one fetch of the keys may take.
+const FETCH_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// `[auth.oidc]`, checked, with its keys.
 #[derive(Clone)]
 pub struct Oidc {
     issuer: String,
     audience: String,
-    keys: JwkSet,
+    keys: Arc<RwLock<JwkSet>>,
+    /// `jwks_url`, and how often it is fetched again; none for a file.
+    url: Option<(String, Duration)>,
+    /// Woken when a JWT names a key id the keys lack (a provider's new key).
+    unknown_kid: Arc<tokio::sync::Notify>,
+    /// Counts the fetches that replaced the keys.
+    fetched: Arc<tokio::sync::watch::Sender<u64>>,
     tenant_claim: Option<String>,
     roles_claim: String,
     role_map: BTreeMap<String, Role>,
@@ -40,7 +58,8 @@ impl std::fmt::Debug for Oidc {
         f.debug_struct("Oidc")
             .field("issuer", &self.issuer)
             .field("audience", &self.audience)
-            .field("keys", &self.keys.keys.len())
+            .field("keys", &self.read_keys().keys.len())
+            .field("url", &self.url)
             .finish()
     }
 }
@@ -50,11 +69,41 @@ impl std::fmt::Debug for Oidc {
 struct OidcFile {
     issuer: String,
     audience: String,
-    jwks_file: std::path::PathBuf,
+    jwks_file: Option<std::path::PathBuf>,
+    jwks_url: Option<String>,
+    jwks_refresh: Option<String>,
     tenant_claim: Option<String>,
     roles_claim: String,
     #[serde(default)]
     role_map: BTreeMap<String, String>,
+}
+
+/// A JWKS as fetched or read, checked: JSON of a key set with a key.
+fn parse_keys(text: &str, from: &str) -> Result<JwkSet, String> {
+    let keys: JwkSet =
+        serde_json::from_str(text).map_err(|e| format!("{from}: not a JWKS: {e}"))?;
+    if keys.keys.is_empty() {
+        return Err(format!("{from} holds no key"));
+    }
+    Ok(keys)
+}
+
+/// `jwks_url` checked: https, or http to this machine (a provider run
+/// beside arbord, or a test's).
+fn check_url(url: &str) -> Result<(), String> {
+    let parsed = reqwest::Url::parse(url).map_err(|e| format!("{url:?} is not a URL: {e}"))?;
+    let local = matches!(
+        parsed.host_str(),
+        Some("localhost" | "127.0.0.1" | "[::1]" | "::1")
+    );
+    match parsed.scheme() {
+        "https" => Ok(()),
+        "http" if local => Ok(()),
+        other => Err(format!(
+            "{url:?}: the provider's keys are fetched over https (http only from this \
+             machine), not {other}"
+        )),
+    }
 }
 
 impl Oidc {
@@ -73,20 +122,42 @@ impl Oidc {
             .clone()
             .try_into()
             .map_err(|e| format!("arbor.toml: auth.oidc: {e}"))?;
-        let path = root.join(&file.jwks_file);
-        let text = std::fs::read_to_string(&path)
-            .map_err(|e| format!("arbor.toml: auth.oidc.jwks_file: {}: {e}", path.display()))?;
-        let keys: JwkSet = serde_json::from_str(&text).map_err(|e| {
-            format!(
-                "arbor.toml: auth.oidc.jwks_file: {}: not a JWKS: {e}",
-                path.display()
-            )
-        })?;
-        if keys.keys.is_empty() {
-            return Err(format!(
-                "arbor.toml: auth.oidc.jwks_file: {} holds no key",
-                path.display()
-            ));
+        let (keys, url) = match (&file.jwks_file, &file.jwks_url) {
+            (Some(file), None) => {
+                let path = root.join(file);
+                let text = std::fs::read_to_string(&path).map_err(|e| {
+                    format!("arbor.toml: auth.oidc.jwks_file: {}: {e}", path.display())
+                })?;
+                let from = format!("arbor.toml: auth.oidc.jwks_file: {}", path.display());
+                (parse_keys(&text, &from)?, None)
+            }
+            (None, Some(url)) => {
+                check_url(url).map_err(|e| format!("arbor.toml: auth.oidc.jwks_url: {e}"))?;
+                let refresh = match &file.jwks_refresh {
+                    None => DEFAULT_REFRESH,
+                    Some(text) => humantime::parse_duration(text)
+                        .ok()
+                        .filter(|d| *d >= Duration::from_secs(60))
+                        .ok_or_else(|| {
+                            format!(
+                                "arbor.toml: auth.oidc.jwks_refresh: {text:?} is not a \
+                                 duration of a minute or more"
+                            )
+                        })?,
+                };
+                // Fetched by `fetch`, before the node takes requests.
+                (JwkSet { keys: vec![] }, Some((url.clone(), refresh)))
+            }
+            _ => {
+                return Err(
+                    "arbor.toml: auth.oidc: give the provider's keys as jwks_file or \
+                     jwks_url (one of them)"
+                        .into(),
+                );
+            }
+        };
+        if file.jwks_refresh.is_some() && url.is_none() {
+            return Err("arbor.toml: auth.oidc.jwks_refresh goes with jwks_url".into());
         }
         let role_map = file
             .role_map
@@ -100,11 +171,85 @@ impl Oidc {
         Ok(Some(Oidc {
             issuer: file.issuer,
             audience: file.audience,
-            keys,
+            keys: Arc::new(RwLock::new(keys)),
+            url,
+            unknown_kid: Arc::default(),
+            fetched: Arc::new(tokio::sync::watch::channel(0).0),
             tenant_claim: file.tenant_claim,
             roles_claim: file.roles_claim,
             role_map,
         }))
+    }
+
+    fn read_keys(&self) -> std::sync::RwLockReadGuard<'_, JwkSet> {
+        self.keys
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Fetches `jwks_url` now (nothing for a file): the keys are replaced
+    /// only by a good set, so a provider that is down keeps the last.
+    pub async fn fetch(&self) -> Result<(), String> {
+        let Some((url, _)) = &self.url else {
+            return Ok(());
+        };
+        let fetched = async {
+            let response = reqwest::Client::new()
+                .get(url)
+                .timeout(FETCH_TIMEOUT)
+                .send()
+                .await
+                .map_err(|e| e.to_string())?;
+            if !response.status().is_success() {
+                return Err(format!("it answered {}", response.status()));
+            }
+            response.text().await.map_err(|e| e.to_string())
+        };
+        let text = fetched
+            .await
+            .map_err(|e| format!("the provider's keys ({url}): {e}"))?;
+        let keys = parse_keys(&text, url)?;
+        *self
+            .keys
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = keys;
+        self.fetched.send_modify(|n| *n += 1);
+        Ok(())
+    }
+
+    /// Keeps a `jwks_url`'s keys fresh until `stop`: every `jwks_refresh`,
+    /// and when a JWT named a key id they lack (at most every `MIN_REFETCH`).
+    pub async fn refresh(self, stop: tokio_util::sync::CancellationToken) {
+        let Some((_, every)) = self.url.clone() else {
+            return;
+        };
+        let mut last_asked: Option<std::time::Instant> = None;
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(every) => {}
+                () = self.unknown_kid.notified() => {
+                    if let Some(wait) = last_asked
+                        .map(|at| MIN_REFETCH.saturating_sub(at.elapsed()))
+                        .filter(|wait| !wait.is_zero())
+                    {
+                        tokio::select! {
+                            () = stop.cancelled() => return,
+                            () = tokio::time::sleep(wait) => {}
+                        }
+                    }
+                    last_asked = Some(std::time::Instant::now());
+                }
+            }
+            if let Err(why) = self.fetch().await {
+                tracing::warn!(%why, "the OIDC provider's keys were not fetched; keeping the last");
+            }
+        }
+    }
+
+    /// Changes after each fetch that replaced the keys.
+    pub fn fetched(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.fetched.subscribe()
     }
 
     /// The caller a bearer JWT stands for, or why it is refused.
@@ -117,15 +262,32 @@ impl Oidc {
     pub fn verify_until(&self, token: &str) -> Result<(Caller, u64), String> {
         let header = jsonwebtoken::decode_header(token)
             .map_err(|e| format!("the JWT's header does not read ({e}); `alg: none` is refused"))?;
-        let jwk = match &header.kid {
-            Some(kid) => self.keys.find(kid).ok_or_else(|| {
-                format!("the JWT's key id {kid:?} is not one of the provider's keys")
-            })?,
-            None if self.keys.keys.len() == 1 => &self.keys.keys[0],
-            None => {
-                return Err("the JWT names no key id (kid), and the provider has several".into());
+        let jwk: Jwk = {
+            let keys = self.read_keys();
+            match &header.kid {
+                Some(kid) => match keys.find(kid) {
+                    Some(jwk) => jwk.clone(),
+                    None => {
+                        // The provider may have a new key: look again.
+                        self.unknown_kid.notify_one();
+                        return Err(format!(
+                            "the JWT's key id {kid:?} is not one of the provider's keys"
+                        ));
+                    }
+                },
+                None if keys.keys.len() == 1 => keys.keys[0].clone(),
+                None if keys.keys.is_empty() => {
+                    self.unknown_kid.notify_one();
+                    return Err("the provider's keys have not been fetched yet".into());
+                }
+                None => {
+                    return Err(
+                        "the JWT names no key id (kid), and the provider has several".into(),
+                    );
+                }
             }
         };
+        let jwk = &jwk;
         let pinned = key_algorithm(jwk)?;
         if header.alg != pinned {
             return Err(format!(
@@ -322,5 +484,39 @@ mod tests {
         .unwrap();
         let e = oidc.verify(&forged).unwrap_err();
         assert!(e.contains("HS256") && e.contains("RS256"), "{e}");
+    }
+
+    /// The keys come from one place, a file or a URL fetched over https
+    /// (http only from this machine); each mistake is named at load.
+    #[test]
+    fn the_keys_are_a_file_or_a_url_and_each_mistake_is_named() {
+        let load = |keys: &str| {
+            let text = format!(
+                "[oidc]\nissuer = \"{ISSUER}\"\naudience = \"arbor\"\nroles_claim = \"groups\"\n{keys}"
+            );
+            let table: toml::Table = toml::from_str(&text).unwrap();
+            Oidc::from_auth(&table, Path::new("/")).map(|o| o.is_some())
+        };
+        for (keys, why) in [
+            ("", "give the provider's keys as jwks_file or jwks_url"),
+            (
+                "jwks_file = \"a.json\"\njwks_url = \"https://x/\"",
+                "(one of them)",
+            ),
+            ("jwks_url = \"http://login.example.com/jwks\"", "over https"),
+            ("jwks_url = \"not a url\"", "is not a URL"),
+            (
+                "jwks_url = \"https://login.example.com/jwks\"\njwks_refresh = \"5s\"",
+                "a minute or more",
+            ),
+        ] {
+            let err = load(keys).unwrap_err();
+            assert!(err.contains(why), "{keys}: {err}");
+        }
+        assert_eq!(load("jwks_url = \"http://127.0.0.1:1/jwks\""), Ok(true));
+        assert_eq!(
+            load("jwks_url = \"https://login.example.com/jwks\""),
+            Ok(true)
+        );
     }
 }

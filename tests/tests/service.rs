@@ -1895,3 +1895,99 @@ async fn inv_63_a_jwt_from_the_oidc_provider_reads_within_its_roles_and_an_expir
     assert_eq!(expired.status(), 401);
     assert!(expired.text().await.unwrap().contains("expired"));
 }
+
+/// `[auth.oidc] jwks_url`: the provider's keys are fetched at start, and
+/// again when a JWT names a key id they lack (the provider rotated its
+/// keys): that JWT is refused, the keys are fetched, and the next one with
+/// the new key is taken. The console logs in with a JWT too.
+#[tokio::test]
+async fn inv_63_keys_from_a_jwks_url_are_fetched_and_fetched_again_on_a_new_key_id() {
+    use jsonwebtoken::{Algorithm, EncodingKey, Header, encode};
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../service/tests/fixtures/oidc");
+    let served = std::sync::Arc::new(std::sync::Mutex::new(
+        std::fs::read_to_string(fixtures.join("jwks.json")).unwrap(),
+    ));
+    let provider = {
+        let served = served.clone();
+        axum::Router::new().route(
+            "/jwks",
+            axum::routing::get(move || {
+                let text = served.lock().unwrap().clone();
+                async move { text }
+            }),
+        )
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let at = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, provider).await });
+    let svc = TestService::start(texts().with_config(&format!(
+        "[auth.oidc]\nissuer = \"https://login.example.com/\"\naudience = \"arbor\"\njwks_url = \"http://{at}/jwks\"\nroles_claim = \"groups\"\n"
+    )))
+    .await;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let jwt = |kid: &str, pem: &str| {
+        let mut header = Header::new(Algorithm::RS256);
+        header.kid = Some(kid.into());
+        let key = std::fs::read(fixtures.join(pem)).unwrap();
+        let claims = json!({"sub": "ada", "iss": "https://login.example.com/", "aud": "arbor", "exp": now + 600, "groups": ["viewer"]});
+        encode(&header, &claims, &EncodingKey::from_rsa_pem(&key).unwrap()).unwrap()
+    };
+    let read = |token: String| {
+        let url = format!("{}/v1/runs", svc.url);
+        async move {
+            let answer = reqwest::Client::new()
+                .get(url)
+                .bearer_auth(token)
+                .send()
+                .await
+                .unwrap();
+            (answer.status().as_u16(), answer.text().await.unwrap())
+        }
+    };
+    assert_eq!(read(jwt("test-1", "test-rsa.pem")).await.0, 200);
+    // The provider rotates: a second key, with an id of its own.
+    *served.lock().unwrap() = std::fs::read_to_string(fixtures.join("jwks-rotated.json")).unwrap();
+    let oidc = svc.service.oidc().expect("[auth.oidc]");
+    let mut fetched = oidc.fetched();
+    fetched.mark_unchanged();
+    let (status, why) = read(jwt("test-2", "other-rsa.pem")).await;
+    assert_eq!(status, 401);
+    assert!(
+        why.contains("test-2") && why.contains("is not one of the provider's keys"),
+        "{why}"
+    );
+    tokio::time::timeout(std::time::Duration::from_secs(20), fetched.changed())
+        .await
+        .expect("the keys were fetched again")
+        .unwrap();
+    assert_eq!(read(jwt("test-2", "other-rsa.pem")).await.0, 200);
+    // The console's login takes the JWT; its session reads as its caller.
+    let login = reqwest::Client::new()
+        .post(format!("{}/v1/ui/session", svc.url))
+        .json(&json!({"token": jwt("test-2", "other-rsa.pem")}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(login.status(), 204);
+    let cookie = login
+        .headers()
+        .get("set-cookie")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .split(';')
+        .next()
+        .unwrap()
+        .to_string();
+    let status = reqwest::Client::new()
+        .get(format!("{}/v1/runs", svc.url))
+        .header("cookie", cookie)
+        .send()
+        .await
+        .unwrap()
+        .status();
+    assert_eq!(status, 200);
+}
