@@ -283,10 +283,23 @@ fn main() -> ExitCode {
                 }
                 Err(why) => Err(bad(why)),
             },
-            Command::Token(command) => conn
+            Command::Token(command) if command.data_dir().is_some() => conn
                 .format()
                 .and_then(|output| token::run(command, output))
                 .map_err(Failure::Client),
+            Command::Token(command) => {
+                let command = std::sync::Mutex::new(Some(command));
+                with_client(&conn, |c| {
+                    let command = command.lock().ok().and_then(|mut c| c.take());
+                    Box::pin(async move {
+                        match command {
+                            Some(command) => token::remote(c, command).await,
+                            None => Ok(ExitCode::SUCCESS),
+                        }
+                    })
+                })
+                .await
+            }
             Command::Check { dir } => match conn.format() {
                 Ok(output) => Ok(check(&dir, output).await),
                 Err(failed) => Err(Failure::Client(failed)),

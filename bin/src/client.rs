@@ -113,7 +113,7 @@ impl From<anyhow::Error> for Failed {
 pub type Outcome = Result<ExitCode, Failed>;
 
 pub struct Client {
-    api: api::Client,
+    pub(crate) api: api::Client,
     pub output: Output,
     colour: bool,
 }
@@ -160,7 +160,7 @@ impl Client {
     }
 
     /// Every kind of failure as its exit code.
-    fn failed(&self, e: api::Error) -> Failed {
+    pub(crate) fn failed(&self, e: api::Error) -> Failed {
         let code = match &e {
             api::Error::BadUrl(_) => exit::USAGE,
             api::Error::Unreachable { .. } | api::Error::BadReply(_) | api::Error::Broken(_) => {

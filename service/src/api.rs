@@ -663,3 +663,54 @@ impl From<crate::audit::AuditRecord> for AuditEntry {
         }
     }
 }
+
+/// `POST /v1/tokens`: a named credential to make.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NewCredential {
+    /// 1 to 64 letters, digits, `-`, `_` or `.`.
+    #[schemars(length(min = 1, max = 64))]
+    pub name: String,
+    /// Its tenant, or `*` for every tenant; a credential of one tenant
+    /// makes its own tenant's only (the default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    /// Its roles: `viewer`, `operator`, `approver`, `admin`.
+    #[schemars(length(min = 1))]
+    pub roles: Vec<String>,
+}
+
+/// A named credential, as the node keeps it (never its token).
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct CredentialView {
+    pub name: String,
+    /// Its tenant; `*`: every tenant.
+    pub tenant: String,
+    pub roles: Vec<String>,
+}
+
+impl From<&crate::credentials::Credential> for CredentialView {
+    fn from(c: &crate::credentials::Credential) -> Self {
+        Self {
+            name: c.name.clone(),
+            tenant: c.tenant.clone().unwrap_or_else(|| "*".into()),
+            roles: c.roles.names().into_iter().map(str::to_string).collect(),
+        }
+    }
+}
+
+/// `GET /v1/tokens`.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct CredentialList {
+    pub credentials: Vec<CredentialView>,
+}
+
+/// A credential just made: its token, shown this once.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct CredentialMade {
+    pub name: String,
+    pub tenant: String,
+    pub roles: Vec<String>,
+    /// The token: the node keeps only its SHA-256.
+    pub token: String,
+}

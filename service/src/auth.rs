@@ -453,7 +453,7 @@ pub fn required_role(method: &axum::http::Method, path: &str) -> credentials::Ro
     use credentials::Role;
     if method == axum::http::Method::GET || method == axum::http::Method::HEAD {
         return match path {
-            "/v1/audit" => Role::Admin,
+            "/v1/audit" | "/v1/tokens" => Role::Admin,
             _ => Role::Viewer,
         };
     }

@@ -12,9 +12,9 @@
 //!    that broke (the caller may resume from the last id).
 
 use crate::api::{
-    ApprovalList, AuditList, AuditQuery, CardView, Continued, DecisionBody, DrainAsked, ReplayRun,
-    ReplayStarted, RunCreated, RunDocument, RunList, SteerQueued, StopAccepted, StreamEvent,
-    SubmitRun,
+    ApprovalList, AuditList, AuditQuery, CardView, Continued, CredentialList, CredentialMade,
+    CredentialView, DecisionBody, DrainAsked, NewCredential, ReplayRun, ReplayStarted, RunCreated,
+    RunDocument, RunList, SteerQueued, StopAccepted, StreamEvent, SubmitRun,
 };
 use crate::status::NodeStatus;
 use arbor_protocol::RunId;
@@ -233,6 +233,23 @@ impl Client {
         query.extend(run.map(|r| ("run", r.to_string())));
         query.extend(state.map(|s| ("state", s.to_string())));
         self.call(self.request(Method::GET, "/v1/approvals").query(&query))
+            .await
+    }
+
+    /// `GET /v1/tokens`.
+    pub async fn tokens(&self) -> Result<CredentialList, Error> {
+        self.call(self.request(Method::GET, "/v1/tokens")).await
+    }
+
+    /// `POST /v1/tokens`.
+    pub async fn add_token(&self, new: &NewCredential) -> Result<CredentialMade, Error> {
+        self.call(self.request(Method::POST, "/v1/tokens").json(new))
+            .await
+    }
+
+    /// `DELETE /v1/tokens/{name}`.
+    pub async fn revoke_token(&self, name: &str) -> Result<CredentialView, Error> {
+        self.call(self.request(Method::DELETE, &format!("/v1/tokens/{name}")))
             .await
     }
 

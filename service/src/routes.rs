@@ -19,6 +19,7 @@ mod node;
 mod notifications;
 mod public;
 mod runs;
+mod tokens;
 
 use approvals::{approval_routes, decide_here};
 use audit::audit_routes;
@@ -27,6 +28,7 @@ use node::node_routes;
 use notifications::notification_routes;
 use public::public_routes;
 use runs::{run_action_routes, run_routes, stop_run_here};
+use tokens::token_routes;
 
 pub(crate) fn router(shared: Arc<Shared>) -> axum::Router {
     let mut api = OpenApi::default();
@@ -124,6 +126,7 @@ fn protected_routes() -> ApiRouter<Arc<Shared>> {
         .merge(approval_routes())
         .merge(notification_routes())
         .merge(audit_routes())
+        .merge(token_routes())
         .merge(node_routes())
 }
 

@@ -1772,6 +1772,9 @@ async fn inv_63_every_route_answers_each_role_as_the_matrix_says() {
         ("GET /v1/notifications", "viewer"),
         ("POST /v1/notifications/{id}/retry", "operator"),
         ("GET /v1/audit", "admin"),
+        ("GET /v1/tokens", "admin"),
+        ("POST /v1/tokens", "admin"),
+        ("DELETE /v1/tokens/{id}", "admin"),
         ("GET /v1/status", "viewer"),
         ("GET /metrics", "viewer"),
         ("POST /v1/nodes/{id}/drain", "admin"),
@@ -1824,6 +1827,7 @@ async fn inv_63_every_route_answers_each_role_as_the_matrix_says() {
         for (roles, token) in &holders {
             let request = match method {
                 "GET" => http.get(&url),
+                "DELETE" => http.delete(&url),
                 _ => http.post(&url).json(&json!({})),
             };
             let answer = request.bearer_auth(token).send().await.unwrap();

@@ -437,3 +437,121 @@ async fn inv_64_every_change_and_every_refusal_through_the_api_is_one_audit_entr
         "{theirs}"
     );
 }
+
+/// I-63 through the API: an admin of every tenant makes a credential (its
+/// token shown once, and it works at once), lists and revokes it; an admin
+/// of one tenant manages its own tenant's credentials only; each call is
+/// an audit entry.
+#[tokio::test]
+async fn inv_63_an_admin_manages_credentials_through_the_api_within_its_tenant() {
+    let svc = two_teams().await;
+    let (status, made) = svc
+        .post_json(
+            "/v1/tokens",
+            json!({"name": "a-lead", "tenant": "team-a", "roles": ["admin"]}),
+        )
+        .await;
+    assert_eq!(status, 201, "{made}");
+    let a_lead = made["token"].as_str().unwrap().to_string();
+    assert_eq!(
+        (&made["tenant"], &made["roles"]),
+        (&json!("team-a"), &json!(["admin"]))
+    );
+    // It works at once; as team a's admin it makes team a's credentials only.
+    let (status, viewer) = post(
+        &svc,
+        &a_lead,
+        "/v1/tokens",
+        json!({"name": "a-view", "roles": ["viewer"]}),
+    )
+    .await;
+    assert_eq!(status, 201, "{viewer}");
+    assert_eq!(viewer["tenant"], "team-a");
+    let (status, _) = post(
+        &svc,
+        &a_lead,
+        "/v1/tokens",
+        json!({"name": "b-spy", "tenant": "team-b", "roles": ["admin"]}),
+    )
+    .await;
+    assert_eq!(status, 404, "another tenant's is not its to make");
+    let (status, _) = post(
+        &svc,
+        &a_lead,
+        "/v1/tokens",
+        json!({"name": "a-view", "roles": ["viewer"]}),
+    )
+    .await;
+    assert_eq!(status, 409, "the name is taken");
+    let (status, _) = post(
+        &svc,
+        &a_lead,
+        "/v1/tokens",
+        json!({"name": "a-root", "roles": ["root"]}),
+    )
+    .await;
+    assert_eq!(status, 422, "not a role");
+    let (_, b_made) = svc
+        .post_json(
+            "/v1/tokens",
+            json!({"name": "b-view", "tenant": "team-b", "roles": ["viewer"]}),
+        )
+        .await;
+    assert_eq!(b_made["tenant"], "team-b");
+    // Lists: every one to the main token, team a's to team a's admin.
+    let (_, all) = svc.get_json("/v1/tokens").await;
+    let names = |list: &Value| -> Vec<String> {
+        list["credentials"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["name"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(names(&all), ["a-lead", "a-view", "b-view"]);
+    assert!(!all.to_string().contains(&a_lead), "never a token");
+    let (_, theirs) = call(&svc, &a_lead, "GET", "/v1/tokens").await;
+    assert_eq!(
+        names(&serde_json::from_str(&theirs).unwrap()),
+        ["a-lead", "a-view"]
+    );
+    // Revoke: another tenant's is not there; its own is refused at once.
+    let revoke = |token: String, name: &str| {
+        let url = format!("{}/v1/tokens/{name}", svc.url);
+        async move {
+            reqwest::Client::new()
+                .delete(url)
+                .bearer_auth(token)
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    assert_eq!(revoke(a_lead.clone(), "b-view").await, 404);
+    let a_view = viewer["token"].as_str().unwrap().to_string();
+    assert_eq!(call(&svc, &a_view, "GET", "/v1/runs").await.0, 200);
+    assert_eq!(revoke(a_lead.clone(), "a-view").await, 200);
+    assert_eq!(call(&svc, &a_view, "GET", "/v1/runs").await.0, 401);
+    // Each change, and the refused attempts, are in the audit log.
+    let (_, log) = svc.get_json("/v1/audit?subject=a-lead").await;
+    let routes: Vec<(&str, &str)> = log["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e["route"].as_str().unwrap(), e["outcome"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        routes,
+        [
+            ("POST /v1/tokens", "ok"),
+            ("POST /v1/tokens", "refused"),
+            ("POST /v1/tokens", "error"),
+            ("POST /v1/tokens", "error"),
+            ("DELETE /v1/tokens/{id}", "refused"),
+            ("DELETE /v1/tokens/{id}", "ok"),
+        ],
+        "{log}"
+    );
+}

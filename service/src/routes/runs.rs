@@ -302,7 +302,7 @@ async fn submit_run(
     headers: HeaderMap,
     JsonBody(body): JsonBody<SubmitRun>,
 ) -> Reply {
-    let tenant = submitting_tenant(&caller, &body)?;
+    let tenant = submitting_tenant(&caller, &body).inspect_err(|_| audit.refused())?;
     let spec = resolve(&shared, &body, &tenant)?;
     // A key is its tenant's: another tenant's same key is another run.
     let key = idempotency_key(&headers)?.map(|key| match &spec.tenant {
