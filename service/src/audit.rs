@@ -219,22 +219,6 @@ impl Audit {
     }
 }
 
-/// An entry for a call outside the protected routes (the console's login
-/// and logout), appended alone.
-pub(crate) fn alone(
-    journal: &Journal,
-    route: &str,
-    caller: Option<&Caller>,
-    client: Option<SocketAddr>,
-    status: StatusCode,
-) {
-    let audit = open(journal, route.to_string(), None, client);
-    if let Some(caller) = caller {
-        audit.caller(caller);
-    }
-    audit.finish(journal, status);
-}
-
 fn open(
     journal: &Journal,
     route: String,

@@ -110,7 +110,12 @@ fn api_router(shared: Arc<Shared>) -> ApiRouter {
             shared.node.journal().clone(),
             crate::audit::record,
         ));
-    protected.merge(public_routes()).with_state(shared)
+    // The console's login and logout are audited as the API's calls are.
+    let public = public_routes().route_layer(axum::middleware::from_fn_with_state(
+        shared.node.journal().clone(),
+        crate::audit::record,
+    ));
+    protected.merge(public).with_state(shared)
 }
 
 /// The same routes, for the document only.

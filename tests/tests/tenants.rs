@@ -555,3 +555,52 @@ async fn inv_63_an_admin_manages_credentials_through_the_api_within_its_tenant()
         "{log}"
     );
 }
+
+/// I-64: no route that may change something escapes the audit. Every one
+/// the OpenAPI document lists, called once (at ids that never were, with
+/// bodies it may refuse), leaves an entry naming its route; reads leave none.
+#[tokio::test]
+async fn inv_64_every_route_that_may_change_something_leaves_an_entry() {
+    let svc = two_teams().await;
+    let api = arbor_service::Service::openapi();
+    let mut called = vec![];
+    for (path, item) in api["paths"].as_object().unwrap() {
+        for method in item.as_object().unwrap().keys() {
+            let method = method.to_uppercase();
+            let url = format!(
+                "{}{}",
+                svc.url,
+                path.replace("{id}", &arbor_protocol::RunId::new().to_string())
+            );
+            let http = reqwest::Client::new();
+            let request = match method.as_str() {
+                "GET" => http.get(&url),
+                "DELETE" => http.delete(&url),
+                _ => http.post(&url).json(&json!({})),
+            };
+            let status = request
+                .bearer_auth(&svc.token)
+                .send()
+                .await
+                .unwrap()
+                .status();
+            assert!(status.as_u16() < 500, "{method} {path}: {status}");
+            called.push((method, path.clone()));
+        }
+    }
+    let (_, log) = svc.get_json("/v1/audit?limit=1000").await;
+    let logged: std::collections::BTreeSet<String> = log["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["route"].as_str().unwrap().to_string())
+        .collect();
+    for (method, path) in &called {
+        let route = format!("{method} {path}");
+        assert_eq!(
+            logged.contains(&route),
+            method != "GET",
+            "{route}: an entry only for a call that may change something: {log}"
+        );
+    }
+}

@@ -83,31 +83,21 @@ fn session_cookie_header(id: &str, max_age: Duration) -> Result<HeaderValue, Api
     .map_err(|_| ApiError::internal("the session cookie could not be written"))
 }
 
-/// The client's address, when the connection gave it (the audit's).
-type Client = Option<axum::Extension<axum::extract::ConnectInfo<std::net::SocketAddr>>>;
+/// The audit entry a login or a logout makes (I-64): who it is, once known.
+type Audit = Option<axum::Extension<crate::audit::Audit>>;
 
-/// A login and a logout change who may act: each is an audit entry (I-64),
-/// its outcome the answer's.
+/// A login and a logout change who may act: each is an audit entry, its
+/// outcome the answer's (`audit::record`).
 async fn open_session(
     State(shared): S,
-    client: Client,
+    audit: Audit,
     headers: HeaderMap,
     JsonBody(login): JsonBody<UiLogin>,
 ) -> Reply {
-    let caller = shared.tokens.identify(login.token.trim()).ok();
-    let answer = login_answer(&shared, &headers, &login).await;
-    let status = match &answer {
-        Ok(response) => response.status(),
-        Err(e) => e.status,
-    };
-    crate::audit::alone(
-        shared.node.journal(),
-        "POST /v1/ui/session",
-        caller.as_ref(),
-        client.map(|c| c.0.0),
-        status,
-    );
-    answer
+    if let (Ok(caller), Some(audit)) = (shared.tokens.identify(login.token.trim()), &audit) {
+        audit.caller(&caller);
+    }
+    login_answer(&shared, &headers, &login).await
 }
 
 async fn login_answer(shared: &Shared, headers: &HeaderMap, login: &UiLogin) -> Reply {
@@ -136,16 +126,12 @@ async fn login_answer(shared: &Shared, headers: &HeaderMap, login: &UiLogin) -> 
     Ok(response)
 }
 
-async fn close_session(State(shared): S, client: Client, headers: HeaderMap) -> Reply {
-    if let Some(id) = crate::auth::session_cookie(&headers) {
-        let caller = shared.tokens.close_session(id);
-        crate::audit::alone(
-            shared.node.journal(),
-            "DELETE /v1/ui/session",
-            caller.as_ref(),
-            client.map(|c| c.0.0),
-            StatusCode::NO_CONTENT,
-        );
+async fn close_session(State(shared): S, audit: Audit, headers: HeaderMap) -> Reply {
+    if let Some(id) = crate::auth::session_cookie(&headers)
+        && let Some(caller) = shared.tokens.close_session(id)
+        && let Some(audit) = &audit
+    {
+        audit.caller(&caller);
     }
     let mut response = StatusCode::NO_CONTENT.into_response();
     response.headers_mut().insert(
