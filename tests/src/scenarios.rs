@@ -224,36 +224,48 @@ async fn outbox_drained(node: &TestNode) {
 /// card of the run as it appears (a step's go-ahead waits at the run's
 /// node, a call's at its job's), until the run ends.
 fn answer_all(node: &TestNode, run: RunId) -> BoxFuture<'_, ()> {
-    Box::pin(async move {
-        let mut decided = std::collections::HashSet::new();
-        loop {
-            let pending = |t: &arbor_protocol::Tree| {
-                std::iter::once(t.head())
-                    .chain(t.nodes().map(|(_, n)| n))
-                    .filter_map(|n| n.waiting.as_ref().and_then(|w| w.card()))
-                    .any(|card| !decided.contains(&card))
+    Box::pin(each_card(node, run, |node, card| {
+        Box::pin(async move {
+            // A stop or the deadline may win; either is an outcome.
+            let _ = match card.kind {
+                arbor_protocol::CardKind::Question => node.answer(card.id, "blue").await,
+                _ => node.decide(card.id, Verdict::Approve, None, None).await,
             };
-            let tree = node
-                .node()
-                .wait_tree(run, |t| t.run_status().is_terminal() || pending(t))
-                .await;
-            if tree.run_status().is_terminal() {
-                return;
-            }
-            for card in node
-                .node()
-                .approvals(Some(run), Some(CardState::Pending))
-                .unwrap_or_default()
-            {
-                // A stop or the deadline may win; either is an outcome.
-                let _ = match card.kind {
-                    arbor_protocol::CardKind::Question => node.answer(card.id, "blue").await,
-                    _ => node.decide(card.id, Verdict::Approve, None, None).await,
-                };
-                decided.insert(card.id);
-            }
+        })
+    }))
+}
+
+/// Acts on each card of the run as it is asked (`act`, once a card), until
+/// the run ends.
+async fn each_card<'a>(
+    node: &'a TestNode,
+    run: RunId,
+    act: impl Fn(&'a TestNode, arbor_protocol::Card) -> BoxFuture<'a, ()>,
+) {
+    let mut decided = std::collections::HashSet::new();
+    loop {
+        let pending = |t: &arbor_protocol::Tree| {
+            std::iter::once(t.head())
+                .chain(t.nodes().map(|(_, n)| n))
+                .filter_map(|n| n.waiting.as_ref().and_then(|w| w.card()))
+                .any(|card| !decided.contains(&card))
+        };
+        let tree = node
+            .node()
+            .wait_tree(run, |t| t.run_status().is_terminal() || pending(t))
+            .await;
+        if tree.run_status().is_terminal() {
+            return;
         }
-    })
+        for card in node
+            .node()
+            .approvals(Some(run), Some(CardState::Pending))
+            .unwrap_or_default()
+        {
+            decided.insert(card.id);
+            act(node, card).await;
+        }
+    }
 }
 
 /// A flow of two groups, crashed while its second group's step runs, and
@@ -359,25 +371,8 @@ pub fn audit_entry(node: &TestNode, route: &str, target: String) -> arbor_storag
 /// Each pending card: its job steered, then the card approved, each call
 /// with its entry.
 async fn audited_approvals(node: &TestNode, run: RunId) {
-    let mut decided = std::collections::HashSet::new();
-    loop {
-        let pending = |t: &arbor_protocol::Tree| {
-            t.nodes()
-                .filter_map(|(_, n)| n.waiting.as_ref().and_then(|w| w.card()))
-                .any(|card| !decided.contains(&card))
-        };
-        let tree = node
-            .node()
-            .wait_tree(run, |t| t.run_status().is_terminal() || pending(t))
-            .await;
-        if tree.run_status().is_terminal() {
-            return;
-        }
-        for card in node
-            .node()
-            .approvals(Some(run), Some(CardState::Pending))
-            .unwrap_or_default()
-        {
+    each_card(node, run, |node, card| {
+        Box::pin(async move {
             let entry = audit_entry(node, "POST /v1/jobs/{id}/messages", card.job.to_string());
             let _ = node
                 .node()
@@ -396,9 +391,9 @@ async fn audited_approvals(node: &TestNode, run: RunId) {
                 )),
             };
             let _ = node.node().decide(card.id, decide).await;
-            decided.insert(card.id);
-        }
-    }
+        })
+    })
+    .await;
 }
 
 /// I-64's check of `audited_calls`: each change an operator asked for has
