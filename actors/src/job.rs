@@ -448,7 +448,7 @@ impl Actor for Job {
             }
             JobMsg::StopChildById { id, reason, audit } => {
                 if let Some(label) = state.children.by_id.get(&id).map(|c| c.label.clone()) {
-                    let _ = state.stop_child_label(&label, &reason, false, audit);
+                    let _ = state.stop_child_label(&label, &reason, false, audit.map(|a| *a));
                 }
             }
             JobMsg::Loop(LoopMsg::SendMessage { child, text, reply }) => {
@@ -477,7 +477,7 @@ impl Actor for Job {
                 from_parent,
                 reply,
                 audit,
-            } => state.queue_steering(text, from_parent, reply, audit),
+            } => state.queue_steering(text, from_parent, reply, audit.map(|a| *a)),
             JobMsg::LoopEnded { outcome } => {
                 state.loop_task = None;
                 if state.finish.is_none() {

@@ -126,7 +126,10 @@ impl Actor for Node {
             } => {
                 let result = match state.runs.get(&run) {
                     Some((actor, _)) => actor
-                        .cast(RunMsg::Stop { reason, audit })
+                        .cast(RunMsg::Stop {
+                            reason,
+                            audit: audit.map(Box::new),
+                        })
                         .map_err(|e| e.to_string()),
                     None => Err(format!("no running run {run}")),
                 };
@@ -139,7 +142,11 @@ impl Actor for Node {
                 audit,
             } => match state.runs.get(&run) {
                 Some((actor, _)) => {
-                    if let Err(e) = actor.cast(RunMsg::Continue { job, reply, audit }) {
+                    if let Err(e) = actor.cast(RunMsg::Continue {
+                        job,
+                        reply,
+                        audit: audit.map(Box::new),
+                    }) {
                         tracing::warn!(%run, %job, error = %e, "a continue did not reach its run");
                     }
                 }
@@ -180,7 +187,7 @@ impl Actor for Node {
                             text,
                             from_parent: false,
                             reply: Some(reply),
-                            audit,
+                            audit: audit.map(Box::new),
                         });
                     }
                     None => {
@@ -372,7 +379,7 @@ impl NodeState {
                 .cast(RunMsg::StopStep {
                     id: job,
                     reason,
-                    audit,
+                    audit: audit.map(Box::new),
                 })
                 .map_err(|e| e.to_string()),
             Some(Some(parent)) => match ractor::registry::where_is(job_name(parent)) {
@@ -382,7 +389,7 @@ impl NodeState {
                         .cast(JobMsg::StopChildById {
                             id: job,
                             reason,
-                            audit,
+                            audit: audit.map(Box::new),
                         })
                         .map_err(|e| e.to_string())
                 }

@@ -134,15 +134,16 @@ pub enum RunMsg {
     Stop {
         reason: String,
         /// The audit entry of the operator's call (I-64), committed with
-        /// the run's end.
-        audit: Option<Record>,
+        /// the run's end (boxed: a run's every message is as large as its
+        /// largest).
+        audit: Option<Box<Record>>,
     },
     /// An operator stops one step.
     StopStep {
         id: JobId,
         reason: String,
         /// Committed with the step's end.
-        audit: Option<Record>,
+        audit: Option<Box<Record>>,
     },
     ChildEnded {
         report: ChildReport,
@@ -167,7 +168,7 @@ pub enum RunMsg {
         job: JobId,
         reply: ractor::RpcReplyPort<Result<(), String>>,
         /// Committed with the next attempt's record.
-        audit: Option<Record>,
+        audit: Option<Box<Record>>,
     },
     /// A replay's request differed from its recording's (I-49).
     Diverged {
@@ -362,11 +363,11 @@ impl Actor for Run {
     ) -> Result<(), ActorProcessingErr> {
         match message {
             RunMsg::Stop { reason, audit } => {
-                state.end_audit.extend(audit);
+                state.end_audit.extend(audit.map(|a| *a));
                 state.begin_finish(Status::Stopped, None, reason);
             }
             RunMsg::StopStep { id, reason, audit } => {
-                state.stop_step(id, &reason, false, audit);
+                state.stop_step(id, &reason, false, audit.map(|a| *a));
             }
             RunMsg::Diverged { why } => {
                 state.begin_finish(Status::Failed, Some(ErrorClass::Diverged), why);
@@ -385,7 +386,7 @@ impl Actor for Run {
                 state.gate_decided(&myself, label, answer).await?;
             }
             RunMsg::Continue { job, reply, audit } => {
-                let continued = state.continue_step(&myself, job, audit).await;
+                let continued = state.continue_step(&myself, job, audit.map(|a| *a)).await;
                 let _ = reply.send(continued);
             }
             RunMsg::ChildEnded { report } => state.step_ended(&myself, report).await?,

@@ -85,7 +85,7 @@ pub enum JobMsg {
         from_parent: bool,
         reply: Option<RpcReplyPort<Result<u64, Refusal>>>,
         /// An operator's call's audit entry (I-64), committed with it.
-        audit: Option<arbor_storage::Record>,
+        audit: Option<Box<arbor_storage::Record>>,
     },
     Stop {
         reason: String,
@@ -96,7 +96,7 @@ pub enum JobMsg {
         id: JobId,
         reason: String,
         /// Committed with the child's end (I-64).
-        audit: Option<arbor_storage::Record>,
+        audit: Option<Box<arbor_storage::Record>>,
     },
     /// A sibling's message (`send_peer`), read at its next turn.
     Peer {
