@@ -151,8 +151,8 @@ pub fn run(command: TokenCommand, output: Output) -> Outcome {
                 )));
             }
             let main = main_token(&data_dir);
-            let (made, token) =
-                credentials::add(&data_dir, &main, &name, &tenant, &roles).map_err(refused)?;
+            let (made, token) = credentials::add(&data_dir, &main, &name, &tenant, &roles)
+                .map_err(|e| refused(e.to_string()))?;
             match output {
                 Output::Text => println!("{token}"),
                 _ => {

@@ -483,6 +483,7 @@ impl EmbeddedNode {
             return Ok(run);
         }
         let history = journal.events(record.run)?;
+        let origin = crate::recovery::started_spec(&history);
         let request = history
             .iter()
             .find_map(|e| match &e.kind {
@@ -495,10 +496,10 @@ impl EmbeddedNode {
             // A kill can take a step's spawn event while its record, made
             // durable first (I-29), survives: its step's instruction is
             // in the run's spec.
-            .or_else(|| step_instruction(&record, &history))
+            .or_else(|| step_instruction(&record, origin?))
             .ok_or_else(|| Error::Refused(format!("{job}: its request was not journaled")))?;
         let label = record.label.clone().unwrap_or_else(|| record.agent.clone());
-        let spec = continuation(&record, &label, &request, &history);
+        let spec = continuation(&record, &label, &request, origin);
         // The counts its limits made, from its journaled calls (I-45).
         let made = crate::recovery::tool_counts(&history)
             .remove(&job)
@@ -1064,36 +1065,24 @@ fn sweep_forgotten_workdirs(journal: &Journal, work_root: &Path) {
     }
 }
 
-/// The instruction of step `record` in its run's spec (`history`'s start).
-fn step_instruction(
-    record: &arbor_storage::JobRecord,
-    history: &[arbor_protocol::Event],
-) -> Option<String> {
+/// The instruction of step `record` in its run's spec.
+fn step_instruction(record: &arbor_storage::JobRecord, spec: &RunSpec) -> Option<String> {
     if record.kind != arbor_protocol::NodeKind::Step {
         return None;
     }
     let label = record.label.as_deref()?;
-    history.iter().find_map(|e| match &e.kind {
-        arbor_protocol::EventKind::RunStarted { spec, .. } => {
-            spec.step(label).map(|step| step.instruction.clone())
-        }
-        _ => None,
-    })
+    spec.step(label).map(|step| step.instruction.clone())
 }
 
 /// The one-step run that continues `record` (a job a restart interrupted)
 /// on its `request` and grant, in its run's tenant with its instructions
-/// (I-63), the run's history being `history`.
+/// (I-63): those of `origin`, the spec its run started with.
 fn continuation(
     record: &arbor_storage::JobRecord,
     label: &str,
     request: &str,
-    history: &[arbor_protocol::Event],
+    origin: Option<&RunSpec>,
 ) -> RunSpec {
-    let origin = history.iter().find_map(|e| match &e.kind {
-        arbor_protocol::EventKind::RunStarted { spec, .. } => Some(spec),
-        _ => None,
-    });
     RunSpec {
         budget_usd_micros: None,
         flow: format!("continue:{}", record.id),

@@ -81,6 +81,14 @@ pub enum RunOutcome {
     },
 }
 
+/// The spec a run started with, from its history (its `RunStarted`).
+pub fn started_spec(history: &[arbor_protocol::Event]) -> Option<&RunSpec> {
+    history.iter().find_map(|e| match &e.kind {
+        EventKind::RunStarted { spec, .. } => Some(spec.as_ref()),
+        _ => None,
+    })
+}
+
 /// The reason every interrupted step and job gets (I-30).
 pub const INTERRUPTED: &str = "interrupted: node restarted";
 
@@ -268,12 +276,8 @@ fn retell_lost_ends(
     }
     if run.status.is_terminal() && !run_told {
         // What its optional steps left undone, as the run said it.
-        let limitations = history
-            .iter()
-            .find_map(|e| match &e.kind {
-                EventKind::RunStarted { spec, .. } => Some(optional_limitations(spec, jobs)),
-                _ => None,
-            })
+        let limitations = started_spec(history)
+            .map(|spec| optional_limitations(spec, jobs))
             .unwrap_or_default();
         events.emit(
             run.id,
@@ -502,10 +506,7 @@ fn recover_run(
     events.load_run(run.id, &history);
     let records = journal.jobs(run.id)?;
     report.ends_retold += retell_lost_ends(events, run, &history, &records);
-    let spec = history.iter().find_map(|e| match &e.kind {
-        EventKind::RunStarted { spec, .. } => Some((**spec).clone()),
-        _ => None,
-    });
+    let spec = started_spec(&history).cloned();
     let jobs: HashMap<JobId, JobRecord> = records.into_iter().map(|j| (j.id, j)).collect();
     let mut interrupted: Vec<&JobRecord> =
         jobs.values().filter(|j| !j.status.is_terminal()).collect();

@@ -89,12 +89,8 @@ pub fn recorded(journal: &Journal, run: RunId) -> Result<Recorded, ReplayError> 
         return Err(ReplayError::NoRun(run));
     }
     let events = journal.events(run)?;
-    let spec = events
-        .iter()
-        .find_map(|e| match &e.kind {
-            EventKind::RunStarted { spec, .. } => Some((**spec).clone()),
-            _ => None,
-        })
+    let spec = crate::recovery::started_spec(&events)
+        .cloned()
         .ok_or(ReplayError::NotRecorded(run))?;
     let tape = arbor_actors::tape::tape_of(journal.tape(run)?)
         .map_err(|message| ReplayError::Damaged { run, message })?;

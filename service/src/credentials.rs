@@ -284,6 +284,20 @@ pub(crate) fn random_hex(bytes: usize) -> std::io::Result<String> {
     Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
 }
 
+/// Why a credential was not added; nothing changed.
+#[derive(Debug, thiserror::Error)]
+pub enum AddError {
+    /// A bad name, tenant or roles.
+    #[error("{0}")]
+    Invalid(String),
+    /// The name is another credential's.
+    #[error("{0}")]
+    Taken(String),
+    /// The tokens file (or the randomness) failed: the node's trouble.
+    #[error("{0}")]
+    File(String),
+}
+
 /// Adds the credential `name`: its token, made here and returned once (the
 /// file keeps only its digest).
 pub fn add(
@@ -292,20 +306,22 @@ pub fn add(
     name: &str,
     tenant: &str,
     roles: &str,
-) -> Result<(Credential, String), String> {
-    check_name(name)?;
+) -> Result<(Credential, String), AddError> {
+    check_name(name).map_err(AddError::Invalid)?;
     if name == MAIN_TOKEN_NAME {
-        return Err(format!("the name {name:?} is the main token's"));
+        return Err(AddError::Invalid(format!(
+            "the name {name:?} is the main token's"
+        )));
     }
-    let tenant = parse_tenant(tenant)?;
-    let roles = Roles::parse(roles)?;
-    let mut credentials = load(data_dir, main)?.credentials;
+    let tenant = parse_tenant(tenant).map_err(AddError::Invalid)?;
+    let roles = Roles::parse(roles).map_err(AddError::Invalid)?;
+    let mut credentials = load(data_dir, main).map_err(AddError::File)?.credentials;
     if credentials.iter().any(|c| c.name == name) {
-        return Err(format!(
+        return Err(AddError::Taken(format!(
             "there is a credential {name:?} already: revoke it first (`arbor token revoke {name}`)"
-        ));
+        )));
     }
-    let token = random_hex(32).map_err(|e| format!("/dev/urandom: {e}"))?;
+    let token = random_hex(32).map_err(|e| AddError::File(format!("/dev/urandom: {e}")))?;
     let credential = Credential {
         name: name.to_string(),
         hash: digest(&token),
@@ -313,7 +329,7 @@ pub fn add(
         roles,
     };
     credentials.push(credential.clone());
-    write(data_dir, &credentials)?;
+    write(data_dir, &credentials).map_err(AddError::File)?;
     Ok((credential, token))
 }
 

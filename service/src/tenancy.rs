@@ -47,6 +47,22 @@ pub(crate) fn sees_run(shared: &Shared, caller: &Caller, run: RunId) -> Result<b
     })
 }
 
+/// Keeps the items `sees` says yes to, in order (a list filtered to what
+/// a credential sees).
+pub(crate) fn retain_seen<T>(
+    items: &mut Vec<T>,
+    mut sees: impl FnMut(&T) -> Result<bool, ApiError>,
+) -> Result<(), ApiError> {
+    let mut kept = Vec::with_capacity(items.len());
+    for item in std::mem::take(items) {
+        if sees(&item)? {
+            kept.push(item);
+        }
+    }
+    *items = kept;
+    Ok(())
+}
+
 /// Whether `caller` sees step or job `job`.
 pub(crate) fn sees_job(shared: &Shared, caller: &Caller, job: JobId) -> Result<bool, ApiError> {
     if caller.tenant.is_none() {
@@ -58,7 +74,8 @@ pub(crate) fn sees_job(shared: &Shared, caller: &Caller, job: JobId) -> Result<b
     }
 }
 
-fn run_of_job(shared: &Shared, job: JobId) -> Result<Option<RunId>, ApiError> {
+/// The run a step or job belongs to: the event bus's index, else the journal.
+pub(crate) fn run_of_job(shared: &Shared, job: JobId) -> Result<Option<RunId>, ApiError> {
     Ok(match shared.node.events().find_job(job) {
         Some((run, _)) => Some(run),
         None => shared.node.journal().run_of_job(job)?,

@@ -71,12 +71,10 @@ async fn list_approvals(
     axum::Extension(caller): axum::Extension<crate::credentials::Caller>,
     Query(query): Query<ApprovalQuery>,
 ) -> Reply {
-    let mut cards = vec![];
-    for card in shared.node.approvals(query.run, query.state)? {
-        if crate::tenancy::sees_run(&shared, &caller, card.run)? {
-            cards.push(card);
-        }
-    }
+    let mut cards = shared.node.approvals(query.run, query.state)?;
+    crate::tenancy::retain_seen(&mut cards, |card| {
+        crate::tenancy::sees_run(&shared, &caller, card.run)
+    })?;
     Ok(json(
         StatusCode::OK,
         ApprovalList {

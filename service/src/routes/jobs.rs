@@ -84,14 +84,8 @@ pub(super) fn job_routes() -> ApiRouter<Arc<Shared>> {
 /// The run a step or job belongs to, and its tree.
 fn job_tree(shared: &Shared, job: JobId) -> Result<(RunId, Tree), ApiError> {
     let events = shared.node.events();
-    let run = match events.find_job(job) {
-        Some((run, _)) => run,
-        None => shared
-            .node
-            .journal()
-            .run_of_job(job)?
-            .ok_or_else(|| ApiError::not_found(format!("no step or job {job}")))?,
-    };
+    let run = crate::tenancy::run_of_job(shared, job)?
+        .ok_or_else(|| ApiError::not_found(format!("no step or job {job}")))?;
     let tree = events
         .tree(run)
         .filter(|t| t.node(job).is_some())

@@ -169,54 +169,26 @@ fn seen_by(
     caller: &crate::credentials::Caller,
     mut status: NodeStatus,
 ) -> Result<NodeStatus, ApiError> {
-    use crate::tenancy::{sees_job, sees_run};
+    use crate::tenancy::{retain_seen, sees_job, sees_run};
     if caller.tenant.is_none() {
         return Ok(status);
     }
-    let mut kept = vec![];
-    for run in std::mem::take(&mut status.runs) {
-        if let Ok(id) = run.id.parse::<RunId>()
-            && sees_run(shared, caller, id)?
-        {
-            kept.push(run);
-        }
-    }
-    status.runs = kept;
+    let sees = |run: RunId| sees_run(shared, caller, run);
+    retain_seen(&mut status.runs, |r| match r.id.parse() {
+        Ok(id) => sees(id),
+        Err(_) => Ok(false),
+    })?;
     let recovery = &mut status.recovery;
-    let mut jobs = vec![];
-    for job in std::mem::take(&mut recovery.jobs_failed) {
-        if sees_job(shared, caller, job)? {
-            jobs.push(job);
-        }
-    }
-    recovery.jobs_failed = jobs;
-    let mut runs = vec![];
-    for run in std::mem::take(&mut recovery.runs_resumed) {
-        if sees_run(shared, caller, run)? {
-            runs.push(run);
-        }
-    }
-    recovery.runs_resumed = runs;
+    retain_seen(&mut recovery.jobs_failed, |j| sees_job(shared, caller, *j))?;
+    retain_seen(&mut recovery.runs_resumed, |r| sees(*r))?;
     // Which processes a restart killed, what broke, and the actors (named
     // by run and job) are the node's.
     recovery.processes_killed.clear();
     recovery.breaches.clear();
     status.actors.children.clear();
-    let mut sandboxes = vec![];
-    for sandbox in std::mem::take(&mut status.sandboxes) {
-        if sees_run(shared, caller, sandbox.run)? {
-            sandboxes.push(sandbox);
-        }
-    }
-    status.sandboxes = sandboxes;
+    retain_seen(&mut status.sandboxes, |s| sees(s.run))?;
     for node in status.nodes.iter_mut().flatten() {
-        let mut runs = vec![];
-        for owned in std::mem::take(&mut node.runs) {
-            if sees_run(shared, caller, owned.run)? {
-                runs.push(owned);
-            }
-        }
-        node.runs = runs;
+        retain_seen(&mut node.runs, |owned| sees(owned.run))?;
     }
     Ok(status)
 }

@@ -77,13 +77,9 @@ async fn list_notifications(
     });
     let mut entries = notifications.list(state).map_err(ApiError::unavailable)?;
     entries.retain(|e| query.run.is_none_or(|run| e.run == run));
-    let mut seen = vec![];
-    for entry in entries {
-        if crate::tenancy::sees_run(&shared, &caller, entry.run)? {
-            seen.push(entry);
-        }
-    }
-    let entries = seen;
+    crate::tenancy::retain_seen(&mut entries, |entry| {
+        crate::tenancy::sees_run(&shared, &caller, entry.run)
+    })?;
     Ok(json(
         StatusCode::OK,
         NotificationList {

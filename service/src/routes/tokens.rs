@@ -119,9 +119,10 @@ async fn add_token(
         &tenant,
         &roles,
     )
-    .map_err(|why| match why.contains("already") {
-        true => ApiError::conflict(why),
-        false => ApiError::refused(why),
+    .map_err(|e| match e {
+        credentials::AddError::Taken(why) => ApiError::conflict(why),
+        credentials::AddError::Invalid(why) => ApiError::refused(why),
+        credentials::AddError::File(why) => refused_by_file(why),
     })?;
     let view = CredentialView::from(&made);
     Ok(json(
@@ -142,13 +143,15 @@ async fn revoke_token(
     Path(path): Path<IdPath>,
 ) -> Reply {
     let unknown = || ApiError::not_found(format!("no credential {}", path.id));
-    if !managed(&shared, &caller)?.iter().any(|c| c.name == path.id) {
-        // Another tenant's, or none: the same answer; the audit says which.
-        let all = credentials::load(&shared.config.data_dir, shared.tokens.main().as_str())
-            .map_err(refused_by_file)?;
-        if all.credentials.iter().any(|c| c.name == path.id) {
-            audit.refused();
-        }
+    let all = credentials::load(&shared.config.data_dir, shared.tokens.main().as_str())
+        .map_err(refused_by_file)?
+        .credentials;
+    let Some(named) = all.iter().find(|c| c.name == path.id) else {
+        return Err(unknown());
+    };
+    if caller.tenant.is_some() && named.tenant != caller.tenant {
+        // Another tenant's reads as none; the audit says which it was.
+        audit.refused();
         return Err(unknown());
     }
     let gone = credentials::revoke(
