@@ -25,6 +25,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
+mod checks;
+mod looping;
+
+pub use checks::{CheckNow, Found, LoopState, verdict_of};
+
 pub struct Run;
 
 pub struct RunArgs {
@@ -85,6 +90,10 @@ pub struct Resume {
     pub rescues: std::collections::HashMap<String, (String, String, String)>,
     /// Steps whose latest attempt failed and whose rescuer has not started.
     pub rescue_now: Vec<Failed>,
+    /// By label: the loops (`until`) of `group`'s steps, where they were.
+    pub loops: std::collections::HashMap<String, LoopState>,
+    /// Loop iterations that ended done and whose check was not made.
+    pub check_now: Vec<CheckNow>,
 }
 
 /// A step's failed attempt, as its rescuer is told of it.
@@ -180,6 +189,18 @@ pub enum RunMsg {
     GateDecided {
         label: String,
         answer: crate::approvals::Answer,
+    },
+    /// A loop's command check (`until.command`) on iteration `job` has found.
+    Checked {
+        label: String,
+        job: JobId,
+        found: Found,
+    },
+    /// A loop's bounds were spent before its next iteration could start.
+    LoopSpent {
+        label: String,
+        attempt: u32,
+        why: String,
     },
 }
 
@@ -307,6 +328,9 @@ impl Actor for Run {
             gating: BTreeMap::new(),
             approved: std::collections::HashSet::new(),
             peer_sent: std::collections::HashMap::new(),
+            loops: resume.loops,
+            checking: BTreeMap::new(),
+            resumed_checks: resume.check_now,
             audit: vec![],
             end_audit: vec![],
             cancel,
@@ -340,6 +364,23 @@ impl Actor for Run {
             }
             for failed in std::mem::take(&mut state.resumed_rescues) {
                 state.rescue_or_fail(&myself, failed).await;
+            }
+            for check in std::mem::take(&mut state.resumed_checks) {
+                let label = check.envelope.label.clone().unwrap_or_default();
+                match check.judged {
+                    // Its judge had answered: the verdict stands, not asked again.
+                    Some(judged) => {
+                        state.checking.insert(label.clone(), check.envelope.job);
+                        let found = checks::verdict_of(&judged);
+                        let job = check.envelope.job;
+                        state.iteration_checked(&myself, label, job, found).await?;
+                    }
+                    None => {
+                        state
+                            .check_iteration(&myself, label, check.envelope)
+                            .await?
+                    }
+                }
             }
             state.start_group(&myself).await;
         }
@@ -384,6 +425,27 @@ impl Actor for Run {
             RunMsg::Peer(send) => state.pass_peer(send),
             RunMsg::GateDecided { label, answer } => {
                 state.gate_decided(&myself, label, answer).await?;
+            }
+            RunMsg::Checked { label, job, found } => {
+                state.iteration_checked(&myself, label, job, found).await?;
+            }
+            RunMsg::LoopSpent {
+                label,
+                attempt,
+                why,
+            } => {
+                if state.finish.is_none() {
+                    let output = state
+                        .loops
+                        .get(&label)
+                        .and_then(|l| l.previous.as_ref())
+                        .map(|p| p.0.clone())
+                        .unwrap_or_default();
+                    let why = format!("its check did not pass: {why}");
+                    state
+                        .loop_failed(&myself, label, attempt, output, why)
+                        .await?;
+                }
             }
             RunMsg::Continue { job, reply, audit } => {
                 let continued = state.continue_step(&myself, job, audit.map(|a| *a)).await;
@@ -450,6 +512,8 @@ struct StepEntry {
     meter: SpentMeter,
     stop_reason: Option<StopReason>,
     envelope: Option<ResultEnvelope>,
+    /// A loop's judge: the label of the step whose iteration it judges.
+    judge_of: Option<String>,
 }
 
 struct RunFinish {
@@ -519,6 +583,13 @@ pub struct RunState {
     approved: std::collections::HashSet<String>,
     /// Messages each step of a `peers` group has sent, by label.
     peer_sent: std::collections::HashMap<String, u32>,
+    /// By label: the loops (`until`) of the current group's steps.
+    loops: std::collections::HashMap<String, LoopState>,
+    /// By label: loops whose iteration (this attempt) is being checked.
+    /// The group is not over while one is.
+    checking: BTreeMap<String, JobId>,
+    /// Checks a restart found unmade, made once the run has started.
+    resumed_checks: Vec<CheckNow>,
 }
 
 /// A failed step's wait for its next attempt.
@@ -529,13 +600,19 @@ struct Retrying {
     _timer: crate::timer::Timer,
 }
 
-/// A step of the group about to start.
+/// A step of the group about to start, or a loop's judge.
 struct PlannedStep {
     id: JobId,
     label: String,
     agent: Arc<AgentDef>,
     instruction: String,
     attempt: u32,
+    workdir: std::path::PathBuf,
+    /// What its answer must be (a judge's verdict).
+    output_schema: Option<serde_json::Value>,
+    /// What its loop's bounds leave it: its grant and time are within.
+    left: checks::Left,
+    judge_of: Option<String>,
 }
 
 impl RunState {
@@ -972,6 +1049,24 @@ impl RunState {
                 continue;
             }
             let attempt = self.attempts.get(&label).copied().unwrap_or(0) + 1;
+            // A loop's iterations (not its rescue) share one workdir, each
+            // building on the last, and stay within the loop's bounds.
+            let looping = step.until.is_some() && rescue.is_none();
+            let left = match looping.then(|| self.loop_left(&label)) {
+                None => checks::Left::default(),
+                Some(Ok(left)) => left,
+                Some(Err(why)) => {
+                    // Held until its message ends the step (`loop_failed`).
+                    self.checking.insert(label.clone(), JobId::new());
+                    let _ = myself.cast(RunMsg::LoopSpent {
+                        label,
+                        attempt: attempt - 1,
+                        why,
+                    });
+                    continue;
+                }
+            };
+            let workdir = self.step_workdir(&label, if looping { 1 } else { attempt });
             let instruction = match (self.rescues.remove(&label), self.failures.remove(&label)) {
                 (Some((rescuer, request, failed)), _) => {
                     // The failed attempt's files, for its rescuer to read.
@@ -982,9 +1077,10 @@ impl RunState {
                     request
                 }
                 (None, Some(error)) => {
-                    format!("{}\n\nA previous attempt failed: {error}", step.instruction)
+                    let request = self.loop_request(&label, &step.instruction);
+                    format!("{request}\n\nA previous attempt failed: {error}")
                 }
-                (None, None) => step.instruction.clone(),
+                (None, None) => self.loop_request(&label, &step.instruction),
             };
             planned.push(PlannedStep {
                 id: JobId::new(),
@@ -992,9 +1088,19 @@ impl RunState {
                 agent,
                 instruction,
                 attempt,
+                workdir,
+                output_schema: None,
+                left,
+                judge_of: None,
             });
         }
         self.ask_decisions(asks).await;
+        self.admit(myself, planned).await;
+    }
+
+    /// Admits steps (or a judge): their grants reserved, their records
+    /// durable (I-29), then each started.
+    async fn admit(&mut self, myself: &ActorRef<RunMsg>, planned: Vec<PlannedStep>) {
         if planned.is_empty() {
             return;
         }
@@ -1033,15 +1139,18 @@ impl RunState {
                 child: step.id,
                 agent: step.agent.name.clone(),
                 asked: None,
-                agent_max: step.agent.budget_tokens,
+                agent_max: least(step.agent.budget_tokens, step.left.tokens),
                 asked_usd_micros: None,
-                agent_max_usd_micros: step.agent.budget_usd_micros,
+                agent_max_usd_micros: least(step.agent.budget_usd_micros, step.left.usd_micros),
             })
             .collect();
         match ractor::call!(self.account, |reply| AccountMsg::Reserve {
             asks,
             share: Share::Even {
-                held_back: self.retrying.len() + self.deciding.len() + self.gating.len()
+                held_back: self.retrying.len()
+                    + self.deciding.len()
+                    + self.gating.len()
+                    + self.checking.len()
             },
             reply
         }) {
@@ -1082,10 +1191,7 @@ impl RunState {
                     depth: 0,
                     attempt: step.attempt,
                     grant_tokens: grant.tokens,
-                    workdir: self
-                        .step_workdir(&step.label, step.attempt)
-                        .display()
-                        .to_string(),
+                    workdir: step.workdir.display().to_string(),
                     status: Status::Pending,
                     task_status: None,
                     error_class: None,
@@ -1123,7 +1229,16 @@ impl RunState {
             agent,
             instruction,
             attempt,
+            workdir,
+            output_schema,
+            left,
+            judge_of,
         } = step;
+        // I-59: every step has a cap; a loop's time bounds it too.
+        let timeout = agent.timeout.unwrap_or(self.ctx.limits.job_timeout);
+        let timeout = left.time.map_or(timeout, |t| t.min(timeout));
+        // A judge sees its verdict, not the results of the group before.
+        let context = if judge_of.is_some() { "" } else { context };
         let meter = SpentMeter::default();
         let start = JobStart {
             ctx: self.ctx.clone(),
@@ -1143,14 +1258,13 @@ impl RunState {
             brief: Brief {
                 request: format!("{instruction}{context}"),
                 max_turns: agent.max_turns.unwrap_or(job::DEFAULT_MAX_TURNS),
-                // I-59: every step has a cap.
-                timeout: Some(agent.timeout.unwrap_or(self.ctx.limits.job_timeout)),
-                output_schema: None,
+                timeout: Some(timeout),
+                output_schema,
                 require_artifacts: vec![],
             },
             policy: Policy::root(&agent, &self.ctx.limits, &self.ctx.approvals.tools),
             grant,
-            workdir: self.step_workdir(&label, attempt),
+            workdir,
             parent: myself.get_derived(),
             cancel: self.cancel.child_token(),
             meter: meter.clone(),
@@ -1176,6 +1290,7 @@ impl RunState {
                         meter,
                         stop_reason: None,
                         envelope: None,
+                        judge_of,
                     },
                 );
             }
@@ -1262,6 +1377,7 @@ impl RunState {
         // A wait for a retry or a person ends at once: no attempt starts after this.
         self.retrying.clear();
         self.deciding.clear();
+        self.checking.clear();
         for (_, card) in std::mem::take(&mut self.gating) {
             card.cancel();
         }
@@ -1309,12 +1425,24 @@ impl RunState {
         let attempt = step.attempt;
         let stopped = step.stop_reason.is_some();
         let ran = step.agent.clone();
+        let judge_of = step.judge_of.clone();
         if let Some(step) = self.steps.get_mut(&report.id) {
             step.envelope = Some(envelope.clone());
         }
         self.release_ended(myself);
         if self.finish.is_some() {
             return Ok(());
+        }
+        if let Some(of) = judge_of {
+            return self.judged(myself, of, envelope).await;
+        }
+        let own = self.step_spec(&label).is_some_and(|s| s.agent == ran);
+        if own {
+            self.loop_spent(&label, &envelope);
+        }
+        // A loop's iteration that ended done is checked before the step is.
+        if own && envelope.status == Status::Done && self.until(&label).is_some() {
+            return self.check_iteration(myself, label, envelope).await;
         }
         let class = envelope.error_class.unwrap_or(ErrorClass::Task);
         if envelope.status == Status::Failed
@@ -1388,11 +1516,13 @@ impl RunState {
             && self.retrying.is_empty()
             && self.deciding.is_empty()
             && self.gating.is_empty()
+            && self.checking.is_empty()
             && self.steps.values().all(|s| s.envelope.is_some())
         {
             self.previous = self
                 .steps
                 .values()
+                .filter(|s| s.judge_of.is_none())
                 .filter_map(|s| {
                     s.envelope
                         .as_ref()
@@ -1501,6 +1631,7 @@ fn kept_steps(kept: &[ResultEnvelope]) -> BTreeMap<JobId, StepEntry> {
                 meter: SpentMeter::default(),
                 stop_reason: None,
                 envelope: Some(kept.clone()),
+                judge_of: None,
             };
             (kept.job, entry)
         })
@@ -1528,4 +1659,12 @@ fn copy_tree(from: &std::path::Path, to: &std::path::Path) -> std::io::Result<u6
         }
     }
     Ok(files)
+}
+
+/// The lower of two caps, either of which may be absent.
+fn least(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
 }

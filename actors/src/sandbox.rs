@@ -371,7 +371,8 @@ impl Workdir {
         std::fs::create_dir_all(&self.asked).map_err(at)?;
         let canonical = std::fs::canonicalize(&self.asked).map_err(at)?;
         if let Some(user) = self.user {
-            user.own(&canonical).map_err(at)?;
+            // What an earlier sandbox left here becomes this one's too.
+            user.own_tree(&canonical).map_err(at)?;
         }
         Ok(self.made.get_or_init(|| canonical))
     }

@@ -1077,6 +1077,21 @@ fn event_line(event: &Event) -> String {
         EventKind::NeedsDecision { label, why, .. } => {
             format!(" {label} waits for a person: {why}")
         }
+        EventKind::IterationChecked {
+            label,
+            iteration,
+            passed,
+            issues,
+            ended,
+            ..
+        } => {
+            let outcome = match (passed, ended) {
+                (true, _) => "passed".to_string(),
+                (false, Some(why)) => format!("did not pass; the loop ends: {why}"),
+                (false, None) => format!("did not pass ({} issues); it runs again", issues.len()),
+            };
+            format!(" {label} iteration {iteration} {outcome}")
+        }
         EventKind::PeerQueued { from, to, .. } => format!(" {from} -> {to}"),
         EventKind::PeerDelivered { from, turn, .. } => format!(" from {from}, read in turn {turn}"),
         EventKind::RunStarted { .. }

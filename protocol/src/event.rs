@@ -332,6 +332,24 @@ pub enum EventKind {
         to: String,
         class: ErrorClass,
     },
+    /// Iteration `iteration` of step `label`'s loop (`until`), its attempt
+    /// `id`, was checked: passed, or not with its `issues` (a judge's, or
+    /// what a command printed), a judge's `verdict`. `ended`: the loop ends
+    /// here without passing, and why (a bound reached, a check that could
+    /// not be made); else a check that did not pass runs the step again.
+    /// Durable before the step's next iteration or end (I-56).
+    IterationChecked {
+        id: JobId,
+        label: String,
+        iteration: u32,
+        passed: bool,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        verdict: Option<crate::spec::VerdictKind>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        issues: Vec<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ended: Option<String>,
+    },
     /// A restart interrupted step `id`, which may have acted outside its
     /// workdir (`why`): it is not run again until a person continues it or
     /// stops the run (I-57). Journaled once per interrupted attempt.
@@ -382,7 +400,8 @@ impl EventKind {
             | ApprovalDecided { id, .. }
             | RetryWaiting { id, .. }
             | ModelFallback { id, .. }
-            | NeedsDecision { id, .. } => Some(*id),
+            | NeedsDecision { id, .. }
+            | IterationChecked { id, .. } => Some(*id),
             AccountChanged { owner, .. } | WindDown { owner, .. } => match owner {
                 ParentRef::Job(id) => Some(*id),
                 ParentRef::Run(_) => None,

@@ -40,7 +40,7 @@ pub use refusal::Refusal;
 pub use result::{Amount, ResultEnvelope, Usage};
 pub use retry::RetryPolicy;
 pub use skill::Skill;
-pub use spec::{FlowGroup, FlowSpec, RunSpec, StepSpec};
+pub use spec::{FlowGroup, FlowSpec, JudgeVerdict, RunSpec, StepSpec, Until, VerdictKind};
 pub use status::{ErrorClass, Status, TaskStatus};
 pub use tenant::DEFAULT_TENANT;
 pub use tools::{
@@ -48,5 +48,5 @@ pub use tools::{
     ReadFileArgs, ReadSkillArgs, SendMessageArgs, SendPeerArgs, StopChildArgs, SubmitOutputArgs,
     ToolInfo, ToolName, WriteFileArgs,
 };
-pub use tree::{AccountView, McpServerView, Tree, TreeNode, WaitingView};
+pub use tree::{AccountView, IterationView, McpServerView, Tree, TreeNode, WaitingView};
 pub use view::{ActorView, SandboxPosture};

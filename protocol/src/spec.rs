@@ -57,7 +57,11 @@ impl RunSpec {
             .groups
             .iter()
             .flat_map(|g| g.steps.iter())
-            .flat_map(|s| std::iter::once(s.agent.as_str()).chain(s.on_fail.as_deref()))
+            .flat_map(|s| {
+                std::iter::once(s.agent.as_str())
+                    .chain(s.on_fail.as_deref())
+                    .chain(s.until.as_ref().and_then(|u| u.judge.as_deref()))
+            })
             .collect();
         let mut found = vec![];
         while let Some(name) = queue.pop() {
@@ -127,6 +131,7 @@ impl RunSpec {
                     rerun_interrupted: None,
                     on_fail: None,
                     approve: false,
+                    until: None,
                 }],
             }],
             budget_tokens,
@@ -205,6 +210,159 @@ pub struct StepSpec {
     /// a rejection, or no decision by the deadline, ends it failed (I-60).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub approve: bool,
+    /// It runs again until a check passes, within bounds (docs/flows.md#loops).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub until: Option<Until>,
+}
+
+/// A step's loop: after each iteration that ends done, a check decides; on
+/// `revise` the step runs again, told its previous output and the issues.
+/// Exactly one of `command`, `pattern` and `judge`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Until {
+    /// Run in the step's sandbox and workdir once an iteration ends: exit 0 passes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command: Option<String>,
+    /// A regular expression: passes when it matches the iteration's output
+    /// (a string as it is, anything else as JSON text).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pattern: Option<String>,
+    /// An agent whose job answers `{verdict: pass | revise, issues: [...]}`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub judge: Option<String>,
+    /// Iterations in all, the first included (1 to 100; default 5).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_iterations: Option<u32>,
+    /// Tokens every iteration and judge of the loop may spend together.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u64>,
+    /// Dollars every iteration and judge may spend together (the run needs a usd ceiling).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_usd: Option<f64>,
+    /// Wall-clock time from the first iteration's start (humantime).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_time: Option<String>,
+}
+
+/// What a judge's job answers, through its output schema.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JudgeVerdict {
+    pub verdict: VerdictKind,
+    #[serde(default)]
+    pub issues: Vec<String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum VerdictKind {
+    Pass,
+    Revise,
+}
+
+impl JudgeVerdict {
+    /// The output schema a judge's job answers through.
+    pub fn schema() -> serde_json::Value {
+        serde_json::json!({
+            "type": "object",
+            "required": ["verdict", "issues"],
+            "additionalProperties": false,
+            "properties": {
+                "verdict": {"enum": ["pass", "revise"]},
+                "issues": {"type": "array", "items": {"type": "string"}},
+            },
+        })
+    }
+}
+
+impl Until {
+    pub const DEFAULT_MAX_ITERATIONS: u32 = 5;
+    pub const MOST_ITERATIONS: u32 = 100;
+
+    pub fn max_iterations(&self) -> u32 {
+        self.max_iterations.unwrap_or(Self::DEFAULT_MAX_ITERATIONS)
+    }
+
+    /// Its wall-clock bound, if it has one (checked at load).
+    pub fn max_time(&self) -> Option<Duration> {
+        self.max_time
+            .as_deref()
+            .and_then(|t| humantime::parse_duration(t).ok())
+    }
+
+    /// Its dollar bound in micro-dollars, if it has one (checked at load).
+    pub fn max_usd_micros(&self) -> Option<u64> {
+        crate::BudgetArg {
+            tokens: None,
+            usd: self.max_usd,
+        }
+        .usd_micros()
+        .ok()
+        .flatten()
+    }
+
+    /// Why a loop that ended at `iteration` without passing failed its
+    /// step: `ended` (the bound, or why the check could not be made), and
+    /// what its last check found.
+    pub fn failure(
+        iteration: u32,
+        ended: &str,
+        verdict: Option<VerdictKind>,
+        issues: &[String],
+    ) -> String {
+        let last = match verdict {
+            Some(verdict) => {
+                let verdict = serde_json::to_value(verdict).unwrap_or_default();
+                format!("; the last verdict: {verdict} ({})", issues.join("; "))
+            }
+            None if !issues.is_empty() => format!("; the last check found: {}", issues.join("; ")),
+            None => String::new(),
+        };
+        format!("its check did not pass in {iteration} iterations: {ended}{last}")
+    }
+
+    /// Every way it is wrong, in words, or Ok: exactly one check, bounds
+    /// that are bounds (0 never means unlimited).
+    pub fn check(&self) -> Result<(), String> {
+        let kinds = [
+            self.command.is_some(),
+            self.pattern.is_some(),
+            self.judge.is_some(),
+        ];
+        if kinds.iter().filter(|k| **k).count() != 1 {
+            return Err("until needs exactly one of command, pattern and judge".into());
+        }
+        if self.command.as_deref().is_some_and(|c| c.trim().is_empty()) {
+            return Err("until.command is empty".into());
+        }
+        let most = self.max_iterations();
+        if most == 0 || most > Self::MOST_ITERATIONS {
+            return Err(format!(
+                "until.max_iterations must be 1 to {}, got {most}",
+                Self::MOST_ITERATIONS
+            ));
+        }
+        if self.max_tokens == Some(0) {
+            return Err("until.max_tokens must be at least 1 (0 never means unlimited)".into());
+        }
+        if self.max_usd.is_some() {
+            crate::BudgetArg {
+                tokens: None,
+                usd: self.max_usd,
+            }
+            .usd_micros()
+            .map_err(|e| e.replace("budget.usd", "until.max_usd"))?;
+        }
+        if let Some(time) = &self.max_time {
+            match humantime::parse_duration(time) {
+                Ok(d) if !d.is_zero() => {}
+                Ok(_) => return Err("until.max_time must be more than 0s".into()),
+                Err(e) => return Err(format!("until.max_time {time:?} is not a duration: {e}")),
+            }
+        }
+        Ok(())
+    }
 }
 
 impl StepSpec {
@@ -218,6 +376,12 @@ impl StepSpec {
 
     pub fn retries(&self) -> u32 {
         self.retries.unwrap_or(Self::DEFAULT_RETRIES)
+    }
+
+    /// The label of the jobs that judge the loop of the step `label`
+    /// (`until.judge`): run-level jobs, a node each beside the step's.
+    pub fn judge_label(label: &str) -> String {
+        format!("{label}.judge")
     }
 }
 
@@ -236,6 +400,7 @@ mod tests {
             rerun_interrupted: None,
             on_fail: None,
             approve: false,
+            until: None,
         }
     }
 

@@ -129,6 +129,9 @@ pub enum ErrorClass {
     /// It made the same tool call (name and arguments) twice `max_repeats`
     /// times in a row: it is stuck. Never retried; not the provider's fault.
     NoProgress,
+    /// Its loop's check did not pass within the loop's bounds (`until`), or
+    /// could not be made. Never retried: the bounds said how much to try.
+    CheckFailed,
 }
 
 impl ErrorClass {
@@ -141,6 +144,7 @@ impl ErrorClass {
                 | ErrorClass::ModelAuth
                 | ErrorClass::Diverged
                 | ErrorClass::NoProgress
+                | ErrorClass::CheckFailed
         )
     }
 
@@ -193,6 +197,7 @@ impl ErrorClass {
             ErrorClass::Internal => "internal",
             ErrorClass::ToolsUnavailable => "tools_unavailable",
             ErrorClass::NoProgress => "no_progress",
+            ErrorClass::CheckFailed => "check_failed",
         }
     }
 }

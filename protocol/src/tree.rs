@@ -61,7 +61,26 @@ pub struct TreeNode {
     /// arbor.toml names tenants.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<String>,
+    /// A step's loop (`until`): each checked iteration up to this attempt, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub iterations: Vec<IterationView>,
     pub children: Vec<TreeNode>,
+}
+
+/// One checked iteration of a step's loop (`until`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct IterationView {
+    pub iteration: u32,
+    /// The attempt that ran it.
+    pub job: JobId,
+    pub passed: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verdict: Option<crate::spec::VerdictKind>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub issues: Vec<String>,
+    /// The loop ended here without passing, and why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended: Option<String>,
 }
 
 /// What a node waits on, named by `reason`.
@@ -163,6 +182,8 @@ pub struct Tree {
     root_own_spent: u64,
     root_own_usd_micros: u64,
     entries: HashMap<JobId, Entry>,
+    /// Each looping step's checked iterations so far, by label.
+    loops: HashMap<String, Vec<IterationView>>,
     /// Every event applied, as the run's bounded timeline would keep them.
     timeline_len: u64,
     /// The last event's seq: events are applied in seq order (I-39).
@@ -201,12 +222,14 @@ impl Tree {
                 started_at_ms: None,
                 ended_at_ms: None,
                 tenant: None,
+                iterations: vec![],
                 children: vec![],
             },
             root_children: vec![],
             root_own_spent: 0,
             root_own_usd_micros: 0,
             entries: HashMap::new(),
+            loops: HashMap::new(),
             timeline_len: 0,
             last_seq: 0,
         }
@@ -490,6 +513,28 @@ impl Tree {
             EventKind::ModelFallback { id, to, .. } => {
                 if let Some(e) = self.entries.get_mut(id) {
                     e.node.model = Some(to.clone());
+                }
+            }
+            EventKind::IterationChecked {
+                id,
+                label,
+                iteration,
+                passed,
+                verdict,
+                issues,
+                ended,
+            } => {
+                let checked = self.loops.entry(label.clone()).or_default();
+                checked.push(IterationView {
+                    iteration: *iteration,
+                    job: *id,
+                    passed: *passed,
+                    verdict: *verdict,
+                    issues: issues.clone(),
+                    ended: ended.clone(),
+                });
+                if let Some(e) = self.entries.get_mut(id) {
+                    e.node.iterations = checked.clone();
                 }
             }
             EventKind::NeedsDecision { id, label, why } => {

@@ -1100,6 +1100,7 @@ fn continuation(
                 rerun_interrupted: None,
                 on_fail: None,
                 approve: false,
+                until: None,
             }],
         }],
         budget_tokens: record.grant_tokens,

@@ -29,7 +29,7 @@
 
 use arbor_actors::EventBus;
 use arbor_actors::agent_loop::Made;
-use arbor_actors::run::{Failed, Resume, RetryWait};
+use arbor_actors::run::{CheckNow, Failed, LoopState, Resume, RetryWait};
 use arbor_protocol::{
     Amount, Card, CardState, Decision, ErrorClass, EventKind, JobId, NodeKind, ParentRef,
     ResultEnvelope, RunId, RunSpec, Status, StepSpec,
@@ -554,6 +554,7 @@ fn recover_run(
             run_spent,
             &tool_counts(&history),
             &retry_waits(&history),
+            &checks(&history),
         ) {
             // I-48: each resume the node died under again counts. A drain
             // or a shutdown ends its runs, so only a death resumes one.
@@ -604,6 +605,8 @@ fn recover_run(
                     .insert(label.clone(), (record.agent.clone(), request, failed));
             }
         }
+        let ledger = journal.ledger(ParentRef::Run(run.id))?;
+        resume.loops = loop_states(spec, &history, &jobs, &ledger);
         // I-57: a step that waits for a person is asked once, not at each restart.
         resume.asked = history
             .iter()
@@ -895,6 +898,114 @@ pub fn retry_waits(history: &[arbor_protocol::Event]) -> HashMap<JobId, u64> {
         .collect()
 }
 
+/// A loop's iteration as its check found it (`IterationChecked`).
+#[derive(Clone, Debug)]
+pub struct Checked {
+    pub label: String,
+    pub iteration: u32,
+    pub passed: bool,
+    pub verdict: Option<arbor_protocol::VerdictKind>,
+    pub issues: Vec<String>,
+    pub ended: Option<String>,
+}
+
+/// Every journaled check of a loop's iteration, by the attempt checked (I-56).
+pub fn checks(history: &[arbor_protocol::Event]) -> HashMap<JobId, Checked> {
+    history
+        .iter()
+        .filter_map(|e| match &e.kind {
+            EventKind::IterationChecked {
+                id,
+                label,
+                iteration,
+                passed,
+                verdict,
+                issues,
+                ended,
+            } => Some((
+                *id,
+                Checked {
+                    label: label.clone(),
+                    iteration: *iteration,
+                    passed: *passed,
+                    verdict: *verdict,
+                    issues: issues.clone(),
+                    ended: ended.clone(),
+                },
+            )),
+            _ => None,
+        })
+        .collect()
+}
+
+/// I-56: each looping step's loop where it was: its iteration (one more
+/// than the checks that sent it round again), when it began, what its
+/// iterations and judges spent (the run's ledger, both units), and what
+/// the next iteration is told.
+fn loop_states(
+    spec: &RunSpec,
+    history: &[arbor_protocol::Event],
+    jobs: &[JobRecord],
+    ledger: &[LedgerRecord],
+) -> HashMap<String, LoopState> {
+    let checked = checks(history);
+    let mut loops = HashMap::new();
+    let labels = spec.step_labels();
+    let steps = spec.groups.iter().flat_map(|g| g.steps.iter());
+    for (step, label) in steps.zip(labels.iter().flatten()) {
+        if step.until.is_none() {
+            continue;
+        }
+        let judge = StepSpec::judge_label(label);
+        let ours = |l: Option<&str>| l == Some(label.as_str()) || l == Some(judge.as_str());
+        let mut rounds: Vec<(&JobId, &Checked)> = checked
+            .iter()
+            .filter(|(_, c)| &c.label == label && !c.passed && c.ended.is_none())
+            .collect();
+        rounds.sort_by_key(|(_, c)| c.iteration);
+        let previous = rounds.last().map(|(job, c)| {
+            let output = jobs
+                .iter()
+                .find(|j| j.id == **job)
+                .and_then(|j| serde_json::from_str(&j.output_json).ok())
+                .unwrap_or(serde_json::Value::Null);
+            (output, c.issues.clone())
+        });
+        let since_ms = history
+            .iter()
+            .filter_map(|e| match &e.kind {
+                EventKind::JobSpawned { label: l, .. } if l.as_deref() == Some(label) => {
+                    Some(e.at_ms)
+                }
+                _ => None,
+            })
+            .min()
+            .unwrap_or_else(arbor_actors::events::now_ms);
+        let mut spent = Amount::ZERO;
+        for entry in ledger {
+            if let LedgerOp::Release {
+                child, spent: s, ..
+            } = entry.op
+                && jobs
+                    .iter()
+                    .any(|j| j.id == child && ours(j.label.as_deref()))
+            {
+                *figure(&mut spent, entry.unit) += s;
+            }
+        }
+        loops.insert(
+            label.clone(),
+            LoopState {
+                iteration: rounds.len() as u32 + 1,
+                since_ms,
+                spent,
+                previous,
+            },
+        );
+    }
+    loops
+}
+
 /// The latest attempt of the step `label`.
 fn latest_step<'a>(jobs: &'a [JobRecord], label: &str) -> Option<&'a JobRecord> {
     jobs.iter()
@@ -982,17 +1093,165 @@ fn attempts_by_label(jobs: &[JobRecord]) -> HashMap<String, u32> {
     attempts
 }
 
+/// Where a looping step's latest iteration left its loop, when it ended
+/// done and did not pass: the next iteration is due, or its check was not
+/// made (a judge that had answered is not asked again).
+enum LoopAt {
+    Next,
+    Check(Box<CheckNow>),
+}
+
+fn loop_at(
+    step: &StepSpec,
+    label: &str,
+    jobs: &[JobRecord],
+    checks: &HashMap<JobId, Checked>,
+) -> Option<LoopAt> {
+    step.until.as_ref()?;
+    let job = latest_step(jobs, label)?;
+    if job.status != Status::Done || job.agent != step.agent {
+        return None;
+    }
+    match checks.get(&job.id) {
+        Some(c) if c.passed => None,
+        Some(_) => Some(LoopAt::Next),
+        None => {
+            let judge = StepSpec::judge_label(label);
+            let judged = jobs
+                .iter()
+                .filter(|j| j.label.as_deref() == Some(judge.as_str()))
+                .filter(|j| j.status == Status::Done && j.id > job.id)
+                .max_by_key(|j| j.attempt)
+                .map(envelope_of);
+            Some(LoopAt::Check(Box::new(CheckNow {
+                envelope: envelope_of(job),
+                judged,
+            })))
+        }
+    }
+}
+
+/// The records as recovery reads them: a loop that ended without passing
+/// failed its step for good (`check_failed`), though its last iteration's
+/// record says done.
+fn loops_failed(jobs: &[JobRecord], checks: &HashMap<JobId, Checked>) -> Vec<JobRecord> {
+    jobs.iter()
+        .map(|job| match checks.get(&job.id) {
+            Some(c) if !c.passed && c.ended.is_some() => JobRecord {
+                status: Status::Failed,
+                task_status: Some(arbor_protocol::TaskStatus::Failed),
+                error_class: Some(ErrorClass::CheckFailed),
+                reason: Some(arbor_protocol::Until::failure(
+                    c.iteration,
+                    c.ended.as_deref().unwrap_or_default(),
+                    c.verdict,
+                    &c.issues,
+                )),
+                ..job.clone()
+            },
+            _ => job.clone(),
+        })
+        .collect()
+}
+
+/// One step of the group a run resumes in, as its latest attempt left
+/// it: what `at` keeps, waits on or runs again; whether the step is done;
+/// or why the run cannot resume.
+fn step_at(
+    step: &StepSpec,
+    label: &str,
+    jobs: &[JobRecord],
+    waits: &HashMap<JobId, u64>,
+    checks: &HashMap<JobId, Checked>,
+    at: &mut Resume,
+) -> Result<bool, RunOutcome> {
+    match loop_at(step, label, jobs, checks) {
+        None => {}
+        Some(LoopAt::Next) => return Ok(false),
+        Some(LoopAt::Check(check)) => {
+            at.kept.push(check.envelope.clone());
+            at.check_now.push(*check);
+            return Ok(false);
+        }
+    }
+    let mut done = true;
+    match latest_step(jobs, label) {
+        Some(job) if job.status == Status::Done => at.kept.push(envelope_of(job)),
+        Some(job)
+            if job.error_class == Some(ErrorClass::Interrupted)
+                || job.status == Status::Pending
+                || job.status == Status::Running =>
+        {
+            done = false;
+            at.interrupted.insert(label.to_string(), job.id);
+            if interruptions(jobs, label) > step.retries() {
+                return Err(RunOutcome::Ended {
+                    status: Status::Failed,
+                    class: Some(ErrorClass::Interrupted),
+                    reason: format!(
+                        "step {label} was interrupted by a restart and its retries ({}) are used up",
+                        step.retries()
+                    ),
+                });
+            }
+        }
+        // A failure its retry policy tries again: the wait goes on (I-56).
+        Some(job)
+            if job.status == Status::Failed
+                && job.agent == step.agent
+                && step.retry.as_ref().is_some_and(|p| {
+                    p.retries(job.attempt, job.error_class.unwrap_or(ErrorClass::Task))
+                }) =>
+        {
+            done = false;
+            at.retry_waits.push(RetryWait {
+                until_ms: waits.get(&job.id).copied(),
+                ..retry_of(label, job)
+            });
+        }
+        // Failed for good, its rescuer yet to take over (a crash
+        // came between): it does now, once.
+        Some(job)
+            if job.status == Status::Failed
+                && step.on_fail.is_some()
+                && job.agent == step.agent =>
+        {
+            done = false;
+            at.rescue_now.push(failed_of(label, job));
+        }
+        // An optional step's end does not fail the run.
+        Some(job) if step.optional && job.status.is_terminal() => {
+            at.kept.push(envelope_of(job));
+        }
+        Some(job) => {
+            return Err(RunOutcome::Ended {
+                status: Status::Failed,
+                class: job.error_class.or(Some(ErrorClass::Task)),
+                reason: format!(
+                    "step {label} {} before the restart: {}",
+                    job.status,
+                    job.reason.clone().unwrap_or_default()
+                ),
+            });
+        }
+        None => done = false,
+    }
+    Ok(done)
+}
+
 /// I-34: where the run picks up, or why it cannot. Pure. `waits`: when
-/// each journaled retry wait ends, by the attempt that failed.
+/// each journaled retry wait ends, by the attempt that failed; `checks`:
+/// each loop iteration's check, by the attempt checked (I-56).
 pub fn plan_resume(
     spec: RunSpec,
     jobs: &[JobRecord],
     spent: Amount,
     counts: &HashMap<JobId, Made>,
     waits: &HashMap<JobId, u64>,
+    checks: &HashMap<JobId, Checked>,
 ) -> RunOutcome {
-    let latest = |label: &str| latest_step(jobs, label);
-    let interruptions = |label: &str| interruptions(jobs, label);
+    let looped = loops_failed(jobs, checks);
+    let jobs = &looped[..];
     // I-05: every job that started spent a spawn, however it ended; only a
     // job whose actor never started (class `start`) was given its count back.
     let spawned = jobs
@@ -1004,77 +1263,18 @@ pub fn plan_resume(
     let labels = spec.step_labels();
     let mut previous = vec![];
     for (g, (group, labels)) in spec.groups.iter().zip(&labels).enumerate() {
-        let mut kept = vec![];
-        let mut retry_waits = vec![];
-        let mut rescue_now = vec![];
-        let mut interrupted = HashMap::new();
+        let mut at = Resume::default();
         let mut all_done = true;
         for (step, label) in group.steps.iter().zip(labels) {
-            match latest(label) {
-                Some(job) if job.status == Status::Done => kept.push(envelope_of(job)),
-                Some(job)
-                    if job.error_class == Some(ErrorClass::Interrupted)
-                        || job.status == Status::Pending
-                        || job.status == Status::Running =>
-                {
-                    all_done = false;
-                    interrupted.insert(label.clone(), job.id);
-                    if interruptions(label) > step.retries() {
-                        return RunOutcome::Ended {
-                            status: Status::Failed,
-                            class: Some(ErrorClass::Interrupted),
-                            reason: format!(
-                                "step {label} was interrupted by a restart and its retries ({}) are used up",
-                                step.retries()
-                            ),
-                        };
-                    }
-                }
-                // A failure its retry policy tries again: the wait goes on (I-56).
-                Some(job)
-                    if job.status == Status::Failed
-                        && job.agent == step.agent
-                        && step.retry.as_ref().is_some_and(|p| {
-                            p.retries(job.attempt, job.error_class.unwrap_or(ErrorClass::Task))
-                        }) =>
-                {
-                    all_done = false;
-                    retry_waits.push(RetryWait {
-                        until_ms: waits.get(&job.id).copied(),
-                        ..retry_of(label, job)
-                    });
-                }
-                // Failed for good, its rescuer yet to take over (a crash
-                // came between): it does now, once.
-                Some(job)
-                    if job.status == Status::Failed
-                        && step.on_fail.is_some()
-                        && job.agent == step.agent =>
-                {
-                    all_done = false;
-                    rescue_now.push(failed_of(label, job));
-                }
-                // An optional step's end does not fail the run.
-                Some(job) if step.optional && job.status.is_terminal() => {
-                    kept.push(envelope_of(job));
-                }
-                Some(job) => {
-                    return RunOutcome::Ended {
-                        status: Status::Failed,
-                        class: job.error_class.or(Some(ErrorClass::Task)),
-                        reason: format!(
-                            "step {label} {} before the restart: {}",
-                            job.status,
-                            job.reason.clone().unwrap_or_default()
-                        ),
-                    };
-                }
-                None => all_done = false,
+            match step_at(step, label, jobs, waits, checks, &mut at) {
+                Ok(done) => all_done &= done,
+                Err(ended) => return ended,
             }
         }
         if all_done {
             // Like a running run, the next group sees the last finished group's results.
-            previous = kept
+            previous = at
+                .kept
                 .iter()
                 .map(|e| (e.label.clone().unwrap_or_default(), e.output.clone()))
                 .collect();
@@ -1085,17 +1285,12 @@ pub fn plan_resume(
             resume: Box::new(Resume {
                 group: g,
                 previous,
-                kept,
                 attempts,
                 spent,
                 spawned,
                 tool_counts,
                 limitations: optional_limitations(&spec, jobs),
-                retry_waits,
-                interrupted,
-                asked: Default::default(),
-                rescues: HashMap::new(),
-                rescue_now,
+                ..at
             }),
         };
     }
@@ -1104,17 +1299,12 @@ pub fn plan_resume(
         resume: Box::new(Resume {
             group: spec.groups.len(),
             previous,
-            kept: vec![],
             attempts,
             spent,
             spawned,
             tool_counts,
             limitations: optional_limitations(&spec, jobs),
-            retry_waits: vec![],
-            interrupted: HashMap::new(),
-            asked: Default::default(),
-            rescues: HashMap::new(),
-            rescue_now: vec![],
+            ..Resume::default()
         }),
         spec: Box::new(spec),
     }

@@ -719,7 +719,8 @@ impl Spans {
             | EventKind::ApprovalDecided { .. }
             | EventKind::RetryWaiting { .. }
             | EventKind::ModelFallback { .. }
-            | EventKind::NeedsDecision { .. } => {}
+            | EventKind::NeedsDecision { .. }
+            | EventKind::IterationChecked { .. } => {}
         }
     }
 

@@ -247,11 +247,31 @@ impl Workspace {
                 .map_err(|m| invalid(Path::new("arbor.toml"), format!("budget.usd: {m}")))?;
         }
         for (name, flow) in &workspace.flows {
+            let usd = flow.budget.as_ref().is_some_and(|b| b.usd.is_some())
+                || workspace.config.budget_usd_micros.is_some();
+            let steps = flow.groups.iter().flat_map(|g| g.steps.iter());
+            if let Some(label) = steps
+                .filter(|s| s.until.as_ref().is_some_and(|u| u.max_usd.is_some()))
+                .map(|s| s.label.as_deref().unwrap_or(&s.agent))
+                .find(|_| !usd)
+            {
+                return Err(invalid(
+                    &flow_path(name),
+                    format!(
+                        "step {label}: until.max_usd needs a usd ceiling (the flow's budget.usd \
+                         or arbor.toml's [budget] usd) to be metered against"
+                    ),
+                ));
+            }
             if flow.budget.as_ref().is_some_and(|b| b.usd.is_some()) {
                 let steps: Vec<&str> = flow
                     .groups
                     .iter()
-                    .flat_map(|g| g.steps.iter().map(|s| s.agent.as_str()))
+                    .flat_map(|g| g.steps.iter())
+                    .flat_map(|s| {
+                        std::iter::once(s.agent.as_str())
+                            .chain(s.until.as_ref().and_then(|u| u.judge.as_deref()))
+                    })
                     .collect();
                 workspace
                     .check_prices(&steps)

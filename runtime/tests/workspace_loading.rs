@@ -184,6 +184,7 @@ fn a_full_workspace_loads_with_every_field_mapped() {
                 rerun_interrupted: None,
                 on_fail: None,
                 approve: false,
+                until: None,
             }],
         }
     );

@@ -248,6 +248,26 @@ impl SandboxUser {
     pub fn own(&self, path: &Path) -> std::io::Result<()> {
         std::os::unix::fs::lchown(path, Some(self.0), Some(self.0))
     }
+
+    /// Makes `path` and everything below it the sandbox's, symlinks
+    /// themselves and not what they point at: a workdir an earlier
+    /// sandbox left (a loop's next iteration, its check, a rescuer's copy
+    /// of a failed workdir), whose processes have all been killed.
+    pub fn own_tree(&self, path: &Path) -> std::io::Result<()> {
+        self.own(path)?;
+        if !std::fs::symlink_metadata(path)?.is_dir() {
+            return Ok(());
+        }
+        for entry in std::fs::read_dir(path)? {
+            let entry = entry?;
+            if entry.file_type()?.is_dir() {
+                self.own_tree(&entry.path())?;
+            } else {
+                self.own(&entry.path())?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// One sealed command's setting.

@@ -352,6 +352,7 @@ impl Metrics {
             // are counted after this match or not at all.
             EventKind::RunFinished { .. }
             | EventKind::NeedsDecision { .. }
+            | EventKind::IterationChecked { .. }
             | EventKind::ModelFallback { .. }
             | EventKind::RunStarted { .. }
             | EventKind::RunResumed { .. }

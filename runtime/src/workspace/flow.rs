@@ -53,6 +53,11 @@ pub(super) fn parse_flow(
                     ),
                 ));
             }
+            if let Some(until) = &step.until {
+                check_until(until, agents).map_err(|m| {
+                    invalid(path, format!("step {} of group {}: {m}", s + 1, g + 1))
+                })?;
+            }
             if let Some(retry) = &step.retry {
                 retry.check().map_err(|m| {
                     invalid(path, format!("step {} of group {}: {m}", s + 1, g + 1))
@@ -61,4 +66,23 @@ pub(super) fn parse_flow(
         }
     }
     Ok(flow)
+}
+
+/// A step's loop: one check, bounds that are bounds, a pattern that
+/// compiles, a judge that is an agent.
+fn check_until(
+    until: &arbor_protocol::Until,
+    agents: &BTreeMap<String, AgentDef>,
+) -> Result<(), String> {
+    until.check()?;
+    if let Some(pattern) = &until.pattern {
+        regex::Regex::new(pattern)
+            .map_err(|e| format!("until.pattern {pattern:?} is not a regular expression: {e}"))?;
+    }
+    if let Some(judge) = &until.judge
+        && !agents.contains_key(judge)
+    {
+        return Err(format!("until.judge names unknown agent `{judge}`"));
+    }
+    Ok(())
 }

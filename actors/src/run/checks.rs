@@ -1,0 +1,121 @@
+//! What a step's loop (`until`) keeps and what its checks find, as data:
+//! its state by label, a check a restart found unmade, a finding from a
+//! judge's answer or a command's end (`looping` acts on them).
+
+use arbor_protocol::{Amount, JudgeVerdict, ResultEnvelope, Status, VerdictKind};
+use std::time::Duration;
+
+/// A looping step's state, by label.
+#[derive(Clone, Debug, Default)]
+pub struct LoopState {
+    /// The iteration running or next (1 for the first).
+    pub iteration: u32,
+    /// When its first iteration started (ms since the Unix epoch): its
+    /// `max_time` counts from then.
+    pub since_ms: u64,
+    /// What its iterations and judges have spent together.
+    pub spent: Amount,
+    /// The previous iteration's output and its issues: what the next is told.
+    pub previous: Option<(serde_json::Value, Vec<String>)>,
+}
+
+/// A loop's iteration that ended done and whose check a restart found
+/// unmade: it is made now (a judge that had answered is not asked again).
+#[derive(Clone, Debug)]
+pub struct CheckNow {
+    pub envelope: ResultEnvelope,
+    pub judged: Option<ResultEnvelope>,
+}
+
+/// What a check found.
+#[derive(Debug)]
+pub struct Found {
+    pub passed: bool,
+    pub verdict: Option<VerdictKind>,
+    pub issues: Vec<String>,
+    /// The check could not be made, and why: the loop ends.
+    pub failed: Option<String>,
+}
+
+impl Found {
+    pub fn failed(why: String) -> Self {
+        Found {
+            passed: false,
+            verdict: None,
+            issues: vec![],
+            failed: Some(why),
+        }
+    }
+}
+
+/// What a loop's bounds leave its next job: its grant's caps and its time.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Left {
+    pub tokens: Option<u64>,
+    pub usd_micros: Option<u64>,
+    pub time: Option<Duration>,
+}
+
+/// The most of a failed command's output a check's issue quotes.
+const OUTPUT_TAIL: usize = 2_000;
+
+/// A judge's answer as a check's finding.
+pub fn verdict_of(envelope: &ResultEnvelope) -> Found {
+    match envelope.status {
+        Status::Done => match serde_json::from_value::<JudgeVerdict>(envelope.output.clone()) {
+            Ok(v) => Found {
+                passed: v.verdict == VerdictKind::Pass,
+                verdict: Some(v.verdict),
+                issues: v.issues,
+                failed: None,
+            },
+            Err(e) => Found::failed(format!("its judge's answer is not a verdict: {e}")),
+        },
+        status => Found::failed(format!(
+            "its judge {} {status}: {}",
+            envelope.agent,
+            envelope.error.clone().unwrap_or_default()
+        )),
+    }
+}
+
+/// What a check's command found: exit 0 passes; else the issues are how
+/// it ended and the tail of what it printed.
+pub fn command_found(command: &str, outcome: crate::sandbox::ExecOutcome) -> Found {
+    if outcome.stopped {
+        return Found::failed("its check was stopped".into());
+    }
+    if let Some(error) = outcome.error {
+        return Found::failed(format!("its check `{command}` could not run: {error}"));
+    }
+    if outcome.exit_code == Some(0) && !outcome.timed_out {
+        return Found {
+            passed: true,
+            verdict: None,
+            issues: vec![],
+            failed: None,
+        };
+    }
+    let how = match (outcome.timed_out, outcome.exit_code) {
+        (true, _) => format!("`{command}` timed out"),
+        (false, Some(code)) => format!("`{command}` exited {code}"),
+        (false, None) => format!("`{command}` was killed by a signal"),
+    };
+    let mut issues = vec![how];
+    let printed = format!("{}{}", outcome.stdout, outcome.stderr);
+    let printed = printed.trim();
+    if !printed.is_empty() {
+        let start = printed
+            .char_indices()
+            .rev()
+            .nth(OUTPUT_TAIL)
+            .map_or(0, |(i, _)| i);
+        issues.push(format!("it printed: {}", &printed[start..]));
+    }
+    Found {
+        passed: false,
+        verdict: None,
+        issues,
+        failed: None,
+    }
+}
