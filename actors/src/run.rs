@@ -365,12 +365,18 @@ impl Actor for Run {
             for failed in std::mem::take(&mut state.resumed_rescues) {
                 state.rescue_or_fail(&myself, failed).await;
             }
-            for check in std::mem::take(&mut state.resumed_checks) {
+            // Held before the group starts, so that it is not over while they decide.
+            let checks = std::mem::take(&mut state.resumed_checks);
+            for check in &checks {
+                let label = check.envelope.label.clone().unwrap_or_default();
+                state.checking.insert(label, check.envelope.job);
+            }
+            state.start_group(&myself).await;
+            for check in checks {
                 let label = check.envelope.label.clone().unwrap_or_default();
                 match check.judged {
                     // Its judge had answered: the verdict stands, not asked again.
                     Some(judged) => {
-                        state.checking.insert(label.clone(), check.envelope.job);
                         let found = checks::verdict_of(&judged);
                         let job = check.envelope.job;
                         state.iteration_checked(&myself, label, job, found).await?;
@@ -382,7 +388,6 @@ impl Actor for Run {
                     }
                 }
             }
-            state.start_group(&myself).await;
         }
         state.maybe_complete(&myself).await
     }
@@ -1016,6 +1021,7 @@ impl RunState {
                 || self.retrying.contains_key(&label)
                 || self.deciding.contains_key(&label)
                 || self.gating.contains_key(&label)
+                || self.checking.contains_key(&label)
             {
                 continue;
             }

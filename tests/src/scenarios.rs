@@ -440,3 +440,33 @@ pub fn audit_matches_changes(node: &TestNode, run: RunId) -> Result<usize, Strin
     }
     Ok(entries.len())
 }
+
+/// Two loops in one group, crashed at every commit point (I-56): a command
+/// loop whose worker counts itself in its workdir and passes once the count
+/// reaches 2, and an optional judge loop whose judge always asks for a
+/// revision, ended by its `max_iterations`; each iteration's end and each
+/// check (a verdict among them) is a commit point of its own.
+pub fn looped_steps() -> Scenario {
+    let counter = agent_md(
+        "tools: [exec]\nscript:\n  - usage: {input: 20, output: 5}\n    call: {tool: exec, args: {command: \"n=$(cat count 2>/dev/null || echo 0); echo $((n+1)) > count\"}}\n  - call: {tool: submit_output, args: {output: counted}}",
+    );
+    let writer = agent_md(
+        "script:\n  - usage: {input: 20, output: 5}\n    call: {tool: submit_output, args: {output: a draft}}",
+    );
+    let critic = agent_md(
+        "script:\n  - usage: {input: 20, output: 5}\n    call: {tool: submit_output, args: {output: {verdict: revise, issues: [too short]}}}",
+    );
+    Scenario::flow_texts(
+        None,
+        &[
+            ("counter", &counter),
+            ("writer", &writer),
+            ("critic", &critic),
+        ],
+        &[(
+            "looped",
+            "budget = { tokens = 1000000 }\n[[group]]\nsteps = [{ agent = \"counter\", instruction = \"count\", retries = 100, rerun_interrupted = true, until = { command = \"test $(cat count) -ge 2\" } }, { agent = \"writer\", instruction = \"write\", retries = 100, optional = true, until = { judge = \"critic\", max_iterations = 2 } }]\n",
+        )],
+        "looped",
+    )
+}

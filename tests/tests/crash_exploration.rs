@@ -418,3 +418,85 @@ async fn inv_64_every_commit_point_of_an_audited_call_keeps_change_and_entry_tog
     println!("{report}");
     assert!(report.crashed > 0, "no case crashed: {report}");
 }
+
+/// I-56 at every commit point of two loops (an iteration's end, a command's
+/// check, a judge's verdict), killed and powered off: the run ends done
+/// (the judge loop is optional); each loop's checks are its iterations
+/// 1, 2, ... once each, in order, with nothing checked after the one that
+/// passed or ended it; every iteration that ended done was checked once;
+/// the judge loop ends at its `max_iterations`, never past it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inv_56_every_commit_point_of_a_loop_keeps_its_iteration() {
+    use arbor_protocol::EventKind;
+    let scenario = arbor_tests::scenarios::looped_steps();
+    let report = explore_crashes(&scenario, |node, run| {
+        ended_done(node, run)?;
+        let events = node.events(run);
+        let records = node.journal().jobs(run).map_err(|e| e.to_string())?;
+        for (label, most) in [("counter", None), ("writer", Some(2))] {
+            let checks: Vec<(arbor_protocol::JobId, u32, bool, bool)> = events
+                .iter()
+                .filter_map(|e| match &e.kind {
+                    EventKind::IterationChecked {
+                        id,
+                        label: l,
+                        iteration,
+                        passed,
+                        ended,
+                        ..
+                    } if l == label => Some((*id, *iteration, *passed, ended.is_some())),
+                    _ => None,
+                })
+                .collect();
+            let numbers: Vec<u32> = checks.iter().map(|c| c.1).collect();
+            let expected: Vec<u32> = (1..=checks.len() as u32).collect();
+            if numbers != expected {
+                return Err(format!("{label}'s checks were of iterations {numbers:?}"));
+            }
+            let Some(last) = checks.last() else {
+                // What happened instead, an event a line.
+                let seen: Vec<String> = events
+                    .iter()
+                    .map(|e| format!("{:?}", e.kind).chars().take(120).collect())
+                    .collect();
+                return Err(format!("{label} was never checked: {seen:#?}"));
+            };
+            if !(last.2 || last.3) || checks[..checks.len() - 1].iter().any(|c| c.2 || c.3) {
+                return Err(format!(
+                    "{label}'s loop did not end at its last check: {checks:?}"
+                ));
+            }
+            if let Some(most) = most
+                && (checks.len() != most || !last.3)
+            {
+                return Err(format!(
+                    "{label} was checked {} times, not {most}",
+                    checks.len()
+                ));
+            }
+            let done = records
+                .iter()
+                .filter(|j| j.label.as_deref() == Some(label) && j.status == Status::Done)
+                .count();
+            if done != checks.len() {
+                return Err(format!(
+                    "{label}: {done} iterations ended done and {} were checked",
+                    checks.len()
+                ));
+            }
+            if checks.iter().any(|c| {
+                !records
+                    .iter()
+                    .any(|j| j.id == c.0 && j.status == Status::Done)
+            }) {
+                return Err(format!(
+                    "{label}: a check of an iteration that did not end done"
+                ));
+            }
+        }
+        Ok(())
+    })
+    .await;
+    println!("{report}");
+    assert!(report.crashed > 0, "no case crashed: {report}");
+}
