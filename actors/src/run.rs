@@ -28,7 +28,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 mod checks;
 mod looping;
 
-pub use checks::{CheckNow, Found, LoopState, verdict_of};
+pub use checks::{CheckNow, Found, LoopState, Review, Role, verdict_of};
 
 pub struct Run;
 
@@ -94,6 +94,12 @@ pub struct Resume {
     pub loops: std::collections::HashMap<String, LoopState>,
     /// Loop iterations that ended done and whose check was not made.
     pub check_now: Vec<CheckNow>,
+    /// Where its review (`verify`) was, if it had begun.
+    pub review: Option<Review>,
+    /// Its reviewer's answer, journaled as a job's end but not yet as a review.
+    pub reviewed_now: Option<ResultEnvelope>,
+    /// What the last group was given of the groups before it.
+    pub before_last: Vec<(String, serde_json::Value)>,
 }
 
 /// A step's failed attempt, as its rescuer is told of it.
@@ -331,6 +337,9 @@ impl Actor for Run {
             loops: resume.loops,
             checking: BTreeMap::new(),
             resumed_checks: resume.check_now,
+            review: resume.review,
+            reviewed_now: resume.reviewed_now,
+            before_last: resume.before_last,
             audit: vec![],
             end_audit: vec![],
             cancel,
@@ -356,8 +365,11 @@ impl Actor for Run {
             });
         }
         if state.group >= state.spec.groups.len() {
-            // A resumed run whose every group had finished: only its end was lost.
-            state.finish_done();
+            // A resumed run whose every group had finished: its review, or its end, was lost.
+            match state.reviewed_now.take() {
+                Some(answer) => state.reviewed(&myself, answer).await?,
+                None => state.after_last_group(&myself).await,
+            }
         } else {
             for wait in std::mem::take(&mut state.resumed_waits) {
                 state.wait_to_retry(&myself, wait).await?;
@@ -517,8 +529,8 @@ struct StepEntry {
     meter: SpentMeter,
     stop_reason: Option<StopReason>,
     envelope: Option<ResultEnvelope>,
-    /// A loop's judge: the label of the step whose iteration it judges.
-    judge_of: Option<String>,
+    /// A step's attempt, a loop's judge or the run's reviewer.
+    role: Role,
 }
 
 struct RunFinish {
@@ -595,6 +607,13 @@ pub struct RunState {
     checking: BTreeMap<String, JobId>,
     /// Checks a restart found unmade, made once the run has started.
     resumed_checks: Vec<CheckNow>,
+    /// Its review (`verify`), once begun.
+    review: Option<Review>,
+    /// A reviewer's answer a restart found unrecorded.
+    reviewed_now: Option<ResultEnvelope>,
+    /// What the last group was given of the groups before it: given again
+    /// when a review sends it round once more.
+    before_last: Vec<(String, serde_json::Value)>,
 }
 
 /// A failed step's wait for its next attempt.
@@ -617,7 +636,7 @@ struct PlannedStep {
     output_schema: Option<serde_json::Value>,
     /// What its loop's bounds leave it: its grant and time are within.
     left: checks::Left,
-    judge_of: Option<String>,
+    role: Role,
 }
 
 impl RunState {
@@ -1088,6 +1107,7 @@ impl RunState {
                 }
                 (None, None) => self.loop_request(&label, &step.instruction),
             };
+            let instruction = self.review_request(&label, instruction);
             planned.push(PlannedStep {
                 id: JobId::new(),
                 label,
@@ -1097,7 +1117,7 @@ impl RunState {
                 workdir,
                 output_schema: None,
                 left,
-                judge_of: None,
+                role: Role::Step,
             });
         }
         self.ask_decisions(asks).await;
@@ -1238,13 +1258,13 @@ impl RunState {
             workdir,
             output_schema,
             left,
-            judge_of,
+            role,
         } = step;
         // I-59: every step has a cap; a loop's time bounds it too.
         let timeout = agent.timeout.unwrap_or(self.ctx.limits.job_timeout);
         let timeout = left.time.map_or(timeout, |t| t.min(timeout));
         // A judge sees its verdict, not the results of the group before.
-        let context = if judge_of.is_some() { "" } else { context };
+        let context = if role == Role::Step { context } else { "" };
         let meter = SpentMeter::default();
         let start = JobStart {
             ctx: self.ctx.clone(),
@@ -1296,7 +1316,7 @@ impl RunState {
                         meter,
                         stop_reason: None,
                         envelope: None,
-                        judge_of,
+                        role,
                     },
                 );
             }
@@ -1431,7 +1451,7 @@ impl RunState {
         let attempt = step.attempt;
         let stopped = step.stop_reason.is_some();
         let ran = step.agent.clone();
-        let judge_of = step.judge_of.clone();
+        let role = step.role.clone();
         if let Some(step) = self.steps.get_mut(&report.id) {
             step.envelope = Some(envelope.clone());
         }
@@ -1439,8 +1459,10 @@ impl RunState {
         if self.finish.is_some() {
             return Ok(());
         }
-        if let Some(of) = judge_of {
-            return self.judged(myself, of, envelope).await;
+        match role {
+            Role::Judge(of) => return self.judged(myself, of, envelope).await,
+            Role::Review => return self.reviewed(myself, envelope).await,
+            Role::Step => {}
         }
         let own = self.step_spec(&label).is_some_and(|s| s.agent == ran);
         if own {
@@ -1525,10 +1547,19 @@ impl RunState {
             && self.checking.is_empty()
             && self.steps.values().all(|s| s.envelope.is_some())
         {
+            // A review may send this group round again: its next attempts follow these.
+            for step in self.steps.values() {
+                let latest = self.attempts.entry(step.label.clone()).or_insert(0);
+                *latest = (*latest).max(step.attempt);
+            }
+            let input = std::mem::take(&mut self.previous);
+            if self.group + 1 == self.spec.groups.len() {
+                self.before_last = input;
+            }
             self.previous = self
                 .steps
                 .values()
-                .filter(|s| s.judge_of.is_none())
+                .filter(|s| s.role == Role::Step)
                 .filter_map(|s| {
                     s.envelope
                         .as_ref()
@@ -1542,10 +1573,133 @@ impl RunState {
                 self.ended.settle(&self.ctx, self.id).await?;
                 self.start_group(myself).await;
             } else {
-                self.finish_done();
+                self.after_last_group(myself).await;
             }
         }
         Ok(())
+    }
+
+    /// The last group has ended: its reviewer (`verify`) reads the result,
+    /// unless its review was made; else the run is done.
+    async fn after_last_group(&mut self, myself: &ActorRef<RunMsg>) {
+        let Some(reviewer) = self.spec.verify.clone().filter(|_| self.review.is_none()) else {
+            self.finish_done();
+            return;
+        };
+        let Some(agent) = self.ctx.agent(&reviewer) else {
+            self.begin_finish(
+                Status::Failed,
+                Some(ErrorClass::Start),
+                format!("unknown reviewer agent {reviewer:?}"),
+            );
+            return;
+        };
+        let label = RunSpec::REVIEW_LABEL.to_string();
+        let attempt = self.attempts.get(&label).copied().unwrap_or(0) + 1;
+        self.attempts.insert(label.clone(), attempt);
+        let instruction = format!(
+            "You review the result of a run. It was asked, step by step:\n{request}\n\n\
+             Its result:\n{output}\n\nAnswer through your output schema: `accept` true if \
+             the result does all that was asked; else false, with each thing that is missing \
+             or wrong in `missing`, specific enough to act on.",
+            request = self.spec.request(),
+            output = self.output(),
+        );
+        tracing::info!(run = %self.id, reviewer, "the run's reviewer reads its result");
+        self.review = Some(Review::Asked);
+        let planned = PlannedStep {
+            id: JobId::new(),
+            workdir: self.step_workdir(&label, attempt),
+            label,
+            agent,
+            instruction,
+            attempt,
+            output_schema: Some(arbor_protocol::ReviewVerdict::schema()),
+            left: checks::Left::default(),
+            role: Role::Review,
+        };
+        self.admit(myself, vec![planned]).await;
+    }
+
+    /// The reviewer has answered (or failed): journaled and durable first;
+    /// then the run is done, or, with something missing, its last group
+    /// runs once more (once). A review that could not be made leaves the
+    /// result standing, not reviewed, in the run's limitations.
+    async fn reviewed(
+        &mut self,
+        myself: &ActorRef<RunMsg>,
+        answer: ResultEnvelope,
+    ) -> Result<(), ActorProcessingErr> {
+        let (accept, missing, failed) = match answer.status {
+            Status::Done => {
+                match serde_json::from_value::<arbor_protocol::ReviewVerdict>(answer.output.clone())
+                {
+                    Ok(v) => (v.accept, v.missing, None),
+                    Err(e) => (
+                        false,
+                        vec![],
+                        Some(format!("its answer is not a review: {e}")),
+                    ),
+                }
+            }
+            status => (
+                false,
+                vec![],
+                Some(format!(
+                    "reviewer {} {status}: {}",
+                    answer.agent,
+                    answer.error.clone().unwrap_or_default()
+                )),
+            ),
+        };
+        self.ended.settle(&self.ctx, self.id).await?;
+        self.ctx.events.emit(
+            self.id,
+            EventKind::Reviewed {
+                id: answer.job,
+                accept,
+                missing: missing.clone(),
+                failed: failed.clone(),
+            },
+        );
+        self.ctx.journal.flush().await?;
+        tracing::info!(run = %self.id, accept, missing = missing.len(), failed = failed.as_deref().unwrap_or(""), "the run was reviewed");
+        if let Some(why) = failed {
+            self.review = Some(Review::Made);
+            self.limitations.push(format!("not reviewed: {why}"));
+            self.finish_done();
+            return Ok(());
+        }
+        if accept {
+            self.review = Some(Review::Made);
+            self.finish_done();
+            return Ok(());
+        }
+        let answers = std::mem::take(&mut self.previous);
+        self.review = Some(Review::Rerun { missing, answers });
+        self.previous = self.before_last.clone();
+        self.group = self.spec.groups.len().saturating_sub(1);
+        self.steps.clear();
+        self.start_group(myself).await;
+        Ok(())
+    }
+
+    /// A step's request when a review sent its group round once more:
+    /// what was missing, and its answer before.
+    fn review_request(&self, label: &str, instruction: String) -> String {
+        let Some(Review::Rerun { missing, answers }) = &self.review else {
+            return instruction;
+        };
+        let mut text = format!(
+            "{instruction}\n\nA reviewer read the run's result and found this missing or wrong:"
+        );
+        for item in missing {
+            text.push_str(&format!("\n- {item}"));
+        }
+        if let Some((_, answer)) = answers.iter().find(|(l, _)| l == label) {
+            text.push_str(&format!("\n\nYour answer before was: {answer}"));
+        }
+        text
     }
 
     /// Tells the steps' ends that are durable; asks to be told when the rest are.
@@ -1556,14 +1710,19 @@ impl RunState {
         });
     }
 
-    /// Every group finished: the run is done, its output the last group's.
-    fn finish_done(&mut self) {
-        let output = match self.previous.as_slice() {
+    /// The run's output: the last group's answers (one answer, or by label).
+    fn output(&self) -> serde_json::Value {
+        match self.previous.as_slice() {
             [(_, only)] => only.clone(),
             many => serde_json::Value::Object(
                 many.iter().map(|(l, o)| (l.clone(), o.clone())).collect(),
             ),
-        };
+        }
+    }
+
+    /// Every group finished: the run is done, its output the last group's.
+    fn finish_done(&mut self) {
+        let output = self.output();
         self.finish = Some(RunFinish {
             status: Status::Done,
             class: None,
@@ -1637,7 +1796,7 @@ fn kept_steps(kept: &[ResultEnvelope]) -> BTreeMap<JobId, StepEntry> {
                 meter: SpentMeter::default(),
                 stop_reason: None,
                 envelope: Some(kept.clone()),
-                judge_of: None,
+                role: Role::Step,
             };
             (kept.job, entry)
         })

@@ -1092,6 +1092,16 @@ fn event_line(event: &Event) -> String {
             };
             format!(" {label} iteration {iteration} {outcome}")
         }
+        EventKind::Reviewed {
+            accept,
+            missing,
+            failed,
+            ..
+        } => match (accept, failed) {
+            (_, Some(why)) => format!(" not reviewed: {why}"),
+            (true, None) => " accepted".into(),
+            (false, None) => format!(" {} missing; the last group runs once more", missing.len()),
+        },
         EventKind::PeerQueued { from, to, .. } => format!(" {from} -> {to}"),
         EventKind::PeerDelivered { from, turn, .. } => format!(" from {from}, read in turn {turn}"),
         EventKind::RunStarted { .. }

@@ -350,6 +350,19 @@ pub enum EventKind {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         ended: Option<String>,
     },
+    /// The run's reviewer (`verify`), its job `id`, read the run's request
+    /// and result: accepted it, or found `missing` what the last group is
+    /// sent round once more to do; `failed`: the review could not be made,
+    /// and why (the result stands, not reviewed). Durable before the last
+    /// group runs again or the run ends.
+    Reviewed {
+        id: JobId,
+        accept: bool,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        missing: Vec<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        failed: Option<String>,
+    },
     /// A restart interrupted step `id`, which may have acted outside its
     /// workdir (`why`): it is not run again until a person continues it or
     /// stops the run (I-57). Journaled once per interrupted attempt.
@@ -401,7 +414,8 @@ impl EventKind {
             | RetryWaiting { id, .. }
             | ModelFallback { id, .. }
             | NeedsDecision { id, .. }
-            | IterationChecked { id, .. } => Some(*id),
+            | IterationChecked { id, .. }
+            | Reviewed { id, .. } => Some(*id),
             AccountChanged { owner, .. } | WindDown { owner, .. } => match owner {
                 ParentRef::Job(id) => Some(*id),
                 ParentRef::Run(_) => None,

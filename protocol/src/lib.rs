@@ -40,7 +40,9 @@ pub use refusal::Refusal;
 pub use result::{Amount, ResultEnvelope, Usage};
 pub use retry::RetryPolicy;
 pub use skill::Skill;
-pub use spec::{FlowGroup, FlowSpec, JudgeVerdict, RunSpec, StepSpec, Until, VerdictKind};
+pub use spec::{
+    FlowGroup, FlowSpec, JudgeVerdict, ReviewVerdict, RunSpec, StepSpec, Until, VerdictKind,
+};
 pub use status::{ErrorClass, Status, TaskStatus};
 pub use tenant::DEFAULT_TENANT;
 pub use tools::{
@@ -48,5 +50,7 @@ pub use tools::{
     ReadFileArgs, ReadSkillArgs, SendMessageArgs, SendPeerArgs, StopChildArgs, SubmitOutputArgs,
     ToolInfo, ToolName, WriteFileArgs,
 };
-pub use tree::{AccountView, IterationView, McpServerView, Tree, TreeNode, WaitingView};
+pub use tree::{
+    AccountView, IterationView, McpServerView, ReviewView, Tree, TreeNode, WaitingView,
+};
 pub use view::{ActorView, SandboxPosture};

@@ -37,9 +37,28 @@ pub struct RunSpec {
     /// in every prompt of the run, after the agent's own, before its roster.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub instructions: Option<String>,
+    /// A reviewer agent that reads the run's request and result after its
+    /// last group (`verify`): what it finds missing sends that group round
+    /// once more.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verify: Option<String>,
 }
 
 impl RunSpec {
+    /// The label of a run's reviewer job (`verify`), beside its steps'.
+    pub const REVIEW_LABEL: &str = "review";
+
+    /// What the run was asked, step by step: what its reviewer reads.
+    pub fn request(&self) -> String {
+        self.step_labels()
+            .iter()
+            .flatten()
+            .zip(self.groups.iter().flat_map(|g| g.steps.iter()))
+            .map(|(label, step)| format!("- {label}: {}", step.instruction))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
     /// The tenant whose run it is.
     pub fn tenant(&self) -> &str {
         self.tenant.as_deref().unwrap_or(crate::DEFAULT_TENANT)
@@ -62,6 +81,7 @@ impl RunSpec {
                     .chain(s.on_fail.as_deref())
                     .chain(s.until.as_ref().and_then(|u| u.judge.as_deref()))
             })
+            .chain(self.verify.as_deref())
             .collect();
         let mut found = vec![];
         while let Some(name) = queue.pop() {
@@ -142,6 +162,7 @@ impl RunSpec {
             digests: Default::default(),
             tenant: None,
             instructions: None,
+            verify: None,
         }
     }
 }
@@ -157,6 +178,11 @@ pub struct FlowSpec {
     pub rerun_interrupted: bool,
     #[serde(default, rename = "group")]
     pub groups: Vec<FlowGroup>,
+    /// A reviewer agent: after the last group it reads the run's request
+    /// and result and answers `{accept, missing}`; what is missing sends
+    /// the last group round once more.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verify: Option<String>,
 }
 
 impl FlowSpec {
@@ -243,6 +269,30 @@ pub struct Until {
     /// Wall-clock time from the first iteration's start (humantime).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_time: Option<String>,
+}
+
+/// What a run's reviewer (`verify`) answers, through its output schema.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReviewVerdict {
+    pub accept: bool,
+    #[serde(default)]
+    pub missing: Vec<String>,
+}
+
+impl ReviewVerdict {
+    /// The output schema a reviewer's job answers through.
+    pub fn schema() -> serde_json::Value {
+        serde_json::json!({
+            "type": "object",
+            "required": ["accept", "missing"],
+            "additionalProperties": false,
+            "properties": {
+                "accept": {"type": "boolean"},
+                "missing": {"type": "array", "items": {"type": "string"}},
+            },
+        })
+    }
 }
 
 /// What a judge's job answers, through its output schema.
@@ -426,6 +476,7 @@ mod tests {
             digests: Default::default(),
             tenant: None,
             instructions: None,
+            verify: None,
         };
         assert_eq!(
             spec.step_labels(),

@@ -61,10 +61,26 @@ pub struct TreeNode {
     /// arbor.toml names tenants.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<String>,
+    /// The run node only: its reviewer's finding (`verify`), once made.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub review: Option<ReviewView>,
     /// A step's loop (`until`): each checked iteration up to this attempt, in order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub iterations: Vec<IterationView>,
     pub children: Vec<TreeNode>,
+}
+
+/// A run's review (`verify`): accepted, or what was missing (the last
+/// group then ran once more), or why it could not be made.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct ReviewView {
+    /// The reviewer's job.
+    pub job: JobId,
+    pub accept: bool,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub missing: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed: Option<String>,
 }
 
 /// One checked iteration of a step's loop (`until`).
@@ -222,6 +238,7 @@ impl Tree {
                 started_at_ms: None,
                 ended_at_ms: None,
                 tenant: None,
+                review: None,
                 iterations: vec![],
                 children: vec![],
             },
@@ -536,6 +553,19 @@ impl Tree {
                 if let Some(e) = self.entries.get_mut(id) {
                     e.node.iterations = checked.clone();
                 }
+            }
+            EventKind::Reviewed {
+                id,
+                accept,
+                missing,
+                failed,
+            } => {
+                self.root.review = Some(ReviewView {
+                    job: *id,
+                    accept: *accept,
+                    missing: missing.clone(),
+                    failed: failed.clone(),
+                });
             }
             EventKind::NeedsDecision { id, label, why } => {
                 let view = WaitingView::NeedsDecision {

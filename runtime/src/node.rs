@@ -1110,5 +1110,6 @@ fn continuation(
         digests: Default::default(),
         tenant: origin.and_then(|s| s.tenant.clone()),
         instructions: origin.and_then(|s| s.instructions.clone()),
+        verify: None,
     }
 }

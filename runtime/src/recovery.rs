@@ -29,7 +29,7 @@
 
 use arbor_actors::EventBus;
 use arbor_actors::agent_loop::Made;
-use arbor_actors::run::{CheckNow, Failed, LoopState, Resume, RetryWait};
+use arbor_actors::run::{CheckNow, Failed, LoopState, Resume, RetryWait, Review};
 use arbor_protocol::{
     Amount, Card, CardState, Decision, ErrorClass, EventKind, JobId, NodeKind, ParentRef,
     ResultEnvelope, RunId, RunSpec, Status, StepSpec,
@@ -555,6 +555,7 @@ fn recover_run(
             &tool_counts(&history),
             &retry_waits(&history),
             &checks(&history),
+            reviews(&history),
         ) {
             // I-48: each resume the node died under again counts. A drain
             // or a shutdown ends its runs, so only a death resumes one.
@@ -909,6 +910,77 @@ pub struct Checked {
     pub ended: Option<String>,
 }
 
+/// The run's review (`verify`) as journaled (`Reviewed`): its reviewer's
+/// job, whether it accepted, what was missing, why it could not be made.
+#[derive(Clone, Debug)]
+pub struct Reviewed {
+    pub job: JobId,
+    pub accept: bool,
+    pub missing: Vec<String>,
+    pub failed: Option<String>,
+}
+
+/// The run's review, if it was made.
+pub fn reviews(history: &[arbor_protocol::Event]) -> Option<Reviewed> {
+    history.iter().rev().find_map(|e| match &e.kind {
+        EventKind::Reviewed {
+            id,
+            accept,
+            missing,
+            failed,
+        } => Some(Reviewed {
+            job: *id,
+            accept: *accept,
+            missing: missing.clone(),
+            failed: failed.clone(),
+        }),
+        _ => None,
+    })
+}
+
+/// Where a run's review left it: the review to resume, the reviewer's
+/// answer not yet recorded, and the records to plan by (a last group a
+/// review sent round again is planned by its attempts after the review).
+fn review_at(
+    spec: &RunSpec,
+    jobs: &[JobRecord],
+    review: Option<Reviewed>,
+) -> (Option<Review>, Option<ResultEnvelope>, Vec<JobRecord>) {
+    let Some(review) = review else {
+        let answer = latest_step(jobs, RunSpec::REVIEW_LABEL)
+            .filter(|j| j.status == Status::Done)
+            .map(envelope_of);
+        return (None, answer, jobs.to_vec());
+    };
+    if review.accept || review.failed.is_some() {
+        return (Some(Review::Made), None, jobs.to_vec());
+    }
+    let labels = spec.step_labels();
+    let last = labels.last().cloned().unwrap_or_default();
+    let before = |j: &JobRecord| {
+        j.kind == NodeKind::Step
+            && j.id < review.job
+            && j.label.as_ref().is_some_and(|l| last.contains(l))
+    };
+    let answers = last
+        .iter()
+        .filter_map(|label| {
+            let job = jobs
+                .iter()
+                .filter(|j| before(j) && j.label.as_deref() == Some(label))
+                .max_by_key(|j| j.attempt)?;
+            let output = serde_json::from_str(&job.output_json).unwrap_or_default();
+            Some((label.clone(), output))
+        })
+        .collect();
+    let after = jobs.iter().filter(|j| !before(j)).cloned().collect();
+    let rerun = Review::Rerun {
+        missing: review.missing,
+        answers,
+    };
+    (Some(rerun), None, after)
+}
+
 /// Every journaled check of a loop's iteration, by the attempt checked (I-56).
 pub fn checks(history: &[arbor_protocol::Event]) -> HashMap<JobId, Checked> {
     history
@@ -1239,6 +1311,14 @@ fn step_at(
     Ok(done)
 }
 
+/// I-05: every job that started spent a spawn, however it ended; only a
+/// job whose actor never started (class `start`) was given its count back.
+fn spawns(jobs: &[JobRecord]) -> u64 {
+    jobs.iter()
+        .filter(|j| j.kind == NodeKind::Job && j.error_class != Some(ErrorClass::Start))
+        .count() as u64
+}
+
 /// I-34: where the run picks up, or why it cannot. Pure. `waits`: when
 /// each journaled retry wait ends, by the attempt that failed; `checks`:
 /// each loop iteration's check, by the attempt checked (I-56).
@@ -1249,20 +1329,22 @@ pub fn plan_resume(
     counts: &HashMap<JobId, Made>,
     waits: &HashMap<JobId, u64>,
     checks: &HashMap<JobId, Checked>,
+    review: Option<Reviewed>,
 ) -> RunOutcome {
     let looped = loops_failed(jobs, checks);
-    let jobs = &looped[..];
-    // I-05: every job that started spent a spawn, however it ended; only a
-    // job whose actor never started (class `start`) was given its count back.
-    let spawned = jobs
-        .iter()
-        .filter(|j| j.kind == NodeKind::Job && j.error_class != Some(ErrorClass::Start))
-        .count() as u64;
-    let attempts = attempts_by_label(jobs);
+    // I-05 and attempt numbers count every attempt, those a review sent round again too.
+    let attempts = attempts_by_label(&looped);
+    let spawned = spawns(&looped);
+    let (review, reviewed_now, planned) = review_at(&spec, &looped, review);
+    let jobs = &planned[..];
     let tool_counts = carried_counts(jobs, counts);
     let labels = spec.step_labels();
     let mut previous = vec![];
+    let mut before_last = vec![];
     for (g, (group, labels)) in spec.groups.iter().zip(&labels).enumerate() {
+        if g + 1 == spec.groups.len() {
+            before_last = previous.clone();
+        }
         let mut at = Resume::default();
         let mut all_done = true;
         for (step, label) in group.steps.iter().zip(labels) {
@@ -1290,6 +1372,8 @@ pub fn plan_resume(
                 spawned,
                 tool_counts,
                 limitations: optional_limitations(&spec, jobs),
+                review,
+                before_last,
                 ..at
             }),
         };
@@ -1304,6 +1388,9 @@ pub fn plan_resume(
             spawned,
             tool_counts,
             limitations: optional_limitations(&spec, jobs),
+            review,
+            reviewed_now,
+            before_last,
             ..Resume::default()
         }),
         spec: Box::new(spec),

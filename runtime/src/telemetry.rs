@@ -720,7 +720,8 @@ impl Spans {
             | EventKind::RetryWaiting { .. }
             | EventKind::ModelFallback { .. }
             | EventKind::NeedsDecision { .. }
-            | EventKind::IterationChecked { .. } => {}
+            | EventKind::IterationChecked { .. }
+            | EventKind::Reviewed { .. } => {}
         }
     }
 

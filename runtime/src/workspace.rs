@@ -364,6 +364,7 @@ impl Workspace {
             digests: Default::default(),
             tenant: None,
             instructions: None,
+            verify: flow.verify.clone(),
         })
         .map(|spec| self.recording(spec, self.config.record_models))
     }

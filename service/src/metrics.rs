@@ -353,6 +353,7 @@ impl Metrics {
             EventKind::RunFinished { .. }
             | EventKind::NeedsDecision { .. }
             | EventKind::IterationChecked { .. }
+            | EventKind::Reviewed { .. }
             | EventKind::ModelFallback { .. }
             | EventKind::RunStarted { .. }
             | EventKind::RunResumed { .. }

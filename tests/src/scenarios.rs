@@ -470,3 +470,30 @@ pub fn looped_steps() -> Scenario {
         "looped",
     )
 }
+
+/// Two groups and a reviewer (`verify`) that finds something missing,
+/// crashed at every commit point: the review, and the last group's second
+/// round, among them.
+pub fn reviewed_run() -> Scenario {
+    let say = |what: &str| {
+        agent_md(&format!(
+            "script:\n  - usage: {{input: 20, output: 5}}\n    call: {{tool: submit_output, args: {{output: {what}}}}}"
+        ))
+    };
+    let checker = agent_md(
+        "script:\n  - usage: {input: 20, output: 5}\n    call: {tool: submit_output, args: {output: {accept: false, missing: [a title]}}}",
+    );
+    Scenario::flow_texts(
+        None,
+        &[
+            ("finder", &say("facts")),
+            ("writer", &say("a report")),
+            ("checker", &checker),
+        ],
+        &[(
+            "reviewed",
+            "budget = { tokens = 1000000 }\nverify = \"checker\"\n[[group]]\nsteps = [{ agent = \"finder\", instruction = \"find\", retries = 100 }]\n[[group]]\nsteps = [{ agent = \"writer\", instruction = \"write\", retries = 100 }]\n",
+        )],
+        "reviewed",
+    )
+}

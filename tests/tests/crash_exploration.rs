@@ -500,3 +500,50 @@ async fn inv_56_every_commit_point_of_a_loop_keeps_its_iteration() {
     println!("{report}");
     assert!(report.crashed > 0, "no case crashed: {report}");
 }
+
+/// A review at every commit point, killed and powered off: the run ends
+/// done with its review recorded once; the last group ran once more
+/// after it, never twice, and its second round ended done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inv_56_every_commit_point_of_a_review_sends_the_last_group_back_once() {
+    use arbor_protocol::EventKind;
+    let scenario = arbor_tests::scenarios::reviewed_run();
+    let report = explore_crashes(&scenario, |node, run| {
+        ended_done(node, run)?;
+        let reviews: Vec<arbor_protocol::JobId> = node
+            .events(run)
+            .iter()
+            .filter_map(|e| match &e.kind {
+                EventKind::Reviewed { id, .. } => Some(*id),
+                _ => None,
+            })
+            .collect();
+        let [reviewer] = reviews.as_slice() else {
+            return Err(format!("{} reviews were journaled", reviews.len()));
+        };
+        let records = node.journal().jobs(run).map_err(|e| e.to_string())?;
+        let after: Vec<_> = records
+            .iter()
+            .filter(|j| j.label.as_deref() == Some("writer") && j.id > *reviewer)
+            .collect();
+        let done = after.iter().filter(|j| j.status == Status::Done).count();
+        if done != 1 {
+            return Err(format!(
+                "the last group's second round ended done {done} times"
+            ));
+        }
+        if node
+            .tree(run)
+            .root()
+            .review
+            .as_ref()
+            .is_none_or(|r| r.accept)
+        {
+            return Err("the run's document lacks its review".into());
+        }
+        Ok(())
+    })
+    .await;
+    println!("{report}");
+    assert!(report.crashed > 0, "no case crashed: {report}");
+}

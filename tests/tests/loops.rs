@@ -201,3 +201,82 @@ async fn inv_56_a_kill_mid_loop_resumes_at_the_same_iteration() {
     assert_eq!(summary(&steps[2].iterations), [(1, false), (2, true)]);
     node.assert_conserved(run);
 }
+
+/// A reviewer (`verify`) reads the run's request and result after its last
+/// group and finds something missing: the last group runs once more, each
+/// step told what was missing and its answer before; the group before it
+/// does not; the reviewer is asked once, and the run's document records
+/// the review.
+#[tokio::test(flavor = "multi_thread")]
+async fn inv_56_a_reviewer_sends_the_last_group_back_once() {
+    let say = |what: &str| {
+        agent_md(&format!(
+            "description: {what}\nscript:\n  - call: {{tool: submit_output, args: {{output: {what}}}}}"
+        ))
+    };
+    let checker = agent_md(
+        "description: reviews\nscript:\n  - call: {tool: submit_output, args: {output: {accept: false, missing: [a title]}}}",
+    );
+    let flow = "verify = \"checker\"\n[[group]]\nsteps = [{ agent = \"finder\", instruction = \"find facts\" }]\n[[group]]\nsteps = [{ agent = \"writer\", instruction = \"write it up\" }]\n";
+    let node = node(
+        &[
+            ("finder", &say("facts")),
+            ("writer", &say("a report")),
+            ("checker", &checker),
+        ],
+        flow,
+    )
+    .await;
+    let run = node.run_flow("work").await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Done, "{:#?}", tree.root());
+    assert_eq!(
+        attempts(&tree, "finder").len(),
+        1,
+        "the group before is not run again"
+    );
+    let writers = attempts(&tree, "writer");
+    assert_eq!(writers.len(), 2, "the last group ran once more, once");
+    assert_eq!(
+        attempts(&tree, "review").len(),
+        1,
+        "the reviewer is asked once"
+    );
+    let review = tree
+        .root()
+        .review
+        .clone()
+        .expect("the run records its review");
+    assert!(!review.accept && review.missing == ["a title"] && review.failed.is_none());
+    let requests: Vec<String> = node
+        .events(run)
+        .iter()
+        .filter_map(|e| match &e.kind {
+            EventKind::JobSpawned { request, label, .. } if label.as_deref() == Some("writer") => {
+                Some(request.clone())
+            }
+            EventKind::JobSpawned { request, label, .. } if label.as_deref() == Some("review") => {
+                Some(request.clone())
+            }
+            _ => None,
+        })
+        .collect();
+    let [first, asked, again] = requests.as_slice() else {
+        panic!("{requests:?}")
+    };
+    assert!(
+        first.starts_with("write it up") && first.contains("facts"),
+        "{first}"
+    );
+    assert!(
+        asked.contains("- writer: write it up") && asked.contains("a report"),
+        "{asked}"
+    );
+    assert!(
+        again.contains("found this missing or wrong:\n- a title")
+            && again.contains("Your answer before was: \"a report\"")
+            && again.contains("facts"),
+        "the second round is told what was missing, its answer and the group before: {again}"
+    );
+    node.assert_conserved(run);
+}

@@ -27,6 +27,32 @@ pub struct CheckNow {
     pub judged: Option<ResultEnvelope>,
 }
 
+/// What a run-level job is to its run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// An attempt of a step of the flow.
+    Step,
+    /// A loop's judge: the label of the step whose iteration it judges.
+    Judge(String),
+    /// The run's reviewer (`verify`).
+    Review,
+}
+
+/// Where a run's review (`verify`) is.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Review {
+    /// Its reviewer is at work.
+    Asked,
+    /// It found `missing`: the last group runs once more, each step told
+    /// what was missing and its answer before (`answers`, by label).
+    Rerun {
+        missing: Vec<String>,
+        answers: Vec<(String, serde_json::Value)>,
+    },
+    /// Made: the run ends when its last group has.
+    Made,
+}
+
 /// What a check found.
 #[derive(Debug)]
 pub struct Found {

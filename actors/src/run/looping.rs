@@ -6,7 +6,7 @@
 //! resumes the loop at its iteration (I-56).
 
 use super::checks::{Found, Left, LoopState, command_found, verdict_of};
-use super::{Failed, PlannedStep, RunMsg, RunState};
+use super::{Failed, PlannedStep, Role, RunMsg, RunState};
 use crate::policy::Policy;
 use crate::sandbox::{GroupRecorder, Sandbox, SandboxArgs, SandboxMsg};
 use arbor_protocol::{
@@ -272,7 +272,7 @@ impl RunState {
             attempt,
             output_schema: Some(JudgeVerdict::schema()),
             left,
-            judge_of: Some(label),
+            role: Role::Judge(label),
         };
         self.admit(myself, vec![planned]).await;
         Ok(())

@@ -25,6 +25,32 @@ pub(super) fn parse_flow(
             "no `[[group]]`: a flow needs at least one group of steps",
         ));
     }
+    if let Some(reviewer) = &flow.verify {
+        if !agents.contains_key(reviewer) {
+            return Err(invalid(
+                path,
+                format!("verify names unknown agent `{reviewer}`"),
+            ));
+        }
+        let spec = arbor_protocol::RunSpec {
+            groups: flow.groups.clone(),
+            ..arbor_protocol::RunSpec::single("x", "x", 1)
+        };
+        if spec
+            .step_labels()
+            .iter()
+            .flatten()
+            .any(|l| l == arbor_protocol::RunSpec::REVIEW_LABEL)
+        {
+            return Err(invalid(
+                path,
+                format!(
+                    "a step is labelled `{0}`, the label of the run's reviewer (`verify`): give it another label",
+                    arbor_protocol::RunSpec::REVIEW_LABEL
+                ),
+            ));
+        }
+    }
     for (g, group) in flow.groups.iter().enumerate() {
         if group.steps.is_empty() {
             return Err(invalid(path, format!("group {} has no steps", g + 1)));
