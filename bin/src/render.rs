@@ -137,8 +137,11 @@ impl Progress {
 
     pub fn finish(&mut self, tree: &Tree) {
         let mut lines = vec![];
-        let mut artifacts = vec![];
+        let mut artifacts: Vec<String> = vec![];
         let mut end = None;
+        // Each loop's checks, as its latest attempt has them.
+        let mut loops: std::collections::BTreeMap<String, Vec<arbor_protocol::IterationView>> =
+            Default::default();
         tree.walk(|node, last| {
             if last.is_empty() {
                 end = Some((node.output.clone(), node.reason.clone()));
@@ -146,9 +149,19 @@ impl Progress {
             if !self.live {
                 lines.push(tree_line(node, last));
             }
+            if let (Some(label), false) = (&node.label, node.iterations.is_empty()) {
+                let seen = loops.entry(label.clone()).or_default();
+                if node.iterations.len() > seen.len() {
+                    *seen = node.iterations.clone();
+                }
+            }
             if let Some(workdir) = &node.workdir {
                 for a in &node.artifacts {
-                    artifacts.push(std::path::Path::new(workdir).join(a).display().to_string());
+                    let path = std::path::Path::new(workdir).join(a).display().to_string();
+                    // A loop's iterations share a workdir: each file once.
+                    if !artifacts.contains(&path) {
+                        artifacts.push(path);
+                    }
                 }
             }
         });
@@ -159,6 +172,24 @@ impl Progress {
                 let _ = writeln!(out, "{line}");
             }
             let _ = out.flush();
+        }
+        for (label, iterations) in &loops {
+            let said: Vec<String> = iterations.iter().map(iteration_line).collect();
+            outln!("{label}: {}", said.join("; "));
+        }
+        match &tree.root().review {
+            Some(review) if review.failed.is_some() => {
+                outln!(
+                    "review: not made: {}",
+                    review.failed.clone().unwrap_or_default()
+                );
+            }
+            Some(review) if review.accept => outln!("review: accepted"),
+            Some(review) => outln!(
+                "review: missing {}; the last group ran once more",
+                review.missing.join("; ")
+            ),
+            None => {}
         }
         let (output, reason) = end.unwrap_or_default();
         print_output(&output);
@@ -171,6 +202,19 @@ impl Progress {
                 outln!("  {path}");
             }
         }
+    }
+}
+
+/// One checked iteration of a loop, in words.
+fn iteration_line(i: &arbor_protocol::IterationView) -> String {
+    let outcome = if i.passed { "passed" } else { "did not pass" };
+    match (i.issues.last(), &i.ended) {
+        (_, Some(ended)) => format!(
+            "iteration {} {outcome}, the loop ended: {ended}",
+            i.iteration
+        ),
+        (Some(issue), None) => format!("iteration {} {outcome}: {issue}", i.iteration),
+        (None, None) => format!("iteration {} {outcome}", i.iteration),
     }
 }
 

@@ -265,6 +265,62 @@ fn the_peers_example_delivers_the_reviewers_message_at_the_writers_next_turn() {
     );
 }
 
+/// examples/checked, offline: a test-driven loop whose scripted coder gets
+/// add.sh wrong on its first iteration and, told what the test printed,
+/// right on its second, in the same workdir; then its reviewer accepts.
+#[test]
+fn the_checked_example_loops_until_its_test_passes_and_is_reviewed() {
+    let data = tempfile::tempdir().unwrap();
+    let example = repo().join("examples/checked");
+    let run = |json: bool| {
+        let mut args = vec!["run", example.to_str().unwrap(), "--data-dir"];
+        args.push(data.path().to_str().unwrap());
+        if json {
+            args.push("--json");
+        }
+        arbor(&args)
+    };
+    let out = run(true);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let steps = doc["run"]["children"].as_array().unwrap();
+    let adds: Vec<_> = steps.iter().filter(|c| c["label"] == "add").collect();
+    assert_eq!(adds.len(), 2, "two iterations: {steps:?}");
+    let iterations = adds[1]["iterations"].as_array().unwrap();
+    let said: Vec<(u64, bool)> = iterations
+        .iter()
+        .map(|i| {
+            (
+                i["iteration"].as_u64().unwrap(),
+                i["passed"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(said, [(1, false), (2, true)]);
+    assert!(
+        iterations[0]["issues"][1]
+            .as_str()
+            .is_some_and(|i| i.contains("printed -1, not 5")),
+        "{iterations:?}"
+    );
+    assert_eq!(adds[0]["workdir"], adds[1]["workdir"]);
+    let add = std::path::Path::new(adds[1]["workdir"].as_str().unwrap()).join("add.sh");
+    assert!(std::fs::read_to_string(add).unwrap().contains("$1 + $2"));
+    assert_eq!(doc["run"]["review"]["accept"], true);
+    let out = run(false);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("add: iteration 1 did not pass: it printed: sh add.sh 2 3 printed -1, not 5; iteration 2 passed")
+            && text.contains("review: accepted"),
+        "{text}"
+    );
+}
+
 /// examples/recovery, offline: its first step fails each of its two
 /// attempts (the second after its wait) and its rescuer's answer stands in;
 /// its optional step fails and the run ends done but partial, naming it;
