@@ -1442,3 +1442,106 @@ fn approve_entries_take_a_wait_and_a_mode_and_a_bad_one_is_named() {
     let asker = "---\ndescription: asks\ntools: [ask_person]\napprove: [{tool: ask_person, timeout: 2h}]\n---\nprompt\n";
     parse_agent("asker", asker, Path::new("agents/asker/agent.md")).unwrap();
 }
+
+/// A loop (`until`) and a reviewer (`verify`) that could not be run as
+/// written are refused at load, each naming the step and what is wrong;
+/// a good one loads into the run's spec.
+#[test]
+fn loops_and_reviewers_are_checked_at_load() {
+    let with = |until: &str| {
+        FLOW.replace(
+            "instruction = \"Check it\"",
+            &format!("instruction = \"Check it\", until = {until}"),
+        )
+    };
+    for (until, words) in [
+        (
+            "{ max_iterations = 3 }",
+            "until needs exactly one of command, pattern and judge",
+        ),
+        (
+            "{ command = \"true\", pattern = \"x\" }",
+            "until needs exactly one of command, pattern and judge",
+        ),
+        ("{ command = \" \" }", "until.command is empty"),
+        (
+            "{ pattern = \"x\", max_iterations = 0 }",
+            "until.max_iterations must be 1 to 100, got 0",
+        ),
+        (
+            "{ pattern = \"x\", max_iterations = 101 }",
+            "must be 1 to 100, got 101",
+        ),
+        (
+            "{ pattern = \"x\", max_tokens = 0 }",
+            "until.max_tokens must be at least 1",
+        ),
+        (
+            "{ pattern = \"x\", max_usd = 0.0 }",
+            "until.max_usd must be more than 0 dollars",
+        ),
+        (
+            "{ pattern = \"x\", max_time = \"soon\" }",
+            "until.max_time \"soon\" is not a duration",
+        ),
+        (
+            "{ pattern = \"x\", max_time = \"0s\" }",
+            "until.max_time must be more than 0s",
+        ),
+        (
+            "{ pattern = \"(\" }",
+            "until.pattern \"(\" is not a regular expression",
+        ),
+        (
+            "{ judge = \"nobody\" }",
+            "until.judge names unknown agent `nobody`",
+        ),
+        ("{ pattern = \"x\", when = 1 }", "unknown key `when`"),
+    ] {
+        let message = workspace(None, &with(until)).unwrap_err().to_string();
+        assert!(message.contains(words), "{until}: {message}");
+        assert!(message.starts_with("flows/research.toml: "), "{message}");
+    }
+    let message = workspace(None, &with("{ pattern = \"x\", max_usd = 1.0 }"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        message.contains("step researcher: until.max_usd needs a usd ceiling"),
+        "{message}"
+    );
+    let priced = FLOW.replace("tokens = 20000", "tokens = 20000, usd = 2.0");
+    let priced = priced.replace(
+        "instruction = \"Check it\"",
+        "instruction = \"Check it\", until = { pattern = \"x\", max_usd = 1.0 }",
+    );
+    assert!(
+        !workspace(None, &priced)
+            .err()
+            .is_some_and(|e| e.to_string().contains("until.max_usd")),
+        "a usd ceiling meters max_usd"
+    );
+    let loaded = workspace(
+        None,
+        &with("{ judge = \"planner\", max_iterations = 2, max_time = \"20m\" }"),
+    )
+    .unwrap();
+    let spec = loaded.flow_run("research", None).unwrap();
+    let until = spec.groups[1].steps[0].until.clone().unwrap();
+    assert_eq!(until.judge.as_deref(), Some("planner"));
+    assert_eq!(until.max_iterations(), 2);
+    assert_eq!(until.max_time(), Some(std::time::Duration::from_secs(1200)));
+    let verify = |who: &str| format!("verify = \"{who}\"\n{FLOW}");
+    let message = workspace(None, &verify("nobody")).unwrap_err().to_string();
+    assert_eq!(
+        message,
+        "flows/research.toml: verify names unknown agent `nobody`"
+    );
+    let labelled = verify("planner").replace("label = \"plan\"", "label = \"review\"");
+    let message = workspace(None, &labelled).unwrap_err().to_string();
+    assert!(message.contains("a step is labelled `review`"), "{message}");
+    let spec = workspace(None, &verify("planner"))
+        .unwrap()
+        .flow_run("research", None)
+        .unwrap();
+    assert_eq!(spec.verify.as_deref(), Some("planner"));
+}

@@ -8,6 +8,24 @@ use arbor_protocol::{
 use arbor_testkit::{TestNode, agent_md, exec_script};
 use std::sync::Arc;
 
+/// Waits until `marker` is in `dir` and a process runs there: a command
+/// that made it is running (a process that just ended may still show).
+async fn wait_command(dir: &std::path::Path, marker: &str) -> Vec<i32> {
+    let deadline = tokio::time::Instant::now() + arbor_testkit::WAIT_LIMIT;
+    loop {
+        let found = arbor_testkit::wait_processes_in(dir, 1).await;
+        if dir.join(marker).exists() {
+            return found;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no {marker} in {}",
+            dir.display()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
 /// Each run of the worker counts itself in `count`, in the loop's shared workdir.
 const COUNT: &str = "n=$(cat count 2>/dev/null || echo 0); echo $((n+1)) > count";
 
@@ -181,10 +199,8 @@ async fn inv_56_a_kill_mid_loop_resumes_at_the_same_iteration() {
     let tree = node
         .wait_until(run, |t| attempts(t, "fix").len() == 2)
         .await;
-    // Its first check is over: the one process in the workdir is the second
-    // iteration's command.
     let workdir = attempts(&tree, "fix")[0].workdir.clone().unwrap();
-    arbor_testkit::wait_processes_in(std::path::Path::new(&workdir), 1).await;
+    wait_command(std::path::Path::new(&workdir), "hanging").await;
     let node = node.crash_and_restart().await;
     let tree = node.wait_run(run).await;
     assert_eq!(tree.run_status(), Status::Done, "{:#?}", tree.root());
@@ -277,6 +293,70 @@ async fn inv_56_a_reviewer_sends_the_last_group_back_once() {
             && again.contains("Your answer before was: \"a report\"")
             && again.contains("facts"),
         "the second round is told what was missing, its answer and the group before: {again}"
+    );
+    node.assert_conserved(run);
+}
+
+/// A stop while a loop's check runs ends the run at once: no verdict is
+/// journaled, no iteration starts after it, and the check's command is
+/// killed.
+#[tokio::test(flavor = "multi_thread")]
+async fn inv_56_a_stop_during_a_check_ends_the_run_at_once_and_kills_the_check() {
+    let flow = "[[group]]\nsteps = [{ agent = \"coder\", instruction = \"count\", label = \"fix\", until = { command = \"touch checking; sleep 600\" } }]\n";
+    let node = node(&[("coder", &worker(&[COUNT]))], flow).await;
+    let run = node.run_flow("work").await;
+    let tree = node
+        .wait_until(run, |t| {
+            attempts(t, "fix")
+                .first()
+                .is_some_and(|s| s.status == Status::Done)
+        })
+        .await;
+    let workdir = std::path::PathBuf::from(attempts(&tree, "fix")[0].workdir.clone().unwrap());
+    let checking = wait_command(&workdir, "checking").await;
+    node.stop_run(run).await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Stopped);
+    assert_eq!(
+        attempts(&tree, "fix").len(),
+        1,
+        "no iteration after the stop"
+    );
+    assert!(checks(&node, run).is_empty(), "no verdict after the stop");
+    for pid in checking {
+        assert!(
+            arbor_testkit::process_exits_within(pid, std::time::Duration::from_secs(5)).await,
+            "the check's process {pid} outlived its run"
+        );
+    }
+    node.assert_conserved(run);
+}
+
+/// A loop's `max_time` bounds its iterations: one that would run past it
+/// is cut at the bound (its timeout is what is left), and the step fails.
+#[tokio::test(flavor = "multi_thread")]
+async fn inv_56_a_loops_time_bound_cuts_an_iteration_at_what_is_left() {
+    let flow = "[[group]]\nsteps = [{ agent = \"coder\", instruction = \"count\", label = \"fix\", until = { command = \"false\", max_time = \"1s\" } }]\n";
+    let node = node(&[("coder", &worker(&["sleep 600"]))], flow).await;
+    let run = node.run_flow("work").await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Failed);
+    let steps = attempts(&tree, "fix");
+    assert_eq!(steps.len(), 1);
+    assert_eq!(
+        steps[0].error_class,
+        Some(ErrorClass::Timeout),
+        "{:?}",
+        steps[0]
+    );
+    assert!(
+        steps[0]
+            .reason
+            .as_deref()
+            .unwrap_or_default()
+            .contains("1s"),
+        "cut at the loop's bound, not the job's hour: {:?}",
+        steps[0].reason
     );
     node.assert_conserved(run);
 }
