@@ -522,7 +522,7 @@ const EVENT_KINDS = {
   steer_queued: "name", steer_delivered: "turn", steer_discarded: "name",
   approval_requested: "turn", approval_expiring: "name", approval_decided: "turn",
   retry_waiting: "line", needs_decision: "line", model_fallback: "turn",
-  peer_queued: "name", peer_delivered: "turn",
+  peer_queued: "name", peer_delivered: "turn", iteration_checked: "line", reviewed: "line",
 };
 
 // One line per event: its index, its kind and whose it is.
@@ -540,6 +540,8 @@ function describe(event) {
     model_fallback: () => ` ${k.from} walled (${k.class}): on to ${k.to}`,
     needs_decision: () => ` ${k.label} waits for a person: ${k.why}`,
     retry_waiting: () => ` ${k.label} failed (${k.class}): attempt ${k.attempt} at ${new Date(k.until_ms).toISOString()}`,
+    iteration_checked: () => ` ${k.label} iteration ${k.iteration} ${k.passed ? "passed" : k.ended ? `did not pass; the loop ends: ${k.ended}` : "did not pass; it runs again"}`,
+    reviewed: () => k.failed ? ` not reviewed: ${k.failed}` : k.accept ? " accepted" : ` missing: ${(k.missing ?? []).join("; ")}; the last group runs once more`,
   }[k.type];
   const known = k.type in EVENT_KINDS ? "" : " (a kind this console does not know)";
   return `#${event.index} ${k.type}${who}${more ? more() : ""}${known}`;
