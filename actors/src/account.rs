@@ -203,6 +203,13 @@ pub enum AccountMsg {
     Snapshot {
         reply: RpcReplyPort<AccountView>,
     },
+    /// A run's root grant raised (a top-up, I-58): journaled with `with`
+    /// (its audit entry) before it is told; the new figures, or why not.
+    Grow {
+        amount: Amount,
+        with: Vec<Record>,
+        reply: RpcReplyPort<Result<AccountView, String>>,
+    },
 }
 
 /// An account's final figures.
@@ -320,6 +327,24 @@ async fn handle_message(
         }
         AccountMsg::Snapshot { reply } => {
             let _ = reply.send(state.ledger.view());
+        }
+        AccountMsg::Grow {
+            amount,
+            with,
+            reply,
+        } => {
+            let grown = match state.ledger.grow_ops(amount) {
+                Err(why) => Err(why),
+                Ok(ops) => {
+                    let mut records = state.records(ops);
+                    records.extend(with);
+                    state.ctx.journal.commit(records).await?;
+                    state.ledger.grow(amount);
+                    state.publish();
+                    Ok(state.ledger.view())
+                }
+            };
+            let _ = reply.send(grown);
         }
     }
     Ok(())
@@ -618,6 +643,15 @@ impl Purse {
             ..Self::default()
         }
     }
+
+    fn grow(&mut self, amount: u64) {
+        if amount == 0 {
+            return;
+        }
+        let share = self.wind_down_at as f64 / self.grant.max(1) as f64;
+        self.grant = self.grant.saturating_add(amount);
+        self.wind_down_at = ((self.grant as f64) * share).ceil() as u64;
+    }
     fn spent(&self) -> u64 {
         self.own_spent + self.children_spent
     }
@@ -818,6 +852,47 @@ impl Ledger {
             ops.push((Unit::UsdMicros, op(amount.usd_micros)));
         }
         ops
+    }
+
+    /// The entries that raise its grant by `amount` (I-58), or why it cannot be.
+    pub fn grow_ops(&self, amount: Amount) -> Result<Vec<Entry>, String> {
+        if self.closed {
+            return Err("its account is closed: the run has ended".into());
+        }
+        if amount.tokens == 0 && amount.usd_micros == 0 {
+            return Err("a top-up adds at least 1 token or 1 micro-dollar".into());
+        }
+        if amount.usd_micros > 0 && self.usd.is_none() {
+            return Err("the run has no usd ceiling to raise".into());
+        }
+        let mut ops = vec![];
+        if amount.tokens > 0 {
+            ops.push((
+                Unit::Tokens,
+                LedgerOp::Grow {
+                    amount: amount.tokens,
+                },
+            ));
+        }
+        if amount.usd_micros > 0 {
+            ops.push((
+                Unit::UsdMicros,
+                LedgerOp::Grow {
+                    amount: amount.usd_micros,
+                },
+            ));
+        }
+        Ok(ops)
+    }
+
+    /// Raises its grant by `amount` (`grow_ops` said it may): what is
+    /// available grows by as much, and the wind-down mark keeps its share.
+    pub fn grow(&mut self, amount: Amount) {
+        self.grant = self.grant.saturating_add(amount.tokens);
+        self.tokens.grow(amount.tokens);
+        if let Some(usd) = &mut self.usd {
+            usd.grow(amount.usd_micros);
+        }
     }
 
     /// The entries that open the account: its grant in each unit.

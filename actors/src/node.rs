@@ -64,6 +64,13 @@ pub enum NodeMsg {
         reason: String,
         reply: RpcReplyPort<()>,
     },
+    /// An operator raises a run's root grant (a top-up, I-58).
+    TopUp {
+        run: RunId,
+        amount: arbor_protocol::Amount,
+        audit: Option<Record>,
+        reply: RpcReplyPort<Result<arbor_protocol::AccountView, String>>,
+    },
     /// An operator's message to a running step or job (I-20).
     Steer {
         job: JobId,
@@ -154,6 +161,12 @@ impl Actor for Node {
                     let _ = reply.send(Err(format!("run {run} is not running on this node")));
                 }
             },
+            NodeMsg::TopUp {
+                run,
+                amount,
+                audit,
+                reply,
+            } => state.top_up(run, amount, audit, reply),
             NodeMsg::StopJob {
                 run,
                 job,
@@ -273,6 +286,27 @@ pub fn job_name(id: JobId) -> String {
 }
 
 impl NodeState {
+    /// A top-up goes to its run, which answers; a run not running here is refused.
+    fn top_up(
+        &self,
+        run: RunId,
+        amount: arbor_protocol::Amount,
+        audit: Option<Record>,
+        reply: RpcReplyPort<Result<arbor_protocol::AccountView, String>>,
+    ) {
+        let Some((actor, _)) = self.runs.get(&run) else {
+            let _ = reply.send(Err(format!("run {run} is not running on this node")));
+            return;
+        };
+        let audit = audit.map(Box::new);
+        if let Err(e) = actor.cast(RunMsg::TopUp {
+            amount,
+            audit,
+            reply,
+        }) {
+            tracing::warn!(%run, error = %e, "a top-up did not reach its run");
+        }
+    }
     fn answer_stopped_waiters(&mut self) {
         if self.runs.is_empty() {
             for reply in self.stopped_waiters.drain(..) {

@@ -202,6 +202,13 @@ pub enum RunMsg {
         job: JobId,
         found: Found,
     },
+    /// An operator raises the run's root grant (a top-up, I-58): committed
+    /// with its audit entry before it is told.
+    TopUp {
+        amount: arbor_protocol::Amount,
+        audit: Option<Box<Record>>,
+        reply: ractor::RpcReplyPort<Result<arbor_protocol::AccountView, String>>,
+    },
     /// A loop's bounds were spent before its next iteration could start.
     LoopSpent {
         label: String,
@@ -273,6 +280,7 @@ impl Actor for Run {
             .emit_with(args.id, vec![Record::Run(record)], [started])?;
         ctx.journal.flush().await?;
         let meter = SpentMeter::default();
+        let (grant, grant_usd_micros) = root_grant(&ctx, args.id, &args.spec, resume_given)?;
         let (account, _) = Actor::spawn_linked(
             None,
             Account,
@@ -280,8 +288,8 @@ impl Actor for Run {
                 ctx: ctx.clone(),
                 run: args.id,
                 owner: ParentRef::Run(args.id),
-                grant: args.spec.budget_tokens,
-                grant_usd_micros: args.spec.budget_usd_micros,
+                grant,
+                grant_usd_micros,
                 wind_down: ctx.limits.wind_down,
                 meter: meter.clone(),
                 resume_spent: resume_given.then_some(resume.spent),
@@ -291,7 +299,6 @@ impl Actor for Run {
         )
         .await?;
         let cancel = CancellationToken::new();
-        let labels = args.spec.step_labels();
         let steps = kept_steps(&resume.kept);
         Ok(RunState {
             run_ctx: Arc::new(
@@ -299,7 +306,7 @@ impl Actor for Run {
                     .with_tape(args.spec.record, replay)
                     .with_instructions(args.spec.instructions.as_deref()),
             ),
-            labels,
+            labels: args.spec.step_labels(),
             attempts: if resume_given {
                 resume.attempts
             } else {
@@ -442,6 +449,28 @@ impl Actor for Run {
             RunMsg::Peer(send) => state.pass_peer(send),
             RunMsg::GateDecided { label, answer } => {
                 state.gate_decided(&myself, label, answer).await?;
+            }
+            RunMsg::TopUp {
+                amount,
+                audit,
+                reply,
+            } => {
+                let grown = if state.finish.is_some() {
+                    Err(format!("run {} is ending", state.id))
+                } else {
+                    let with: Vec<Record> = audit.map(|a| *a).into_iter().collect();
+                    ractor::call!(state.account, |reply| AccountMsg::Grow {
+                        amount,
+                        with,
+                        reply
+                    })
+                    .map_err(|e| format!("the run's account is gone: {e}"))
+                    .and_then(|grown| grown)
+                };
+                if let Ok(view) = &grown {
+                    tracing::info!(run = %state.id, tokens = amount.tokens, usd_micros = amount.usd_micros, grant = view.grant, "the run's ceiling was topped up");
+                }
+                let _ = reply.send(grown);
             }
             RunMsg::Checked { label, job, found } => {
                 state.iteration_checked(&myself, label, job, found).await?;
@@ -1777,6 +1806,36 @@ impl RunState {
         myself.stop(None);
         Ok(())
     }
+}
+
+/// A run's root grant in tokens and micro-dollars: its spec's, or for a
+/// resumed run what its ledger adds up to, its opening and every top-up
+/// since (I-58) (its spec's if it never opened).
+fn root_grant(
+    ctx: &NodeContext,
+    run: RunId,
+    spec: &RunSpec,
+    resumed: bool,
+) -> Result<(u64, Option<u64>), arbor_storage::Error> {
+    use arbor_storage::{LedgerOp, Unit, ledger_totals};
+    if !resumed {
+        return Ok((spec.budget_tokens, spec.budget_usd_micros));
+    }
+    let entries = ctx.journal.ledger(ParentRef::Run(run))?;
+    let opened = |unit: Unit| {
+        entries
+            .iter()
+            .any(|e| e.unit == unit && matches!(e.op, LedgerOp::Open { .. }))
+    };
+    let tokens = match opened(Unit::Tokens) {
+        true => ledger_totals(&entries, Unit::Tokens).grant,
+        false => spec.budget_tokens,
+    };
+    let usd = match opened(Unit::UsdMicros) {
+        true => Some(ledger_totals(&entries, Unit::UsdMicros).grant),
+        false => spec.budget_usd_micros,
+    };
+    Ok((tokens, usd))
 }
 
 /// The steps a resumed run keeps: their results, and no actor.

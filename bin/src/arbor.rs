@@ -115,6 +115,8 @@ enum Command {
     Stop { id: String },
     /// Send a running step or job a message.
     Steer { job: String, message: String },
+    /// Raise a running run's ceiling (a top-up): tokens, dollars or both.
+    Budget(client::BudgetArgs),
     /// Approval cards waiting for a person (of one run, or all); --state for others.
     Approvals(client::ApprovalsArgs),
     /// The audit log: who changed what, and who was refused (an admin's;
@@ -320,6 +322,9 @@ fn main() -> ExitCode {
             Command::Stop { id } => with_client(&conn, |c| Box::pin(client::stop(c, &id))).await,
             Command::Steer { job, message } => {
                 with_client(&conn, |c| Box::pin(client::steer(c, &job, &message))).await
+            }
+            Command::Budget(args) => {
+                with_client(&conn, |c| Box::pin(client::budget(c, args.clone()))).await
             }
             Command::Approvals(args) => {
                 with_client(&conn, |c| Box::pin(client::approvals(c, args))).await

@@ -690,6 +690,54 @@ pub async fn stop(client: &Client, id: &str) -> Outcome {
     Ok(ExitCode::SUCCESS)
 }
 
+/// `arbor budget RUN --add-tokens N --add-usd D`.
+#[derive(clap::Args, Clone, Debug)]
+#[command(group = clap::ArgGroup::new("add").required(true).multiple(true))]
+pub struct BudgetArgs {
+    pub run: String,
+    /// Tokens to add to the run's root grant.
+    #[arg(long, group = "add", value_parser = clap::value_parser!(u64).range(1..))]
+    pub add_tokens: Option<u64>,
+    /// Dollars to add to its usd ceiling (metered in micro-dollars).
+    #[arg(long, group = "add")]
+    pub add_usd: Option<f64>,
+}
+
+/// `arbor budget RUN`: a top-up; prints the run's new figures.
+pub async fn budget(client: &Client, args: BudgetArgs) -> Outcome {
+    let usd_micros = match args.add_usd {
+        None => None,
+        Some(usd) => arbor_protocol::BudgetArg {
+            tokens: None,
+            usd: Some(usd),
+        }
+        .usd_micros()
+        .map_err(|e| Failed::new(exit::USAGE, e.replace("budget.usd", "--add-usd")))?,
+    };
+    let body = arbor_service::api::TopUpBody {
+        tokens: args.add_tokens,
+        usd_micros,
+    };
+    let reply = client
+        .api
+        .top_up(&args.run, &body)
+        .await
+        .map_err(|e| client.failed(e))?;
+    if client.output != Output::Text {
+        client.print_json(&reply)?;
+    } else {
+        let a = reply.account;
+        outln!(
+            "{}: grant {} tokens, spent {}, held {}",
+            reply.run,
+            a.grant,
+            a.spent,
+            a.held
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 pub async fn steer(client: &Client, job: &str, message: &str) -> Outcome {
     let reply = client
         .api

@@ -829,6 +829,25 @@ impl EmbeddedNode {
         .map_err(Error::Refused)
     }
 
+    /// Raises a running run's root grant by `amount` (a top-up, I-58),
+    /// journaled (with `audit`, I-64) before it is told: the run's new
+    /// figures in tokens.
+    pub async fn top_up(
+        &self,
+        run: RunId,
+        amount: arbor_protocol::Amount,
+        audit: Option<Record>,
+    ) -> Result<arbor_protocol::AccountView, Error> {
+        ractor::call!(self.node, |reply| NodeMsg::TopUp {
+            run,
+            amount,
+            audit,
+            reply
+        })
+        .map_err(|e| Error::Start(e.to_string()))?
+        .map_err(Error::Refused)
+    }
+
     pub async fn stop_job(&self, run: RunId, job: JobId, reason: &str) -> Result<(), Error> {
         self.stop_job_with(run, job, reason, None).await
     }

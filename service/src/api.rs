@@ -320,6 +320,29 @@ pub struct SteerQueued {
     pub message_id: u64,
 }
 
+/// `POST /v1/runs/{id}/budget`: raise a running run's ceiling (a top-up,
+/// I-58). At least one, each a positive whole number.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TopUpBody {
+    /// Tokens added to the run's root grant.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub tokens: Option<u64>,
+    /// Micro-dollars added to its usd ceiling (the run must have one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub usd_micros: Option<u64>,
+}
+
+/// A top-up made: the run's root account as it now is.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct ToppedUp {
+    pub run: RunId,
+    /// Its tokens: grant, spent and held.
+    pub account: arbor_protocol::AccountView,
+}
+
 /// What a stop was asked of.
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
 pub struct StopAccepted {

@@ -464,6 +464,7 @@ pub fn required_role(method: &axum::http::Method, path: &str) -> credentials::Ro
     match path {
         "/v1/runs"
         | "/v1/runs/{id}/stop"
+        | "/v1/runs/{id}/budget"
         | "/v1/runs/{id}/replay"
         | "/v1/jobs/{id}/stop"
         | "/v1/jobs/{id}/messages"

@@ -194,6 +194,19 @@ impl Client {
             .await
     }
 
+    /// `POST /v1/runs/{id}/budget`: a top-up.
+    pub async fn top_up(
+        &self,
+        run: &str,
+        body: &crate::api::TopUpBody,
+    ) -> Result<crate::api::ToppedUp, Error> {
+        self.call(
+            self.request(Method::POST, &format!("/v1/runs/{run}/budget"))
+                .json(body),
+        )
+        .await
+    }
+
     /// `POST /v1/jobs/{id}/stop`.
     pub async fn stop_job(&self, job: &str) -> Result<StopAccepted, Error> {
         self.call(self.request(Method::POST, &format!("/v1/jobs/{job}/stop")))

@@ -46,6 +46,10 @@ pub enum Forwarded {
         job: JobId,
         text: String,
     },
+    TopUp {
+        run: RunId,
+        body: crate::api::TopUpBody,
+    },
     Decide {
         card: CardId,
         body: crate::api::DecisionBody,

@@ -146,6 +146,7 @@ pub(crate) fn handle_forwarded(
             Forwarded::StopRun { run } => stop_run_here(&shared, run, None).await,
             Forwarded::StopJob { run, job } => stop_job_here(&shared, run, job, None).await,
             Forwarded::Steer { job, text } => steer_here(&shared, job, text, None).await,
+            Forwarded::TopUp { run, body } => runs::top_up_here(&shared, run, body, None).await,
             Forwarded::Decide { card, body, by } => {
                 decide_here(&shared, card, body, by, None).await
             }

@@ -106,6 +106,8 @@ pub enum LedgerOp {
     CallSettle { reserved: u64, spent: u64 },
     /// The account closed with this final spent.
     Close { spent: u64 },
+    /// The account's grant grew by this: a run's ceiling topped up (I-58).
+    Grow { amount: u64 },
 }
 
 /// One account's entries of `unit`, in order.
@@ -288,7 +290,7 @@ impl ApprovalRecord {
 /// Conservation of one account recomputed from its ledger.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LedgerTotals {
-    /// What `Open` granted.
+    /// What `Open` granted, and every `Grow` since.
     pub grant: u64,
     /// Own `CallSettle` spent plus every `Release` spent.
     pub spent: u64,
@@ -311,6 +313,7 @@ pub fn ledger_totals(entries: &[LedgerRecord], unit: Unit) -> LedgerTotals {
     for entry in entries.iter().filter(|e| e.unit == unit) {
         match entry.op {
             LedgerOp::Open { grant } => totals.grant = totals.grant.saturating_add(grant),
+            LedgerOp::Grow { amount } => totals.grant = totals.grant.saturating_add(amount),
             LedgerOp::Hold { child, amount } => {
                 let held = holds.entry(child).or_default();
                 *held = held.saturating_add(amount);

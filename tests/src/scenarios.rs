@@ -497,3 +497,32 @@ pub fn reviewed_run() -> Scenario {
         "reviewed",
     )
 }
+
+/// A run topped up while its first group runs (I-58), crashed at every
+/// commit point: the top-up's grant among them. Its second group is
+/// granted from the larger ceiling.
+pub fn topped_up_run() -> Scenario {
+    let step = agent_md(
+        "script:\n  - usage: {input: 20, output: 5}\n    delay: 20ms\n    call: {tool: submit_output, args: {output: done}}",
+    );
+    Scenario::flow_texts(
+        None,
+        &[("step", &step)],
+        &[(
+            "topped",
+            "budget = { tokens = 100000 }\n[[group]]\nsteps = [{ agent = \"step\", instruction = \"one\", label = \"first\", retries = 100 }]\n[[group]]\nsteps = [{ agent = \"step\", instruction = \"two\", label = \"second\", retries = 100 }]\n",
+        )],
+        "topped",
+    )
+    .during(|node, run| {
+        Box::pin(async move {
+            node.wait_for(run, "first").await;
+            // Refused once the run has ended: part of the workload, not a race it must win.
+            let amount = arbor_protocol::Amount {
+                tokens: 50_000,
+                usd_micros: 0,
+            };
+            let _ = node.node().top_up(run, amount, None).await;
+        })
+    })
+}

@@ -563,3 +563,105 @@ async fn inv_14_conservation_holds_for_every_account_of_the_example() {
     }
     node.shutdown().await.unwrap();
 }
+
+/// I-58: a top-up raises a running run's root grant as a journaled grant
+/// (`Grow`), told only once it is durable; every account balances before
+/// and after it; the next group is granted from the larger ceiling; a
+/// restart resumes the run with it; and a top-up that is not one, or of a
+/// ceiling the run does not have, is refused and changes nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn inv_58_a_top_up_is_a_journaled_grant_and_every_account_balances() {
+    let waits = agent_md("script:\n  - say: working\n    delay: 1h");
+    let flow = "budget = { tokens = 10000 }\n[[group]]\nsteps = [{ agent = \"waits\", instruction = \"wait\", retries = 5 }]\n";
+    let node = TestNode::start_workspace(
+        None,
+        &[("waits", &waits)],
+        &[("work", flow)],
+        Arc::new(DefaultModels),
+    )
+    .await;
+    let run = node.run_flow("work").await;
+    // Quiescent: its step's call is reserved and waits on its model.
+    node.wait_until(run, |t| t.nodes().any(|(_, n)| n.account.held > 0))
+        .await;
+    node.assert_conserved(run);
+    let refused = |amount: Amount| {
+        let node = &node;
+        async move {
+            node.node()
+                .top_up(run, amount, None)
+                .await
+                .unwrap_err()
+                .to_string()
+        }
+    };
+    assert!(refused(Amount::ZERO).await.contains("at least 1 token"));
+    let usd = Amount {
+        tokens: 0,
+        usd_micros: 5,
+    };
+    assert!(refused(usd).await.contains("no usd ceiling"));
+    let unknown = node
+        .node()
+        .top_up(
+            RunId::new(),
+            Amount {
+                tokens: 5,
+                usd_micros: 0,
+            },
+            None,
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(unknown.contains("is not running on this node"), "{unknown}");
+    assert_eq!(
+        node.tree(run).root().account.grant,
+        10_000,
+        "refusals change nothing"
+    );
+    let five = Amount {
+        tokens: 5_000,
+        usd_micros: 0,
+    };
+    let view = node.node().top_up(run, five, None).await.unwrap();
+    assert_eq!(view.grant, 15_000);
+    let grows: Vec<u64> = node
+        .ledger(ParentRef::Run(run))
+        .iter()
+        .filter_map(|e| match e.op {
+            arbor_storage::LedgerOp::Grow { amount } => Some(amount),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(grows, [5_000], "one journaled grant");
+    let tree = node
+        .wait_until(run, |t| t.root().account.grant == 15_000)
+        .await;
+    assert_eq!(
+        tree.root().account.held,
+        10_000,
+        "the step's grant is held as it was"
+    );
+    node.assert_conserved(run);
+    // Across a kill, the run resumes with the ceiling it was topped up to.
+    let node = node.crash_and_restart().await;
+    let tree = node
+        .wait_until(run, |t| t.nodes().any(|(_, n)| n.attempt == 2))
+        .await;
+    assert_eq!(tree.root().account.grant, 15_000);
+    assert_eq!(tree.run_status(), Status::Running);
+    let steps: Vec<u64> = tree
+        .nodes()
+        .filter(|(_, n)| n.attempt == 2)
+        .map(|(_, n)| n.account.grant)
+        .collect();
+    assert_eq!(
+        steps,
+        [15_000],
+        "the step's next attempt is granted from the new ceiling"
+    );
+    node.stop_run(run).await;
+    node.wait_run(run).await;
+    node.assert_conserved(run);
+}

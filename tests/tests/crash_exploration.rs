@@ -547,3 +547,36 @@ async fn inv_56_every_commit_point_of_a_review_sends_the_last_group_back_once() 
     println!("{report}");
     assert!(report.crashed > 0, "no case crashed: {report}");
 }
+
+/// I-58 at every commit point of a top-up, killed and powered off: the
+/// run ends done, its grant journaled at most once and its root grant
+/// what its ledger adds up to (the checks balance every account).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inv_58_every_commit_point_of_a_top_up_keeps_the_grant_once() {
+    static TOPPED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let scenario = arbor_tests::scenarios::topped_up_run();
+    let report = explore_crashes(&scenario, |node, run| {
+        ended_done(node, run)?;
+        let grows = node
+            .ledger(arbor_protocol::ParentRef::Run(run))
+            .iter()
+            .filter(|e| matches!(e.op, arbor_storage::LedgerOp::Grow { .. }))
+            .count();
+        if grows > 1 {
+            return Err(format!("the top-up was journaled {grows} times"));
+        }
+        let grant = node.tree(run).root().account.grant;
+        if grant != 100_000 + 50_000 * grows as u64 {
+            return Err(format!("the root grant is {grant} after {grows} top-ups"));
+        }
+        TOPPED.fetch_add(grows, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    })
+    .await;
+    println!("{report}");
+    assert!(report.crashed > 0, "no case crashed: {report}");
+    assert!(
+        TOPPED.load(std::sync::atomic::Ordering::Relaxed) > 0,
+        "no case kept its top-up: {report}"
+    );
+}

@@ -1762,6 +1762,7 @@ async fn inv_63_every_route_answers_each_role_as_the_matrix_says() {
         ("GET /v1/runs/{id}", "viewer"),
         ("GET /v1/runs/{id}/events", "viewer"),
         ("POST /v1/runs/{id}/stop", "operator"),
+        ("POST /v1/runs/{id}/budget", "operator"),
         ("POST /v1/runs/{id}/replay", "operator"),
         ("GET /v1/jobs/{id}", "viewer"),
         ("POST /v1/jobs/{id}/stop", "operator"),
@@ -1994,4 +1995,62 @@ async fn inv_63_keys_from_a_jwks_url_are_fetched_and_fetched_again_on_a_new_key_
         .unwrap()
         .status();
     assert_eq!(status, 200);
+}
+
+/// I-58 over HTTP: `POST /v1/runs/{id}/budget` tops a running run up, its
+/// grant journaled before the 200 and its audit entry with it (I-64); a
+/// top-up of nothing, of 0, of a usd ceiling the run lacks, with an
+/// unknown key, of an unknown or an ended run is refused, naming why, and
+/// changes nothing.
+#[tokio::test]
+async fn inv_58_a_top_up_over_http_raises_the_ceiling_and_bad_ones_change_nothing() {
+    let svc = TestService::start(texts()).await;
+    let run = svc.submit(json!({"agent": "slow", "input": "wait"})).await;
+    svc.wait_running(run).await;
+    let path = format!("/v1/runs/{run}/budget");
+    let (_, before) = svc.get_json(&format!("/v1/runs/{run}")).await;
+    let grant = before["run"]["account"]["grant"].as_u64().unwrap();
+    for (body, status, words) in [
+        (json!({}), 422, "names `tokens`, `usd_micros` or both"),
+        (json!({"tokens": 0}), 422, "at least 1"),
+        (json!({"usd_micros": 5}), 422, "no usd ceiling"),
+        (json!({"tokens": 5, "more": 1}), 400, "unknown field"),
+        (json!({"tokens": -5}), 400, ""),
+    ] {
+        let (got, reply) = svc.post_json(&path, body.clone()).await;
+        assert_eq!(got, status, "{body}: {reply}");
+        assert!(reply.to_string().contains(words), "{body}: {reply}");
+    }
+    let (status, _) = svc
+        .post_json(
+            &format!("/v1/runs/{}/budget", arbor_protocol::RunId::new()),
+            json!({"tokens": 5}),
+        )
+        .await;
+    assert_eq!(status, 404);
+    let (_, unchanged) = svc.get_json(&format!("/v1/runs/{run}")).await;
+    assert_eq!(
+        unchanged["run"]["account"]["grant"], grant,
+        "refusals change nothing"
+    );
+    let (status, topped) = svc.post_json(&path, json!({"tokens": 700})).await;
+    assert_eq!(status, 200, "{topped}");
+    assert_eq!(topped["run"], run.to_string());
+    assert_eq!(topped["account"]["grant"], grant + 700);
+    let (_, audit) = svc.get_json("/v1/audit").await;
+    let entries: Vec<&serde_json::Value> = audit["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["route"] == "POST /v1/runs/{id}/budget")
+        .collect();
+    assert!(
+        entries.iter().any(|e| e["status"] == 200),
+        "the top-up has its audit entry: {audit}"
+    );
+    svc.post_json(&format!("/v1/runs/{run}/stop"), json!({}))
+        .await;
+    svc.wait_run(run).await;
+    let (status, reply) = svc.post_json(&path, json!({"tokens": 5})).await;
+    assert_eq!(status, 409, "{reply}");
 }

@@ -143,6 +143,31 @@ pub(super) fn run_action_routes() -> ApiRouter<Arc<Shared>> {
             }),
         )
         .api_route(
+            "/v1/runs/{id}/budget",
+            post_with(top_up, |op| {
+                errors!(
+                    secured(op)
+                        .id("topUpRun")
+                        .summary("Raise a running run's ceiling (a top-up)")
+                        .description(
+                            "Adds tokens (and micro-dollars, to a run with a usd ceiling) to \
+                             the run's root grant: a journaled grant, durable before it is \
+                             answered; every account balances before and after it. A run \
+                             that has ended is a 409; a top-up of nothing, or of a ceiling \
+                             the run does not have, a 422.",
+                        )
+                        .response::<200, Json<crate::api::ToppedUp>>(),
+                    400,
+                    404,
+                    409,
+                    413,
+                    415,
+                    422,
+                    503
+                )
+            }),
+        )
+        .api_route(
             "/v1/runs/{id}/events",
             get_with(run_events, |op| {
                 errors!(
@@ -584,6 +609,63 @@ pub(super) async fn stop_run_here(
         .await
         .map_err(|e| ApiError::conflict(e.to_string()))?;
     Ok(stop_accepted(run, "stopping"))
+}
+
+async fn top_up(
+    State(shared): S,
+    axum::Extension(audit): axum::Extension<crate::audit::Audit>,
+    Path(path): Path<IdPath>,
+    JsonBody(body): JsonBody<crate::api::TopUpBody>,
+) -> Reply {
+    let run = parse_run(&path.id)?;
+    if body.tokens.is_none() && body.usd_micros.is_none() {
+        return Err(ApiError::refused(
+            "a top-up names `tokens`, `usd_micros` or both",
+        ));
+    }
+    if body.tokens == Some(0) || body.usd_micros == Some(0) {
+        return Err(ApiError::refused(
+            "a top-up adds at least 1 (0 never means unlimited)",
+        ));
+    }
+    if let Some(owner) = forward::elsewhere(&shared, run)? {
+        return forward::send(&shared, run, &owner, Forwarded::TopUp { run, body }).await;
+    }
+    top_up_here(&shared, run, body, Some(&audit)).await
+}
+
+/// Tops up a run this node runs, the call's audit entry committed with the grant.
+pub(super) async fn top_up_here(
+    shared: &Shared,
+    run: RunId,
+    body: crate::api::TopUpBody,
+    audit: Option<&crate::audit::Audit>,
+) -> Reply {
+    let tree = run_tree(shared, run)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("no run {run}")))?;
+    let status = tree.run_status();
+    if status.is_terminal() {
+        return Err(ApiError::conflict(format!(
+            "run {run} has already ended ({status})"
+        )));
+    }
+    if body.usd_micros.is_some() && tree.root().usd.is_none() {
+        return Err(ApiError::refused(format!(
+            "run {run} has no usd ceiling to raise: top it up in tokens"
+        )));
+    }
+    let amount = arbor_protocol::Amount {
+        tokens: body.tokens.unwrap_or(0),
+        usd_micros: body.usd_micros.unwrap_or(0),
+    };
+    let entry = audit.and_then(|a| a.take(None, StatusCode::OK));
+    let account = shared
+        .node
+        .top_up(run, amount, entry)
+        .await
+        .map_err(|e| ApiError::conflict(e.to_string()))?;
+    Ok((StatusCode::OK, Json(crate::api::ToppedUp { run, account })).into_response())
 }
 
 async fn run_events(
