@@ -393,6 +393,7 @@ function drawRun() {
     ...(root.usd ? [el("span", { text: " USD " }), bar(root.usd, "usd")] : []),
   );
   $("stop-run").hidden = ["done", "failed", "stopped"].includes(root.status);
+  $("top-up-form").hidden = $("stop-run").hidden;
   drawTree();
   const ended = ["done", "failed", "stopped"].includes(root.status);
   $("run-result").hidden = !ended;
@@ -502,6 +503,18 @@ $("collapse-all").addEventListener("click", () => {
   if (!page.tree) return;
   for (const node of page.tree.children) if (node.children.length) page.collapsed.add(node.id);
   drawTree();
+});
+
+// A top-up of the run's ceiling (I-58): a journaled grant, answered once durable.
+$("top-up-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const tokens = Number($("top-up-tokens").value);
+  if (!page.run || !Number.isSafeInteger(tokens) || tokens < 1) return;
+  const topped = await post(`/v1/runs/${page.run}/budget`, { tokens }).catch(problem);
+  if (topped) {
+    $("top-up-tokens").value = "";
+    $("top-up-note").textContent = `Its ceiling is now ${int(topped.account.grant)} tokens.`;
+  }
 });
 
 $("stop-run").addEventListener("click", async () => {

@@ -211,9 +211,16 @@ test("steer a job, stop a job and stop the run from the page; the API agrees", a
   assert.equal(await page.getByRole("button", { name: "Stop this job" }).isHidden(), true);
   assert.equal(await page.locator("#steer-form").isHidden(), true, "an ended job takes no message");
 
-  // Stop the whole run.
+  // Top the run's ceiling up: a journaled grant the API then reports.
   await page.getByRole("link", { name: `Run ${id}` }).click();
   await page.locator("#run-title", { hasText: "running" }).waitFor();
+  const before = (await node.api("GET", `/v1/runs/${id}`)).run.account.grant;
+  await page.getByLabel("Tokens to add to its ceiling").fill("1234");
+  await page.getByRole("button", { name: "Top up" }).click();
+  await page.locator("#top-up-note", { hasText: "Its ceiling is now" }).waitFor();
+  assert.equal((await node.api("GET", `/v1/runs/${id}`)).run.account.grant, before + 1234);
+
+  // Stop the whole run.
   await page.getByRole("button", { name: "Stop the run" }).click();
   await page.locator("#run-title", { hasText: "■ stopped" }).waitFor();
   assert.equal((await node.api("GET", `/v1/runs/${id}`)).run.status, "stopped");
@@ -304,6 +311,13 @@ test("a viewer sees its own team's runs only, and each action is refused", async
   await page.getByRole("button", { name: "Stop the run" }).click();
   await page.locator("#problem", { hasText: "needs operator" }).waitFor();
   assert.equal((await node.api("GET", `/v1/runs/${ours.id}`)).run.status, "running");
+  // So is a top-up of its ceiling: the grant stays as it was.
+  const grant = (await node.api("GET", `/v1/runs/${ours.id}`)).run.account.grant;
+  await page.evaluate(() => { document.getElementById("problem").textContent = ""; });
+  await page.getByLabel("Tokens to add to its ceiling").fill("500");
+  await page.getByRole("button", { name: "Top up" }).click();
+  await page.locator("#problem", { hasText: "needs operator" }).waitFor();
+  assert.equal((await node.api("GET", `/v1/runs/${ours.id}`)).run.account.grant, grant);
   await page.context().close();
 
   // An operator of the other team: its run only, and it stops it.
