@@ -70,6 +70,33 @@ pub struct TreeNode {
     pub children: Vec<TreeNode>,
 }
 
+impl IterationView {
+    /// An `iteration_checked` event's step label and view; None for any other kind.
+    pub fn of(kind: &EventKind) -> Option<(&str, IterationView)> {
+        let EventKind::IterationChecked {
+            id,
+            label,
+            iteration,
+            passed,
+            verdict,
+            issues,
+            ended,
+        } = kind
+        else {
+            return None;
+        };
+        let view = IterationView {
+            iteration: *iteration,
+            job: *id,
+            passed: *passed,
+            verdict: *verdict,
+            issues: issues.clone(),
+            ended: ended.clone(),
+        };
+        Some((label, view))
+    }
+}
+
 /// A run's review (`verify`): accepted, or what was missing (the last
 /// group then ran once more), or why it could not be made.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -532,26 +559,13 @@ impl Tree {
                     e.node.model = Some(to.clone());
                 }
             }
-            EventKind::IterationChecked {
-                id,
-                label,
-                iteration,
-                passed,
-                verdict,
-                issues,
-                ended,
-            } => {
-                let checked = self.loops.entry(label.clone()).or_default();
-                checked.push(IterationView {
-                    iteration: *iteration,
-                    job: *id,
-                    passed: *passed,
-                    verdict: *verdict,
-                    issues: issues.clone(),
-                    ended: ended.clone(),
-                });
-                if let Some(e) = self.entries.get_mut(id) {
-                    e.node.iterations = checked.clone();
+            EventKind::IterationChecked { id, .. } => {
+                if let Some((label, view)) = IterationView::of(&event.kind) {
+                    let checked = self.loops.entry(label.to_string()).or_default();
+                    checked.push(view);
+                    if let Some(e) = self.entries.get_mut(id) {
+                        e.node.iterations = checked.clone();
+                    }
                 }
             }
             EventKind::Reviewed {

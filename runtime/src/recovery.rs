@@ -899,16 +899,8 @@ pub fn retry_waits(history: &[arbor_protocol::Event]) -> HashMap<JobId, u64> {
         .collect()
 }
 
-/// A loop's iteration as its check found it (`IterationChecked`).
-#[derive(Clone, Debug)]
-pub struct Checked {
-    pub label: String,
-    pub iteration: u32,
-    pub passed: bool,
-    pub verdict: Option<arbor_protocol::VerdictKind>,
-    pub issues: Vec<String>,
-    pub ended: Option<String>,
-}
+/// A loop's iteration as its check found it (`iteration_checked`), and its step's label.
+pub type Checked = (String, arbor_protocol::IterationView);
 
 /// The run's review (`verify`) as journaled (`Reviewed`): its reviewer's
 /// job, whether it accepted, what was missing, why it could not be made.
@@ -985,28 +977,8 @@ fn review_at(
 pub fn checks(history: &[arbor_protocol::Event]) -> HashMap<JobId, Checked> {
     history
         .iter()
-        .filter_map(|e| match &e.kind {
-            EventKind::IterationChecked {
-                id,
-                label,
-                iteration,
-                passed,
-                verdict,
-                issues,
-                ended,
-            } => Some((
-                *id,
-                Checked {
-                    label: label.clone(),
-                    iteration: *iteration,
-                    passed: *passed,
-                    verdict: *verdict,
-                    issues: issues.clone(),
-                    ended: ended.clone(),
-                },
-            )),
-            _ => None,
-        })
+        .filter_map(|e| arbor_protocol::IterationView::of(&e.kind))
+        .map(|(label, view)| (view.job, (label.to_string(), view)))
         .collect()
 }
 
@@ -1032,10 +1004,10 @@ fn loop_states(
         let ours = |l: Option<&str>| l == Some(label.as_str()) || l == Some(judge.as_str());
         let mut rounds: Vec<(&JobId, &Checked)> = checked
             .iter()
-            .filter(|(_, c)| &c.label == label && !c.passed && c.ended.is_none())
+            .filter(|(_, (l, c))| l == label && !c.passed && c.ended.is_none())
             .collect();
-        rounds.sort_by_key(|(_, c)| c.iteration);
-        let previous = rounds.last().map(|(job, c)| {
+        rounds.sort_by_key(|(_, (_, c))| c.iteration);
+        let previous = rounds.last().map(|(job, (_, c))| {
             let output = jobs
                 .iter()
                 .find(|j| j.id == **job)
@@ -1185,7 +1157,7 @@ fn loop_at(
         return None;
     }
     match checks.get(&job.id) {
-        Some(c) if c.passed => None,
+        Some((_, c)) if c.passed => None,
         Some(_) => Some(LoopAt::Next),
         None => {
             let judge = StepSpec::judge_label(label);
@@ -1209,7 +1181,7 @@ fn loop_at(
 fn loops_failed(jobs: &[JobRecord], checks: &HashMap<JobId, Checked>) -> Vec<JobRecord> {
     jobs.iter()
         .map(|job| match checks.get(&job.id) {
-            Some(c) if !c.passed && c.ended.is_some() => JobRecord {
+            Some((_, c)) if !c.passed && c.ended.is_some() => JobRecord {
                 status: Status::Failed,
                 task_status: Some(arbor_protocol::TaskStatus::Failed),
                 error_class: Some(ErrorClass::CheckFailed),

@@ -593,15 +593,7 @@ pub(super) async fn stop_run_here(
     audit: Option<&crate::audit::Audit>,
 ) -> Reply {
     let reason = "stopped by an operator (API)";
-    let tree = run_tree(shared, run)
-        .await?
-        .ok_or_else(|| ApiError::not_found(format!("no run {run}")))?;
-    let status = tree.run_status();
-    if status.is_terminal() {
-        return Err(ApiError::conflict(format!(
-            "run {run} has already ended ({status})"
-        )));
-    }
+    running_tree(shared, run).await?;
     let entry = audit.and_then(|a| a.take(None, StatusCode::ACCEPTED));
     shared
         .node
@@ -634,13 +626,8 @@ async fn top_up(
     top_up_here(&shared, run, body, Some(&audit)).await
 }
 
-/// Tops up a run this node runs, the call's audit entry committed with the grant.
-pub(super) async fn top_up_here(
-    shared: &Shared,
-    run: RunId,
-    body: crate::api::TopUpBody,
-    audit: Option<&crate::audit::Audit>,
-) -> Reply {
+/// The tree of a run that has not ended: an unknown run is a 404, an ended one a 409.
+async fn running_tree(shared: &Shared, run: RunId) -> Result<arbor_protocol::Tree, ApiError> {
     let tree = run_tree(shared, run)
         .await?
         .ok_or_else(|| ApiError::not_found(format!("no run {run}")))?;
@@ -650,6 +637,17 @@ pub(super) async fn top_up_here(
             "run {run} has already ended ({status})"
         )));
     }
+    Ok(tree)
+}
+
+/// Tops up a run this node runs, the call's audit entry committed with the grant.
+pub(super) async fn top_up_here(
+    shared: &Shared,
+    run: RunId,
+    body: crate::api::TopUpBody,
+    audit: Option<&crate::audit::Audit>,
+) -> Reply {
+    let tree = running_tree(shared, run).await?;
     if body.usd_micros.is_some() && tree.root().usd.is_none() {
         return Err(ApiError::refused(format!(
             "run {run} has no usd ceiling to raise: top it up in tokens"
