@@ -610,6 +610,10 @@ async fn top_up(
     JsonBody(body): JsonBody<crate::api::TopUpBody>,
 ) -> Reply {
     let run = parse_run(&path.id)?;
+    // A run that is not there (or is another tenant's) is a 404 whatever the body.
+    if run_tree(&shared, run).await?.is_none() {
+        return Err(ApiError::not_found(format!("no run {run}")));
+    }
     if body.tokens.is_none() && body.usd_micros.is_none() {
         return Err(ApiError::refused(
             "a top-up names `tokens`, `usd_micros` or both",
