@@ -210,6 +210,21 @@ pub enum AccountMsg {
         with: Vec<Record>,
         reply: RpcReplyPort<Result<AccountView, String>>,
     },
+    /// A held child's grant extended from what is available (a paused
+    /// step's share of a top-up, I-58): at least `at_least`, else a
+    /// 1/`among` share of what is available, whichever is more; appended
+    /// (the child's `Grow`, committed next, makes it durable). What was
+    /// given, or None if what is available is short of `at_least`.
+    Extend {
+        child: JobId,
+        at_least: Amount,
+        among: u64,
+        reply: RpcReplyPort<Option<Amount>>,
+    },
+    /// What is available: tokens, and micro-dollars if it has a usd ceiling.
+    Available {
+        reply: RpcReplyPort<(u64, Option<u64>)>,
+    },
 }
 
 /// An account's final figures.
@@ -327,6 +342,23 @@ async fn handle_message(
         }
         AccountMsg::Snapshot { reply } => {
             let _ = reply.send(state.ledger.view());
+        }
+        AccountMsg::Extend {
+            child,
+            at_least,
+            among,
+            reply,
+        } => {
+            let given = state.ledger.plan_extension(child, at_least, among);
+            if let Some(amount) = given {
+                let ops = state.ledger.extend(child, amount);
+                state.append_and_publish(ops, None)?;
+            }
+            let _ = reply.send(given);
+        }
+        AccountMsg::Available { reply } => {
+            let usd = state.ledger.usd.as_ref().map(Purse::available);
+            let _ = reply.send((state.ledger.tokens.available(), usd));
         }
         AccountMsg::Grow {
             amount,
@@ -883,6 +915,56 @@ impl Ledger {
             ));
         }
         Ok(ops)
+    }
+
+    /// What `AccountMsg::Extend` gives `child`: per unit, `at_least`, or a
+    /// 1/`among` share of what is available if that is more. None if
+    /// `child` is not held, what is available is short of `at_least`, or
+    /// there is nothing to give.
+    pub fn plan_extension(&self, child: JobId, at_least: Amount, among: u64) -> Option<Amount> {
+        let among = among.max(1);
+        let share = |purse: &Purse, least: u64| {
+            let available = purse.available();
+            (available >= least).then(|| least.max(available / among))
+        };
+        if !self.tokens.held_children.contains_key(&child) {
+            return None;
+        }
+        let tokens = share(&self.tokens, at_least.tokens)?;
+        let usd_micros = match &self.usd {
+            Some(purse) if purse.held_children.contains_key(&child) => {
+                share(purse, at_least.usd_micros)?
+            }
+            Some(_) if at_least.usd_micros > 0 => return None,
+            _ => 0,
+        };
+        let given = Amount { tokens, usd_micros };
+        (given != Amount::ZERO).then_some(given)
+    }
+
+    /// Holds `amount` more for `child` (`plan_extension` gave it): the
+    /// entries that say so.
+    pub fn extend(&mut self, child: JobId, amount: Amount) -> Vec<Entry> {
+        let mut ops = vec![];
+        if amount.tokens > 0 {
+            *self.tokens.held_children.entry(child).or_default() += amount.tokens;
+            let extend = LedgerOp::Extend {
+                child,
+                amount: amount.tokens,
+            };
+            ops.push((Unit::Tokens, extend));
+        }
+        if let Some(purse) = &mut self.usd
+            && amount.usd_micros > 0
+        {
+            *purse.held_children.entry(child).or_default() += amount.usd_micros;
+            let extend = LedgerOp::Extend {
+                child,
+                amount: amount.usd_micros,
+            };
+            ops.push((Unit::UsdMicros, extend));
+        }
+        ops
     }
 
     /// Raises its grant by `amount` (`grow_ops` said it may): what is

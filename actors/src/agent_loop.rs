@@ -110,7 +110,10 @@ async fn run_turns(args: LoopArgs) -> LoopOutcome {
         }
         let reply = match next_reply(&args, &mut history, &prompt, turn, &mut pressure_told).await {
             Ok(reply) => reply,
-            Err(CallEnd::Budget(refusal)) => {
+            Err(CallEnd::Budget(refusal, needs)) => {
+                if wait_for_budget(&args, needs).await {
+                    continue;
+                }
                 let why = refusal.to_string();
                 return ended_without_answer(LoopEnd::BudgetExhausted, last_text, turn, why);
             }
@@ -135,6 +138,42 @@ async fn run_turns(args: LoopArgs) -> LoopOutcome {
             }
         }
     }
+}
+
+/// The run's ceiling refused its next call and the run pauses at it
+/// (I-58): the step waits for a top-up holding nothing, its wall timeout
+/// paused. True once its account was extended (the turn is tried again);
+/// false when it may not wait or the pause ended without (it ends as it
+/// would have).
+async fn wait_for_budget(args: &LoopArgs, needs: arbor_protocol::Amount) -> bool {
+    let Some(payer) = &args.payer else {
+        return false;
+    };
+    if needs == arbor_protocol::Amount::ZERO || args.cancel.is_cancelled() {
+        return false;
+    }
+    // What it was answered on is told before it waits, maybe for hours.
+    if args.held.release(&args.ctx, args.run).await.is_err() {
+        return false;
+    }
+    let (tx, rx) = ractor::concurrency::oneshot();
+    let wait = crate::parent::BudgetWait {
+        job: args.id,
+        account: args.account.clone(),
+        needs,
+        reply: tx.into(),
+    };
+    if payer.send_message(wait).is_err() {
+        return false;
+    }
+    let _ = args.job.send_message(LoopMsg::Waiting(true));
+    let extended = tokio::select! {
+        biased;
+        _ = args.cancel.cancelled() => false,
+        answer = rx => answer.unwrap_or(false),
+    };
+    let _ = args.job.send_message(LoopMsg::Waiting(false));
+    extended
 }
 
 /// Its MCP tools, listed before its first turn: a job whose tools could not

@@ -92,6 +92,8 @@ pub struct Lineage {
 pub struct JobStart {
     pub ctx: Arc<NodeContext>,
     pub run_ctx: Arc<RunContext>,
+    /// A step that may pause at its run's ceiling: its run (I-58).
+    pub payer: Option<crate::parent::Payer>,
     pub lineage: Lineage,
     pub agent: Arc<AgentDef>,
     pub brief: Brief,
@@ -333,6 +335,7 @@ impl Actor for Job {
         Ok(JobState {
             ctx,
             run_ctx: start.run_ctx,
+            payer: start.payer,
             lineage,
             agent: start.agent,
             brief: start.brief,
@@ -623,6 +626,7 @@ impl Finish {
 pub struct JobState {
     ctx: Arc<NodeContext>,
     run_ctx: Arc<RunContext>,
+    payer: Option<crate::parent::Payer>,
     lineage: Lineage,
     agent: Arc<AgentDef>,
     brief: Brief,
@@ -735,6 +739,7 @@ impl JobState {
             steering_arrived: self.steering_arrived.clone(),
             tapes: self.tapes.clone(),
             held: self.ended.held(),
+            payer: self.payer.clone(),
         };
         // Every log line of the loop carries the ids of the job's span in
         // the run's trace (docs/operations.md, "Traces").

@@ -205,3 +205,19 @@ impl Terminal<'_> {
         (Record::Job(record), finished)
     }
 }
+
+/// A step's ask of its run when the run's ceiling refused its next call
+/// and the run pauses at it (`on_ceiling = "pause"`, I-58): wait for a
+/// top-up of at least `needs`, then its `account` is extended. The answer:
+/// true once it was, false when the pause ended without (its deadline, a
+/// stop, a ceiling of the step's own), and the step ends as it would have.
+#[derive(Debug)]
+pub struct BudgetWait {
+    pub job: JobId,
+    pub account: ActorRef<AccountMsg>,
+    pub needs: Amount,
+    pub reply: ractor::RpcReplyPort<bool>,
+}
+
+/// What a step asks to wait for budget: its run, as a `Parent` is.
+pub type Payer = ractor::DerivedActorRef<BudgetWait>;

@@ -13,7 +13,7 @@ use crate::account::{Account, AccountArgs, AccountMsg, Grant, GrantAsk, Share, S
 use crate::context::{NodeContext, RunContext};
 use crate::ends::Ends;
 use crate::job::{self, Brief, Job, JobMsg, JobStart, Lineage};
-use crate::parent::{ChildEnd, ChildReport, StopReason, record_child_end};
+use crate::parent::{BudgetWait, ChildEnd, ChildReport, StopReason, record_child_end};
 use crate::policy::Policy;
 use arbor_protocol::{
     AgentDef, ErrorClass, EventKind, JobId, NodeKind, ParentRef, ResultEnvelope, RunId, RunSpec,
@@ -27,6 +27,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 
 mod checks;
 mod looping;
+mod pause;
 
 pub use checks::{CheckNow, Found, LoopState, Review, Role, verdict_of};
 
@@ -100,6 +101,8 @@ pub struct Resume {
     pub reviewed_now: Option<ResultEnvelope>,
     /// What the last group was given of the groups before it.
     pub before_last: Vec<(String, serde_json::Value)>,
+    /// The deadline of a budget pause it was in (I-58): kept by the next.
+    pub pause_deadline_ms: Option<u64>,
 }
 
 /// A step's failed attempt, as its rescuer is told of it.
@@ -215,6 +218,29 @@ pub enum RunMsg {
         attempt: u32,
         why: String,
     },
+    /// A step's call was refused at the ceiling of a run that pauses (I-58).
+    BudgetWait(BudgetWait),
+    /// The deadline of the budget pause that opened with it has passed.
+    PauseExpired {
+        deadline_ms: u64,
+    },
+}
+
+/// A step's wait for a top-up arrives as `RunMsg::BudgetWait` (`parent::Payer`).
+impl From<BudgetWait> for RunMsg {
+    fn from(wait: BudgetWait) -> Self {
+        RunMsg::BudgetWait(wait)
+    }
+}
+
+impl TryFrom<RunMsg> for BudgetWait {
+    type Error = ();
+    fn try_from(message: RunMsg) -> Result<Self, ()> {
+        match message {
+            RunMsg::BudgetWait(wait) => Ok(wait),
+            _ => Err(()),
+        }
+    }
 }
 
 impl Actor for Run {
@@ -230,23 +256,7 @@ impl Actor for Run {
         let ctx = args.ctx;
         // Read before anything is written: a replay without its recording
         // leaves nothing behind.
-        let replay = match &args.spec.replay {
-            None => None,
-            Some(spec) => {
-                let tape = match args.carried.tape.clone() {
-                    Some(tape) => tape,
-                    None => Arc::new(crate::tape::tape_of(ctx.journal.tape(spec.of)?)?),
-                };
-                if tape.is_empty() {
-                    return Err(format!(
-                        "run {} has no recording: it was not run with record on",
-                        spec.of
-                    )
-                    .into());
-                }
-                Some(crate::tape::Replay::new(spec.clone(), tape))
-            }
-        };
+        let replay = replay_of(&ctx, &args.spec, &args.carried)?;
         let record = RunRecord {
             id: args.id,
             flow: args.spec.flow.clone(),
@@ -347,6 +357,10 @@ impl Actor for Run {
             review: resume.review,
             reviewed_now: resume.reviewed_now,
             before_last: resume.before_last,
+            pause: checks::Pause {
+                kept_deadline: resume.pause_deadline_ms,
+                ..Default::default()
+            },
             audit: vec![],
             end_audit: vec![],
             cancel,
@@ -359,9 +373,7 @@ impl Actor for Run {
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         // I-59: a run's cap is its own, or the node's `[limits] run_timeout`.
-        state._wall = Some(crate::timer::after(&myself, state.wall_cap(), || {
-            RunMsg::TimedOut
-        }));
+        state.start_wall(&myself);
         if let Some(replay) = &state.run_ctx.replay {
             let diverged = replay.diverged();
             let run = myself.clone();
@@ -437,6 +449,8 @@ impl Actor for Run {
             RunMsg::Diverged { why } => {
                 state.begin_finish(Status::Failed, Some(ErrorClass::Diverged), why);
             }
+            // A pause is not working time (I-59): the cap counts again after it.
+            RunMsg::TimedOut if state.paused() => {}
             RunMsg::TimedOut => {
                 let timeout = humantime::format_duration(state.wall_cap());
                 state.begin_finish(
@@ -467,11 +481,17 @@ impl Actor for Run {
                     .map_err(|e| format!("the run's account is gone: {e}"))
                     .and_then(|grown| grown)
                 };
+                let topped = grown.is_ok();
                 if let Ok(view) = &grown {
                     tracing::info!(run = %state.id, tokens = amount.tokens, usd_micros = amount.usd_micros, grant = view.grant, "the run's ceiling was topped up");
                 }
                 let _ = reply.send(grown);
+                if topped {
+                    state.topped_up(&myself).await?;
+                }
             }
+            RunMsg::BudgetWait(wait) => state.budget_wait(&myself, wait).await?,
+            RunMsg::PauseExpired { deadline_ms } => state.pause_expired(&myself, deadline_ms),
             RunMsg::Checked { label, job, found } => {
                 state.iteration_checked(&myself, label, job, found).await?;
             }
@@ -497,7 +517,13 @@ impl Actor for Run {
                 let continued = state.continue_step(&myself, job, audit.map(|a| *a)).await;
                 let _ = reply.send(continued);
             }
-            RunMsg::ChildEnded { report } => state.step_ended(&myself, report).await?,
+            RunMsg::ChildEnded { report } => {
+                state.step_ended(&myself, report).await?;
+                // What it gave back may let a waiter go on.
+                if state.paused() && state.finish.is_none() {
+                    state.serve(&myself).await?;
+                }
+            }
             RunMsg::StepGone { actor, why } => {
                 if let Some(report) = state.report_for_dead(actor, &why) {
                     state.step_ended(&myself, report).await?;
@@ -643,6 +669,8 @@ pub struct RunState {
     /// What the last group was given of the groups before it: given again
     /// when a review sends it round once more.
     before_last: Vec<(String, serde_json::Value)>,
+    /// Its budget pause (`on_ceiling = "pause"`), its waiters and deadline.
+    pause: checks::Pause<PlannedStep>,
 }
 
 /// A failed step's wait for its next attempt.
@@ -1159,8 +1187,10 @@ impl RunState {
         if planned.is_empty() {
             return;
         }
-        let Some(grants) = self.reserve_steps(&planned).await else {
-            return;
+        let grants = match self.reserve_steps(&planned).await {
+            Ok(grants) => grants,
+            Err(true) => return self.wait_to_start(myself, planned).await,
+            Err(false) => return,
         };
         // I-29: the steps' records are durable before any of them starts.
         let mut records = self.step_records(&planned, &grants);
@@ -1186,8 +1216,9 @@ impl RunState {
         }
     }
 
-    /// The group's grants, shared evenly; None if the run ends instead.
-    async fn reserve_steps(&mut self, planned: &[PlannedStep]) -> Option<Vec<Grant>> {
+    /// The group's grants, shared evenly. Else true if they wait for a
+    /// top-up (the run pauses at its ceiling), false if the run ends.
+    async fn reserve_steps(&mut self, planned: &[PlannedStep]) -> Result<Vec<Grant>, bool> {
         let asks = planned
             .iter()
             .map(|step| GrantAsk {
@@ -1209,14 +1240,15 @@ impl RunState {
             },
             reply
         }) {
-            Ok(Ok(grants)) => Some(grants),
+            Ok(Ok(grants)) => Ok(grants),
+            Ok(Err(_)) if self.spec.pause.is_some() => Err(true),
             Ok(Err(refusal)) => {
                 self.begin_finish(
                     Status::Failed,
                     Some(ErrorClass::BudgetExhausted),
                     format!("group {} could not start: {refusal}", self.group + 1),
                 );
-                None
+                Err(false)
             }
             Err(e) => {
                 self.begin_finish(
@@ -1224,7 +1256,7 @@ impl RunState {
                     Some(ErrorClass::Internal),
                     format!("the run's account is gone: {e}"),
                 );
-                None
+                Err(false)
             }
         }
     }
@@ -1296,6 +1328,7 @@ impl RunState {
         let context = if role == Role::Step { context } else { "" };
         let meter = SpentMeter::default();
         let start = JobStart {
+            payer: self.payer(myself, &agent, &left),
             ctx: self.ctx.clone(),
             run_ctx: self.run_ctx.clone(),
             lineage: Lineage {
@@ -1574,6 +1607,7 @@ impl RunState {
             && self.deciding.is_empty()
             && self.gating.is_empty()
             && self.checking.is_empty()
+            && !self.waiting_to_start()
             && self.steps.values().all(|s| s.envelope.is_some())
         {
             // A review may send this group round again: its next attempts follow these.
@@ -1806,6 +1840,29 @@ impl RunState {
         myself.stop(None);
         Ok(())
     }
+}
+
+/// The recording a replay replays: the caller's, else its run's in the journal.
+fn replay_of(
+    ctx: &NodeContext,
+    spec: &RunSpec,
+    carried: &Carried,
+) -> Result<Option<Arc<crate::tape::Replay>>, ActorProcessingErr> {
+    let Some(spec) = &spec.replay else {
+        return Ok(None);
+    };
+    let tape = match carried.tape.clone() {
+        Some(tape) => tape,
+        None => Arc::new(crate::tape::tape_of(ctx.journal.tape(spec.of)?)?),
+    };
+    if tape.is_empty() {
+        return Err(format!(
+            "run {} has no recording: it was not run with record on",
+            spec.of
+        )
+        .into());
+    }
+    Ok(Some(crate::tape::Replay::new(spec.clone(), tape)))
 }
 
 /// A run's root grant in tokens and micro-dollars: its spec's, or for a

@@ -166,6 +166,8 @@ fn submit_body(agent: &str) -> SubmitRun {
         budget: None,
         record: false,
         tenant: None,
+        on_ceiling: None,
+        pause_timeout: None,
     }
 }
 

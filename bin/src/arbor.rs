@@ -453,11 +453,16 @@ async fn run(args: RunArgs) -> Result<ExitCode, Failure> {
         Some(micros) => workspace.with_usd_ceiling(spec, micros).map_err(bad)?,
         None => spec,
     };
-    let spec = if args.record {
+    let mut spec = if args.record {
         workspace.recording(spec, true)
     } else {
         spec
     };
+    // A budget pause waits for a person's top-up: only one at this
+    // terminal can give it (`ask`); without one the run ends at its ceiling.
+    if !std::io::stdin().is_terminal() {
+        spec.pause = None;
+    }
     let data_dir = args
         .data_dir
         .clone()
@@ -791,7 +796,7 @@ async fn watch(
                     None => std::future::pending().await,
                 }
             } => match (line, asker.as_mut()) {
-                (Some(line), Some(asker)) => asker.decide(node, line).await,
+                (Some(line), Some(asker)) => asker.decide(node, run, line).await,
                 // stdin closed: nobody is left to answer here.
                 _ => asker = None,
             },
@@ -799,7 +804,7 @@ async fn watch(
                 if let Some(asker) = asker.as_mut() {
                     asker.prompt_next(node, run);
                     if let Some(line) = asker.typed_ahead() {
-                        asker.decide(node, line).await;
+                        asker.decide(node, run, line).await;
                     }
                 }
                 let asking = asker.as_ref().is_some_and(|a| a.is_asking());

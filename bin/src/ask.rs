@@ -4,7 +4,7 @@
 //! `terminal`). Without a terminal on stdin nobody can answer, and each
 //! card is said once on stderr (`tell_new_cards`).
 
-use arbor_protocol::{Card, CardId, CardKind, CardState, RunId, Verdict};
+use arbor_protocol::{Amount, Card, CardId, CardKind, CardState, RunId, Verdict, WaitingView};
 use arbor_runtime::{Decide, EmbeddedNode};
 use std::collections::HashSet;
 use tokio::sync::mpsc;
@@ -20,6 +20,8 @@ pub struct Asker {
     done: HashSet<CardId>,
     /// Lines typed before a prompt asked for them (typed ahead, or piped).
     early: std::collections::VecDeque<String>,
+    /// The run paused at its ceiling and a top-up is asked for (I-58).
+    topping: bool,
 }
 
 impl Asker {
@@ -40,12 +42,13 @@ impl Asker {
             asking: None,
             done: HashSet::new(),
             early: Default::default(),
+            topping: false,
         }
     }
 
     /// Whether a prompt waits for a line (the live view is not drawn over it).
     pub fn is_asking(&self) -> bool {
-        self.asking.is_some()
+        self.asking.is_some() || self.topping
     }
 
     /// A line typed, if one came.
@@ -55,7 +58,9 @@ impl Asker {
 
     /// A line typed ahead, for the prompt now shown.
     pub fn typed_ahead(&mut self) -> Option<String> {
-        self.asking.as_ref()?;
+        if !self.is_asking() {
+            return None;
+        }
         self.early.pop_front()
     }
 
@@ -78,13 +83,80 @@ impl Asker {
         if let Some(card) = cards.into_iter().find(|c| !self.done.contains(&c.id)) {
             eprint!("\n{}", prompt(&card));
             self.asking = Some(card);
+            return;
+        }
+        self.prompt_top_up(node, run);
+    }
+
+    /// A run paused at its ceiling asks for a top-up, once per pause.
+    fn prompt_top_up(&mut self, node: &EmbeddedNode, run: RunId) {
+        let needs = node
+            .events()
+            .with_tree(run, |tree| match tree.map(|t| &t.head().waiting) {
+                Some(Some(WaitingView::Budget { needs, .. })) => Some(*needs),
+                _ => None,
+            });
+        match (needs, self.topping) {
+            (Some(needs), false) => {
+                let usd = match needs.usd_micros {
+                    0 => String::new(),
+                    micros => format!(" and ${:.6}", micros as f64 / 1e6),
+                };
+                eprint!(
+                    "\narbor: the run paused at its ceiling: its next step needs {} tokens{usd} more\n  \
+                     top up by `TOKENS`, `$DOLLARS`, or both (`20000 $0.50`)> ",
+                    needs.tokens
+                );
+                self.topping = true;
+            }
+            (None, true) => self.topping = false,
+            _ => {}
+        }
+    }
+
+    /// Tops the run up by what `line` says; a line that says no amount asks again.
+    async fn top_up(&mut self, node: &EmbeddedNode, run: RunId, line: &str) {
+        let mut amount = Amount::ZERO;
+        for word in line.split_whitespace() {
+            let parsed = match word.strip_prefix('$') {
+                Some(usd) => usd
+                    .parse::<f64>()
+                    .map_err(|_| format!("`{word}` is not an amount of dollars"))
+                    .and_then(|usd| {
+                        let arg = arbor_protocol::BudgetArg {
+                            tokens: None,
+                            usd: Some(usd),
+                        };
+                        arg.usd_micros()
+                    })
+                    .map(|micros| amount.usd_micros = micros.unwrap_or(0)),
+                None => word
+                    .replace('_', "")
+                    .parse::<u64>()
+                    .map(|tokens| amount.tokens = tokens)
+                    .map_err(|_| format!("`{word}` is not a number of tokens")),
+            };
+            if let Err(why) = parsed {
+                eprint!("arbor: {why}\n  top up by> ");
+                return;
+            }
+        }
+        match node.top_up(run, amount, None).await {
+            Ok(view) => {
+                eprintln!("arbor: topped up: the run's grant is {} tokens", view.grant);
+                self.topping = false;
+            }
+            Err(e) => eprint!("arbor: {e}\n  top up by> "),
         }
     }
 
     /// Decides the card shown with `line`; a refused decision (an answer
     /// off its choices, a rejection without a reason) asks again.
-    pub async fn decide(&mut self, node: &EmbeddedNode, line: String) {
+    pub async fn decide(&mut self, node: &EmbeddedNode, run: RunId, line: String) {
         let Some(card) = self.asking.clone() else {
+            if self.topping {
+                return self.top_up(node, run, &line).await;
+            }
             self.early.push_back(line);
             return;
         };

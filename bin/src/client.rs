@@ -601,6 +601,12 @@ pub struct SubmitArgs {
     /// (`default` if none); one of a single tenant submits for its own.
     #[arg(long)]
     pub tenant: Option<String>,
+    /// At the run's ceiling: `end`, or `pause` for a top-up (`arbor budget`).
+    #[arg(long, value_parser = ["end", "pause"])]
+    pub on_ceiling: Option<String>,
+    /// How long a pause waits for a top-up, e.g. 2h (24h if not said).
+    #[arg(long)]
+    pub pause_timeout: Option<String>,
 }
 
 /// `arbor replay RUN` on arbord: the replay (or rerun) queued, then
@@ -646,6 +652,11 @@ pub async fn submit(client: &Client, args: SubmitArgs) -> Outcome {
         budget,
         record: args.record,
         tenant: args.tenant.clone(),
+        on_ceiling: args.on_ceiling.as_deref().map(|c| match c {
+            "pause" => arbor_protocol::OnCeiling::Pause,
+            _ => arbor_protocol::OnCeiling::End,
+        }),
+        pause_timeout: args.pause_timeout.clone(),
     };
     let created = client
         .api
@@ -1150,6 +1161,21 @@ fn event_line(event: &Event) -> String {
             (true, None) => " accepted".into(),
             (false, None) => format!(" {} missing; the last group runs once more", missing.len()),
         },
+        EventKind::BudgetReached {
+            needs, deadline_ms, ..
+        } => format!(
+            " the run pauses at its ceiling: it needs {} tokens{} more (`arbor budget`), until {}",
+            needs.tokens,
+            match needs.usd_micros {
+                0 => String::new(),
+                micros => format!(" and {micros} micro-dollars"),
+            },
+            arbor_protocol::approval::rfc3339(*deadline_ms)
+        ),
+        EventKind::BudgetPauseEnded { expired: true } => {
+            " its deadline passed without a top-up: the waiting steps end".into()
+        }
+        EventKind::BudgetPauseEnded { expired: false } => " topped up: the run goes on".into(),
         EventKind::PeerQueued { from, to, .. } => format!(" {from} -> {to}"),
         EventKind::PeerDelivered { from, turn, .. } => format!(" from {from}, read in turn {turn}"),
         EventKind::RunStarted { .. }

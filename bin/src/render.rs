@@ -259,6 +259,16 @@ pub fn waiting(w: &arbor_protocol::WaitingView) -> String {
             "waiting for a person: step {label} was interrupted and may have acted outside \
              its workdir ({why}); `arbor continue {job}` runs it again"
         ),
+        WaitingView::Budget { needs, deadline_ms } => format!(
+            "paused at its ceiling: needs {} tokens{} more (`arbor budget RUN --add-tokens N`), \
+             until {}",
+            needs.tokens,
+            match needs.usd_micros {
+                0 => String::new(),
+                micros => format!(" and {micros} micro-dollars"),
+            },
+            arbor_protocol::approval::rfc3339(*deadline_ms)
+        ),
     }
 }
 

@@ -371,6 +371,23 @@ pub enum EventKind {
         label: String,
         why: String,
     },
+    /// The run reached its ceiling and pauses (`on_ceiling = "pause"`,
+    /// I-58): step `id` (none: the run, to start its next steps) waits for
+    /// a top-up of at least `needs` (what its next call or its steps asked
+    /// for beyond what is left), until `deadline_ms`, when it ends as it
+    /// would have without the pause. Durable before the run shows it; one
+    /// per waiter, each with the pause's one deadline.
+    BudgetReached {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        id: Option<JobId>,
+        needs: crate::Amount,
+        deadline_ms: u64,
+    },
+    /// The run's budget pause is over: a top-up let every waiter go on, or
+    /// its deadline passed (`expired`) and they ended as without it.
+    BudgetPauseEnded {
+        expired: bool,
+    },
 }
 
 impl EventKind {
@@ -420,7 +437,12 @@ impl EventKind {
                 ParentRef::Job(id) => Some(*id),
                 ParentRef::Run(_) => None,
             },
-            RunStarted { .. } | RunFinished { .. } | RunResumed { .. } | Recovered { .. } => None,
+            BudgetReached { id, .. } => *id,
+            RunStarted { .. }
+            | RunFinished { .. }
+            | RunResumed { .. }
+            | Recovered { .. }
+            | BudgetPauseEnded { .. } => None,
         }
     }
 }

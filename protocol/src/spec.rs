@@ -42,9 +42,16 @@ pub struct RunSpec {
     /// once more.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verify: Option<String>,
+    /// `on_ceiling = "pause"`: at its ceiling the run pauses for a top-up
+    /// (I-58) instead of ending, for at most this long; none: it ends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pause: Option<Duration>,
 }
 
 impl RunSpec {
+    /// How long a budget pause waits for a top-up unless told otherwise.
+    pub const PAUSE_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+
     /// The label of a run's reviewer job (`verify`), beside its steps'.
     pub const REVIEW_LABEL: &str = "review";
 
@@ -163,6 +170,7 @@ impl RunSpec {
             tenant: None,
             instructions: None,
             verify: None,
+            pause: None,
         }
     }
 }
@@ -183,6 +191,39 @@ pub struct FlowSpec {
     /// the last group round once more.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verify: Option<String>,
+    /// At the run's ceiling: `end` (the default) ends the run, `pause` waits
+    /// for a top-up (`POST /v1/runs/{id}/budget`) until `pause_timeout`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_ceiling: Option<OnCeiling>,
+    /// How long a pause waits for a top-up (humantime); 24 h if not said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pause_timeout: Option<String>,
+}
+
+/// What a run does at its ceiling.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum OnCeiling {
+    /// It ends, failed `budget_exhausted` (I-13).
+    End,
+    /// The step at it waits for a top-up, holding nothing (I-58).
+    Pause,
+}
+
+impl OnCeiling {
+    /// The run's `pause`: how long it may wait, or none when it ends.
+    pub fn pause(
+        on_ceiling: Option<OnCeiling>,
+        pause_timeout: Option<Duration>,
+    ) -> Result<Option<Duration>, String> {
+        match (on_ceiling, pause_timeout) {
+            (Some(OnCeiling::Pause), timeout) => {
+                Ok(Some(timeout.unwrap_or(RunSpec::PAUSE_TIMEOUT)))
+            }
+            (_, Some(_)) => Err("pause_timeout is for on_ceiling = \"pause\"".into()),
+            _ => Ok(None),
+        }
+    }
 }
 
 impl FlowSpec {
@@ -477,6 +518,7 @@ mod tests {
             tenant: None,
             instructions: None,
             verify: None,
+            pause: None,
         };
         assert_eq!(
             spec.step_labels(),

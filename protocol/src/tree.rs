@@ -157,6 +157,13 @@ pub enum WaitingView {
         label: String,
         why: String,
     },
+    /// The run reached its ceiling and pauses (`on_ceiling = "pause"`):
+    /// a top-up of at least `needs` lets its waiting steps go on; at
+    /// `deadline_ms` they end as they would have without the pause.
+    Budget {
+        needs: crate::Amount,
+        deadline_ms: u64,
+    },
 }
 
 impl WaitingView {
@@ -164,7 +171,9 @@ impl WaitingView {
     pub fn card(&self) -> Option<crate::CardId> {
         match self {
             WaitingView::Approval { card, .. } => Some(*card),
-            WaitingView::Retry { .. } | WaitingView::NeedsDecision { .. } => None,
+            WaitingView::Retry { .. }
+            | WaitingView::NeedsDecision { .. }
+            | WaitingView::Budget { .. } => None,
         }
     }
 }
@@ -580,6 +589,21 @@ impl Tree {
                     missing: missing.clone(),
                     failed: failed.clone(),
                 });
+            }
+            EventKind::BudgetReached {
+                needs, deadline_ms, ..
+            } => {
+                // What the latest waiter asked for: the least top-up
+                // after which the next step goes on.
+                self.root.waiting = Some(WaitingView::Budget {
+                    needs: *needs,
+                    deadline_ms: *deadline_ms,
+                });
+            }
+            EventKind::BudgetPauseEnded { .. } => {
+                if matches!(self.root.waiting, Some(WaitingView::Budget { .. })) {
+                    self.root.waiting = None;
+                }
             }
             EventKind::NeedsDecision { id, label, why } => {
                 let view = WaitingView::NeedsDecision {

@@ -1130,5 +1130,6 @@ fn continuation(
         tenant: origin.and_then(|s| s.tenant.clone()),
         instructions: origin.and_then(|s| s.instructions.clone()),
         verify: None,
+        pause: origin.and_then(|s| s.pause),
     }
 }

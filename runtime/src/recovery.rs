@@ -327,6 +327,9 @@ fn open_calls(entries: &[LedgerRecord]) -> (BTreeMap<JobId, u64>, u64, u64) {
             } => {
                 holds.insert(*child, *tokens);
             }
+            LedgerOp::Extend { child, amount } => {
+                *holds.entry(*child).or_default() += amount;
+            }
             LedgerOp::Release { child, .. } => {
                 holds.remove(child);
             }
@@ -574,6 +577,7 @@ fn recover_run(
     };
     let mut outcome = outcome;
     if let RunOutcome::Resume { spec, resume } = &mut outcome {
+        resume.pause_deadline_ms = pause_deadline(&history);
         // An interrupted rescue runs again as the rescue it was: its
         // rescuer, on the request it was given.
         for (label, job) in &resume.interrupted {
@@ -913,6 +917,16 @@ pub struct Reviewed {
 }
 
 /// The run's review, if it was made.
+/// The deadline of the budget pause a run was in when it stopped (I-58):
+/// the last `budget_reached` with no `budget_pause_ended` after it.
+pub fn pause_deadline(history: &[arbor_protocol::Event]) -> Option<u64> {
+    history.iter().fold(None, |open, event| match &event.kind {
+        EventKind::BudgetReached { deadline_ms, .. } => Some(*deadline_ms),
+        EventKind::BudgetPauseEnded { .. } => None,
+        _ => open,
+    })
+}
+
 pub fn reviews(history: &[arbor_protocol::Event]) -> Option<Reviewed> {
     history.iter().rev().find_map(|e| match &e.kind {
         EventKind::Reviewed {

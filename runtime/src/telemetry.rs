@@ -721,7 +721,9 @@ impl Spans {
             | EventKind::ModelFallback { .. }
             | EventKind::NeedsDecision { .. }
             | EventKind::IterationChecked { .. }
-            | EventKind::Reviewed { .. } => {}
+            | EventKind::Reviewed { .. }
+            | EventKind::BudgetReached { .. }
+            | EventKind::BudgetPauseEnded { .. } => {}
         }
     }
 

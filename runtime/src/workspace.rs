@@ -346,6 +346,7 @@ impl Workspace {
             .flatten();
         let timeout = parse_duration_arg("timeout", flow.timeout.as_deref())
             .map_err(|m| invalid(&path, m))?;
+        let pause = flow::pause(flow).map_err(|m| invalid(&path, m))?;
         let mut groups = flow.groups.clone();
         // The flow's `rerun_interrupted` is each step's that says nothing.
         if flow.rerun_interrupted {
@@ -365,6 +366,7 @@ impl Workspace {
             tenant: None,
             instructions: None,
             verify: flow.verify.clone(),
+            pause,
         })
         .map(|spec| self.recording(spec, self.config.record_models))
     }

@@ -42,6 +42,15 @@ pub struct SubmitRun {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(with = "String", length(min = 1))]
     pub tenant: Option<String>,
+    /// At the run's ceiling: `end`, or `pause` for a top-up (I-58); the
+    /// flow's if not given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_ceiling: Option<arbor_protocol::OnCeiling>,
+    /// How long a pause waits for a top-up (`90m`, `24h`); 24 h if not
+    /// said. Only with a pause.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "String", length(min = 1))]
+    pub pause_timeout: Option<String>,
 }
 
 /// Where to find a run.

@@ -354,6 +354,8 @@ impl Metrics {
             | EventKind::NeedsDecision { .. }
             | EventKind::IterationChecked { .. }
             | EventKind::Reviewed { .. }
+            | EventKind::BudgetReached { .. }
+            | EventKind::BudgetPauseEnded { .. }
             | EventKind::ModelFallback { .. }
             | EventKind::RunStarted { .. }
             | EventKind::RunResumed { .. }

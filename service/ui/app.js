@@ -23,6 +23,7 @@ function waitingText(w) {
   if (w.reason === "approval" && w.tool === "ask_person") return " · waits for a person's answer";
   if (w.reason === "approval") return ` · waits for approval of ${w.tool}`;
   if (w.reason === "needs_decision") return ` · waits for a person to continue ${w.label} or stop the run: ${w.why}`;
+  if (w.reason === "budget") return ` · paused at its ceiling: needs ${w.needs.tokens} tokens${w.needs.usd_micros ? ` and ${w.needs.usd_micros} micro-dollars` : ""} more (top it up below) until ${new Date(w.deadline_ms).toLocaleString()}`;
   return ` · waits: ${w.reason}`;
 }
 
@@ -386,7 +387,8 @@ function drawRun() {
   $("run-facts").textContent =
     `${int(nodes)} steps and jobs: ${counts.running} running, ${counts.done} done, ${counts.failed} failed, ${counts.stopped} stopped. ` +
     (root.started_at_ms ? `Took ${took(root)}.` : "Not started.") +
-    (root.reason ? ` ${root.reason}` : "");
+    (root.reason ? ` ${root.reason}` : "") +
+    (["done", "failed", "stopped"].includes(root.status) ? "" : waitingText(root.waiting));
   $("run-money").replaceChildren(
     el("span", { text: "Tokens " }),
     bar(root.account, "tokens"),
@@ -536,6 +538,7 @@ const EVENT_KINDS = {
   approval_requested: "turn", approval_expiring: "name", approval_decided: "turn",
   retry_waiting: "line", needs_decision: "line", model_fallback: "turn",
   peer_queued: "name", peer_delivered: "turn", iteration_checked: "line", reviewed: "line",
+  budget_reached: "line", budget_pause_ended: "line",
 };
 
 // One line per event: its index, its kind and whose it is.
@@ -554,6 +557,8 @@ function describe(event) {
     needs_decision: () => ` ${k.label} waits for a person: ${k.why}`,
     retry_waiting: () => ` ${k.label} failed (${k.class}): attempt ${k.attempt} at ${new Date(k.until_ms).toISOString()}`,
     iteration_checked: () => ` ${k.label} iteration ${k.iteration} ${k.passed ? "passed" : k.ended ? `did not pass; the loop ends: ${k.ended}` : "did not pass; it runs again"}`,
+    budget_reached: () => ` the run pauses at its ceiling: the next step needs ${k.needs.tokens} tokens more`,
+    budget_pause_ended: () => k.expired ? " the pause's deadline passed without a top-up" : " topped up: the run goes on",
     reviewed: () => k.failed ? ` not reviewed: ${k.failed}` : k.accept ? " accepted" : ` missing: ${(k.missing ?? []).join("; ")}; the last group runs once more`,
   }[k.type];
   const known = k.type in EVENT_KINDS ? "" : " (a kind this console does not know)";

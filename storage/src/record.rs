@@ -106,8 +106,13 @@ pub enum LedgerOp {
     CallSettle { reserved: u64, spent: u64 },
     /// The account closed with this final spent.
     Close { spent: u64 },
-    /// The account's grant grew by this: a run's ceiling topped up (I-58).
+    /// The account's grant grew by this: a run's ceiling topped up (I-58),
+    /// or a paused step's grant extended from it.
     Grow { amount: u64 },
+    /// A held child's grant extended by this, from what the account has
+    /// available: a step that paused at the run's ceiling goes on with its
+    /// share of a top-up (I-58). Folds into the child's hold.
+    Extend { child: JobId, amount: u64 },
 }
 
 /// One account's entries of `unit`, in order.
@@ -314,7 +319,7 @@ pub fn ledger_totals(entries: &[LedgerRecord], unit: Unit) -> LedgerTotals {
         match entry.op {
             LedgerOp::Open { grant } => totals.grant = totals.grant.saturating_add(grant),
             LedgerOp::Grow { amount } => totals.grant = totals.grant.saturating_add(amount),
-            LedgerOp::Hold { child, amount } => {
+            LedgerOp::Hold { child, amount } | LedgerOp::Extend { child, amount } => {
                 let held = holds.entry(child).or_default();
                 *held = held.saturating_add(amount);
             }

@@ -273,6 +273,27 @@ test("answer an agent's question from its job's page", async () => {
   await page.context().close();
 });
 
+test("a run paused at its ceiling says so, and a top-up from the page lets it finish", async () => {
+  const page = await newPage();
+  const { id } = await node.api("POST", "/v1/runs", { flow: "pause" });
+  const paused = await until("the run to pause at its ceiling", async () => {
+    const doc = await node.api("GET", `/v1/runs/${id}`);
+    return doc.run.waiting?.reason === "budget" && doc.run.waiting;
+  });
+  await login(page, node.base, node.token);
+  await page.goto(`${node.base}/ui#/runs/${id}`);
+  await page.locator("#run-facts", { hasText: `paused at its ceiling: needs ${paused.needs.tokens} tokens` }).waitFor();
+  await page.getByLabel("Tokens to add to its ceiling").fill(String(paused.needs.tokens + 1000));
+  await page.getByRole("button", { name: "Top up" }).click();
+  await page.locator("#run-title", { hasText: "done" }).waitFor();
+  const doc = await node.api("GET", `/v1/runs/${id}`);
+  assert.equal(doc.run.status, "done");
+  assert.equal(doc.run.account.grant, 1000 + paused.needs.tokens + 1000);
+  assert.equal(doc.run.waiting, undefined, "no longer paused");
+  assert.doesNotMatch(await page.locator("#run-facts").innerText(), /paused/);
+  await page.context().close();
+});
+
 test("the node view says what `arbor status` says", async () => {
   const page = await newPage();
   await login(page, node.base, node.token);

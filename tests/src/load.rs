@@ -216,6 +216,8 @@ impl HttpLoad {
                     budget: None,
                     record: false,
                     tenant: None,
+                    on_ceiling: None,
+                    pause_timeout: None,
                 };
                 let started = Instant::now();
                 let created = client.submit(&run, None).await.unwrap();

@@ -665,3 +665,183 @@ async fn inv_58_a_top_up_is_a_journaled_grant_and_every_account_balances() {
     node.wait_run(run).await;
     node.assert_conserved(run);
 }
+
+/// A step that spends the whole run on its first call, then calls twice
+/// more; its run pauses at its ceiling (`on_ceiling = "pause"`).
+fn paused_workspace(pause_timeout: &str) -> (String, String) {
+    let spender = agent_md(
+        "script:\n  - usage: {input: 100, output: 900}\n    call: {tool: collect, args: {}}\n  - usage: {input: 10, output: 10}\n    call: {tool: collect, args: {}}\n  - usage: {input: 10, output: 10}\n    call: {tool: submit_output, args: {output: finished}}",
+    );
+    let flow = format!(
+        "budget = {{ tokens = 1000 }}\non_ceiling = \"pause\"\npause_timeout = \"{pause_timeout}\"\n[[group]]\nsteps = [{{ agent = \"spender\", instruction = \"spend\" }}]\n"
+    );
+    (spender, flow)
+}
+
+async fn paused_node(pause_timeout: &str) -> TestNode {
+    let (spender, flow) = paused_workspace(pause_timeout);
+    TestNode::start_workspace(
+        None,
+        &[("spender", &spender)],
+        &[("work", &flow)],
+        Arc::new(DefaultModels),
+    )
+    .await
+}
+
+fn paused(tree: &arbor_protocol::Tree) -> Option<(Amount, u64)> {
+    match tree.head().waiting {
+        Some(arbor_protocol::WaitingView::Budget { needs, deadline_ms }) => {
+            Some((needs, deadline_ms))
+        }
+        _ => None,
+    }
+}
+
+/// A `budget_reached` event's fields: who waits, for how much, until when.
+type Reached = (Option<JobId>, Amount, u64);
+
+/// The run's `budget_reached` events, and each `budget_pause_ended`'s `expired`.
+fn pause_events(node: &TestNode, run: RunId) -> (Vec<Reached>, Vec<bool>) {
+    let mut reached = vec![];
+    let mut ended = vec![];
+    for event in node.events(run) {
+        match event.kind {
+            EventKind::BudgetReached {
+                id,
+                needs,
+                deadline_ms,
+            } => reached.push((id, needs, deadline_ms)),
+            EventKind::BudgetPauseEnded { expired } => ended.push(expired),
+            _ => {}
+        }
+    }
+    (reached, ended)
+}
+
+#[tokio::test]
+async fn inv_58_a_run_paused_at_its_ceiling_holds_nothing_and_completes_balanced_after_a_top_up() {
+    let node = paused_node("1h").await;
+    let run = node.run_flow("work").await;
+    let tree = node.wait_until(run, |t| paused(t).is_some()).await;
+    let (needs, deadline_ms) = paused(&tree).unwrap();
+    let step = tree.nodes().map(|(id, _)| id).next().unwrap();
+    let step_node = tree.nodes().next().unwrap().1;
+    assert_eq!(
+        step_node.status,
+        Status::Running,
+        "the step waits, not ended"
+    );
+    assert_eq!(step_node.account.held, 0, "a paused step holds nothing");
+    assert_eq!(tree.root().account.spent + step_node.account.spent, 1_000);
+    assert!(
+        needs.tokens > 0,
+        "it says what the next call needs: {needs:?}"
+    );
+    let now = arbor_actors::events::now_ms();
+    assert!(deadline_ms > now + 3_500_000 && deadline_ms <= now + 3_600_000);
+    let (reached, ended) = pause_events(&node, run);
+    assert_eq!(reached, [(Some(step), needs, deadline_ms)]);
+    assert!(ended.is_empty());
+    node.assert_conserved(run);
+
+    // Less than it needs lets nothing go on: it waits, in balance.
+    let short = Amount {
+        tokens: needs.tokens - 1,
+        usd_micros: 0,
+    };
+    node.node().top_up(run, short, None).await.unwrap();
+    let tree = node
+        .wait_until(run, |t| t.root().account.grant == 1_000 + short.tokens)
+        .await;
+    assert!(paused(&tree).is_some(), "still paused: {:?}", tree.head());
+    node.assert_conserved(run);
+
+    let rest = Amount {
+        tokens: 5_000,
+        usd_micros: 0,
+    };
+    node.node().top_up(run, rest, None).await.unwrap();
+    let tree = node.wait_run(run).await;
+    let root = tree.root();
+    assert_eq!(root.status, Status::Done, "{:?}", root.reason);
+    assert_eq!(root.output, serde_json::json!("finished"));
+    assert_eq!(root.account.grant, 1_000 + short.tokens + rest.tokens);
+    assert!(root.account.spent <= root.account.grant);
+    assert!(tree.head().waiting.is_none());
+    let (reached, ended) = pause_events(&node, run);
+    assert_eq!(reached.len(), 1);
+    assert_eq!(ended, [false], "the pause ended with the top-up");
+    // The step's grant was extended from the root, by a journaled entry on each side.
+    let extended: u64 = node
+        .ledger(ParentRef::Run(run))
+        .iter()
+        .filter_map(|e| match e.op {
+            arbor_storage::LedgerOp::Extend { child, amount } if child == step => Some(amount),
+            _ => None,
+        })
+        .sum();
+    assert_eq!(
+        extended,
+        short.tokens + rest.tokens,
+        "all it had went to the one waiter"
+    );
+    node.assert_conserved(run);
+}
+
+#[tokio::test]
+async fn inv_58_a_pause_that_expires_ends_the_run_as_it_would_have_without_it() {
+    let node = paused_node("300ms").await;
+    let run = node.run_flow("work").await;
+    let tree = node.wait_run(run).await;
+    let root = tree.root();
+    assert_eq!(root.status, Status::Failed);
+    assert_eq!(root.error_class, Some(ErrorClass::BudgetExhausted), "I-13");
+    let (reached, ended) = pause_events(&node, run);
+    assert_eq!(reached.len(), 1, "it did pause");
+    assert_eq!(ended, [true], "and its deadline ended the pause");
+    assert_eq!(root.account.grant, 1_000, "nothing was added");
+    node.assert_conserved(run);
+}
+
+#[tokio::test]
+async fn inv_58_a_stop_during_a_pause_ends_the_run_at_once() {
+    let node = paused_node("1h").await;
+    let run = node.run_flow("work").await;
+    node.wait_until(run, |t| paused(t).is_some()).await;
+    node.stop_run(run).await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.root().status, Status::Stopped);
+    assert!(tree.head().waiting.is_none());
+    assert!(tree.nodes().all(|(_, n)| n.status.is_terminal()));
+    node.assert_conserved(run);
+}
+
+#[tokio::test]
+async fn inv_58_a_pause_and_its_deadline_survive_a_kill_and_a_top_up_then_completes_it() {
+    let node = paused_node("1h").await;
+    let run = node.run_flow("work").await;
+    let tree = node.wait_until(run, |t| paused(t).is_some()).await;
+    let (_, deadline_ms) = paused(&tree).unwrap();
+    let node = node.crash_and_restart().await;
+    // Resumed, it pauses again where it was: its step (run again) cannot
+    // start on what is left, and the deadline is the one it had.
+    let tree = node.wait_until(run, |t| paused(t).is_some()).await;
+    assert_eq!(
+        paused(&tree).unwrap().1,
+        deadline_ms,
+        "the deadline survived"
+    );
+    let (reached, _) = pause_events(&node, run);
+    assert!(reached.iter().all(|(_, _, d)| *d == deadline_ms));
+    node.assert_conserved(run);
+    let more = Amount {
+        tokens: 20_000,
+        usd_micros: 0,
+    };
+    node.node().top_up(run, more, None).await.unwrap();
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.root().status, Status::Done, "{:?}", tree.root().reason);
+    assert_eq!(tree.root().account.grant, 21_000);
+    node.assert_conserved(run);
+}

@@ -86,8 +86,9 @@ fn model_called(
 }
 
 pub(super) enum CallEnd {
-    /// The account cannot cover the next call (I-13).
-    Budget(Refusal),
+    /// The account cannot cover the next call (I-13); what more it needs
+    /// to (zero unless the job may pause for it: `LoopArgs::payer`).
+    Budget(Refusal, Amount),
     /// The call failed for good, or the job is stopping.
     Failed(LoopOutcome),
 }
@@ -472,7 +473,13 @@ async fn reserve(
         reply,
     }) {
         Ok(Ok(hold)) => hold,
-        Ok(Err(refusal)) => return Err(CallEnd::Budget(refusal)),
+        Ok(Err(refusal)) => {
+            let needs = match &args.payer {
+                Some(_) => shortfall(args, info, input_estimate, max_output_limit).await,
+                None => Amount::ZERO,
+            };
+            return Err(CallEnd::Budget(refusal, needs));
+        }
         Err(_) => {
             let why = "the account is gone".to_string();
             return Err(CallEnd::Failed(LoopOutcome::failed(
@@ -487,6 +494,33 @@ async fn reserve(
         return Err(CallEnd::Failed(journal_failed(e, turn)));
     }
     Ok(hold)
+}
+
+/// What the call's full worst case needs beyond what its account has
+/// available: the least top-up after which it goes out as asked. Zero in
+/// a unit that is not short, and in all when no top-up can help (a usd
+/// ceiling on a model without a price).
+async fn shortfall(
+    args: &LoopArgs,
+    info: &ModelInfo,
+    input_estimate: u64,
+    max_output_limit: u64,
+) -> Amount {
+    let Ok((tokens, usd)) = ractor::call!(args.account, |reply| AccountMsg::Available { reply })
+    else {
+        return Amount::ZERO;
+    };
+    let usd_micros = match (usd, info.price) {
+        (Some(_), None) => return Amount::ZERO,
+        (Some(available), Some(price)) => price
+            .micros(input_estimate, max_output_limit)
+            .saturating_sub(available),
+        (None, _) => 0,
+    };
+    Amount {
+        tokens: (input_estimate + max_output_limit).saturating_sub(tokens),
+        usd_micros,
+    }
 }
 
 /// The call's span in its run's trace (OpenTelemetry's GenAI names).

@@ -131,6 +131,9 @@ pub struct LoopArgs {
     /// Its children's ends it was answered on before they were durable, and
     /// its events after them: told (`Held::release`) before it acts outside.
     pub held: crate::ends::Held,
+    /// A step of a run that pauses at its ceiling (`on_ceiling = "pause"`):
+    /// its run, asked for a top-up when a call is refused (I-58).
+    pub payer: Option<crate::parent::Payer>,
 }
 
 /// What a job's interrupted attempts leave the attempt that takes over

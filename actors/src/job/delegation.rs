@@ -462,6 +462,7 @@ impl JobState {
     ) -> Result<ChildHandle, String> {
         let meter = SpentMeter::default();
         let start = JobStart {
+            payer: None,
             ctx: self.ctx.clone(),
             run_ctx: self.run_ctx.clone(),
             lineage: Lineage {

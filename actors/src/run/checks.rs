@@ -145,3 +145,52 @@ pub fn command_found(command: &str, outcome: crate::sandbox::ExecOutcome) -> Fou
         failed: None,
     }
 }
+
+/// A run's budget pause (`on_ceiling = "pause"`, I-58): who waits for a
+/// top-up, in order, and until when. `S` is a step about to start.
+pub struct Pause<S> {
+    /// In the order they reached the ceiling: each goes on only after
+    /// every one before it has (`pause::serve`).
+    pub waiters: std::collections::VecDeque<Waiter<S>>,
+    /// The open pause's deadline (ms since the Unix epoch) and its timer.
+    pub open: Option<(u64, crate::timer::Timer)>,
+    /// The deadline of a pause a restart found open: the next pause keeps
+    /// it, until a top-up (a pause's deadline is its own, not a restart's).
+    pub kept_deadline: Option<u64>,
+    /// What was left of the run's wall cap when it paused (I-59: a pause
+    /// is not working time; its own deadline bounds it).
+    pub wall_left: Option<Duration>,
+    /// When the wall cap last started counting.
+    pub wall_since: Option<std::time::Instant>,
+}
+
+impl<S> Default for Pause<S> {
+    fn default() -> Self {
+        Self {
+            waiters: Default::default(),
+            open: None,
+            kept_deadline: None,
+            wall_left: None,
+            wall_since: None,
+        }
+    }
+}
+
+/// One waiter of a budget pause.
+pub enum Waiter<S> {
+    /// A step whose next call its ceiling refused.
+    Step(crate::parent::BudgetWait),
+    /// Steps the run could not grant anything to start (a group, a
+    /// judge, a reviewer, a retry), and at least what they need.
+    Start(Vec<S>, Amount),
+}
+
+impl<S> Waiter<S> {
+    /// The step that waits; none for steps not started.
+    pub fn job(&self) -> Option<arbor_protocol::JobId> {
+        match self {
+            Waiter::Step(wait) => Some(wait.job),
+            Waiter::Start(..) => None,
+        }
+    }
+}

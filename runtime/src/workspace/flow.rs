@@ -6,6 +6,13 @@ use arbor_protocol::{AgentDef, FlowSpec};
 use std::collections::BTreeMap;
 use std::path::Path;
 
+/// The flow's budget pause (`on_ceiling`, `pause_timeout`): how long its
+/// runs may wait for a top-up, or none if they end at their ceiling.
+pub(super) fn pause(flow: &FlowSpec) -> Result<Option<std::time::Duration>, String> {
+    let timeout = parse_duration_arg("pause_timeout", flow.pause_timeout.as_deref())?;
+    arbor_protocol::OnCeiling::pause(flow.on_ceiling, timeout)
+}
+
 pub(super) fn parse_flow(
     name: &str,
     text: &str,
@@ -19,6 +26,7 @@ pub(super) fn parse_flow(
         budget.usd_micros().map_err(|m| invalid(path, m))?;
     }
     parse_duration_arg("timeout", flow.timeout.as_deref()).map_err(|m| invalid(path, m))?;
+    pause(&flow).map_err(|m| invalid(path, m))?;
     if flow.groups.is_empty() {
         return Err(invalid(
             path,

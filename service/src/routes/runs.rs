@@ -12,6 +12,7 @@ use crate::extract::{JsonBody, Path, Query};
 use crate::forward::{self, Forwarded};
 use aide::axum::ApiRouter;
 use aide::axum::routing::{get_with, post_with};
+use arbor_protocol::OnCeiling;
 use arbor_protocol::{RunId, RunSpec, Status, Tree};
 use arbor_runtime::LoadError;
 use axum::Json;
@@ -311,7 +312,14 @@ fn resolve(shared: &Shared, body: &SubmitRun, tenant: &str) -> Result<RunSpec, A
         Some(micros) => ws.with_usd_ceiling(spec, micros).map_err(load)?,
         None => spec,
     };
-    let spec = ws.for_tenant(tenant, spec).map_err(load)?;
+    let mut spec = ws.for_tenant(tenant, spec).map_err(load)?;
+    // A submission's `on_ceiling` and `pause_timeout` stand for the flow's.
+    let timeout =
+        arbor_protocol::tools::parse_duration_arg("pause_timeout", body.pause_timeout.as_deref())
+            .map_err(ApiError::bad_request)?;
+    let on_ceiling = body.on_ceiling.or(spec.pause.map(|_| OnCeiling::Pause));
+    let timeout = timeout.or(spec.pause.filter(|_| on_ceiling == Some(OnCeiling::Pause)));
+    spec.pause = OnCeiling::pause(on_ceiling, timeout).map_err(ApiError::bad_request)?;
     // `record` adds to arbor.toml's `[record] models`, never turns it off.
     Ok(if body.record {
         ws.recording(spec, true)
