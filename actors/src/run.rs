@@ -403,6 +403,7 @@ impl Actor for Run {
                 state.checking.insert(label, check.envelope.job);
             }
             state.start_group(&myself).await;
+            state.resumed_pause_over();
             for check in checks {
                 let label = check.envelope.label.clone().unwrap_or_default();
                 match check.judged {

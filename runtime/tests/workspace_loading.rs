@@ -1545,3 +1545,47 @@ fn loops_and_reviewers_are_checked_at_load() {
         .unwrap();
     assert_eq!(spec.verify.as_deref(), Some("planner"));
 }
+
+#[test]
+fn a_budget_pause_is_checked_at_load() {
+    let with = |keys: &str| format!("{keys}\n{FLOW}");
+    for (keys, words) in [
+        (
+            "on_ceiling = \"wait\"",
+            "unknown variant `wait`, expected `end` or `pause`",
+        ),
+        (
+            "pause_timeout = \"1h\"",
+            "pause_timeout is for on_ceiling = \"pause\"",
+        ),
+        (
+            "on_ceiling = \"end\"\npause_timeout = \"1h\"",
+            "pause_timeout is for on_ceiling = \"pause\"",
+        ),
+        (
+            "on_ceiling = \"pause\"\npause_timeout = \"soon\"",
+            "pause_timeout: bad duration \"soon\"",
+        ),
+    ] {
+        let message = workspace(None, &with(keys)).unwrap_err().to_string();
+        assert!(message.contains(words), "{keys}: {message}");
+        assert!(message.starts_with("flows/research.toml: "), "{message}");
+    }
+    let spec = |keys: &str| {
+        workspace(None, &with(keys))
+            .unwrap()
+            .flow_run("research", None)
+            .unwrap()
+    };
+    assert_eq!(spec("").pause, None, "a run ends at its ceiling by default");
+    assert_eq!(spec("on_ceiling = \"end\"").pause, None);
+    assert_eq!(
+        spec("on_ceiling = \"pause\"").pause,
+        Some(std::time::Duration::from_secs(24 * 3600)),
+        "a pause waits 24 h unless told"
+    );
+    assert_eq!(
+        spec("on_ceiling = \"pause\"\npause_timeout = \"90m\"").pause,
+        Some(std::time::Duration::from_secs(90 * 60))
+    );
+}

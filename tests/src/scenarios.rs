@@ -526,3 +526,40 @@ pub fn topped_up_run() -> Scenario {
         })
     })
 }
+
+/// A run that pauses at its ceiling (I-58) and is topped up while it
+/// waits, crashed at every commit point: the pause and the top-up among
+/// them. A run the crash left paused is topped up on the recovered node.
+pub fn paused_run() -> Scenario {
+    let spender = agent_md(
+        "script:\n  - usage: {input: 100, output: 900}\n    call: {tool: collect, args: {}}\n  - usage: {input: 10, output: 10}\n    call: {tool: submit_output, args: {output: finished}}",
+    );
+    Scenario::flow_texts(
+        None,
+        &[("spender", &spender)],
+        &[(
+            "paused",
+            "budget = { tokens = 1000 }\non_ceiling = \"pause\"\n[[group]]\nsteps = [{ agent = \"spender\", instruction = \"spend\", retries = 100 }]\n",
+        )],
+        "paused",
+    )
+    .during(top_up_when_paused)
+    .after_restart(top_up_when_paused)
+}
+
+/// Once the run pauses at its ceiling (or has ended), a top-up of 20,000 tokens.
+fn top_up_when_paused(node: &TestNode, run: RunId) -> BoxFuture<'_, ()> {
+    Box::pin(async move {
+        node.wait_until(run, |t| {
+            t.run_status().is_terminal()
+                || matches!(t.head().waiting, Some(WaitingView::Budget { .. }))
+        })
+        .await;
+        let amount = arbor_protocol::Amount {
+            tokens: 20_000,
+            usd_micros: 0,
+        };
+        // Refused once the run has ended: part of the workload.
+        let _ = node.node().top_up(run, amount, None).await;
+    })
+}

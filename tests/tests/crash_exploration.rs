@@ -580,3 +580,47 @@ async fn inv_58_every_commit_point_of_a_top_up_keeps_the_grant_once() {
         "no case kept its top-up: {report}"
     );
 }
+
+/// I-56 and I-58 at every commit point of a budget pause and its top-up,
+/// killed and powered off: the run ends done, paused at most where it
+/// was, its root grant what its ledger's top-ups add up to (the checks
+/// balance every account), and no pause left open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inv_58_every_commit_point_of_a_pause_keeps_it_until_a_top_up() {
+    static PAUSED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let scenario = arbor_tests::scenarios::paused_run();
+    let report = explore_crashes(&scenario, |node, run| {
+        ended_done(node, run)?;
+        let grows = node
+            .ledger(arbor_protocol::ParentRef::Run(run))
+            .iter()
+            .filter(|e| matches!(e.op, arbor_storage::LedgerOp::Grow { .. }))
+            .count() as u64;
+        let grant = node.tree(run).root().account.grant;
+        if grows == 0 || grant != 1_000 + 20_000 * grows {
+            return Err(format!("the root grant is {grant} after {grows} top-ups"));
+        }
+        let deadlines: std::collections::BTreeSet<u64> = node
+            .events(run)
+            .iter()
+            .filter_map(|e| match e.kind {
+                arbor_protocol::EventKind::BudgetReached { deadline_ms, .. } => Some(deadline_ms),
+                _ => None,
+            })
+            .collect();
+        if deadlines.len() > 1 {
+            return Err(format!(
+                "a restart moved the pause's deadline: {deadlines:?}"
+            ));
+        }
+        PAUSED.fetch_add(deadlines.len(), std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    })
+    .await;
+    println!("{report}");
+    assert!(report.crashed > 0, "no case crashed: {report}");
+    assert!(
+        PAUSED.load(std::sync::atomic::Ordering::Relaxed) > 0,
+        "no case paused: {report}"
+    );
+}

@@ -2054,3 +2054,55 @@ async fn inv_58_a_top_up_over_http_raises_the_ceiling_and_bad_ones_change_nothin
     let (status, reply) = svc.post_json(&path, json!({"tokens": 5})).await;
     assert_eq!(status, 409, "{reply}");
 }
+
+#[tokio::test]
+async fn inv_58_a_submission_that_pauses_at_its_ceiling_shows_it_and_a_top_up_over_http_finishes_it()
+ {
+    let svc = TestService::start(texts()).await;
+    for (body, words) in [
+        (
+            json!({"agent": "quick", "input": "hi", "on_ceiling": "sometimes"}),
+            "unknown variant `sometimes`",
+        ),
+        (
+            json!({"agent": "quick", "input": "hi", "pause_timeout": "1h"}),
+            "pause_timeout is for on_ceiling = \\\"pause\\\"",
+        ),
+        (
+            json!({"agent": "quick", "input": "hi", "on_ceiling": "pause", "pause_timeout": "soon"}),
+            "pause_timeout: bad duration",
+        ),
+    ] {
+        let (status, reply) = svc.post_json("/v1/runs", body.clone()).await;
+        assert!(status == 400 || status == 422, "{body}: {status} {reply}");
+        assert!(reply.to_string().contains(words), "{body}: {reply}");
+    }
+    let (_, listed) = svc.get_json("/v1/runs").await;
+    assert_eq!(
+        listed["runs"].as_array().map(Vec::len),
+        Some(0),
+        "refusals start nothing"
+    );
+    // Ten tokens cannot pay for its first call: it pauses instead of failing.
+    let run = svc
+        .submit(json!({"agent": "quick", "input": "hi", "budget": {"tokens": 10}, "on_ceiling": "pause"}))
+        .await;
+    let seen = svc
+        .events_until(run, None, |e| e["kind"]["type"] == "budget_reached")
+        .await;
+    assert_eq!(seen.last().unwrap().1["kind"]["type"], "budget_reached");
+    let (_, doc) = svc.get_json(&format!("/v1/runs/{run}")).await;
+    assert_eq!(doc["run"]["status"], "running", "{doc}");
+    let waiting = doc["run"]["waiting"].clone();
+    assert_eq!(waiting["reason"], "budget", "{doc}");
+    let needs = waiting["needs"]["tokens"].as_u64().unwrap();
+    assert!(needs > 10, "{waiting}");
+    let (status, topped) = svc
+        .post_json(&format!("/v1/runs/{run}/budget"), json!({"tokens": needs}))
+        .await;
+    assert_eq!(status, 200, "{topped}");
+    let doc = svc.wait_run(run).await;
+    assert_eq!(doc["run"]["status"], "done", "{doc}");
+    assert_eq!(doc["run"]["account"]["grant"], 10 + needs);
+    assert!(doc["run"]["waiting"].is_null(), "{doc}");
+}

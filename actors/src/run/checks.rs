@@ -1,6 +1,7 @@
 //! What a step's loop (`until`) keeps and what its checks find, as data:
 //! its state by label, a check a restart found unmade, a finding from a
-//! judge's answer or a command's end (`looping` acts on them).
+//! judge's answer or a command's end (`looping` acts on them); and a run's
+//! budget pause, its waiters and deadline (`pause` acts on it).
 
 use arbor_protocol::{Amount, JudgeVerdict, ResultEnvelope, Status, VerdictKind};
 use std::time::Duration;

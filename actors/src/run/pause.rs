@@ -257,6 +257,17 @@ impl RunState {
         }
     }
 
+    /// A run resumed in a pause whose steps could start after all (a
+    /// top-up came before the crash): the pause is over, and said so.
+    pub(super) fn resumed_pause_over(&mut self) {
+        if self.pause.kept_deadline.is_some() && self.pause.waiters.is_empty() {
+            self.pause.kept_deadline = None;
+            self.ctx
+                .events
+                .emit(self.id, EventKind::BudgetPauseEnded { expired: false });
+        }
+    }
+
     /// Whether the run is paused: its wall cap is not counting.
     pub(super) fn paused(&self) -> bool {
         self.pause.open.is_some()
