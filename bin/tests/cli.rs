@@ -917,3 +917,62 @@ fn arbor_run_in_a_terminal_asks_its_question_there() {
     );
     assert!(text.contains("answered: blue"), "{text}");
 }
+
+/// I-58: `arbor run` pauses at its run's ceiling only when a person at a
+/// terminal can top it up: through a pty, a line that is not an amount is
+/// refused and asked again, then the top-up lets the run finish; with no
+/// terminal on stdin the same run ends at its ceiling, as without a pause.
+#[test]
+fn arbor_run_pauses_at_its_ceiling_only_at_a_terminal_and_asks_for_the_top_up_there() {
+    use std::io::Write;
+    let ws = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(ws.path().join("agents/spender")).unwrap();
+    std::fs::create_dir_all(ws.path().join("flows")).unwrap();
+    std::fs::write(
+        ws.path().join("agents/spender/agent.md"),
+        "---\nscript:\n  - usage: {input: 100, output: 900}\n    call: {tool: collect, args: {}}\n  - usage: {input: 10, output: 10}\n    call: {tool: submit_output, args: {output: spent}}\n---\nYou spend.\n",
+    )
+    .unwrap();
+    std::fs::write(
+        ws.path().join("flows/spend.toml"),
+        "budget = { tokens = 1000 }\non_ceiling = \"pause\"\n[[group]]\nsteps = [{ agent = \"spender\", instruction = \"spend\" }]\n",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_arbor"))
+        .args(["run", ws.path().to_str().unwrap(), "--json", "--data-dir"])
+        .arg(ws.path().join("piped"))
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_ne!(out.status.code(), Some(0));
+    assert_eq!(doc["run"]["status"], "failed", "{doc}");
+    assert_eq!(doc["run"]["error_class"], "budget_exhausted", "{doc}");
+
+    let command = format!(
+        "{} run {} --json --data-dir {}",
+        env!("CARGO_BIN_EXE_arbor"),
+        ws.path().display(),
+        ws.path().join("terminal").display()
+    );
+    let mut child = Command::new("script")
+        .args(["-qfec", &command, "/dev/null"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("script (util-linux) runs");
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(b"lots\n50000\n").unwrap();
+    let out = child.wait_with_output().unwrap();
+    drop(stdin);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(text.contains("the run paused at its ceiling"), "{text}");
+    assert!(text.contains("`lots` is not a number of tokens"), "{text}");
+    assert!(
+        text.contains("topped up: the run's grant is 51000 tokens"),
+        "{text}"
+    );
+    assert!(text.contains("\"status\": \"done\""), "{text}");
+}
