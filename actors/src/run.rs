@@ -103,6 +103,8 @@ pub struct Resume {
     pub before_last: Vec<(String, serde_json::Value)>,
     /// The deadline of a budget pause it was in (I-58): kept by the next.
     pub pause_deadline_ms: Option<u64>,
+    /// A pause of its expired: it pauses no more.
+    pub pause_expired: bool,
 }
 
 /// A step's failed attempt, as its rescuer is told of it.
@@ -317,6 +319,10 @@ impl Actor for Run {
                     .with_instructions(args.spec.instructions.as_deref()),
             ),
             labels: args.spec.step_labels(),
+            spec: RunSpec {
+                pause: args.spec.pause.filter(|_| !resume.pause_expired),
+                ..args.spec
+            },
             attempts: if resume_given {
                 resume.attempts
             } else {
@@ -329,7 +335,6 @@ impl Actor for Run {
             },
             ctx,
             id: args.id,
-            spec: args.spec,
             account,
             meter,
             group: resume.group,

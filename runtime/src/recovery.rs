@@ -577,7 +577,7 @@ fn recover_run(
     };
     let mut outcome = outcome;
     if let RunOutcome::Resume { spec, resume } = &mut outcome {
-        resume.pause_deadline_ms = pause_deadline(&history);
+        (resume.pause_deadline_ms, resume.pause_expired) = pause_at(&history);
         // An interrupted rescue runs again as the rescue it was: its
         // rescuer, on the request it was given.
         for (label, job) in &resume.interrupted {
@@ -917,14 +917,17 @@ pub struct Reviewed {
 }
 
 /// The run's review, if it was made.
-/// The deadline of the budget pause a run was in when it stopped (I-58):
-/// the last `budget_reached` with no `budget_pause_ended` after it.
-pub fn pause_deadline(history: &[arbor_protocol::Event]) -> Option<u64> {
-    history.iter().fold(None, |open, event| match &event.kind {
-        EventKind::BudgetReached { deadline_ms, .. } => Some(*deadline_ms),
-        EventKind::BudgetPauseEnded { .. } => None,
-        _ => open,
-    })
+/// Where a run's budget pause was when it stopped (I-58): the deadline of
+/// an open one (the last `budget_reached` with no `budget_pause_ended`
+/// after it), and whether one expired (the run pauses no more).
+pub fn pause_at(history: &[arbor_protocol::Event]) -> (Option<u64>, bool) {
+    history
+        .iter()
+        .fold((None, false), |(open, expired), event| match &event.kind {
+            EventKind::BudgetReached { deadline_ms, .. } => (Some(*deadline_ms), expired),
+            EventKind::BudgetPauseEnded { expired: now } => (None, expired || *now),
+            _ => (open, expired),
+        })
 }
 
 pub fn reviews(history: &[arbor_protocol::Event]) -> Option<Reviewed> {

@@ -232,6 +232,9 @@ impl RunState {
         }
         self.pause.kept_deadline = None;
         self.end_pause(myself, true);
+        // From here the run is as it would have been without the pause: at
+        // its ceiling again, it ends.
+        self.spec.pause = None;
         if unstarted && self.finish.is_none() {
             self.begin_finish(
                 Status::Failed,
