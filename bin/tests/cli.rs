@@ -869,13 +869,30 @@ fn inv_57_arbor_run_exits_3_on_an_interrupted_outward_step_and_continue_finishes
     assert_eq!(attempts, [(2, "done".into())], "{doc}");
 }
 
+/// Runs `command` with a terminal on its stdin (a pty: util-linux's
+/// `script`), `typed` typed ahead; its output is the terminal's.
+fn in_a_terminal(command: &str, typed: &[u8]) -> std::process::Output {
+    use std::io::Write;
+    let mut child = Command::new("script")
+        .args(["-qfec", command, "/dev/null"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("script (util-linux) runs");
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(typed).unwrap();
+    let out = child.wait_with_output().unwrap();
+    drop(stdin);
+    out
+}
+
 /// I-60: `arbor run` with a terminal on stdin asks the run's question
 /// there: an answer off its choices is refused and asked again, one of
 /// them is the answer, and the run goes on to its end. Run through a pty
 /// (`script`), the answers typed ahead.
 #[test]
 fn arbor_run_in_a_terminal_asks_its_question_there() {
-    use std::io::Write;
     let ws = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(ws.path().join("agents/asker")).unwrap();
     std::fs::write(
@@ -897,17 +914,7 @@ fn arbor_run_in_a_terminal_asks_its_question_there() {
         ws.path().display(),
         data.display()
     );
-    let mut child = Command::new("script")
-        .args(["-qfec", &command, "/dev/null"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("script (util-linux) runs");
-    let mut stdin = child.stdin.take().unwrap();
-    stdin.write_all(b"green\nblue\n").unwrap();
-    let out = child.wait_with_output().unwrap();
-    drop(stdin);
+    let out = in_a_terminal(&command, b"green\nblue\n");
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{text}");
     assert!(text.contains("asks: Which colour?"), "{text}");
@@ -924,7 +931,6 @@ fn arbor_run_in_a_terminal_asks_its_question_there() {
 /// terminal on stdin the same run ends at its ceiling, as without a pause.
 #[test]
 fn arbor_run_pauses_at_its_ceiling_only_at_a_terminal_and_asks_for_the_top_up_there() {
-    use std::io::Write;
     let ws = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(ws.path().join("agents/spender")).unwrap();
     std::fs::create_dir_all(ws.path().join("flows")).unwrap();
@@ -955,17 +961,7 @@ fn arbor_run_pauses_at_its_ceiling_only_at_a_terminal_and_asks_for_the_top_up_th
         ws.path().display(),
         ws.path().join("terminal").display()
     );
-    let mut child = Command::new("script")
-        .args(["-qfec", &command, "/dev/null"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("script (util-linux) runs");
-    let mut stdin = child.stdin.take().unwrap();
-    stdin.write_all(b"lots\n50000\n").unwrap();
-    let out = child.wait_with_output().unwrap();
-    drop(stdin);
+    let out = in_a_terminal(&command, b"lots\n50000\n");
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{text}");
     assert!(text.contains("the run paused at its ceiling"), "{text}");

@@ -548,6 +548,15 @@ async fn inv_56_every_commit_point_of_a_review_sends_the_last_group_back_once() 
     assert!(report.crashed > 0, "no case crashed: {report}");
 }
 
+/// The top-ups the run's root ledger holds (its `Grow` entries, in tokens).
+fn top_ups(node: &arbor_testkit::TestNode, run: arbor_protocol::RunId) -> u64 {
+    node.ledger(arbor_protocol::ParentRef::Run(run))
+        .iter()
+        .filter(|e| e.unit == arbor_storage::Unit::Tokens)
+        .filter(|e| matches!(e.op, arbor_storage::LedgerOp::Grow { .. }))
+        .count() as u64
+}
+
 /// I-58 at every commit point of a top-up, killed and powered off: the
 /// run ends done, its grant journaled at most once and its root grant
 /// what its ledger adds up to (the checks balance every account).
@@ -557,19 +566,15 @@ async fn inv_58_every_commit_point_of_a_top_up_keeps_the_grant_once() {
     let scenario = arbor_tests::scenarios::topped_up_run();
     let report = explore_crashes(&scenario, |node, run| {
         ended_done(node, run)?;
-        let grows = node
-            .ledger(arbor_protocol::ParentRef::Run(run))
-            .iter()
-            .filter(|e| matches!(e.op, arbor_storage::LedgerOp::Grow { .. }))
-            .count();
+        let grows = top_ups(node, run);
         if grows > 1 {
             return Err(format!("the top-up was journaled {grows} times"));
         }
         let grant = node.tree(run).root().account.grant;
-        if grant != 100_000 + 50_000 * grows as u64 {
+        if grant != 100_000 + 50_000 * grows {
             return Err(format!("the root grant is {grant} after {grows} top-ups"));
         }
-        TOPPED.fetch_add(grows, std::sync::atomic::Ordering::Relaxed);
+        TOPPED.fetch_add(grows as usize, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     })
     .await;
@@ -591,11 +596,7 @@ async fn inv_58_every_commit_point_of_a_pause_keeps_it_until_a_top_up() {
     let scenario = arbor_tests::scenarios::paused_run();
     let report = explore_crashes(&scenario, |node, run| {
         ended_done(node, run)?;
-        let grows = node
-            .ledger(arbor_protocol::ParentRef::Run(run))
-            .iter()
-            .filter(|e| matches!(e.op, arbor_storage::LedgerOp::Grow { .. }))
-            .count() as u64;
+        let grows = top_ups(node, run);
         let grant = node.tree(run).root().account.grant;
         if grows == 0 || grant != 1_000 + 20_000 * grows {
             return Err(format!("the root grant is {grant} after {grows} top-ups"));
