@@ -8,6 +8,8 @@
 //! max_concurrent = 8                   # requests in flight to this provider
 //! timeout = "120s"                     # one attempt, answer streamed to the end
 //! idle_timeout = "60s"                 # a stream with no byte for this long: a timeout
+//! rpm = 500                            # requests and tokens in any minute, reserved
+//! tpm = 200000                         # before each is sent (`rate`): the provider's
 //! [providers.local.models.small]
 //! id = "gpt-4o-mini"
 //! context_window = 128000
@@ -97,6 +99,8 @@ pub struct Provider {
     pub stream: bool,
     pub retry: RetryPolicy,
     pub models: BTreeMap<String, ProviderModel>,
+    /// Requests and tokens any minute may hold for all its models (`rpm`, `tpm`).
+    pub limits: crate::rate::Limits,
 }
 
 /// One `[providers.NAME.models.MODEL]` block, checked.
@@ -112,6 +116,8 @@ pub struct ProviderModel {
     pub price: Option<Price>,
     /// Anthropic's extended thinking at each `effort`.
     pub thinking_tokens: Option<ThinkingTokens>,
+    /// Requests and tokens any minute may hold for it (`rpm`, `tpm`).
+    pub limits: crate::rate::Limits,
 }
 
 impl Provider {
@@ -154,6 +160,8 @@ pub struct ProviderFile {
     max_retries: Option<i64>,
     supply: Option<String>,
     fail_with: Option<ErrorClass>,
+    rpm: Option<i64>,
+    tpm: Option<i64>,
     #[serde(default)]
     models: BTreeMap<String, ModelFile>,
 }
@@ -170,6 +178,8 @@ pub struct ModelFile {
     top_p: Option<f64>,
     effort: Option<Effort>,
     thinking_tokens: Option<ThinkingTokens>,
+    rpm: Option<i64>,
+    tpm: Option<i64>,
 }
 
 /// Checks one block; the error names the key (`providers.NAME.KEY`).
@@ -294,9 +304,20 @@ pub fn check_provider(name: &str, file: ProviderFile) -> Result<Provider, String
             check_thinking(kind, thinking, max_output_tokens)
                 .map_err(|e| format!("{}: {e}", mkey("thinking_tokens")))?;
         }
+        let limits = crate::rate::Limits {
+            rpm: positive(model.rpm, &mkey("rpm"))?,
+            tpm: positive(model.tpm, &mkey("tpm"))?,
+        };
+        if scripted.is_some() && limits.is_set() {
+            return Err(format!(
+                "{}: a scripted provider's models send nothing: they have no rate limit",
+                mkey(if limits.rpm.is_some() { "rpm" } else { "tpm" })
+            ));
+        }
         models.insert(
             model_name,
             ProviderModel {
+                limits,
                 id: model.id.trim().to_string(),
                 settings,
                 context_window,
@@ -317,6 +338,10 @@ pub fn check_provider(name: &str, file: ProviderFile) -> Result<Provider, String
         }
     };
     Ok(Provider {
+        limits: crate::rate::Limits {
+            rpm: positive(file.rpm, &key("rpm"))?,
+            tpm: positive(file.tpm, &key("tpm"))?,
+        },
         name: name.to_string(),
         supply,
         kind,
@@ -344,6 +369,8 @@ fn scripted(name: &str, file: &ProviderFile) -> Result<Scripted, String> {
         ("api_key_env", file.api_key_env.is_some()),
         ("stream", file.stream.is_some()),
         ("idle_timeout", file.idle_timeout.is_some()),
+        ("rpm", file.rpm.is_some()),
+        ("tpm", file.tpm.is_some()),
     ];
     if let Some((k, _)) = wire.iter().find(|(_, set)| *set) {
         return Err(format!(
@@ -485,6 +512,38 @@ usd_per_mtok_output = 0.6
 "#;
 
     #[test]
+    fn rate_limits_load_per_provider_and_per_model_and_a_scripted_provider_has_none() {
+        let p = load(&GOOD.replace(
+            "api_key_env = \"LOCAL_API_KEY\"",
+            "api_key_env = \"K\"\nrpm = 500\ntpm = 200000",
+        ))
+        .unwrap();
+        assert_eq!(
+            p.limits,
+            crate::rate::Limits {
+                rpm: Some(500),
+                tpm: Some(200_000)
+            }
+        );
+        assert!(!p.models["small"].limits.is_set(), "none unless said");
+        let p = load(&format!("{GOOD}rpm = 7\n")).unwrap();
+        assert_eq!(p.models["small"].limits.rpm, Some(7));
+        assert!(!p.limits.is_set());
+        let scripted = "kind = \"scripted\"\nrpm = 5\n[models.s]\nid = \"s\"\ncontext_window = 100\nmax_output_tokens = 10\n";
+        let e = load(scripted).unwrap_err();
+        assert!(
+            e.contains("providers.local.rpm: a scripted provider"),
+            "{e}"
+        );
+        let scripted = "kind = \"scripted\"\n[models.s]\nid = \"s\"\ncontext_window = 100\nmax_output_tokens = 10\ntpm = 5\n";
+        let e = load(scripted).unwrap_err();
+        assert!(
+            e.contains("models.s.tpm: a scripted provider's models send nothing"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn a_good_block_loads_with_its_defaults() {
         let p = load(GOOD).unwrap();
         assert_eq!(p.base_url, "http://127.0.0.1:8000/v1");
@@ -531,6 +590,16 @@ usd_per_mtok_output = 0.6
                 "api_key_env = \"LOCAL_API_KEY\"",
                 "api_key_env = \"K\"\ntimeout = \"soon\"",
                 "providers.local.timeout",
+            ),
+            (
+                "api_key_env = \"LOCAL_API_KEY\"",
+                "api_key_env = \"K\"\nrpm = 0",
+                "providers.local.rpm: must be at least 1, got 0",
+            ),
+            (
+                "usd_per_mtok_input = 0.15",
+                "usd_per_mtok_input = 0.15\ntpm = -5",
+                "providers.local.models.small.tpm: must be at least 1, got -5",
             ),
             (
                 "api_key_env = \"LOCAL_API_KEY\"",

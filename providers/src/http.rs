@@ -12,6 +12,7 @@
 //! 3. Reading is bounded: a body or stream past `MAX_ANSWER_BYTES` is an error.
 
 use crate::config::{ApiKey, Provider, ProviderKind, ProviderModel};
+use crate::rate;
 use crate::wire::{classify, protocol_error};
 use crate::{anthropic, openai};
 use arbor_actors::model::{Model, ModelError, ModelInfo, ModelReply, ModelRequest};
@@ -38,6 +39,8 @@ pub struct ProviderClient {
     pub(crate) config: Provider,
     client: reqwest::Client,
     permits: Arc<Semaphore>,
+    /// Each model's rate windows, its provider's shared by all (`rate`).
+    windows: std::collections::BTreeMap<String, rate::Windows>,
 }
 
 impl ProviderClient {
@@ -47,10 +50,20 @@ impl ProviderClient {
             .user_agent(concat!("arbor/", env!("CARGO_PKG_VERSION")))
             .build()
             .unwrap_or_default();
+        let shared = config
+            .limits
+            .is_set()
+            .then(|| Arc::new(std::sync::Mutex::new(rate::Window::new(config.limits))));
+        let windows = config
+            .models
+            .iter()
+            .map(|(name, m)| (name.clone(), rate::Windows::new(shared.clone(), m.limits)))
+            .collect();
         Self {
             permits: Arc::new(Semaphore::new(config.max_concurrent as usize)),
             config,
             client,
+            windows,
         }
     }
 }
@@ -61,12 +74,15 @@ pub struct HttpModel {
     name: String,
     model: ProviderModel,
     key: Option<ApiKey>,
+    windows: rate::Windows,
 }
 
 impl HttpModel {
     pub(crate) fn new(provider: Arc<ProviderClient>, name: &str, key: Option<ApiKey>) -> Self {
         let model = provider.config.models[name].clone();
+        let windows = provider.windows[name].clone();
         Self {
+            windows,
             provider,
             name: name.to_string(),
             model,
@@ -113,26 +129,23 @@ impl Model for HttpModel {
         let body = self.body(&request, request.max_output_tokens);
         let provider = self.provider.clone();
         let key = self.key.clone();
+        let windows = self.windows.clone();
+        // Its worst case, as the budget reserves it: the prompt as counted
+        // and all the output it may ask for.
+        let tokens = match windows.is_set() {
+            true => self.count_input(&request) + request.max_output_tokens,
+            false => 0,
+        };
         Box::pin(async move {
-            let _permit = provider
-                .permits
-                .clone()
-                .acquire_owned()
-                .await
-                .map_err(|_| ModelError::new(ErrorClass::Model, "the provider client closed"))?;
-            let timeout = provider.config.timeout;
-            match tokio::time::timeout(timeout, send(&provider, key.as_ref(), body, &request)).await
-            {
-                Ok(result) => result,
-                Err(_) => Err(ModelError::new(
-                    ErrorClass::ModelTimeout,
-                    format!(
-                        "provider {}: no complete answer within {}",
-                        provider.config.name,
-                        humantime::format_duration(timeout)
-                    ),
-                )),
+            let mut ticket = match windows.is_set() {
+                true => Some(admit(&windows, tokens, &provider.config).await?),
+                false => None,
+            };
+            let answer = ask(&provider, key.as_ref(), body, &request, ticket.as_mut()).await;
+            if let Some(ticket) = ticket {
+                settle(&windows, ticket, &answer);
             }
+            answer
         })
     }
 
@@ -150,6 +163,109 @@ impl Model for HttpModel {
 impl std::fmt::Debug for HttpModel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "HttpModel({}/{})", self.provider.config.name, self.name)
+    }
+}
+
+/// One request sent within the provider's limit of requests in flight and
+/// its timeout.
+async fn ask(
+    provider: &ProviderClient,
+    key: Option<&ApiKey>,
+    body: Value,
+    request: &ModelRequest,
+    ticket: Option<&mut rate::Ticket>,
+) -> Result<ModelReply, ModelError> {
+    let _permit = provider
+        .permits
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|_| ModelError::new(ErrorClass::Model, "the provider client closed"))?;
+    // Its minute in the rate windows starts as it goes out, not while it
+    // waited for a connection.
+    if let Some(ticket) = ticket {
+        ticket.sent(std::time::Instant::now());
+    }
+    let timeout = provider.config.timeout;
+    match tokio::time::timeout(timeout, send(provider, key, body, request)).await {
+        Ok(result) => result,
+        Err(_) => Err(ModelError::new(
+            ErrorClass::ModelTimeout,
+            format!(
+                "provider {}: no complete answer within {}",
+                provider.config.name,
+                humantime::format_duration(timeout)
+            ),
+        )),
+    }
+}
+
+/// A request of `tokens` admitted by its rate windows (I-65), waiting
+/// (holding nothing) while they are full, for no longer than one attempt
+/// may take: past that, a rate-limit error that says when there is room.
+async fn admit(
+    windows: &rate::Windows,
+    tokens: u64,
+    config: &Provider,
+) -> Result<rate::Ticket, ModelError> {
+    let deadline = tokio::time::Instant::now() + config.timeout;
+    loop {
+        let now = tokio::time::Instant::now();
+        match windows.try_admit(now.into_std(), tokens) {
+            Ok(ticket) => return Ok(ticket),
+            Err(rate::Wait::TooLarge { tokens, tpm }) => {
+                return Err(ModelError::new(
+                    ErrorClass::ModelBadRequest,
+                    format!(
+                        "provider {}: one request may use {tokens} tokens, more than its tpm ({tpm}) lets a minute hold",
+                        config.name
+                    ),
+                ));
+            }
+            Err(rate::Wait::Until(at)) => {
+                let at = tokio::time::Instant::from_std(at);
+                if at > deadline {
+                    let mut error = ModelError::new(
+                        ErrorClass::ModelRateLimit,
+                        format!(
+                            "provider {}: its rate limit (rpm, tpm) has no room within the call's timeout",
+                            config.name
+                        ),
+                    );
+                    error.retry_after = Some(at - now);
+                    return Err(error);
+                }
+                tokio::time::sleep_until(at).await;
+            }
+        }
+    }
+}
+
+/// What an answered request used goes back to its windows: its usage
+/// (what it held beyond is given back). A request the provider refused
+/// used no tokens, and its `Retry-After` closes the windows until then; any
+/// other end may have used all it asked for, and keeps it.
+fn settle(windows: &rate::Windows, ticket: rate::Ticket, answer: &Result<ModelReply, ModelError>) {
+    match answer {
+        Ok(reply) => {
+            if let Some(usage) = reply.usage {
+                ticket.settle(usage.input_tokens + usage.output_tokens);
+            }
+        }
+        Err(error) => {
+            if let Some(after) = error.retry_after {
+                windows.close_for(std::time::Instant::now(), after);
+            }
+            if matches!(
+                error.class,
+                ErrorClass::ModelRateLimit
+                    | ErrorClass::ModelAuth
+                    | ErrorClass::ModelBadRequest
+                    | ErrorClass::ModelUsageCap
+            ) {
+                ticket.settle(0);
+            }
+        }
     }
 }
 

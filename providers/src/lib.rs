@@ -9,6 +9,7 @@
 //! and nothing else (see `config`).
 
 pub mod config;
+pub mod rate;
 
 // The wire formats need no HTTP client: `request_body` shows a request
 // (`arbor prompt`) in a build without one.

@@ -113,6 +113,13 @@ struct Shared {
     received: Vec<Received>,
     /// Streams that have sent all their events (and now end, hang or drop).
     streams_sent: usize,
+    /// A provider's rate limits, as it counts them: requests, and the
+    /// tokens each answer reports, in any 60 s (`limit`).
+    limit: Option<(u64, u64)>,
+    /// Requests answered under the limits: when, and the tokens reported.
+    served: Vec<(std::time::Instant, u64)>,
+    /// Requests refused with a 429 for the limits.
+    refused: usize,
 }
 
 /// The running mock. Dropping it stops the server.
@@ -185,6 +192,23 @@ impl MockProvider {
         )
     }
 
+    /// Limits it as a provider would: a request that would make any 60 s
+    /// hold more than `rpm` requests or `tpm` tokens (its answer's reported
+    /// usage) is refused with a 429 and `Retry-After`, its answer kept.
+    pub fn limit(&self, rpm: u64, tpm: u64) {
+        self.shared.lock().unwrap().limit = Some((rpm, tpm));
+    }
+
+    /// When each request under the limits was answered, and its tokens.
+    pub fn served(&self) -> Vec<(std::time::Instant, u64)> {
+        self.shared.lock().unwrap().served.clone()
+    }
+
+    /// How many requests the limits refused.
+    pub fn refused(&self) -> usize {
+        self.shared.lock().unwrap().refused
+    }
+
     /// Queues the answer to the next request of this format.
     pub fn push(&self, format: Format, answer: Answer) {
         self.queue(format, None, answer);
@@ -246,7 +270,35 @@ async fn answer(
         let at = queue
             .iter()
             .position(|(marker, _)| marker.as_deref().is_none_or(|m| contains(&raw, m)));
-        let next = at.and_then(|i| queue.remove(i)).map(|(_, a)| a);
+        let next = at.and_then(|i| queue.remove(i).map(|(marker, a)| (i, marker, a)));
+        let next = match (next, s.limit) {
+            (Some((i, marker, answer)), Some((rpm, tpm))) => {
+                let now = std::time::Instant::now();
+                let tokens = reported(&answer, max_tokens);
+                let recent: Vec<u64> = s
+                    .served
+                    .iter()
+                    .filter(|(at, _)| now.duration_since(*at) < std::time::Duration::from_secs(60))
+                    .map(|(_, t)| *t)
+                    .collect();
+                if recent.len() as u64 >= rpm || recent.iter().sum::<u64>() + tokens > tpm {
+                    let queue = match format {
+                        Format::Openai => &mut s.openai,
+                        Format::Anthropic => &mut s.anthropic,
+                    };
+                    queue.insert(i, (marker, answer));
+                    s.refused += 1;
+                    Some(Answer::json(
+                        429,
+                        json!({"error": {"message": "Rate limit reached (mock)", "type": "rate_limit_error", "code": "rate_limit_exceeded"}}),
+                    ).with_header("retry-after", "1"))
+                } else {
+                    s.served.push((now, tokens));
+                    Some(answer)
+                }
+            }
+            (next, _) => next.map(|(_, _, a)| a),
+        };
         s.received.push(Received {
             format,
             headers,
@@ -300,6 +352,26 @@ async fn answer(
                 .unwrap()
         }
     }
+}
+
+/// The tokens an answer reports (input and output, output capped as sent).
+fn reported(answer: &Answer, max_tokens: Option<u64>) -> u64 {
+    let Answer::Body { body, .. } = answer else {
+        return 0;
+    };
+    let Ok(value) = serde_json::from_str::<Value>(&cap_output(body, max_tokens)) else {
+        return 0;
+    };
+    let usage = &value["usage"];
+    [
+        "prompt_tokens",
+        "completion_tokens",
+        "input_tokens",
+        "output_tokens",
+    ]
+    .iter()
+    .filter_map(|k| usage[*k].as_u64())
+    .sum()
 }
 
 fn cap_output(body: &str, max_tokens: Option<u64>) -> String {

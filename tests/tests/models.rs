@@ -1431,3 +1431,171 @@ async fn inv_55_a_rescuer_on_the_walled_supply_is_skipped_and_said_so() {
     node.assert_conserved(run);
     node.shutdown().await;
 }
+
+/// I-65: a provider's `rpm` is reserved before each request is sent: with
+/// two requests a minute, a planner's third call is never sent within the
+/// minute (the mock never sees it; it ends a rate-limit error here, its
+/// wait longer than one attempt may take), and a model whose one request
+/// could use more than its `tpm` is refused before anything is sent.
+#[tokio::test(flavor = "multi_thread")]
+async fn inv_65_no_request_is_sent_past_a_providers_rpm_or_tpm() {
+    let mock = MockProvider::start().await;
+    let collect = [("collect", json!({}))];
+    for _ in 0..3 {
+        mock.push_for(Format::Openai, PLANNER, openai::tool_calls(&collect, 10, 5));
+    }
+    let node = start(
+        &mock,
+        Format::Openai,
+        "stream = false\nmax_retries = 0\ntimeout = \"2s\"\nrpm = 2",
+    )
+    .await;
+    let run = node.run_agent("planner", "Go.").await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(
+        mock.received_for(PLANNER).len(),
+        2,
+        "the third was never sent"
+    );
+    let planner = step(&tree, "planner");
+    assert_eq!(
+        planner.error_class,
+        Some(ErrorClass::ModelRateLimit),
+        "{planner:?}"
+    );
+    assert!(
+        planner
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("its rate limit (rpm, tpm) has no room")),
+        "{planner:?}"
+    );
+    node.assert_conserved(run);
+
+    // A whole request larger than a minute's tokens: refused, never sent.
+    let mock = MockProvider::start().await;
+    mock.push_for(Format::Openai, PLANNER, openai::tool_calls(&collect, 10, 5));
+    let node = start(&mock, Format::Openai, "stream = false\ntpm = 100").await;
+    let run = node.run_agent("planner", "Go.").await;
+    let tree = node.wait_run(run).await;
+    assert!(mock.received().is_empty());
+    let planner = step(&tree, "planner");
+    assert_eq!(planner.error_class, Some(ErrorClass::ModelBadRequest));
+    assert!(
+        planner
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("more than its tpm (100)")),
+        "{planner:?}"
+    );
+}
+
+/// Every span of 60 s in `served` (when each request was answered, and
+/// its tokens) holds at most `rpm` requests and `tpm` tokens.
+fn within(served: &[(std::time::Instant, u64)], rpm: u64, tpm: u64) -> Result<(), String> {
+    let mut served = served.to_vec();
+    served.sort();
+    for (i, (start, _)) in served.iter().enumerate() {
+        let span: Vec<u64> = served[i..]
+            .iter()
+            .take_while(|(at, _)| at.duration_since(*start) < std::time::Duration::from_secs(60))
+            .map(|(_, t)| *t)
+            .collect();
+        let tokens: u64 = span.iter().sum();
+        if span.len() as u64 > rpm || tokens > tpm {
+            return Err(format!(
+                "a minute from request {i} held {} requests and {tokens} tokens",
+                span.len()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A planner that sends `jobs` researchers at once, collects them and
+/// reports, against a provider that limits as `MockProvider::limit` does.
+async fn fan_out_under_limits(
+    jobs: usize,
+    rpm: u64,
+    tpm: u64,
+    ours: &str,
+) -> (TestNode, RunId, MockProvider) {
+    let mock = MockProvider::start().await;
+    mock.limit(rpm, tpm);
+    let requests: Vec<_> = (0..jobs)
+        .map(|i| json!({"agent": "researcher", "request": format!("Find fact {i}")}))
+        .collect();
+    let delegate = [("delegate", json!({"jobs": requests, "wait": false}))];
+    mock.push_for(
+        Format::Openai,
+        PLANNER,
+        openai::tool_calls(&delegate, 300, 40),
+    );
+    mock.push_for(
+        Format::Openai,
+        PLANNER,
+        openai::tool_calls(&[("collect", json!({}))], 500, 10),
+    );
+    let submit = [("submit_output", json!({"output": "Report."}))];
+    mock.push_for(
+        Format::Openai,
+        PLANNER,
+        openai::tool_calls(&submit, 900, 20),
+    );
+    for _ in 0..jobs {
+        mock.push_for(Format::Openai, RESEARCHER, openai::text("A fact.", 200, 5));
+    }
+    let config = format!(
+        "{}\n[limits]\nfan_out = {jobs}\nrunning_children = {jobs}\n",
+        mock.arbor_toml(
+            Format::Openai,
+            &format!("stream = false\nmax_retries = 0\n{ours}")
+        )
+    );
+    let node = TestNode::start_with_config(
+        &config,
+        &[("planner", &planner()), ("researcher", &researcher(""))],
+    )
+    .await;
+    let run = node.run_agent("planner", "Write a report.").await;
+    // Longer than a test's usual wait: its last calls wait out a minute.
+    let ended = node.node().wait_tree(run, |t| t.run_status().is_terminal());
+    tokio::time::timeout(std::time::Duration::from_secs(180), ended)
+        .await
+        .expect("the fan-out ends within three minutes");
+    (node, run, mock)
+}
+
+/// I-65 against a provider that counts requests and tokens per minute
+/// and refuses what passes them: a 64-job fan-out on a model with `rpm`
+/// and `tpm` keeps every minute within both, is refused nothing, and
+/// completes (its last calls wait for the first minute to pass); the same
+/// run without the limits is refused by the provider.
+#[tokio::test(flavor = "multi_thread")]
+async fn inv_65_a_64_job_fan_out_keeps_every_minute_within_the_providers_rpm_and_tpm() {
+    const JOBS: usize = 64;
+    const RPM: u64 = 50;
+    const TPM: u64 = 100_000;
+    let (node, run, mock) =
+        fan_out_under_limits(JOBS, RPM, TPM, &format!("rpm = {RPM}\ntpm = {TPM}")).await;
+    let tree = node.tree(run);
+    assert_eq!(tree.root().status, Status::Done, "{:?}", tree.root().reason);
+    assert_eq!(mock.refused(), 0, "no 429");
+    let served = mock.served();
+    assert_eq!(served.len(), JOBS + 3, "every call answered once");
+    within(&served, RPM, TPM).unwrap();
+    let done = tree
+        .nodes()
+        .filter(|(_, n)| n.agent.as_deref() == Some("researcher") && n.status == Status::Done)
+        .count();
+    assert_eq!(done, JOBS);
+    node.assert_conserved(run);
+
+    let (node, run, mock) = fan_out_under_limits(JOBS, RPM, TPM, "").await;
+    assert!(
+        mock.refused() > 0,
+        "without its limits, the provider refuses some"
+    );
+    within(&mock.served(), RPM, TPM).unwrap();
+    node.assert_conserved(run);
+}

@@ -1,0 +1,408 @@
+//! A provider's rate limits (`rpm`, `tpm`, I-65), kept the way a budget is:
+//! every request reserves one request and its worst-case tokens (its prompt
+//! as counted, and the `max_tokens` it asks for) from a sliding window
+//! before it is sent, and its settled usage gives back the difference. No
+//! span of the window's length ever holds more than the limits, because a
+//! request is admitted only if the window that ends at its admission,
+//! itself included, holds no more: any span's requests are in the window
+//! that ends at its last admission.
+//!
+//! Each `[providers.NAME]` and each of its models may say `rpm` and `tpm`;
+//! a request takes from its provider's window and its model's together, or
+//! from neither (it holds nothing while it waits). A 429's `Retry-After`
+//! closes both windows until then. The windows are the node's: every run
+//! on it shares them.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The windows' span: limits are per minute.
+pub const SPAN: Duration = Duration::from_secs(60);
+
+/// A request stays in its windows this much past its minute: the time it
+/// may take from its stamp here to its arrival there.
+pub const SKEW: Duration = Duration::from_secs(1);
+
+/// Requests and tokens a window may hold in any span; None: no limit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Limits {
+    pub rpm: Option<u64>,
+    pub tpm: Option<u64>,
+}
+
+impl Limits {
+    pub fn is_set(&self) -> bool {
+        self.rpm.is_some() || self.tpm.is_some()
+    }
+}
+
+/// One window: what was admitted in the last `SPAN`, in order.
+#[derive(Debug)]
+pub struct Window {
+    limits: Limits,
+    /// Admitted requests, stamped when admitted and again when sent.
+    admitted: VecDeque<Entry>,
+    /// Closed until then (a provider's `Retry-After`).
+    closed_until: Option<Instant>,
+}
+
+/// One admitted request.
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    /// When it was admitted, then when it was sent: never earlier.
+    at: Instant,
+    id: u64,
+    tokens: u64,
+    /// Sent: it leaves the window a minute (and `SKEW`) after `at`. One
+    /// waiting to be sent (for a connection) has not begun its minute.
+    sent: bool,
+}
+
+impl Entry {
+    /// When it leaves the window, seen at `now`.
+    fn leaves(&self, now: Instant) -> Instant {
+        match self.sent {
+            true => self.at + SPAN + SKEW,
+            false => now + SPAN + SKEW,
+        }
+    }
+}
+
+/// Why a request cannot be admitted now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wait {
+    /// Not before this.
+    Until(Instant),
+    /// Never: it asks more tokens than `tpm` allows in any span.
+    TooLarge { tokens: u64, tpm: u64 },
+}
+
+impl Window {
+    pub fn new(limits: Limits) -> Self {
+        Self {
+            limits,
+            admitted: VecDeque::new(),
+            closed_until: None,
+        }
+    }
+
+    fn forget(&mut self, now: Instant) {
+        self.admitted.retain(|e| e.leaves(now) > now);
+    }
+
+    /// What the window ending at `now` holds: requests and tokens.
+    pub fn used(&mut self, now: Instant) -> (u64, u64) {
+        self.forget(now);
+        let tokens = self.admitted.iter().map(|e| e.tokens).sum();
+        (self.admitted.len() as u64, tokens)
+    }
+
+    /// When a request of `tokens` could be admitted: now (Ok), or later.
+    pub fn check(&mut self, now: Instant, tokens: u64) -> Result<(), Wait> {
+        if let Some(tpm) = self.limits.tpm
+            && tokens > tpm
+        {
+            return Err(Wait::TooLarge { tokens, tpm });
+        }
+        self.forget(now);
+        let mut at = self.closed_until.filter(|until| *until > now);
+        // In the order they leave.
+        let mut leaving: Vec<(Instant, u64)> = self
+            .admitted
+            .iter()
+            .map(|e| (e.leaves(now), e.tokens))
+            .collect();
+        leaving.sort_unstable();
+        if let Some(rpm) = self.limits.rpm {
+            let n = leaving.len() as u64;
+            if n >= rpm {
+                // The first n - rpm + 1 to leave must have left.
+                let last = usize::try_from(n - rpm).unwrap_or(usize::MAX);
+                let when = leaving[last].0;
+                at = Some(at.map_or(when, |a| a.max(when)));
+            }
+        }
+        if let Some(tpm) = self.limits.tpm {
+            let mut held: u64 = leaving.iter().map(|(_, t)| t).sum();
+            for (when, t) in &leaving {
+                if held + tokens <= tpm {
+                    break;
+                }
+                held -= t;
+                at = Some(at.map_or(*when, |a| a.max(*when)));
+            }
+        }
+        match at {
+            Some(at) if at > now => Err(Wait::Until(at)),
+            _ => Ok(()),
+        }
+    }
+
+    fn admit(&mut self, now: Instant, id: u64, tokens: u64) {
+        self.admitted.push_back(Entry {
+            at: now,
+            id,
+            tokens,
+            sent: false,
+        });
+    }
+
+    /// The request `id` was sent at `now`: its minute begins.
+    fn sent(&mut self, id: u64, now: Instant) {
+        if let Some(entry) = self.admitted.iter_mut().find(|e| e.id == id) {
+            entry.at = entry.at.max(now);
+            entry.sent = true;
+        }
+    }
+
+    /// The request `id` settled at `tokens` (never more than it held).
+    fn settle(&mut self, id: u64, tokens: u64) {
+        if let Some(entry) = self.admitted.iter_mut().find(|e| e.id == id) {
+            entry.tokens = entry.tokens.min(tokens);
+        }
+    }
+
+    /// The provider said to wait until `until`.
+    fn close_until(&mut self, until: Instant) {
+        self.closed_until = Some(self.closed_until.map_or(until, |u| u.max(until)));
+    }
+}
+
+/// The windows one request takes from: its provider's and its model's.
+#[derive(Clone, Debug)]
+pub struct Windows {
+    provider: Option<Arc<Mutex<Window>>>,
+    model: Option<Arc<Mutex<Window>>>,
+    next_id: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Windows {
+    pub fn new(provider: Option<Arc<Mutex<Window>>>, model: Limits) -> Self {
+        Self {
+            provider,
+            model: model
+                .is_set()
+                .then(|| Arc::new(Mutex::new(Window::new(model)))),
+            next_id: Default::default(),
+        }
+    }
+
+    /// Whether any limit applies.
+    pub fn is_set(&self) -> bool {
+        self.provider.is_some() || self.model.is_some()
+    }
+
+    fn each(&self) -> impl Iterator<Item = &Arc<Mutex<Window>>> {
+        self.provider.iter().chain(self.model.iter())
+    }
+
+    /// One request of `tokens`, admitted at `now` from every window or
+    /// from none: a ticket, or when to try again.
+    pub fn try_admit(&self, now: Instant, tokens: u64) -> Result<Ticket, Wait> {
+        // In one order, provider then model: two requests never wait on
+        // each other's locks.
+        let mut guards: Vec<_> = self
+            .each()
+            .map(|w| w.lock().unwrap_or_else(|e| e.into_inner()))
+            .collect();
+        let mut wait: Option<Instant> = None;
+        for window in guards.iter_mut() {
+            match window.check(now, tokens) {
+                Ok(()) => {}
+                Err(Wait::Until(at)) => wait = Some(wait.map_or(at, |w| w.max(at))),
+                Err(too_large) => return Err(too_large),
+            }
+        }
+        if let Some(at) = wait {
+            return Err(Wait::Until(at));
+        }
+        let id = self
+            .next_id
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        for window in guards.iter_mut() {
+            window.admit(now, id, tokens);
+        }
+        Ok(Ticket {
+            windows: self.clone(),
+            id,
+            sent: false,
+        })
+    }
+
+    /// What the windows ending now hold (provider's, model's): requests and tokens.
+    pub fn used(&self, now: Instant) -> Vec<(u64, u64)> {
+        self.each()
+            .map(|w| w.lock().unwrap_or_else(|e| e.into_inner()).used(now))
+            .collect()
+    }
+
+    /// The provider said to wait `after` (a 429's `Retry-After`).
+    pub fn close_for(&self, now: Instant, after: Duration) {
+        for window in self.each() {
+            let mut w = window.lock().unwrap_or_else(|e| e.into_inner());
+            w.close_until(now + after);
+        }
+    }
+}
+
+/// An admitted request's hold. Dropped before it was sent, it leaves its
+/// windows; sent and unsettled, it keeps its worst case: a request whose
+/// usage is unknown may have used all it asked for.
+#[derive(Debug)]
+pub struct Ticket {
+    windows: Windows,
+    id: u64,
+    sent: bool,
+}
+
+impl Ticket {
+    /// The request goes out now: its minute counts from here.
+    pub fn sent(&mut self, now: Instant) {
+        self.sent = true;
+        for window in self.windows.each() {
+            let mut w = window.lock().unwrap_or_else(|e| e.into_inner());
+            w.sent(self.id, now);
+        }
+    }
+
+    /// What the request used: the rest of its hold is given back.
+    pub fn settle(self, tokens: u64) {
+        for window in self.windows.each() {
+            let mut w = window.lock().unwrap_or_else(|e| e.into_inner());
+            w.settle(self.id, tokens);
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if !self.sent {
+            for window in self.windows.each() {
+                let mut w = window.lock().unwrap_or_else(|e| e.into_inner());
+                w.admitted.retain(|e| e.id != self.id);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(rpm: Option<u64>, tpm: Option<u64>) -> Limits {
+        Limits { rpm, tpm }
+    }
+
+    /// Admitted and sent at `at`.
+    fn send(windows: &Windows, at: Instant, tokens: u64) -> Ticket {
+        let mut ticket = windows.try_admit(at, tokens).unwrap();
+        ticket.sent(at);
+        ticket
+    }
+
+    #[test]
+    fn inv_65_no_span_of_a_minute_holds_more_requests_than_rpm() {
+        let t0 = Instant::now();
+        let windows = Windows::new(None, limits(Some(3), None));
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        for s in [0, 10, 20] {
+            send(&windows, at(s), 1);
+        }
+        // The fourth waits until the first has left the window.
+        assert_eq!(
+            windows.try_admit(at(30), 1).unwrap_err(),
+            Wait::Until(at(60) + SKEW)
+        );
+        send(&windows, at(61), 1);
+        assert_eq!(
+            windows.try_admit(at(62), 1).unwrap_err(),
+            Wait::Until(at(70) + SKEW)
+        );
+        assert_eq!(windows.used(at(62)), [(3, 3)]);
+    }
+
+    #[test]
+    fn inv_65_a_request_waiting_to_be_sent_has_not_begun_its_minute() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let windows = Windows::new(None, limits(Some(1), None));
+        let mut waiting = windows.try_admit(at(0), 1).unwrap();
+        // Sent 90 s later (it waited for a connection): it holds the
+        // window until a minute after that, not after its admission.
+        assert!(windows.try_admit(at(70), 1).is_err());
+        waiting.sent(at(90));
+        assert_eq!(
+            windows.try_admit(at(100), 1).unwrap_err(),
+            Wait::Until(at(150) + SKEW)
+        );
+        // One dropped before it was sent leaves at once.
+        let windows = Windows::new(None, limits(Some(1), None));
+        drop(windows.try_admit(at(0), 1).unwrap());
+        send(&windows, at(0), 1);
+    }
+
+    #[test]
+    fn inv_65_tokens_are_held_at_their_worst_and_settled_usage_gives_back_the_rest() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let windows = Windows::new(None, limits(None, Some(1_000)));
+        let first = send(&windows, at(0), 600);
+        assert_eq!(
+            windows.try_admit(at(1), 600).unwrap_err(),
+            Wait::Until(at(60) + SKEW),
+            "600 + 600 would pass 1,000 in one span"
+        );
+        first.settle(150);
+        let second = send(&windows, at(2), 600);
+        drop(second); // sent, unsettled: it keeps its worst case
+        assert_eq!(windows.used(at(3)), [(2, 750)]);
+        assert_eq!(
+            windows.try_admit(at(3), 300).unwrap_err(),
+            Wait::Until(at(60) + SKEW),
+            "the 150 leaves at 60, and 600 + 300 fit"
+        );
+        assert_eq!(
+            windows.try_admit(at(3), 500).unwrap_err(),
+            Wait::Until(at(62) + SKEW),
+            "600 + 500 do not: the 600 must leave too, at 62"
+        );
+        assert_eq!(
+            windows.try_admit(at(3), 5_000).unwrap_err(),
+            Wait::TooLarge {
+                tokens: 5_000,
+                tpm: 1_000
+            }
+        );
+    }
+
+    #[test]
+    fn inv_65_a_request_takes_from_its_provider_and_its_model_together_or_from_neither() {
+        let t0 = Instant::now();
+        let provider = Arc::new(Mutex::new(Window::new(limits(Some(2), None))));
+        let a = Windows::new(Some(provider.clone()), limits(None, Some(100)));
+        let b = Windows::new(Some(provider), Limits::default());
+        let _first = send(&a, t0, 80);
+        // The model's tokens refuse it: the provider's request is not taken.
+        assert!(a.try_admit(t0, 80).is_err());
+        assert_eq!(a.used(t0), [(1, 80), (1, 80)]);
+        let _other = send(&b, t0, 1);
+        assert_eq!(
+            a.try_admit(t0, 1).unwrap_err(),
+            Wait::Until(t0 + SPAN + SKEW),
+            "the provider's rpm is shared by its models"
+        );
+    }
+
+    #[test]
+    fn a_retry_after_closes_the_window_until_then() {
+        let t0 = Instant::now();
+        let windows = Windows::new(None, limits(Some(100), None));
+        windows.close_for(t0, Duration::from_secs(7));
+        assert_eq!(
+            windows.try_admit(t0, 1).unwrap_err(),
+            Wait::Until(t0 + Duration::from_secs(7))
+        );
+        send(&windows, t0 + Duration::from_secs(7), 1);
+    }
+}
