@@ -183,11 +183,12 @@ async fn ask(
         .map_err(|_| ModelError::new(ErrorClass::Model, "the provider client closed"))?;
     // Its minute in the rate windows starts as it goes out, not while it
     // waited for a connection.
-    if let Some(ticket) = ticket {
+    let ticket = ticket.map(|ticket| {
         ticket.sent(std::time::Instant::now());
-    }
+        &*ticket
+    });
     let timeout = provider.config.timeout;
-    match tokio::time::timeout(timeout, send(provider, key, body, request)).await {
+    match tokio::time::timeout(timeout, send(provider, key, body, request, ticket)).await {
         Ok(result) => result,
         Err(_) => Err(ModelError::new(
             ErrorClass::ModelTimeout,
@@ -274,6 +275,7 @@ async fn send(
     key: Option<&ApiKey>,
     body: Value,
     request: &ModelRequest,
+    ticket: Option<&rate::Ticket>,
 ) -> Result<ModelReply, ModelError> {
     let config = &provider.config;
     let mut http = provider
@@ -304,6 +306,10 @@ async fn send(
         transport_error(&config.name, &e)
     })?;
     let status = response.status();
+    // A provider that says it has no room left closes the windows until it has.
+    if let (Some(ticket), Some(wait)) = (ticket, no_room_for(response.headers())) {
+        ticket.close_for(std::time::Instant::now(), wait);
+    }
     if !status.is_success() {
         meter.mark_refused();
         let retry_after = retry_after(response.headers());
@@ -457,6 +463,42 @@ fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
     )
 }
 
+/// How long the provider's own limit headers say it has no room: a limit
+/// whose remainder is 0, until its reset. OpenAI's `x-ratelimit-remaining-*`
+/// with `x-ratelimit-reset-*` (a duration, `6m0s`), Anthropic's
+/// `anthropic-ratelimit-*-remaining` with `-reset` (an RFC 3339 time).
+fn no_room_for(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
+    let text = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+    };
+    let spent = |name: &str| text(name).and_then(|v| v.parse::<u64>().ok()) == Some(0);
+    let mut wait: Option<Duration> = None;
+    let mut until = |d: Duration| wait = Some(wait.map_or(d, |w| w.max(d)));
+    for limit in ["requests", "tokens"] {
+        if spent(&format!("x-ratelimit-remaining-{limit}"))
+            && let Some(reset) = text(&format!("x-ratelimit-reset-{limit}"))
+            && let Ok(d) = humantime::parse_duration(reset)
+        {
+            until(d);
+        }
+    }
+    for limit in ["requests", "tokens", "input-tokens", "output-tokens"] {
+        if spent(&format!("anthropic-ratelimit-{limit}-remaining"))
+            && let Some(reset) = text(&format!("anthropic-ratelimit-{limit}-reset"))
+            && let Ok(at) = humantime::parse_rfc3339_weak(reset)
+        {
+            until(
+                at.duration_since(std::time::SystemTime::now())
+                    .unwrap_or_default(),
+            );
+        }
+    }
+    wait
+}
+
 /// The length of a value's JSON, as `serde_json::to_vec` would write it,
 /// without building the bytes.
 fn json_len(value: &Value) -> u64 {
@@ -478,6 +520,45 @@ fn json_len(value: &Value) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_providers_limit_headers_say_when_it_has_room_only_when_a_limit_is_spent() {
+        let headers = |pairs: &[(&str, &str)]| {
+            let mut h = reqwest::header::HeaderMap::new();
+            for (name, value) in pairs {
+                h.insert(
+                    reqwest::header::HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                    value.parse().unwrap(),
+                );
+            }
+            h
+        };
+        let openai = headers(&[
+            ("x-ratelimit-remaining-requests", "0"),
+            ("x-ratelimit-reset-requests", "6m0s"),
+            ("x-ratelimit-remaining-tokens", "0"),
+            ("x-ratelimit-reset-tokens", "20ms"),
+        ]);
+        assert_eq!(no_room_for(&openai), Some(Duration::from_secs(360)));
+        let room = headers(&[
+            ("x-ratelimit-remaining-requests", "4"),
+            ("x-ratelimit-reset-requests", "6m0s"),
+        ]);
+        assert_eq!(no_room_for(&room), None, "room left: nothing closes");
+        let later = std::time::SystemTime::now() + Duration::from_secs(30);
+        let anthropic = headers(&[
+            ("anthropic-ratelimit-tokens-remaining", "0"),
+            (
+                "anthropic-ratelimit-tokens-reset",
+                &humantime::format_rfc3339_seconds(later).to_string(),
+            ),
+        ]);
+        let wait = no_room_for(&anthropic).unwrap();
+        assert!(
+            wait > Duration::from_secs(27) && wait <= Duration::from_secs(30),
+            "{wait:?}"
+        );
+    }
 
     #[test]
     fn retry_after_is_read_as_seconds_or_milliseconds() {

@@ -266,6 +266,12 @@ impl Ticket {
         }
     }
 
+    /// The provider said its windows have no room for `after` (its limit
+    /// headers): this request's windows close until then.
+    pub fn close_for(&self, now: Instant, after: Duration) {
+        self.windows.close_for(now, after);
+    }
+
     /// What the request used: the rest of its hold is given back.
     pub fn settle(self, tokens: u64) {
         for window in self.windows.each() {
