@@ -28,6 +28,9 @@ pub struct ModelRequest {
     pub tools: Arc<[ToolSpec]>,
     /// What the account can still cover (I-11); a provider cuts output to it.
     pub max_output_tokens: u64,
+    /// Its prompt's tokens as its reservation counted them (`count_input`);
+    /// 0 if it was not counted.
+    pub input_estimate: u64,
     /// I-12: the wind-down notice. Sent with this request only, never stored in the history.
     pub wind_down: Option<String>,
     /// The agent's sampling and reasoning settings (a provider's model

@@ -926,6 +926,7 @@ mod tests {
 
     fn request(messages: Vec<Message>) -> ModelRequest {
         ModelRequest {
+            input_estimate: 0,
             agent: "a".into(),
             system: "be brief".into(),
             messages,

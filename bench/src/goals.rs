@@ -6,6 +6,7 @@ mod durable_fan_out;
 pub mod idle_memory;
 mod many_small_runs;
 mod mcp_call;
+mod rate_limit;
 mod replay;
 mod restart;
 mod steering;
@@ -36,10 +37,12 @@ pub enum Goal {
     R2,
     /// P2's fan-out exporting its trace, beside telemetry off.
     T1,
+    /// A fan-out on the mock provider with rate limits that never bind, beside none.
+    L1,
 }
 
 impl Goal {
-    pub const ALL: [Goal; 12] = [
+    pub const ALL: [Goal; 13] = [
         Goal::P1,
         Goal::P2,
         Goal::P3,
@@ -52,6 +55,7 @@ impl Goal {
         Goal::R1,
         Goal::R2,
         Goal::T1,
+        Goal::L1,
     ];
 
     /// `P3` or `p3`.
@@ -75,6 +79,7 @@ impl Goal {
             Goal::R1 => "R1",
             Goal::R2 => "R2",
             Goal::T1 => "T1",
+            Goal::L1 => "L1",
         }
     }
 
@@ -93,6 +98,7 @@ impl Goal {
             Goal::R1 => replay::replay(sizes).await,
             Goal::R2 => replay::recording(sizes).await,
             Goal::T1 => telemetry::run(sizes).await,
+            Goal::L1 => rate_limit::run(sizes).await,
         }
     }
 }

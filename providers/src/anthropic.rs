@@ -328,6 +328,7 @@ mod tests {
     #[test]
     fn tool_results_and_a_steer_after_them_share_one_user_turn() {
         let request = ModelRequest {
+            input_estimate: 0,
             agent: "a".into(),
             system: "You are the planner.".into(),
             messages: vec![
@@ -472,6 +473,7 @@ mod tests {
             high: 4096,
         };
         let request = |effort| ModelRequest {
+            input_estimate: 0,
             agent: "a".into(),
             system: "s".into(),
             messages: vec![

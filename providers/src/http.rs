@@ -132,9 +132,10 @@ impl Model for HttpModel {
         let windows = self.windows.clone();
         // Its worst case, as the budget reserves it: the prompt as counted
         // and all the output it may ask for.
-        let tokens = match windows.is_set() {
-            true => self.count_input(&request) + request.max_output_tokens,
-            false => 0,
+        let tokens = match (windows.is_set(), request.input_estimate) {
+            (false, _) => 0,
+            (true, 0) => self.count_input(&request) + request.max_output_tokens,
+            (true, counted) => counted + request.max_output_tokens,
         };
         Box::pin(async move {
             let mut ticket = match windows.is_set() {

@@ -264,6 +264,7 @@ mod tests {
 
     fn request() -> ModelRequest {
         ModelRequest {
+            input_estimate: 0,
             agent: "a".into(),
             system: "You are the planner.".into(),
             messages: vec![

@@ -149,6 +149,7 @@ mod tests {
 
     fn request(turn: u32, max_output: u64) -> ModelRequest {
         ModelRequest {
+            input_estimate: 0,
             agent: "a".into(),
             system: "sys".into(),
             messages: vec![],

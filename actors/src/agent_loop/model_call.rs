@@ -261,6 +261,7 @@ pub(super) fn call_request(
     meter: CallMeter,
 ) -> ModelRequest {
     ModelRequest {
+        input_estimate: 0,
         agent: agent.name.clone(),
         system: prompt.system.to_string(),
         messages: history.to_vec(),
@@ -397,6 +398,7 @@ async fn call_on(
             meter.clone(),
         );
         let input_estimate = model.count_input(&request);
+        request.input_estimate = input_estimate;
         let hold = reserve(args, &info, input_estimate, max_output_limit, turn).await?;
         request.max_output_tokens = hold.max_output;
         if !hold.wind_down {

@@ -119,23 +119,30 @@ const LEAF_PROMPT: &str = "You do one part.";
 const LEAF_DONE: &str = "part-done";
 
 /// A node of the mock-provider fan-out, recorded or not.
-struct MockFanOut {
-    node: TestNode,
+/// Runs of a step that fans out, every call answered by the mock provider.
+pub(super) struct MockFanOut {
+    pub(super) node: TestNode,
     tally: Tally,
     shape: FanOut,
 }
 
 impl MockFanOut {
-    async fn start(mock: &MockProvider, shape: FanOut, record: bool) -> MockFanOut {
+    /// A node on `mock`, its provider block with `provider` added, and
+    /// `config` after (`[record]`, say).
+    pub(super) async fn start(
+        mock: &MockProvider,
+        shape: FanOut,
+        provider: &str,
+        config: &str,
+    ) -> MockFanOut {
         let fan = format!(
             "---\nmodel: mock/small\ndescription: delegates\nsubagents: [leaf]\n---\n{FAN_PROMPT}\n"
         );
         let leaf = format!("---\nmodel: mock/small\ndescription: one part\n---\n{LEAF_PROMPT}\n");
         let config = format!(
-            "{}{}{}",
-            mock.arbor_toml(Format::Openai, ""),
+            "{}{}{config}",
+            mock.arbor_toml(Format::Openai, provider),
             limits(shape.children.max(16), 2),
-            if record { RECORD } else { "" }
         );
         let node = TestNode::start_with_config(&config, &[("fan", &fan), ("leaf", &leaf)]).await;
         let tally = Tally::install(&node);
@@ -145,7 +152,7 @@ impl MockFanOut {
     /// Queues one round's answers: each fan's report (asked once its
     /// children's results are in), each fan's delegate call, each leaf's
     /// answer (any request left: a leaf's). Then runs the round.
-    async fn round(&self, mock: &MockProvider) -> anyhow::Result<Duration> {
+    pub(super) async fn round(&self, mock: &MockProvider) -> anyhow::Result<Duration> {
         let jobs =
             vec![serde_json::json!({"agent": "leaf", "request": "one part"}); self.shape.children];
         for _ in 0..self.shape.runs {
@@ -191,8 +198,8 @@ pub async fn recording(sizes: &Sizes) -> anyhow::Result<Outcome> {
         children: sizes.fan_out.children,
     };
     let (plain_mock, recorded_mock) = (MockProvider::start().await, MockProvider::start().await);
-    let plain = MockFanOut::start(&plain_mock, shape, false).await;
-    let recorded = MockFanOut::start(&recorded_mock, shape, true).await;
+    let plain = MockFanOut::start(&plain_mock, shape, "", "").await;
+    let recorded = MockFanOut::start(&recorded_mock, shape, "", RECORD).await;
     let row = interleaved(
         "R2",
         "",
