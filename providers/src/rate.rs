@@ -41,8 +41,11 @@ impl Limits {
 #[derive(Debug)]
 pub struct Window {
     limits: Limits,
-    /// Admitted requests, stamped when admitted and again when sent.
+    /// Admitted requests, stamped when admitted and again when sent:
+    /// oldest admission first.
     admitted: VecDeque<Entry>,
+    /// The tokens they hold, together.
+    held: u64,
     /// Closed until then (a provider's `Retry-After`).
     closed_until: Option<Instant>,
 }
@@ -83,19 +86,33 @@ impl Window {
         Self {
             limits,
             admitted: VecDeque::new(),
+            held: 0,
             closed_until: None,
         }
     }
 
+    /// Drops the oldest requests that have left. One stamped again when it
+    /// was sent may keep a few behind it a little longer: never fewer.
     fn forget(&mut self, now: Instant) {
-        self.admitted.retain(|e| e.leaves(now) > now);
+        while let Some(front) = self.admitted.front() {
+            if front.leaves(now) > now {
+                break;
+            }
+            self.held -= front.tokens;
+            self.admitted.pop_front();
+        }
+    }
+
+    /// The requests still in the window at `now`.
+    fn inside(&self, now: Instant) -> impl Iterator<Item = &Entry> {
+        self.admitted.iter().filter(move |e| e.leaves(now) > now)
     }
 
     /// What the window ending at `now` holds: requests and tokens.
     pub fn used(&mut self, now: Instant) -> (u64, u64) {
         self.forget(now);
-        let tokens = self.admitted.iter().map(|e| e.tokens).sum();
-        (self.admitted.len() as u64, tokens)
+        self.inside(now)
+            .fold((0, 0), |(n, tokens), e| (n + 1, tokens + e.tokens))
     }
 
     /// When a request of `tokens` could be admitted: now (Ok), or later.
@@ -107,10 +124,16 @@ impl Window {
         }
         self.forget(now);
         let mut at = self.closed_until.filter(|until| *until > now);
+        // What it holds with nothing yet left: room enough, the common case.
+        let n = self.admitted.len() as u64;
+        let room = self.limits.rpm.is_none_or(|rpm| n < rpm)
+            && self.limits.tpm.is_none_or(|tpm| self.held + tokens <= tpm);
+        if room && at.is_none() {
+            return Ok(());
+        }
         // In the order they leave.
         let mut leaving: Vec<(Instant, u64)> = self
-            .admitted
-            .iter()
+            .inside(now)
             .map(|e| (e.leaves(now), e.tokens))
             .collect();
         leaving.sort_unstable();
@@ -140,6 +163,7 @@ impl Window {
     }
 
     fn admit(&mut self, now: Instant, id: u64, tokens: u64) {
+        self.held += tokens;
         self.admitted.push_back(Entry {
             at: now,
             id,
@@ -150,7 +174,8 @@ impl Window {
 
     /// The request `id` was sent at `now`: its minute begins.
     fn sent(&mut self, id: u64, now: Instant) {
-        if let Some(entry) = self.admitted.iter_mut().find(|e| e.id == id) {
+        // Found from the newest: one sent was admitted a moment ago.
+        if let Some(entry) = self.admitted.iter_mut().rev().find(|e| e.id == id) {
             entry.at = entry.at.max(now);
             entry.sent = true;
         }
@@ -158,8 +183,19 @@ impl Window {
 
     /// The request `id` settled at `tokens` (never more than it held).
     fn settle(&mut self, id: u64, tokens: u64) {
-        if let Some(entry) = self.admitted.iter_mut().find(|e| e.id == id) {
-            entry.tokens = entry.tokens.min(tokens);
+        if let Some(entry) = self.admitted.iter_mut().rev().find(|e| e.id == id) {
+            let kept = entry.tokens.min(tokens);
+            self.held -= entry.tokens - kept;
+            entry.tokens = kept;
+        }
+    }
+
+    /// The request `id` was never sent: it leaves now, holding nothing.
+    fn withdraw(&mut self, id: u64) {
+        if let Some(at) = self.admitted.iter().rposition(|e| e.id == id)
+            && let Some(entry) = self.admitted.remove(at)
+        {
+            self.held -= entry.tokens;
         }
     }
 
@@ -286,7 +322,7 @@ impl Drop for Ticket {
         if !self.sent {
             for window in self.windows.each() {
                 let mut w = window.lock().unwrap_or_else(|e| e.into_inner());
-                w.admitted.retain(|e| e.id != self.id);
+                w.withdraw(self.id);
             }
         }
     }
