@@ -356,6 +356,11 @@ pub trait ModelFactory: Send + Sync {
         let _ = agent;
         recording
     }
+
+    /// Its rate windows (a provider's `rpm`, `tpm`) and what they hold now.
+    fn limits(&self) -> Vec<arbor_protocol::RateView> {
+        vec![]
+    }
 }
 
 /// What an adapter learned of one call while it was in flight, shared with

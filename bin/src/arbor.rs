@@ -117,6 +117,9 @@ enum Command {
     Steer { job: String, message: String },
     /// Raise a running run's ceiling (a top-up): tokens, dollars or both.
     Budget(client::BudgetArgs),
+    /// What arbord throttles: each provider's rate windows (rpm, tpm), their
+    /// limits and what the minute ending now holds.
+    Limits,
     /// Approval cards waiting for a person (of one run, or all); --state for others.
     Approvals(client::ApprovalsArgs),
     /// The audit log: who changed what, and who was refused (an admin's;
@@ -326,6 +329,7 @@ fn main() -> ExitCode {
             Command::Budget(args) => {
                 with_client(&conn, |c| Box::pin(client::budget(c, args.clone()))).await
             }
+            Command::Limits => with_client(&conn, |c| Box::pin(client::limits(c))).await,
             Command::Approvals(args) => {
                 with_client(&conn, |c| Box::pin(client::approvals(c, args))).await
             }

@@ -245,6 +245,38 @@ impl FoldWhat {
     }
 }
 
+/// `arbor limits`: each rate window, its limits and what it holds now.
+pub async fn limits(client: &Client) -> Outcome {
+    let limits = client.api.limits().await.map_err(|e| client.failed(e))?;
+    if client.output != Output::Text {
+        client.print_json(&limits)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    if limits.models.is_empty() {
+        outln!("no rate limits: no provider of arbor.toml says rpm or tpm");
+    }
+    let of = |used: u64, limit: Option<u64>| match limit {
+        Some(limit) => format!("{used}/{limit}"),
+        None => format!("{used}/-"),
+    };
+    for w in &limits.models {
+        let closed = match w.closed_ms {
+            0 => String::new(),
+            ms => format!(
+                " · closed by the provider for {}",
+                humantime::format_duration(Duration::from_millis(ms))
+            ),
+        };
+        outln!(
+            "{} · requests {} · tokens {} (the last minute){closed}",
+            w.model,
+            of(w.used.requests, w.rpm),
+            of(w.used.tokens, w.tpm)
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 pub async fn status(client: &Client, args: StatusArgs) -> Outcome {
     let status: NodeStatus = client.api.status().await.map_err(|e| client.failed(e))?;
     if client.output != Output::Text {

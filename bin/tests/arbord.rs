@@ -410,6 +410,14 @@ fn the_status_cli_exit_codes() {
         text.contains("\nsandbox sealed: "),
         "the posture is shown: {text}"
     );
+    // A workspace whose providers set no rpm or tpm throttles nothing, and says so.
+    let limits = arbord.arbor(&["limits"]);
+    assert_eq!(code(&limits), 0);
+    assert!(
+        String::from_utf8_lossy(&limits.stdout).contains("no rate limits"),
+        "{limits:?}"
+    );
+    assert_eq!(arbord.json(&["limits"])["models"], serde_json::json!([]));
     let runs = arbord.arbor(&["runs"]);
     assert_eq!(code(&runs), 0);
     // Its line says how long it took and what it spent of its ceiling.

@@ -54,4 +54,4 @@ pub use tools::{
 pub use tree::{
     AccountView, IterationView, McpServerView, ReviewView, Tree, TreeNode, WaitingView,
 };
-pub use view::{ActorView, SandboxPosture};
+pub use view::{ActorView, RateUsed, RateView, SandboxPosture};

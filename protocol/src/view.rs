@@ -25,3 +25,28 @@ pub struct ActorView {
     pub status: String,
     pub children: Vec<ActorView>,
 }
+
+/// One rate window of the node (a provider's `rpm` and `tpm`, I-65): its
+/// limits and what the minute ending now holds.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct RateView {
+    /// `provider/model`, or `provider/*` for what its models share.
+    pub model: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rpm: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tpm: Option<u64>,
+    pub used: RateUsed,
+    /// Closed by the provider (a 429's `Retry-After`, its limit headers)
+    /// for this much longer, in ms; 0 when open.
+    pub closed_ms: u64,
+}
+
+/// What a rate window holds: requests, and tokens reserved or used.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
+pub struct RateUsed {
+    pub requests: u64,
+    pub tokens: u64,
+}

@@ -41,6 +41,7 @@ pub struct ProviderClient {
     permits: Arc<Semaphore>,
     /// Each model's rate windows, its provider's shared by all (`rate`).
     windows: std::collections::BTreeMap<String, rate::Windows>,
+    shared: Option<Arc<std::sync::Mutex<rate::Window>>>,
 }
 
 impl ProviderClient {
@@ -64,7 +65,25 @@ impl ProviderClient {
             config,
             client,
             windows,
+            shared,
         }
+    }
+
+    /// Its rate windows as the node shows them: its own (`NAME/*`), then
+    /// each model's that has limits of its own.
+    pub fn limits(&self) -> Vec<arbor_protocol::RateView> {
+        let now = std::time::Instant::now();
+        let name = &self.config.name;
+        let own = self
+            .shared
+            .iter()
+            .map(|w| rate::view(format!("{name}/*"), w, now));
+        let models = self.windows.iter().filter_map(|(model, windows)| {
+            windows
+                .model_window()
+                .map(|w| rate::view(format!("{name}/{model}"), w, now))
+        });
+        own.chain(models).collect()
     }
 }
 

@@ -64,6 +64,18 @@ impl Providers {
         }
     }
 
+    /// Every rate window of its providers (`rpm`, `tpm`) and what it holds.
+    pub fn limits(&self) -> Vec<arbor_protocol::RateView> {
+        #[cfg(feature = "http")]
+        {
+            self.clients.values().flat_map(|c| c.limits()).collect()
+        }
+        #[cfg(not(feature = "http"))]
+        {
+            vec![]
+        }
+    }
+
     /// `provider/model` when its provider is scripted: what the model is (its
     /// name, supply, window and prices) and the class every call fails with.
     pub fn scripted(

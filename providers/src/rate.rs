@@ -108,6 +108,17 @@ impl Window {
         self.admitted.iter().filter(move |e| e.leaves(now) > now)
     }
 
+    /// What it may hold.
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    /// How much longer the provider closed it for, from `now`.
+    pub fn closed_for(&self, now: Instant) -> Duration {
+        self.closed_until
+            .map_or(Duration::ZERO, |until| until.saturating_duration_since(now))
+    }
+
     /// What the window ending at `now` holds: requests and tokens.
     pub fn used(&mut self, now: Instant) -> (u64, u64) {
         self.forget(now);
@@ -224,6 +235,11 @@ impl Windows {
         }
     }
 
+    /// Its model's own window, if it has limits of its own.
+    pub fn model_window(&self) -> Option<&Arc<Mutex<Window>>> {
+        self.model.as_ref()
+    }
+
     /// Whether any limit applies.
     pub fn is_set(&self) -> bool {
         self.provider.is_some() || self.model.is_some()
@@ -325,6 +341,19 @@ impl Drop for Ticket {
                 w.withdraw(self.id);
             }
         }
+    }
+}
+
+/// One window as the node shows it (`GET /v1/limits`), named `model`.
+pub fn view(model: String, window: &Mutex<Window>, now: Instant) -> arbor_protocol::RateView {
+    let mut w = window.lock().unwrap_or_else(|e| e.into_inner());
+    let (requests, tokens) = w.used(now);
+    arbor_protocol::RateView {
+        model,
+        rpm: w.limits.rpm,
+        tpm: w.limits.tpm,
+        used: arbor_protocol::RateUsed { requests, tokens },
+        closed_ms: u64::try_from(w.closed_for(now).as_millis()).unwrap_or(u64::MAX),
     }
 }
 

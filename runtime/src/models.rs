@@ -48,4 +48,8 @@ impl ModelFactory for Models {
         }
         Ok(())
     }
+
+    fn limits(&self) -> Vec<arbor_protocol::RateView> {
+        self.providers.limits()
+    }
 }

@@ -673,6 +673,12 @@ impl EmbeddedNode {
     }
 
     /// What this node's sandboxes are: sealed, or not and why.
+    /// The node's rate windows (a provider's `rpm` and `tpm`, I-65): what
+    /// each may hold and holds now.
+    pub fn limits(&self) -> Vec<arbor_protocol::RateView> {
+        self.ctx.models.limits()
+    }
+
     pub fn sandbox(&self) -> SandboxPosture {
         let posture = &self.ctx.sandbox;
         SandboxPosture {

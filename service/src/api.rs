@@ -536,6 +536,15 @@ pub struct DrainAsked {
     pub state: String,
 }
 
+/// `GET /v1/limits`: what this node throttles, and how full each window is.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct Limits {
+    /// Each provider's rate windows (`rpm`, `tpm` in arbor.toml, I-65):
+    /// what each may hold in any minute and what the minute ending now
+    /// holds. A provider's shared window is `NAME/*`.
+    pub models: Vec<arbor_protocol::RateView>,
+}
+
 /// A node's id in a path.
 #[derive(Clone, Debug, Deserialize, JsonSchema)]
 pub struct NodePath {

@@ -144,6 +144,11 @@ impl Client {
         self.call(self.request(Method::GET, "/v1/status")).await
     }
 
+    /// `GET /v1/limits`: what the node throttles.
+    pub async fn limits(&self) -> Result<crate::api::Limits, Error> {
+        self.call(self.request(Method::GET, "/v1/limits")).await
+    }
+
     /// `GET /v1/runs`: one page, newest first. `status` is passed as given
     /// (arbord says what it accepts).
     pub async fn runs(

@@ -1777,6 +1777,7 @@ async fn inv_63_every_route_answers_each_role_as_the_matrix_says() {
         ("POST /v1/tokens", "admin"),
         ("DELETE /v1/tokens/{id}", "admin"),
         ("GET /v1/status", "viewer"),
+        ("GET /v1/limits", "viewer"),
         ("GET /metrics", "viewer"),
         ("POST /v1/nodes/{id}/drain", "admin"),
     ];
@@ -2105,4 +2106,35 @@ async fn inv_58_a_submission_that_pauses_at_its_ceiling_shows_it_and_a_top_up_ov
     assert_eq!(doc["run"]["status"], "done", "{doc}");
     assert_eq!(doc["run"]["account"]["grant"], 10 + needs);
     assert!(doc["run"]["waiting"].is_null(), "{doc}");
+}
+
+/// I-65, seen: `GET /v1/limits` lists each rate window with its limits and
+/// what the minute ending now holds: the provider's (`mock/*`) after one
+/// answered call holds one request and the tokens it used (its worst case
+/// given back).
+#[tokio::test]
+async fn inv_65_the_limits_route_shows_each_window_and_what_it_holds() {
+    use arbor_testkit::mock_provider::{Format, MockProvider, openai};
+    let mock = MockProvider::start().await;
+    mock.push(Format::Openai, openai::text("A fact.", 30, 7));
+    let config = mock.arbor_toml(Format::Openai, "stream = false\nrpm = 100\ntpm = 50000");
+    let caller = "---\nmodel: mock/small\ndescription: asks once\n---\nYou answer.\n";
+    let svc = TestService::start(
+        Texts::new(&[("caller", caller), ("quick", &quick())], &[]).with_config(&config),
+    )
+    .await;
+    let (status, before) = svc.get_json("/v1/limits").await;
+    assert_eq!(status, 200, "{before}");
+    assert_eq!(
+        before["models"],
+        json!([{"model": "mock/*", "rpm": 100, "tpm": 50000, "used": {"requests": 0, "tokens": 0}, "closed_ms": 0}])
+    );
+    let run = svc.submit(json!({"agent": "caller", "input": "go"})).await;
+    let doc = svc.wait_run(run).await;
+    assert_eq!(doc["run"]["status"], "done", "{doc}");
+    let (_, after) = svc.get_json("/v1/limits").await;
+    assert_eq!(
+        after["models"][0]["used"],
+        json!({"requests": 1, "tokens": 37})
+    );
 }

@@ -32,6 +32,18 @@ pub(super) fn node_routes() -> ApiRouter<Arc<Shared>> {
             }),
         )
         .api_route(
+            "/v1/limits",
+            get_with(limits, |op| {
+                errors!(
+                    secured(op)
+                        .id("limits")
+                        .summary("What this node throttles: each provider's rate windows (rpm, tpm), their limits and what the minute ending now holds")
+                        .response::<200, Json<Limits>>(),
+                    503
+                )
+            }),
+        )
+        .api_route(
             "/v1/nodes/{id}/drain",
             post_with(drain_node, |op| {
                 errors!(
@@ -74,6 +86,13 @@ pub(super) fn node_routes() -> ApiRouter<Arc<Shared>> {
                 )
             }),
         )
+}
+
+async fn limits(State(shared): S) -> Reply {
+    let limits = Limits {
+        models: shared.node.limits(),
+    };
+    Ok(json(StatusCode::OK, &limits))
 }
 
 async fn node_status(
