@@ -27,6 +27,19 @@ struct NodeLabel {
     node: String,
 }
 
+/// A rate window: `provider/model`, or `provider/*` (a few per node).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WindowLabel {
+    window: String,
+}
+
+/// What a rate window counts: `requests` or `tokens`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WindowUnitLabel {
+    window: String,
+    unit: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StatusLabel {
     status: String,
@@ -117,6 +130,9 @@ pub struct Metrics {
     approval_seconds: Family<OutcomeLabel, Histogram>,
     node_runs: Family<NodeLabel, Gauge>,
     node_lease: Family<NodeLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    rate_used: Family<WindowUnitLabel, Gauge>,
+    rate_limit: Family<WindowUnitLabel, Gauge>,
+    rate_closed: Family<WindowLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
     spans_exported: Counter,
     spans_dropped: Counter,
     span_events_dropped: Counter,
@@ -163,6 +179,9 @@ impl Metrics {
             endpoints_disabled: Gauge::default(),
             node_runs: Family::<NodeLabel, Gauge>::default(),
             node_lease: Family::<NodeLabel, Gauge<f64, std::sync::atomic::AtomicU64>>::default(),
+            rate_used: Family::default(),
+            rate_limit: Family::default(),
+            rate_closed: Family::default(),
         };
         metrics.register();
         Arc::new(metrics)
@@ -239,16 +258,7 @@ impl Metrics {
             "Approval cards waiting for a person",
             self.approvals_pending.clone(),
         );
-        registry.register(
-            "node_owned_runs",
-            "A shared journal's nodes: the runs each owns that have not ended",
-            self.node_runs.clone(),
-        );
-        registry.register(
-            "node_lease_left_seconds",
-            "A shared journal's nodes: how long each one's lease runs on, by the database's clock",
-            self.node_lease.clone(),
-        );
+        self.register_node(&mut registry);
         registry.register(
             "telemetry_spans_exported",
             "Trace spans the OTLP collector took since this start",
@@ -288,6 +298,35 @@ impl Metrics {
             "approval_wait_seconds",
             "Time from a card's asking to its outcome, by outcome",
             self.approval_seconds.clone(),
+        );
+    }
+
+    /// The node's own figures: a shared journal's nodes, the rate windows.
+    fn register_node(&self, registry: &mut Registry) {
+        registry.register(
+            "node_owned_runs",
+            "A shared journal's nodes: the runs each owns that have not ended",
+            self.node_runs.clone(),
+        );
+        registry.register(
+            "node_lease_left_seconds",
+            "A shared journal's nodes: how long each one's lease runs on, by the database's clock",
+            self.node_lease.clone(),
+        );
+        registry.register(
+            "rate_window_used",
+            "Each provider's rate window (rpm, tpm): the requests and tokens the minute ending now holds",
+            self.rate_used.clone(),
+        );
+        registry.register(
+            "rate_window_limit",
+            "Each provider's rate window: the requests (rpm) and tokens (tpm) any minute may hold",
+            self.rate_limit.clone(),
+        );
+        registry.register(
+            "rate_window_closed_seconds",
+            "Each provider's rate window: how long the provider closed it for (a 429's Retry-After, its limit headers)",
+            self.rate_closed.clone(),
         );
     }
 
@@ -444,6 +483,35 @@ impl Metrics {
                     tenant: tenant.clone(),
                 })
                 .inc_by(figures.tokens);
+        }
+    }
+
+    /// The node's rate windows as they are now.
+    pub fn set_limits(&self, windows: &[arbor_protocol::RateView]) {
+        for w in windows {
+            let unit = |unit: &str| WindowUnitLabel {
+                window: w.model.clone(),
+                unit: unit.into(),
+            };
+            let as_gauge = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+            self.rate_used
+                .get_or_create(&unit("requests"))
+                .set(as_gauge(w.used.requests));
+            self.rate_used
+                .get_or_create(&unit("tokens"))
+                .set(as_gauge(w.used.tokens));
+            for (name, limit) in [("requests", w.rpm), ("tokens", w.tpm)] {
+                if let Some(limit) = limit {
+                    self.rate_limit
+                        .get_or_create(&unit(name))
+                        .set(as_gauge(limit));
+                }
+            }
+            self.rate_closed
+                .get_or_create(&WindowLabel {
+                    window: w.model.clone(),
+                })
+                .set(w.closed_ms as f64 / 1000.0);
         }
     }
 

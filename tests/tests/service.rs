@@ -2137,4 +2137,14 @@ async fn inv_65_the_limits_route_shows_each_window_and_what_it_holds() {
         after["models"][0]["used"],
         json!({"requests": 1, "tokens": 37})
     );
+    // The same in the metrics.
+    let metrics = metrics_text(&svc).await;
+    for line in [
+        "arbor_rate_window_used{window=\"mock/*\",unit=\"requests\"} 1",
+        "arbor_rate_window_used{window=\"mock/*\",unit=\"tokens\"} 37",
+        "arbor_rate_window_limit{window=\"mock/*\",unit=\"requests\"} 100",
+        "arbor_rate_window_limit{window=\"mock/*\",unit=\"tokens\"} 50000",
+    ] {
+        assert!(metrics.contains(line), "{line} in:\n{metrics}");
+    }
 }

@@ -253,6 +253,7 @@ async fn metrics(
     shared
         .metrics
         .set_tenants(&crate::tenancy::runs_by_tenant(&shared)?);
+    shared.metrics.set_limits(&shared.node.limits());
     let text = shared
         .metrics
         .render(
