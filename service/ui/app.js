@@ -226,6 +226,16 @@ async function openNode(mine) {
     for (const peer of status.nodes ?? []) {
       facts.push([`Node ${peer.id}`, `epoch ${peer.epoch}, lease ${span(peer.lease_left_ms)} left, ${peer.runs.length} runs`]);
     }
+    // What it throttles (`arbor limits`): each provider's rate window.
+    const limits = await api("/v1/limits");
+    const of = (used, limit) => `${int(used)}/${limit === undefined ? "-" : int(limit)}`;
+    for (const w of limits.models) {
+      facts.push([
+        `Rate ${w.model}`,
+        `${of(w.used.requests, w.rpm)} requests, ${of(w.used.tokens, w.tpm)} tokens in the last minute` +
+          (w.closed_ms ? `; closed by the provider for ${span(w.closed_ms)}` : ""),
+      ]);
+    }
     $("node-facts").replaceChildren(
       ...facts.flatMap(([term, value]) => [el("dt", { text: term }), el("dd", { text: String(value) })]),
     );

@@ -306,6 +306,8 @@ test("the node view says what `arbor status` says", async () => {
   assert.match(text, /Accepting runs\s+yes/);
   assert.match(text, new RegExp(`Sandbox\\s+${status.node.sandbox.mode}`));
   assert.match(text, /Journal\s+applied to [\d,]+, durable to [\d,]+/);
+  // What it throttles, as `arbor limits` says.
+  assert.match(text, /Rate paid\/\*\s+0\/60 requests, 0\/100,000 tokens in the last minute/);
   // Log out: the session ends, and the page asks to log in again.
   await page.getByRole("button", { name: "Log out" }).click();
   await page.locator("#login").waitFor({ state: "visible" });
