@@ -221,6 +221,26 @@ impl FromStr for ToolName {
     }
 }
 
+/// I-09: `key`'s dollars as a positive whole number of micro-dollars, or
+/// a reason why not.
+pub fn usd_to_micros(key: &str, usd: f64) -> Result<u64, String> {
+    if !usd.is_finite() || usd <= 0.0 {
+        return Err(format!(
+            "{key} must be more than 0 dollars, got {usd} (0 never means unlimited)"
+        ));
+    }
+    if usd > 1e9 {
+        return Err(format!("{key} {usd} is not a budget"));
+    }
+    let micros = (usd * 1e6).round();
+    if micros < 1.0 {
+        return Err(format!(
+            "{key} {usd} is less than one micro-dollar (0 never means unlimited)"
+        ));
+    }
+    Ok(micros as u64)
+}
+
 /// A budget: a whole number of tokens, dollars (metered in micro-dollars), or both.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -232,24 +252,9 @@ pub struct BudgetArg {
 impl BudgetArg {
     /// I-09: dollars as a positive whole number of micro-dollars, or a reason why not.
     pub fn usd_micros(&self) -> Result<Option<u64>, String> {
-        let Some(usd) = self.usd else {
-            return Ok(None);
-        };
-        if !usd.is_finite() || usd <= 0.0 {
-            return Err(format!(
-                "budget.usd must be more than 0 dollars, got {usd} (0 never means unlimited)"
-            ));
-        }
-        if usd > 1e9 {
-            return Err(format!("budget.usd {usd} is not a budget"));
-        }
-        let micros = (usd * 1e6).round();
-        if micros < 1.0 {
-            return Err(format!(
-                "budget.usd {usd} is less than one micro-dollar (0 never means unlimited)"
-            ));
-        }
-        Ok(Some(micros as u64))
+        self.usd
+            .map(|usd| usd_to_micros("budget.usd", usd))
+            .transpose()
     }
 
     /// I-09: a positive whole number of tokens, or a reason why not.

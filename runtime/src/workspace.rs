@@ -49,7 +49,7 @@ pub use config::{
 use flow::parse_flow;
 pub use parse::{DEFAULT_BUDGET_TOKENS, LoadError, check_name};
 use parse::{budget_tokens, invalid, over};
-pub use tenants::Tenant;
+pub use tenants::{OnQuota, Quota, Tenant};
 
 /// Everything a node needs from a user's workspace, checked.
 #[derive(Clone, Debug)]
@@ -398,6 +398,21 @@ impl Workspace {
             return vec![arbor_protocol::DEFAULT_TENANT.to_string()];
         }
         self.config.tenants.keys().cloned().collect()
+    }
+
+    /// Each tenant's quota and what a submission over it meets, for the
+    /// tenants that have one.
+    pub fn quotas(&self) -> std::collections::BTreeMap<String, (Quota, OnQuota)> {
+        self.config
+            .tenants
+            .iter()
+            .filter_map(|(name, t)| Some((name.clone(), (t.quota.clone()?, t.on_quota))))
+            .collect()
+    }
+
+    /// Tenant `name` of `[tenants]`, if arbor.toml names it.
+    pub fn tenant(&self, name: &str) -> Option<&Tenant> {
+        self.config.tenants.get(name)
     }
 
     /// `spec` as a run of `tenant`'s: refused if the tenant is unknown, or

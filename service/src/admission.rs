@@ -18,12 +18,20 @@
 //! each run once per epoch), woken by the database's notification of a
 //! submission, and by the clock (`SHARED_POLL`) should one be lost. The
 //! in-memory queue is then unused.
+//!
+//! A tenant with a quota (`quota.rs`, I-65) has its run's ceiling reserved
+//! at submission, in the same commit, and is refused with 429 when a window
+//! has no room; a tenant with `on_quota = "queue"` waits in the queue
+//! instead, reserved just before it starts, while other tenants' runs pass
+//! it. A run's end settles its entry (`settle_ended`).
 
+use crate::quota::{self, Demand, Ledger, Over, QuotaEntry};
 use crate::submission::{self, SubmissionRecord, SubmissionState};
 use arbor_protocol::{ErrorClass, EventKind, RunId, RunSpec, Status};
 use arbor_runtime::EmbeddedNode;
+use arbor_runtime::workspace::{OnQuota, Quota};
 use axum::http::StatusCode;
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::{Mutex, Notify};
@@ -48,6 +56,14 @@ pub enum SubmitError {
     QueueFull(usize),
     #[error("the node is shutting down and takes no new runs")]
     Closed,
+    #[error(
+        "tenant {tenant}'s {} quota has no room for this run now; try again in {} s",
+        over.window.name(),
+        over.retry_after_s()
+    )]
+    Quota { tenant: String, over: Over },
+    #[error("tenant {tenant}'s quota refuses this run: {why}")]
+    QuotaNever { tenant: String, why: String },
     #[error(transparent)]
     Journal(#[from] arbor_storage::Error),
 }
@@ -70,6 +86,8 @@ pub struct Admission {
     shared: Option<tokio::sync::watch::Receiver<u64>>,
     max_running: usize,
     max_queued: usize,
+    /// Each tenant's quota, for those arbor.toml gives one.
+    quotas: BTreeMap<String, (Quota, OnQuota)>,
     state: Mutex<State>,
     /// Notified by a submission, a close, and every run's end.
     wake: Arc<Notify>,
@@ -82,6 +100,33 @@ struct State {
     keys: HashMap<String, (String, RunId)>,
     next_order: u64,
     closed: bool,
+    /// What every tenant's runs reserved from its quota windows.
+    ledger: Ledger,
+    /// Each queued run's tenant and demand, for a tenant with a quota.
+    demands: HashMap<RunId, (String, Demand)>,
+}
+
+/// What a run asks of its tenant's windows.
+fn demand_of(spec: &RunSpec) -> Demand {
+    Demand {
+        tokens: spec.budget_tokens,
+        usd_micros: spec.budget_usd_micros.unwrap_or(0),
+        run: true,
+    }
+}
+
+fn tenant_of(spec: &RunSpec) -> &str {
+    spec.tenant
+        .as_deref()
+        .unwrap_or(arbor_protocol::DEFAULT_TENANT)
+}
+
+/// One round of admission's outcome.
+enum Round {
+    Closed,
+    /// Nothing more to start now; look again at the latest this much later
+    /// (a queued run waiting for a quota window the clock will open).
+    Idle(Option<std::time::Duration>),
 }
 
 fn now_ms() -> u64 {
@@ -98,9 +143,12 @@ impl Admission {
         node: Arc<EmbeddedNode>,
         max_running: usize,
         max_queued: usize,
+        quotas: BTreeMap<String, (Quota, OnQuota)>,
     ) -> Result<Arc<Self>, arbor_storage::Error> {
         let journal = node.journal();
         let shared = journal.woken();
+        let ledger = Ledger::load(journal)?;
+        let mut demands = HashMap::new();
         let mut queue = VecDeque::new();
         let mut keys = HashMap::new();
         let mut next_order = 0;
@@ -116,6 +164,13 @@ impl Admission {
                     sub.epoch = journal.epoch();
                     started_late.push(sub.record()?);
                 } else {
+                    // One that reserved at submission holds its entry already.
+                    if let Ok(spec) = serde_json::from_str::<RunSpec>(&sub.spec_json)
+                        && quotas.contains_key(tenant_of(&spec))
+                        && ledger.entry(tenant_of(&spec), sub.run).is_none()
+                    {
+                        demands.insert(sub.run, (tenant_of(&spec).to_string(), demand_of(&spec)));
+                    }
                     queue.push_back(sub);
                 }
             }
@@ -138,12 +193,15 @@ impl Admission {
             shared,
             max_running,
             max_queued,
+            quotas,
             state: Mutex::new(State {
                 queue,
                 running,
                 keys,
                 next_order,
                 closed: false,
+                ledger,
+                demands,
             }),
             wake,
         }))
@@ -179,8 +237,11 @@ impl Admission {
         if waiting >= self.max_queued {
             return Err(SubmitError::QueueFull(waiting));
         }
+        let run = RunId::new();
+        self.settle_ended(&mut state);
+        let reserved = self.reserve_at_submission(&mut state, spec, run)?;
         let sub = SubmissionRecord {
-            run: RunId::new(),
+            run,
             order: state.next_order,
             spec_json: serde_json::to_string(spec).unwrap_or_default(),
             idempotency_key: key.clone(),
@@ -190,10 +251,20 @@ impl Admission {
             epoch: journal.epoch(),
         };
         let mut records = vec![sub.record()?];
+        if let Some(entry) = &reserved {
+            records.push(entry.record()?);
+        }
         records.extend(audit.and_then(|a| a.take(Some(sub.run.to_string()), StatusCode::CREATED)));
         journal.commit(records).await?;
         state.next_order += 1;
-        let run = sub.run;
+        if let Some(entry) = reserved {
+            state.ledger.committed(entry);
+        } else if self.quotas.contains_key(tenant_of(spec)) {
+            // It waits for its tenant's windows (`on_quota = "queue"`).
+            state
+                .demands
+                .insert(run, (tenant_of(spec).to_string(), demand_of(spec)));
+        }
         if let Some(key) = key {
             state.keys.insert(key, (digest, run));
         }
@@ -203,6 +274,193 @@ impl Admission {
         drop(state);
         self.wake.notify_one();
         Ok(Submitted::New(run))
+    }
+
+    /// A run of a tenant with a quota that refuses: its reservation, to be
+    /// committed with its submission, or why not. A tenant that queues
+    /// reserves when its run starts (`None` here).
+    fn reserve_at_submission(
+        &self,
+        state: &mut State,
+        spec: &RunSpec,
+        run: RunId,
+    ) -> Result<Option<QuotaEntry>, SubmitError> {
+        let tenant = tenant_of(spec);
+        let Some((quota, on_quota)) = self.quotas.get(tenant) else {
+            return Ok(None);
+        };
+        let demand = demand_of(spec);
+        if let Some(why) = quota::never(quota, demand, spec.budget_usd_micros.is_some()) {
+            return Err(SubmitError::QuotaNever {
+                tenant: tenant.to_string(),
+                why,
+            });
+        }
+        if *on_quota == OnQuota::Queue {
+            return Ok(None);
+        }
+        let now = now_ms();
+        state
+            .ledger
+            .room(tenant, quota, demand, now)
+            .map_err(|over| SubmitError::Quota {
+                tenant: tenant.to_string(),
+                over,
+            })?;
+        Ok(Some(Ledger::reservation(
+            tenant,
+            run,
+            demand,
+            now,
+            self.node.journal().epoch(),
+        )))
+    }
+
+    /// Reserves a top-up of `run` from its tenant's windows before it is
+    /// granted (I-65): `Ok` when its tenant has no quota, or the windows
+    /// have room and the larger entry is committed. Should the grant then
+    /// fail, the entry stays larger until the run settles: never less than
+    /// the run may spend.
+    pub async fn reserve_top_up(
+        &self,
+        run: RunId,
+        tenant: &str,
+        amount: arbor_protocol::Amount,
+    ) -> Result<(), SubmitError> {
+        let Some((quota, _)) = self.quotas.get(tenant) else {
+            return Ok(());
+        };
+        let demand = Demand {
+            tokens: amount.tokens,
+            usd_micros: amount.usd_micros,
+            run: false,
+        };
+        let mut state = self.state.lock().await;
+        self.settle_ended(&mut state);
+        let now = now_ms();
+        state
+            .ledger
+            .room(tenant, quota, demand, now)
+            .map_err(|over| SubmitError::Quota {
+                tenant: tenant.to_string(),
+                over,
+            })?;
+        let mut entry = match state.ledger.entry(tenant, run) {
+            Some(entry) => entry.clone(),
+            // A run admitted before its tenant had a quota: from now on,
+            // what is added counts.
+            None => Ledger::reservation(tenant, run, Demand::default(), now, 0),
+        };
+        entry.tokens += amount.tokens;
+        entry.usd_micros += amount.usd_micros;
+        entry.epoch = self.node.journal().epoch();
+        self.node.journal().commit(vec![entry.record()?]).await?;
+        state.ledger.committed(entry);
+        Ok(())
+    }
+
+    /// Settles the entry of every run that has ended (a queued run taken
+    /// out of the queue ends too) down to what it spent, and forgets the
+    /// entries no window counts any more. An ended run whose spend cannot
+    /// be read keeps its whole reservation: never less than it spent.
+    /// Every reader of the windows settles first, so what a run's end gave
+    /// back is there as soon as its end is seen. An append, not a commit:
+    /// a settlement lost to a crash is made again at the next boot.
+    fn settle_ended(&self, state: &mut State) {
+        if self.quotas.is_empty() {
+            return;
+        }
+        let open = state.ledger.open_entries();
+        let epoch = self.node.journal().epoch();
+        let mut settled = vec![];
+        for mut entry in open {
+            let Some(spent) = self.spent_if_ended(entry.run) else {
+                continue;
+            };
+            entry.ended_ms = Some(now_ms());
+            if let Some((tokens, usd_micros)) = spent {
+                entry.tokens = entry.tokens.min(tokens);
+                entry.usd_micros = entry.usd_micros.min(usd_micros);
+            }
+            entry.epoch = epoch;
+            settled.push(entry);
+        }
+        let gone = state.ledger.prune(now_ms());
+        if settled.is_empty() && gone.is_empty() {
+            return;
+        }
+        let journal = self.node.journal();
+        let records: Result<Vec<_>, _> = settled.iter().map(QuotaEntry::record).collect();
+        if let Err(error) = records.and_then(|records| journal.append(records)) {
+            tracing::warn!(%error, "could not settle quota entries; the next round tries again");
+            return;
+        }
+        for entry in settled {
+            state.ledger.committed(entry);
+        }
+        if let Err(error) = journal.remove_keys(&quota::QUOTAS, gone) {
+            tracing::warn!(%error, "could not forget spent quota entries");
+        }
+    }
+
+    /// `Some` once `run` has ended, with what it spent (tokens,
+    /// micro-dollars) when that can still be read.
+    fn spent_if_ended(&self, run: RunId) -> Option<Option<(u64, u64)>> {
+        let spent = |tree: &arbor_protocol::Tree| {
+            let head = tree.head();
+            (head.account.spent, head.usd.as_ref().map_or(0, |u| u.spent))
+        };
+        if let Some(seen) = self.node.events().with_tree(run, |tree| {
+            let tree = tree?;
+            Some(tree.run_status().is_terminal().then(|| spent(tree)))
+        }) {
+            return seen.map(Some);
+        }
+        let journal = self.node.journal();
+        match journal.run(run) {
+            Ok(Some(record)) if record.status.is_terminal() => {}
+            _ => return None,
+        }
+        let events = journal.events(run).unwrap_or_default();
+        if events.is_empty() {
+            return Some(None);
+        }
+        let mut tree = arbor_protocol::Tree::new(run);
+        for event in &events {
+            tree.apply(event);
+        }
+        Some(Some(spent(&tree)))
+    }
+
+    /// Each tenant's quota windows and what each holds now.
+    pub async fn quotas(&self) -> Vec<crate::api::TenantQuota> {
+        let mut state = self.state.lock().await;
+        self.settle_ended(&mut state);
+        let now = now_ms();
+        self.quotas
+            .iter()
+            .map(|(tenant, (quota, on_quota))| {
+                let windows = quota::Window::ALL
+                    .into_iter()
+                    .filter_map(|w| Some((w, w.limit(quota)?)));
+                crate::api::TenantQuota {
+                    tenant: tenant.clone(),
+                    quota: windows
+                        .clone()
+                        .map(|(w, limit)| (w.name().into(), limit))
+                        .collect(),
+                    used: windows
+                        .map(|(w, _)| (w.name().into(), state.ledger.used(tenant, w, now)))
+                        .collect(),
+                    queued: state.demands.values().filter(|(t, _)| t == tenant).count(),
+                    on_quota: match on_quota {
+                        OnQuota::Refuse => "refuse",
+                        OnQuota::Queue => "queue",
+                    }
+                    .into(),
+                }
+            })
+            .collect()
     }
 
     /// Frees the idempotency keys of runs the journal has forgotten
@@ -355,9 +613,24 @@ impl Admission {
         if let Some(woken) = &mut woken {
             woken.mark_unchanged();
         }
-        while self.admit_ready().await {
+        loop {
+            let Round::Idle(retry) = self.admit_ready().await else {
+                return;
+            };
+            // A queued run waiting for a quota window: the clock opens it.
+            let clock = async {
+                match retry {
+                    Some(after) => tokio::time::sleep(after).await,
+                    None => std::future::pending().await,
+                }
+            };
             match &mut woken {
-                None => self.wake.notified().await,
+                None => {
+                    tokio::select! {
+                        _ = self.wake.notified() => {}
+                        _ = clock => {}
+                    }
+                }
                 Some(woken) => {
                     tokio::select! {
                         _ = self.wake.notified() => {}
@@ -373,32 +646,102 @@ impl Admission {
         }
     }
 
-    /// One round of admission; `false` once closed.
-    async fn admit_ready(&self) -> bool {
+    /// One round of admission.
+    async fn admit_ready(&self) -> Round {
         if self.shared.is_some() {
-            return self.admit_shared().await;
+            return if self.admit_shared().await {
+                Round::Idle(None)
+            } else {
+                Round::Closed
+            };
         }
         loop {
-            let next = {
+            let (next, reserved) = {
                 let mut state = self.state.lock().await;
                 if state.closed {
-                    return false;
+                    return Round::Closed;
                 }
                 let events = self.node.events();
                 state.running.retain(|run| {
                     !events.with_tree(*run, |t| t.is_some_and(|t| t.run_status().is_terminal()))
                 });
+                self.settle_ended(&mut state);
                 if state.running.len() >= self.max_running {
-                    return true;
+                    return Round::Idle(None);
                 }
-                let Some(sub) = state.queue.pop_front() else {
-                    return true;
+                let (at, reserved) = match self.next_startable(&mut state) {
+                    Ok(next) => next,
+                    Err(retry) => return Round::Idle(retry),
                 };
+                let sub = state
+                    .queue
+                    .remove(at)
+                    .expect("the position is in the queue");
+                state.demands.remove(&sub.run);
                 state.running.insert(sub.run);
-                sub
+                (sub, reserved)
             };
+            if let Some(entry) = reserved
+                && let Err(error) = self.commit_reservation(entry).await
+            {
+                tracing::error!(%error, run = %next.run, "could not reserve a queued run's quota");
+                self.fail_to_start(next, error.to_string()).await;
+                continue;
+            }
             self.start(next).await;
         }
+    }
+
+    /// The first queued run that may start now, and the reservation it
+    /// takes from its tenant's windows (a tenant that queues). A tenant
+    /// whose first queued run has no room yet has the rest of its runs
+    /// wait behind it; other tenants' runs pass. `Err`: none may start,
+    /// and when the clock will open a window for one.
+    fn next_startable(
+        &self,
+        state: &mut State,
+    ) -> Result<(usize, Option<QuotaEntry>), Option<std::time::Duration>> {
+        let now = now_ms();
+        let mut waiting: HashSet<&str> = HashSet::new();
+        let mut retry: Option<u64> = None;
+        let State {
+            queue,
+            ledger,
+            demands,
+            ..
+        } = state;
+        for (at, sub) in queue.iter().enumerate() {
+            let Some((tenant, demand)) = demands.get(&sub.run) else {
+                return Ok((at, None));
+            };
+            if waiting.contains(tenant.as_str()) {
+                continue;
+            }
+            let Some((quota, _)) = self.quotas.get(tenant) else {
+                return Ok((at, None));
+            };
+            match ledger.room(tenant, quota, *demand, now) {
+                Ok(()) => {
+                    let epoch = self.node.journal().epoch();
+                    let entry = Ledger::reservation(tenant, sub.run, *demand, now, epoch);
+                    // Held in memory from now, so the next check sees it.
+                    ledger.committed(entry.clone());
+                    return Ok((at, Some(entry)));
+                }
+                Err(over) => {
+                    if let Some(after) = over.retry_after_ms {
+                        retry = Some(retry.map_or(after, |r| r.min(after)));
+                    }
+                    waiting.insert(tenant);
+                }
+            }
+        }
+        Err(retry.map(std::time::Duration::from_millis))
+    }
+
+    async fn commit_reservation(&self, entry: QuotaEntry) -> Result<(), arbor_storage::Error> {
+        self.node.journal().commit(vec![entry.record()?]).await?;
+        Ok(())
     }
 
     /// One round of a shared queue's admission: claims as many runs as
@@ -475,20 +818,23 @@ impl Admission {
                 sub.epoch = journal.epoch();
                 let _ = sub.record().and_then(|r| journal.append(vec![r]));
             }
-            Err(reason) => {
-                self.state.lock().await.running.remove(&sub.run);
-                tracing::warn!(run = %sub.run, %reason, "a queued run could not start");
-                sub.state = SubmissionState::Cancelled {
-                    reason: reason.clone(),
-                };
-                let reason = format!("it could not start: {reason}");
-                if let Err(error) = self
-                    .end_unstarted(sub, Status::Failed, Some(ErrorClass::Start), &reason, None)
-                    .await
-                {
-                    tracing::error!(%error, "could not journal a run that failed to start");
-                }
-            }
+            Err(reason) => self.fail_to_start(sub, reason).await,
+        }
+    }
+
+    /// Ends a queued run that could not start, failed, saying why.
+    async fn fail_to_start(&self, mut sub: SubmissionRecord, reason: String) {
+        self.state.lock().await.running.remove(&sub.run);
+        tracing::warn!(run = %sub.run, %reason, "a queued run could not start");
+        sub.state = SubmissionState::Cancelled {
+            reason: reason.clone(),
+        };
+        let reason = format!("it could not start: {reason}");
+        if let Err(error) = self
+            .end_unstarted(sub, Status::Failed, Some(ErrorClass::Start), &reason, None)
+            .await
+        {
+            tracing::error!(%error, "could not journal a run that failed to start");
         }
     }
 

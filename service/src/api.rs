@@ -543,6 +543,27 @@ pub struct Limits {
     /// what each may hold in any minute and what the minute ending now
     /// holds. A provider's shared window is `NAME/*`.
     pub models: Vec<arbor_protocol::RateView>,
+    /// Each tenant's quota windows (`[tenants.NAME.quota]`, I-65), for the
+    /// tenants the caller sees that have one.
+    pub tenants: Vec<TenantQuota>,
+}
+
+/// One tenant's quota: each window it sets, its limit and what it holds.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct TenantQuota {
+    pub tenant: String,
+    /// Each window it sets (`tokens_per_hour`, `usd_per_day`,
+    /// `usd_per_month` in micro-dollars, `runs_per_minute`,
+    /// `concurrent_runs`) and its limit.
+    pub quota: std::collections::BTreeMap<String, u64>,
+    /// What each window holds now: the ceilings of its running (and
+    /// admitted) runs, and what ended runs spent within the window's span.
+    pub used: std::collections::BTreeMap<String, u64>,
+    /// Its runs queued that have yet to reserve (`on_quota = "queue"`):
+    /// waiting for room in its windows, or for a free slot.
+    pub queued: usize,
+    /// What a submission over the quota meets: `refuse` (429) or `queue`.
+    pub on_quota: String,
 }
 
 /// A node's id in a path.

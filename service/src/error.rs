@@ -19,7 +19,8 @@ pub struct ErrorBody {
 pub struct ErrorDetail {
     /// A stable word for programs: `bad_request`, `unauthorized`,
     /// `not_found`, `method_not_allowed`, `conflict`, `too_large`, `unsupported_media_type`,
-    /// `refused`, `queue_full`, `unavailable`, `internal`.
+    /// `refused`, `queue_full`, `unavailable`, `internal` (and `quota`, in
+    /// a 429 of its own shape, `QuotaRefusal`).
     pub code: String,
     /// What was wrong, in words, for people.
     pub message: String,
@@ -31,6 +32,25 @@ pub struct ApiError {
     pub status: StatusCode,
     pub code: &'static str,
     pub message: String,
+    /// A submission over its tenant's quota: said in a body of its own.
+    pub quota: Option<Box<QuotaRefusal>>,
+}
+
+/// The body of a 429 for a submission over its tenant's quota (I-65),
+/// with `Retry-After` saying the same `retry_after_s`.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct QuotaRefusal {
+    /// Always `quota`.
+    pub error: String,
+    /// The window with no room: `tokens_per_hour`, `usd_per_day`,
+    /// `usd_per_month`, `runs_per_minute` or `concurrent_runs`.
+    pub quota: String,
+    pub tenant: String,
+    /// When to try again: when the clock opens the window, or (when only a
+    /// running run's end can) a short while.
+    pub retry_after_s: u64,
+    /// What was refused, in words, for people.
+    pub message: String,
 }
 
 impl ApiError {
@@ -39,6 +59,7 @@ impl ApiError {
             status,
             code,
             message: message.into(),
+            quota: None,
         }
     }
     /// Malformed: not JSON, the wrong shape or types, a bad id.
@@ -110,6 +131,22 @@ impl From<crate::admission::SubmitError> for ApiError {
             SubmitError::KeyConflict(_) => ApiError::conflict(e.to_string()),
             SubmitError::QueueFull(_) => ApiError::queue_full(e.to_string()),
             SubmitError::Closed => ApiError::unavailable(e.to_string()),
+            SubmitError::QuotaNever { .. } => ApiError::refused(e.to_string()),
+            SubmitError::Quota {
+                ref tenant,
+                ref over,
+            } => {
+                let mut error =
+                    ApiError::new(StatusCode::TOO_MANY_REQUESTS, "quota", e.to_string());
+                error.quota = Some(Box::new(QuotaRefusal {
+                    error: "quota".into(),
+                    quota: over.window.name().into(),
+                    tenant: tenant.clone(),
+                    retry_after_s: over.retry_after_s(),
+                    message: e.to_string(),
+                }));
+                error
+            }
             SubmitError::Journal(e) => ApiError::from(e),
         }
     }
@@ -117,6 +154,14 @@ impl From<crate::admission::SubmitError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> axum::response::Response {
+        if let Some(quota) = self.quota {
+            let retry = quota.retry_after_s;
+            let mut response = (self.status, axum::Json(quota)).into_response();
+            response
+                .headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, retry.into());
+            return response;
+        }
         let body = ErrorBody {
             error: ErrorDetail {
                 code: self.code.to_string(),

@@ -23,6 +23,7 @@ pub mod extract;
 mod forward;
 pub mod metrics;
 pub mod oidc;
+pub mod quota;
 pub mod retention;
 mod routes;
 pub mod sse;
@@ -142,6 +143,7 @@ impl Service {
             node.clone(),
             config.max_running_runs,
             config.max_queued_runs,
+            workspace.quotas(),
         )?;
         let tasks = tokio_util::task::TaskTracker::new();
         tasks.spawn(admission.clone().pump());

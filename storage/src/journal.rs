@@ -629,8 +629,8 @@ impl Journal {
                             prefixes.push((table, job.0.as_bytes().to_vec()));
                         }
                     }
-                    // The audit outlives the runs it names.
-                    KeyedBy::Time => {}
+                    // The audit and the quota windows outlive the runs they name.
+                    KeyedBy::Time | KeyedBy::Tenant => {}
                 }
             }
         }
@@ -658,6 +658,20 @@ impl Journal {
             self.engine.remove(prefixes)?;
         }
         Ok(removed)
+    }
+
+    /// Removes the rows of `table` under each of `keys`, in one append.
+    pub fn remove_keys<R>(
+        &self,
+        table: &'static Table<R>,
+        keys: Vec<Vec<u8>>,
+    ) -> Result<(), Error> {
+        if keys.is_empty() {
+            return Ok(());
+        }
+        self.engine
+            .remove(keys.into_iter().map(|key| (&table.def, key)).collect())
+            .map(|_| ())
     }
 
     /// Decodes every record of every table (and checks the engine's own

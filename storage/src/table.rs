@@ -67,6 +67,10 @@ pub enum KeyedBy {
     /// every run (the audit), never removed with a run; its owner keeps it
     /// as long as it says.
     Time,
+    /// A tenant's name, then a 0 byte: a tenant's own rows (its quota
+    /// windows), never removed with a run; their owner removes them
+    /// (`Journal::remove_keys`) once no window can count them.
+    Tenant,
 }
 
 /// A kind of record and its table.
@@ -253,6 +257,9 @@ pub const OUTBOX_TABLE: TableDef = state("outbox", KeyedBy::Run);
 /// Who changed what through the API, and when (`arbor-service` defines
 /// its records), each committed with the change it made (I-64).
 pub const AUDIT_TABLE: TableDef = state("audit", KeyedBy::Time);
+/// What each tenant's runs reserved from its quota windows (`arbor-service`
+/// defines its records, I-65), outliving the runs themselves.
+pub const QUOTAS_TABLE: TableDef = state("quotas", KeyedBy::Tenant);
 const APPROVALS_TABLE: TableDef = state("approvals", KeyedBy::Run);
 const TAPES_TABLE: TableDef = state("tapes", KeyedBy::Run);
 
@@ -331,7 +338,7 @@ impl JournalTable {
 /// Every table of a journal, whoever owns its records, in the order the log
 /// numbers them (invariant 2). The one list: a table missing here is neither
 /// replayed, scanned nor verified.
-pub static JOURNAL_TABLES: [JournalTable; 12] = [
+pub static JOURNAL_TABLES: [JournalTable; 13] = [
     JournalTable::Ours(&RUNS),
     JournalTable::Ours(&JOBS),
     JournalTable::Ours(&LEDGER),
@@ -344,6 +351,7 @@ pub static JOURNAL_TABLES: [JournalTable; 12] = [
     JournalTable::Ours(&TAPES),
     JournalTable::Foreign(OUTBOX_TABLE),
     JournalTable::Foreign(AUDIT_TABLE),
+    JournalTable::Foreign(QUOTAS_TABLE),
 ];
 
 /// The tables whose records storage defines, for `scan` and `verify`.
@@ -383,7 +391,12 @@ mod tests {
             .collect();
         assert_eq!(
             foreign,
-            [SUBMISSIONS_TABLE.name, OUTBOX_TABLE.name, AUDIT_TABLE.name]
+            [
+                SUBMISSIONS_TABLE.name,
+                OUTBOX_TABLE.name,
+                AUDIT_TABLE.name,
+                QUOTAS_TABLE.name
+            ]
         );
     }
 }

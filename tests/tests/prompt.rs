@@ -537,7 +537,28 @@ fn a_tenants_block_is_checked_at_load_and_its_lists_hold_at_admission() {
         arbor_runtime::Workspace::load(ws.path()).map_err(|e| e.to_string())
     };
     for (toml, why) in [
-        ("[tenants.team-a]\nquota = 1\n", "unknown key `quota`"),
+        ("[tenants.team-a]\nquotas = 1\n", "unknown key `quotas`"),
+        (
+            "[tenants.team-a.quota]\ntokens_per_hour = 0\n",
+            "quota.tokens_per_hour = 0 would admit nothing",
+        ),
+        (
+            "[tenants.team-a.quota]\nusd_per_day = -1.0\n",
+            "quota.usd_per_day must be more than 0 dollars",
+        ),
+        ("[tenants.team-a.quota]\n", "quota: empty"),
+        (
+            "[tenants.team-a.quota]\nruns_per_hour = 5\n",
+            "unknown key `runs_per_hour`",
+        ),
+        (
+            "[tenants.team-a]\non_quota = \"queue\"\n",
+            "without a [quota] has nothing to wait for",
+        ),
+        (
+            "[tenants.team-a]\non_quota = \"wait\"\n",
+            "unknown variant `wait`",
+        ),
         ("[tenants.\"team a\"]\n", "is not a tenant's name"),
         (
             "[tenants.team-a]\nflows = []\n",
@@ -559,8 +580,17 @@ fn a_tenants_block_is_checked_at_load_and_its_lists_hold_at_admission() {
         let err = load(toml).unwrap_err();
         assert!(err.contains(why), "{toml}: {err}");
     }
-    let ws = load("[tenants.ops]\nflows = [\"plan\"]\nagents = [\"planner\", \"researcher\"]\n")
-        .unwrap();
+    let ws = load(
+        "[tenants.ops]\nflows = [\"plan\"]\nagents = [\"planner\", \"researcher\"]\n\
+         on_quota = \"queue\"\n[tenants.ops.quota]\nusd_per_month = 12.5\nconcurrent_runs = 3\n",
+    )
+    .unwrap();
+    let quotas = ws.quotas();
+    let (quota, on_quota) = &quotas["ops"];
+    assert_eq!(quota.usd_micros_per_month, Some(12_500_000));
+    assert_eq!(quota.concurrent_runs, Some(3));
+    assert_eq!(quota.tokens_per_hour, None);
+    assert_eq!(*on_quota, arbor_runtime::workspace::OnQuota::Queue);
     assert_eq!(ws.tenant_names(), vec!["ops".to_string()]);
     let refused = |spec, tenant: &str| ws.for_tenant(tenant, spec).unwrap_err().to_string();
     // The planner reaches the coder, which the list leaves out.

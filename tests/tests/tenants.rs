@@ -604,3 +604,212 @@ async fn inv_64_every_route_that_may_change_something_leaves_an_entry() {
         );
     }
 }
+
+// Quotas over time (I-65): a tenant's windows, reserved at admission.
+
+/// `team-q` refuses over its quota; `team-w` queues; `team-b` has none.
+async fn quota_teams() -> TestService {
+    let texts = Texts::new(
+        &[("writer", WRITER), ("quick", QUICK)],
+        &[
+            (
+                "hello",
+                "[[group]]\nsteps = [{ agent = \"quick\", instruction = \"say hi\" }]\n",
+            ),
+            (
+                "writes",
+                "[[group]]\nsteps = [{ agent = \"writer\", instruction = \"write\" }]\n",
+            ),
+        ],
+    )
+    .with_config(
+        "[tenants.team-q.quota]\ntokens_per_hour = 1000\nconcurrent_runs = 2\n\n\
+         [tenants.team-w]\non_quota = \"queue\"\n\n[tenants.team-w.quota]\nconcurrent_runs = 1\n\n\
+         [tenants.team-b]\n",
+    );
+    TestService::start(texts).await
+}
+
+async fn submit_for(
+    svc: &TestService,
+    tenant: &str,
+    flow: &str,
+    tokens: u64,
+) -> (u16, Value, String) {
+    let answer = svc
+        .post("/v1/runs")
+        .json(&json!({"flow": flow, "tenant": tenant, "budget": {"tokens": tokens}}))
+        .send()
+        .await
+        .unwrap();
+    let status = answer.status().as_u16();
+    let retry = answer
+        .headers()
+        .get("retry-after")
+        .map(|v| v.to_str().unwrap().to_string())
+        .unwrap_or_default();
+    (status, answer.json().await.unwrap_or_default(), retry)
+}
+
+async fn quota_of(svc: &TestService, tenant: &str) -> Value {
+    let (status, limits) = svc.get_json("/v1/limits").await;
+    assert_eq!(status, 200, "{limits}");
+    limits["tenants"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["tenant"] == tenant)
+        .cloned()
+        .unwrap_or_else(|| panic!("{tenant} in {limits}"))
+}
+
+async fn wait_card(svc: &TestService, run: &str) -> String {
+    let seen = svc
+        .events_until(run.parse().unwrap(), None, |e| {
+            e["kind"]["type"] == "approval_requested"
+        })
+        .await;
+    seen.last().unwrap().1["kind"]["card"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// I-65: a run's ceiling is reserved from its tenant's windows when it is
+/// submitted; a submission (or a top-up) the windows have no room for is a
+/// 429 saying which window and when to try again, and changes nothing; the
+/// run's end gives back what it did not spend, whose spend then counts for
+/// the window's span after its end; the entries outlive a restart. Another
+/// tenant is not touched.
+#[tokio::test]
+async fn inv_65_a_tenants_quota_is_reserved_at_admission_and_settled_at_the_end() {
+    let svc = quota_teams().await;
+    let (status, first, _) = submit_for(&svc, "team-q", "writes", 600).await;
+    assert_eq!(status, 201, "{first}");
+    let first = first["id"].as_str().unwrap().to_string();
+    let card = wait_card(&svc, &first).await;
+
+    let (status, refused, retry) = submit_for(&svc, "team-q", "hello", 600).await;
+    assert_eq!(status, 429, "{refused}");
+    assert_eq!(refused["error"], "quota");
+    assert_eq!(refused["quota"], "tokens_per_hour");
+    assert_eq!(refused["tenant"], "team-q");
+    // Only the running run's end can make room: a short while.
+    assert_eq!(refused["retry_after_s"], 10);
+    assert_eq!(retry, "10");
+    let (status, never, _) = submit_for(&svc, "team-q", "hello", 1001).await;
+    assert_eq!(status, 422, "{never}");
+    assert!(never.to_string().contains("could never start"), "{never}");
+    let (status, other, _) = submit_for(&svc, "team-b", "hello", 5000).await;
+    assert_eq!(status, 201, "another tenant is not touched: {other}");
+
+    // A top-up is reserved as a run is.
+    let top_up = format!("/v1/runs/{first}/budget");
+    let (status, body) = svc.post_json(&top_up, json!({"tokens": 500})).await;
+    assert_eq!(status, 429, "{body}");
+    assert_eq!(body["quota"], "tokens_per_hour");
+    let (status, body) = svc.post_json(&top_up, json!({"tokens": 100})).await;
+    assert_eq!(status, 200, "{body}");
+    let held = quota_of(&svc, "team-q").await;
+    assert_eq!(
+        held["quota"],
+        json!({"tokens_per_hour": 1000, "concurrent_runs": 2})
+    );
+    assert_eq!(
+        held["used"],
+        json!({"tokens_per_hour": 700, "concurrent_runs": 1})
+    );
+    let submissions = svc.submissions().len();
+
+    let (status, _) = svc
+        .post_json(
+            &format!("/v1/approvals/{card}"),
+            json!({"decision": "approve"}),
+        )
+        .await;
+    assert_eq!(status, 200);
+    let doc = svc.wait_run(first.parse().unwrap()).await;
+    let spent = doc["run"]["account"]["spent"].as_u64().unwrap();
+    assert!(spent > 0 && spent < 700, "{doc}");
+    let held = quota_of(&svc, "team-q").await;
+    assert_eq!(
+        held["used"],
+        json!({"tokens_per_hour": spent, "concurrent_runs": 0})
+    );
+
+    // What it spent counts for the hour after its end: a run may take the
+    // rest, and the next one token waits for that hour.
+    let (status, second, _) = submit_for(&svc, "team-q", "writes", 1000 - spent).await;
+    assert_eq!(status, 201, "{second}");
+    let second = second["id"].as_str().unwrap().to_string();
+    let card = wait_card(&svc, &second).await;
+    let (status, refused, _) = submit_for(&svc, "team-q", "hello", 1).await;
+    assert_eq!(status, 429, "{refused}");
+    let wait = refused["retry_after_s"].as_u64().unwrap();
+    assert!((3590..=3600).contains(&wait), "{refused}");
+    assert_eq!(
+        svc.submissions().len(),
+        submissions + 1,
+        "a refusal queues nothing"
+    );
+    let (status, _) = svc
+        .post_json(
+            &format!("/v1/approvals/{card}"),
+            json!({"decision": "approve"}),
+        )
+        .await;
+    assert_eq!(status, 200);
+    let second = svc.wait_run(second.parse().unwrap()).await;
+    let both = spent + second["run"]["account"]["spent"].as_u64().unwrap();
+
+    let svc = svc.restart().await;
+    let held = quota_of(&svc, "team-q").await;
+    assert_eq!(
+        held["used"],
+        json!({"tokens_per_hour": both, "concurrent_runs": 0})
+    );
+}
+
+/// I-65: a tenant that says `on_quota = "queue"` has its run wait in the
+/// queue until its windows have room, while another tenant's run passes
+/// it; the run starts once a running run's end makes room.
+#[tokio::test]
+async fn inv_65_a_tenant_that_queues_waits_for_room_and_others_pass_it() {
+    let svc = quota_teams().await;
+    let (status, first, _) = submit_for(&svc, "team-w", "writes", 600).await;
+    assert_eq!(status, 201, "{first}");
+    let first = first["id"].as_str().unwrap().to_string();
+    let card = wait_card(&svc, &first).await;
+    let (status, second, _) = submit_for(&svc, "team-w", "hello", 600).await;
+    assert_eq!(status, 201, "it queues: {second}");
+    let second = second["id"].as_str().unwrap().to_string();
+    let (status, other, _) = submit_for(&svc, "team-b", "hello", 600).await;
+    assert_eq!(status, 201, "{other}");
+    let other = svc
+        .wait_run(other["id"].as_str().unwrap().parse().unwrap())
+        .await;
+    assert_eq!(
+        other["run"]["status"], "done",
+        "another tenant's run passed it"
+    );
+
+    let (_, waiting) = svc.get_json(&format!("/v1/runs/{second}")).await;
+    assert_eq!(waiting["run"]["status"], "pending", "{waiting}");
+    let held = quota_of(&svc, "team-w").await;
+    assert_eq!(held["queued"], 1, "{held}");
+    assert_eq!(held["on_quota"], "queue");
+    assert_eq!(held["used"], json!({"concurrent_runs": 1}));
+
+    let (status, _) = svc
+        .post_json(
+            &format!("/v1/approvals/{card}"),
+            json!({"decision": "approve"}),
+        )
+        .await;
+    assert_eq!(status, 200);
+    let doc = svc.wait_run(second.parse().unwrap()).await;
+    assert_eq!(doc["run"]["status"], "done", "{doc}");
+    let held = quota_of(&svc, "team-w").await;
+    assert_eq!(held["queued"], 0, "{held}");
+    assert_eq!(held["used"], json!({"concurrent_runs": 0}));
+}

@@ -17,6 +17,73 @@ pub struct Tenant {
     pub agents: Option<BTreeSet<String>>,
     /// Said to every agent of its runs, after the agent's own prompt.
     pub instructions: Option<String>,
+    /// What its runs may take over time (I-65): none, no bound.
+    pub quota: Option<Quota>,
+    /// What a submission over its quota meets.
+    pub on_quota: OnQuota,
+}
+
+/// `[tenants.NAME.quota]`: sliding windows a tenant's runs are reserved
+/// from at admission (I-65). Each left out is no bound; none is 0.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Quota {
+    pub tokens_per_hour: Option<u64>,
+    pub usd_micros_per_day: Option<u64>,
+    pub usd_micros_per_month: Option<u64>,
+    pub runs_per_minute: Option<u64>,
+    pub concurrent_runs: Option<u64>,
+}
+
+/// What a submission over its tenant's quota meets.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnQuota {
+    /// 429, with when to try again.
+    #[default]
+    Refuse,
+    /// Queued until its windows have room; other tenants pass it.
+    Queue,
+}
+
+/// `[tenants.NAME.quota]` as written: dollars as numbers.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct QuotaFile {
+    tokens_per_hour: Option<u64>,
+    usd_per_day: Option<f64>,
+    usd_per_month: Option<f64>,
+    runs_per_minute: Option<u64>,
+    concurrent_runs: Option<u64>,
+}
+
+impl QuotaFile {
+    fn check(self) -> Result<Quota, String> {
+        let count = |key: &str, n: Option<u64>| match n {
+            Some(0) => Err(format!(
+                "quota.{key} = 0 would admit nothing (0 never means unlimited); leave it out for no bound"
+            )),
+            n => Ok(n),
+        };
+        let usd = |key: &str, usd: Option<f64>| {
+            usd.map(|usd| arbor_protocol::tools::usd_to_micros(&format!("quota.{key}"), usd))
+                .transpose()
+        };
+        let quota = Quota {
+            tokens_per_hour: count("tokens_per_hour", self.tokens_per_hour)?,
+            usd_micros_per_day: usd("usd_per_day", self.usd_per_day)?,
+            usd_micros_per_month: usd("usd_per_month", self.usd_per_month)?,
+            runs_per_minute: count("runs_per_minute", self.runs_per_minute)?,
+            concurrent_runs: count("concurrent_runs", self.concurrent_runs)?,
+        };
+        if quota == Quota::default() {
+            return Err(
+                "quota: empty; name at least one of tokens_per_hour, usd_per_day, \
+                        usd_per_month, runs_per_minute, concurrent_runs, or leave it out"
+                    .into(),
+            );
+        }
+        Ok(quota)
+    }
 }
 
 /// `[tenants.NAME]` as written.
@@ -26,6 +93,9 @@ pub(super) struct TenantFile {
     flows: Option<Vec<String>>,
     agents: Option<Vec<String>>,
     instructions: Option<String>,
+    quota: Option<QuotaFile>,
+    #[serde(default)]
+    on_quota: OnQuota,
 }
 
 impl TenantFile {
@@ -46,10 +116,18 @@ impl TenantFile {
             }
             text => text,
         };
+        let quota = self.quota.map(QuotaFile::check).transpose().map_err(at)?;
+        if self.on_quota == OnQuota::Queue && quota.is_none() {
+            return Err(at(
+                "on_quota = \"queue\" without a [quota] has nothing to wait for".into(),
+            ));
+        }
         Ok(Tenant {
             flows: list("flows", self.flows)?,
             agents: list("agents", self.agents)?,
             instructions,
+            quota,
+            on_quota: self.on_quota,
         })
     }
 }

@@ -37,7 +37,7 @@ pub(super) fn node_routes() -> ApiRouter<Arc<Shared>> {
                 errors!(
                     secured(op)
                         .id("limits")
-                        .summary("What this node throttles: each provider's rate windows (rpm, tpm), their limits and what the minute ending now holds")
+                        .summary("What this node throttles: each provider's rate windows (rpm, tpm) and each tenant's quota windows, their limits and what each holds now")
                         .response::<200, Json<Limits>>(),
                     503
                 )
@@ -88,9 +88,15 @@ pub(super) fn node_routes() -> ApiRouter<Arc<Shared>> {
         )
 }
 
-async fn limits(State(shared): S) -> Reply {
+async fn limits(
+    State(shared): S,
+    axum::Extension(caller): axum::Extension<crate::credentials::Caller>,
+) -> Reply {
+    let mut tenants = shared.admission.quotas().await;
+    tenants.retain(|t| crate::tenancy::sees(&caller, &t.tenant));
     let limits = Limits {
         models: shared.node.limits(),
+        tenants,
     };
     Ok(json(StatusCode::OK, &limits))
 }

@@ -669,6 +669,9 @@ pub(super) async fn top_up_here(
         tokens: body.tokens.unwrap_or(0),
         usd_micros: body.usd_micros.unwrap_or(0),
     };
+    // What a top-up adds is its tenant's to give (I-65): reserved first.
+    let tenant = tree.tenant().unwrap_or(arbor_protocol::DEFAULT_TENANT);
+    shared.admission.reserve_top_up(run, tenant, amount).await?;
     let entry = audit.and_then(|a| a.take(None, StatusCode::OK));
     let account = shared
         .node
