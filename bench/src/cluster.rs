@@ -168,6 +168,7 @@ fn submit_body(agent: &str) -> SubmitRun {
         tenant: None,
         on_ceiling: None,
         pause_timeout: None,
+        priority: None,
     }
 }
 

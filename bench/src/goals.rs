@@ -3,6 +3,7 @@
 mod cpu_per_job;
 mod delegate_round_trip;
 mod durable_fan_out;
+mod fairness;
 pub mod idle_memory;
 mod many_small_runs;
 mod mcp_call;
@@ -39,10 +40,12 @@ pub enum Goal {
     T1,
     /// A fan-out on the mock provider with rate limits that never bind, beside none.
     L1,
+    /// A quiet tenant's run behind another's flood of the queue, beside the idle node.
+    F1,
 }
 
 impl Goal {
-    pub const ALL: [Goal; 13] = [
+    pub const ALL: [Goal; 14] = [
         Goal::P1,
         Goal::P2,
         Goal::P3,
@@ -56,6 +59,7 @@ impl Goal {
         Goal::R2,
         Goal::T1,
         Goal::L1,
+        Goal::F1,
     ];
 
     /// `P3` or `p3`.
@@ -80,6 +84,7 @@ impl Goal {
             Goal::R2 => "R2",
             Goal::T1 => "T1",
             Goal::L1 => "L1",
+            Goal::F1 => "F1",
         }
     }
 
@@ -99,6 +104,7 @@ impl Goal {
             Goal::R2 => replay::recording(sizes).await,
             Goal::T1 => telemetry::run(sizes).await,
             Goal::L1 => rate_limit::run(sizes).await,
+            Goal::F1 => fairness::run(sizes).await,
         }
     }
 }

@@ -274,6 +274,30 @@ pub async fn limits(client: &Client) -> Outcome {
             of(w.used.tokens, w.tpm)
         );
     }
+    for t in &limits.tenants {
+        let windows: Vec<String> = t
+            .quota
+            .iter()
+            .map(|(window, limit)| {
+                let used = t.used.get(window).copied().unwrap_or(0);
+                if window.starts_with("usd_") {
+                    format!("{window} {}/{}", usd(used), usd(*limit))
+                } else {
+                    format!("{window} {used}/{limit}")
+                }
+            })
+            .collect();
+        let queued = match t.queued {
+            0 => String::new(),
+            n => format!(" · {n} queued for room"),
+        };
+        outln!(
+            "tenant {} · {} (over it: {}){queued}",
+            t.tenant,
+            windows.join(" · "),
+            t.on_quota
+        );
+    }
     Ok(ExitCode::SUCCESS)
 }
 
@@ -639,6 +663,10 @@ pub struct SubmitArgs {
     /// How long a pause waits for a top-up, e.g. 2h (24h if not said).
     #[arg(long)]
     pub pause_timeout: Option<String>,
+    /// Its place among its tenant's queued runs: 1 starts first, 5 last
+    /// (3 if not said).
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=5))]
+    pub priority: Option<u8>,
 }
 
 /// `arbor replay RUN` on arbord: the replay (or rerun) queued, then
@@ -689,6 +717,7 @@ pub async fn submit(client: &Client, args: SubmitArgs) -> Outcome {
             _ => arbor_protocol::OnCeiling::End,
         }),
         pause_timeout: args.pause_timeout.clone(),
+        priority: args.priority,
     };
     let created = client
         .api

@@ -44,6 +44,39 @@ pub struct Limits {
     /// delegate call) gives none.
     #[serde(with = "crate::duration_str::serde_humantime")]
     pub job_timeout: Duration,
+    /// `[limits.concurrency]`: how many runs (or jobs, for an agent) run at
+    /// once per key; the rest wait in the admission queue.
+    pub concurrency: Concurrency,
+}
+
+/// `[limits.concurrency]`: running runs per tenant and per flow, running
+/// jobs (steps and sub-agents) per agent. A key left out has no bound of
+/// its own (the node's `max_running_runs` still holds).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Concurrency {
+    pub per_tenant: Option<u32>,
+    pub per_flow: std::collections::BTreeMap<String, u32>,
+    pub per_agent: std::collections::BTreeMap<String, u32>,
+}
+
+impl Concurrency {
+    fn check(&self) -> Result<(), String> {
+        if self.per_tenant == Some(0) {
+            return Err("limits.concurrency.per_tenant = 0 would run nothing (0 never means unlimited); leave it out for no bound".into());
+        }
+        if !self.per_agent.is_empty() {
+            return Err("limits.concurrency.per_agent: a bound on an agent's running jobs is not kept yet; bound its runs' flows (per_flow) or tenants (per_tenant)".into());
+        }
+        for (key, map) in [("per_flow", &self.per_flow), ("per_agent", &self.per_agent)] {
+            if let Some((name, _)) = map.iter().find(|(_, n)| **n == 0) {
+                return Err(format!(
+                    "limits.concurrency.{key}.{name} = 0 would run nothing (0 never means unlimited); leave it out for no bound"
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Default for Limits {
@@ -63,6 +96,7 @@ impl Default for Limits {
             context_warn: 0.75,
             run_timeout: Duration::from_secs(4 * 3600),
             job_timeout: Duration::from_secs(3600),
+            concurrency: Concurrency::default(),
         }
     }
 }
@@ -121,6 +155,7 @@ impl Limits {
         if self.max_output_tokens == 0 {
             return Err("limits.max_output_tokens must be at least 1".into());
         }
+        self.concurrency.check()?;
         self.tools.check("limits.tools.")
     }
 }

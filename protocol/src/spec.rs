@@ -46,11 +46,18 @@ pub struct RunSpec {
     /// (I-58) instead of ending, for at most this long; none: it ends.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pause: Option<Duration>,
+    /// Its place among its tenant's queued runs: 1 starts first, 5 last;
+    /// none: 3 (`RunSpec::PRIORITY`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<u8>,
 }
 
 impl RunSpec {
     /// How long a budget pause waits for a top-up unless told otherwise.
     pub const PAUSE_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+
+    /// A submission's priority when it names none (1 first, 5 last).
+    pub const PRIORITY: u8 = 3;
 
     /// The label of a run's reviewer job (`verify`), beside its steps'.
     pub const REVIEW_LABEL: &str = "review";
@@ -171,6 +178,7 @@ impl RunSpec {
             instructions: None,
             verify: None,
             pause: None,
+            priority: None,
         }
     }
 }
@@ -519,6 +527,7 @@ mod tests {
             instructions: None,
             verify: None,
             pause: None,
+            priority: None,
         };
         assert_eq!(
             spec.step_labels(),

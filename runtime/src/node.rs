@@ -1137,5 +1137,6 @@ fn continuation(
         instructions: origin.and_then(|s| s.instructions.clone()),
         verify: None,
         pause: origin.and_then(|s| s.pause),
+        priority: origin.and_then(|s| s.priority),
     }
 }

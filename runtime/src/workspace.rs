@@ -224,6 +224,18 @@ impl Workspace {
                 .check_names(name, &flow_names, &agent_names)
                 .map_err(|m| invalid(Path::new("arbor.toml"), m))?;
         }
+        let concurrency = &config.limits.concurrency;
+        for (key, names, known) in [
+            ("per_flow", &concurrency.per_flow, &flow_names),
+            ("per_agent", &concurrency.per_agent, &agent_names),
+        ] {
+            if let Some(missing) = names.keys().find(|n| !known.contains(n.as_str())) {
+                return Err(invalid(
+                    Path::new("arbor.toml"),
+                    format!("limits.concurrency.{key}: `{missing}` is not one of the workspace's"),
+                ));
+            }
+        }
         digests.insert("arbor.toml".to_string(), sha256(arbor_toml.unwrap_or("")));
         for &(name, text) in agents {
             digests.insert(format!("agents/{name}/agent.md"), sha256(text));
@@ -367,6 +379,7 @@ impl Workspace {
             instructions: None,
             verify: flow.verify.clone(),
             pause,
+            priority: None,
         })
         .map(|spec| self.recording(spec, self.config.record_models))
     }

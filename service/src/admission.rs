@@ -24,6 +24,12 @@
 //! has no room; a tenant with `on_quota = "queue"` waits in the queue
 //! instead, reserved just before it starts, while other tenants' runs pass
 //! it. A run's end settles its entry (`settle_ended`).
+//!
+//! Which queued run starts next (a local queue): tenants take turns by
+//! start-time fair queuing, each start moving its tenant's turn on by
+//! 1/`weight`, so a tenant that floods the queue delays only itself;
+//! within a tenant, the lowest `priority`, then the oldest. A run whose
+//! tenant or flow is at its `[limits.concurrency]` bound is passed over.
 
 use crate::quota::{self, Demand, Ledger, Over, QuotaEntry};
 use crate::submission::{self, SubmissionRecord, SubmissionState};
@@ -31,7 +37,7 @@ use arbor_protocol::{ErrorClass, EventKind, RunId, RunSpec, Status};
 use arbor_runtime::EmbeddedNode;
 use arbor_runtime::workspace::{OnQuota, Quota};
 use axum::http::StatusCode;
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::{Mutex, Notify};
@@ -86,8 +92,7 @@ pub struct Admission {
     shared: Option<tokio::sync::watch::Receiver<u64>>,
     max_running: usize,
     max_queued: usize,
-    /// Each tenant's quota, for those arbor.toml gives one.
-    quotas: BTreeMap<String, (Quota, OnQuota)>,
+    policy: Policy,
     state: Mutex<State>,
     /// Notified by a submission, a close, and every run's end.
     wake: Arc<Notify>,
@@ -95,15 +100,93 @@ pub struct Admission {
 
 struct State {
     queue: VecDeque<SubmissionRecord>,
-    running: HashSet<RunId>,
+    /// The runs started here (or resumed) and not yet seen to end, by key.
+    running: HashMap<RunId, Slot>,
     /// Every idempotency key ever used: (digest, run).
     keys: HashMap<String, (String, RunId)>,
     next_order: u64,
     closed: bool,
     /// What every tenant's runs reserved from its quota windows.
     ledger: Ledger,
-    /// Each queued run's tenant and demand, for a tenant with a quota.
-    demands: HashMap<RunId, (String, Demand)>,
+    /// Each queued run's keys, and what it has yet to reserve.
+    queued: HashMap<RunId, Queued>,
+    /// Each tenant's turn (its next run's virtual start), and the virtual
+    /// time of the last start: a tenant back from idle starts there, not
+    /// behind, so it cannot take a burst of turns it did not wait for.
+    turns: HashMap<String, f64>,
+    virtual_now: f64,
+}
+
+/// What admission is told by arbor.toml: quotas, weights, concurrency.
+#[derive(Clone, Debug, Default)]
+pub struct Policy {
+    /// Each tenant's quota, for those that have one.
+    pub quotas: BTreeMap<String, (Quota, OnQuota)>,
+    /// Each tenant's weight (1 when not named).
+    pub weights: BTreeMap<String, u32>,
+    /// `[limits.concurrency]`.
+    pub per_tenant: Option<u32>,
+    pub per_flow: BTreeMap<String, u32>,
+}
+
+impl Policy {
+    pub fn of(workspace: &arbor_runtime::Workspace) -> Self {
+        let concurrency = &workspace.config.limits.concurrency;
+        Policy {
+            quotas: workspace.quotas(),
+            weights: workspace
+                .tenant_names()
+                .into_iter()
+                .filter_map(|name| Some((name.clone(), workspace.tenant(&name)?.weight)))
+                .collect(),
+            per_tenant: concurrency.per_tenant,
+            per_flow: concurrency.per_flow.clone(),
+        }
+    }
+
+    fn weight(&self, tenant: &str) -> f64 {
+        f64::from(self.weights.get(tenant).copied().unwrap_or(1).max(1))
+    }
+}
+
+/// A running run's keys.
+#[derive(Clone, Debug)]
+struct Slot {
+    tenant: String,
+    flow: String,
+}
+
+/// A queued run's keys and priority, and (a tenant that queues for its
+/// quota) the demand it reserves when it starts.
+#[derive(Clone, Debug)]
+struct Queued {
+    slot: Slot,
+    priority: u8,
+    demand: Option<Demand>,
+}
+
+fn slot_of(spec: &RunSpec) -> Slot {
+    Slot {
+        tenant: tenant_of(spec).to_string(),
+        flow: spec.flow.clone(),
+    }
+}
+
+impl Policy {
+    /// A run entering the queue: its keys, and what it has yet to reserve
+    /// (a tenant that queues for its quota, unless it `reserved` already).
+    fn queued(&self, spec: &RunSpec, reserved: bool) -> Queued {
+        let slot = slot_of(spec);
+        let demand = match self.quotas.get(&slot.tenant) {
+            Some((_, OnQuota::Queue)) if !reserved => Some(demand_of(spec)),
+            _ => None,
+        };
+        Queued {
+            slot,
+            priority: spec.priority.unwrap_or(RunSpec::PRIORITY),
+            demand,
+        }
+    }
 }
 
 /// What a run asks of its tenant's windows.
@@ -143,12 +226,12 @@ impl Admission {
         node: Arc<EmbeddedNode>,
         max_running: usize,
         max_queued: usize,
-        quotas: BTreeMap<String, (Quota, OnQuota)>,
+        policy: Policy,
     ) -> Result<Arc<Self>, arbor_storage::Error> {
         let journal = node.journal();
         let shared = journal.woken();
         let ledger = Ledger::load(journal)?;
-        let mut demands = HashMap::new();
+        let mut queued = HashMap::new();
         let mut queue = VecDeque::new();
         let mut keys = HashMap::new();
         let mut next_order = 0;
@@ -164,19 +247,21 @@ impl Admission {
                     sub.epoch = journal.epoch();
                     started_late.push(sub.record()?);
                 } else {
-                    // One that reserved at submission holds its entry already.
-                    if let Ok(spec) = serde_json::from_str::<RunSpec>(&sub.spec_json)
-                        && quotas.contains_key(tenant_of(&spec))
-                        && ledger.entry(tenant_of(&spec), sub.run).is_none()
-                    {
-                        demands.insert(sub.run, (tenant_of(&spec).to_string(), demand_of(&spec)));
+                    if let Ok(spec) = serde_json::from_str::<RunSpec>(&sub.spec_json) {
+                        // One that reserved at submission holds its entry already.
+                        let reserved = ledger.entry(tenant_of(&spec), sub.run).is_some();
+                        queued.insert(sub.run, policy.queued(&spec, reserved));
                     }
                     queue.push_back(sub);
                 }
             }
         }
         journal.append(started_late)?;
-        let running = node.resumed().iter().map(|(id, _)| *id).collect();
+        let running = node
+            .resumed()
+            .iter()
+            .map(|(id, spec)| (*id, slot_of(spec)))
+            .collect();
         // A run that ends frees a slot: the pump looks again only then, not
         // at every event.
         let wake = Arc::new(Notify::new());
@@ -193,7 +278,7 @@ impl Admission {
             shared,
             max_running,
             max_queued,
-            quotas,
+            policy,
             state: Mutex::new(State {
                 queue,
                 running,
@@ -201,7 +286,9 @@ impl Admission {
                 next_order,
                 closed: false,
                 ledger,
-                demands,
+                queued,
+                turns: HashMap::new(),
+                virtual_now: 0.0,
             }),
             wake,
         }))
@@ -257,13 +344,12 @@ impl Admission {
         records.extend(audit.and_then(|a| a.take(Some(sub.run.to_string()), StatusCode::CREATED)));
         journal.commit(records).await?;
         state.next_order += 1;
+        let queued = self.policy.queued(spec, reserved.is_some());
         if let Some(entry) = reserved {
             state.ledger.committed(entry);
-        } else if self.quotas.contains_key(tenant_of(spec)) {
-            // It waits for its tenant's windows (`on_quota = "queue"`).
-            state
-                .demands
-                .insert(run, (tenant_of(spec).to_string(), demand_of(spec)));
+        }
+        if self.shared.is_none() {
+            state.queued.insert(run, queued);
         }
         if let Some(key) = key {
             state.keys.insert(key, (digest, run));
@@ -286,7 +372,7 @@ impl Admission {
         run: RunId,
     ) -> Result<Option<QuotaEntry>, SubmitError> {
         let tenant = tenant_of(spec);
-        let Some((quota, on_quota)) = self.quotas.get(tenant) else {
+        let Some((quota, on_quota)) = self.policy.quotas.get(tenant) else {
             return Ok(None);
         };
         let demand = demand_of(spec);
@@ -327,7 +413,7 @@ impl Admission {
         tenant: &str,
         amount: arbor_protocol::Amount,
     ) -> Result<(), SubmitError> {
-        let Some((quota, _)) = self.quotas.get(tenant) else {
+        let Some((quota, _)) = self.policy.quotas.get(tenant) else {
             return Ok(());
         };
         let demand = Demand {
@@ -367,7 +453,7 @@ impl Admission {
     /// back is there as soon as its end is seen. An append, not a commit:
     /// a settlement lost to a crash is made again at the next boot.
     fn settle_ended(&self, state: &mut State) {
-        if self.quotas.is_empty() {
+        if self.policy.quotas.is_empty() {
             return;
         }
         let open = state.ledger.open_entries();
@@ -432,12 +518,52 @@ impl Admission {
         Some(Some(spent(&tree)))
     }
 
+    /// Each concurrency key, its bound, and the runs it has running here
+    /// and queued: every tenant arbor.toml names (or that has a run) under
+    /// `per_tenant`, and each flow of `per_flow`.
+    pub async fn concurrency(&self) -> Vec<crate::api::ConcurrencyKey> {
+        let state = self.state.lock().await;
+        let count = |key: &dyn Fn(&Slot) -> bool| {
+            (
+                state.running.values().filter(|s| key(s)).count(),
+                state.queued.values().filter(|q| key(&q.slot)).count(),
+            )
+        };
+        let mut keys = vec![];
+        if let Some(limit) = self.policy.per_tenant {
+            let mut tenants: std::collections::BTreeSet<&str> =
+                self.policy.weights.keys().map(String::as_str).collect();
+            tenants.extend(state.running.values().map(|s| s.tenant.as_str()));
+            tenants.extend(state.queued.values().map(|q| q.slot.tenant.as_str()));
+            for tenant in tenants {
+                let (running, queued) = count(&|s: &Slot| s.tenant == tenant);
+                keys.push(crate::api::ConcurrencyKey {
+                    key: format!("tenant:{tenant}"),
+                    limit,
+                    running,
+                    queued,
+                });
+            }
+        }
+        for (flow, limit) in &self.policy.per_flow {
+            let (running, queued) = count(&|s: &Slot| s.flow == *flow);
+            keys.push(crate::api::ConcurrencyKey {
+                key: format!("flow:{flow}"),
+                limit: *limit,
+                running,
+                queued,
+            });
+        }
+        keys
+    }
+
     /// Each tenant's quota windows and what each holds now.
     pub async fn quotas(&self) -> Vec<crate::api::TenantQuota> {
         let mut state = self.state.lock().await;
         self.settle_ended(&mut state);
         let now = now_ms();
-        self.quotas
+        self.policy
+            .quotas
             .iter()
             .map(|(tenant, (quota, on_quota))| {
                 let windows = quota::Window::ALL
@@ -452,7 +578,11 @@ impl Admission {
                     used: windows
                         .map(|(w, _)| (w.name().into(), state.ledger.used(tenant, w, now)))
                         .collect(),
-                    queued: state.demands.values().filter(|(t, _)| t == tenant).count(),
+                    queued: state
+                        .queued
+                        .values()
+                        .filter(|q| q.slot.tenant == *tenant)
+                        .count(),
                     on_quota: match on_quota {
                         OnQuota::Refuse => "refuse",
                         OnQuota::Queue => "queue",
@@ -531,6 +661,7 @@ impl Admission {
             return Ok(false);
         };
         let mut sub = state.queue.remove(at).expect("position is in the queue");
+        state.queued.remove(&run);
         drop(state);
         sub.state = SubmissionState::Cancelled {
             reason: reason.to_string(),
@@ -602,7 +733,7 @@ impl Admission {
 
     /// The runs started by the queue (or resumed at boot) and not yet ended.
     pub async fn running(&self) -> Vec<RunId> {
-        self.state.lock().await.running.iter().copied().collect()
+        self.state.lock().await.running.keys().copied().collect()
     }
 
     /// Starts queued runs while there is room, until closed. Wakes on a
@@ -662,7 +793,7 @@ impl Admission {
                     return Round::Closed;
                 }
                 let events = self.node.events();
-                state.running.retain(|run| {
+                state.running.retain(|run, _| {
                     !events.with_tree(*run, |t| t.is_some_and(|t| t.run_status().is_terminal()))
                 });
                 self.settle_ended(&mut state);
@@ -677,8 +808,13 @@ impl Admission {
                     .queue
                     .remove(at)
                     .expect("the position is in the queue");
-                state.demands.remove(&sub.run);
-                state.running.insert(sub.run);
+                let slot = state.queued.remove(&sub.run).map(|q| q.slot);
+                let slot = slot.unwrap_or_else(|| Slot {
+                    tenant: arbor_protocol::DEFAULT_TENANT.into(),
+                    flow: String::new(),
+                });
+                self.take_turn(&mut state, &slot.tenant);
+                state.running.insert(sub.run, slot);
                 (sub, reserved)
             };
             if let Some(entry) = reserved
@@ -692,38 +828,75 @@ impl Admission {
         }
     }
 
-    /// The first queued run that may start now, and the reservation it
-    /// takes from its tenant's windows (a tenant that queues). A tenant
-    /// whose first queued run has no room yet has the rest of its runs
-    /// wait behind it; other tenants' runs pass. `Err`: none may start,
-    /// and when the clock will open a window for one.
+    /// The queued run to start now, and the reservation it takes from its
+    /// tenant's windows (a tenant that queues for its quota). Each tenant's
+    /// head is its first run by (priority, arrival) whose tenant and flow
+    /// are under their concurrency bounds; the head of the tenant whose
+    /// turn comes first starts. A head with no room in its windows holds
+    /// its tenant back (its other runs wait behind it) while others go on.
+    /// `Err`: none may start, and when the clock will open a window.
     fn next_startable(
         &self,
         state: &mut State,
     ) -> Result<(usize, Option<QuotaEntry>), Option<std::time::Duration>> {
         let now = now_ms();
-        let mut waiting: HashSet<&str> = HashSet::new();
-        let mut retry: Option<u64> = None;
         let State {
             queue,
             ledger,
-            demands,
+            queued,
+            running,
+            turns,
+            virtual_now,
             ..
         } = state;
+        let mut by_tenant: HashMap<&str, u32> = HashMap::new();
+        let mut by_flow: HashMap<&str, u32> = HashMap::new();
+        for slot in running.values() {
+            *by_tenant.entry(&slot.tenant).or_default() += 1;
+            *by_flow.entry(&slot.flow).or_default() += 1;
+        }
+        let full = |count: &HashMap<&str, u32>, key: &str, limit: Option<u32>| {
+            limit.is_some_and(|limit| count.get(key).copied().unwrap_or(0) >= limit)
+        };
+        // Each tenant's head: (priority, arrival, position).
+        let mut heads: HashMap<&str, (u8, u64, usize)> = HashMap::new();
         for (at, sub) in queue.iter().enumerate() {
-            let Some((tenant, demand)) = demands.get(&sub.run) else {
+            let Some(q) = queued.get(&sub.run) else {
                 return Ok((at, None));
             };
-            if waiting.contains(tenant.as_str()) {
+            let (tenant, flow) = (q.slot.tenant.as_str(), q.slot.flow.as_str());
+            if full(&by_tenant, tenant, self.policy.per_tenant)
+                || full(&by_flow, flow, self.policy.per_flow.get(flow).copied())
+            {
                 continue;
             }
-            let Some((quota, _)) = self.quotas.get(tenant) else {
+            let key = (q.priority, sub.order, at);
+            heads
+                .entry(tenant)
+                .and_modify(|head| *head = (*head).min(key))
+                .or_insert(key);
+        }
+        let mut retry: Option<u64> = None;
+        loop {
+            let turn = |tenant: &str| turns.get(tenant).copied().unwrap_or(0.0).max(*virtual_now);
+            let Some((tenant, (_, _, at))) = heads
+                .iter()
+                .map(|(tenant, head)| (*tenant, *head))
+                .min_by(|a, b| turn(a.0).total_cmp(&turn(b.0)).then(a.1.1.cmp(&b.1.1)))
+            else {
+                return Err(retry.map(std::time::Duration::from_millis));
+            };
+            let run = queue[at].run;
+            let Some(demand) = queued.get(&run).and_then(|q| q.demand) else {
                 return Ok((at, None));
             };
-            match ledger.room(tenant, quota, *demand, now) {
+            let Some((quota, _)) = self.policy.quotas.get(tenant) else {
+                return Ok((at, None));
+            };
+            match ledger.room(tenant, quota, demand, now) {
                 Ok(()) => {
                     let epoch = self.node.journal().epoch();
-                    let entry = Ledger::reservation(tenant, sub.run, *demand, now, epoch);
+                    let entry = Ledger::reservation(tenant, run, demand, now, epoch);
                     // Held in memory from now, so the next check sees it.
                     ledger.committed(entry.clone());
                     return Ok((at, Some(entry)));
@@ -732,11 +905,24 @@ impl Admission {
                     if let Some(after) = over.retry_after_ms {
                         retry = Some(retry.map_or(after, |r| r.min(after)));
                     }
-                    waiting.insert(tenant);
+                    heads.remove(tenant);
                 }
             }
         }
-        Err(retry.map(std::time::Duration::from_millis))
+    }
+
+    /// `tenant` starts a run: its turn moves on by 1/weight.
+    fn take_turn(&self, state: &mut State, tenant: &str) {
+        let start = state
+            .turns
+            .get(tenant)
+            .copied()
+            .unwrap_or(0.0)
+            .max(state.virtual_now);
+        state.virtual_now = start;
+        state
+            .turns
+            .insert(tenant.to_string(), start + 1.0 / self.policy.weight(tenant));
     }
 
     async fn commit_reservation(&self, entry: QuotaEntry) -> Result<(), arbor_storage::Error> {
@@ -754,7 +940,7 @@ impl Admission {
                     return false;
                 }
                 let events = self.node.events();
-                state.running.retain(|run| {
+                state.running.retain(|run, _| {
                     !events.with_tree(*run, |t| t.is_some_and(|t| t.run_status().is_terminal()))
                 });
                 self.max_running.saturating_sub(state.running.len())
@@ -776,7 +962,13 @@ impl Admission {
             for (run, _) in claimed {
                 match submission::submission(journal, run) {
                     Ok(Some(sub)) => {
-                        self.state.lock().await.running.insert(run);
+                        let slot = serde_json::from_str::<RunSpec>(&sub.spec_json)
+                            .map(|spec| slot_of(&spec))
+                            .unwrap_or_else(|_| Slot {
+                                tenant: arbor_protocol::DEFAULT_TENANT.into(),
+                                flow: String::new(),
+                            });
+                        self.state.lock().await.running.insert(run, slot);
                         self.start(sub).await;
                     }
                     Ok(None) => self.end_lost(run).await,

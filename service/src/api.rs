@@ -51,6 +51,12 @@ pub struct SubmitRun {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(with = "String", length(min = 1))]
     pub pause_timeout: Option<String>,
+    /// Its place among its tenant's queued runs: 1 starts first, 5 last;
+    /// 3 if not said. Other tenants' runs are not passed by it: the queue
+    /// serves tenants in turn, by their `weight`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 5))]
+    pub priority: Option<u8>,
 }
 
 /// Where to find a run.
@@ -546,6 +552,19 @@ pub struct Limits {
     /// Each tenant's quota windows (`[tenants.NAME.quota]`, I-65), for the
     /// tenants the caller sees that have one.
     pub tenants: Vec<TenantQuota>,
+    /// Each `[limits.concurrency]` key (`tenant:NAME`, `flow:NAME`): its
+    /// bound, the runs it has running on this node and those queued.
+    pub concurrency: Vec<ConcurrencyKey>,
+}
+
+/// One concurrency key and how full it is.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct ConcurrencyKey {
+    /// `tenant:NAME` or `flow:NAME`.
+    pub key: String,
+    pub limit: u32,
+    pub running: usize,
+    pub queued: usize,
 }
 
 /// One tenant's quota: each window it sets, its limit and what it holds.

@@ -143,7 +143,7 @@ impl Service {
             node.clone(),
             config.max_running_runs,
             config.max_queued_runs,
-            workspace.quotas(),
+            admission::Policy::of(&workspace),
         )?;
         let tasks = tokio_util::task::TaskTracker::new();
         tasks.spawn(admission.clone().pump());

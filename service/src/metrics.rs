@@ -57,6 +57,12 @@ struct TenantLabel {
     tenant: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct QuotaLabel {
+    tenant: String,
+    quota: String,
+}
+
 /// One tenant's runs in one status, and the tokens they spent: what the
 /// `tenant_*` families say (I-63).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -133,6 +139,8 @@ pub struct Metrics {
     rate_used: Family<WindowUnitLabel, Gauge>,
     rate_limit: Family<WindowUnitLabel, Gauge>,
     rate_closed: Family<WindowLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    quota_used: Family<QuotaLabel, Gauge>,
+    quota_limit: Family<QuotaLabel, Gauge>,
     spans_exported: Counter,
     spans_dropped: Counter,
     span_events_dropped: Counter,
@@ -182,6 +190,8 @@ impl Metrics {
             rate_used: Family::default(),
             rate_limit: Family::default(),
             rate_closed: Family::default(),
+            quota_used: Family::default(),
+            quota_limit: Family::default(),
         };
         metrics.register();
         Arc::new(metrics)
@@ -327,6 +337,16 @@ impl Metrics {
             "rate_window_closed_seconds",
             "Each provider's rate window: how long the provider closed it for (a 429's Retry-After, its limit headers)",
             self.rate_closed.clone(),
+        );
+        registry.register(
+            "quota_used",
+            "Each tenant's quota window: what it holds now (running runs' ceilings, ended runs' spend within its span; micro-dollars for usd)",
+            self.quota_used.clone(),
+        );
+        registry.register(
+            "quota_limit",
+            "Each tenant's quota window: what any span of its length may hold",
+            self.quota_limit.clone(),
         );
     }
 
@@ -512,6 +532,27 @@ impl Metrics {
                     window: w.model.clone(),
                 })
                 .set(w.closed_ms as f64 / 1000.0);
+        }
+    }
+
+    /// Each tenant's quota windows as they are now.
+    pub fn set_quotas(&self, tenants: &[crate::api::TenantQuota]) {
+        let as_gauge = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        for t in tenants {
+            let label = |quota: &str| QuotaLabel {
+                tenant: t.tenant.clone(),
+                quota: quota.into(),
+            };
+            for (quota, limit) in &t.quota {
+                self.quota_limit
+                    .get_or_create(&label(quota))
+                    .set(as_gauge(*limit));
+            }
+            for (quota, used) in &t.used {
+                self.quota_used
+                    .get_or_create(&label(quota))
+                    .set(as_gauge(*used));
+            }
         }
     }
 

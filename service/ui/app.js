@@ -236,6 +236,17 @@ async function openNode(mine) {
           (w.closed_ms ? `; closed by the provider for ${span(w.closed_ms)}` : ""),
       ]);
     }
+    // Each tenant's quota windows: what each holds of its limit.
+    for (const t of limits.tenants ?? []) {
+      const windows = Object.entries(t.quota).map(([name, limit]) => {
+        const used = t.used[name] ?? 0;
+        return name.startsWith("usd_") ? `${name} ${usd(used)}/${usd(limit)}` : `${name} ${int(used)}/${int(limit)}`;
+      });
+      facts.push([
+        `Quota ${t.tenant}`,
+        windows.join(", ") + (t.queued ? `; ${int(t.queued)} queued for room` : "") + ` (over it: ${t.on_quota})`,
+      ]);
+    }
     $("node-facts").replaceChildren(
       ...facts.flatMap(([term, value]) => [el("dt", { text: term }), el("dd", { text: String(value) })]),
     );

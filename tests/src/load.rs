@@ -218,6 +218,7 @@ impl HttpLoad {
                     tenant: None,
                     on_ceiling: None,
                     pause_timeout: None,
+                    priority: None,
                 };
                 let started = Instant::now();
                 let created = client.submit(&run, None).await.unwrap();

@@ -548,6 +548,22 @@ fn a_tenants_block_is_checked_at_load_and_its_lists_hold_at_admission() {
         ),
         ("[tenants.team-a.quota]\n", "quota: empty"),
         (
+            "[journal]\nbackend = \"postgres\"\n[tenants.team-a.quota]\nruns_per_minute = 1\n",
+            "do not share quota windows yet",
+        ),
+        (
+            "[tenants.team-a]\nweight = 0\n",
+            "weight = 0 would never start",
+        ),
+        (
+            "[limits.concurrency]\nper_flow = { ghost = 1 }\n",
+            "limits.concurrency.per_flow: `ghost`",
+        ),
+        (
+            "[limits.concurrency]\nper_tenant = 0\n",
+            "per_tenant = 0 would run nothing",
+        ),
+        (
             "[tenants.team-a.quota]\nruns_per_hour = 5\n",
             "unknown key `runs_per_hour`",
         ),

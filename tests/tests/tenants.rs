@@ -719,6 +719,21 @@ async fn inv_65_a_tenants_quota_is_reserved_at_admission_and_settled_at_the_end(
         held["used"],
         json!({"tokens_per_hour": 700, "concurrent_runs": 1})
     );
+    let metrics = svc
+        .get("/metrics")
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for line in [
+        "arbor_quota_used{tenant=\"team-q\",quota=\"tokens_per_hour\"} 700",
+        "arbor_quota_limit{tenant=\"team-q\",quota=\"tokens_per_hour\"} 1000",
+        "arbor_quota_used{tenant=\"team-w\",quota=\"concurrent_runs\"} 0",
+    ] {
+        assert!(metrics.contains(line), "{line} in {metrics}");
+    }
     let submissions = svc.submissions().len();
 
     let (status, _) = svc
@@ -812,4 +827,164 @@ async fn inv_65_a_tenant_that_queues_waits_for_room_and_others_pass_it() {
     let held = quota_of(&svc, "team-w").await;
     assert_eq!(held["queued"], 0, "{held}");
     assert_eq!(held["used"], json!({"concurrent_runs": 0}));
+}
+
+// Fair dispatch: tenants take turns by weight; concurrency keys.
+
+async fn submit_prio(svc: &TestService, tenant: &str, flow: &str, priority: Option<u8>) -> String {
+    let mut body = json!({"flow": flow, "tenant": tenant});
+    if let Some(priority) = priority {
+        body["priority"] = json!(priority);
+    }
+    let (status, reply) = svc.post_json("/v1/runs", body).await;
+    assert_eq!(status, 201, "{reply}");
+    reply["id"].as_str().unwrap().to_string()
+}
+
+/// One slot; team a weighs 2, team b 1. While a run of a's holds the slot,
+/// a queues six runs and b three, then one of priority 1: once the slot
+/// frees, b's urgent run goes first (b's turn had come, and within b it is
+/// first), then the tenants take turns two to one, each in arrival order.
+#[tokio::test]
+async fn the_queue_serves_tenants_in_turn_by_weight_and_each_by_priority() {
+    let texts = Texts::new(
+        &[("writer", WRITER), ("quick", QUICK)],
+        &[
+            (
+                "hello",
+                "[[group]]\nsteps = [{ agent = \"quick\", instruction = \"say hi\" }]\n",
+            ),
+            (
+                "writes",
+                "[[group]]\nsteps = [{ agent = \"writer\", instruction = \"write\" }]\n",
+            ),
+        ],
+    )
+    .with_config(
+        "[service]\nmax_running_runs = 1\n\n[tenants.team-a]\nweight = 2\n\n[tenants.team-b]\n",
+    );
+    let svc = TestService::start(texts).await;
+    let started = std::sync::Arc::new(std::sync::Mutex::new(vec![]));
+    {
+        let started = started.clone();
+        svc.service
+            .node()
+            .events()
+            .observe(std::sync::Arc::new(move |e| {
+                if matches!(e.kind, arbor_protocol::EventKind::RunStarted { .. }) {
+                    started.lock().unwrap().push(e.run.to_string());
+                }
+            }));
+    }
+    let blocker = submit_prio(&svc, "team-a", "writes", None).await;
+    let card = wait_card(&svc, &blocker).await;
+    let mut name = std::collections::HashMap::new();
+    for i in 1..=6 {
+        name.insert(
+            submit_prio(&svc, "team-a", "hello", None).await,
+            format!("a{i}"),
+        );
+    }
+    for i in 1..=3 {
+        name.insert(
+            submit_prio(&svc, "team-b", "hello", None).await,
+            format!("b{i}"),
+        );
+    }
+    // Out of range is refused, and changes nothing.
+    let (status, refused) = svc
+        .post_json(
+            "/v1/runs",
+            json!({"flow": "hello", "tenant": "team-b", "priority": 6}),
+        )
+        .await;
+    assert_eq!(status, 422, "{refused}");
+    let urgent = submit_prio(&svc, "team-b", "hello", Some(1)).await;
+    name.insert(urgent.clone(), "b!".into());
+    let (status, _) = svc
+        .post_json(
+            &format!("/v1/approvals/{card}"),
+            json!({"decision": "approve"}),
+        )
+        .await;
+    assert_eq!(status, 200);
+    let last = name.keys().find(|id| name[*id] == "b3").unwrap().clone();
+    svc.wait_run(last.parse().unwrap()).await;
+    let order: Vec<String> = started
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|run| name.get(run).cloned())
+        .collect();
+    assert_eq!(
+        order,
+        ["b!", "a1", "a2", "b1", "a3", "a4", "b2", "a5", "a6", "b3"],
+        "{order:?}"
+    );
+}
+
+/// `[limits.concurrency]`: while team a's run of `writes` runs, a's next
+/// run waits (per_tenant = 1) and team b's run of `writes` waits (per_flow
+/// writes = 1), while b's other run passes both; GET /v1/limits says so;
+/// the end of a's run lets both go.
+#[tokio::test]
+async fn concurrency_keys_hold_their_runs_in_the_queue_and_others_pass() {
+    let texts = Texts::new(
+        &[("writer", WRITER), ("quick", QUICK)],
+        &[
+            (
+                "hello",
+                "[[group]]\nsteps = [{ agent = \"quick\", instruction = \"say hi\" }]\n",
+            ),
+            (
+                "writes",
+                "[[group]]\nsteps = [{ agent = \"writer\", instruction = \"write\" }]\n",
+            ),
+        ],
+    )
+    .with_config(
+        "[limits.concurrency]\nper_tenant = 1\nper_flow = { writes = 1 }\n\n\
+         [tenants.team-a]\n[tenants.team-b]\n",
+    );
+    let svc = TestService::start(texts).await;
+    let first = submit_prio(&svc, "team-a", "writes", None).await;
+    let card = wait_card(&svc, &first).await;
+    let a_next = submit_prio(&svc, "team-a", "hello", None).await;
+    let b_writes = submit_prio(&svc, "team-b", "writes", None).await;
+    let b_hello = submit_prio(&svc, "team-b", "hello", None).await;
+    let doc = svc.wait_run(b_hello.parse().unwrap()).await;
+    assert_eq!(doc["run"]["status"], "done", "{doc}");
+    for waiting in [&a_next, &b_writes] {
+        let (_, doc) = svc.get_json(&format!("/v1/runs/{waiting}")).await;
+        assert_eq!(doc["run"]["status"], "pending", "{doc}");
+    }
+    let (_, limits) = svc.get_json("/v1/limits").await;
+    assert_eq!(
+        limits["concurrency"],
+        json!([
+            {"key": "tenant:team-a", "limit": 1, "running": 1, "queued": 1},
+            {"key": "tenant:team-b", "limit": 1, "running": 0, "queued": 1},
+            {"key": "flow:writes", "limit": 1, "running": 1, "queued": 1},
+        ]),
+        "{limits}"
+    );
+    let (status, _) = svc
+        .post_json(
+            &format!("/v1/approvals/{card}"),
+            json!({"decision": "approve"}),
+        )
+        .await;
+    assert_eq!(status, 200);
+    let doc = svc.wait_run(a_next.parse().unwrap()).await;
+    assert_eq!(doc["run"]["status"], "done", "{doc}");
+    let card = wait_card(&svc, &b_writes).await;
+    let (status, _) = svc
+        .post_json(
+            &format!("/v1/approvals/{card}"),
+            json!({"decision": "approve"}),
+        )
+        .await;
+    assert_eq!(status, 200);
+    let doc = svc.wait_run(b_writes.parse().unwrap()).await;
+    assert_eq!(doc["run"]["status"], "done", "{doc}");
 }

@@ -423,6 +423,17 @@ pub(super) fn parse_config(text: &str, root: &Path) -> Result<Config, LoadError>
     let mut tenants = BTreeMap::new();
     for (name, block) in file.tenants {
         let tenant = block.check(&name).map_err(|m| invalid(path, m))?;
+        // Each node keeps its windows in memory, read from the journal at
+        // start: on a shared journal they would not see each other's.
+        if tenant.quota.is_some() && matches!(journal, JournalConfig::Postgres { .. }) {
+            return Err(invalid(
+                path,
+                format!(
+                    "tenants.{name}.quota: quotas are kept by a node on a journal of its own; \
+                     nodes sharing a PostgreSQL journal do not share quota windows yet"
+                ),
+            ));
+        }
         tenants.insert(name, tenant);
     }
     Ok(Config {

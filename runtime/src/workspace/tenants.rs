@@ -21,6 +21,9 @@ pub struct Tenant {
     pub quota: Option<Quota>,
     /// What a submission over its quota meets.
     pub on_quota: OnQuota,
+    /// Its share of the admission queue against other tenants' (weighted
+    /// round robin): at least 1; 1 when left out.
+    pub weight: u32,
 }
 
 /// `[tenants.NAME.quota]`: sliding windows a tenant's runs are reserved
@@ -96,6 +99,7 @@ pub(super) struct TenantFile {
     quota: Option<QuotaFile>,
     #[serde(default)]
     on_quota: OnQuota,
+    weight: Option<u32>,
 }
 
 impl TenantFile {
@@ -122,7 +126,13 @@ impl TenantFile {
                 "on_quota = \"queue\" without a [quota] has nothing to wait for".into(),
             ));
         }
+        if self.weight == Some(0) {
+            return Err(at(
+                "weight = 0 would never start its runs; the least is 1 (the default)".into(),
+            ));
+        }
         Ok(Tenant {
+            weight: self.weight.unwrap_or(1),
             flows: list("flows", self.flows)?,
             agents: list("agents", self.agents)?,
             instructions,

@@ -94,9 +94,16 @@ async fn limits(
 ) -> Reply {
     let mut tenants = shared.admission.quotas().await;
     tenants.retain(|t| crate::tenancy::sees(&caller, &t.tenant));
+    let mut concurrency = shared.admission.concurrency().await;
+    concurrency.retain(|c| {
+        c.key
+            .strip_prefix("tenant:")
+            .is_none_or(|tenant| crate::tenancy::sees(&caller, tenant))
+    });
     let limits = Limits {
         models: shared.node.limits(),
         tenants,
+        concurrency,
     };
     Ok(json(StatusCode::OK, &limits))
 }
@@ -260,6 +267,7 @@ async fn metrics(
         .metrics
         .set_tenants(&crate::tenancy::runs_by_tenant(&shared)?);
     shared.metrics.set_limits(&shared.node.limits());
+    shared.metrics.set_quotas(&shared.admission.quotas().await);
     let text = shared
         .metrics
         .render(

@@ -320,6 +320,14 @@ fn resolve(shared: &Shared, body: &SubmitRun, tenant: &str) -> Result<RunSpec, A
     let on_ceiling = body.on_ceiling.or(spec.pause.map(|_| OnCeiling::Pause));
     let timeout = timeout.or(spec.pause.filter(|_| on_ceiling == Some(OnCeiling::Pause)));
     spec.pause = OnCeiling::pause(on_ceiling, timeout).map_err(ApiError::bad_request)?;
+    if let Some(priority) = body.priority {
+        if !(1..=5).contains(&priority) {
+            return Err(ApiError::refused(format!(
+                "priority {priority}: 1 starts first, 5 last"
+            )));
+        }
+        spec.priority = Some(priority);
+    }
     // `record` adds to arbor.toml's `[record] models`, never turns it off.
     Ok(if body.record {
         ws.recording(spec, true)
