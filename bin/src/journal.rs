@@ -57,7 +57,12 @@ pub fn open(place: &Place) -> Result<Journal, Failure> {
 pub fn verify(place: &Place) -> Result<ExitCode, Failure> {
     let journal = open(place)?;
     let report = journal
-        .verify_with(&[&arbor_service::SUBMISSIONS, &arbor_runtime::notify::OUTBOX])
+        .verify_with(&[
+            &arbor_service::SUBMISSIONS,
+            &arbor_runtime::notify::OUTBOX,
+            &arbor_service::audit::AUDIT,
+            &arbor_service::quota::QUOTAS,
+        ])
         .map_err(|e| Failure::Other(anyhow::anyhow!("reading the journal: {e}")))?;
     for u in &report.undecodable {
         outln!(

@@ -89,6 +89,8 @@ pub struct TestService {
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     serving: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
     dir: Option<tempfile::TempDir>,
+    /// What `dir` is, or the folder `start_at` was given.
+    root: PathBuf,
     texts: Texts,
 }
 
@@ -100,13 +102,24 @@ impl TestService {
 
     /// Starts on `dir/data` (a restart, when a service ran there before).
     pub async fn start_in(dir: tempfile::TempDir, texts: Texts) -> Self {
-        let workspace = texts.workspace(&dir.path().join("workspace"));
+        let root = dir.path().to_path_buf();
+        Self::start_on(root, Some(dir), texts).await
+    }
+
+    /// Starts on `root/data`, a folder the caller keeps (a crash test's,
+    /// which another process shares).
+    pub async fn start_at(root: &Path, texts: Texts) -> Self {
+        Self::start_on(root.to_path_buf(), None, texts).await
+    }
+
+    async fn start_on(root: PathBuf, dir: Option<tempfile::TempDir>, texts: Texts) -> Self {
+        let workspace = texts.workspace(&root.join("workspace"));
         let settings = config::resolve(
             &workspace.config.service,
             Vec::<(String, String)>::new(),
             Flags {
                 listen: Some("127.0.0.1:0".into()),
-                data_dir: Some(dir.path().join("data")),
+                data_dir: Some(root.join("data")),
             },
             PathBuf::new(),
         )
@@ -130,7 +143,8 @@ impl TestService {
             service,
             stop: Some(stop),
             serving: Some(serving),
-            dir: Some(dir),
+            dir,
+            root,
             texts,
         }
     }
@@ -142,7 +156,7 @@ impl TestService {
     }
 
     pub fn data_dir(&self) -> PathBuf {
-        self.dir.as_ref().expect("the dir").path().join("data")
+        self.root.join("data")
     }
 
     /// A request with the token, built by hand (headers, methods).
@@ -241,6 +255,16 @@ impl TestService {
     /// Drains the service as SIGTERM would (I-40) and returns its dir, to
     /// start again on.
     pub async fn stop(mut self) -> tempfile::TempDir {
+        self.drain().await;
+        self.dir.take().expect("the dir")
+    }
+
+    /// Drains the service as SIGTERM would; its folder stays.
+    pub async fn shut(mut self) {
+        self.drain().await;
+    }
+
+    async fn drain(&mut self) {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
@@ -251,7 +275,6 @@ impl TestService {
                 .expect("the server task")
                 .expect("the server");
         }
-        self.dir.take().expect("the dir")
     }
 
     /// Drains, then starts again on the same data dir and workspace.

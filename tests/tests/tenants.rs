@@ -988,3 +988,310 @@ async fn concurrency_keys_hold_their_runs_in_the_queue_and_others_pass() {
     let doc = svc.wait_run(b_writes.parse().unwrap()).await;
     assert_eq!(doc["run"]["status"], "done", "{doc}");
 }
+
+// A crash at every commit point of quota admissions (I-65).
+
+/// Names the case a child of the quota crash test runs: `ROOT|count` or
+/// `ROOT|K:before|after:kill|power`.
+const QUOTA_CRASH: &str = "ARBOR_QUOTA_CRASH";
+const QUOTA_CRASH_TEST: &str =
+    "inv_65_a_crash_at_every_commit_point_of_quota_admissions_exceeds_no_window";
+
+fn quota_crash_texts() -> Texts {
+    Texts::new(
+        &[("writer", WRITER), ("quick", QUICK)],
+        &[
+            ("hello", "[[group]]\nsteps = [{ agent = \"quick\", instruction = \"say hi\" }]\n"),
+            ("writes", "[[group]]\nsteps = [{ agent = \"writer\", instruction = \"write\" }]\n"),
+        ],
+    )
+    .with_config(
+        "[tenants.team-q.quota]\ntokens_per_hour = 1000\nconcurrent_runs = 2\nruns_per_minute = 4\n\n\
+         [tenants.team-w]\non_quota = \"queue\"\n\n[tenants.team-w.quota]\nconcurrent_runs = 1\n",
+    )
+}
+
+/// The child's calls: reservations at submission (one refused), a top-up,
+/// settlements, a run that queues for its quota. Each acknowledged run's
+/// id goes to `acked` as soon as its 201 is read.
+async fn quota_traffic(svc: &TestService, acked: &std::path::Path) {
+    use std::io::Write;
+    let mut acks = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(acked)
+        .unwrap();
+    let mut submit = async |tenant: &str, flow: &str, tokens: u64| {
+        let (status, reply, _) = submit_for(svc, tenant, flow, tokens).await;
+        let id = reply["id"].as_str().map(str::to_string);
+        if status == 201
+            && let Some(id) = &id
+        {
+            writeln!(acks, "{id}").unwrap();
+        }
+        id
+    };
+    let approve = async |run: &str| {
+        let card = wait_card(svc, run).await;
+        svc.post_json(
+            &format!("/v1/approvals/{card}"),
+            json!({"decision": "approve"}),
+        )
+        .await;
+        svc.wait_run(run.parse().unwrap()).await;
+    };
+    let q1 = submit("team-q", "writes", 600).await.unwrap();
+    let q2 = submit("team-q", "hello", 300).await.unwrap();
+    svc.wait_run(q2.parse().unwrap()).await;
+    submit("team-q", "hello", 600).await;
+    svc.post_json(&format!("/v1/runs/{q1}/budget"), json!({"tokens": 100}))
+        .await;
+    approve(&q1).await;
+    let w1 = submit("team-w", "writes", 100).await.unwrap();
+    let w2 = submit("team-w", "hello", 100).await.unwrap();
+    approve(&w1).await;
+    svc.wait_run(w2.parse().unwrap()).await;
+}
+
+/// Finishes every run the recovered service has: approves each card as it
+/// is asked, and follows each run to its end.
+async fn finish_everything(svc: &TestService) {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    svc.service
+        .node()
+        .events()
+        .observe(std::sync::Arc::new(move |e| {
+            if let arbor_protocol::EventKind::ApprovalRequested { card, .. } = &e.kind {
+                let _ = tx.send(card.to_string());
+            }
+        }));
+    let (_, pending) = svc.get_json("/v1/approvals").await;
+    let mut cards: Vec<String> = pending["approvals"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c["id"].as_str().map(str::to_string))
+        .collect();
+    let approver = async {
+        loop {
+            for card in cards.drain(..) {
+                svc.post_json(
+                    &format!("/v1/approvals/{card}"),
+                    json!({"decision": "approve"}),
+                )
+                .await;
+            }
+            match rx.recv().await {
+                Some(card) => cards.push(card),
+                None => return,
+            }
+        }
+    };
+    let follow = async {
+        let (_, runs) = svc.get_json("/v1/runs?limit=100").await;
+        for run in runs["runs"].as_array().into_iter().flatten() {
+            let id: arbor_protocol::RunId = run["id"].as_str().unwrap().parse().unwrap();
+            svc.wait_run(id).await;
+        }
+    };
+    tokio::select! {
+        _ = approver => {}
+        _ = follow => {}
+    }
+}
+
+/// What the journal holds after recovery keeps every promise of I-65:
+/// every acknowledged submission is there; every run of a tenant with a
+/// quota that started has its entry, settled once it ended, never below
+/// what it spent; and no span of any window holds more than its quota, the
+/// entries' lives and amounts as the ledger kept them.
+async fn quota_promises_hold(svc: &TestService, acked: &[String]) -> Result<(), String> {
+    use arbor_service::quota::QUOTAS;
+    // A reader settles what ended first.
+    svc.get_json("/v1/limits").await;
+    let journal = svc.service.node().journal();
+    let subs = svc.submissions();
+    for id in acked {
+        if !subs.iter().any(|s| s.run.to_string() == *id) {
+            return Err(format!(
+                "run {id} was acknowledged and its submission is gone"
+            ));
+        }
+    }
+    let entries = journal.read(&QUOTAS, &[]).map_err(|e| e.to_string())?;
+    for sub in &subs {
+        let spec: arbor_protocol::RunSpec = serde_json::from_str(&sub.spec_json).unwrap();
+        let started = journal.run(sub.run).map_err(|e| e.to_string())?.is_some();
+        let Some(entry) = entries.iter().find(|e| e.run == sub.run) else {
+            if started {
+                return Err(format!(
+                    "run {} of {:?} started with no reservation",
+                    sub.run, spec.tenant
+                ));
+            }
+            continue;
+        };
+        let Some(ended) = entry.ended_ms else {
+            return Err(format!("run {}'s entry was never settled", sub.run));
+        };
+        if ended < entry.at_ms {
+            return Err(format!("run {}'s entry ended before it began", sub.run));
+        }
+        let (_, doc) = svc.get_json(&format!("/v1/runs/{}", sub.run)).await;
+        let spent = doc["run"]["account"]["spent"].as_u64().unwrap_or(0);
+        if entry.tokens < spent {
+            return Err(format!(
+                "run {} spent {spent} and its entry holds {}",
+                sub.run, entry.tokens
+            ));
+        }
+    }
+    for (tenant, tokens, concurrent) in [("team-q", Some(1000), 2), ("team-w", None, 1)] {
+        let mine: Vec<_> = entries.iter().filter(|e| e.tenant == tenant).collect();
+        if let Some(limit) = tokens {
+            let sum: u64 = mine.iter().map(|e| e.tokens).sum();
+            if sum > limit {
+                return Err(format!("{tenant}'s hour holds {sum} tokens, over {limit}"));
+            }
+        }
+        for e in &mine {
+            let overlapping = mine
+                .iter()
+                // As the ledger counts: a run ended at an instant is not
+                // running at it.
+                .filter(|o| o.at_ms <= e.at_ms && o.ended_ms.unwrap_or(u64::MAX) > e.at_ms)
+                .count();
+            if overlapping > concurrent {
+                return Err(format!(
+                    "{tenant} had {overlapping} runs at once, over {concurrent}"
+                ));
+            }
+        }
+        if tenant == "team-q" {
+            let admitted = mine
+                .iter()
+                .filter(|e| e.at_ms + 60_000 > mine[0].at_ms)
+                .count();
+            if admitted > 4 {
+                return Err(format!(
+                    "{tenant} admitted {admitted} runs in a minute, over 4"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// I-65 across crashes: the service is killed (and its power cut) just
+/// before and just after every flush of the journal while runs are
+/// reserved at submission, refused, topped up, settled and queued for
+/// their quota; a service started again on its data recovers, every run
+/// finishes, and `quota_promises_hold`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inv_65_a_crash_at_every_commit_point_of_quota_admissions_exceeds_no_window() {
+    use arbor_storage::{Crash, CrashKind, CrashPoint};
+    if let Ok(case) = std::env::var(QUOTA_CRASH) {
+        let (root, case) = case.split_once('|').unwrap();
+        let root = std::path::Path::new(root);
+        let svc = TestService::start_at(root, quota_crash_texts()).await;
+        let journal = svc.service.node().journal();
+        let base = journal.flush_count();
+        if case != "count" {
+            let mut parts = case.split(':');
+            let k: u64 = parts.next().unwrap().parse().unwrap();
+            let point = match parts.next() {
+                Some("before") => CrashPoint::BeforeFlush,
+                _ => CrashPoint::AfterFlush,
+            };
+            let kind = match parts.next() {
+                Some("power") => CrashKind::PowerLoss,
+                _ => CrashKind::Kill,
+            };
+            journal.faults().crash_at(Crash {
+                flush: base + k,
+                point,
+                kind,
+            });
+        }
+        quota_traffic(&svc, &root.join("acked")).await;
+        let end = svc.service.node().journal().flush_count();
+        std::fs::write(root.join("count"), format!("{}", end - base)).unwrap();
+        std::process::exit(0);
+    }
+    let exe = std::env::current_exe().unwrap();
+    let temp = tempfile::tempdir().unwrap();
+    let child = |root: std::path::PathBuf, case: String| {
+        let exe = exe.clone();
+        async move {
+            std::fs::create_dir_all(&root).unwrap();
+            tokio::process::Command::new(exe)
+                .args([QUOTA_CRASH_TEST, "--exact", "--test-threads=1"])
+                .env(QUOTA_CRASH, format!("{}|{case}", root.display()))
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .status()
+                .await
+                .unwrap()
+        }
+    };
+    let counted = temp.path().join("count");
+    assert!(
+        child(counted.clone(), "count".into()).await.success(),
+        "the counting run failed"
+    );
+    let flushes: u64 = std::fs::read_to_string(counted.join("count"))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(flushes > 5, "the traffic made {flushes} flushes");
+    let mut cases = vec![];
+    for k in 1..=flushes {
+        for point in ["before", "after"] {
+            for kind in ["kill", "power"] {
+                cases.push(format!("{k}:{point}:{kind}"));
+            }
+        }
+    }
+    let (mut crashed, mut violations) = (0, vec![]);
+    for batch in cases.chunks(4) {
+        let outcomes = futures::future::join_all(batch.iter().map(|case| {
+            let root = temp.path().join(case.replace(':', "-"));
+            let child = &child;
+            async move {
+                let status = child(root.clone(), case.clone()).await;
+                use std::os::unix::process::ExitStatusExt;
+                let died = status.signal().is_some();
+                let acked: Vec<String> = std::fs::read_to_string(root.join("acked"))
+                    .unwrap_or_default()
+                    .lines()
+                    .map(str::to_string)
+                    .collect();
+                let svc = TestService::start_at(&root, quota_crash_texts()).await;
+                finish_everything(&svc).await;
+                let held = quota_promises_hold(&svc, &acked).await;
+                svc.shut().await;
+                if held.is_ok() {
+                    let _ = std::fs::remove_dir_all(&root);
+                }
+                (case.clone(), died, held)
+            }
+        }))
+        .await;
+        for (case, died, held) in outcomes {
+            crashed += u32::from(died);
+            if let Err(why) = held {
+                violations.push(format!("case {case}: {why}"));
+            }
+        }
+    }
+    println!(
+        "{} cases over {flushes} flushes, {crashed} crashed",
+        cases.len()
+    );
+    assert!(violations.is_empty(), "{violations:#?}");
+    assert!(
+        crashed as u64 >= flushes,
+        "only {crashed} of {} cases crashed",
+        cases.len()
+    );
+}
