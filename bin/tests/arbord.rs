@@ -1340,3 +1340,57 @@ fn a_node_drained_through_another_exits_and_its_run_moves() {
         String::from_utf8_lossy(&refused.stderr)
     );
 }
+
+/// I-65 on a shared journal: two arbords on one PostgreSQL, a tenant's
+/// `runs_per_minute = 4`, and ten submissions raced through both at once:
+/// the tenant's windows are the database's, reserved under its lock, so
+/// exactly four are admitted, whichever node took them, and the other six
+/// are refused naming the quota. Each node's limits say four.
+#[test]
+#[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
+fn inv_65_two_nodes_on_one_journal_never_exceed_a_tenants_quota_together() {
+    let (ws, _url, _schema) = shared_workspace();
+    let toml = ws.path().join("arbor.toml");
+    let mut text = std::fs::read_to_string(&toml).unwrap();
+    text.push_str("\n[tenants.team]\n[tenants.team.quota]\nruns_per_minute = 4\n");
+    std::fs::write(&toml, text).unwrap();
+    let (data_a, data_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let listen = ["--listen", "127.0.0.1:0", "--node-id"];
+    let a = Arbord::start_with(ws.path(), data_a.path(), &[&listen[..], &["a"]].concat());
+    let b = Arbord::start_with(ws.path(), data_b.path(), &[&listen[..], &["b"]].concat());
+    let submissions: Vec<std::process::Child> = (0..10)
+        .map(|i| {
+            let node = if i % 2 == 0 { &a } else { &b };
+            Command::new(env!("CARGO_BIN_EXE_arbor"))
+                .args(["submit", "--flow", "hello", "--tenant", "team"])
+                .env("ARBOR_URL", &node.url)
+                .env("ARBOR_TOKEN", node.token())
+                .env("NO_COLOR", "1")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs: Vec<Output> = submissions
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
+    let admitted = outs.iter().filter(|o| o.status.success()).count();
+    assert_eq!(admitted, 4, "{outs:#?}");
+    for refused in outs.iter().filter(|o| !o.status.success()) {
+        let stderr = String::from_utf8_lossy(&refused.stderr);
+        assert!(stderr.contains("runs_per_minute"), "{stderr}");
+    }
+    for node in [&a, &b] {
+        let limits = node.json(&["limits"]);
+        assert_eq!(
+            limits["tenants"][0]["used"]["runs_per_minute"], 4,
+            "{limits}"
+        );
+    }
+    for node in [a, b] {
+        node.signal(nix::sys::signal::Signal::SIGTERM);
+        assert_eq!(node.wait(), Some(0));
+    }
+}

@@ -36,6 +36,7 @@ use crate::submission::{self, SubmissionRecord, SubmissionState};
 use arbor_protocol::{ErrorClass, EventKind, RunId, RunSpec, Status};
 use arbor_runtime::EmbeddedNode;
 use arbor_runtime::workspace::{OnQuota, Quota};
+use arbor_storage::Exclusive;
 use axum::http::StatusCode;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
@@ -338,15 +339,17 @@ impl Admission {
             epoch: journal.epoch(),
         };
         let mut records = vec![sub.record()?];
-        if let Some(entry) = &reserved {
+        if let Some((entry, _)) = &reserved {
             records.push(entry.record()?);
         }
         records.extend(audit.and_then(|a| a.take(Some(sub.run.to_string()), StatusCode::CREATED)));
         journal.commit(records).await?;
         state.next_order += 1;
         let queued = self.policy.queued(spec, reserved.is_some());
-        if let Some(entry) = reserved {
+        if let Some((entry, lock)) = reserved {
             state.ledger.committed(entry);
+            // Committed: another node may read the windows now.
+            drop(lock);
         }
         if self.shared.is_none() {
             state.queued.insert(run, queued);
@@ -363,14 +366,15 @@ impl Admission {
     }
 
     /// A run of a tenant with a quota that refuses: its reservation, to be
-    /// committed with its submission, or why not. A tenant that queues
-    /// reserves when its run starts (`None` here).
+    /// committed with its submission (under the lock it holds, on a shared
+    /// journal), or why not. A tenant that queues reserves when its run
+    /// starts (`None` here).
     fn reserve_at_submission(
         &self,
         state: &mut State,
         spec: &RunSpec,
         run: RunId,
-    ) -> Result<Option<QuotaEntry>, SubmitError> {
+    ) -> Result<Option<(QuotaEntry, Exclusive)>, SubmitError> {
         let tenant = tenant_of(spec);
         let Some((quota, on_quota)) = self.policy.quotas.get(tenant) else {
             return Ok(None);
@@ -385,6 +389,7 @@ impl Admission {
         if *on_quota == OnQuota::Queue {
             return Ok(None);
         }
+        let lock = self.windows_of(state, tenant)?;
         let now = now_ms();
         state
             .ledger
@@ -393,13 +398,22 @@ impl Admission {
                 tenant: tenant.to_string(),
                 over,
             })?;
-        Ok(Some(Ledger::reservation(
-            tenant,
-            run,
-            demand,
-            now,
-            self.node.journal().epoch(),
-        )))
+        let entry = Ledger::reservation(tenant, run, demand, now, self.node.journal().epoch());
+        Ok(Some((entry, lock)))
+    }
+
+    /// `tenant`'s windows, to check and reserve from: on a shared journal,
+    /// its lock, taken, and every node's entries read under it (so no two
+    /// nodes reserve from the same room); on a journal of its own, the
+    /// state's lock (held by the caller) suffices.
+    fn windows_of(&self, state: &mut State, tenant: &str) -> Result<Exclusive, SubmitError> {
+        let journal = self.node.journal();
+        let lock = journal.exclusive(&format!("quota/{tenant}"))?;
+        if self.shared.is_some() {
+            state.ledger.reload(journal, tenant)?;
+            self.settle_ended(state);
+        }
+        Ok(lock)
     }
 
     /// Reserves a top-up of `run` from its tenant's windows before it is
@@ -423,6 +437,7 @@ impl Admission {
         };
         let mut state = self.state.lock().await;
         self.settle_ended(&mut state);
+        let _lock = self.windows_of(&mut state, tenant)?;
         let now = now_ms();
         state
             .ledger
@@ -560,6 +575,14 @@ impl Admission {
     /// Each tenant's quota windows and what each holds now.
     pub async fn quotas(&self) -> Vec<crate::api::TenantQuota> {
         let mut state = self.state.lock().await;
+        if self.shared.is_some() {
+            // Every node's entries, as the journal has them now.
+            for tenant in self.policy.quotas.keys() {
+                if let Err(error) = state.ledger.reload(self.node.journal(), tenant) {
+                    tracing::warn!(%error, "could not read a tenant's quota windows");
+                }
+            }
+        }
         self.settle_ended(&mut state);
         let now = now_ms();
         self.policy

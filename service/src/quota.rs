@@ -228,6 +228,16 @@ impl Ledger {
             .insert(entry.run, entry);
     }
 
+    /// `tenant`'s entries as the journal has them now: on a shared
+    /// journal, every node's (read under the tenant's lock).
+    pub fn reload(&mut self, journal: &Journal, tenant: &str) -> Result<(), arbor_storage::Error> {
+        let entries = journal.read(&QUOTAS, &tenant_prefix(tenant))?;
+        let mine = self.tenants.entry(tenant.to_string()).or_default();
+        mine.clear();
+        mine.extend(entries.into_iter().map(|e| (e.run, e)));
+        Ok(())
+    }
+
     pub fn entry(&self, tenant: &str, run: RunId) -> Option<&QuotaEntry> {
         self.tenants.get(tenant)?.get(&run)
     }

@@ -210,6 +210,13 @@ pub trait Engine: Send + Sync + 'static {
         None
     }
 
+    /// A shared journal's: takes the lock every node of it takes in turn
+    /// for `key`, held until the value returned is dropped. `None`: the
+    /// journal is the node's alone (its own locks suffice).
+    fn exclusive(&self, _key: &str) -> Result<Option<Box<dyn std::any::Any + Send>>, Error> {
+        Ok(None)
+    }
+
     /// A shared journal's: this node's id in it.
     fn node_id(&self) -> Option<String> {
         None

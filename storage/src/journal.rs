@@ -39,6 +39,11 @@ pub struct Journal {
 
 type CommitObserver = Box<dyn Fn(std::time::Duration) + Send + Sync>;
 
+/// A lock of a shared journal's (`Journal::exclusive`), released on drop.
+pub struct Exclusive {
+    _held: Option<Box<dyn std::any::Any + Send>>,
+}
+
 /// Everything the journal stores, as handed to `Journal::append`.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Record {
@@ -658,6 +663,17 @@ impl Journal {
             self.engine.remove(prefixes)?;
         }
         Ok(removed)
+    }
+
+    /// On a shared journal, the lock every node takes in turn for `key`
+    /// (a PostgreSQL advisory lock), until the guard is dropped: what a
+    /// node reads, checks and commits under it no other node interleaves
+    /// with (a tenant's quota windows). On a journal of its own, nothing:
+    /// the node's own locks serialize it.
+    pub fn exclusive(&self, key: &str) -> Result<Exclusive, Error> {
+        Ok(Exclusive {
+            _held: self.engine.exclusive(key)?,
+        })
     }
 
     /// Removes the rows of `table` under each of `keys`, in one append.

@@ -340,9 +340,65 @@ fn run_on<T: Send + 'static>(
     answer.recv().map_err(|_| Error::Closed)
 }
 
+/// A PostgreSQL advisory lock held on a connection of the pool; dropping
+/// it unlocks, on the engine's runtime, before the connection goes back.
+/// Should the process die, the server ends the session and the lock.
+struct AdvisoryLock {
+    client: Option<deadpool_postgres::Object>,
+    key: String,
+    runtime: tokio::runtime::Handle,
+}
+
+impl Drop for AdvisoryLock {
+    fn drop(&mut self) {
+        let Some(client) = self.client.take() else {
+            return;
+        };
+        let key = std::mem::take(&mut self.key);
+        self.runtime.spawn(async move {
+            if let Err(error) = client
+                .execute(
+                    "SELECT pg_advisory_unlock(hashtextextended($1, 0))",
+                    &[&key],
+                )
+                .await
+            {
+                // The session keeps it: drop the connection rather than
+                // hand a locked one back to the pool.
+                tracing::warn!(%error, "could not unlock an advisory lock");
+                let _ = deadpool_postgres::Object::take(client);
+            }
+        });
+    }
+}
+
 impl Engine for PgEngine {
     fn epoch(&self) -> u64 {
         self.epoch
+    }
+
+    fn exclusive(&self, key: &str) -> Result<Option<Box<dyn std::any::Any + Send>>, Error> {
+        let runtime = self.runtime.as_ref().ok_or(Error::Closed)?.handle().clone();
+        let pool = self.pool.clone();
+        // Namespaced by the journal's schema: one server may hold several.
+        let key = format!("{}:{key}", self.sql.meta);
+        let locked = key.clone();
+        let client = self.block(async move {
+            let client = pool.get().await.map_err(schema::pool_error)?;
+            client
+                .execute(
+                    "SELECT pg_advisory_lock(hashtextextended($1, 0))",
+                    &[&locked],
+                )
+                .await
+                .map_err(schema::db_error)?;
+            Ok(client)
+        })?;
+        Ok(Some(Box::new(AdvisoryLock {
+            client: Some(client),
+            key,
+            runtime,
+        })))
     }
 
     fn refusal(&self) -> Option<Error> {

@@ -425,12 +425,15 @@ pub(super) fn parse_config(text: &str, root: &Path) -> Result<Config, LoadError>
         let tenant = block.check(&name).map_err(|m| invalid(path, m))?;
         // Each node keeps its windows in memory, read from the journal at
         // start: on a shared journal they would not see each other's.
-        if tenant.quota.is_some() && matches!(journal, JournalConfig::Postgres { .. }) {
+        if tenant.on_quota == super::tenants::OnQuota::Queue
+            && matches!(journal, JournalConfig::Postgres { .. })
+        {
             return Err(invalid(
                 path,
                 format!(
-                    "tenants.{name}.quota: quotas are kept by a node on a journal of its own; \
-                     nodes sharing a PostgreSQL journal do not share quota windows yet"
+                    "tenants.{name}.on_quota = \"queue\": a shared PostgreSQL journal's queue is \
+                     served in arrival order and cannot hold a run for its quota yet; \
+                     leave on_quota out (over the quota, a submission is refused with 429)"
                 ),
             ));
         }
