@@ -520,6 +520,16 @@ impl Admission {
         let journal = self.node.journal();
         match journal.run(run) {
             Ok(Some(record)) if record.status.is_terminal() => {}
+            // Neither its run nor a queued submission is left: retention
+            // forgot it, ended; what it spent is gone with it.
+            Ok(None) => {
+                let waiting = submission::submission(journal, run)
+                    .map(|sub| sub.is_some_and(|s| s.state == SubmissionState::Queued));
+                return match waiting {
+                    Ok(false) => Some(None),
+                    _ => None,
+                };
+            }
             _ => return None,
         }
         let events = journal.events(run).unwrap_or_default();

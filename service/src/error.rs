@@ -36,6 +36,15 @@ pub struct ApiError {
     pub quota: Option<Box<QuotaRefusal>>,
 }
 
+/// A 429's body: the queue is full (the API's error shape), or the
+/// tenant's quota has no room (`QuotaRefusal`, with `Retry-After`).
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(untagged)]
+pub enum TooMany {
+    Quota(QuotaRefusal),
+    Error(ErrorBody),
+}
+
 /// The body of a 429 for a submission over its tenant's quota (I-65),
 /// with `Retry-After` saying the same `retry_after_s`.
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]

@@ -50,7 +50,8 @@ pub(super) fn run_routes() -> ApiRouter<Arc<Shared>> {
                         })
                         .response_with::<200, Json<RunCreated>, _>(|r| {
                             r.description("A replay: this key and body made this run before")
-                        }),
+                        })
+                        .response_with::<429, Json<crate::error::TooMany>, _>(too_many),
                     400,
                     403,
                     404,
@@ -58,7 +59,6 @@ pub(super) fn run_routes() -> ApiRouter<Arc<Shared>> {
                     413,
                     415,
                     422,
-                    429,
                     503
                 )
             })
@@ -157,7 +157,8 @@ pub(super) fn run_action_routes() -> ApiRouter<Arc<Shared>> {
                              that has ended is a 409; a top-up of nothing, or of a ceiling \
                              the run does not have, a 422.",
                         )
-                        .response::<200, Json<crate::api::ToppedUp>>(),
+                        .response::<200, Json<crate::api::ToppedUp>>()
+                        .response_with::<429, Json<crate::error::TooMany>, _>(too_many),
                     400,
                     404,
                     409,
@@ -746,3 +747,14 @@ async fn run_events(
 }
 
 // ---- jobs ----
+
+/// A 429 of a route that reserves from a tenant's quota (I-65).
+fn too_many(
+    r: aide::transform::TransformResponse<'_, crate::error::TooMany>,
+) -> aide::transform::TransformResponse<'_, crate::error::TooMany> {
+    r.description(
+        "The queue is full (`{\"error\": {\"code\": \"queue_full\", ...}}`), or the tenant's \
+         quota has no room: `{\"error\": \"quota\", \"quota\", \"tenant\", \"retry_after_s\"}` \
+         with Retry-After",
+    )
+}
