@@ -298,6 +298,15 @@ pub async fn limits(client: &Client) -> Outcome {
             t.on_quota
         );
     }
+    for c in &limits.concurrency {
+        outln!(
+            "{} · {}/{} running · {} queued",
+            c.key,
+            c.running,
+            c.limit,
+            c.queued
+        );
+    }
     Ok(ExitCode::SUCCESS)
 }
 

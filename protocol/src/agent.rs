@@ -120,6 +120,26 @@ pub struct Hooks {
     pub before_call: Option<String>,
 }
 
+/// An agent's `budget:` as written: the most one of its jobs may be
+/// granted, and `per_run`, what all its jobs of one run may spend together.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentBudget {
+    pub tokens: Option<serde_json::Number>,
+    pub usd: Option<f64>,
+    pub per_run: Option<BudgetArg>,
+}
+
+impl AgentBudget {
+    /// The most one job may be granted.
+    pub fn per_job(&self) -> BudgetArg {
+        BudgetArg {
+            tokens: self.tokens.clone(),
+            usd: self.usd,
+        }
+    }
+}
+
 /// The front matter exactly as written. Unknown keys are an error.
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -147,7 +167,7 @@ pub struct FrontMatter {
     pub network: Option<Network>,
     #[serde(default)]
     pub secrets: Vec<String>,
-    pub budget: Option<BudgetArg>,
+    pub budget: Option<AgentBudget>,
     pub max_turns: Option<u32>,
     pub timeout: Option<String>,
     pub max_repeats: Option<u32>,

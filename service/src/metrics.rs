@@ -58,6 +58,11 @@ struct TenantLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KeyLabel {
+    key: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct QuotaLabel {
     tenant: String,
     quota: String,
@@ -141,6 +146,9 @@ pub struct Metrics {
     rate_closed: Family<WindowLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
     quota_used: Family<QuotaLabel, Gauge>,
     quota_limit: Family<QuotaLabel, Gauge>,
+    concurrency_running: Family<KeyLabel, Gauge>,
+    concurrency_queued: Family<KeyLabel, Gauge>,
+    concurrency_limit: Family<KeyLabel, Gauge>,
     spans_exported: Counter,
     spans_dropped: Counter,
     span_events_dropped: Counter,
@@ -192,6 +200,9 @@ impl Metrics {
             rate_closed: Family::default(),
             quota_used: Family::default(),
             quota_limit: Family::default(),
+            concurrency_running: Family::default(),
+            concurrency_queued: Family::default(),
+            concurrency_limit: Family::default(),
         };
         metrics.register();
         Arc::new(metrics)
@@ -347,6 +358,21 @@ impl Metrics {
             "quota_limit",
             "Each tenant's quota window: what any span of its length may hold",
             self.quota_limit.clone(),
+        );
+        registry.register(
+            "concurrency_running",
+            "Each concurrency key ([limits.concurrency]): its runs running on this node",
+            self.concurrency_running.clone(),
+        );
+        registry.register(
+            "concurrency_queued",
+            "Each concurrency key: its runs waiting in the queue",
+            self.concurrency_queued.clone(),
+        );
+        registry.register(
+            "concurrency_limit",
+            "Each concurrency key: how many of its runs may run at once",
+            self.concurrency_limit.clone(),
         );
     }
 
@@ -553,6 +579,23 @@ impl Metrics {
                     .get_or_create(&label(quota))
                     .set(as_gauge(*used));
             }
+        }
+    }
+
+    /// Each concurrency key as it is now.
+    pub fn set_concurrency(&self, keys: &[crate::api::ConcurrencyKey]) {
+        let as_gauge = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        for k in keys {
+            let label = KeyLabel { key: k.key.clone() };
+            self.concurrency_running
+                .get_or_create(&label)
+                .set(as_gauge(k.running));
+            self.concurrency_queued
+                .get_or_create(&label)
+                .set(as_gauge(k.queued));
+            self.concurrency_limit
+                .get_or_create(&label)
+                .set(i64::from(k.limit));
         }
     }
 

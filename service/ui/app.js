@@ -247,6 +247,10 @@ async function openNode(mine) {
         windows.join(", ") + (t.queued ? `; ${int(t.queued)} queued for room` : "") + ` (over it: ${t.on_quota})`,
       ]);
     }
+    // Each concurrency key: what it runs of its bound, and what waits.
+    for (const c of limits.concurrency ?? []) {
+      facts.push([`Concurrency ${c.key}`, `${int(c.running)}/${int(c.limit)} running, ${int(c.queued)} queued`]);
+    }
     $("node-facts").replaceChildren(
       ...facts.flatMap(([term, value]) => [el("dt", { text: term }), el("dd", { text: String(value) })]),
     );

@@ -621,3 +621,37 @@ fn a_tenants_block_is_checked_at_load_and_its_lists_hold_at_admission() {
     assert_eq!(plain.for_tenant("default", solo.clone()).unwrap(), solo);
     assert!(plain.for_tenant("ops", solo).is_err());
 }
+
+/// An agent's `budget.per_run` (in the contract) is refused at load in
+/// words of its own, not as an unknown key, while arbor does not keep it;
+/// its `budget.tokens` and `usd` load as before.
+#[test]
+fn an_agents_per_run_budget_is_refused_at_load_saying_it_is_not_kept_yet() {
+    let load = |budget: &str| {
+        let text = format!("---\ndescription: d\nbudget: {budget}\n---\nA.\n");
+        let ws = write_tree(&[("agents/a/agent.md", text.as_str())]);
+        arbor_runtime::Workspace::load(ws.path())
+            .map(|ws| {
+                ws.agents
+                    .get("a")
+                    .map(|a| (a.budget_tokens, a.budget_usd_micros))
+            })
+            .map_err(|e| e.to_string())
+    };
+    let refused = load("{tokens: 100, per_run: {tokens: 1000}}").unwrap_err();
+    assert!(
+        refused.contains("agents/a/agent.md")
+            && refused.contains("budget.per_run")
+            && refused.contains("not kept yet"),
+        "{refused}"
+    );
+    assert_eq!(
+        load("{tokens: 100, usd: 0.5}").unwrap(),
+        Some((Some(100), Some(500_000)))
+    );
+    assert!(
+        load("{tokens: 100, weekly: 5}")
+            .unwrap_err()
+            .contains("weekly")
+    );
+}

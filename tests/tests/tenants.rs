@@ -968,6 +968,21 @@ async fn concurrency_keys_hold_their_runs_in_the_queue_and_others_pass() {
         ]),
         "{limits}"
     );
+    let metrics = svc
+        .get("/metrics")
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for line in [
+        "arbor_concurrency_running{key=\"flow:writes\"} 1",
+        "arbor_concurrency_queued{key=\"tenant:team-b\"} 1",
+        "arbor_concurrency_limit{key=\"tenant:team-a\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line} in {metrics}");
+    }
     let (status, _) = svc
         .post_json(
             &format!("/v1/approvals/{card}"),

@@ -89,6 +89,17 @@ fn agent_from_front_matter(
         script,
         resources: resources_spec,
     } = front_matter;
+    // Said plainly rather than as an unknown key: the contract has it.
+    if budget.as_ref().is_some_and(|b| b.per_run.is_some()) {
+        return Err(
+            "budget.per_run (what all of its jobs of one run may spend together) is not kept \
+             yet: leave it out, and bound its jobs with budget.tokens or the run's ceiling"
+                .into(),
+        );
+    }
+    let budget = budget
+        .as_ref()
+        .map(arbor_protocol::agent::AgentBudget::per_job);
 
     // A secret reaches its sandbox as an environment variable (I-27).
     if let Some(bad) = secrets.iter().find(|n| !is_secret_name(n)) {

@@ -268,6 +268,9 @@ async fn metrics(
         .set_tenants(&crate::tenancy::runs_by_tenant(&shared)?);
     shared.metrics.set_limits(&shared.node.limits());
     shared.metrics.set_quotas(&shared.admission.quotas().await);
+    shared
+        .metrics
+        .set_concurrency(&shared.admission.concurrency().await);
     let text = shared
         .metrics
         .render(
