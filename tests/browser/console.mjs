@@ -309,7 +309,7 @@ test("the node view says what `arbor status` says", async () => {
   // What it throttles, as `arbor limits` says.
   assert.match(text, /Rate paid\/\*\s+0\/60 requests, 0\/100,000 tokens in the last minute/);
   assert.match(text, /Concurrency tenant:other\s+\d+\/100 running, \d+ queued/);
-  assert.match(text, /Quota other\s+tokens_per_hour [\d,]+\/50,000,000, runs_per_minute [\d,]+\/1,000 \(over it: refuse\)/);
+  assert.match(text, /Quota other\s+runs_per_minute [\d,]+\/1,000, tokens_per_hour [\d,]+\/50,000,000 \(over it: refuse\)/);
   // Log out: the session ends, and the page asks to log in again.
   await page.getByRole("button", { name: "Log out" }).click();
   await page.locator("#login").waitFor({ state: "visible" });
