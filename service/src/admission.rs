@@ -389,7 +389,30 @@ impl Admission {
         if *on_quota == OnQuota::Queue {
             return Ok(None);
         }
-        let lock = self.windows_of(state, tenant)?;
+        let (lock, now) = self.room_for(state, tenant, quota, demand)?;
+        let entry = Ledger::reservation(tenant, run, demand, now, self.node.journal().epoch());
+        Ok(Some((entry, lock)))
+    }
+
+    /// Whether `tenant`'s windows have room for `demand` now: the lock to
+    /// hold until the reservation is committed, and the instant checked.
+    /// On a shared journal the lock is the tenant's across the nodes, and
+    /// every node's entries are read under it (so no two nodes reserve the
+    /// same room); on a journal of its own, the state's lock (held by the
+    /// caller) suffices.
+    fn room_for(
+        &self,
+        state: &mut State,
+        tenant: &str,
+        quota: &Quota,
+        demand: Demand,
+    ) -> Result<(Exclusive, u64), SubmitError> {
+        let journal = self.node.journal();
+        let lock = journal.exclusive(&format!("quota/{tenant}"))?;
+        if self.shared.is_some() {
+            state.ledger.reload(journal, tenant)?;
+            self.settle_ended(state);
+        }
         let now = now_ms();
         state
             .ledger
@@ -398,22 +421,7 @@ impl Admission {
                 tenant: tenant.to_string(),
                 over,
             })?;
-        let entry = Ledger::reservation(tenant, run, demand, now, self.node.journal().epoch());
-        Ok(Some((entry, lock)))
-    }
-
-    /// `tenant`'s windows, to check and reserve from: on a shared journal,
-    /// its lock, taken, and every node's entries read under it (so no two
-    /// nodes reserve from the same room); on a journal of its own, the
-    /// state's lock (held by the caller) suffices.
-    fn windows_of(&self, state: &mut State, tenant: &str) -> Result<Exclusive, SubmitError> {
-        let journal = self.node.journal();
-        let lock = journal.exclusive(&format!("quota/{tenant}"))?;
-        if self.shared.is_some() {
-            state.ledger.reload(journal, tenant)?;
-            self.settle_ended(state);
-        }
-        Ok(lock)
+        Ok((lock, now))
     }
 
     /// Reserves a top-up of `run` from its tenant's windows before it is
@@ -437,15 +445,7 @@ impl Admission {
         };
         let mut state = self.state.lock().await;
         self.settle_ended(&mut state);
-        let _lock = self.windows_of(&mut state, tenant)?;
-        let now = now_ms();
-        state
-            .ledger
-            .room(tenant, quota, demand, now)
-            .map_err(|over| SubmitError::Quota {
-                tenant: tenant.to_string(),
-                over,
-            })?;
+        let (_lock, now) = self.room_for(&mut state, tenant, quota, demand)?;
         let mut entry = match state.ledger.entry(tenant, run) {
             Some(entry) => entry.clone(),
             // A run admitted before its tenant had a quota: from now on,

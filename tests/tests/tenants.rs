@@ -607,9 +607,36 @@ async fn inv_64_every_route_that_may_change_something_leaves_an_entry() {
 
 // Quotas over time (I-65): a tenant's windows, reserved at admission.
 
-/// `team-q` refuses over its quota; `team-w` queues; `team-b` has none.
-async fn quota_teams() -> TestService {
-    let texts = Texts::new(
+/// Each of `lines` is in the node's metrics.
+async fn metrics_say(svc: &TestService, lines: &[&str]) {
+    let metrics = svc
+        .get("/metrics")
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for line in lines {
+        assert!(metrics.contains(line), "{line} in {metrics}");
+    }
+}
+
+/// Approves `card`, as the main token.
+async fn approve(svc: &TestService, card: &str) {
+    let (status, body) = svc
+        .post_json(
+            &format!("/v1/approvals/{card}"),
+            json!({"decision": "approve"}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+}
+
+/// The writer (its card pending) as flow `writes`, the quick agent as
+/// `hello`, and this arbor.toml.
+fn two_flows(arbor_toml: &str) -> Texts {
+    Texts::new(
         &[("writer", WRITER), ("quick", QUICK)],
         &[
             (
@@ -622,7 +649,12 @@ async fn quota_teams() -> TestService {
             ),
         ],
     )
-    .with_config(
+    .with_config(arbor_toml)
+}
+
+/// `team-q` refuses over its quota; `team-w` queues; `team-b` has none.
+async fn quota_teams() -> TestService {
+    let texts = two_flows(
         "[tenants.team-q.quota]\ntokens_per_hour = 1000\nconcurrent_runs = 2\n\n\
          [tenants.team-w]\non_quota = \"queue\"\n\n[tenants.team-w.quota]\nconcurrent_runs = 1\n\n\
          [tenants.team-b]\n",
@@ -719,30 +751,18 @@ async fn inv_65_a_tenants_quota_is_reserved_at_admission_and_settled_at_the_end(
         held["used"],
         json!({"tokens_per_hour": 700, "concurrent_runs": 1})
     );
-    let metrics = svc
-        .get("/metrics")
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    for line in [
-        "arbor_quota_used{tenant=\"team-q\",quota=\"tokens_per_hour\"} 700",
-        "arbor_quota_limit{tenant=\"team-q\",quota=\"tokens_per_hour\"} 1000",
-        "arbor_quota_used{tenant=\"team-w\",quota=\"concurrent_runs\"} 0",
-    ] {
-        assert!(metrics.contains(line), "{line} in {metrics}");
-    }
+    metrics_say(
+        &svc,
+        &[
+            "arbor_quota_used{tenant=\"team-q\",quota=\"tokens_per_hour\"} 700",
+            "arbor_quota_limit{tenant=\"team-q\",quota=\"tokens_per_hour\"} 1000",
+            "arbor_quota_used{tenant=\"team-w\",quota=\"concurrent_runs\"} 0",
+        ],
+    )
+    .await;
     let submissions = svc.submissions().len();
 
-    let (status, _) = svc
-        .post_json(
-            &format!("/v1/approvals/{card}"),
-            json!({"decision": "approve"}),
-        )
-        .await;
-    assert_eq!(status, 200);
+    approve(&svc, &card).await;
     let doc = svc.wait_run(first.parse().unwrap()).await;
     let spent = doc["run"]["account"]["spent"].as_u64().unwrap();
     assert!(spent > 0 && spent < 700, "{doc}");
@@ -767,13 +787,7 @@ async fn inv_65_a_tenants_quota_is_reserved_at_admission_and_settled_at_the_end(
         submissions + 1,
         "a refusal queues nothing"
     );
-    let (status, _) = svc
-        .post_json(
-            &format!("/v1/approvals/{card}"),
-            json!({"decision": "approve"}),
-        )
-        .await;
-    assert_eq!(status, 200);
+    approve(&svc, &card).await;
     let second = svc.wait_run(second.parse().unwrap()).await;
     let both = spent + second["run"]["account"]["spent"].as_u64().unwrap();
 
@@ -815,13 +829,7 @@ async fn inv_65_a_tenant_that_queues_waits_for_room_and_others_pass_it() {
     assert_eq!(held["on_quota"], "queue");
     assert_eq!(held["used"], json!({"concurrent_runs": 1}));
 
-    let (status, _) = svc
-        .post_json(
-            &format!("/v1/approvals/{card}"),
-            json!({"decision": "approve"}),
-        )
-        .await;
-    assert_eq!(status, 200);
+    approve(&svc, &card).await;
     let doc = svc.wait_run(second.parse().unwrap()).await;
     assert_eq!(doc["run"]["status"], "done", "{doc}");
     let held = quota_of(&svc, "team-w").await;
@@ -847,20 +855,7 @@ async fn submit_prio(svc: &TestService, tenant: &str, flow: &str, priority: Opti
 /// first), then the tenants take turns two to one, each in arrival order.
 #[tokio::test]
 async fn the_queue_serves_tenants_in_turn_by_weight_and_each_by_priority() {
-    let texts = Texts::new(
-        &[("writer", WRITER), ("quick", QUICK)],
-        &[
-            (
-                "hello",
-                "[[group]]\nsteps = [{ agent = \"quick\", instruction = \"say hi\" }]\n",
-            ),
-            (
-                "writes",
-                "[[group]]\nsteps = [{ agent = \"writer\", instruction = \"write\" }]\n",
-            ),
-        ],
-    )
-    .with_config(
+    let texts = two_flows(
         "[service]\nmax_running_runs = 1\n\n[tenants.team-a]\nweight = 2\n\n[tenants.team-b]\n",
     );
     let svc = TestService::start(texts).await;
@@ -901,13 +896,7 @@ async fn the_queue_serves_tenants_in_turn_by_weight_and_each_by_priority() {
     assert_eq!(status, 422, "{refused}");
     let urgent = submit_prio(&svc, "team-b", "hello", Some(1)).await;
     name.insert(urgent.clone(), "b!".into());
-    let (status, _) = svc
-        .post_json(
-            &format!("/v1/approvals/{card}"),
-            json!({"decision": "approve"}),
-        )
-        .await;
-    assert_eq!(status, 200);
+    approve(&svc, &card).await;
     let last = name.keys().find(|id| name[*id] == "b3").unwrap().clone();
     svc.wait_run(last.parse().unwrap()).await;
     let order: Vec<String> = started
@@ -929,20 +918,7 @@ async fn the_queue_serves_tenants_in_turn_by_weight_and_each_by_priority() {
 /// the end of a's run lets both go.
 #[tokio::test]
 async fn concurrency_keys_hold_their_runs_in_the_queue_and_others_pass() {
-    let texts = Texts::new(
-        &[("writer", WRITER), ("quick", QUICK)],
-        &[
-            (
-                "hello",
-                "[[group]]\nsteps = [{ agent = \"quick\", instruction = \"say hi\" }]\n",
-            ),
-            (
-                "writes",
-                "[[group]]\nsteps = [{ agent = \"writer\", instruction = \"write\" }]\n",
-            ),
-        ],
-    )
-    .with_config(
+    let texts = two_flows(
         "[limits.concurrency]\nper_tenant = 1\nper_flow = { writes = 1 }\n\n\
          [tenants.team-a]\n[tenants.team-b]\n",
     );
@@ -968,38 +944,20 @@ async fn concurrency_keys_hold_their_runs_in_the_queue_and_others_pass() {
         ]),
         "{limits}"
     );
-    let metrics = svc
-        .get("/metrics")
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    for line in [
-        "arbor_concurrency_running{key=\"flow:writes\"} 1",
-        "arbor_concurrency_queued{key=\"tenant:team-b\"} 1",
-        "arbor_concurrency_limit{key=\"tenant:team-a\"} 1",
-    ] {
-        assert!(metrics.contains(line), "{line} in {metrics}");
-    }
-    let (status, _) = svc
-        .post_json(
-            &format!("/v1/approvals/{card}"),
-            json!({"decision": "approve"}),
-        )
-        .await;
-    assert_eq!(status, 200);
+    metrics_say(
+        &svc,
+        &[
+            "arbor_concurrency_running{key=\"flow:writes\"} 1",
+            "arbor_concurrency_queued{key=\"tenant:team-b\"} 1",
+            "arbor_concurrency_limit{key=\"tenant:team-a\"} 1",
+        ],
+    )
+    .await;
+    approve(&svc, &card).await;
     let doc = svc.wait_run(a_next.parse().unwrap()).await;
     assert_eq!(doc["run"]["status"], "done", "{doc}");
     let card = wait_card(&svc, &b_writes).await;
-    let (status, _) = svc
-        .post_json(
-            &format!("/v1/approvals/{card}"),
-            json!({"decision": "approve"}),
-        )
-        .await;
-    assert_eq!(status, 200);
+    approve(&svc, &card).await;
     let doc = svc.wait_run(b_writes.parse().unwrap()).await;
     assert_eq!(doc["run"]["status"], "done", "{doc}");
 }
@@ -1013,14 +971,7 @@ const QUOTA_CRASH_TEST: &str =
     "inv_65_a_crash_at_every_commit_point_of_quota_admissions_exceeds_no_window";
 
 fn quota_crash_texts() -> Texts {
-    Texts::new(
-        &[("writer", WRITER), ("quick", QUICK)],
-        &[
-            ("hello", "[[group]]\nsteps = [{ agent = \"quick\", instruction = \"say hi\" }]\n"),
-            ("writes", "[[group]]\nsteps = [{ agent = \"writer\", instruction = \"write\" }]\n"),
-        ],
-    )
-    .with_config(
+    two_flows(
         "[tenants.team-q.quota]\ntokens_per_hour = 1000\nconcurrent_runs = 2\nruns_per_minute = 4\n\n\
          [tenants.team-w]\non_quota = \"queue\"\n\n[tenants.team-w.quota]\nconcurrent_runs = 1\n",
     )
