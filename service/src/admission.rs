@@ -475,6 +475,10 @@ impl Admission {
         let epoch = self.node.journal().epoch();
         let mut settled = vec![];
         for mut entry in open {
+            // Still in this node's queue: not begun, let alone ended.
+            if state.queued.contains_key(&entry.run) {
+                continue;
+            }
             let Some(spent) = self.spent_if_ended(entry.run) else {
                 continue;
             };
