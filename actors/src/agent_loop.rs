@@ -71,6 +71,12 @@ pub async fn run(args: LoopArgs) -> LoopOutcome {
 }
 
 async fn run_turns(args: LoopArgs) -> LoopOutcome {
+    // A bounded agent's job waits for a slot before its first turn, and
+    // holds it to its end.
+    let _slot = match args.ctx.slots.take(&args.agent.name, &args.cancel).await {
+        Ok(slot) => slot,
+        Err(()) => return stopped(0),
+    };
     let toolbox = match start_mcp(&args).await {
         Ok(toolbox) => toolbox,
         Err(outcome) => return outcome,

@@ -34,6 +34,8 @@ pub struct NodeContext {
     /// The node's approval gate, set once when the node starts; a call that
     /// must wait for a person is refused while there is none (fail safe).
     pub gate: std::sync::OnceLock<ractor::ActorRef<crate::approvals::GateMsg>>,
+    /// `[limits.concurrency] per_agent`: each bounded agent's job slots.
+    pub slots: crate::slots::AgentSlots,
 }
 
 impl NodeContext {

@@ -22,6 +22,7 @@ pub mod run;
 pub mod sandbox;
 pub mod secrets;
 pub mod skills;
+pub mod slots;
 pub mod tape;
 mod timer;
 

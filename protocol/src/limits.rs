@@ -65,9 +65,6 @@ impl Concurrency {
         if self.per_tenant == Some(0) {
             return Err("limits.concurrency.per_tenant = 0 would run nothing (0 never means unlimited); leave it out for no bound".into());
         }
-        if !self.per_agent.is_empty() {
-            return Err("limits.concurrency.per_agent: a bound on an agent's running jobs is not kept yet; bound its runs' flows (per_flow) or tenants (per_tenant)".into());
-        }
         for (key, map) in [("per_flow", &self.per_flow), ("per_agent", &self.per_agent)] {
             if let Some((name, _)) = map.iter().find(|(_, n)| **n == 0) {
                 return Err(format!(

@@ -326,6 +326,9 @@ impl EmbeddedNode {
             mcp,
             approvals: workspace.config.approvals.clone(),
             gate: Default::default(),
+            slots: arbor_actors::slots::AgentSlots::new(
+                &workspace.config.limits.concurrency.per_agent,
+            ),
         });
         sweep_data_dir(&ctx);
         let (node, join) = ractor::Actor::spawn(None, Node, NodeArgs { ctx: ctx.clone() })
@@ -677,6 +680,11 @@ impl EmbeddedNode {
     /// each may hold and holds now.
     pub fn limits(&self) -> Vec<arbor_protocol::RateView> {
         self.ctx.models.limits()
+    }
+
+    /// Each bounded agent's job slots: (agent, limit, running, waiting).
+    pub fn agent_slots(&self) -> Vec<arbor_actors::slots::SlotView> {
+        self.ctx.slots.view()
     }
 
     pub fn sandbox(&self) -> SandboxPosture {

@@ -583,6 +583,15 @@ impl Admission {
                 queued,
             });
         }
+        // An agent's are its jobs', of every run: the node's slots.
+        for (agent, limit, running, queued) in self.node.agent_slots() {
+            keys.push(crate::api::ConcurrencyKey {
+                key: format!("agent:{agent}"),
+                limit,
+                running,
+                queued,
+            });
+        }
         keys
     }
 

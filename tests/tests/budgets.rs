@@ -44,6 +44,7 @@ async fn account_of(
         mcp: Arc::new(arbor_actors::mcp::McpCatalog::empty()),
         approvals: Default::default(),
         gate: Default::default(),
+        slots: Default::default(),
     });
     let (account, _) = ractor::Actor::spawn(
         None,

@@ -455,3 +455,105 @@ async fn a_delegated_jobs_retry_tries_only_its_classes_and_a_stop_ends_its_wait(
     }
     assert_eq!(attempts(&node, run), 0, "nothing started");
 }
+
+/// `[limits.concurrency] per_agent`: with `worker = 1`, the three workers a
+/// lead delegates at once run one after another (each one's first model
+/// call comes after the previous one ended), and all finish; without the
+/// bound the same three overlap. What the node says while they wait is in
+/// its slots' view.
+#[tokio::test]
+async fn an_agents_concurrency_bound_runs_its_jobs_one_at_a_time() {
+    let lead = agent_md(
+        "subagents: [worker]\nscript:\n  - call: {tool: delegate, args: {wait: true, jobs: [{agent: worker, request: a, label: a}, {agent: worker, request: b, label: b}, {agent: worker, request: c, label: c}]}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let worker = agent_md(
+        "description: works\nscript:\n  - say: working\n    delay: 50ms\n  - call: {tool: submit_output, args: {output: ok}}",
+    );
+    // Each worker's (first model call, end), as indexes in the run's events.
+    let spans = |node: &TestNode, run| {
+        let events = node.events(run);
+        let tree = node.tree(run);
+        let mut spans = vec![];
+        for label in ["a", "b", "c"] {
+            let id = tree.find(label).unwrap();
+            let first = events
+                .iter()
+                .position(|e| matches!(&e.kind, EventKind::ModelCalled { id: j, .. } if *j == id));
+            let end = events
+                .iter()
+                .position(|e| matches!(&e.kind, EventKind::JobFinished { id: j, .. } if *j == id));
+            spans.push((first.unwrap(), end.unwrap()));
+        }
+        spans.sort_unstable();
+        spans
+    };
+    let agents = [("lead", lead.as_str()), ("worker", worker.as_str())];
+    let bounded = TestNode::start_with_config(
+        "[limits.concurrency]\nper_agent = { worker = 1 }\n",
+        &agents,
+    )
+    .await;
+    let run = bounded.run_agent("lead", "go").await;
+    let tree = bounded.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Done);
+    let one_by_one = spans(&bounded, run);
+    for pair in one_by_one.windows(2) {
+        assert!(
+            pair[0].1 < pair[1].0,
+            "two workers ran at once: {one_by_one:?}"
+        );
+    }
+    assert_eq!(
+        bounded.node().agent_slots(),
+        vec![("worker".to_string(), 1, 0, 0)],
+        "every slot is free again"
+    );
+
+    let open = TestNode::start(&agents).await;
+    let run = open.run_agent("lead", "go").await;
+    open.wait_run(run).await;
+    let together = spans(&open, run);
+    assert!(
+        together.windows(2).any(|pair| pair[1].0 < pair[0].1),
+        "without the bound they overlap: {together:?}"
+    );
+}
+
+/// A stop reaches a job waiting for its agent's slot (I-17): with `worker
+/// = 1` and three slow workers, one runs and two wait; the run's stop ends
+/// all three, and every slot is free again.
+#[tokio::test]
+async fn a_stop_ends_the_jobs_waiting_for_their_agents_slot() {
+    let lead = agent_md(
+        "subagents: [worker]\nscript:\n  - call: {tool: delegate, args: {wait: true, jobs: [{agent: worker, request: a}, {agent: worker, request: b}, {agent: worker, request: c}]}}\n  - call: {tool: submit_output, args: {output: done}}",
+    );
+    let worker = agent_md(
+        "description: works\nscript:\n  - say: working\n    delay: 1h\n  - call: {tool: submit_output, args: {output: ok}}",
+    );
+    let node = TestNode::start_with_config(
+        "[limits.concurrency]\nper_agent = { worker = 1 }\n",
+        &[("lead", &lead), ("worker", &worker)],
+    )
+    .await;
+    let run = node.run_agent("lead", "go").await;
+    node.wait_until(run, |t| {
+        t.nodes()
+            .filter(|(_, n)| n.agent.as_deref() == Some("worker") && n.status == Status::Running)
+            .count()
+            == 3
+    })
+    .await;
+    // Bounded wait on the view itself: two of the three take their place in line.
+    let slots = || node.node().agent_slots();
+    let waited = tokio::time::timeout(Duration::from_secs(30), async {
+        while slots() != vec![("worker".to_string(), 1, 1, 2)] {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    assert!(waited.is_ok(), "{:?}", slots());
+    node.stop_run(run).await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Stopped);
+    assert_eq!(slots(), vec![("worker".to_string(), 1, 0, 0)]);
+}
