@@ -166,6 +166,17 @@ struct Queued {
     demand: Option<Demand>,
 }
 
+/// A submission's keys; one whose spec does not decode (it will fail to
+/// start) counts as the default tenant's.
+fn slot_of_submission(sub: &SubmissionRecord) -> Slot {
+    serde_json::from_str::<RunSpec>(&sub.spec_json)
+        .map(|spec| slot_of(&spec))
+        .unwrap_or_else(|_| Slot {
+            tenant: arbor_protocol::DEFAULT_TENANT.into(),
+            flow: String::new(),
+        })
+}
+
 fn slot_of(spec: &RunSpec) -> Slot {
     Slot {
         tenant: tenant_of(spec).to_string(),
@@ -855,10 +866,7 @@ impl Admission {
                     .remove(at)
                     .expect("the position is in the queue");
                 let slot = state.queued.remove(&sub.run).map(|q| q.slot);
-                let slot = slot.unwrap_or_else(|| Slot {
-                    tenant: arbor_protocol::DEFAULT_TENANT.into(),
-                    flow: String::new(),
-                });
+                let slot = slot.unwrap_or_else(|| slot_of_submission(&sub));
                 self.take_turn(&mut state, &slot.tenant);
                 state.running.insert(sub.run, slot);
                 (sub, reserved)
@@ -1008,12 +1016,7 @@ impl Admission {
             for (run, _) in claimed {
                 match submission::submission(journal, run) {
                     Ok(Some(sub)) => {
-                        let slot = serde_json::from_str::<RunSpec>(&sub.spec_json)
-                            .map(|spec| slot_of(&spec))
-                            .unwrap_or_else(|_| Slot {
-                                tenant: arbor_protocol::DEFAULT_TENANT.into(),
-                                flow: String::new(),
-                            });
+                        let slot = slot_of_submission(&sub);
                         self.state.lock().await.running.insert(run, slot);
                         self.start(sub).await;
                     }

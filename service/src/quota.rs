@@ -344,17 +344,6 @@ impl Ledger {
         self.put(entry);
     }
 
-    /// The instant every window of a tenant that queues should be looked at
-    /// again, at the latest: the first entry the clock retires.
-    pub fn next_expiry(&self, tenant: &str, now_ms: u64) -> Option<u64> {
-        self.tenants
-            .get(tenant)?
-            .values()
-            .flat_map(|e| Window::ALL.into_iter().filter_map(|w| w.expiry(e)))
-            .filter(|&t| t > now_ms)
-            .min()
-    }
-
     /// The entries no window counts any more, removed from memory: their
     /// keys, for the journal.
     pub fn prune(&mut self, now_ms: u64) -> Vec<Vec<u8>> {
