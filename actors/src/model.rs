@@ -361,6 +361,12 @@ pub trait ModelFactory: Send + Sync {
     fn limits(&self) -> Vec<arbor_protocol::RateView> {
         vec![]
     }
+
+    /// The node's journal: if it is shared with other nodes (PostgreSQL),
+    /// its rate windows must be every node's from now on.
+    fn share_rates(&self, journal: &arbor_storage::Journal) {
+        let _ = journal;
+    }
 }
 
 /// What an adapter learned of one call while it was in flight, shared with

@@ -267,8 +267,12 @@ pub async fn limits(client: &Client) -> Outcome {
                 humantime::format_duration(Duration::from_millis(ms))
             ),
         };
+        let waiting = match w.waiting {
+            0 => String::new(),
+            n => format!(" · {n} waiting"),
+        };
         outln!(
-            "{} · requests {} · tokens {} (the last minute){closed}",
+            "{} · requests {} · tokens {} (the last minute){closed}{waiting}",
             w.model,
             of(w.used.requests, w.rpm),
             of(w.used.tokens, w.tpm)

@@ -62,6 +62,7 @@ pub fn verify(place: &Place) -> Result<ExitCode, Failure> {
             &arbor_runtime::notify::OUTBOX,
             &arbor_service::audit::AUDIT,
             &arbor_service::quota::QUOTAS,
+            &arbor_runtime::RATES,
         ])
         .map_err(|e| Failure::Other(anyhow::anyhow!("reading the journal: {e}")))?;
     for u in &report.undecodable {

@@ -1394,3 +1394,78 @@ fn inv_65_two_nodes_on_one_journal_never_exceed_a_tenants_quota_together() {
         assert_eq!(node.wait(), Some(0));
     }
 }
+
+/// I-65 on a shared journal: two nodes, each told the provider's `rpm` of
+/// four, send no more than four requests together, though six runs want
+/// one each. The provider (a mock that counts its minute and refuses what
+/// passes it) serves four and refuses none; the two others wait, each in
+/// its node's window (`waiting`), and both nodes see the four.
+#[test]
+#[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
+fn inv_65_two_nodes_on_one_journal_never_exceed_a_providers_rpm_together() {
+    use arbor_testkit::mock_provider::{Format, MockProvider, openai};
+    const RPM: usize = 4;
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let mock = runtime.block_on(MockProvider::start());
+    mock.limit(RPM as u64, 1_000_000);
+    let submit = [("submit_output", serde_json::json!({"output": "done"}))];
+    for _ in 0..6 {
+        mock.push(Format::Openai, openai::tool_calls(&submit, 100, 10));
+    }
+    let (ws, _url, _schema) = shared_workspace();
+    let toml = ws.path().join("arbor.toml");
+    let mut text = std::fs::read_to_string(&toml).unwrap();
+    text.push('\n');
+    text.push_str(&mock.arbor_toml(
+        Format::Openai,
+        &format!("stream = false\nmax_retries = 0\nrpm = {RPM}\n"),
+    ));
+    std::fs::write(&toml, text).unwrap();
+    let asker = "---\ndescription: asks its model once\nmodel: mock/small\n---\nAnswer.\n";
+    std::fs::create_dir_all(ws.path().join("agents/asker")).unwrap();
+    std::fs::write(ws.path().join("agents/asker/agent.md"), asker).unwrap();
+    std::fs::write(
+        ws.path().join("flows/ask.toml"),
+        "[[group]]\nsteps = [{ agent = \"asker\", instruction = \"ask\" }]\n",
+    )
+    .unwrap();
+    let (data_a, data_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let listen = ["--listen", "127.0.0.1:0", "--node-id"];
+    let a = Arbord::start_with(ws.path(), data_a.path(), &[&listen[..], &["a"]].concat());
+    let b = Arbord::start_with(ws.path(), data_b.path(), &[&listen[..], &["b"]].concat());
+    for i in 0..6 {
+        let node = if i % 2 == 0 { &a } else { &b };
+        node.submit(&["--flow", "ask"]);
+    }
+    let window = |node: &Arbord| {
+        let limits = node.json(&["limits"]);
+        limits["models"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|w| w["model"] == "mock/*")
+            .cloned()
+            .unwrap_or_else(|| panic!("no mock/* window: {limits}"))
+    };
+    let deadline = std::time::Instant::now() + LIMIT;
+    loop {
+        let (wa, wb) = (window(&a), window(&b));
+        let waiting = wa["waiting"].as_u64().unwrap() + wb["waiting"].as_u64().unwrap();
+        if mock.served().len() == RPM && waiting == 2 {
+            assert_eq!(wa["used"]["requests"], RPM, "{wa}");
+            assert_eq!(wb["used"]["requests"], RPM, "{wb}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "served {}, waiting {waiting}: {wa} {wb}",
+            mock.served().len()
+        );
+    }
+    assert_eq!(mock.refused(), 0, "the provider refused nothing");
+    assert_eq!(mock.served().len(), RPM);
+    for node in [a, b] {
+        node.signal(nix::sys::signal::Signal::SIGTERM);
+        assert_eq!(node.wait(), Some(0));
+    }
+}

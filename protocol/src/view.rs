@@ -40,6 +40,9 @@ pub struct RateView {
     /// Closed by the provider (a 429's `Retry-After`, its limit headers)
     /// for this much longer, in ms; 0 when open.
     pub closed_ms: u64,
+    /// Requests of this node waiting for room in it.
+    #[serde(default)]
+    pub waiting: u64,
 }
 
 /// What a rate window holds: requests, and tokens reserved or used.

@@ -41,7 +41,9 @@ pub struct ProviderClient {
     permits: Arc<Semaphore>,
     /// Each model's rate windows, its provider's shared by all (`rate`).
     windows: std::collections::BTreeMap<String, rate::Windows>,
-    shared: Option<Arc<std::sync::Mutex<rate::Window>>>,
+    own: Option<Arc<std::sync::Mutex<rate::Window>>>,
+    /// The windows every node shares, once the journal is a shared one.
+    shared: Arc<std::sync::OnceLock<rate::SharedWindows>>,
 }
 
 impl ProviderClient {
@@ -51,22 +53,37 @@ impl ProviderClient {
             .user_agent(concat!("arbor/", env!("CARGO_PKG_VERSION")))
             .build()
             .unwrap_or_default();
-        let shared = config
+        let own = config
             .limits
             .is_set()
             .then(|| Arc::new(std::sync::Mutex::new(rate::Window::new(config.limits))));
+        let shared: Arc<std::sync::OnceLock<rate::SharedWindows>> = Default::default();
+        let provider = &config.name;
         let windows = config
             .models
             .iter()
-            .map(|(name, m)| (name.clone(), rate::Windows::new(shared.clone(), m.limits)))
+            .map(|(name, m)| {
+                let windows = rate::Windows::new(
+                    own.clone().map(|w| (format!("{provider}/*"), w)),
+                    (format!("{provider}/{name}"), m.limits),
+                    shared.clone(),
+                );
+                (name.clone(), windows)
+            })
             .collect();
         Self {
             permits: Arc::new(Semaphore::new(config.max_concurrent as usize)),
             config,
             client,
             windows,
+            own,
             shared,
         }
+    }
+
+    /// Its windows are shared with every node of this journal from now on.
+    pub fn share(&self, shared: rate::SharedWindows) {
+        let _ = self.shared.set(shared);
     }
 
     /// Its rate windows as the node shows them: its own (`NAME/*`), then
@@ -74,14 +91,15 @@ impl ProviderClient {
     pub fn limits(&self) -> Vec<arbor_protocol::RateView> {
         let now = std::time::Instant::now();
         let name = &self.config.name;
+        let shared = self.shared.get();
         let own = self
-            .shared
+            .own
             .iter()
-            .map(|w| rate::view(format!("{name}/*"), w, now));
+            .map(|w| rate::view(format!("{name}/*"), w, shared, now));
         let models = self.windows.iter().filter_map(|(model, windows)| {
             windows
                 .model_window()
-                .map(|w| rate::view(format!("{name}/{model}"), w, now))
+                .map(|w| rate::view(format!("{name}/{model}"), w, shared, now))
         });
         own.chain(models).collect()
     }
@@ -202,11 +220,16 @@ async fn ask(
         .await
         .map_err(|_| ModelError::new(ErrorClass::Model, "the provider client closed"))?;
     // Its minute in the rate windows starts as it goes out, not while it
-    // waited for a connection.
-    let ticket = ticket.map(|ticket| {
-        ticket.sent(std::time::Instant::now());
-        &*ticket
-    });
+    // waited for a connection. The windows every node shares admit it
+    // only now: there, its stamp is its sending.
+    let ticket = match ticket {
+        Some(ticket) => {
+            admit_shared(ticket, &provider.config).await?;
+            ticket.sent(std::time::Instant::now());
+            Some(&*ticket)
+        }
+        None => None,
+    };
     let timeout = provider.config.timeout;
     match tokio::time::timeout(timeout, send(provider, key, body, request, ticket)).await {
         Ok(result) => result,
@@ -230,34 +253,76 @@ async fn admit(
     config: &Provider,
 ) -> Result<rate::Ticket, ModelError> {
     let deadline = tokio::time::Instant::now() + config.timeout;
+    let mut waiting = None;
     loop {
         let now = tokio::time::Instant::now();
         match windows.try_admit(now.into_std(), tokens) {
             Ok(ticket) => return Ok(ticket),
-            Err(rate::Wait::TooLarge { tokens, tpm }) => {
+            Err(wait) => {
+                waiting.get_or_insert_with(|| windows.waiting());
+                wait_for(wait, now, deadline, config).await?;
+            }
+        }
+    }
+}
+
+/// On a shared journal, the windows every node shares admit `ticket` too,
+/// waiting (holding its connection) while they are full, as `admit` does.
+async fn admit_shared(ticket: &mut rate::Ticket, config: &Provider) -> Result<(), ModelError> {
+    let deadline = tokio::time::Instant::now() + config.timeout;
+    let mut waiting = None;
+    loop {
+        let now = tokio::time::Instant::now();
+        match ticket.admit_shared().await {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(wait)) => {
+                waiting.get_or_insert_with(|| ticket.windows().waiting());
+                wait_for(wait, now, deadline, config).await?;
+            }
+            Err(error) => {
                 return Err(ModelError::new(
-                    ErrorClass::ModelBadRequest,
+                    ErrorClass::ModelOverloaded,
                     format!(
-                        "provider {}: one request may use {tokens} tokens, more than its tpm ({tpm}) lets a minute hold",
+                        "provider {}: its rate windows shared by the nodes could not be read: {error}",
                         config.name
                     ),
                 ));
             }
-            Err(rate::Wait::Until(at)) => {
-                let at = tokio::time::Instant::from_std(at);
-                if at > deadline {
-                    let mut error = ModelError::new(
-                        ErrorClass::ModelRateLimit,
-                        format!(
-                            "provider {}: its rate limit (rpm, tpm) has no room within the call's timeout",
-                            config.name
-                        ),
-                    );
-                    error.retry_after = Some(at - now);
-                    return Err(error);
-                }
-                tokio::time::sleep_until(at).await;
+        }
+    }
+}
+
+/// Waits as `wait` says, if it can end before `deadline`; else the error
+/// the call ends with.
+async fn wait_for(
+    wait: rate::Wait,
+    now: tokio::time::Instant,
+    deadline: tokio::time::Instant,
+    config: &Provider,
+) -> Result<(), ModelError> {
+    match wait {
+        rate::Wait::TooLarge { tokens, tpm } => Err(ModelError::new(
+            ErrorClass::ModelBadRequest,
+            format!(
+                "provider {}: one request may use {tokens} tokens, more than its tpm ({tpm}) lets a minute hold",
+                config.name
+            ),
+        )),
+        rate::Wait::Until(at) => {
+            let at = tokio::time::Instant::from_std(at);
+            if at > deadline {
+                let mut error = ModelError::new(
+                    ErrorClass::ModelRateLimit,
+                    format!(
+                        "provider {}: its rate limit (rpm, tpm) has no room within the call's timeout",
+                        config.name
+                    ),
+                );
+                error.retry_after = Some(at - now);
+                return Err(error);
             }
+            tokio::time::sleep_until(at).await;
+            Ok(())
         }
     }
 }

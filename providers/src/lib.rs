@@ -64,6 +64,17 @@ impl Providers {
         }
     }
 
+    /// On a shared journal, its providers' rate windows are every node's
+    /// (`rate::SharedWindows`): each request is admitted in the database.
+    pub fn share(&self, journal: &arbor_storage::Journal) {
+        #[cfg(feature = "http")]
+        for client in self.clients.values() {
+            client.share(rate::SharedWindows::new(journal.clone()));
+        }
+        #[cfg(not(feature = "http"))]
+        let _ = journal;
+    }
+
     /// Every rate window of its providers (`rpm`, `tpm`) and what it holds.
     pub fn limits(&self) -> Vec<arbor_protocol::RateView> {
         #[cfg(feature = "http")]

@@ -13,8 +13,12 @@
 //! closes both windows until then. The windows are the node's: every run
 //! on it shares them.
 
+mod shared;
+
+pub use shared::{RATES, RateEntry, SharedWindows};
+
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// The windows' span: limits are per minute.
@@ -48,6 +52,8 @@ pub struct Window {
     held: u64,
     /// Closed until then (a provider's `Retry-After`).
     closed_until: Option<Instant>,
+    /// Requests of this node waiting for room in it.
+    waiting: u64,
 }
 
 /// One admitted request.
@@ -81,6 +87,38 @@ pub enum Wait {
     TooLarge { tokens: u64, tpm: u64 },
 }
 
+/// When a request of `tokens` fits `limits` beside the requests in the
+/// window, each given as when it leaves and the tokens it holds (in any
+/// order): `None` if it fits now, else when the last of those it must wait
+/// for leaves. The one rule of every window, the node's and the shared.
+pub fn room_at<T: Ord + Copy>(
+    limits: Limits,
+    mut leaving: Vec<(T, u64)>,
+    tokens: u64,
+) -> Option<T> {
+    leaving.sort_unstable();
+    let mut at = None;
+    if let Some(rpm) = limits.rpm {
+        let n = leaving.len() as u64;
+        if n >= rpm {
+            // The first n - rpm + 1 to leave must have left.
+            let last = usize::try_from(n - rpm).unwrap_or(usize::MAX);
+            at = leaving.get(last).map(|(when, _)| *when);
+        }
+    }
+    if let Some(tpm) = limits.tpm {
+        let mut held: u64 = leaving.iter().map(|(_, t)| t).sum();
+        for (when, t) in &leaving {
+            if held + tokens <= tpm {
+                break;
+            }
+            held -= t;
+            at = Some(at.map_or(*when, |a: T| a.max(*when)));
+        }
+    }
+    at
+}
+
 impl Window {
     pub fn new(limits: Limits) -> Self {
         Self {
@@ -88,6 +126,7 @@ impl Window {
             admitted: VecDeque::new(),
             held: 0,
             closed_until: None,
+            waiting: 0,
         }
     }
 
@@ -142,30 +181,12 @@ impl Window {
         if room && at.is_none() {
             return Ok(());
         }
-        // In the order they leave.
-        let mut leaving: Vec<(Instant, u64)> = self
+        let leaving: Vec<(Instant, u64)> = self
             .inside(now)
             .map(|e| (e.leaves(now), e.tokens))
             .collect();
-        leaving.sort_unstable();
-        if let Some(rpm) = self.limits.rpm {
-            let n = leaving.len() as u64;
-            if n >= rpm {
-                // The first n - rpm + 1 to leave must have left.
-                let last = usize::try_from(n - rpm).unwrap_or(usize::MAX);
-                let when = leaving[last].0;
-                at = Some(at.map_or(when, |a| a.max(when)));
-            }
-        }
-        if let Some(tpm) = self.limits.tpm {
-            let mut held: u64 = leaving.iter().map(|(_, t)| t).sum();
-            for (when, t) in &leaving {
-                if held + tokens <= tpm {
-                    break;
-                }
-                held -= t;
-                at = Some(at.map_or(*when, |a| a.max(*when)));
-            }
+        if let Some(when) = room_at(self.limits, leaving, tokens) {
+            at = Some(at.map_or(when, |a| a.max(when)));
         }
         match at {
             Some(at) if at > now => Err(Wait::Until(at)),
@@ -216,23 +237,58 @@ impl Window {
     }
 }
 
-/// The windows one request takes from: its provider's and its model's.
+/// The windows one request takes from: its provider's and its model's,
+/// and on a shared journal the same windows as every node holds them.
 #[derive(Clone, Debug)]
 pub struct Windows {
     provider: Option<Arc<Mutex<Window>>>,
     model: Option<Arc<Mutex<Window>>>,
     next_id: Arc<std::sync::atomic::AtomicU64>,
+    /// The shared windows' names and limits: the provider's, the model's.
+    keys: Vec<(String, Limits)>,
+    /// Set once the node's journal is known to be shared.
+    shared: Arc<OnceLock<SharedWindows>>,
 }
 
 impl Windows {
-    pub fn new(provider: Option<Arc<Mutex<Window>>>, model: Limits) -> Self {
-        Self {
-            provider,
-            model: model
-                .is_set()
-                .then(|| Arc::new(Mutex::new(Window::new(model)))),
-            next_id: Default::default(),
+    /// `provider`'s and `model`'s windows, named as `GET /v1/limits` names
+    /// them (`NAME/*`, `NAME/MODEL`).
+    pub fn new(
+        provider: Option<(String, Arc<Mutex<Window>>)>,
+        model: (String, Limits),
+        shared: Arc<OnceLock<SharedWindows>>,
+    ) -> Self {
+        let mut keys = vec![];
+        if let Some((name, window)) = &provider {
+            let limits = window.lock().unwrap_or_else(|e| e.into_inner()).limits;
+            keys.push((name.clone(), limits));
         }
+        if model.1.is_set() {
+            keys.push(model.clone());
+        }
+        Self {
+            provider: provider.map(|(_, w)| w),
+            model: model
+                .1
+                .is_set()
+                .then(|| Arc::new(Mutex::new(Window::new(model.1)))),
+            next_id: Default::default(),
+            keys,
+            shared,
+        }
+    }
+
+    /// The windows every node shares, once the journal is a shared one.
+    pub fn shared(&self) -> Option<&SharedWindows> {
+        self.shared.get()
+    }
+
+    /// Counts a request as waiting in each window until the guard drops.
+    pub fn waiting(&self) -> WaitingGuard {
+        for window in self.each() {
+            window.lock().unwrap_or_else(|e| e.into_inner()).waiting += 1;
+        }
+        WaitingGuard(self.clone())
     }
 
     /// Its model's own window, if it has limits of its own.
@@ -278,7 +334,9 @@ impl Windows {
         Ok(Ticket {
             windows: self.clone(),
             id,
+            tokens,
             sent: false,
+            shared: None,
         })
     }
 
@@ -295,6 +353,23 @@ impl Windows {
             let mut w = window.lock().unwrap_or_else(|e| e.into_inner());
             w.close_until(now + after);
         }
+        if let Some(shared) = self.shared()
+            && let Err(error) = shared.close_for(&self.keys, after)
+        {
+            tracing::warn!(%error, "could not close the shared rate windows");
+        }
+    }
+}
+
+/// A request waiting for room, counted in its windows (`GET /v1/limits`).
+pub struct WaitingGuard(Windows);
+
+impl Drop for WaitingGuard {
+    fn drop(&mut self) {
+        for window in self.0.each() {
+            let mut w = window.lock().unwrap_or_else(|e| e.into_inner());
+            w.waiting = w.waiting.saturating_sub(1);
+        }
     }
 }
 
@@ -305,10 +380,37 @@ impl Windows {
 pub struct Ticket {
     windows: Windows,
     id: u64,
+    tokens: u64,
     sent: bool,
+    /// Its entry in the shared windows, once they admitted it.
+    shared: Option<RateEntry>,
 }
 
 impl Ticket {
+    /// On a shared journal, one try at the windows every node shares, just
+    /// before the request goes out (there, its stamp is its sending):
+    /// admitted, or when to try again. Nothing to do on a node's own.
+    pub async fn admit_shared(&mut self) -> Result<Result<(), Wait>, arbor_storage::Error> {
+        let Some(shared) = self.windows.shared.get() else {
+            return Ok(Ok(()));
+        };
+        if self.shared.is_some() {
+            return Ok(Ok(()));
+        }
+        match shared.admit(&self.windows.keys, self.tokens).await? {
+            Ok(entry) => {
+                self.shared = Some(entry);
+                Ok(Ok(()))
+            }
+            Err(wait) => Ok(Err(wait)),
+        }
+    }
+
+    /// The windows it was admitted from.
+    pub fn windows(&self) -> &Windows {
+        &self.windows
+    }
+
     /// The request goes out now: its minute counts from here.
     pub fn sent(&mut self, now: Instant) {
         self.sent = true;
@@ -330,6 +432,12 @@ impl Ticket {
             let mut w = window.lock().unwrap_or_else(|e| e.into_inner());
             w.settle(self.id, tokens);
         }
+        if let (Some(shared), Some(entry)) = (self.windows.shared.get(), &self.shared)
+            && let Err(error) = shared.settle(&self.windows.keys, entry, tokens)
+        {
+            // It keeps its worst case until it leaves: never less than it used.
+            tracing::warn!(%error, "could not settle a shared rate window");
+        }
     }
 }
 
@@ -344,11 +452,24 @@ impl Drop for Ticket {
     }
 }
 
-/// One window as the node shows it (`GET /v1/limits`), named `model`.
-pub fn view(model: String, window: &Mutex<Window>, now: Instant) -> arbor_protocol::RateView {
+/// One window as the node shows it (`GET /v1/limits`), named `model`: on
+/// a shared journal, what every node's requests hold in it.
+pub fn view(
+    model: String,
+    window: &Mutex<Window>,
+    shared: Option<&SharedWindows>,
+    now: Instant,
+) -> arbor_protocol::RateView {
     let mut w = window.lock().unwrap_or_else(|e| e.into_inner());
-    let (requests, tokens) = w.used(now);
+    let (mut requests, mut tokens) = w.used(now);
+    if let Some(shared) = shared {
+        match shared.used(&model) {
+            Ok(used) => (requests, tokens) = used,
+            Err(error) => tracing::warn!(%error, "could not read a shared rate window"),
+        }
+    }
     arbor_protocol::RateView {
+        waiting: w.waiting,
         model,
         rpm: w.limits.rpm,
         tpm: w.limits.tpm,
@@ -375,7 +496,11 @@ mod tests {
     #[test]
     fn inv_65_no_span_of_a_minute_holds_more_requests_than_rpm() {
         let t0 = Instant::now();
-        let windows = Windows::new(None, limits(Some(3), None));
+        let windows = Windows::new(
+            None,
+            ("p/m".into(), limits(Some(3), None)),
+            Default::default(),
+        );
         let at = |s: u64| t0 + Duration::from_secs(s);
         for s in [0, 10, 20] {
             send(&windows, at(s), 1);
@@ -397,7 +522,11 @@ mod tests {
     fn inv_65_a_request_waiting_to_be_sent_has_not_begun_its_minute() {
         let t0 = Instant::now();
         let at = |s: u64| t0 + Duration::from_secs(s);
-        let windows = Windows::new(None, limits(Some(1), None));
+        let windows = Windows::new(
+            None,
+            ("p/m".into(), limits(Some(1), None)),
+            Default::default(),
+        );
         let mut waiting = windows.try_admit(at(0), 1).unwrap();
         // Sent 90 s later (it waited for a connection): it holds the
         // window until a minute after that, not after its admission.
@@ -408,7 +537,11 @@ mod tests {
             Wait::Until(at(150) + SKEW)
         );
         // One dropped before it was sent leaves at once.
-        let windows = Windows::new(None, limits(Some(1), None));
+        let windows = Windows::new(
+            None,
+            ("p/m".into(), limits(Some(1), None)),
+            Default::default(),
+        );
         drop(windows.try_admit(at(0), 1).unwrap());
         send(&windows, at(0), 1);
     }
@@ -417,7 +550,11 @@ mod tests {
     fn inv_65_tokens_are_held_at_their_worst_and_settled_usage_gives_back_the_rest() {
         let t0 = Instant::now();
         let at = |s: u64| t0 + Duration::from_secs(s);
-        let windows = Windows::new(None, limits(None, Some(1_000)));
+        let windows = Windows::new(
+            None,
+            ("p/m".into(), limits(None, Some(1_000))),
+            Default::default(),
+        );
         let first = send(&windows, at(0), 600);
         assert_eq!(
             windows.try_admit(at(1), 600).unwrap_err(),
@@ -451,8 +588,16 @@ mod tests {
     fn inv_65_a_request_takes_from_its_provider_and_its_model_together_or_from_neither() {
         let t0 = Instant::now();
         let provider = Arc::new(Mutex::new(Window::new(limits(Some(2), None))));
-        let a = Windows::new(Some(provider.clone()), limits(None, Some(100)));
-        let b = Windows::new(Some(provider), Limits::default());
+        let a = Windows::new(
+            Some(("p/*".into(), provider.clone())),
+            ("p/a".into(), limits(None, Some(100))),
+            Default::default(),
+        );
+        let b = Windows::new(
+            Some(("p/*".into(), provider)),
+            ("p/b".into(), Limits::default()),
+            Default::default(),
+        );
         let _first = send(&a, t0, 80);
         // The model's tokens refuse it: the provider's request is not taken.
         assert!(a.try_admit(t0, 80).is_err());
@@ -468,7 +613,11 @@ mod tests {
     #[test]
     fn a_retry_after_closes_the_window_until_then() {
         let t0 = Instant::now();
-        let windows = Windows::new(None, limits(Some(100), None));
+        let windows = Windows::new(
+            None,
+            ("p/m".into(), limits(Some(100), None)),
+            Default::default(),
+        );
         windows.close_for(t0, Duration::from_secs(7));
         assert_eq!(
             windows.try_admit(t0, 1).unwrap_err(),

@@ -16,7 +16,7 @@ pub mod telemetry;
 pub mod workspace;
 
 pub use arbor_actors::approvals::{Decide, DecideError};
-pub use arbor_providers::{Provider, ProviderKind};
+pub use arbor_providers::{Provider, ProviderKind, rate::RATES};
 pub use models::Models;
 pub use node::{EmbeddedNode, Error};
 pub use recovery::{RecoveryReport, RunOutcome};

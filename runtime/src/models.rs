@@ -52,4 +52,10 @@ impl ModelFactory for Models {
     fn limits(&self) -> Vec<arbor_protocol::RateView> {
         self.providers.limits()
     }
+
+    fn share_rates(&self, journal: &arbor_storage::Journal) {
+        if journal.is_shared() {
+            self.providers.share(journal);
+        }
+    }
 }

@@ -308,6 +308,9 @@ impl EmbeddedNode {
             Some(data_dir.join("roots")),
             secrets.clone(),
         ));
+        // Before any run: on a shared journal, a request of this node's
+        // counts in every node's rate windows.
+        models.share_rates(&journal);
         let ctx = Arc::new(NodeContext {
             journal,
             events,

@@ -144,6 +144,7 @@ pub struct Metrics {
     rate_used: Family<WindowUnitLabel, Gauge>,
     rate_limit: Family<WindowUnitLabel, Gauge>,
     rate_closed: Family<WindowLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    rate_waiting: Family<WindowLabel, Gauge>,
     quota_used: Family<QuotaLabel, Gauge>,
     quota_limit: Family<QuotaLabel, Gauge>,
     concurrency_running: Family<KeyLabel, Gauge>,
@@ -198,6 +199,7 @@ impl Metrics {
             rate_used: Family::default(),
             rate_limit: Family::default(),
             rate_closed: Family::default(),
+            rate_waiting: Family::default(),
             quota_used: Family::default(),
             quota_limit: Family::default(),
             concurrency_running: Family::default(),
@@ -348,6 +350,11 @@ impl Metrics {
             "rate_window_closed_seconds",
             "Each provider's rate window: how long the provider closed it for (a 429's Retry-After, its limit headers)",
             self.rate_closed.clone(),
+        );
+        registry.register(
+            "rate_window_waiting",
+            "Each provider's rate window: the node's requests waiting for room in it",
+            self.rate_waiting.clone(),
         );
         registry.register(
             "quota_used",
@@ -558,6 +565,11 @@ impl Metrics {
                     window: w.model.clone(),
                 })
                 .set(w.closed_ms as f64 / 1000.0);
+            self.rate_waiting
+                .get_or_create(&WindowLabel {
+                    window: w.model.clone(),
+                })
+                .set(as_gauge(w.waiting));
         }
     }
 

@@ -233,7 +233,8 @@ async function openNode(mine) {
       facts.push([
         `Rate ${w.model}`,
         `${of(w.used.requests, w.rpm)} requests, ${of(w.used.tokens, w.tpm)} tokens in the last minute` +
-          (w.closed_ms ? `; closed by the provider for ${span(w.closed_ms)}` : ""),
+          (w.closed_ms ? `; closed by the provider for ${span(w.closed_ms)}` : "") +
+          (w.waiting ? `; ${int(w.waiting)} waiting` : ""),
       ]);
     }
     // Each tenant's quota windows: what each holds of its limit.

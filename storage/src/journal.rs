@@ -634,8 +634,8 @@ impl Journal {
                             prefixes.push((table, job.0.as_bytes().to_vec()));
                         }
                     }
-                    // The audit and the quota windows outlive the runs they name.
-                    KeyedBy::Time | KeyedBy::Tenant => {}
+                    // The audit and the quota and rate windows outlive the runs they name.
+                    KeyedBy::Time | KeyedBy::Tenant | KeyedBy::Window => {}
                 }
             }
         }

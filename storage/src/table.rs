@@ -71,6 +71,9 @@ pub enum KeyedBy {
     /// windows), never removed with a run; their owner removes them
     /// (`Journal::remove_keys`) once no window can count them.
     Tenant,
+    /// A rate window's name, then a 0 byte: rows every node on a shared
+    /// journal takes from, removed by their owner once they have left.
+    Window,
 }
 
 /// A kind of record and its table.
@@ -260,6 +263,9 @@ pub const AUDIT_TABLE: TableDef = state("audit", KeyedBy::Time);
 /// What each tenant's runs reserved from its quota windows (`arbor-service`
 /// defines its records, I-65), outliving the runs themselves.
 pub const QUOTAS_TABLE: TableDef = state("quotas", KeyedBy::Tenant);
+/// The requests in each provider's rate windows on a shared journal
+/// (`arbor-providers` defines its records, I-65).
+pub const RATES_TABLE: TableDef = state("rates", KeyedBy::Window);
 const APPROVALS_TABLE: TableDef = state("approvals", KeyedBy::Run);
 const TAPES_TABLE: TableDef = state("tapes", KeyedBy::Run);
 
@@ -338,7 +344,7 @@ impl JournalTable {
 /// Every table of a journal, whoever owns its records, in the order the log
 /// numbers them (invariant 2). The one list: a table missing here is neither
 /// replayed, scanned nor verified.
-pub static JOURNAL_TABLES: [JournalTable; 13] = [
+pub static JOURNAL_TABLES: [JournalTable; 14] = [
     JournalTable::Ours(&RUNS),
     JournalTable::Ours(&JOBS),
     JournalTable::Ours(&LEDGER),
@@ -352,6 +358,7 @@ pub static JOURNAL_TABLES: [JournalTable; 13] = [
     JournalTable::Foreign(OUTBOX_TABLE),
     JournalTable::Foreign(AUDIT_TABLE),
     JournalTable::Foreign(QUOTAS_TABLE),
+    JournalTable::Foreign(RATES_TABLE),
 ];
 
 /// The tables whose records storage defines, for `scan` and `verify`.
@@ -395,7 +402,8 @@ mod tests {
                 SUBMISSIONS_TABLE.name,
                 OUTBOX_TABLE.name,
                 AUDIT_TABLE.name,
-                QUOTAS_TABLE.name
+                QUOTAS_TABLE.name,
+                RATES_TABLE.name
             ]
         );
     }

@@ -2127,7 +2127,7 @@ async fn inv_65_the_limits_route_shows_each_window_and_what_it_holds() {
     assert_eq!(status, 200, "{before}");
     assert_eq!(
         before["models"],
-        json!([{"model": "mock/*", "rpm": 100, "tpm": 50000, "used": {"requests": 0, "tokens": 0}, "closed_ms": 0}])
+        json!([{"model": "mock/*", "rpm": 100, "tpm": 50000, "used": {"requests": 0, "tokens": 0}, "closed_ms": 0, "waiting": 0}])
     );
     let run = svc.submit(json!({"agent": "caller", "input": "go"})).await;
     let doc = svc.wait_run(run).await;
