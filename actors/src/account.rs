@@ -120,6 +120,34 @@ impl SpentMeter {
     }
 }
 
+/// What each job of `agent` in `run` holds of its `budget.per_run`, as
+/// the run's tree has it: its grant while it runs, what it spent once ended.
+fn jobs_holding(ctx: &NodeContext, run: RunId, agent: &str) -> Vec<(JobId, Amount)> {
+    ctx.events.with_tree(run, |tree| {
+        let Some(tree) = tree else {
+            return vec![];
+        };
+        tree.nodes()
+            .filter(|(_, n)| n.kind != arbor_protocol::NodeKind::Run)
+            .filter(|(_, n)| n.agent.as_deref() == Some(agent))
+            .map(|(job, n)| {
+                let usd = n.usd.unwrap_or_default();
+                let held = match n.status.is_terminal() {
+                    true => Amount {
+                        tokens: n.account.spent,
+                        usd_micros: usd.spent,
+                    },
+                    false => Amount {
+                        tokens: n.account.grant,
+                        usd_micros: usd.grant,
+                    },
+                };
+                (job, held)
+            })
+            .collect()
+    })
+}
+
 /// One child's part of a reservation.
 #[derive(Clone, Debug)]
 pub struct GrantAsk {
@@ -349,7 +377,10 @@ async fn handle_message(
             among,
             reply,
         } => {
-            let given = state.ledger.plan_extension(child, at_least, among);
+            let given = state
+                .ledger
+                .plan_extension(child, at_least, among)
+                .and_then(|given| state.ctx.pools.extend(state.run, child, given, at_least));
             if let Some(amount) = given {
                 let ops = state.ledger.extend(child, amount);
                 state.append_and_publish(ops, None)?;
@@ -444,7 +475,12 @@ impl AccountState {
         asks: &[GrantAsk],
         share: Share,
     ) -> Result<Result<Vec<Grant>, Refusal>, ActorProcessingErr> {
-        let result = self.ledger.plan_grants(asks, share);
+        // An agent's `budget.per_run` cuts and holds its children's grants.
+        let (ctx, run, ledger) = (&self.ctx, self.run, &self.ledger);
+        let holds = |agent: &str| jobs_holding(ctx, run, agent);
+        let result = ctx.pools.reserve(run, asks, &ctx.agents, &holds, |asks| {
+            ledger.plan_grants(asks, share)
+        });
         if let Ok(grants) = &result {
             let usd = self.ledger.usd.is_some();
             let mut ops = vec![];
@@ -548,6 +584,7 @@ impl AccountState {
         let Some(granted) = self.ledger.settle_child(child, spent) else {
             return Ok(());
         };
+        self.ctx.pools.settle(self.run, child, spent);
         let ops = self
             .ledger
             .ops_pair(granted, spent, |granted, spent| LedgerOp::Release {

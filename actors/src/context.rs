@@ -36,6 +36,8 @@ pub struct NodeContext {
     pub gate: std::sync::OnceLock<ractor::ActorRef<crate::approvals::GateMsg>>,
     /// `[limits.concurrency] per_agent`: each bounded agent's job slots.
     pub slots: crate::slots::AgentSlots,
+    /// agent.md `budget.per_run`: each pooled agent's pool in each run.
+    pub pools: crate::pools::AgentPools,
 }
 
 impl NodeContext {

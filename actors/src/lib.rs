@@ -18,6 +18,7 @@ pub mod model;
 pub mod node;
 pub mod parent;
 pub mod policy;
+pub mod pools;
 pub mod run;
 pub mod sandbox;
 pub mod secrets;

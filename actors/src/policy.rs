@@ -277,11 +277,11 @@ impl Policy {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use arbor_protocol::ModelRef;
 
-    fn agent(tools: &[ToolName], deny: &[&str], sandbox: SandboxMode) -> AgentDef {
+    pub(crate) fn agent(tools: &[ToolName], deny: &[&str], sandbox: SandboxMode) -> AgentDef {
         AgentDef {
             name: "a".into(),
             description: Some("d".into()),
@@ -298,6 +298,7 @@ mod tests {
             secrets: vec![],
             budget_tokens: None,
             budget_usd_micros: None,
+            per_run: None,
             max_turns: None,
             max_repeats: None,
             skills: vec![],

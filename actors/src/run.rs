@@ -435,6 +435,7 @@ impl Actor for Run {
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         state.cancel.cancel();
+        state.ctx.pools.forget(state.id);
         Ok(())
     }
 

@@ -54,6 +54,9 @@ pub struct AgentDef {
     /// ... and in micro-dollars.
     #[serde(default)]
     pub budget_usd_micros: Option<u64>,
+    /// `budget.per_run`: what all its jobs of one run may be granted together.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_run: Option<PerRun>,
     pub max_turns: Option<u32>,
     pub timeout: Option<Duration>,
     /// Overrides `[limits] max_repeats` for its jobs.
@@ -118,6 +121,15 @@ pub struct Hooks {
     /// "reason": "..."}` on stdout; anything else denies.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub before_call: Option<String>,
+}
+
+/// agent.md `budget.per_run`, checked: tokens, micro-dollars, or both.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PerRun {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usd_micros: Option<u64>,
 }
 
 /// An agent's `budget:` as written: the most one of its jobs may be

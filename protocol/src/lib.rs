@@ -24,8 +24,8 @@ pub mod view;
 mod duration_str;
 
 pub use agent::{
-    AgentDef, Effort, Hooks, ModelRef, Network, Resources, ResourcesSpec, SandboxMode, ScriptCall,
-    ScriptTurn, ScriptUsage, Settings, ThinkingTokens, needs_decision, outward_reasons,
+    AgentDef, Effort, Hooks, ModelRef, Network, PerRun, Resources, ResourcesSpec, SandboxMode,
+    ScriptCall, ScriptTurn, ScriptUsage, Settings, ThinkingTokens, needs_decision, outward_reasons,
 };
 pub use approval::{
     ApprovalSettings, ApproveEntry, ApproveMode, Card, CardKind, CardState, Decision, Verdict,

@@ -332,6 +332,7 @@ impl EmbeddedNode {
             slots: arbor_actors::slots::AgentSlots::new(
                 &workspace.config.limits.concurrency.per_agent,
             ),
+            pools: Default::default(),
         });
         sweep_data_dir(&ctx);
         let (node, join) = ractor::Actor::spawn(None, Node, NodeArgs { ctx: ctx.clone() })

@@ -100,6 +100,7 @@ fn a_full_workspace_loads_with_every_field_mapped() {
     assert_eq!(ws.config.budget_tokens, 777);
     let planner = AgentDef {
         budget_usd_micros: None,
+        per_run: None,
         name: "planner".into(),
         description: Some("Splits a question into parts".into()),
         model: ModelRef::Scripted,

@@ -45,6 +45,7 @@ async fn account_of(
         approvals: Default::default(),
         gate: Default::default(),
         slots: Default::default(),
+        pools: Default::default(),
     });
     let (account, _) = ractor::Actor::spawn(
         None,

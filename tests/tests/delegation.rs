@@ -557,3 +557,68 @@ async fn a_stop_ends_the_jobs_waiting_for_their_agents_slot() {
     assert_eq!(tree.run_status(), Status::Stopped);
     assert_eq!(slots(), vec![("worker".to_string(), 1, 0, 0)]);
 }
+
+/// I-65, an agent's `budget.per_run`: what all its jobs of one run hold
+/// together (a running job its grant, an ended one what it spent) never
+/// passes it. Three workers delegated at once share the pool's 3,000
+/// tokens evenly (each granted at most 1,000, though the lead could give
+/// more); a delegation while they hold it all is refused, saying so, and
+/// starts no worker; the two delegated after the three ended share what
+/// those left.
+#[tokio::test]
+async fn inv_65_an_agents_per_run_budget_bounds_what_all_its_jobs_hold_together() {
+    let delegate = |names: &[&str], wait: bool| {
+        let jobs: Vec<String> = names
+            .iter()
+            .map(|n| format!("{{agent: worker, request: {n}, label: {n}}}"))
+            .collect();
+        format!(
+            "  - call: {{tool: delegate, args: {{wait: {wait}, jobs: [{}]}}}}\n",
+            jobs.join(", ")
+        )
+    };
+    let lead = agent_md(&format!(
+        "subagents: [worker]\nscript:\n{}{}  - call: {{tool: collect, args: {{}}}}\n{}  - call: {{tool: submit_output, args: {{output: done}}}}",
+        delegate(&["a", "b", "c"], false),
+        delegate(&["d"], true),
+        delegate(&["e", "f"], true),
+    ));
+    // The first turn waits long enough for the lead's next delegation to
+    // find the three still holding their grants.
+    let worker = agent_md(
+        "description: works\nbudget: {per_run: {tokens: 3000}}\nscript:\n  - say: working\n    delay: 1s\n    usage: {input: 300, output: 100}\n  - call: {tool: submit_output, args: {output: ok}}\n    usage: {input: 400, output: 50}",
+    );
+    let node = TestNode::start(&[("lead", lead.as_str()), ("worker", worker.as_str())]).await;
+    let run = node.run_agent("lead", "go").await;
+    let tree = node.wait_run(run).await;
+    assert_eq!(tree.run_status(), Status::Done, "{:?}", tree.root().reason);
+    let account = |label: &str| {
+        let id = tree
+            .find(label)
+            .unwrap_or_else(|| panic!("no worker {label}"));
+        tree.node(id).unwrap().account
+    };
+    let first: Vec<_> = ["a", "b", "c"].iter().map(|l| account(l)).collect();
+    for a in &first {
+        assert_eq!(a.grant, 1_000, "a third of the pool: {a:?}");
+    }
+    let refused = node.events(run).into_iter().any(|e| {
+        matches!(&e.kind, EventKind::ToolCalled { tool, ok: false, detail, .. }
+            if tool == "delegate" && detail.contains("budget.per_run"))
+    });
+    assert!(refused, "the delegation is refused naming budget.per_run");
+    assert!(
+        tree.find("d").is_none(),
+        "no worker of the refused delegation started"
+    );
+    let left = 3_000 - first.iter().map(|a| a.spent).sum::<u64>();
+    assert!(left < 3_000, "the three spent something");
+    for label in ["e", "f"] {
+        let a = account(label);
+        assert!(
+            a.grant <= left / 2,
+            "{label}: half of what the first three left ({left}) at most: {a:?}"
+        );
+    }
+    node.assert_conserved(run);
+}

@@ -622,11 +622,11 @@ fn a_tenants_block_is_checked_at_load_and_its_lists_hold_at_admission() {
     assert!(plain.for_tenant("ops", solo).is_err());
 }
 
-/// An agent's `budget.per_run` (in the contract) is refused at load in
-/// words of its own, not as an unknown key, while arbor does not keep it;
-/// its `budget.tokens` and `usd` load as before.
+/// An agent's `budget.per_run` loads as tokens and micro-dollars; one
+/// that says neither, or 0, or something else, is refused naming it; its
+/// `budget.tokens` and `usd` load as before.
 #[test]
-fn an_agents_per_run_budget_is_refused_at_load_saying_it_is_not_kept_yet() {
+fn an_agents_per_run_budget_loads_and_a_bad_one_is_refused_naming_it() {
     let load = |budget: &str| {
         let text = format!("---\ndescription: d\nbudget: {budget}\n---\nA.\n");
         let ws = write_tree(&[("agents/a/agent.md", text.as_str())]);
@@ -634,20 +634,35 @@ fn an_agents_per_run_budget_is_refused_at_load_saying_it_is_not_kept_yet() {
             .map(|ws| {
                 ws.agents
                     .get("a")
-                    .map(|a| (a.budget_tokens, a.budget_usd_micros))
+                    .map(|a| (a.budget_tokens, a.budget_usd_micros, a.per_run))
             })
             .map_err(|e| e.to_string())
     };
-    let refused = load("{tokens: 100, per_run: {tokens: 1000}}").unwrap_err();
-    assert!(
-        refused.contains("agents/a/agent.md")
-            && refused.contains("budget.per_run")
-            && refused.contains("not kept yet"),
-        "{refused}"
+    assert_eq!(
+        load("{tokens: 100, per_run: {tokens: 1000, usd: 0.25}}").unwrap(),
+        Some((
+            Some(100),
+            None,
+            Some(arbor_protocol::PerRun {
+                tokens: Some(1_000),
+                usd_micros: Some(250_000)
+            })
+        ))
     );
+    for bad in [
+        "{per_run: {}}",
+        "{per_run: {tokens: 0}}",
+        "{per_run: {usd: -1}}",
+    ] {
+        let refused = load(bad).unwrap_err();
+        assert!(
+            refused.contains("agents/a/agent.md") && refused.contains("per_run"),
+            "{bad}: {refused}"
+        );
+    }
     assert_eq!(
         load("{tokens: 100, usd: 0.5}").unwrap(),
-        Some((Some(100), Some(500_000)))
+        Some((Some(100), Some(500_000), None))
     );
     assert!(
         load("{tokens: 100, weekly: 5}")

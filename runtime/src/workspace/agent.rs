@@ -89,14 +89,19 @@ fn agent_from_front_matter(
         script,
         resources: resources_spec,
     } = front_matter;
-    // Said plainly rather than as an unknown key: the contract has it.
-    if budget.as_ref().is_some_and(|b| b.per_run.is_some()) {
-        return Err(
-            "budget.per_run (what all of its jobs of one run may spend together) is not kept \
-             yet: leave it out, and bound its jobs with budget.tokens or the run's ceiling"
-                .into(),
-        );
-    }
+    let per_run = match budget.as_ref().and_then(|b| b.per_run.as_ref()) {
+        None => None,
+        Some(per_run) => {
+            let checked = arbor_protocol::PerRun {
+                tokens: per_run.tokens().map_err(|e| format!("per_run: {e}"))?,
+                usd_micros: per_run.usd_micros().map_err(|e| format!("per_run: {e}"))?,
+            };
+            if checked == arbor_protocol::PerRun::default() {
+                return Err("budget.per_run must say tokens, usd or both".into());
+            }
+            Some(checked)
+        }
+    };
     let budget = budget
         .as_ref()
         .map(arbor_protocol::agent::AgentBudget::per_job);
@@ -156,6 +161,7 @@ fn agent_from_front_matter(
         network: network.unwrap_or_default(),
         secrets,
         budget_tokens: budget_tokens(budget.as_ref())?,
+        per_run,
         budget_usd_micros: budget
             .as_ref()
             .map(BudgetArg::usd_micros)
