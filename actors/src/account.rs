@@ -17,6 +17,7 @@
 //! 3. Zero is never a grant (I-09).
 
 use crate::context::NodeContext;
+pub use crate::grant::{Grant, GrantAsk};
 use crate::model::Price;
 use arbor_protocol::{AccountView, Amount, EventKind, JobId, ParentRef, Refusal, RunId};
 use arbor_storage::{LedgerOp, LedgerRecord, Record, Unit};
@@ -146,27 +147,6 @@ fn jobs_holding(ctx: &NodeContext, run: RunId, agent: &str) -> Vec<(JobId, Amoun
             })
             .collect()
     })
-}
-
-/// One child's part of a reservation.
-#[derive(Clone, Debug)]
-pub struct GrantAsk {
-    pub child: JobId,
-    pub agent: String,
-    /// What the request asked for, if anything.
-    pub asked: Option<u64>,
-    /// The agent's front-matter budget: the most one of its jobs may be granted.
-    pub agent_max: Option<u64>,
-    /// The same two, in micro-dollars.
-    pub asked_usd_micros: Option<u64>,
-    pub agent_max_usd_micros: Option<u64>,
-}
-
-/// One child's grant: tokens, and micro-dollars when it has a usd ceiling.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Grant {
-    pub tokens: u64,
-    pub usd_micros: Option<u64>,
 }
 
 /// How a reservation divides the available budget.

@@ -11,6 +11,7 @@ pub mod compaction;
 pub mod context;
 mod ends;
 pub mod events;
+pub mod grant;
 pub mod job;
 pub mod mcp;
 mod mcp_server;

@@ -12,7 +12,7 @@
 //! touched from the run's tree (a resumed run's jobs hold their grants,
 //! its ended jobs what they spent) and forgotten when the run stops.
 
-use crate::account::{Grant, GrantAsk};
+use crate::grant::{Grant, GrantAsk};
 use arbor_protocol::{AgentDef, Amount, JobId, PerRun, Refusal, RunId};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};

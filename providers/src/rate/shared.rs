@@ -14,7 +14,7 @@
 //! of its own that closes the window for every node. Stamps are each
 //! node's clock: nodes must agree within `SKEW`.
 
-use super::{Limits, SKEW, SPAN, Wait, room_at};
+use super::rule::{Limits, SKEW, SPAN, Wait, room_at};
 use arbor_storage::{Journal, RATES_TABLE, Record, Table};
 use serde::{Deserialize, Serialize};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
