@@ -1469,3 +1469,68 @@ fn inv_65_two_nodes_on_one_journal_never_exceed_a_providers_rpm_together() {
         assert_eq!(node.wait(), Some(0));
     }
 }
+
+/// Fair dispatch on a shared queue: two nodes, `per_tenant = 1`. Tenant a
+/// floods the queue with five runs through both nodes, then tenant b
+/// submits one. a's runs never overlap, whichever node takes them (the
+/// bound counts every node's runs), and b's run, last to come, starts
+/// before a's third: it waits only for a free slot, not behind a's flood.
+#[test]
+#[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
+fn a_shared_queue_keeps_per_tenant_across_the_nodes_and_a_flood_delays_only_its_tenant() {
+    let (ws, _url, _schema) = shared_workspace();
+    let toml = ws.path().join("arbor.toml");
+    let mut text = std::fs::read_to_string(&toml).unwrap();
+    text.push_str("\n[tenants.a]\n[tenants.b]\n[limits.concurrency]\nper_tenant = 1\n");
+    std::fs::write(&toml, text).unwrap();
+    let nap = "---\ndescription: naps, then answers\nscript:\n  - say: napping\n    delay: 1s\n  - call: {tool: submit_output, args: {output: rested, task_status: completed}}\n---\nYou nap.\n";
+    std::fs::create_dir_all(ws.path().join("agents/nap")).unwrap();
+    std::fs::write(ws.path().join("agents/nap/agent.md"), nap).unwrap();
+    std::fs::write(
+        ws.path().join("flows/nap.toml"),
+        "[[group]]\nsteps = [{ agent = \"nap\", instruction = \"nap\" }]\n",
+    )
+    .unwrap();
+    let (data_a, data_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let listen = ["--listen", "127.0.0.1:0", "--node-id"];
+    let one = Arbord::start_with(ws.path(), data_a.path(), &[&listen[..], &["one"]].concat());
+    let two = Arbord::start_with(ws.path(), data_b.path(), &[&listen[..], &["two"]].concat());
+    let flood: Vec<String> = (0..5)
+        .map(|i| {
+            let node = if i % 2 == 0 { &one } else { &two };
+            node.submit(&["--flow", "nap", "--tenant", "a"])
+        })
+        .collect();
+    let late = two.submit(&["--flow", "nap", "--tenant", "b"]);
+    // (start, end) of a run, by the clock of the node that ran it.
+    let span = |run: &str| {
+        assert_eq!(ended(&one, run), "done");
+        let doc = one.json(&["show", run]);
+        let root = &doc["run"];
+        (
+            root["started_at_ms"]
+                .as_u64()
+                .unwrap_or_else(|| panic!("{doc}")),
+            root["ended_at_ms"]
+                .as_u64()
+                .unwrap_or_else(|| panic!("{doc}")),
+        )
+    };
+    let mut floods: Vec<(u64, u64)> = flood.iter().map(|run| span(run)).collect();
+    floods.sort_unstable();
+    for pair in floods.windows(2) {
+        assert!(
+            pair[0].1 <= pair[1].0,
+            "two of a's runs overlapped: {floods:?}"
+        );
+    }
+    let (b_start, _) = span(&late);
+    assert!(
+        b_start < floods[2].0,
+        "b's run started at {b_start}, after a's third ({floods:?})"
+    );
+    for node in [one, two] {
+        node.signal(nix::sys::signal::Signal::SIGTERM);
+        assert_eq!(node.wait(), Some(0));
+    }
+}

@@ -15,9 +15,10 @@
 //! On a shared journal (PostgreSQL) the queue is the database's, shared by
 //! every node: a submission through any node queues the run there, and
 //! each node takes queued runs as it has room (`Journal::claim_queued`,
-//! each run once per epoch), woken by the database's notification of a
-//! submission, and by the clock (`SHARED_POLL`) should one be lost. The
-//! in-memory queue is then unused.
+//! each run once per epoch), chosen under the queue's lock from what every
+//! node queues and runs (`dispatch`), woken by the database's notification
+//! of a submission, and by the clock (`SHARED_POLL`) should one be lost.
+//! The in-memory queue is then unused.
 //!
 //! A tenant with a quota (`quota.rs`, I-65) has its run's ceiling reserved
 //! at submission, in the same commit, and is refused with 429 when a window
@@ -31,6 +32,7 @@
 //! within a tenant, the lowest `priority`, then the oldest. A run whose
 //! tenant or flow is at its `[limits.concurrency]` bound is passed over.
 
+use crate::dispatch;
 use crate::quota::{self, Demand, Ledger, Over, QuotaEntry};
 use crate::submission::{self, SubmissionRecord, SubmissionState};
 use arbor_protocol::{ErrorClass, EventKind, RunId, RunSpec, Status};
@@ -97,6 +99,9 @@ pub struct Admission {
     state: Mutex<State>,
     /// Notified by a submission, a close, and every run's end.
     wake: Arc<Notify>,
+    /// A shared queue's runs seen so far (queued or running on any node):
+    /// their keys and priority, read once from their submissions.
+    seen: Mutex<HashMap<RunId, (Slot, u8)>>,
 }
 
 struct State {
@@ -303,6 +308,7 @@ impl Admission {
                 virtual_now: 0.0,
             }),
             wake,
+            seen: Default::default(),
         }))
     }
 
@@ -1003,8 +1009,8 @@ impl Admission {
                 return true;
             }
             let journal = self.node.journal();
-            let claimed = match journal.claim_queued(room, None) {
-                Ok(claimed) => claimed.unwrap_or_default(),
+            let claimed = match self.claim_fairly(room).await {
+                Ok(claimed) => claimed,
                 Err(error) => {
                     tracing::warn!(%error, "could not take queued runs");
                     return true;
@@ -1030,6 +1036,70 @@ impl Admission {
                 }
             }
         }
+    }
+
+    /// Up to `room` of a shared queue's runs, claimed for this node in the
+    /// order `dispatch::pick` gives, under the queue's lock across the
+    /// nodes: what every node runs, read under it, is what the keys count.
+    async fn claim_fairly(&self, room: usize) -> Result<Vec<(RunId, u64)>, arbor_storage::Error> {
+        let journal = self.node.journal();
+        let _lock = journal.exclusive("queue")?;
+        let queued = journal.queued_runs()?.unwrap_or_default();
+        if queued.is_empty() {
+            return Ok(vec![]);
+        }
+        let running: Vec<RunId> = journal
+            .nodes()?
+            .unwrap_or_default()
+            .iter()
+            .flat_map(|node| node.runs.iter())
+            .filter_map(|(key, _)| uuid::Uuid::from_slice(key).ok().map(RunId))
+            .collect();
+        let mut seen = self.seen.lock().await;
+        seen.retain(|run, _| queued.contains(run) || running.contains(run));
+        for run in queued.iter().chain(&running) {
+            if seen.contains_key(run) {
+                continue;
+            }
+            // A run with no submission (an `arbor run` of its own) has no
+            // keys to count.
+            if let Some(sub) = submission::submission(journal, *run)? {
+                let priority = serde_json::from_str::<RunSpec>(&sub.spec_json)
+                    .ok()
+                    .and_then(|spec| spec.priority)
+                    .unwrap_or(RunSpec::PRIORITY);
+                seen.insert(*run, (slot_of_submission(&sub), priority));
+            }
+        }
+        let candidates: Vec<dispatch::Candidate> = queued
+            .iter()
+            .filter_map(|run| {
+                let (slot, priority) = seen.get(run)?;
+                Some(dispatch::Candidate {
+                    run: *run,
+                    tenant: slot.tenant.clone(),
+                    flow: slot.flow.clone(),
+                    priority: *priority,
+                })
+            })
+            .collect();
+        let running: Vec<(String, String)> = running
+            .iter()
+            .filter_map(|run| seen.get(run))
+            .map(|(slot, _)| (slot.tenant.clone(), slot.flow.clone()))
+            .collect();
+        drop(seen);
+        let weight = |tenant: &str| self.policy.weight(tenant);
+        let bounds = dispatch::Bounds {
+            weight: &weight,
+            per_tenant: self.policy.per_tenant,
+            per_flow: &self.policy.per_flow,
+        };
+        let mut claimed = vec![];
+        for run in dispatch::pick(&candidates, &running, &bounds, room) {
+            claimed.extend(journal.claim_queued(1, Some(run))?.unwrap_or_default());
+        }
+        Ok(claimed)
     }
 
     async fn start(&self, mut sub: SubmissionRecord) {

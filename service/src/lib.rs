@@ -18,6 +18,7 @@ pub mod client;
 pub mod config;
 pub mod console;
 pub mod credentials;
+pub mod dispatch;
 pub mod error;
 pub mod extract;
 mod forward;
