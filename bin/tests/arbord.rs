@@ -1534,3 +1534,61 @@ fn a_shared_queue_keeps_per_tenant_across_the_nodes_and_a_flood_delays_only_its_
         assert_eq!(node.wait(), Some(0));
     }
 }
+
+/// `on_quota = "queue"` on a shared queue (I-65): a tenant with two runs a
+/// minute submits four through two nodes. All four are accepted (202), two
+/// start (each reserved under the tenant's lock before its node claims it)
+/// and two wait in the queue for the window, on either node.
+#[test]
+#[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
+fn a_tenant_that_queues_on_a_shared_queue_waits_for_its_window() {
+    let (ws, _url, _schema) = shared_workspace();
+    let toml = ws.path().join("arbor.toml");
+    let mut text = std::fs::read_to_string(&toml).unwrap();
+    text.push_str(
+        "\n[tenants.team]\non_quota = \"queue\"\n[tenants.team.quota]\nruns_per_minute = 2\n",
+    );
+    std::fs::write(&toml, text).unwrap();
+    let (data_a, data_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let listen = ["--listen", "127.0.0.1:0", "--node-id"];
+    let a = Arbord::start_with(ws.path(), data_a.path(), &[&listen[..], &["a"]].concat());
+    let b = Arbord::start_with(ws.path(), data_b.path(), &[&listen[..], &["b"]].concat());
+    let runs: Vec<String> = (0..4)
+        .map(|i| {
+            let node = if i % 2 == 0 { &a } else { &b };
+            node.submit(&["--flow", "hello", "--tenant", "team"])
+        })
+        .collect();
+    let status = |run: &str| {
+        let doc = a.json(&["show", run]);
+        doc["run"]["status"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    };
+    let deadline = std::time::Instant::now() + LIMIT;
+    loop {
+        let statuses: Vec<String> = runs.iter().map(|r| status(r)).collect();
+        let done = statuses.iter().filter(|s| *s == "done").count();
+        let queued = statuses.iter().filter(|s| *s == "pending").count();
+        assert!(
+            done <= 2,
+            "more than the window's two started: {statuses:?}"
+        );
+        if done == 2 && queued == 2 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{statuses:?}");
+    }
+    for node in [&a, &b] {
+        let limits = node.json(&["limits"]);
+        assert_eq!(
+            limits["tenants"][0]["used"]["runs_per_minute"], 2,
+            "{limits}"
+        );
+    }
+    for node in [a, b] {
+        node.signal(nix::sys::signal::Signal::SIGTERM);
+        assert_eq!(node.wait(), Some(0));
+    }
+}

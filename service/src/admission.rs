@@ -100,8 +100,8 @@ pub struct Admission {
     /// Notified by a submission, a close, and every run's end.
     wake: Arc<Notify>,
     /// A shared queue's runs seen so far (queued or running on any node):
-    /// their keys and priority, read once from their submissions.
-    seen: Mutex<HashMap<RunId, (Slot, u8)>>,
+    /// their keys, priority and demand, read once from their submissions.
+    seen: Mutex<HashMap<RunId, Queued>>,
 }
 
 struct State {
@@ -1064,42 +1064,88 @@ impl Admission {
             // A run with no submission (an `arbor run` of its own) has no
             // keys to count.
             if let Some(sub) = submission::submission(journal, *run)? {
-                let priority = serde_json::from_str::<RunSpec>(&sub.spec_json)
-                    .ok()
-                    .and_then(|spec| spec.priority)
-                    .unwrap_or(RunSpec::PRIORITY);
-                seen.insert(*run, (slot_of_submission(&sub), priority));
+                let queued = match serde_json::from_str::<RunSpec>(&sub.spec_json) {
+                    Ok(spec) => self.policy.queued(&spec, false),
+                    Err(_) => Queued {
+                        slot: slot_of_submission(&sub),
+                        priority: RunSpec::PRIORITY,
+                        demand: None,
+                    },
+                };
+                seen.insert(*run, queued);
             }
         }
         let candidates: Vec<dispatch::Candidate> = queued
             .iter()
             .filter_map(|run| {
-                let (slot, priority) = seen.get(run)?;
+                let q = seen.get(run)?;
                 Some(dispatch::Candidate {
                     run: *run,
-                    tenant: slot.tenant.clone(),
-                    flow: slot.flow.clone(),
-                    priority: *priority,
+                    tenant: q.slot.tenant.clone(),
+                    flow: q.slot.flow.clone(),
+                    priority: q.priority,
                 })
             })
             .collect();
         let running: Vec<(String, String)> = running
             .iter()
             .filter_map(|run| seen.get(run))
-            .map(|(slot, _)| (slot.tenant.clone(), slot.flow.clone()))
+            .map(|q| (q.slot.tenant.clone(), q.slot.flow.clone()))
+            .collect();
+        let demands: HashMap<RunId, (String, Demand)> = candidates
+            .iter()
+            .filter_map(|c| Some((c.run, (c.tenant.clone(), seen.get(&c.run)?.demand?))))
             .collect();
         drop(seen);
-        let weight = |tenant: &str| self.policy.weight(tenant);
-        let bounds = dispatch::Bounds {
-            weight: &weight,
-            per_tenant: self.policy.per_tenant,
-            per_flow: &self.policy.per_flow,
+        let picks = {
+            let weight = |tenant: &str| self.policy.weight(tenant);
+            let bounds = dispatch::Bounds {
+                weight: &weight,
+                per_tenant: self.policy.per_tenant,
+                per_flow: &self.policy.per_flow,
+            };
+            dispatch::pick(&candidates, &running, &bounds, room)
         };
         let mut claimed = vec![];
-        for run in dispatch::pick(&candidates, &running, &bounds, room) {
+        // A tenant whose run found no room in its windows waits whole.
+        let mut held_back: Vec<String> = vec![];
+        for run in picks {
+            if let Some((tenant, demand)) = demands.get(&run)
+                && (held_back.contains(tenant)
+                    || !self.reserve_shared(run, tenant, *demand).await?)
+            {
+                held_back.push(tenant.clone());
+                continue;
+            }
             claimed.extend(journal.claim_queued(1, Some(run))?.unwrap_or_default());
         }
         Ok(claimed)
+    }
+
+    /// A shared queue's run of a tenant that queues for its quota: its
+    /// reservation, committed under the tenant's lock before the run is
+    /// claimed (keyed by the run: a node that dies between leaves it to
+    /// whichever node claims the run, which reserves it again in its
+    /// place). False if the windows have no room yet.
+    async fn reserve_shared(
+        &self,
+        run: RunId,
+        tenant: &str,
+        demand: Demand,
+    ) -> Result<bool, arbor_storage::Error> {
+        let Some((quota, _)) = self.policy.quotas.get(tenant) else {
+            return Ok(true);
+        };
+        let mut state = self.state.lock().await;
+        let (_lock, now) = match self.room_for(&mut state, tenant, quota, demand) {
+            Ok(room) => room,
+            Err(SubmitError::Journal(error)) => return Err(error),
+            Err(_) => return Ok(false),
+        };
+        let entry = Ledger::reservation(tenant, run, demand, now, self.node.journal().epoch());
+        self.node.journal().commit(vec![entry.record()?]).await?;
+        state.ledger.committed(entry);
+        Ok(true)
     }
 
     async fn start(&self, mut sub: SubmissionRecord) {

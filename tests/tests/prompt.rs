@@ -548,11 +548,6 @@ fn a_tenants_block_is_checked_at_load_and_its_lists_hold_at_admission() {
         ),
         ("[tenants.team-a.quota]\n", "quota: empty"),
         (
-            "[journal]\nbackend = \"postgres\"\n[tenants.team-a]\non_quota = \"queue\"\n\
-             [tenants.team-a.quota]\nruns_per_minute = 1\n",
-            "cannot hold a run for its quota yet",
-        ),
-        (
             "[tenants.team-a]\nweight = 0\n",
             "weight = 0 would never start",
         ),

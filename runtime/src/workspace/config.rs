@@ -423,20 +423,6 @@ pub(super) fn parse_config(text: &str, root: &Path) -> Result<Config, LoadError>
     let mut tenants = BTreeMap::new();
     for (name, block) in file.tenants {
         let tenant = block.check(&name).map_err(|m| invalid(path, m))?;
-        // Each node keeps its windows in memory, read from the journal at
-        // start: on a shared journal they would not see each other's.
-        if tenant.on_quota == super::tenants::OnQuota::Queue
-            && matches!(journal, JournalConfig::Postgres { .. })
-        {
-            return Err(invalid(
-                path,
-                format!(
-                    "tenants.{name}.on_quota = \"queue\": a shared PostgreSQL journal's queue is \
-                     served in arrival order and cannot hold a run for its quota yet; \
-                     leave on_quota out (over the quota, a submission is refused with 429)"
-                ),
-            ));
-        }
         tenants.insert(name, tenant);
     }
     Ok(Config {
