@@ -202,11 +202,15 @@ struct RunArgs {
     #[arg(long, conflicts_with = "agent")]
     flow: Option<String>,
     /// Run one agent on --input instead of a flow.
-    #[arg(long, requires = "input")]
+    #[arg(long)]
     agent: Option<String>,
-    /// The instruction for --agent.
-    #[arg(long, requires = "agent")]
+    /// The instruction for --agent, or the flow's input (text, or JSON
+    /// for a flow whose input is a schema).
+    #[arg(long, conflicts_with = "input_file")]
     input: Option<String>,
+    /// --input, read from a file.
+    #[arg(long)]
+    input_file: Option<PathBuf>,
     /// The run's budget in tokens (overrides the flow and arbor.toml).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     budget_tokens: Option<u64>,
@@ -432,13 +436,27 @@ fn bad(reason: impl std::fmt::Display) -> Failure {
 async fn run(args: RunArgs) -> Result<ExitCode, Failure> {
     let mut workspace = Workspace::load(&args.dir).map_err(bad)?;
     workspace.config.journal.name_node(args.node_id.clone());
-    let spec: RunSpec = match (&args.flow, &args.agent, &args.input) {
-        (Some(flow), _, _) => workspace.flow_run(flow, args.budget_tokens).map_err(bad)?,
+    let input = match (&args.input, &args.input_file) {
+        (Some(text), _) => Some(text.clone()),
+        (None, Some(path)) => Some(
+            std::fs::read_to_string(path)
+                .map_err(|e| bad(format!("--input-file {}: {e}", path.display())))?,
+        ),
+        (None, None) => None,
+    };
+    let typed = input.clone().map(serde_json::Value::String);
+    let spec: RunSpec = match (&args.flow, &args.agent, &input) {
+        (Some(flow), _, _) => workspace
+            .flow_run_with(flow, args.budget_tokens, typed.as_ref())
+            .map_err(bad)?,
         (None, Some(agent), Some(input)) => workspace
             .agent_run(agent, input, args.budget_tokens)
             .map_err(bad)?,
-        _ => match workspace.flows.keys().collect::<Vec<_>>().as_slice() {
-            [only] => workspace.flow_run(only, args.budget_tokens).map_err(bad)?,
+        (None, Some(_), None) => return Err(bad("--agent needs --input (or --input-file)")),
+        (None, None, _) => match workspace.flows.keys().collect::<Vec<_>>().as_slice() {
+            [only] => workspace
+                .flow_run_with(only, args.budget_tokens, typed.as_ref())
+                .map_err(bad)?,
             [] => {
                 return Err(bad(
                     "the workspace has no flows: give --agent NAME --input TEXT",

@@ -643,14 +643,18 @@ pub async fn show(client: &Client, run: &str, view: StatusArgs) -> Outcome {
 #[derive(Args, Clone, Debug)]
 pub struct SubmitArgs {
     /// The flow to run (flows/NAME.toml of arbord's workspace).
-    #[arg(long, conflicts_with_all = ["agent", "input"], required_unless_present = "agent")]
+    #[arg(long, conflicts_with = "agent", required_unless_present = "agent")]
     pub flow: Option<String>,
     /// Run one agent on --input instead of a flow.
-    #[arg(long, requires = "input")]
+    #[arg(long)]
     pub agent: Option<String>,
-    /// The instruction for --agent.
-    #[arg(long, requires = "agent")]
+    /// The instruction for --agent, or the flow's input (text, or JSON
+    /// for a flow whose input is a schema).
+    #[arg(long, conflicts_with = "input_file")]
     pub input: Option<String>,
+    /// --input, read from a file.
+    #[arg(long)]
+    pub input_file: Option<std::path::PathBuf>,
     /// The run's budget in tokens.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     pub budget_tokens: Option<u64>,
@@ -718,10 +722,23 @@ pub async fn submit(client: &Client, args: SubmitArgs) -> Outcome {
         tokens: args.budget_tokens.map(Into::into),
         usd: args.budget_usd,
     });
+    let input = match (&args.input, &args.input_file) {
+        (Some(text), _) => Some(text.clone()),
+        (None, Some(path)) => Some(std::fs::read_to_string(path).map_err(|e| {
+            Failed::new(exit::USAGE, format!("--input-file {}: {e}", path.display()))
+        })?),
+        (None, None) => None,
+    };
+    if args.agent.is_some() && input.is_none() {
+        return Err(Failed::new(
+            exit::USAGE,
+            "--agent needs --input (or --input-file)",
+        ));
+    }
     let run = SubmitRun {
         flow: args.flow.clone(),
         agent: args.agent.clone(),
-        input: args.input.clone(),
+        input: input.map(serde_json::Value::String),
         budget,
         record: args.record,
         tenant: args.tenant.clone(),

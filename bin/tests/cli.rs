@@ -147,6 +147,10 @@ fn bad_usage_and_bad_input_exit_2_with_one_line_that_says_why() {
             "no such agent",
         ),
         (vec!["run", example, "--agent", "planner"], "--input"),
+        (
+            vec!["run", example, "--flow", "research", "--input", "x"],
+            "takes no input",
+        ),
         (vec!["fly"], "unrecognized subcommand"),
     ];
     for (args, says) in cases {
@@ -971,4 +975,46 @@ fn arbor_run_pauses_at_its_ceiling_only_at_a_terminal_and_asks_for_the_top_up_th
         "{text}"
     );
     assert!(text.contains("\"status\": \"done\""), "{text}");
+}
+
+/// `arbor run --flow F --input` and `--input-file`: an input that fails
+/// the flow's schema exits 2 naming the path that failed; one read from a
+/// file that meets it runs the flow.
+#[test]
+fn a_flows_input_from_the_command_line_is_checked_and_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = "---\ndescription: answers\nscript:\n  - call: {tool: submit_output, args: {output: ok}}\n---\nYou answer.\n";
+    std::fs::create_dir_all(dir.path().join("agents/quick")).unwrap();
+    std::fs::write(dir.path().join("agents/quick/agent.md"), agent).unwrap();
+    std::fs::create_dir_all(dir.path().join("flows")).unwrap();
+    std::fs::write(
+        dir.path().join("flows/topical.toml"),
+        "input = { type = \"object\", required = [\"topic\"], properties = { topic = { type = \"string\" } } }\n\
+         [[group]]\nsteps = [{ agent = \"quick\", instruction = \"About {{ input.topic }}\" }]\n",
+    )
+    .unwrap();
+    let ws = dir.path().to_str().unwrap();
+    let out = arbor(&["run", ws, "--flow", "topical", "--input", r#"{"topic": 7}"#]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("/topic"), "{stderr}");
+    let file = dir.path().join("input.json");
+    std::fs::write(&file, r#"{"topic": "tides"}"#).unwrap();
+    let out = arbor(&[
+        "run",
+        ws,
+        "--flow",
+        "topical",
+        "--input-file",
+        file.to_str().unwrap(),
+        "--json",
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(doc["run"]["status"], "done");
 }

@@ -50,6 +50,10 @@ pub struct RunSpec {
     /// none: 3 (`RunSpec::PRIORITY`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<u8>,
+    /// What a flow's run was given (its `input`), as checked against the
+    /// flow's schema; its step instructions have it filled in already.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input: Option<serde_json::Value>,
 }
 
 impl RunSpec {
@@ -179,6 +183,7 @@ impl RunSpec {
             verify: None,
             pause: None,
             priority: None,
+            input: None,
         }
     }
 }
@@ -187,6 +192,10 @@ impl RunSpec {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct FlowSpec {
+    /// What a run of it is given: `"text"`, or a JSON Schema (a TOML table)
+    /// the input must meet. Step instructions use it as `{{ input }}`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input: Option<FlowInput>,
     pub budget: Option<crate::BudgetArg>,
     pub timeout: Option<String>,
     /// Every step's `rerun_interrupted` unless the step says otherwise.
@@ -206,6 +215,14 @@ pub struct FlowSpec {
     /// How long a pause waits for a top-up (humantime); 24 h if not said.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pause_timeout: Option<String>,
+}
+
+/// A flow's `input`: `"text"`, or a JSON Schema its input must meet.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(untagged)]
+pub enum FlowInput {
+    Text(String),
+    Schema(serde_json::Map<String, serde_json::Value>),
 }
 
 /// What a run does at its ceiling.
@@ -528,6 +545,7 @@ mod tests {
             verify: None,
             pause: None,
             priority: None,
+            input: None,
         };
         assert_eq!(
             spec.step_labels(),

@@ -131,7 +131,7 @@ pub fn check(dir: &Path) -> Vec<Finding> {
 fn outward_steps(workspace: &Workspace) -> Vec<Finding> {
     let mut findings = vec![];
     for name in workspace.flows.keys() {
-        let Ok(spec) = workspace.flow_run(name, None) else {
+        let Ok(spec) = workspace.flow_shape(name) else {
             continue;
         };
         for (group, labels) in spec.groups.iter().zip(spec.step_labels()) {

@@ -1150,5 +1150,6 @@ fn continuation(
         verify: None,
         pause: origin.and_then(|s| s.pause),
         priority: origin.and_then(|s| s.priority),
+        input: origin.and_then(|s| s.input.clone()),
     }
 }

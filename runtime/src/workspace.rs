@@ -36,6 +36,7 @@ use std::sync::Arc;
 mod agent;
 mod config;
 mod flow;
+pub mod input;
 mod parse;
 mod skill;
 mod tenants;
@@ -342,11 +343,43 @@ impl Workspace {
     /// when Some, else the flow's budget, else arbor.toml's default. Timeout parsed
     /// (humantime).
     pub fn flow_run(&self, name: &str, budget_override: Option<u64>) -> Result<RunSpec, LoadError> {
+        self.flow_run_with(name, budget_override, None)
+    }
+
+    /// `flow_run` given `input`: checked against the flow's declaration
+    /// (refused naming where it fails its schema) and filled into its
+    /// step instructions.
+    pub fn flow_run_with(
+        &self,
+        name: &str,
+        budget_override: Option<u64>,
+        input: Option<&serde_json::Value>,
+    ) -> Result<RunSpec, LoadError> {
+        self.flow_spec(name, budget_override, Some(input))
+    }
+
+    /// A flow's steps as its file writes them, its input not asked for nor
+    /// filled in: what `arbor check` reads.
+    pub fn flow_shape(&self, name: &str) -> Result<RunSpec, LoadError> {
+        self.flow_spec(name, None, None)
+    }
+
+    /// `flow_run_with`; `input: None` skips the input altogether.
+    fn flow_spec(
+        &self,
+        name: &str,
+        budget_override: Option<u64>,
+        input: Option<Option<&serde_json::Value>>,
+    ) -> Result<RunSpec, LoadError> {
         let flow = self.flows.get(name).ok_or_else(|| LoadError::UnknownFlow {
             name: name.to_string(),
             known: known(self.flows.keys()),
         })?;
         let path = flow_path(name);
+        let input = match input {
+            Some(input) => input::check(name, flow, input).map_err(LoadError::Input)?,
+            None => None,
+        };
         let flow_tokens = budget_tokens(flow.budget.as_ref()).map_err(|m| invalid(&path, m))?;
         let budget_tokens = self.run_budget(budget_override, flow_tokens)?;
         let flow_usd = flow
@@ -360,6 +393,9 @@ impl Workspace {
             .map_err(|m| invalid(&path, m))?;
         let pause = flow::pause(flow).map_err(|m| invalid(&path, m))?;
         let mut groups = flow.groups.clone();
+        if let Some(input) = &input {
+            input::render(&mut groups, input).map_err(|m| invalid(&path, m))?;
+        }
         // The flow's `rerun_interrupted` is each step's that says nothing.
         if flow.rerun_interrupted {
             for step in groups.iter_mut().flat_map(|g| g.steps.iter_mut()) {
@@ -380,6 +416,7 @@ impl Workspace {
             verify: flow.verify.clone(),
             pause,
             priority: None,
+            input,
         })
         .map(|spec| self.recording(spec, self.config.record_models))
     }

@@ -1590,3 +1590,91 @@ fn a_budget_pause_is_checked_at_load() {
         Some(std::time::Duration::from_secs(90 * 60))
     );
 }
+
+/// A flow's `input`: text, or a JSON Schema. A run is given what it
+/// declares (checked; a schema's failures named by their path) and its
+/// step instructions have it filled in; a flow that declares none takes
+/// none; a bad declaration or template is refused at load.
+#[test]
+fn a_flows_input_is_checked_and_filled_into_its_instructions() {
+    let text = r#"
+input = "text"
+[[group]]
+steps = [{ agent = "researcher", instruction = "Find out about {{ input }}." }]
+"#;
+    let ws = workspace(None, text).unwrap();
+    let run = ws
+        .flow_run_with("research", None, Some(&json!("tides")))
+        .unwrap();
+    assert_eq!(run.groups[0].steps[0].instruction, "Find out about tides.");
+    assert_eq!(run.input, Some(json!("tides")));
+    let refused = |ws: &Workspace, input: Option<serde_json::Value>| {
+        ws.flow_run_with("research", None, input.as_ref())
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(refused(&ws, None).contains("needs an input"));
+    assert!(refused(&ws, Some(json!(" "))).contains("empty"));
+    assert!(refused(&ws, Some(json!({"a": 1}))).contains("text as its input, not an object"));
+
+    let schema = r#"
+input = { type = "object", required = ["topic"], properties = { topic = { type = "string" }, depth = { type = "integer", minimum = 1 } } }
+[[group]]
+steps = [{ agent = "researcher", instruction = "Research {{ input.topic }}{% if input.depth is defined %} to depth {{ input.depth }}{% endif %}." }]
+"#;
+    let ws = workspace(None, schema).unwrap();
+    let run = ws
+        .flow_run_with(
+            "research",
+            None,
+            Some(&json!({"topic": "tides", "depth": 2})),
+        )
+        .unwrap();
+    assert_eq!(
+        run.groups[0].steps[0].instruction,
+        "Research tides to depth 2."
+    );
+    // JSON typed at a terminal comes as text, and is read as JSON.
+    let typed = ws
+        .flow_run_with("research", None, Some(&json!(r#"{"topic": "moons"}"#)))
+        .unwrap();
+    assert_eq!(typed.groups[0].steps[0].instruction, "Research moons.");
+    let failed = refused(&ws, Some(json!({"depth": "two"})));
+    assert!(
+        failed.contains("/depth") && failed.contains("\"topic\" is a required property"),
+        "{failed}"
+    );
+
+    let plain = workspace(None, FLOW).unwrap();
+    assert!(refused(&plain, Some(json!("x"))).contains("takes no input"));
+    assert_eq!(plain.flow_run("research", None).unwrap().input, None);
+
+    for (flow, why) in [
+        (
+            "input = \"number\"\n[[group]]\nsteps = [{ agent = \"researcher\", instruction = \"x\" }]\n",
+            "write input = \"text\"",
+        ),
+        (
+            "input = { type = \"objekt\" }\n[[group]]\nsteps = [{ agent = \"researcher\", instruction = \"x\" }]\n",
+            "not a valid JSON Schema",
+        ),
+        (
+            "[[group]]\nsteps = [{ agent = \"researcher\", instruction = \"About {{ input }}\" }]\n",
+            "declares no `input`",
+        ),
+        (
+            "input = \"text\"\n[[group]]\nsteps = [{ agent = \"researcher\", instruction = \"About {{ topic }}\" }]\n",
+            "names `topic`: only `input` is known",
+        ),
+        (
+            "input = \"text\"\n[[group]]\nsteps = [{ agent = \"researcher\", instruction = \"About {{ input \" }]\n",
+            "step 1 of group 1's instruction",
+        ),
+    ] {
+        let error = workspace(None, flow).unwrap_err().to_string();
+        assert!(
+            error.contains("flows/research.toml") && error.contains(why),
+            "{why}: {error}"
+        );
+    }
+}

@@ -24,10 +24,11 @@ pub struct SubmitRun {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(with = "String", length(min = 1))]
     pub agent: Option<String>,
-    /// The instruction for `agent`: not empty, not only blanks.
+    /// The instruction for `agent` (text, not only blanks); or what a
+    /// `flow` that declares an `input` is given: text, or JSON that meets
+    /// its schema (JSON sent as text is read as JSON).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(with = "String", regex(pattern = r"\S"))]
-    pub input: Option<String>,
+    pub input: Option<serde_json::Value>,
     /// Overrides the flow's (or arbor.toml's) budget: whole tokens, and
     /// dollars as a number (metered in micro-dollars). Never 0.
     #[serde(default, skip_serializing_if = "Option::is_none")]

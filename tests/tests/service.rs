@@ -2148,3 +2148,52 @@ async fn inv_65_the_limits_route_shows_each_window_and_what_it_holds() {
         assert!(metrics.contains(line), "{line} in:\n{metrics}");
     }
 }
+
+/// `POST /v1/runs {flow, input}`: an input that fails the flow's schema is
+/// a 422 naming the path that failed, and queues nothing; one that meets
+/// it starts a run whose step was told it (and whose spec keeps it).
+#[tokio::test]
+async fn a_flows_input_is_checked_at_submission_and_reaches_its_step() {
+    let flow = "input = { type = \"object\", required = [\"topic\"], properties = { topic = { type = \"string\", minLength = 2 } } }\n\
+                [[group]]\nsteps = [{ agent = \"quick\", instruction = \"Say hi about {{ input.topic }}\" }]\n";
+    let svc = TestService::start(Texts::new(&[("quick", &quick())], &[("topical", flow)])).await;
+    let (status, refused) = svc
+        .post_json(
+            "/v1/runs",
+            json!({"flow": "topical", "input": {"topic": 7}}),
+        )
+        .await;
+    assert_eq!(status, 422, "{refused}");
+    let message = refused["error"]["message"].as_str().unwrap();
+    assert!(message.contains("/topic"), "{message}");
+    let (status, refused) = svc.post_json("/v1/runs", json!({"flow": "topical"})).await;
+    assert_eq!(status, 422, "{refused}");
+    assert!(
+        refused["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("needs an input")
+    );
+    let (_, runs) = svc.get_json("/v1/runs").await;
+    assert_eq!(runs["runs"].as_array().map(Vec::len), Some(0), "{runs}");
+
+    let run = svc
+        .submit(json!({"flow": "topical", "input": {"topic": "tides"}}))
+        .await;
+    let doc = svc.wait_run(run).await;
+    assert_eq!(doc["run"]["status"], "done", "{doc}");
+    let started = svc
+        .service
+        .node()
+        .journal()
+        .events(run)
+        .unwrap()
+        .into_iter()
+        .find_map(|e| match e.kind {
+            arbor_protocol::EventKind::RunStarted { spec, .. } => Some(spec),
+            _ => None,
+        })
+        .expect("the run started");
+    assert_eq!(started.groups[0].steps[0].instruction, "Say hi about tides");
+    assert_eq!(started.input, Some(json!({"topic": "tides"})));
+}

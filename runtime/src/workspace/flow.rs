@@ -27,6 +27,7 @@ pub(super) fn parse_flow(
     }
     parse_duration_arg("timeout", flow.timeout.as_deref()).map_err(|m| invalid(path, m))?;
     pause(&flow).map_err(|m| invalid(path, m))?;
+    super::input::check_declaration(&flow).map_err(|m| invalid(path, m))?;
     if flow.groups.is_empty() {
         return Err(invalid(
             path,

@@ -34,6 +34,9 @@ pub enum LoadError {
     /// A run this workspace cannot keep its promises on.
     #[error("{message}")]
     Refused { message: String },
+    /// What a run of a flow was given does not meet the flow's `input`.
+    #[error("{0}")]
+    Input(String),
 }
 
 /// A name a secret can have: an environment variable's, not one the sandbox sets.

@@ -270,8 +270,22 @@ fn resolve(shared: &Shared, body: &SubmitRun, tenant: &str) -> Result<RunSpec, A
     let usd = budget.usd_micros().map_err(ApiError::refused)?;
     let load = |e: LoadError| ApiError::refused(e.to_string());
     let spec = match (&body.flow, &body.agent, &body.input) {
-        (Some(flow), None, None) => ws.flow_run(flow, tokens).map_err(load)?,
+        (Some(flow), None, input) => {
+            if let Some(input) = input
+                && input.to_string().len() > cfg.max_input_bytes
+            {
+                return Err(ApiError::refused(format!(
+                    "`input` is more than {} bytes (max_input_bytes)",
+                    cfg.max_input_bytes
+                )));
+            }
+            ws.flow_run_with(flow, tokens, input.as_ref())
+                .map_err(load)?
+        }
         (None, Some(agent), Some(input)) => {
+            let Some(input) = input.as_str() else {
+                return Err(ApiError::refused("`input` for an `agent` is text"));
+            };
             if input.trim().is_empty() {
                 return Err(ApiError::refused(
                     "`input` is empty: say what the agent should do",
@@ -290,11 +304,13 @@ fn resolve(shared: &Shared, body: &SubmitRun, tenant: &str) -> Result<RunSpec, A
             return Err(ApiError::bad_request("`agent` needs an `input`"));
         }
         (None, None, Some(_)) => {
-            return Err(ApiError::bad_request("`input` needs an `agent`"));
+            return Err(ApiError::bad_request(
+                "`input` needs an `agent` or a `flow`",
+            ));
         }
         _ => {
             return Err(ApiError::bad_request(
-                "give `flow`, or `agent` and `input` (not both)",
+                "give `flow` (and its `input`, if it takes one), or `agent` and `input`, not both",
             ));
         }
     };
