@@ -13,6 +13,7 @@ pub mod replay;
 pub mod scripted;
 pub mod secrets;
 pub mod telemetry;
+pub mod triggers;
 pub mod workspace;
 
 pub use arbor_actors::approvals::{Decide, DecideError};

@@ -13,8 +13,9 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
 /// The values of every secret the workspace's agents and MCP servers
-/// declare, and of each notification endpoint's signing secret. A name with no value is no error here: the run that needs it is
-/// refused (`missing`), and a server that needs it does not start.
+/// declare, and of each notification endpoint's and trigger's signing
+/// secret. A name with no value is no error here: the run that needs it
+/// is refused (`missing`), and a server that needs it does not start.
 pub fn load(workspace: &Workspace) -> Result<Secrets, String> {
     let names: BTreeSet<&String> = workspace
         .agents
@@ -22,6 +23,7 @@ pub fn load(workspace: &Workspace) -> Result<Secrets, String> {
         .flat_map(|a| &a.secrets)
         .chain(workspace.config.mcp.values().flat_map(|s| &s.secrets))
         .chain(workspace.config.notify.values().map(|e| &e.secret))
+        .chain(workspace.config.triggers.values().map(|t| &t.secret))
         .collect();
     let from_file = match &workspace.config.secrets_file {
         Some(path) => read_file(path)?,

@@ -49,6 +49,11 @@ pub use config::{
 };
 use flow::parse_flow;
 pub use parse::{DEFAULT_BUDGET_TOKENS, LoadError, check_name};
+
+/// Whether `name` may name a secret (an environment variable's name).
+pub fn secret_name(name: &str) -> bool {
+    parse::is_secret_name(name)
+}
 use parse::{budget_tokens, invalid, over};
 pub use tenants::{OnQuota, Quota, Tenant};
 
@@ -220,23 +225,7 @@ impl Workspace {
             flow_specs.keys().map(String::as_str).collect(),
             agent_defs.keys().map(String::as_str).collect(),
         );
-        for (name, tenant) in &config.tenants {
-            tenant
-                .check_names(name, &flow_names, &agent_names)
-                .map_err(|m| invalid(Path::new("arbor.toml"), m))?;
-        }
-        let concurrency = &config.limits.concurrency;
-        for (key, names, known) in [
-            ("per_flow", &concurrency.per_flow, &flow_names),
-            ("per_agent", &concurrency.per_agent, &agent_names),
-        ] {
-            if let Some(missing) = names.keys().find(|n| !known.contains(n.as_str())) {
-                return Err(invalid(
-                    Path::new("arbor.toml"),
-                    format!("limits.concurrency.{key}: `{missing}` is not one of the workspace's"),
-                ));
-            }
-        }
+        check_names(&config, &flow_names, &agent_names)?;
         digests.insert("arbor.toml".to_string(), sha256(arbor_toml.unwrap_or("")));
         for &(name, text) in agents {
             digests.insert(format!("agents/{name}/agent.md"), sha256(text));
@@ -840,4 +829,50 @@ fn list_dir(dir: &Path) -> Result<Vec<(String, PathBuf)>, LoadError> {
     }
     entries.sort();
     Ok(entries)
+}
+
+/// What arbor.toml names across files: each tenant's flows and agents, each
+/// concurrency key's, each trigger's flow and tenant.
+fn check_names(
+    config: &Config,
+    flow_names: &std::collections::BTreeSet<&str>,
+    agent_names: &std::collections::BTreeSet<&str>,
+) -> Result<(), LoadError> {
+    for (name, tenant) in &config.tenants {
+        tenant
+            .check_names(name, flow_names, agent_names)
+            .map_err(|m| invalid(Path::new("arbor.toml"), m))?;
+    }
+    for (name, trigger) in &config.triggers {
+        if !flow_names.contains(trigger.flow.as_str()) {
+            return Err(invalid(
+                Path::new("arbor.toml"),
+                format!(
+                    "triggers.{name}.flow: `{}` is not one of the workspace's flows",
+                    trigger.flow
+                ),
+            ));
+        }
+        if let Some(tenant) = &trigger.tenant
+            && !config.tenants.contains_key(tenant)
+        {
+            return Err(invalid(
+                Path::new("arbor.toml"),
+                format!("triggers.{name}.tenant: `{tenant}` is not one of [tenants]"),
+            ));
+        }
+    }
+    let concurrency = &config.limits.concurrency;
+    for (key, names, known) in [
+        ("per_flow", &concurrency.per_flow, flow_names),
+        ("per_agent", &concurrency.per_agent, agent_names),
+    ] {
+        if let Some(missing) = names.keys().find(|n| !known.contains(n.as_str())) {
+            return Err(invalid(
+                Path::new("arbor.toml"),
+                format!("limits.concurrency.{key}: `{missing}` is not one of the workspace's"),
+            ));
+        }
+    }
+    Ok(())
 }

@@ -9,10 +9,10 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// `POST /v1/runs`: a flow, or one agent on an input.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 #[schemars(extend("oneOf" = [
-    {"required": ["flow"], "not": {"anyOf": [{"required": ["agent"]}, {"required": ["input"]}]}},
+    {"required": ["flow"], "not": {"required": ["agent"]}},
     {"required": ["agent", "input"], "not": {"required": ["flow"]}}
 ]))]
 pub struct SubmitRun {
@@ -591,6 +591,12 @@ pub struct TenantQuota {
 pub struct NodePath {
     /// The node's id (`--node-id`, `ARBOR_NODE_ID`, or its host's name).
     pub id: String,
+}
+
+/// A path's name (a trigger's).
+#[derive(Clone, Debug, Deserialize, JsonSchema)]
+pub struct NamePath {
+    pub name: String,
 }
 
 /// A path's id, as text: checked by the handler, so that a malformed id is

@@ -89,6 +89,8 @@ pub(crate) struct Shared {
     pub tasks: tokio_util::task::TaskTracker,
     pub started: Instant,
     pub started_at_ms: u64,
+    /// `[triggers.NAME]`'s signing keys, by trigger.
+    pub trigger_keys: std::collections::BTreeMap<String, Vec<u8>>,
 }
 
 impl Service {
@@ -111,6 +113,9 @@ impl Service {
         let oidc = oidc::Oidc::from_auth(&workspace.config.auth, &workspace.root)
             .map_err(StartError::Token)?;
         let keep_audit = audit::keep(&workspace.config.retention).map_err(StartError::Token)?;
+        let trigger_keys = arbor_runtime::secrets::load(&workspace)
+            .and_then(|secrets| arbor_runtime::triggers::keys(&workspace.config.triggers, &secrets))
+            .map_err(StartError::Token)?;
         // A provider that is down does not stop the start: its JWTs are
         // refused, saying so, until its keys are fetched (`Oidc::refresh`).
         if let Some(oidc) = &oidc
@@ -169,6 +174,7 @@ impl Service {
                 tasks,
                 started: Instant::now(),
                 started_at_ms,
+                trigger_keys,
             }),
         };
         if let Some(keep) = keep_finished {

@@ -20,6 +20,7 @@ mod notifications;
 mod public;
 mod runs;
 mod tokens;
+mod triggers;
 
 use approvals::{approval_routes, decide_here};
 use audit::audit_routes;
@@ -111,16 +112,20 @@ fn api_router(shared: Arc<Shared>) -> ApiRouter {
             crate::audit::record,
         ));
     // The console's login and logout are audited as the API's calls are.
-    let public = public_routes().route_layer(axum::middleware::from_fn_with_state(
-        shared.node.journal().clone(),
-        crate::audit::record,
-    ));
+    let public = public_routes()
+        .merge(triggers::trigger_routes())
+        .route_layer(axum::middleware::from_fn_with_state(
+            shared.node.journal().clone(),
+            crate::audit::record,
+        ));
     protected.merge(public).with_state(shared)
 }
 
 /// The same routes, for the document only.
 fn api_router_docs() -> ApiRouter<Arc<Shared>> {
-    protected_routes().merge(public_routes())
+    protected_routes()
+        .merge(public_routes())
+        .merge(triggers::trigger_routes())
 }
 
 fn protected_routes() -> ApiRouter<Arc<Shared>> {

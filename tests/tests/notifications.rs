@@ -6,6 +6,7 @@
 //! `tests/webhooks/run.sh`.)
 
 use arbor_runtime::notify::{DeliveryState, OutboxRecord, secret_key, sign};
+use arbor_testkit::agent_md;
 use arbor_testkit::service::{TestService, Texts};
 use arbor_tests::webhooks::{Received, Receiver};
 use std::os::unix::fs::PermissionsExt;
@@ -332,4 +333,78 @@ async fn a_redirect_is_a_failed_try_and_is_not_followed() {
     assert!(error.contains("redirects are not followed"), "{error}");
     let paths: Vec<String> = receiver.seen().into_iter().map(|r| r.path).collect();
     assert_eq!(paths, ["/hook"]);
+}
+
+/// `POST /v1/triggers/NAME` (Standard Webhooks): a call signed with the
+/// trigger's secret starts its flow, the body's pointed-at value its
+/// input; the same `webhook-id` again answers with the same run; a bad
+/// signature, an old timestamp, or no signature at all is a 401 that
+/// queues nothing; an input that fails the flow's schema is a 422.
+#[tokio::test]
+async fn a_signed_trigger_starts_its_flow_once_per_webhook_id_and_a_bad_one_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let workspace = dir.path().join("workspace");
+    std::fs::create_dir_all(&workspace).unwrap();
+    let secrets = workspace.join("secrets.env");
+    std::fs::write(&secrets, format!("HOOK_SECRET={SECRET}\n")).unwrap();
+    std::fs::set_permissions(&secrets, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let flow = "input = { type = \"object\", required = [\"topic\"], properties = { topic = { type = \"string\" } } }\n\
+                [[group]]\nsteps = [{ agent = \"quick\", instruction = \"About {{ input.topic }}\" }]\n";
+    let quick = agent_md(
+        "description: answers\nscript:\n  - call: {tool: submit_output, args: {output: ok}}",
+    );
+    let texts = Texts::new(&[("quick", &quick)], &[("topical", flow)]).with_config(
+        "[sandbox]\nsecrets_file = \"secrets.env\"\n\n[triggers.issue]\nflow = \"topical\"\nsecret = \"HOOK_SECRET\"\ninput = \"/issue\"\n",
+    );
+    let svc = TestService::start_in(dir, texts).await;
+    let key = secret_key(SECRET).unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let fire = |id: &str, at: u64, body: &str, signature: Option<String>| {
+        // With the node's token, which a trigger does not take instead.
+        let mut request = svc
+            .post("/v1/triggers/issue")
+            .header("content-type", "application/json")
+            .header("webhook-id", id)
+            .header("webhook-timestamp", at.to_string())
+            .body(body.to_string());
+        if let Some(signature) = signature {
+            request = request.header("webhook-signature", signature);
+        }
+        request.send()
+    };
+    let body = r#"{"issue": {"topic": "tides"}, "sender": "ci"}"#;
+    let first = fire("msg_1", now, body, Some(sign(&key, "msg_1", now, body)))
+        .await
+        .unwrap();
+    assert_eq!(first.status(), 201);
+    let created: serde_json::Value = first.json().await.unwrap();
+    let again = fire("msg_1", now, body, Some(sign(&key, "msg_1", now, body)))
+        .await
+        .unwrap();
+    assert_eq!(again.status(), 200, "the same webhook-id: the same run");
+    let replayed: serde_json::Value = again.json().await.unwrap();
+    assert_eq!(replayed["id"], created["id"]);
+    let run: arbor_protocol::RunId = created["id"].as_str().unwrap().parse().unwrap();
+    let doc = svc.wait_run(run).await;
+    assert_eq!(doc["run"]["status"], "done", "{doc}");
+
+    let old = now - 10 * 60;
+    for (id, at, signature) in [
+        ("msg_2", now, Some(sign(&key, "msg_other", now, body))),
+        ("msg_3", old, Some(sign(&key, "msg_3", old, body))),
+        ("msg_4", now, None),
+    ] {
+        let refused = fire(id, at, body, signature).await.unwrap();
+        assert_eq!(refused.status(), 401, "{id}");
+    }
+    let bad = r#"{"issue": {"topic": 7}}"#;
+    let refused = fire("msg_5", now, bad, Some(sign(&key, "msg_5", now, bad)))
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 422);
+    let (_, runs) = svc.get_json("/v1/runs").await;
+    assert_eq!(runs["runs"].as_array().map(Vec::len), Some(1), "{runs}");
 }

@@ -552,6 +552,18 @@ fn a_tenants_block_is_checked_at_load_and_its_lists_hold_at_admission() {
             "weight = 0 would never start",
         ),
         (
+            "[triggers.t]\nflow = \"ghost\"\nsecret = \"S\"\n",
+            "triggers.t.flow: `ghost` is not one of the workspace's flows",
+        ),
+        (
+            "[triggers.t]\nflow = \"plan\"\nsecret = \"not a name\"\n",
+            "not a secret's name",
+        ),
+        (
+            "[triggers.t]\nflow = \"plan\"\nsecret = \"S\"\ninput = \"data\"\n",
+            "not a JSON Pointer",
+        ),
+        (
             "[limits.concurrency]\nper_flow = { ghost = 1 }\n",
             "limits.concurrency.per_flow: `ghost`",
         ),

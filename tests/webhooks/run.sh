@@ -2,7 +2,8 @@
 # Notifications against an independent receiver (receiver.py: PyPI's
 # standardwebhooks verifies every signature): arbord runs a flow that asks a
 # question, has a call approved and fails, and the receiver must see each of
-# those events, verified (check.py). Needs target/debug/arbord and arbor
+# those events, verified (check.py). Before that, a trigger signed by the
+# same package (sender.py) starts a flow once per webhook-id. Needs target/debug/arbord and arbor
 # built; run from the repo.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -36,6 +37,17 @@ for _ in $(seq 150); do
   sleep 0.1
 done
 export ARBOR_TOKEN_FILE="$work/data/token"
+
+# A trigger, signed by standardwebhooks: one run per webhook-id, and the
+# bad calls refused.
+triggered=$("$venv/bin/python" tests/webhooks/sender.py "$ARBOR_URL/v1/triggers/ci" "$secret") || {
+  cat "$work/arbord.log" >&2
+  exit 1
+}
+[ "$(target/debug/arbor watch "$triggered" >/dev/null && echo done)" = done ] || {
+  echo "webhooks: the triggered run did not end done" >&2
+  exit 1
+}
 
 run=$(target/debug/arbor submit --flow asks)
 # The question, answered; then the call, approved (`--wait` follows the

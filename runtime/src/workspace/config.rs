@@ -65,6 +65,8 @@ pub struct Config {
     /// `[tenants.NAME]`: the teams sharing the node (I-63); none: one
     /// tenant, `default`.
     pub tenants: BTreeMap<String, super::tenants::Tenant>,
+    /// `[triggers.NAME]`: flows started by a signed call (docs/flows.md).
+    pub triggers: BTreeMap<String, crate::triggers::Trigger>,
 }
 
 /// `[journal]`: the node's journal in sled under its data dir (the
@@ -156,6 +158,7 @@ impl Default for Config {
             record_models: false,
             telemetry: Default::default(),
             notify: BTreeMap::new(),
+            triggers: BTreeMap::new(),
             tenants: BTreeMap::new(),
         }
     }
@@ -193,6 +196,8 @@ struct ConfigFile {
     notify: BTreeMap<String, crate::notify::EndpointFile>,
     #[serde(default)]
     tenants: BTreeMap<String, super::tenants::TenantFile>,
+    #[serde(default)]
+    triggers: BTreeMap<String, crate::triggers::TriggerFile>,
 }
 
 /// `[telemetry]` as written.
@@ -425,10 +430,16 @@ pub(super) fn parse_config(text: &str, root: &Path) -> Result<Config, LoadError>
         let tenant = block.check(&name).map_err(|m| invalid(path, m))?;
         tenants.insert(name, tenant);
     }
+    let mut triggers = BTreeMap::new();
+    for (name, block) in file.triggers {
+        let trigger = block.check(&name).map_err(|m| invalid(path, m))?;
+        triggers.insert(name, trigger);
+    }
     Ok(Config {
         telemetry,
         notify,
         tenants,
+        triggers,
         approvals,
         journal,
         record_models: file.record.models,

@@ -262,7 +262,11 @@ fn submitting_tenant(caller: &Caller, body: &SubmitRun) -> Result<String, ApiErr
 }
 
 /// The request as a `RunSpec`, every I-36 check made; nothing changes here.
-fn resolve(shared: &Shared, body: &SubmitRun, tenant: &str) -> Result<RunSpec, ApiError> {
+pub(super) fn resolve(
+    shared: &Shared,
+    body: &SubmitRun,
+    tenant: &str,
+) -> Result<RunSpec, ApiError> {
     let ws = &shared.workspace;
     let cfg = &shared.config;
     let budget = body.budget.clone().unwrap_or_default();
@@ -372,19 +376,31 @@ async fn submit_run(
         let hash = sha2::Sha256::digest(&canonical);
         hash.iter().map(|b| format!("{b:02x}")).collect::<String>()
     };
+    queue(&shared, &spec, key, digest, &audit).await
+}
+
+/// Queues `spec` under `key` (a retry with the same key and `digest`
+/// answers with the same run): 201 with its links, or 200 for a replay.
+pub(super) async fn queue(
+    shared: &Shared,
+    spec: &RunSpec,
+    key: Option<String>,
+    digest: String,
+    audit: &crate::audit::Audit,
+) -> Reply {
     // A replay is answered even while draining: it changes nothing.
     if key.is_none() {
-        accepting(&shared)?;
+        accepting(shared)?;
     }
     let submitted = shared
         .admission
-        .submit(&spec, key, digest, Some(&audit))
+        .submit(spec, key, digest, Some(audit))
         .await?;
     let (run, status, replayed) = match submitted {
         Submitted::New(run) => (run, StatusCode::CREATED, false),
         Submitted::Replayed(run) => (run, StatusCode::OK, true),
     };
-    let run_status = run_tree(&shared, run)
+    let run_status = run_tree(shared, run)
         .await?
         .map(|t| t.run_status())
         .unwrap_or(Status::Pending);
