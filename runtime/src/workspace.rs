@@ -49,11 +49,6 @@ pub use config::{
 };
 use flow::parse_flow;
 pub use parse::{DEFAULT_BUDGET_TOKENS, LoadError, check_name};
-
-/// Whether `name` may name a secret (an environment variable's name).
-pub fn secret_name(name: &str) -> bool {
-    parse::is_secret_name(name)
-}
 use parse::{budget_tokens, invalid, over};
 pub use tenants::{OnQuota, Quota, Tenant};
 

@@ -810,9 +810,10 @@ async fn inv_37_every_route_but_the_health_checks_refuses_a_missing_or_wrong_tok
             "DELETE /v1/ui/session",
             "GET /healthz",
             "GET /readyz",
+            "POST /v1/triggers/{name}",
             "POST /v1/ui/session",
         ],
-        "only the health checks and the console's login and logout are public"
+        "only the health checks, the console's login and logout, and the signed triggers are public"
     );
     // The document itself is served beside the routes it describes.
     let mut routes = routes;
@@ -1788,6 +1789,8 @@ async fn inv_63_every_route_answers_each_role_as_the_matrix_says() {
         "GET /readyz",
         "POST /v1/ui/session",
         "DELETE /v1/ui/session",
+        // Its signature is its credential (`a_signed_trigger_...`).
+        "POST /v1/triggers/{name}",
     ];
     let api = Service::openapi();
     let mut documented = std::collections::BTreeSet::new();

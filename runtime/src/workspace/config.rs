@@ -432,7 +432,10 @@ pub(super) fn parse_config(text: &str, root: &Path) -> Result<Config, LoadError>
     }
     let mut triggers = BTreeMap::new();
     for (name, block) in file.triggers {
-        let trigger = block.check(&name).map_err(|m| invalid(path, m))?;
+        super::parse::check_name("trigger", &name).map_err(|m| invalid(path, m))?;
+        let trigger = block
+            .check(&name, super::parse::is_secret_name)
+            .map_err(|m| invalid(path, m))?;
         triggers.insert(name, trigger);
     }
     Ok(Config {
