@@ -42,8 +42,8 @@ pub struct ProviderClient {
     /// Each model's rate windows, its provider's shared by all (`rate`).
     windows: std::collections::BTreeMap<String, rate::Windows>,
     own: Option<Arc<std::sync::Mutex<rate::Window>>>,
-    /// The windows every node shares, once the journal is a shared one.
-    shared: Arc<std::sync::OnceLock<rate::SharedWindows>>,
+    /// The windows every node shares, while the journal is a shared one.
+    shared: rate::Shared,
 }
 
 impl ProviderClient {
@@ -57,7 +57,7 @@ impl ProviderClient {
             .limits
             .is_set()
             .then(|| Arc::new(std::sync::Mutex::new(rate::Window::new(config.limits))));
-        let shared: Arc<std::sync::OnceLock<rate::SharedWindows>> = Default::default();
+        let shared: rate::Shared = Default::default();
         let provider = &config.name;
         let windows = config
             .models
@@ -81,9 +81,10 @@ impl ProviderClient {
         }
     }
 
-    /// Its windows are shared with every node of this journal from now on.
-    pub fn share(&self, shared: rate::SharedWindows) {
-        let _ = self.shared.set(shared);
+    /// Its windows are shared with every node of this journal from now on
+    /// (`None`: the node's journal is its own).
+    pub fn share(&self, shared: Option<rate::SharedWindows>) {
+        *self.shared.write().unwrap_or_else(|e| e.into_inner()) = shared;
     }
 
     /// Its rate windows as the node shows them: its own (`NAME/*`), then
@@ -91,15 +92,19 @@ impl ProviderClient {
     pub fn limits(&self) -> Vec<arbor_protocol::RateView> {
         let now = std::time::Instant::now();
         let name = &self.config.name;
-        let shared = self.shared.get();
+        let shared = self
+            .shared
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
         let own = self
             .own
             .iter()
-            .map(|w| rate::view(format!("{name}/*"), w, shared, now));
+            .map(|w| rate::view(format!("{name}/*"), w, shared.as_ref(), now));
         let models = self.windows.iter().filter_map(|(model, windows)| {
             windows
                 .model_window()
-                .map(|w| rate::view(format!("{name}/{model}"), w, shared, now))
+                .map(|w| rate::view(format!("{name}/{model}"), w, shared.as_ref(), now))
         });
         own.chain(models).collect()
     }

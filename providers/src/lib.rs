@@ -64,12 +64,17 @@ impl Providers {
         }
     }
 
-    /// On a shared journal, its providers' rate windows are every node's
-    /// (`rate::SharedWindows`): each request is admitted in the database.
+    /// The node's journal, at each start: if it is shared, its providers'
+    /// rate windows are every node's (`rate::SharedWindows`): each request
+    /// is admitted in the database.
     pub fn share(&self, journal: &arbor_storage::Journal) {
         #[cfg(feature = "http")]
         for client in self.clients.values() {
-            client.share(rate::SharedWindows::new(journal.clone()));
+            client.share(
+                journal
+                    .is_shared()
+                    .then(|| rate::SharedWindows::new(journal)),
+            );
         }
         #[cfg(not(feature = "http"))]
         let _ = journal;

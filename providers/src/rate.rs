@@ -20,7 +20,7 @@ pub use rule::{Limits, SKEW, SPAN, Wait, room_at};
 pub use shared::{RATES, RateEntry, SharedWindows};
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 /// One window: what was admitted in the last `SPAN`, in order.
@@ -178,6 +178,10 @@ impl Window {
     }
 }
 
+/// The shared windows of a provider's every model, set at each start of a
+/// node on a shared journal.
+pub type Shared = Arc<RwLock<Option<SharedWindows>>>;
+
 /// The windows one request takes from: its provider's and its model's,
 /// and on a shared journal the same windows as every node holds them.
 #[derive(Clone, Debug)]
@@ -187,8 +191,8 @@ pub struct Windows {
     next_id: Arc<std::sync::atomic::AtomicU64>,
     /// The shared windows' names and limits: the provider's, the model's.
     keys: Vec<(String, Limits)>,
-    /// Set once the node's journal is known to be shared.
-    shared: Arc<OnceLock<SharedWindows>>,
+    /// Set when the node's journal is a shared one (again at each start).
+    shared: Shared,
 }
 
 impl Windows {
@@ -197,7 +201,7 @@ impl Windows {
     pub fn new(
         provider: Option<(String, Arc<Mutex<Window>>)>,
         model: (String, Limits),
-        shared: Arc<OnceLock<SharedWindows>>,
+        shared: Shared,
     ) -> Self {
         let mut keys = vec![];
         if let Some((name, window)) = &provider {
@@ -219,9 +223,12 @@ impl Windows {
         }
     }
 
-    /// The windows every node shares, once the journal is a shared one.
-    pub fn shared(&self) -> Option<&SharedWindows> {
-        self.shared.get()
+    /// The windows every node shares, while the journal is a shared one.
+    pub fn shared(&self) -> Option<SharedWindows> {
+        self.shared
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Counts a request as waiting in each window until the guard drops.
@@ -332,7 +339,7 @@ impl Ticket {
     /// before the request goes out (there, its stamp is its sending):
     /// admitted, or when to try again. Nothing to do on a node's own.
     pub async fn admit_shared(&mut self) -> Result<Result<(), Wait>, arbor_storage::Error> {
-        let Some(shared) = self.windows.shared.get() else {
+        let Some(shared) = self.windows.shared() else {
             return Ok(Ok(()));
         };
         if self.shared.is_some() {
@@ -373,7 +380,7 @@ impl Ticket {
             let mut w = window.lock().unwrap_or_else(|e| e.into_inner());
             w.settle(self.id, tokens);
         }
-        if let (Some(shared), Some(entry)) = (self.windows.shared.get(), &self.shared)
+        if let (Some(shared), Some(entry)) = (self.windows.shared(), &self.shared)
             && let Err(error) = shared.settle(&self.windows.keys, entry, tokens)
         {
             // It keeps its worst case until it leaves: never less than it used.

@@ -54,8 +54,6 @@ impl ModelFactory for Models {
     }
 
     fn share_rates(&self, journal: &arbor_storage::Journal) {
-        if journal.is_shared() {
-            self.providers.share(journal);
-        }
+        self.providers.share(journal);
     }
 }

@@ -39,6 +39,25 @@ pub struct Journal {
 
 type CommitObserver = Box<dyn Fn(std::time::Duration) + Send + Sync>;
 
+/// A handle that does not keep its journal open (`Journal::downgrade`): a
+/// cache beside the node (a provider's shared rate windows) holds one, so a
+/// node that stops lets its journal go (and a shared journal's lease).
+#[derive(Clone)]
+pub struct WeakJournal {
+    engine: std::sync::Weak<dyn Engine>,
+    commit_observer: Arc<OnceLock<CommitObserver>>,
+}
+
+impl WeakJournal {
+    /// The journal, while it is open.
+    pub fn upgrade(&self) -> Option<Journal> {
+        Some(Journal {
+            engine: self.engine.upgrade()?,
+            commit_observer: self.commit_observer.clone(),
+        })
+    }
+}
+
 /// A lock of a shared journal's (`Journal::exclusive`), released on drop.
 pub struct Exclusive {
     _held: Option<Box<dyn std::any::Any + Send>>,
@@ -319,6 +338,14 @@ impl Journal {
         Journal {
             engine,
             commit_observer: Arc::new(OnceLock::new()),
+        }
+    }
+
+    /// A handle that does not keep this journal open.
+    pub fn downgrade(&self) -> WeakJournal {
+        WeakJournal {
+            engine: Arc::downgrade(&self.engine),
+            commit_observer: self.commit_observer.clone(),
         }
     }
 

@@ -92,7 +92,7 @@ pub use codec::{EncodedEvent, EventTail};
 pub use engine::{Claimed, Counters, Durable, Engine, NodeLease, OwnedRow, Span, Visit, WalkVisit};
 pub use error::Error;
 pub use faults::{Crash, CrashKind, CrashPoint, Faults, crash_at_first_claim};
-pub use journal::{Exclusive, Journal, Prepared, Record, ScanReport, Undecodable};
+pub use journal::{Exclusive, Journal, Prepared, Record, ScanReport, Undecodable, WeakJournal};
 pub use pg_engine::{PG_LAYOUT, PgEngine, PgOptions, check_schema_name};
 pub use record::{
     ApprovalRecord, DelegationRecord, JobRecord, LedgerOp, LedgerRecord, LedgerTotals, RunRecord,

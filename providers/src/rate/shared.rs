@@ -15,7 +15,7 @@
 //! node's clock: nodes must agree within `SKEW`.
 
 use super::rule::{Limits, SKEW, SPAN, Wait, room_at};
-use arbor_storage::{Journal, RATES_TABLE, Record, Table};
+use arbor_storage::{Journal, RATES_TABLE, Record, Table, WeakJournal};
 use serde::{Deserialize, Serialize};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -66,10 +66,11 @@ fn leaves(at_ms: u64) -> u64 {
     at_ms.saturating_add(ms(SPAN + SKEW))
 }
 
-/// The windows of a shared journal.
+/// The windows of a shared journal: held weakly, so a node that stops
+/// lets its journal (and its lease) go; a restart shares them again.
 #[derive(Clone)]
 pub struct SharedWindows {
-    journal: Journal,
+    journal: WeakJournal,
 }
 
 impl std::fmt::Debug for SharedWindows {
@@ -88,8 +89,14 @@ struct Read {
 }
 
 impl SharedWindows {
-    pub fn new(journal: Journal) -> Self {
-        Self { journal }
+    pub fn new(journal: &Journal) -> Self {
+        Self {
+            journal: journal.downgrade(),
+        }
+    }
+
+    fn journal(&self) -> Result<Journal, arbor_storage::Error> {
+        self.journal.upgrade().ok_or(arbor_storage::Error::Closed)
     }
 
     fn read(&self, window: &str, now_ms: u64) -> Result<Read, arbor_storage::Error> {
@@ -98,7 +105,7 @@ impl SharedWindows {
             closed_until_ms: None,
             gone: vec![],
         };
-        for row in self.journal.read(&RATES, &prefix(window))? {
+        for row in self.journal()?.read(&RATES, &prefix(window))? {
             let until = match row.closed_until_ms {
                 Some(until) => until,
                 None => leaves(row.at_ms),
@@ -120,9 +127,10 @@ impl SharedWindows {
         &self,
         windows: &[(String, Limits)],
     ) -> Result<Vec<arbor_storage::Exclusive>, arbor_storage::Error> {
+        let journal = self.journal()?;
         windows
             .iter()
-            .map(|(window, _)| self.journal.exclusive(&format!("rate:{window}")))
+            .map(|(window, _)| journal.exclusive(&format!("rate:{window}")))
             .collect()
     }
 
@@ -140,6 +148,7 @@ impl SharedWindows {
                 return Ok(Err(Wait::TooLarge { tokens, tpm }));
             }
         }
+        let journal = self.journal()?;
         let locks = self.lock(windows)?;
         let now_ms = now_ms();
         let mut until: Option<u64> = None;
@@ -154,7 +163,7 @@ impl SharedWindows {
             until = until.max(at);
         }
         if !gone.is_empty() {
-            self.journal.remove_keys(&RATES, gone)?;
+            journal.remove_keys(&RATES, gone)?;
         }
         if let Some(until) = until {
             drop(locks);
@@ -169,14 +178,14 @@ impl SharedWindows {
             at_ms: now_ms,
             tokens,
             closed_until_ms: None,
-            epoch: self.journal.epoch(),
+            epoch: journal.epoch(),
         };
         let records = windows
             .iter()
             .map(|(window, _)| RATES.row(&entry(window)).map(Record::Row))
             .collect::<Result<Vec<_>, _>>()?;
         // Committed before the lock goes: the next node to take it sees it.
-        self.journal.commit(records).await?;
+        journal.commit(records).await?;
         drop(locks);
         Ok(Ok(entry("")))
     }
@@ -193,19 +202,20 @@ impl SharedWindows {
         if tokens >= entry.tokens {
             return Ok(());
         }
+        let journal = self.journal()?;
         let records = windows
             .iter()
             .map(|(window, _)| {
                 let settled = RateEntry {
                     window: window.clone(),
                     tokens,
-                    epoch: self.journal.epoch(),
+                    epoch: journal.epoch(),
                     ..entry.clone()
                 };
                 RATES.row(&settled).map(Record::Row)
             })
             .collect::<Result<Vec<_>, _>>()?;
-        self.journal.append(records).map(|_| ())
+        journal.append(records).map(|_| ())
     }
 
     /// The provider said to wait `after`: every node's requests to these
@@ -215,6 +225,7 @@ impl SharedWindows {
         windows: &[(String, Limits)],
         after: Duration,
     ) -> Result<(), arbor_storage::Error> {
+        let journal = self.journal()?;
         let _locks = self.lock(windows)?;
         let now_ms = now_ms();
         let mut records = vec![];
@@ -229,11 +240,11 @@ impl SharedWindows {
                 at_ms: now_ms,
                 tokens: 0,
                 closed_until_ms: Some(until),
-                epoch: self.journal.epoch(),
+                epoch: journal.epoch(),
             };
             records.push(RATES.row(&closure).map(Record::Row)?);
         }
-        self.journal.append(records).map(|_| ())
+        journal.append(records).map(|_| ())
     }
 
     /// What `window` holds now, every node's requests: requests and tokens.
