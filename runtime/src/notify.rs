@@ -198,6 +198,30 @@ pub fn secret_key(value: &str) -> Result<Vec<u8>, String> {
     }
 }
 
+/// The signing key of arbor.toml's `block` (`notify.NAME`, `triggers.NAME`)
+/// from the value of its secret `name`: refused if it has none, or one that
+/// is no signing secret.
+pub fn signing_key(
+    secrets: &arbor_actors::secrets::Secrets,
+    block: &str,
+    name: &str,
+) -> Result<Vec<u8>, String> {
+    let value = secrets
+        .env_for(&BTreeSet::from([name.to_string()]))
+        .ok()
+        .and_then(|v| v.into_iter().next())
+        .map(|(_, v)| v)
+        .ok_or_else(|| {
+            format!(
+                "arbor.toml: {block}.secret: the secret {name} has no value: set it in the \
+                 node's environment or in [sandbox] secrets_file"
+            )
+        })?;
+    secret_key(&value).map_err(|why| {
+        format!("arbor.toml: {block}.secret: the value of {name} is no signing secret: {why}")
+    })
+}
+
 /// The `webhook-signature` of a body (Standard Webhooks, `v1`: HMAC-SHA256
 /// over `id.timestamp.body`, base64).
 pub fn sign(key: &[u8], id: &str, timestamp: u64, body: &str) -> String {
@@ -645,25 +669,11 @@ impl Notifications {
         }
         let mut keys = BTreeMap::new();
         for endpoint in endpoints.values() {
-            let names = BTreeSet::from([endpoint.secret.clone()]);
-            let value = secrets
-                .env_for(&names)
-                .ok()
-                .and_then(|v| v.into_iter().next())
-                .map(|(_, v)| v)
-                .ok_or_else(|| {
-                    format!(
-                        "arbor.toml: notify.{}.secret: the secret {} has no value: set it in the \
-                         node's environment or in [sandbox] secrets_file",
-                        endpoint.name, endpoint.secret
-                    )
-                })?;
-            let key = secret_key(&value).map_err(|why| {
-                format!(
-                    "arbor.toml: notify.{}.secret: the value of {} is no signing secret: {why}",
-                    endpoint.name, endpoint.secret
-                )
-            })?;
+            let key = signing_key(
+                secrets,
+                &format!("notify.{}", endpoint.name),
+                &endpoint.secret,
+            )?;
             keys.insert(endpoint.name.clone(), key);
         }
         let entries = all(journal).map_err(|e| format!("the outbox does not read: {e}"))?;

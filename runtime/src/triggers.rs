@@ -6,7 +6,7 @@
 //! `whsec_` value). The same `webhook-id` makes one run.
 
 use serde::Deserialize;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 /// How far a `webhook-timestamp` may be from the node's clock.
 pub const TOLERANCE_S: u64 = 5 * 60;
@@ -72,29 +72,14 @@ pub fn keys(
     triggers: &BTreeMap<String, Trigger>,
     secrets: &arbor_actors::secrets::Secrets,
 ) -> Result<BTreeMap<String, Vec<u8>>, String> {
-    let mut keys = BTreeMap::new();
-    for trigger in triggers.values() {
-        let value = secrets
-            .env_for(&BTreeSet::from([trigger.secret.clone()]))
-            .ok()
-            .and_then(|v| v.into_iter().next())
-            .map(|(_, v)| v)
-            .ok_or_else(|| {
-                format!(
-                    "arbor.toml: triggers.{}.secret: the secret {} has no value: set it in the \
-                     node's environment or in [sandbox] secrets_file",
-                    trigger.name, trigger.secret
-                )
-            })?;
-        let key = crate::notify::secret_key(&value).map_err(|why| {
-            format!(
-                "arbor.toml: triggers.{}.secret: the value of {} is no signing secret: {why}",
-                trigger.name, trigger.secret
-            )
-        })?;
-        keys.insert(trigger.name.clone(), key);
-    }
-    Ok(keys)
+    triggers
+        .values()
+        .map(|t| {
+            let block = format!("triggers.{}", t.name);
+            let key = crate::notify::signing_key(secrets, &block, &t.secret)?;
+            Ok((t.name.clone(), key))
+        })
+        .collect()
 }
 
 /// Why a call's signature is refused.

@@ -40,13 +40,18 @@ fn texts(url: &str, endpoint: &str) -> Texts {
 
 /// A service whose `[notify.ops]` sends to `url`, its secret in a file.
 async fn service(url: &str, endpoint: &str) -> TestService {
+    TestService::start_in(with_secret(), texts(url, endpoint)).await
+}
+
+/// A directory whose workspace has `HOOK_SECRET` in its 0600 secrets file.
+fn with_secret() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     let workspace = dir.path().join("workspace");
     std::fs::create_dir_all(&workspace).unwrap();
     let secrets = workspace.join("secrets.env");
     std::fs::write(&secrets, format!("HOOK_SECRET={SECRET}\n")).unwrap();
     std::fs::set_permissions(&secrets, std::fs::Permissions::from_mode(0o600)).unwrap();
-    TestService::start_in(dir, texts(url, endpoint)).await
+    dir
 }
 
 /// Waits, on the deliverer's own changes, until the outbox satisfies `pred`.
@@ -342,12 +347,7 @@ async fn a_redirect_is_a_failed_try_and_is_not_followed() {
 /// queues nothing; an input that fails the flow's schema is a 422.
 #[tokio::test]
 async fn a_signed_trigger_starts_its_flow_once_per_webhook_id_and_a_bad_one_changes_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let workspace = dir.path().join("workspace");
-    std::fs::create_dir_all(&workspace).unwrap();
-    let secrets = workspace.join("secrets.env");
-    std::fs::write(&secrets, format!("HOOK_SECRET={SECRET}\n")).unwrap();
-    std::fs::set_permissions(&secrets, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let dir = with_secret();
     let flow = "input = { type = \"object\", required = [\"topic\"], properties = { topic = { type = \"string\" } } }\n\
                 [[group]]\nsteps = [{ agent = \"quick\", instruction = \"About {{ input.topic }}\" }]\n";
     let quick = agent_md(
