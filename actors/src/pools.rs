@@ -21,6 +21,9 @@ use std::sync::{Arc, Mutex};
 #[derive(Default)]
 pub struct AgentPools {
     pools: Mutex<HashMap<(RunId, String), Pool>>,
+    /// Whether any pool was ever made: a node without pooled agents
+    /// settles its children without taking the lock.
+    used: std::sync::atomic::AtomicBool,
 }
 
 /// One agent's pool in one run.
@@ -98,6 +101,7 @@ impl AgentPools {
             for (job, amount) in holds(name) {
                 pool.set(job, amount);
             }
+            self.used.store(true, std::sync::atomic::Ordering::Release);
             self.lock().entry(key).or_insert(pool);
         }
     }
@@ -159,11 +163,11 @@ impl AgentPools {
     /// `child` settled at `spent`: its pool keeps only that (never more
     /// than it held).
     pub fn settle(&self, run: RunId, child: JobId, spent: Amount) {
+        if !self.used.load(std::sync::atomic::Ordering::Acquire) {
+            return;
+        }
         let mut pools = self.lock();
-        let pool = pools
-            .iter_mut()
-            .find(|((r, _), pool)| *r == run && pool.held.contains_key(&child));
-        if let Some((_, pool)) = pool {
+        if let Some(pool) = holding(&mut pools, run, child) {
             let held = pool.held[&child];
             let kept = Amount {
                 tokens: held.tokens.min(spent.tokens),
@@ -184,10 +188,7 @@ impl AgentPools {
         at_least: Amount,
     ) -> Option<Amount> {
         let mut pools = self.lock();
-        let pool = pools
-            .iter_mut()
-            .find(|((r, _), pool)| *r == run && pool.held.contains_key(&child));
-        let Some((_, pool)) = pool else {
+        let Some(pool) = holding(&mut pools, run, child) else {
             return Some(given);
         };
         let (tokens, usd) = pool.room();
@@ -218,6 +219,18 @@ impl AgentPools {
     pub fn forget(&self, run: RunId) {
         self.lock().retain(|(r, _), _| *r != run);
     }
+}
+
+/// The pool of `run` that holds for `child`, if one does.
+fn holding(
+    pools: &mut HashMap<(RunId, String), Pool>,
+    run: RunId,
+    child: JobId,
+) -> Option<&mut Pool> {
+    pools
+        .iter_mut()
+        .find(|((r, _), pool)| *r == run && pool.held.contains_key(&child))
+        .map(|(_, pool)| pool)
 }
 
 fn describe(cap: PerRun) -> String {

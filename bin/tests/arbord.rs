@@ -925,13 +925,43 @@ fn shared_workspace() -> (tempfile::TempDir, String, String) {
     let sleepy = "---\ndescription: thinks, then answers\nscript:\n  - say: thinking\n    delay: 3s\n  - call: {tool: submit_output, args: {output: done, task_status: completed}}\n---\nYou think.\n";
     std::fs::create_dir_all(ws.path().join("agents/sleepy")).unwrap();
     std::fs::write(ws.path().join("agents/sleepy/agent.md"), sleepy).unwrap();
-    let toml = ws.path().join("arbor.toml");
-    let mut text = std::fs::read_to_string(&toml).unwrap();
-    text.push_str(&format!(
-        "\n[journal]\nbackend = \"postgres\"\nurl = \"{url}\"\nschema = \"{schema}\"\nlease = \"2s\"\n"
-    ));
-    std::fs::write(&toml, text).unwrap();
+    append_toml(
+        ws.path(),
+        &format!(
+            "\n[journal]\nbackend = \"postgres\"\nurl = \"{url}\"\nschema = \"{schema}\"\nlease = \"2s\"\n"
+        ),
+    );
     (ws, url, schema)
+}
+
+/// Adds `text` to the workspace's arbor.toml.
+fn append_toml(ws: &Path, text: &str) {
+    let toml = ws.join("arbor.toml");
+    let mut all = std::fs::read_to_string(&toml).unwrap();
+    all.push_str(text);
+    std::fs::write(&toml, all).unwrap();
+}
+
+/// Two arbords on `ws` (a shared journal), named `ids`; each node's data
+/// dir is kept as long as the pair.
+fn two_nodes(ws: &Path, ids: [&str; 2]) -> ([Arbord; 2], [tempfile::TempDir; 2]) {
+    let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+    let start = |dir: &tempfile::TempDir, id: &str| {
+        Arbord::start_with(
+            ws,
+            dir.path(),
+            &["--listen", "127.0.0.1:0", "--node-id", id],
+        )
+    };
+    ([start(&dirs[0], ids[0]), start(&dirs[1], ids[1])], dirs)
+}
+
+/// SIGTERM to each node; each exits 0.
+fn stop_all(nodes: [Arbord; 2]) {
+    for node in nodes {
+        node.signal(nix::sys::signal::Signal::SIGTERM);
+        assert_eq!(node.wait(), Some(0));
+    }
 }
 
 /// Runs `sql` on the test server and hands back its rows.
@@ -1152,10 +1182,7 @@ fn inv_50_two_nodes_race_for_one_queue_and_each_run_is_claimed_once_per_epoch() 
         .unwrap()
         .replace("[service]\n", "[service]\nmax_running_runs = 2\n");
     std::fs::write(&toml, text).unwrap();
-    let (data_a, data_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let listen = ["--listen", "127.0.0.1:0", "--node-id"];
-    let a = Arbord::start_with(ws.path(), data_a.path(), &[&listen[..], &["a"]].concat());
-    let b = Arbord::start_with(ws.path(), data_b.path(), &[&listen[..], &["b"]].concat());
+    let ([a, b], _dirs) = two_nodes(ws.path(), ["a", "b"]);
     let runs: Vec<String> = (0..12)
         .map(|n| [&a, &b][n % 2].submit(&["--agent", "brief", "--input", "go"]))
         .collect();
@@ -1205,10 +1232,7 @@ fn inv_50_two_nodes_race_for_one_queue_and_each_run_is_claimed_once_per_epoch() 
         .map(str::to_string)
         .unwrap_or_default();
     assert!(last.contains("run_finished"), "{last}");
-    for node in [a, b] {
-        node.signal(nix::sys::signal::Signal::SIGTERM);
-        assert_eq!(node.wait(), Some(0));
-    }
+    stop_all([a, b]);
 }
 
 /// Any node's API acts on another node's run: a steering message and a
@@ -1245,10 +1269,7 @@ fn a_run_is_steered_and_stopped_through_a_node_that_does_not_own_it() {
     assert_ne!(code(&again), 0, "a stop of an ended run is refused");
     let claims = check_the_database(&url, &schema, &run);
     assert_eq!(claims, [(1, "a".to_string())], "it never moved");
-    for node in [a, b] {
-        node.signal(nix::sys::signal::Signal::SIGTERM);
-        assert_eq!(node.wait(), Some(0));
-    }
+    stop_all([a, b]);
 }
 
 /// A drained node's running runs move: SIGTERM to the owner stops its run
@@ -1350,14 +1371,11 @@ fn a_node_drained_through_another_exits_and_its_run_moves() {
 #[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
 fn inv_65_two_nodes_on_one_journal_never_exceed_a_tenants_quota_together() {
     let (ws, _url, _schema) = shared_workspace();
-    let toml = ws.path().join("arbor.toml");
-    let mut text = std::fs::read_to_string(&toml).unwrap();
-    text.push_str("\n[tenants.team]\n[tenants.team.quota]\nruns_per_minute = 4\n");
-    std::fs::write(&toml, text).unwrap();
-    let (data_a, data_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let listen = ["--listen", "127.0.0.1:0", "--node-id"];
-    let a = Arbord::start_with(ws.path(), data_a.path(), &[&listen[..], &["a"]].concat());
-    let b = Arbord::start_with(ws.path(), data_b.path(), &[&listen[..], &["b"]].concat());
+    append_toml(
+        ws.path(),
+        "\n[tenants.team]\n[tenants.team.quota]\nruns_per_minute = 4\n",
+    );
+    let ([a, b], _dirs) = two_nodes(ws.path(), ["a", "b"]);
     let submissions: Vec<std::process::Child> = (0..10)
         .map(|i| {
             let node = if i % 2 == 0 { &a } else { &b };
@@ -1389,10 +1407,7 @@ fn inv_65_two_nodes_on_one_journal_never_exceed_a_tenants_quota_together() {
             "{limits}"
         );
     }
-    for node in [a, b] {
-        node.signal(nix::sys::signal::Signal::SIGTERM);
-        assert_eq!(node.wait(), Some(0));
-    }
+    stop_all([a, b]);
 }
 
 /// I-65 on a shared journal: two nodes, each told the provider's `rpm` of
@@ -1413,14 +1428,11 @@ fn inv_65_two_nodes_on_one_journal_never_exceed_a_providers_rpm_together() {
         mock.push(Format::Openai, openai::tool_calls(&submit, 100, 10));
     }
     let (ws, _url, _schema) = shared_workspace();
-    let toml = ws.path().join("arbor.toml");
-    let mut text = std::fs::read_to_string(&toml).unwrap();
-    text.push('\n');
-    text.push_str(&mock.arbor_toml(
+    let config = mock.arbor_toml(
         Format::Openai,
         &format!("stream = false\nmax_retries = 0\nrpm = {RPM}\n"),
-    ));
-    std::fs::write(&toml, text).unwrap();
+    );
+    append_toml(ws.path(), &format!("\n{config}"));
     let asker = "---\ndescription: asks its model once\nmodel: mock/small\n---\nAnswer.\n";
     std::fs::create_dir_all(ws.path().join("agents/asker")).unwrap();
     std::fs::write(ws.path().join("agents/asker/agent.md"), asker).unwrap();
@@ -1429,10 +1441,7 @@ fn inv_65_two_nodes_on_one_journal_never_exceed_a_providers_rpm_together() {
         "[[group]]\nsteps = [{ agent = \"asker\", instruction = \"ask\" }]\n",
     )
     .unwrap();
-    let (data_a, data_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let listen = ["--listen", "127.0.0.1:0", "--node-id"];
-    let a = Arbord::start_with(ws.path(), data_a.path(), &[&listen[..], &["a"]].concat());
-    let b = Arbord::start_with(ws.path(), data_b.path(), &[&listen[..], &["b"]].concat());
+    let ([a, b], _dirs) = two_nodes(ws.path(), ["a", "b"]);
     for i in 0..6 {
         let node = if i % 2 == 0 { &a } else { &b };
         node.submit(&["--flow", "ask"]);
@@ -1464,10 +1473,7 @@ fn inv_65_two_nodes_on_one_journal_never_exceed_a_providers_rpm_together() {
     }
     assert_eq!(mock.refused(), 0, "the provider refused nothing");
     assert_eq!(mock.served().len(), RPM);
-    for node in [a, b] {
-        node.signal(nix::sys::signal::Signal::SIGTERM);
-        assert_eq!(node.wait(), Some(0));
-    }
+    stop_all([a, b]);
 }
 
 /// Fair dispatch on a shared queue: two nodes, `per_tenant = 1`. Tenant a
@@ -1479,10 +1485,10 @@ fn inv_65_two_nodes_on_one_journal_never_exceed_a_providers_rpm_together() {
 #[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
 fn a_shared_queue_keeps_per_tenant_across_the_nodes_and_a_flood_delays_only_its_tenant() {
     let (ws, _url, _schema) = shared_workspace();
-    let toml = ws.path().join("arbor.toml");
-    let mut text = std::fs::read_to_string(&toml).unwrap();
-    text.push_str("\n[tenants.a]\n[tenants.b]\n[limits.concurrency]\nper_tenant = 1\n");
-    std::fs::write(&toml, text).unwrap();
+    append_toml(
+        ws.path(),
+        "\n[tenants.a]\n[tenants.b]\n[limits.concurrency]\nper_tenant = 1\n",
+    );
     let nap = "---\ndescription: naps, then answers\nscript:\n  - say: napping\n    delay: 1s\n  - call: {tool: submit_output, args: {output: rested, task_status: completed}}\n---\nYou nap.\n";
     std::fs::create_dir_all(ws.path().join("agents/nap")).unwrap();
     std::fs::write(ws.path().join("agents/nap/agent.md"), nap).unwrap();
@@ -1491,10 +1497,7 @@ fn a_shared_queue_keeps_per_tenant_across_the_nodes_and_a_flood_delays_only_its_
         "[[group]]\nsteps = [{ agent = \"nap\", instruction = \"nap\" }]\n",
     )
     .unwrap();
-    let (data_a, data_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let listen = ["--listen", "127.0.0.1:0", "--node-id"];
-    let one = Arbord::start_with(ws.path(), data_a.path(), &[&listen[..], &["one"]].concat());
-    let two = Arbord::start_with(ws.path(), data_b.path(), &[&listen[..], &["two"]].concat());
+    let ([one, two], _dirs) = two_nodes(ws.path(), ["one", "two"]);
     let flood: Vec<String> = (0..5)
         .map(|i| {
             let node = if i % 2 == 0 { &one } else { &two };
@@ -1529,10 +1532,7 @@ fn a_shared_queue_keeps_per_tenant_across_the_nodes_and_a_flood_delays_only_its_
         b_start < floods[2].0,
         "b's run started at {b_start}, after a's third ({floods:?})"
     );
-    for node in [one, two] {
-        node.signal(nix::sys::signal::Signal::SIGTERM);
-        assert_eq!(node.wait(), Some(0));
-    }
+    stop_all([one, two]);
 }
 
 /// `on_quota = "queue"` on a shared queue (I-65): a tenant with two runs a
@@ -1543,16 +1543,11 @@ fn a_shared_queue_keeps_per_tenant_across_the_nodes_and_a_flood_delays_only_its_
 #[ignore = "needs PostgreSQL: ARBOR_TEST_DATABASE_URL"]
 fn a_tenant_that_queues_on_a_shared_queue_waits_for_its_window() {
     let (ws, _url, _schema) = shared_workspace();
-    let toml = ws.path().join("arbor.toml");
-    let mut text = std::fs::read_to_string(&toml).unwrap();
-    text.push_str(
+    append_toml(
+        ws.path(),
         "\n[tenants.team]\non_quota = \"queue\"\n[tenants.team.quota]\nruns_per_minute = 2\n",
     );
-    std::fs::write(&toml, text).unwrap();
-    let (data_a, data_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let listen = ["--listen", "127.0.0.1:0", "--node-id"];
-    let a = Arbord::start_with(ws.path(), data_a.path(), &[&listen[..], &["a"]].concat());
-    let b = Arbord::start_with(ws.path(), data_b.path(), &[&listen[..], &["b"]].concat());
+    let ([a, b], _dirs) = two_nodes(ws.path(), ["a", "b"]);
     let runs: Vec<String> = (0..4)
         .map(|i| {
             let node = if i % 2 == 0 { &a } else { &b };
@@ -1587,8 +1582,5 @@ fn a_tenant_that_queues_on_a_shared_queue_waits_for_its_window() {
             "{limits}"
         );
     }
-    for node in [a, b] {
-        node.signal(nix::sys::signal::Signal::SIGTERM);
-        assert_eq!(node.wait(), Some(0));
-    }
+    stop_all([a, b]);
 }

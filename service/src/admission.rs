@@ -1056,7 +1056,8 @@ impl Admission {
             .filter_map(|(key, _)| uuid::Uuid::from_slice(key).ok().map(RunId))
             .collect();
         let mut seen = self.seen.lock().await;
-        seen.retain(|run, _| queued.contains(run) || running.contains(run));
+        let live: std::collections::HashSet<&RunId> = queued.iter().chain(&running).collect();
+        seen.retain(|run, _| live.contains(run));
         for run in queued.iter().chain(&running) {
             if seen.contains_key(run) {
                 continue;
