@@ -120,6 +120,12 @@ enum Command {
     /// What arbord throttles: each provider's rate windows (rpm, tpm), their
     /// limits and what the minute ending now holds.
     Limits,
+    /// The workspace's schedules: each one's cron, zone, whether it is
+    /// paused and when it next starts a run.
+    Schedules,
+    /// Pause, unpause, trigger or backfill one schedule.
+    #[command(subcommand)]
+    Schedule(client::ScheduleCommand),
     /// Approval cards waiting for a person (of one run, or all); --state for others.
     Approvals(client::ApprovalsArgs),
     /// The audit log: who changed what, and who was refused (an admin's;
@@ -334,6 +340,10 @@ fn main() -> ExitCode {
                 with_client(&conn, |c| Box::pin(client::budget(c, args.clone()))).await
             }
             Command::Limits => with_client(&conn, |c| Box::pin(client::limits(c))).await,
+            Command::Schedules => with_client(&conn, |c| Box::pin(client::schedules(c))).await,
+            Command::Schedule(command) => {
+                with_client(&conn, |c| Box::pin(client::schedule(c, command.clone()))).await
+            }
             Command::Approvals(args) => {
                 with_client(&conn, |c| Box::pin(client::approvals(c, args))).await
             }

@@ -1365,3 +1365,119 @@ pub async fn watch(client: &Client, run: &str) -> Outcome {
     }
     Ok(run_exit(tree.run_status()))
 }
+
+#[derive(Clone, clap::Subcommand)]
+pub enum ScheduleCommand {
+    /// Its ticks start nothing, and are not caught up when it is unpaused.
+    Pause { name: String },
+    /// It starts runs again from its next tick on.
+    Unpause { name: String },
+    /// Start one run of it now, whatever its overlap; prints the run's id.
+    Trigger { name: String },
+    /// Start a run for each of its ticks from FROM to TO (RFC 3339, both
+    /// included) that has not started one.
+    Backfill {
+        name: String,
+        #[arg(long)]
+        from: String,
+        #[arg(long)]
+        to: String,
+    },
+}
+
+/// `arbor schedules`.
+pub async fn schedules(client: &Client) -> Outcome {
+    let list = client.api.schedules().await.map_err(|e| client.failed(e))?;
+    if client.output != Output::Text {
+        client.print_json(&list)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    if list.schedules.is_empty() {
+        outln!("no schedules: no flow file has a [[schedule]]");
+    }
+    for s in &list.schedules {
+        let next = match (&s.next_fire_at, s.paused) {
+            (_, true) => "paused".to_string(),
+            (Some(at), false) => format!("next {at}"),
+            (None, false) => "never again".to_string(),
+        };
+        outln!(
+            "{} · flow {} · {:?} {} · {next} · {} running",
+            s.name,
+            s.flow,
+            s.cron,
+            s.timezone,
+            s.active.len()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `arbor schedule pause|unpause|trigger|backfill NAME`.
+pub async fn schedule(client: &Client, command: ScheduleCommand) -> Outcome {
+    let failed = |e| client.failed(e);
+    match command {
+        ScheduleCommand::Pause { name } => {
+            let view = client
+                .api
+                .pause_schedule(&name, true)
+                .await
+                .map_err(failed)?;
+            print_or(client, &view, || format!("schedule {name}: paused"))
+        }
+        ScheduleCommand::Unpause { name } => {
+            let view = client
+                .api
+                .pause_schedule(&name, false)
+                .await
+                .map_err(failed)?;
+            let next = view.next_fire_at.clone().unwrap_or_else(|| "never".into());
+            print_or(client, &view, || {
+                format!("schedule {name}: unpaused; next run {next}")
+            })
+        }
+        ScheduleCommand::Trigger { name } => {
+            let created = client.api.trigger_schedule(&name).await.map_err(failed)?;
+            print_or(client, &created, || created.id.to_string())
+        }
+        ScheduleCommand::Backfill { name, from, to } => {
+            let body = arbor_service::api::BackfillBody { from, to };
+            let result = client
+                .api
+                .backfill_schedule(&name, &body)
+                .await
+                .map_err(failed)?;
+            print_or(client, &result, || {
+                let mut lines: Vec<String> = result
+                    .started
+                    .iter()
+                    .map(|t| format!("{} started {}", t.tick, t.run))
+                    .collect();
+                lines.extend(
+                    result
+                        .already
+                        .iter()
+                        .map(|t| format!("{} had started {} before", t.tick, t.run)),
+                );
+                if lines.is_empty() {
+                    lines.push(format!("schedule {name} has no tick in that span"));
+                }
+                lines.join("\n")
+            })
+        }
+    }
+}
+
+/// `value` as JSON when asked, else `text`.
+fn print_or(
+    client: &Client,
+    value: &impl serde::Serialize,
+    text: impl FnOnce() -> String,
+) -> Outcome {
+    if client.output != Output::Text {
+        client.print_json(value)?;
+    } else {
+        outln!("{}", text());
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -41,8 +41,8 @@ pub use result::{Amount, ResultEnvelope, Usage};
 pub use retry::RetryPolicy;
 pub use skill::Skill;
 pub use spec::{
-    FlowGroup, FlowInput, FlowSpec, JudgeVerdict, OnCeiling, ReviewVerdict, RunSpec, StepSpec,
-    Until, VerdictKind,
+    FlowGroup, FlowInput, FlowSpec, JudgeVerdict, OnCeiling, Overlap, ReviewVerdict, RunSpec,
+    ScheduleSpec, ScheduleTick, StepSpec, Until, VerdictKind,
 };
 pub use status::{ErrorClass, Status, TaskStatus};
 pub use tenant::DEFAULT_TENANT;

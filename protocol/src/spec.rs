@@ -54,6 +54,17 @@ pub struct RunSpec {
     /// flow's schema; its step instructions have it filled in already.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub input: Option<serde_json::Value>,
+    /// The schedule tick that started it, if a schedule did (I-66).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<ScheduleTick>,
+}
+
+/// A schedule's tick: the schedule's name and the tick's time (RFC 3339,
+/// UTC), the identity the tick's one run is committed under (I-66).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct ScheduleTick {
+    pub name: String,
+    pub tick: String,
 }
 
 impl RunSpec {
@@ -184,6 +195,7 @@ impl RunSpec {
             pause: None,
             priority: None,
             input: None,
+            schedule: None,
         }
     }
 }
@@ -215,6 +227,65 @@ pub struct FlowSpec {
     /// How long a pause waits for a top-up (humantime); 24 h if not said.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pause_timeout: Option<String>,
+    /// `[[schedule]]`: times at which arbord starts a run of the flow.
+    #[serde(default, rename = "schedule", skip_serializing_if = "Vec::is_empty")]
+    pub schedules: Vec<ScheduleSpec>,
+}
+
+/// A flow's `[[schedule]]` entry as written.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleSpec {
+    /// Unique in the workspace: the schedule's name in the API and the CLI.
+    pub name: String,
+    /// Five fields (minute hour day-of-month month day-of-week), or six
+    /// with seconds first.
+    pub cron: String,
+    /// The IANA time zone the cron's wall-clock times are read in; UTC if
+    /// not said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timezone: Option<String>,
+    /// The input each run is given (the flow's `input` checks it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input: Option<serde_json::Value>,
+    /// What a tick does while the schedule's last run still runs; `skip`
+    /// if not said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overlap: Option<Overlap>,
+    /// How late a tick may still start, after a time no node ran
+    /// (humantime); `60s` if not said. Later ones are recorded as missed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub catchup_window: Option<String>,
+    /// Up to this long after its tick, the same for every node, a run
+    /// starts (humantime): spreads schedules that share a minute.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub jitter: Option<String>,
+    /// Starts nothing until unpaused (the API's pause and unpause win
+    /// over this once used).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub paused: bool,
+    /// Each run's budget; the flow's if not said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<crate::BudgetArg>,
+    /// The tenant its runs are charged to; `default` if not said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+}
+
+/// What a schedule's tick does while an earlier run of it has not ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Overlap {
+    /// Starts nothing: the tick is recorded as skipped.
+    Skip,
+    /// Starts once the earlier run ends; a further tick meanwhile is skipped.
+    BufferOne,
+    /// Starts once every earlier run has ended, in order.
+    BufferAll,
+    /// Stops the earlier runs, then starts.
+    CancelOther,
+    /// Starts at once, beside them.
+    AllowAll,
 }
 
 /// A flow's `input`: `"text"`, or a JSON Schema its input must meet.
@@ -546,6 +617,7 @@ mod tests {
             pause: None,
             priority: None,
             input: None,
+            schedule: None,
         };
         assert_eq!(
             spec.step_labels(),

@@ -61,6 +61,9 @@ pub struct TreeNode {
     /// arbor.toml names tenants.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<String>,
+    /// The run node only: the schedule tick that started it (I-66).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<crate::ScheduleTick>,
     /// The run node only: its reviewer's finding (`verify`), once made.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub review: Option<ReviewView>,
@@ -274,6 +277,7 @@ impl Tree {
                 started_at_ms: None,
                 ended_at_ms: None,
                 tenant: None,
+                schedule: None,
                 review: None,
                 iterations: vec![],
                 children: vec![],
@@ -334,6 +338,7 @@ impl Tree {
                 ..
             } => {
                 self.root.tenant = spec.tenant.clone();
+                self.root.schedule = spec.schedule.clone();
                 self.root.status = Status::Running;
                 self.root.started_at_ms.get_or_insert(event.at_ms);
                 self.root.account.grant = *budget_tokens;
@@ -424,6 +429,7 @@ impl Tree {
                 node.mcp = BTreeMap::new();
                 node.waiting = None;
                 node.tenant = None;
+                node.schedule = None;
                 let waiter = match parent_job {
                     Some(p) => self.entries.get_mut(&p).map(|e| &mut e.node),
                     None => Some(&mut self.root),

@@ -10,6 +10,7 @@ pub mod notify;
 pub mod prompt;
 pub mod recovery;
 pub mod replay;
+pub mod schedules;
 pub mod scripted;
 pub mod secrets;
 pub mod telemetry;

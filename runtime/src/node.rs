@@ -1151,5 +1151,6 @@ fn continuation(
         pause: origin.and_then(|s| s.pause),
         priority: origin.and_then(|s| s.priority),
         input: origin.and_then(|s| s.input.clone()),
+        schedule: origin.and_then(|s| s.schedule.clone()),
     }
 }

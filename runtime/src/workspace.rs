@@ -65,6 +65,8 @@ pub struct Workspace {
     /// of nothing), `agents/NAME/agent.md`, `flows/NAME.toml`,
     /// `skills/NAME/SKILL.md`.
     pub digests: BTreeMap<String, String>,
+    /// Every flow's `[[schedule]]` entries, by name (unique in the workspace).
+    pub schedules: BTreeMap<String, crate::schedules::Schedule>,
 }
 
 impl Workspace {
@@ -229,6 +231,7 @@ impl Workspace {
             digests.insert(format!("flows/{name}.toml"), sha256(text));
         }
         let workspace = Workspace {
+            schedules: schedules_of(&flow_specs, &config)?,
             root,
             config,
             agents: agent_defs,
@@ -401,6 +404,7 @@ impl Workspace {
             pause,
             priority: None,
             input,
+            schedule: None,
         })
         .map(|spec| self.recording(spec, self.config.record_models))
     }
@@ -828,6 +832,44 @@ fn list_dir(dir: &Path) -> Result<Vec<(String, PathBuf)>, LoadError> {
 
 /// What arbor.toml names across files: each tenant's flows and agents, each
 /// concurrency key's, each trigger's flow and tenant.
+/// Every flow's schedules, checked: a unique name, a cron that fires, a
+/// zone, an input the flow takes, a tenant arbor.toml names.
+fn schedules_of(
+    flows: &BTreeMap<String, FlowSpec>,
+    config: &Config,
+) -> Result<BTreeMap<String, crate::schedules::Schedule>, LoadError> {
+    let mut schedules = BTreeMap::new();
+    for (flow_name, flow) in flows {
+        let path = flow_path(flow_name);
+        for spec in &flow.schedules {
+            let name = &spec.name;
+            parse::check_name("schedule", name).map_err(|m| invalid(&path, m))?;
+            let schedule = crate::schedules::Schedule::check(flow_name, spec)
+                .map_err(|m| invalid(&path, m))?;
+            input::check(flow_name, flow, spec.input.as_ref())
+                .map_err(|m| invalid(&path, format!("schedule {name}: {m}")))?;
+            if let Some(tenant) = &spec.tenant
+                && !config.tenants.contains_key(tenant)
+            {
+                return Err(invalid(
+                    &path,
+                    format!("schedule {name}: tenant `{tenant}` is not one of [tenants]"),
+                ));
+            }
+            if let Some(other) = schedules.insert(name.clone(), schedule) {
+                return Err(invalid(
+                    &path,
+                    format!(
+                        "schedule {name}: flow {} has a schedule of that name already (a schedule's name is unique in the workspace)",
+                        other.flow
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(schedules)
+}
+
 fn check_names(
     config: &Config,
     flow_names: &std::collections::BTreeSet<&str>,

@@ -38,7 +38,7 @@ use crate::submission::{self, SubmissionRecord, SubmissionState};
 use arbor_protocol::{ErrorClass, EventKind, RunId, RunSpec, Status};
 use arbor_runtime::EmbeddedNode;
 use arbor_runtime::workspace::{OnQuota, Quota};
-use arbor_storage::Exclusive;
+use arbor_storage::{Exclusive, Record};
 use axum::http::StatusCode;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
@@ -321,6 +321,19 @@ impl Admission {
         digest: String,
         audit: Option<&crate::audit::Audit>,
     ) -> Result<Submitted, SubmitError> {
+        self.submit_with(spec, key, digest, audit, |_| vec![]).await
+    }
+
+    /// `submit`, committing with the submission what `also` makes of its
+    /// run's id (a schedule's tick, I-66): both, or neither.
+    pub async fn submit_with(
+        &self,
+        spec: &RunSpec,
+        key: Option<String>,
+        digest: String,
+        audit: Option<&crate::audit::Audit>,
+        also: impl FnOnce(RunId) -> Vec<Record>,
+    ) -> Result<Submitted, SubmitError> {
         let mut state = self.state.lock().await;
         if let Some(key) = &key
             && let Some((seen, run)) = state.keys.get(key)
@@ -360,6 +373,7 @@ impl Admission {
             records.push(entry.record()?);
         }
         records.extend(audit.and_then(|a| a.take(Some(sub.run.to_string()), StatusCode::CREATED)));
+        records.extend(also(run));
         journal.commit(records).await?;
         state.next_order += 1;
         let queued = self.policy.queued(spec, reserved.is_some());

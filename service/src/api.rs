@@ -172,6 +172,9 @@ pub struct RunSummary {
     /// The tenant whose run it is, when arbor.toml names tenants (I-63).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<String>,
+    /// The schedule tick that started it, if a schedule did (I-66).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<arbor_protocol::ScheduleTick>,
 }
 
 /// The step or job a failed run's failure began at: the first to fail.
@@ -801,4 +804,57 @@ pub struct CredentialMade {
     pub roles: Vec<String>,
     /// The token: the node keeps only its SHA-256.
     pub token: String,
+}
+
+/// `GET /v1/schedules`.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct ScheduleList {
+    pub schedules: Vec<ScheduleView>,
+}
+
+/// A schedule (a flow file's `[[schedule]]`) and where it stands.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct ScheduleView {
+    pub name: String,
+    pub flow: String,
+    pub cron: String,
+    /// The IANA zone its cron is read in.
+    pub timezone: String,
+    pub paused: bool,
+    /// When its next run starts (RFC 3339, UTC, its jitter added); none
+    /// while it is paused.
+    pub next_fire_at: Option<String>,
+    pub overlap: arbor_protocol::Overlap,
+    pub catchup_window_s: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    /// Its runs that had not ended when it last looked.
+    #[serde(default)]
+    pub active: Vec<RunId>,
+    /// Ticks waiting for its earlier runs to end (RFC 3339).
+    #[serde(default)]
+    pub buffered: Vec<String>,
+}
+
+/// `POST /v1/schedules/{name}/backfill`: the ticks from `from` to `to`
+/// (RFC 3339), both included.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BackfillBody {
+    pub from: String,
+    pub to: String,
+}
+
+/// What a backfill started, and the ticks that had started a run before.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema)]
+pub struct BackfillResult {
+    pub started: Vec<BackfilledTick>,
+    pub already: Vec<BackfilledTick>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct BackfilledTick {
+    /// RFC 3339, UTC.
+    pub tick: String,
+    pub run: RunId,
 }

@@ -469,7 +469,11 @@ pub fn required_role(method: &axum::http::Method, path: &str) -> credentials::Ro
         | "/v1/jobs/{id}/stop"
         | "/v1/jobs/{id}/messages"
         | "/v1/jobs/{id}/continue"
-        | "/v1/notifications/{id}/retry" => Role::Operator,
+        | "/v1/notifications/{id}/retry"
+        | "/v1/schedules/{name}/pause"
+        | "/v1/schedules/{name}/unpause"
+        | "/v1/schedules/{name}/trigger"
+        | "/v1/schedules/{name}/backfill" => Role::Operator,
         "/v1/approvals/{id}" => Role::Approver,
         _ => Role::Admin,
     }

@@ -12,9 +12,10 @@
 //!    that broke (the caller may resume from the last id).
 
 use crate::api::{
-    ApprovalList, AuditList, AuditQuery, CardView, Continued, CredentialList, CredentialMade,
-    CredentialView, DecisionBody, DrainAsked, NewCredential, ReplayRun, ReplayStarted, RunCreated,
-    RunDocument, RunList, SteerQueued, StopAccepted, StreamEvent, SubmitRun,
+    ApprovalList, AuditList, AuditQuery, BackfillBody, BackfillResult, CardView, Continued,
+    CredentialList, CredentialMade, CredentialView, DecisionBody, DrainAsked, NewCredential,
+    ReplayRun, ReplayStarted, RunCreated, RunDocument, RunList, ScheduleList, ScheduleView,
+    SteerQueued, StopAccepted, StreamEvent, SubmitRun,
 };
 use crate::status::NodeStatus;
 use arbor_protocol::RunId;
@@ -215,6 +216,35 @@ impl Client {
     /// `POST /v1/jobs/{id}/stop`.
     pub async fn stop_job(&self, job: &str) -> Result<StopAccepted, Error> {
         self.call(self.request(Method::POST, &format!("/v1/jobs/{job}/stop")))
+            .await
+    }
+
+    /// `GET /v1/schedules`.
+    pub async fn schedules(&self) -> Result<ScheduleList, Error> {
+        self.call(self.request(Method::GET, "/v1/schedules")).await
+    }
+
+    /// `POST /v1/schedules/{name}/pause` or `.../unpause`.
+    pub async fn pause_schedule(&self, name: &str, pause: bool) -> Result<ScheduleView, Error> {
+        let verb = if pause { "pause" } else { "unpause" };
+        let path = format!("/v1/schedules/{}/{verb}", urlencoding_free(name));
+        self.call(self.request(Method::POST, &path)).await
+    }
+
+    /// `POST /v1/schedules/{name}/trigger`.
+    pub async fn trigger_schedule(&self, name: &str) -> Result<RunCreated, Error> {
+        let path = format!("/v1/schedules/{}/trigger", urlencoding_free(name));
+        self.call(self.request(Method::POST, &path)).await
+    }
+
+    /// `POST /v1/schedules/{name}/backfill`.
+    pub async fn backfill_schedule(
+        &self,
+        name: &str,
+        body: &BackfillBody,
+    ) -> Result<BackfillResult, Error> {
+        let path = format!("/v1/schedules/{}/backfill", urlencoding_free(name));
+        self.call(self.request(Method::POST, &path).json(body))
             .await
     }
 

@@ -38,6 +38,9 @@ pub struct ServiceConfig {
     /// How long a finished run is kept (its records, events and idempotency
     /// key) before it is forgotten; `None`: forever. Never zero.
     pub keep_finished: Option<Duration>,
+    /// Schedules fire by this node's clock, by themselves; off, only
+    /// `Service::run_schedules` moves them (a test's injected clock).
+    pub schedule_clock: bool,
 }
 
 impl ServiceConfig {
@@ -180,6 +183,7 @@ impl Layer {
                 Duration::from_secs(10),
             )?,
             keep_finished: keep_finished(self.keep_finished.as_deref())?,
+            schedule_clock: true,
         })
     }
 }

@@ -27,6 +27,7 @@ pub mod oidc;
 pub mod quota;
 pub mod retention;
 mod routes;
+pub mod schedules;
 pub mod sse;
 pub mod status;
 pub mod submission;
@@ -91,6 +92,9 @@ pub(crate) struct Shared {
     pub started_at_ms: u64,
     /// `[triggers.NAME]`'s signing keys, by trigger.
     pub trigger_keys: std::collections::BTreeMap<String, Vec<u8>>,
+    /// Held while this node moves a schedule (with the journal's lock on
+    /// it, for a shared journal's other nodes).
+    pub schedule_lock: tokio::sync::Mutex<()>,
 }
 
 impl Service {
@@ -175,6 +179,7 @@ impl Service {
                 started: Instant::now(),
                 started_at_ms,
                 trigger_keys,
+                schedule_lock: tokio::sync::Mutex::new(()),
             }),
         };
         if let Some(keep) = keep_finished {
@@ -205,6 +210,10 @@ impl Service {
                 }
             });
         }
+        if service.shared.config.schedule_clock && !service.shared.workspace.schedules.is_empty() {
+            let shared = service.shared.clone();
+            service.shared.tasks.spawn(follow_the_clock(shared));
+        }
         // Calls other nodes send about this node's runs (a shared journal's).
         service.shared.tasks.spawn(forward::serve(
             service.shared.clone(),
@@ -225,6 +234,16 @@ impl Service {
             Some(keep) => retention::forget_finished(&self.shared, keep, now).await,
             None => Ok(vec![]),
         }
+    }
+
+    /// Moves every schedule to `now`: the ticks due by then start, skip,
+    /// wait or are recorded as missed (`routes/schedules.rs`). What the
+    /// service does by itself every second, unless `schedule_clock` is off.
+    pub async fn run_schedules(&self, now: SystemTime) -> Result<(), ApiError> {
+        let now = now
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        routes::schedules::run_due(&self.shared, now).await
     }
 
     /// The API, with the OpenAPI document it serves built from the same routes.
@@ -335,5 +354,26 @@ impl Service {
         shared.tasks.close();
         shared.tasks.wait().await;
         tracing::info!("drained: the journal is flushed");
+    }
+}
+
+/// Moves the schedules every second, by this node's clock, until the drain.
+async fn follow_the_clock(shared: Arc<Shared>) {
+    let mut every = tokio::time::interval(std::time::Duration::from_secs(1));
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shared.stopped.cancelled() => return,
+            _ = every.tick() => {}
+        }
+        if !shared.accepting.load(Ordering::SeqCst) {
+            return;
+        }
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        if let Err(e) = routes::schedules::run_due(&shared, now).await {
+            tracing::warn!(error = %e.message, "the schedules could not move");
+        }
     }
 }

@@ -87,6 +87,14 @@ struct McpLabel {
     outcome: String,
 }
 
+/// A schedule's name (a flow file's) and what became of its ticks:
+/// `started`, `skipped`, `missed`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TickLabel {
+    schedule: String,
+    outcome: String,
+}
+
 /// A failed run's error class (`none` when it has none): a bounded set.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ClassLabel {
@@ -132,6 +140,7 @@ pub struct Metrics {
     usd_micros: Counter,
     calls: Family<CallLabel, Counter>,
     mcp_calls: Family<McpLabel, Counter>,
+    schedule_ticks: Family<TickLabel, Counter>,
     mcp_seconds: Family<ServerLabel, Histogram>,
     commit_seconds: Histogram,
     fsyncs: Counter,
@@ -174,6 +183,7 @@ impl Metrics {
             usd_micros: Counter::default(),
             calls: Family::<CallLabel, Counter>::default(),
             mcp_calls: Family::<McpLabel, Counter>::default(),
+            schedule_ticks: Family::<TickLabel, Counter>::default(),
             // 1 millisecond to about 9 minutes.
             mcp_seconds: Family::<ServerLabel, Histogram>::new_with_constructor(|| {
                 Histogram::new(exponential_buckets(0.001, 2.0, 20))
@@ -255,6 +265,11 @@ impl Metrics {
             "mcp_calls",
             "MCP tool calls by server and outcome since this start",
             self.mcp_calls.clone(),
+        );
+        registry.register(
+            "schedule_ticks",
+            "Schedule ticks by schedule and outcome (started, skipped, missed) since this start",
+            self.schedule_ticks.clone(),
         );
         registry.register(
             "mcp_call_seconds",
@@ -496,6 +511,17 @@ impl Metrics {
                 outcome: outcome.to_string(),
             })
             .inc();
+    }
+
+    /// `count` of schedule `name`'s ticks went `outcome` (`started`,
+    /// `skipped`, `missed`).
+    pub fn schedule_ticks(&self, name: &str, outcome: &str, count: u64) {
+        self.schedule_ticks
+            .get_or_create(&TickLabel {
+                schedule: name.to_string(),
+                outcome: outcome.to_string(),
+            })
+            .inc_by(count);
     }
 
     pub fn observe_commit(&self, latency: std::time::Duration) {

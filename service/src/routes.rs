@@ -19,6 +19,7 @@ mod node;
 mod notifications;
 mod public;
 mod runs;
+pub(crate) mod schedules;
 mod tokens;
 mod triggers;
 
@@ -138,6 +139,7 @@ fn protected_routes() -> ApiRouter<Arc<Shared>> {
         .merge(audit_routes())
         .merge(token_routes())
         .merge(node_routes())
+        .merge(schedules::schedule_routes())
 }
 
 /// Acts on a call another node sent about a run this node owns

@@ -74,6 +74,9 @@ pub enum KeyedBy {
     /// A rate window's name, then a 0 byte: rows every node on a shared
     /// journal takes from, removed by their owner once they have left.
     Window,
+    /// A schedule's name, then a 0 byte: its state and its ticks, never
+    /// removed with a run (I-66); their owner removes old ticks.
+    Schedule,
 }
 
 /// A kind of record and its table.
@@ -266,6 +269,9 @@ pub const QUOTAS_TABLE: TableDef = state("quotas", KeyedBy::Tenant);
 /// The requests in each provider's rate windows on a shared journal
 /// (`arbor-providers` defines its records, I-65).
 pub const RATES_TABLE: TableDef = state("rates", KeyedBy::Window);
+/// Each schedule's state and the ticks it started, skipped or missed
+/// (`arbor-service` defines its records, I-66).
+pub const SCHEDULES_TABLE: TableDef = state("schedules", KeyedBy::Schedule);
 const APPROVALS_TABLE: TableDef = state("approvals", KeyedBy::Run);
 const TAPES_TABLE: TableDef = state("tapes", KeyedBy::Run);
 
@@ -344,7 +350,7 @@ impl JournalTable {
 /// Every table of a journal, whoever owns its records, in the order the log
 /// numbers them (invariant 2). The one list: a table missing here is neither
 /// replayed, scanned nor verified.
-pub static JOURNAL_TABLES: [JournalTable; 14] = [
+pub static JOURNAL_TABLES: [JournalTable; 15] = [
     JournalTable::Ours(&RUNS),
     JournalTable::Ours(&JOBS),
     JournalTable::Ours(&LEDGER),
@@ -359,6 +365,7 @@ pub static JOURNAL_TABLES: [JournalTable; 14] = [
     JournalTable::Foreign(AUDIT_TABLE),
     JournalTable::Foreign(QUOTAS_TABLE),
     JournalTable::Foreign(RATES_TABLE),
+    JournalTable::Foreign(SCHEDULES_TABLE),
 ];
 
 /// The tables whose records storage defines, for `scan` and `verify`.
@@ -403,7 +410,8 @@ mod tests {
                 OUTBOX_TABLE.name,
                 AUDIT_TABLE.name,
                 QUOTAS_TABLE.name,
-                RATES_TABLE.name
+                RATES_TABLE.name,
+                SCHEDULES_TABLE.name
             ]
         );
     }

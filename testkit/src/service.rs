@@ -36,12 +36,15 @@ pub struct Texts {
     pub arbor_toml: Option<String>,
     pub agents: Vec<(String, String)>,
     pub flows: Vec<(String, String)>,
+    /// Schedules move only when the test calls `TestService::run_schedules`.
+    pub manual_clock: bool,
 }
 
 impl Texts {
     pub fn new(agents: &[(&str, &str)], flows: &[(&str, &str)]) -> Self {
         Self {
             arbor_toml: None,
+            manual_clock: false,
             agents: agents
                 .iter()
                 .map(|(a, b)| (a.to_string(), b.to_string()))
@@ -55,6 +58,13 @@ impl Texts {
 
     pub fn with_config(mut self, arbor_toml: &str) -> Self {
         self.arbor_toml = Some(arbor_toml.to_string());
+        self
+    }
+
+    /// Schedules follow the test's clock (`TestService::run_schedules`),
+    /// not the machine's.
+    pub fn with_manual_clock(mut self) -> Self {
+        self.manual_clock = true;
         self
     }
 
@@ -124,6 +134,10 @@ impl TestService {
             PathBuf::new(),
         )
         .unwrap_or_else(|e| panic!("the service settings: {e}"));
+        let settings = arbor_service::ServiceConfig {
+            schedule_clock: !texts.manual_clock,
+            ..settings
+        };
         let listener = tokio::net::TcpListener::bind(settings.listen)
             .await
             .expect("a loopback port");
@@ -153,6 +167,14 @@ impl TestService {
     pub fn submissions(&self) -> Vec<arbor_service::SubmissionRecord> {
         arbor_service::submission::submissions(self.service.node().journal())
             .expect("the journal reads")
+    }
+
+    /// Moves every schedule to `now` (a test's clock; see `with_manual_clock`).
+    pub async fn run_schedules(&self, now: std::time::SystemTime) {
+        self.service
+            .run_schedules(now)
+            .await
+            .unwrap_or_else(|e| panic!("the schedules ran: {}", e.message));
     }
 
     pub fn data_dir(&self) -> PathBuf {

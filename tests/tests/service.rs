@@ -10,6 +10,9 @@ use arbor_testkit::service::{TestService, Texts, status_of};
 use serde_json::json;
 use std::path::Path;
 
+#[path = "service/schedules.rs"]
+mod schedules;
+
 fn quick() -> String {
     agent_md(
         "description: answers at once\nscript:\n  - call: {tool: submit_output, args: {output: hi, task_status: completed}}",
@@ -1781,6 +1784,11 @@ async fn inv_63_every_route_answers_each_role_as_the_matrix_says() {
         ("GET /v1/limits", "viewer"),
         ("GET /metrics", "viewer"),
         ("POST /v1/nodes/{id}/drain", "admin"),
+        ("GET /v1/schedules", "viewer"),
+        ("POST /v1/schedules/{name}/pause", "operator"),
+        ("POST /v1/schedules/{name}/unpause", "operator"),
+        ("POST /v1/schedules/{name}/trigger", "operator"),
+        ("POST /v1/schedules/{name}/backfill", "operator"),
     ];
     // Every protected route of the document is pinned (the public ones
     // take no credential).

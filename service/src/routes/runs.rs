@@ -207,7 +207,7 @@ pub(super) fn run_action_routes() -> ApiRouter<Arc<Shared>> {
 
 /// The run's tree now: from its events, or, for a run that waits in the
 /// queue, a bare pending root. `None`: no such run.
-async fn run_tree(shared: &Shared, run: RunId) -> Result<Option<Tree>, ApiError> {
+pub(super) async fn run_tree(shared: &Shared, run: RunId) -> Result<Option<Tree>, ApiError> {
     if let Some(tree) = shared.node.events().tree(run) {
         return Ok(Some(tree));
     }
@@ -527,6 +527,7 @@ async fn list_runs(
                 usd: None,
                 queue_position: Some(position),
                 failed_job: None,
+                schedule: spec.as_ref().and_then(|s| s.schedule.clone()),
                 tenant: spec.and_then(|s| s.tenant),
             }
         })
@@ -552,6 +553,7 @@ async fn list_runs(
                 queue_position: None,
                 failed_job: None,
                 tenant: None,
+                schedule: None,
             }),
     );
     // Ids are uuid v7: newest first is id order, reversed.
@@ -584,8 +586,22 @@ async fn list_runs(
                 if head.tenant.is_some() {
                     run.tenant = head.tenant.clone();
                 }
+                if head.schedule.is_some() {
+                    run.schedule = head.schedule.clone();
+                }
             }
         });
+    }
+    // A run stopped before it started has its schedule in its submission.
+    for run in page
+        .iter_mut()
+        .filter(|r| r.schedule.is_none() && r.started_at_ms.is_none() && r.queue_position.is_none())
+    {
+        if let Some(sub) = crate::submission::submission(shared.node.journal(), run.id)? {
+            run.schedule = serde_json::from_str::<RunSpec>(&sub.spec_json)
+                .ok()
+                .and_then(|s| s.schedule);
+        }
     }
     // A dead letter says where it died: its tree is read for that only.
     for run in page.iter_mut().filter(|r| r.status == Status::Failed) {
