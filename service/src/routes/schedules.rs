@@ -4,7 +4,7 @@
 //! does next is `crate::schedules::next`; each step here is one commit, a
 //! started tick committed with its run's submission (I-66).
 
-use super::common::{Reply, S, accepting, errors, json};
+use super::common::{Reply, S, accepting, errors, json, secured};
 use crate::Shared;
 use crate::api::*;
 use crate::credentials::Caller;
@@ -36,10 +36,10 @@ pub(super) fn schedule_routes() -> ApiRouter<Arc<Shared>> {
             "/v1/schedules",
             get_with(list, |op| {
                 errors!(
-                    op.id("listSchedules")
+                    secured(op)
+                        .id("listSchedules")
                         .summary("Every schedule of the workspace's flows")
                         .response_with::<200, Json<ScheduleList>, _>(|r| r),
-                    401,
                     403
                 )
             }),
@@ -48,10 +48,10 @@ pub(super) fn schedule_routes() -> ApiRouter<Arc<Shared>> {
             "/v1/schedules/{name}/pause",
             post_with(pause, |op| {
                 errors!(
-                    op.id("pauseSchedule")
+                    secured(op)
+                        .id("pauseSchedule")
                         .summary("Pause a schedule: its ticks start nothing, and are not caught up")
                         .response_with::<200, Json<ScheduleView>, _>(|r| r),
-                    401,
                     403,
                     404,
                     503
@@ -62,10 +62,10 @@ pub(super) fn schedule_routes() -> ApiRouter<Arc<Shared>> {
             "/v1/schedules/{name}/unpause",
             post_with(unpause, |op| {
                 errors!(
-                    op.id("unpauseSchedule")
+                    secured(op)
+                        .id("unpauseSchedule")
                         .summary("Unpause a schedule from its next tick on")
                         .response_with::<200, Json<ScheduleView>, _>(|r| r),
-                    401,
                     403,
                     404,
                     503
@@ -76,10 +76,10 @@ pub(super) fn schedule_routes() -> ApiRouter<Arc<Shared>> {
             "/v1/schedules/{name}/trigger",
             post_with(trigger, |op| {
                 errors!(
-                    op.id("triggerSchedule")
+                    secured(op)
+                        .id("triggerSchedule")
                         .summary("Start a run of a schedule now, whatever its overlap")
                         .response_with::<201, Json<RunCreated>, _>(|r| r.description("Queued")),
-                    401,
                     403,
                     404,
                     422,
@@ -92,7 +92,8 @@ pub(super) fn schedule_routes() -> ApiRouter<Arc<Shared>> {
             "/v1/schedules/{name}/backfill",
             post_with(backfill, |op| {
                 errors!(
-                    op.id("backfillSchedule")
+                    secured(op)
+                        .id("backfillSchedule")
                         .summary("Start a run for each of a schedule's ticks from `from` to `to`")
                         .description(
                             "Ticks that started a run before are left as they are; at most 1000 \
@@ -100,7 +101,6 @@ pub(super) fn schedule_routes() -> ApiRouter<Arc<Shared>> {
                         )
                         .response_with::<200, Json<BackfillResult>, _>(|r| r),
                     400,
-                    401,
                     403,
                     404,
                     422,
