@@ -27,14 +27,19 @@ pub(crate) mod deliver;
 
 /// The event types an endpoint may ask for (`events = [...]`, or `"*"` for
 /// all of them). `budget_reached` is named ahead of the budgets that pause.
-pub const NOTIFY_EVENTS: [&str; 6] = [
+pub const NOTIFY_EVENTS: [&str; 7] = [
     "run_finished",
     "approval_requested",
     "approval_expiring",
     "approval_decided",
     "needs_decision",
     "budget_reached",
+    "schedule_missed",
 ];
+
+/// The run a notification of no run (a schedule's missed ticks) is filed
+/// under: the nil id, which no run has.
+pub const NO_RUN: RunId = RunId(uuid::Uuid::nil());
 
 const DEFAULT_MAX_ATTEMPTS: u32 = 8;
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -451,41 +456,20 @@ impl Outbox for NotifyOutbox {
         let Some((kind, body)) = payload(event) else {
             return vec![];
         };
-        let now = arbor_actors::events::now_ms();
         let disabled = self.disabled.lock().unwrap_or_else(|p| p.into_inner());
-        let mut records = vec![];
+        let made = entries_for(
+            &self.endpoints,
+            &disabled,
+            (event.run, event.seq),
+            kind,
+            &body,
+            self.epoch,
+        );
         let mut stash = self.stash.lock().unwrap_or_else(|p| p.into_inner());
-        for endpoint in self.endpoints.iter().filter(|e| e.wants(kind)) {
-            let off = disabled.contains(&endpoint.name);
-            let entry = OutboxRecord {
-                id: uuid::Uuid::now_v7(),
-                run: event.run,
-                endpoint: endpoint.name.clone(),
-                event_type: kind.to_string(),
-                event_seq: event.seq,
-                body: body.clone(),
-                state: if off {
-                    DeliveryState::Failed
-                } else {
-                    DeliveryState::Pending
-                },
-                attempts: 0,
-                next_ms: now,
-                last_error: off.then(|| GONE.to_string()),
-                gone: false,
-                created_ms: now,
-                updated_ms: now,
-                epoch: self.epoch,
-            };
-            match entry.record() {
-                Ok(record) => {
-                    records.push(record);
-                    if !off {
-                        stash.push(entry);
-                    }
-                }
-                Err(e) => tracing::error!(error = %e, "a notification could not be encoded"),
-            }
+        let mut records = vec![];
+        for (record, entry) in made {
+            records.push(record);
+            stash.extend(entry);
         }
         records
     }
@@ -496,6 +480,48 @@ impl Outbox for NotifyOutbox {
             let _ = self.to_deliver.send(Delivery::New { seq: *seq, entries });
         }
     }
+}
+
+/// One entry per endpoint that wants `kind`: its record, and the entry to
+/// deliver once it is durable (none for a disabled endpoint's, made failed).
+fn entries_for(
+    endpoints: &[Arc<Endpoint>],
+    disabled: &BTreeSet<String>,
+    (run, event_seq): (RunId, u64),
+    kind: &str,
+    body: &str,
+    epoch: u64,
+) -> Vec<(Record, Option<OutboxRecord>)> {
+    let now = arbor_actors::events::now_ms();
+    let mut made = vec![];
+    for endpoint in endpoints.iter().filter(|e| e.wants(kind)) {
+        let off = disabled.contains(&endpoint.name);
+        let entry = OutboxRecord {
+            id: uuid::Uuid::now_v7(),
+            run,
+            endpoint: endpoint.name.clone(),
+            event_type: kind.to_string(),
+            event_seq,
+            body: body.to_string(),
+            state: if off {
+                DeliveryState::Failed
+            } else {
+                DeliveryState::Pending
+            },
+            attempts: 0,
+            next_ms: now,
+            last_error: off.then(|| GONE.to_string()),
+            gone: false,
+            created_ms: now,
+            updated_ms: now,
+            epoch,
+        };
+        match entry.record() {
+            Ok(record) => made.push((record, (!off).then_some(entry))),
+            Err(e) => tracing::error!(error = %e, "a notification could not be encoded"),
+        }
+    }
+    made
 }
 
 /// What a disabled endpoint's entries say.
@@ -705,6 +731,39 @@ impl Notifications {
             stop: tokio::sync::watch::channel(false).0,
             task: Mutex::new(None),
         })))
+    }
+
+    /// A schedule's ticks were missed (`data`: its name, flow, span and
+    /// count): the entries to commit (with the tick's record), and a call
+    /// that hands them to the deliverer once committed at a seq.
+    pub fn schedule_missed(
+        &self,
+        data: serde_json::Value,
+        at_ms: u64,
+    ) -> (Vec<Record>, impl FnOnce(u64) + use<>) {
+        let timestamp =
+            humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + Duration::from_millis(at_ms));
+        let kind = "schedule_missed";
+        let body =
+            serde_json::json!({"type": kind, "timestamp": timestamp.to_string(), "data": data});
+        let endpoints: Vec<Arc<Endpoint>> = self.endpoints.values().cloned().collect();
+        let disabled = self.disabled.lock().unwrap_or_else(|p| p.into_inner());
+        let made = entries_for(
+            &endpoints,
+            &disabled,
+            (NO_RUN, 0),
+            kind,
+            &body.to_string(),
+            self.journal.epoch(),
+        );
+        let (records, entries): (Vec<Record>, Vec<Option<OutboxRecord>>) = made.into_iter().unzip();
+        let entries: Vec<OutboxRecord> = entries.into_iter().flatten().collect();
+        let to_deliver = self.to_deliver.clone();
+        (records, move |seq| {
+            if !entries.is_empty() {
+                let _ = to_deliver.send(Delivery::New { seq, entries });
+            }
+        })
     }
 
     /// Starts delivering: what is pending in the journal (of the runs this

@@ -408,3 +408,49 @@ async fn a_signed_trigger_starts_its_flow_once_per_webhook_id_and_a_bad_one_chan
     let (_, runs) = svc.get_json("/v1/runs").await;
     assert_eq!(runs["runs"].as_array().map(Vec::len), Some(1), "{runs}");
 }
+
+/// I-66: ticks found later than the catch-up window are told to the
+/// endpoints that ask for `schedule_missed`, signed, once, with the span
+/// and the count; no run starts for them.
+#[tokio::test]
+async fn inv_66_missed_ticks_are_notified_once_with_their_span_and_count() {
+    use arbor_runtime::schedules::{parse_time, tick_text};
+    let receiver = Receiver::start(204).await;
+    let mut texts = texts(&receiver.url, "events = [\"schedule_missed\"]\n");
+    texts.flows.push((
+        "beat".into(),
+        "[[group]]\nsteps = [{ agent = \"quick\", instruction = \"answer\" }]\n\n\
+         [[schedule]]\nname = \"hourly\"\ncron = \"0 * * * *\"\ncatchup_window = \"30m\"\n"
+            .into(),
+    ));
+    let svc = TestService::start_in(with_secret(), texts.with_manual_clock()).await;
+    let t0 = parse_time("2030-01-01T00:00:00Z").unwrap();
+    let at = |ms: u64| std::time::UNIX_EPOCH + Duration::from_millis(ms);
+    svc.run_schedules(at(t0)).await;
+    // Five hours with no node: 01:00 to 04:00 are too late; 05:00 starts.
+    svc.run_schedules(at(t0 + 5 * 3_600_000 + 60_000)).await;
+    let seen = receiver
+        .wait_for(LIMIT, |seen| {
+            seen.iter().any(|r| r.event_type() == "schedule_missed")
+        })
+        .await;
+    let missed: Vec<&Received> = seen
+        .iter()
+        .filter(|r| r.event_type() == "schedule_missed")
+        .collect();
+    assert_eq!(missed.len(), 1, "{seen:?}");
+    verified(missed[0]);
+    let data = missed[0].json()["data"].clone();
+    assert_eq!(data["schedule"], "hourly");
+    assert_eq!(data["count"], 4);
+    assert_eq!(data["from"], tick_text(t0 + 3_600_000));
+    assert_eq!(data["to"], tick_text(t0 + 4 * 3_600_000));
+    let (_, runs) = svc.get_json("/v1/runs").await;
+    let ticks: Vec<&serde_json::Value> = runs["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| &r["schedule"]["tick"])
+        .collect();
+    assert_eq!(ticks, [&serde_json::json!(tick_text(t0 + 5 * 3_600_000))]);
+}

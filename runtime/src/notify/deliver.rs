@@ -302,10 +302,15 @@ pub(crate) fn taken_over(journal: &Journal) -> Vec<OutboxRecord> {
         .unwrap_or_default()
         .into_iter()
         .filter(|e| e.state == DeliveryState::Pending)
-        .filter(|e| match journal.owner(e.run) {
-            Ok(Some((node, _))) => Some(node) == me,
-            Ok(None) => me.is_none(),
-            Err(_) => false,
+        // A notification of no run (a schedule's) is every node's to send:
+        // twice at worst, with one webhook-id.
+        .filter(|e| {
+            e.run == super::NO_RUN
+                || match journal.owner(e.run) {
+                    Ok(Some((node, _))) => Some(node) == me,
+                    Ok(None) => me.is_none(),
+                    Err(_) => false,
+                }
         })
         .collect()
 }

@@ -180,17 +180,31 @@ async fn advance(shared: &Shared, schedule: &Schedule, now: u64) -> Result<(), A
                     "schedule ticks were missed: no node ran within their catch-up window");
                 shared.metrics.schedule_ticks(name, "missed", count);
                 state.cursor_ms = to;
-                let rows = vec![
-                    tick_row(
-                        to,
-                        TickOutcome::Missed {
-                            from_ms: from,
-                            count,
-                        },
-                    )?,
+                let missed = TickOutcome::Missed {
+                    from_ms: from,
+                    count,
+                };
+                let mut rows = vec![
+                    tick_row(to, missed)?,
                     ScheduleRecord::state(name, &state, epoch)?,
                 ];
-                commit(shared, rows).await?;
+                // Told to `[notify]`'s endpoints that ask for it, with the record.
+                let notify = shared.node.notifications().map(|n| {
+                    let data = serde_json::json!({
+                        "schedule": name, "flow": schedule.flow, "from": tick_text(from),
+                        "to": tick_text(to), "count": count,
+                        "links": {"schedules": "/v1/schedules"},
+                    });
+                    n.schedule_missed(data, now)
+                });
+                let deliver = notify.map(|(records, deliver)| {
+                    rows.extend(records);
+                    deliver
+                });
+                let seq = shared.node.journal().commit(rows).await?;
+                if let Some(deliver) = deliver {
+                    deliver(seq);
+                }
             }
             Step::Skip { tick, why } => {
                 shared.metrics.schedule_ticks(name, "skipped", 1);
