@@ -35,14 +35,80 @@ pub struct NodeContext {
     /// must wait for a person is refused while there is none (fail safe).
     pub gate: std::sync::OnceLock<ractor::ActorRef<crate::approvals::GateMsg>>,
     /// `[limits.concurrency] per_agent`: each bounded agent's job slots.
-    pub slots: crate::slots::AgentSlots,
+    pub slots: Arc<crate::slots::AgentSlots>,
     /// agent.md `budget.per_run`: each pooled agent's pool in each run.
-    pub pools: crate::pools::AgentPools,
+    pub pools: Arc<crate::pools::AgentPools>,
 }
 
 impl NodeContext {
     pub fn agent(&self, name: &str) -> Option<Arc<AgentDef>> {
         self.agents.get(name).cloned()
+    }
+
+    /// The same node with other definitions (an earlier version of the
+    /// workspace, which a run admitted with it keeps, I-67): everything
+    /// else, the journal, the bus, the slots and pools, is this one's.
+    pub fn with_agents(&self, agents: BTreeMap<String, Arc<AgentDef>>) -> NodeContext {
+        NodeContext {
+            journal: self.journal.clone(),
+            events: self.events.clone(),
+            limits: self.limits.clone(),
+            agents,
+            models: self.models.clone(),
+            work_root: self.work_root.clone(),
+            sandbox_roots: self.sandbox_roots.clone(),
+            sandbox: self.sandbox.clone(),
+            secrets: self.secrets.clone(),
+            skills: self.skills.clone(),
+            mcp: self.mcp.clone(),
+            approvals: self.approvals.clone(),
+            gate: self.gate.clone(),
+            slots: self.slots.clone(),
+            pools: self.pools.clone(),
+        }
+    }
+}
+
+/// The node's contexts by workspace version (`RunSpec::version`): each
+/// run is spawned with its version's (I-67); a run of a version not here,
+/// or of none, with the node's own.
+#[derive(Default)]
+pub struct Versions {
+    by_id: std::sync::RwLock<BTreeMap<String, Arc<NodeContext>>>,
+    /// Makes a version's context from what the journal keeps of it (the
+    /// runtime's, which can read a workspace).
+    loader: std::sync::OnceLock<VersionLoader>,
+}
+
+/// `Versions`' loader: a version's context, if the journal has the version.
+pub type VersionLoader = Box<dyn Fn(&str) -> Option<Arc<NodeContext>> + Send + Sync>;
+
+impl Versions {
+    /// Sets the loader, once.
+    pub fn set_loader(&self, loader: VersionLoader) {
+        let _ = self.loader.set(loader);
+    }
+
+    pub fn insert(&self, version: &str, ctx: Arc<NodeContext>) {
+        self.by_id
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(version.to_string(), ctx);
+    }
+
+    /// `version`'s context: made once, by the loader, when first asked.
+    pub fn get(&self, version: &str) -> Option<Arc<NodeContext>> {
+        let known = self
+            .by_id
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(version)
+            .cloned();
+        known.or_else(|| {
+            let ctx = (self.loader.get()?)(version)?;
+            self.insert(version, ctx.clone());
+            Some(ctx)
+        })
     }
 }
 

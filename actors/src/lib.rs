@@ -30,7 +30,7 @@ mod timer;
 
 pub use account::{Account, AccountMsg, CallHold, GrantAsk, Ledger, Share, SpentMeter};
 pub use approvals::{Gate, GateArgs, GateMsg};
-pub use context::{NodeContext, RunContext};
+pub use context::{NodeContext, RunContext, Versions};
 pub use events::EventBus;
 pub use job::{ChildHandle, Job, JobMsg};
 pub use model::{

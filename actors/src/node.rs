@@ -16,6 +16,8 @@ pub struct Node;
 
 pub struct NodeArgs {
     pub ctx: Arc<NodeContext>,
+    /// Each workspace version's context, for the runs admitted with it.
+    pub versions: Arc<crate::context::Versions>,
 }
 
 pub enum NodeMsg {
@@ -92,6 +94,7 @@ impl Actor for Node {
     ) -> Result<Self::State, ActorProcessingErr> {
         Ok(NodeState {
             ctx: args.ctx,
+            versions: args.versions,
             runs: HashMap::new(),
             closing: false,
             stopped_waiters: vec![],
@@ -274,6 +277,7 @@ impl Actor for Node {
 
 pub struct NodeState {
     ctx: Arc<NodeContext>,
+    versions: Arc<crate::context::Versions>,
     runs: HashMap<RunId, (ActorRef<RunMsg>, RunSpec)>,
     /// Set by StopAll: no new run starts.
     closing: bool,
@@ -315,6 +319,14 @@ impl NodeState {
         }
     }
 
+    /// The context a run of `spec` runs with: its version's (I-67).
+    fn ctx_for(&self, spec: &RunSpec) -> Arc<NodeContext> {
+        spec.version
+            .as_deref()
+            .and_then(|v| self.versions.get(v))
+            .unwrap_or_else(|| self.ctx.clone())
+    }
+
     async fn start_run(
         &mut self,
         myself: &ActorRef<NodeMsg>,
@@ -339,8 +351,9 @@ impl NodeState {
         if spec.groups.is_empty() || spec.groups.iter().any(|g| g.steps.is_empty()) {
             return Err("a run needs at least one group with at least one step".into());
         }
+        let ctx = self.ctx_for(&spec);
         for step in spec.groups.iter().flat_map(|g| &g.steps) {
-            if self.ctx.agent(&step.agent).is_none() {
+            if ctx.agent(&step.agent).is_none() {
                 return Err(format!("unknown agent {:?}", step.agent));
             }
         }
@@ -351,10 +364,10 @@ impl NodeState {
             .replay
             .as_ref()
             .is_none_or(|r| r.after_divergence == arbor_protocol::tape::AfterDivergence::Live);
-        let reachable = spec.reachable_agents(|name| self.ctx.agents.get(name).map(|a| &**a));
+        let reachable = spec.reachable_agents(|name| ctx.agents.get(name).map(|a| &**a));
         for agent in reachable {
             if asks_models {
-                self.ctx.models.preflight(agent)?;
+                ctx.models.preflight(agent)?;
             }
         }
         // An id chosen (and journaled) by the caller starts at most once.
@@ -376,7 +389,7 @@ impl NodeState {
         carried: crate::run::Carried,
     ) -> Result<RunId, String> {
         let args = RunArgs {
-            ctx: self.ctx.clone(),
+            ctx: self.ctx_for(&spec),
             id,
             spec: spec.clone(),
             resume,

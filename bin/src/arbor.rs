@@ -120,6 +120,13 @@ enum Command {
     /// What arbord throttles: each provider's rate windows (rpm, tpm), their
     /// limits and what the minute ending now holds.
     Limits,
+    /// Read the workspace's files again and deploy them: new runs take
+    /// them, running runs keep the version they were admitted with.
+    Reload,
+    /// The workspace versions arbord's journal keeps, and the current one.
+    Versions,
+    /// Make an earlier workspace version current again (new runs take it).
+    Rollback { version: String },
     /// The workspace's schedules: each one's cron, zone, whether it is
     /// paused and when it next starts a run.
     Schedules,
@@ -340,6 +347,11 @@ fn main() -> ExitCode {
                 with_client(&conn, |c| Box::pin(client::budget(c, args.clone()))).await
             }
             Command::Limits => with_client(&conn, |c| Box::pin(client::limits(c))).await,
+            Command::Reload => with_client(&conn, |c| Box::pin(client::reload(c))).await,
+            Command::Versions => with_client(&conn, |c| Box::pin(client::versions(c))).await,
+            Command::Rollback { version } => {
+                with_client(&conn, |c| Box::pin(client::rollback(c, &version))).await
+            }
             Command::Schedules => with_client(&conn, |c| Box::pin(client::schedules(c))).await,
             Command::Schedule(command) => {
                 with_client(&conn, |c| Box::pin(client::schedule(c, command.clone()))).await

@@ -110,6 +110,15 @@ async fn serve(cli: Cli) -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    // SIGHUP reloads the workspace (once the service is up); watched from
+    // here, so that an early one is not the default kill either.
+    let mut hup = match signal(SignalKind::hangup()) {
+        Ok(hup) => hup,
+        Err(e) => {
+            eprintln!("arbord: cannot watch for SIGHUP: {e}");
+            return ExitCode::from(1);
+        }
+    };
     let workspace = match Workspace::load(&cli.workspace) {
         Ok(mut ws) => {
             ws.config.journal.name_node(cli.node_id.clone());
@@ -169,6 +178,19 @@ async fn serve(cli: Cli) -> ExitCode {
         service.token_path().display()
     );
     eprintln!("arbord: console at http://{address}/ui (log in with that token)");
+    {
+        let service = service.clone();
+        tokio::spawn(async move {
+            while hup.recv().await.is_some() {
+                match service.reload().await {
+                    Ok(d) => {
+                        tracing::info!(version = %d.version, previous = %d.previous, "SIGHUP: the workspace was reloaded")
+                    }
+                    Err(e) => tracing::error!(error = %e.message, "SIGHUP: the reload was refused"),
+                }
+            }
+        });
+    }
     // A node on a shared journal that lost its lease has stopped its runs
     // and commits nothing more: it ends, and its supervisor starts it again
     // (a new epoch, taking runs afresh).

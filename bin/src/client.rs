@@ -1481,3 +1481,48 @@ fn print_or(
     }
     Ok(ExitCode::SUCCESS)
 }
+
+/// `arbor reload`.
+pub async fn reload(client: &Client) -> Outcome {
+    let deployed = client.api.reload().await.map_err(|e| client.failed(e))?;
+    deployed_line(client, &deployed)
+}
+
+/// `arbor rollback VERSION`.
+pub async fn rollback(client: &Client, version: &str) -> Outcome {
+    let deployed = client
+        .api
+        .rollback(version)
+        .await
+        .map_err(|e| client.failed(e))?;
+    deployed_line(client, &deployed)
+}
+
+fn deployed_line(client: &Client, d: &arbor_service::api::Deployment) -> Outcome {
+    print_or(client, d, || {
+        if d.changed {
+            format!(
+                "version {} is current (was {}): new runs take it; running runs keep theirs",
+                d.version, d.previous
+            )
+        } else {
+            format!("version {} is current already: nothing changed", d.version)
+        }
+    })
+}
+
+/// `arbor versions`.
+pub async fn versions(client: &Client) -> Outcome {
+    let list = client.api.versions().await.map_err(|e| client.failed(e))?;
+    if client.output != Output::Text {
+        client.print_json(&list)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    for v in &list.versions {
+        let when =
+            humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_millis(v.created_at_ms));
+        let mark = if v.current { " (current)" } else { "" };
+        outln!("{}{mark} · kept {when} · {} files", v.id, v.files.len());
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -64,6 +64,7 @@ pub fn verify(place: &Place) -> Result<ExitCode, Failure> {
             &arbor_service::quota::QUOTAS,
             &arbor_runtime::RATES,
             &arbor_service::schedules::SCHEDULES,
+            &arbor_runtime::versions::VERSIONS,
         ])
         .map_err(|e| Failure::Other(anyhow::anyhow!("reading the journal: {e}")))?;
     for u in &report.undecodable {

@@ -1714,3 +1714,92 @@ fn inv_66_two_nodes_start_each_tick_once_and_the_survivor_goes_on_when_one_is_ki
     b.signal(nix::sys::signal::Signal::SIGTERM);
     assert_eq!(b.wait(), Some(0));
 }
+
+/// The deploy test's agent: it ships, saying which edit it is.
+fn shipper(edit: &str) -> String {
+    format!(
+        "---\ndescription: ships\nscript:\n  - call: {{tool: submit_output, args: {{output: shipped-{edit}, task_status: completed}}}}\n---\nYou ship.\n"
+    )
+}
+
+/// Submits the gated flow and waits for its card: (run, card).
+fn gated_run(arbord: &Arbord) -> (String, String) {
+    let run = arbord.submit(&["--flow", "ship"]);
+    let cards = arbord.json(&["approvals", &run, "--wait"]);
+    let card = cards["approvals"][0]["id"].as_str().unwrap().to_string();
+    (run, card)
+}
+
+/// Approves the run's card and waits for its end: its document.
+fn approved(arbord: &Arbord, run: &str, card: &str) -> serde_json::Value {
+    let out = arbord.arbor(&["approve", card]);
+    assert_eq!(code(&out), 0, "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(ended(arbord, run), "done");
+    arbord.json(&["show", run])
+}
+
+/// I-67: a run admitted, its agent.md edited and arbord reloaded (SIGHUP),
+/// then killed with SIGKILL: the recovered run finishes on the definitions
+/// it was admitted with, while a new run takes the edit; a rollback makes
+/// the first version current again.
+#[test]
+fn inv_67_a_recovered_run_keeps_its_pinned_definitions_across_a_reload_and_a_kill() {
+    let ws = workspace("");
+    let agent = ws.path().join("agents/shipper/agent.md");
+    std::fs::create_dir_all(agent.parent().unwrap()).unwrap();
+    std::fs::write(&agent, shipper("v1")).unwrap();
+    std::fs::write(
+        ws.path().join("flows/ship.toml"),
+        "[[group]]\nsteps = [{ agent = \"shipper\", instruction = \"Ship.\", approve = true }]\n",
+    )
+    .unwrap();
+    let data = tempfile::tempdir().unwrap();
+    let arbord = Arbord::start(ws.path(), data.path());
+    let (first, first_card) = gated_run(&arbord);
+    let v1 = arbord.json(&["show", &first])["run"]["version"]
+        .as_str()
+        .unwrap()
+        .to_string();
+
+    std::fs::write(&agent, shipper("v2")).unwrap();
+    arbord.signal(nix::sys::signal::Signal::SIGHUP);
+    while let Ok(line) = arbord.stderr.recv_timeout(LIMIT) {
+        if line.contains("SIGHUP: the workspace was reloaded") {
+            break;
+        }
+        assert!(!line.contains("SIGHUP: the reload was refused"), "{line}");
+    }
+    let (second, second_card) = gated_run(&arbord);
+    let v2 = arbord.json(&["show", &second])["run"]["version"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_ne!(v1, v2, "the edit is a new version");
+    arbord.signal(nix::sys::signal::Signal::SIGKILL);
+    assert_eq!(arbord.wait(), None, "killed");
+
+    let arbord = Arbord::start(ws.path(), data.path());
+    let doc = approved(&arbord, &first, &first_card);
+    assert_eq!(doc["run"]["output"], "shipped-v1", "{doc}");
+    assert_eq!(doc["run"]["version"], v1.as_str());
+    let doc = approved(&arbord, &second, &second_card);
+    assert_eq!(doc["run"]["output"], "shipped-v2", "{doc}");
+
+    let versions = arbord.json(&["versions"]);
+    assert_eq!(versions["current"], v2.as_str(), "{versions}");
+    let out = arbord.arbor(&["rollback", &v1]);
+    assert_eq!(code(&out), 0, "{}", String::from_utf8_lossy(&out.stderr));
+    let (third, third_card) = gated_run(&arbord);
+    let doc = approved(&arbord, &third, &third_card);
+    assert_eq!(doc["run"]["output"], "shipped-v1", "{doc}");
+    assert_eq!(doc["run"]["version"], v1.as_str());
+    let out = arbord.arbor(&["rollback", "0000000000000000"]);
+    assert_eq!(
+        code(&out),
+        3,
+        "an unknown version: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    arbord.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(arbord.wait(), Some(0));
+}

@@ -57,6 +57,11 @@ pub struct RunSpec {
     /// The schedule tick that started it, if a schedule did (I-66).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub schedule: Option<ScheduleTick>,
+    /// The workspace version it was admitted with (arbor.toml, agents and
+    /// flows, as the journal keeps them): what it runs with to its end,
+    /// through recovery, continue, failover, retries and replay (I-67).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
 }
 
 /// A schedule's tick: the schedule's name and the tick's time (RFC 3339,
@@ -196,6 +201,7 @@ impl RunSpec {
             priority: None,
             input: None,
             schedule: None,
+            version: None,
         }
     }
 }
@@ -618,6 +624,7 @@ mod tests {
             priority: None,
             input: None,
             schedule: None,
+            version: None,
         };
         assert_eq!(
             spec.step_labels(),

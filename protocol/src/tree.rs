@@ -64,6 +64,9 @@ pub struct TreeNode {
     /// The run node only: the schedule tick that started it (I-66).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub schedule: Option<crate::ScheduleTick>,
+    /// The run node only: the workspace version it runs with (I-67).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
     /// The run node only: its reviewer's finding (`verify`), once made.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub review: Option<ReviewView>,
@@ -278,6 +281,7 @@ impl Tree {
                 ended_at_ms: None,
                 tenant: None,
                 schedule: None,
+                version: None,
                 review: None,
                 iterations: vec![],
                 children: vec![],
@@ -339,6 +343,7 @@ impl Tree {
             } => {
                 self.root.tenant = spec.tenant.clone();
                 self.root.schedule = spec.schedule.clone();
+                self.root.version = spec.version.clone();
                 self.root.status = Status::Running;
                 self.root.started_at_ms.get_or_insert(event.at_ms);
                 self.root.account.grant = *budget_tokens;
@@ -430,6 +435,7 @@ impl Tree {
                 node.waiting = None;
                 node.tenant = None;
                 node.schedule = None;
+                node.version = None;
                 let waiter = match parent_job {
                     Some(p) => self.entries.get_mut(&p).map(|e| &mut e.node),
                     None => Some(&mut self.root),

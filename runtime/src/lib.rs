@@ -15,6 +15,7 @@ pub mod scripted;
 pub mod secrets;
 pub mod telemetry;
 pub mod triggers;
+pub mod versions;
 pub mod workspace;
 
 pub use arbor_actors::approvals::{Decide, DecideError};

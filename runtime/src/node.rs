@@ -43,6 +43,8 @@ pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(1
 /// A running node. Dropping it without `shutdown` leaves the journal as a crash would.
 pub struct EmbeddedNode {
     ctx: Arc<NodeContext>,
+    /// Each workspace version's context (I-67).
+    versions: Arc<arbor_actors::Versions>,
     node: ActorRef<NodeMsg>,
     /// The Node actor's task, taken by whoever ends the node first.
     join: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
@@ -55,6 +57,59 @@ pub struct EmbeddedNode {
     telemetry: Option<Arc<crate::telemetry::Telemetry>>,
     /// Notifications, when `[notify]` has endpoints.
     notifications: Option<Arc<crate::notify::Notifications>>,
+}
+
+/// A workspace's agents as a node's context holds them.
+fn agents_of(
+    workspace: &Workspace,
+) -> std::collections::BTreeMap<String, Arc<arbor_protocol::AgentDef>> {
+    workspace
+        .agents
+        .iter()
+        .map(|(k, v)| (k.clone(), Arc::new(v.clone())))
+        .collect()
+}
+
+/// The node's versions (I-67): the workspace it starts with, kept in the
+/// journal (once per content) before any run is admitted with it, and a
+/// loader that makes an earlier version's context from the journal when
+/// a run admitted with it resumes, here or after a failover.
+async fn pin_versions(
+    ctx: &Arc<NodeContext>,
+    workspace: &Workspace,
+) -> Result<Arc<arbor_actors::Versions>, Error> {
+    if let Some(row) = crate::versions::snapshot(&ctx.journal, workspace)? {
+        ctx.journal.commit(vec![row]).await?;
+    }
+    let versions = Arc::new(arbor_actors::Versions::default());
+    versions.insert(&workspace.version, ctx.clone());
+    let here = workspace.clone();
+    let node = Arc::downgrade(ctx);
+    versions.set_loader(Box::new(move |id| {
+        let ctx = node.upgrade()?;
+        let files = match crate::versions::files(&ctx.journal, id) {
+            Ok(Some(files)) => files,
+            Ok(None) => {
+                tracing::warn!(
+                    version = id,
+                    "the journal keeps no such workspace version: its run takes the node's"
+                );
+                return None;
+            }
+            Err(e) => {
+                tracing::error!(version = id, error = %e, "a workspace version could not be read");
+                return None;
+            }
+        };
+        match here.from_snapshot(&files) {
+            Ok(pinned) => Some(Arc::new(ctx.with_agents(agents_of(&pinned)))),
+            Err(e) => {
+                tracing::error!(version = id, error = %e, "a workspace version no longer loads");
+                None
+            }
+        }
+    }));
+    Ok(versions)
 }
 
 /// Opens the journal `[journal]` names: sled in `data_dir/journal`, or the
@@ -315,11 +370,7 @@ impl EmbeddedNode {
             journal,
             events,
             limits: workspace.config.limits.clone(),
-            agents: workspace
-                .agents
-                .iter()
-                .map(|(k, v)| (k.clone(), Arc::new(v.clone())))
-                .collect(),
+            agents: agents_of(workspace),
             models,
             work_root: data_dir.join("work"),
             sandbox_roots: data_dir.join("roots"),
@@ -329,13 +380,18 @@ impl EmbeddedNode {
             mcp,
             approvals: workspace.config.approvals.clone(),
             gate: Default::default(),
-            slots: arbor_actors::slots::AgentSlots::new(
+            slots: Arc::new(arbor_actors::slots::AgentSlots::new(
                 &workspace.config.limits.concurrency.per_agent,
-            ),
+            )),
             pools: Default::default(),
         });
         sweep_data_dir(&ctx);
-        let (node, join) = ractor::Actor::spawn(None, Node, NodeArgs { ctx: ctx.clone() })
+        let versions = pin_versions(&ctx, workspace).await?;
+        let args = NodeArgs {
+            ctx: ctx.clone(),
+            versions: versions.clone(),
+        };
+        let (node, join) = ractor::Actor::spawn(None, Node, args)
             .await
             .map_err(|e| Error::Start(format!("the node could not start: {e}")))?;
         // The gate before any run: a resumed job may ask at once.
@@ -384,6 +440,7 @@ impl EmbeddedNode {
         }
         Ok(Self {
             ctx,
+            versions,
             node,
             join: std::sync::Mutex::new(Some(join)),
             data_dir: data_dir.to_path_buf(),
@@ -393,6 +450,20 @@ impl EmbeddedNode {
             telemetry,
             notifications,
         })
+    }
+
+    /// Makes `workspace` a version this node runs (a reload, a rollback):
+    /// kept in the journal first, then the runs admitted with it take its
+    /// definitions (I-67). Runs of other versions keep theirs.
+    pub async fn deploy(&self, workspace: &Workspace) -> Result<(), Error> {
+        if let Some(row) = crate::versions::snapshot(&self.ctx.journal, workspace)? {
+            self.ctx.journal.commit(vec![row]).await?;
+        }
+        if self.versions.get(&workspace.version).is_none() {
+            let ctx = self.ctx.with_agents(agents_of(workspace));
+            self.versions.insert(&workspace.version, Arc::new(ctx));
+        }
+        Ok(())
     }
 
     /// A run this node resumed reaches its wait for a person on its own
@@ -1152,5 +1223,6 @@ fn continuation(
         priority: origin.and_then(|s| s.priority),
         input: origin.and_then(|s| s.input.clone()),
         schedule: origin.and_then(|s| s.schedule.clone()),
+        version: origin.and_then(|s| s.version.clone()),
     }
 }

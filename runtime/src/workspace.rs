@@ -67,6 +67,12 @@ pub struct Workspace {
     pub digests: BTreeMap<String, String>,
     /// Every flow's `[[schedule]]` entries, by name (unique in the workspace).
     pub schedules: BTreeMap<String, crate::schedules::Schedule>,
+    /// What a run pins (I-67): arbor.toml (empty when there is none), each
+    /// `agents/NAME/agent.md` and `flows/NAME.toml`, by path.
+    pub files: BTreeMap<String, String>,
+    /// Those files' version: the first 16 hex digits of a SHA-256 over
+    /// each path and its text's SHA-256, the same for the same content.
+    pub version: String,
 }
 
 impl Workspace {
@@ -166,6 +172,44 @@ impl Workspace {
         Self::from_parts(root, arbor_toml, agents, flows, vec![])
     }
 
+    /// The workspace an earlier version's files make (`files`, as
+    /// `Workspace::files` holds them), here: its skills are this one's (a
+    /// skill's folder is read where it is; skills are not pinned).
+    pub fn from_snapshot(&self, files: &BTreeMap<String, String>) -> Result<Workspace, LoadError> {
+        let arbor_toml = files
+            .get("arbor.toml")
+            .map(String::as_str)
+            .filter(|t| !t.is_empty());
+        let named = |prefix: &str, suffix: &str| -> Vec<(&str, &str)> {
+            files
+                .iter()
+                .filter_map(|(path, text)| {
+                    let name = path.strip_prefix(prefix)?.strip_suffix(suffix)?;
+                    Some((name, text.as_str()))
+                })
+                .collect()
+        };
+        let skills = self
+            .skills
+            .iter()
+            .map(|(name, skill)| {
+                let digest = self
+                    .digests
+                    .get(&format!("skills/{name}/SKILL.md"))
+                    .cloned()
+                    .unwrap_or_default();
+                (digest, (**skill).clone())
+            })
+            .collect();
+        Self::from_parts(
+            self.root.clone(),
+            arbor_toml,
+            &named("agents/", "/agent.md"),
+            &named("flows/", ".toml"),
+            skills,
+        )
+    }
+
     /// `from_texts` with the skills `load` parsed, each with its SKILL.md's
     /// SHA-256.
     fn from_parts(
@@ -223,14 +267,15 @@ impl Workspace {
             agent_defs.keys().map(String::as_str).collect(),
         );
         check_names(&config, &flow_names, &agent_names)?;
-        digests.insert("arbor.toml".to_string(), sha256(arbor_toml.unwrap_or("")));
-        for &(name, text) in agents {
-            digests.insert(format!("agents/{name}/agent.md"), sha256(text));
-        }
-        for &(name, text) in flows {
-            digests.insert(format!("flows/{name}.toml"), sha256(text));
-        }
+        let files = snapshot_files(arbor_toml, agents, flows);
+        digests.extend(
+            files
+                .iter()
+                .map(|(path, text)| (path.clone(), sha256(text))),
+        );
         let workspace = Workspace {
+            version: version_of(&digests, &files),
+            files,
             schedules: schedules_of(&flow_specs, &config)?,
             root,
             config,
@@ -405,6 +450,7 @@ impl Workspace {
             priority: None,
             input,
             schedule: None,
+            version: Some(self.version.clone()),
         })
         .map(|spec| self.recording(spec, self.config.record_models))
     }
@@ -426,6 +472,7 @@ impl Workspace {
         let budget_tokens = self.run_budget(budget_override, None)?;
         let mut spec = RunSpec::single(agent, input, budget_tokens);
         spec.budget_usd_micros = self.config.budget_usd_micros;
+        spec.version = Some(self.version.clone());
         Ok(self.recording(spec, self.config.record_models))
     }
 
@@ -832,6 +879,35 @@ fn list_dir(dir: &Path) -> Result<Vec<(String, PathBuf)>, LoadError> {
 
 /// What arbor.toml names across files: each tenant's flows and agents, each
 /// concurrency key's, each trigger's flow and tenant.
+/// The files a run pins, by path (`Workspace::files`).
+fn snapshot_files(
+    arbor_toml: Option<&str>,
+    agents: &[(&str, &str)],
+    flows: &[(&str, &str)],
+) -> BTreeMap<String, String> {
+    let mut files = BTreeMap::new();
+    files.insert(
+        "arbor.toml".to_string(),
+        arbor_toml.unwrap_or("").to_string(),
+    );
+    for &(name, text) in agents {
+        files.insert(format!("agents/{name}/agent.md"), text.to_string());
+    }
+    for &(name, text) in flows {
+        files.insert(format!("flows/{name}.toml"), text.to_string());
+    }
+    files
+}
+
+/// `Workspace::version`: of the pinned files' digests, in path order.
+fn version_of(digests: &BTreeMap<String, String>, files: &BTreeMap<String, String>) -> String {
+    let listed: String = files
+        .keys()
+        .filter_map(|path| digests.get(path).map(|d| format!("{path}\0{d}\n")))
+        .collect();
+    sha256(&listed)[..16].to_string()
+}
+
 /// Every flow's schedules, checked: a unique name, a cron that fires, a
 /// zone, an input the flow takes, a tenant arbor.toml names.
 fn schedules_of(

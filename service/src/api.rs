@@ -175,6 +175,9 @@ pub struct RunSummary {
     /// The schedule tick that started it, if a schedule did (I-66).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub schedule: Option<arbor_protocol::ScheduleTick>,
+    /// The workspace version it runs with (I-67).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
 }
 
 /// The step or job a failed run's failure began at: the first to fail.
@@ -857,4 +860,44 @@ pub struct BackfilledTick {
     /// RFC 3339, UTC.
     pub tick: String,
     pub run: RunId,
+}
+
+/// A reload's or a rollback's outcome.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct Deployment {
+    /// The version current now.
+    pub version: String,
+    /// The one that was.
+    pub previous: String,
+    /// False when the files were that version already.
+    pub changed: bool,
+}
+
+/// `GET /v1/workspace/versions`.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct VersionList {
+    /// The version new runs and schedules take.
+    pub current: String,
+    /// Every version the journal keeps, oldest first.
+    pub versions: Vec<VersionView>,
+}
+
+/// A workspace version: arbor.toml, the agents and the flows, as runs
+/// admitted with it keep them (I-67).
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+pub struct VersionView {
+    pub id: String,
+    /// When the journal first kept it, in ms since the Unix epoch.
+    pub created_at_ms: u64,
+    pub current: bool,
+    /// Its files' paths (`arbor.toml`, `agents/NAME/agent.md`, `flows/NAME.toml`).
+    pub files: Vec<String>,
+}
+
+/// `POST /v1/workspace/rollback`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RollbackBody {
+    /// A version `GET /v1/workspace/versions` lists.
+    pub version: String,
 }

@@ -13,9 +13,9 @@
 
 use crate::api::{
     ApprovalList, AuditList, AuditQuery, BackfillBody, BackfillResult, CardView, Continued,
-    CredentialList, CredentialMade, CredentialView, DecisionBody, DrainAsked, NewCredential,
-    ReplayRun, ReplayStarted, RunCreated, RunDocument, RunList, ScheduleList, ScheduleView,
-    SteerQueued, StopAccepted, StreamEvent, SubmitRun,
+    CredentialList, CredentialMade, CredentialView, DecisionBody, Deployment, DrainAsked,
+    NewCredential, ReplayRun, ReplayStarted, RollbackBody, RunCreated, RunDocument, RunList,
+    ScheduleList, ScheduleView, SteerQueued, StopAccepted, StreamEvent, SubmitRun, VersionList,
 };
 use crate::status::NodeStatus;
 use arbor_protocol::RunId;
@@ -217,6 +217,30 @@ impl Client {
     pub async fn stop_job(&self, job: &str) -> Result<StopAccepted, Error> {
         self.call(self.request(Method::POST, &format!("/v1/jobs/{job}/stop")))
             .await
+    }
+
+    /// `POST /v1/workspace/reload`.
+    pub async fn reload(&self) -> Result<Deployment, Error> {
+        self.call(self.request(Method::POST, "/v1/workspace/reload"))
+            .await
+    }
+
+    /// `GET /v1/workspace/versions`.
+    pub async fn versions(&self) -> Result<VersionList, Error> {
+        self.call(self.request(Method::GET, "/v1/workspace/versions"))
+            .await
+    }
+
+    /// `POST /v1/workspace/rollback`.
+    pub async fn rollback(&self, version: &str) -> Result<Deployment, Error> {
+        let body = RollbackBody {
+            version: version.to_string(),
+        };
+        self.call(
+            self.request(Method::POST, "/v1/workspace/rollback")
+                .json(&body),
+        )
+        .await
     }
 
     /// `GET /v1/schedules`.

@@ -18,6 +18,7 @@ pub mod client;
 pub mod config;
 pub mod console;
 pub mod credentials;
+pub mod deploy;
 pub mod dispatch;
 pub mod error;
 pub mod extract;
@@ -68,7 +69,9 @@ pub struct Service {
 
 pub(crate) struct Shared {
     pub node: Arc<EmbeddedNode>,
-    pub workspace: Workspace,
+    /// The workspace version new runs and schedules take: swapped whole by
+    /// a reload or a rollback (`deploy.rs`); a run keeps its own (I-67).
+    pub deployed: std::sync::RwLock<Arc<deploy::Deployed>>,
     pub config: ServiceConfig,
     pub tokens: Tokens,
     /// `[auth.oidc]`, whose keys a task keeps fresh (the same keys the
@@ -90,11 +93,26 @@ pub(crate) struct Shared {
     pub tasks: tokio_util::task::TaskTracker,
     pub started: Instant,
     pub started_at_ms: u64,
-    /// `[triggers.NAME]`'s signing keys, by trigger.
-    pub trigger_keys: std::collections::BTreeMap<String, Vec<u8>>,
     /// Held while this node moves a schedule (with the journal's lock on
     /// it, for a shared journal's other nodes).
     pub schedule_lock: tokio::sync::Mutex<()>,
+    /// Held by a reload or a rollback, one at a time.
+    pub deploy_lock: tokio::sync::Mutex<()>,
+}
+
+impl Shared {
+    /// The workspace new runs take now.
+    pub fn workspace(&self) -> Arc<Workspace> {
+        self.deployed().workspace.clone()
+    }
+
+    /// What is deployed now: the workspace and its triggers' keys.
+    pub fn deployed(&self) -> Arc<deploy::Deployed> {
+        self.deployed
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
 }
 
 impl Service {
@@ -117,9 +135,6 @@ impl Service {
         let oidc = oidc::Oidc::from_auth(&workspace.config.auth, &workspace.root)
             .map_err(StartError::Token)?;
         let keep_audit = audit::keep(&workspace.config.retention).map_err(StartError::Token)?;
-        let trigger_keys = arbor_runtime::secrets::load(&workspace)
-            .and_then(|secrets| arbor_runtime::triggers::keys(&workspace.config.triggers, &secrets))
-            .map_err(StartError::Token)?;
         // A provider that is down does not stop the start: its JWTs are
         // refused, saying so, until its keys are fetched (`Oidc::refresh`).
         if let Some(oidc) = &oidc
@@ -149,6 +164,8 @@ impl Service {
             node.journal()
                 .on_commit(move |latency| metrics.observe_commit(latency));
         }
+        let deployed = deploy::at_start(&node, workspace).await?;
+        let workspace = deployed.workspace.clone();
         let admission = Admission::open(
             node.clone(),
             config.max_running_runs,
@@ -165,7 +182,7 @@ impl Service {
         let service = Self {
             shared: Arc::new(Shared {
                 node,
-                workspace,
+                deployed: std::sync::RwLock::new(Arc::new(deployed)),
                 config,
                 tokens,
                 oidc: oidc.clone(),
@@ -178,8 +195,8 @@ impl Service {
                 tasks,
                 started: Instant::now(),
                 started_at_ms,
-                trigger_keys,
                 schedule_lock: tokio::sync::Mutex::new(()),
+                deploy_lock: tokio::sync::Mutex::new(()),
             }),
         };
         if let Some(keep) = keep_finished {
@@ -210,7 +227,7 @@ impl Service {
                 }
             });
         }
-        if service.shared.config.schedule_clock && !service.shared.workspace.schedules.is_empty() {
+        if service.shared.config.schedule_clock {
             let shared = service.shared.clone();
             service.shared.tasks.spawn(follow_the_clock(shared));
         }
@@ -244,6 +261,12 @@ impl Service {
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64);
         routes::schedules::run_due(&self.shared, now).await
+    }
+
+    /// Reads the workspace's files again and, if they load, makes them the
+    /// version new runs and schedules take (`deploy.rs`): SIGHUP's.
+    pub async fn reload(&self) -> Result<api::Deployment, ApiError> {
+        deploy::reload(&self.shared).await
     }
 
     /// The API, with the OpenAPI document it serves built from the same routes.

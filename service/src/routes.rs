@@ -22,6 +22,7 @@ mod runs;
 pub(crate) mod schedules;
 mod tokens;
 mod triggers;
+mod workspace;
 
 use approvals::{approval_routes, decide_here};
 use audit::audit_routes;
@@ -140,6 +141,7 @@ fn protected_routes() -> ApiRouter<Arc<Shared>> {
         .merge(token_routes())
         .merge(node_routes())
         .merge(schedules::schedule_routes())
+        .merge(workspace::workspace_routes())
 }
 
 /// Acts on a call another node sent about a run this node owns

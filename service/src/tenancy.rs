@@ -90,7 +90,7 @@ pub(crate) fn runs_by_tenant(
 ) -> Result<std::collections::BTreeMap<(String, &'static str), crate::metrics::TenantRuns>, ApiError>
 {
     use arbor_protocol::Status;
-    let tenants = shared.workspace.tenant_names();
+    let tenants = shared.workspace().tenant_names();
     let mut by_tenant: std::collections::BTreeMap<_, crate::metrics::TenantRuns> =
         std::collections::BTreeMap::new();
     for tenant in &tenants {

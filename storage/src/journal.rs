@@ -662,7 +662,11 @@ impl Journal {
                         }
                     }
                     // The audit and the quota and rate windows outlive the runs they name.
-                    KeyedBy::Time | KeyedBy::Tenant | KeyedBy::Window | KeyedBy::Schedule => {}
+                    KeyedBy::Time
+                    | KeyedBy::Tenant
+                    | KeyedBy::Window
+                    | KeyedBy::Schedule
+                    | KeyedBy::Version => {}
                 }
             }
         }

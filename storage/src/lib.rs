@@ -102,6 +102,7 @@ pub use record::{
 pub use sled_engine::{SledEngine, open_db};
 pub use table::{
     AUDIT_TABLE, AnyTable, JOURNAL_TABLES, JournalTable, Key, KeyedBy, OUTBOX_TABLE, QUOTAS_TABLE,
-    RATES_TABLE, Row, SCHEDULES_TABLE, SUBMISSIONS_TABLE, Shape, Table, TableDef, tables,
+    RATES_TABLE, Row, SCHEDULES_TABLE, SUBMISSIONS_TABLE, Shape, Table, TableDef, VERSIONS_TABLE,
+    tables,
 };
 pub use verify::VerifyReport;

@@ -77,6 +77,9 @@ pub enum KeyedBy {
     /// A schedule's name, then a 0 byte: its state and its ticks, never
     /// removed with a run (I-66); their owner removes old ticks.
     Schedule,
+    /// A workspace version's id (or `current`): the definitions runs pin
+    /// (I-67), never removed with a run.
+    Version,
 }
 
 /// A kind of record and its table.
@@ -272,6 +275,9 @@ pub const RATES_TABLE: TableDef = state("rates", KeyedBy::Window);
 /// Each schedule's state and the ticks it started, skipped or missed
 /// (`arbor-service` defines its records, I-66).
 pub const SCHEDULES_TABLE: TableDef = state("schedules", KeyedBy::Schedule);
+/// Each workspace version runs were admitted with, and which is current
+/// (`arbor-runtime` defines its records, I-67).
+pub const VERSIONS_TABLE: TableDef = state("versions", KeyedBy::Version);
 const APPROVALS_TABLE: TableDef = state("approvals", KeyedBy::Run);
 const TAPES_TABLE: TableDef = state("tapes", KeyedBy::Run);
 
@@ -350,7 +356,7 @@ impl JournalTable {
 /// Every table of a journal, whoever owns its records, in the order the log
 /// numbers them (invariant 2). The one list: a table missing here is neither
 /// replayed, scanned nor verified.
-pub static JOURNAL_TABLES: [JournalTable; 15] = [
+pub static JOURNAL_TABLES: [JournalTable; 16] = [
     JournalTable::Ours(&RUNS),
     JournalTable::Ours(&JOBS),
     JournalTable::Ours(&LEDGER),
@@ -366,6 +372,7 @@ pub static JOURNAL_TABLES: [JournalTable; 15] = [
     JournalTable::Foreign(QUOTAS_TABLE),
     JournalTable::Foreign(RATES_TABLE),
     JournalTable::Foreign(SCHEDULES_TABLE),
+    JournalTable::Foreign(VERSIONS_TABLE),
 ];
 
 /// The tables whose records storage defines, for `scan` and `verify`.
@@ -411,7 +418,8 @@ mod tests {
                 AUDIT_TABLE.name,
                 QUOTAS_TABLE.name,
                 RATES_TABLE.name,
-                SCHEDULES_TABLE.name
+                SCHEDULES_TABLE.name,
+                VERSIONS_TABLE.name
             ]
         );
     }

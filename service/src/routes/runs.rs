@@ -267,7 +267,7 @@ pub(super) fn resolve(
     body: &SubmitRun,
     tenant: &str,
 ) -> Result<RunSpec, ApiError> {
-    let ws = &shared.workspace;
+    let ws = &shared.workspace();
     let cfg = &shared.config;
     let budget = body.budget.clone().unwrap_or_default();
     let tokens = budget.tokens().map_err(ApiError::refused)?;
@@ -447,21 +447,22 @@ async fn replay_run(
     };
     let journal = shared.node.journal();
     let spec = if body.rerun_failed {
-        let plan = replay::plan_rerun(journal, &shared.workspace, of, body.allow_changed)
+        let plan = replay::plan_rerun(journal, &shared.workspace(), of, body.allow_changed)
             .map_err(refused)?;
         if body.dry_run {
             return Ok(json(StatusCode::OK, plan));
         }
-        replay::rerun_spec(&shared.workspace, plan, body.record).0
+        replay::rerun_spec(&shared.workspace(), plan, body.record).0
     } else {
         let recorded = replay::recorded(journal, of).map_err(refused)?;
-        replay::check(&shared.workspace, of, &recorded.spec, &recorded.agents).map_err(refused)?;
+        replay::check(&shared.workspace(), of, &recorded.spec, &recorded.agents)
+            .map_err(refused)?;
         let options = ReplayOptions {
             tools: body.tools,
             after_divergence: body.after_divergence,
             record: body.record,
         };
-        replay::replay_spec(&shared.workspace, of, recorded.spec, options)
+        replay::replay_spec(&shared.workspace(), of, recorded.spec, options)
     };
     accepting(&shared)?;
     let digest = String::new();
@@ -528,6 +529,7 @@ async fn list_runs(
                 queue_position: Some(position),
                 failed_job: None,
                 schedule: spec.as_ref().and_then(|s| s.schedule.clone()),
+                version: spec.as_ref().and_then(|s| s.version.clone()),
                 tenant: spec.and_then(|s| s.tenant),
             }
         })
@@ -554,6 +556,7 @@ async fn list_runs(
                 failed_job: None,
                 tenant: None,
                 schedule: None,
+                version: None,
             }),
     );
     // Ids are uuid v7: newest first is id order, reversed.
@@ -589,18 +592,21 @@ async fn list_runs(
                 if head.schedule.is_some() {
                     run.schedule = head.schedule.clone();
                 }
+                if head.version.is_some() {
+                    run.version = head.version.clone();
+                }
             }
         });
     }
     // A run stopped before it started has its schedule in its submission.
     for run in page
         .iter_mut()
-        .filter(|r| r.schedule.is_none() && r.started_at_ms.is_none() && r.queue_position.is_none())
+        .filter(|r| r.started_at_ms.is_none() && r.queue_position.is_none())
     {
         if let Some(sub) = crate::submission::submission(shared.node.journal(), run.id)? {
-            run.schedule = serde_json::from_str::<RunSpec>(&sub.spec_json)
-                .ok()
-                .and_then(|s| s.schedule);
+            let spec = serde_json::from_str::<RunSpec>(&sub.spec_json).ok();
+            run.version = spec.as_ref().and_then(|s| s.version.clone());
+            run.schedule = spec.and_then(|s| s.schedule);
         }
     }
     // A dead letter says where it died: its tree is read for that only.

@@ -115,7 +115,7 @@ pub(crate) async fn run_due(shared: &Shared, now: u64) -> Result<(), ApiError> {
     if accepting(shared).is_err() {
         return Ok(());
     }
-    for schedule in shared.workspace.schedules.values() {
+    for schedule in shared.workspace().schedules.values() {
         advance(shared, schedule, now).await?;
     }
     Ok(())
@@ -377,12 +377,13 @@ fn now_ms() -> u64 {
 }
 
 /// The schedule `name`, if the caller's tenant has it.
-fn find<'a>(shared: &'a Shared, caller: &Caller, name: &str) -> Result<&'a Schedule, ApiError> {
+fn find(shared: &Shared, caller: &Caller, name: &str) -> Result<Schedule, ApiError> {
     shared
-        .workspace
+        .workspace()
         .schedules
         .get(name)
         .filter(|s| crate::tenancy::sees(caller, tenant_of(s)))
+        .cloned()
         .ok_or_else(|| ApiError::not_found(format!("no schedule {name}")))
 }
 
@@ -420,7 +421,7 @@ async fn list(State(shared): S, axum::Extension(caller): axum::Extension<Caller>
     let now = now_ms();
     let journal = shared.node.journal();
     let mut schedules = vec![];
-    for schedule in shared.workspace.schedules.values() {
+    for schedule in shared.workspace().schedules.values() {
         if crate::tenancy::sees(&caller, tenant_of(schedule)) {
             let state = read_state(journal, &schedule.name)?;
             schedules.push(view(schedule, state.as_ref(), now));
@@ -457,7 +458,7 @@ async fn set_paused(shared: &Shared, caller: &Caller, name: &str, to: bool) -> R
     }
     let epoch = shared.node.journal().epoch();
     commit(shared, vec![ScheduleRecord::state(name, &state, epoch)?]).await?;
-    Ok(json(StatusCode::OK, view(schedule, Some(&state), now)))
+    Ok(json(StatusCode::OK, view(&schedule, Some(&state), now)))
 }
 
 async fn trigger(
@@ -474,7 +475,7 @@ async fn trigger(
     while read_tick(shared.node.journal(), &schedule.name, tick)?.is_some() {
         tick += 1;
     }
-    let started = started_run(&shared, schedule, &mut state, tick, Cause::Trigger, now).await?;
+    let started = started_run(&shared, &schedule, &mut state, tick, Cause::Trigger, now).await?;
     Ok(json(StatusCode::CREATED, created(&shared, started).await?))
 }
 
@@ -544,7 +545,7 @@ async fn backfill(
             });
             continue;
         }
-        let run = started_run(&shared, schedule, &mut state, tick, Cause::Backfill, now).await?;
+        let run = started_run(&shared, &schedule, &mut state, tick, Cause::Backfill, now).await?;
         result.started.push(BackfilledTick {
             tick: tick_text(tick),
             run,

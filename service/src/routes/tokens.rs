@@ -105,10 +105,10 @@ async fn add_token(
         (None, Some(named)) => named,
         (None, None) => credentials::DEFAULT_TENANT.to_string(),
     };
-    if tenant != "*" && !shared.workspace.tenant_names().contains(&tenant) {
+    if tenant != "*" && !shared.workspace().tenant_names().contains(&tenant) {
         return Err(ApiError::refused(format!(
             "tenant {tenant} is not in arbor.toml (its tenants: {})",
-            shared.workspace.tenant_names().join(", ")
+            shared.workspace().tenant_names().join(", ")
         )));
     }
     let roles = body.roles.join(",");

@@ -56,9 +56,10 @@ async fn fire(
     body: axum::body::Bytes,
 ) -> Reply {
     let name = path.name;
+    let deployed = shared.deployed();
     let (Some(trigger), Some(key)) = (
-        shared.workspace.config.triggers.get(&name),
-        shared.trigger_keys.get(&name),
+        deployed.workspace.config.triggers.get(&name),
+        deployed.trigger_keys.get(&name),
     ) else {
         return Err(ApiError::not_found(format!("no trigger {name}")));
     };
@@ -82,7 +83,7 @@ async fn fire(
     });
     let document: serde_json::Value = serde_json::from_slice(&body)
         .map_err(|e| ApiError::bad_request(format!("the body is not JSON: {e}")))?;
-    let takes_input = shared
+    let takes_input = deployed
         .workspace
         .flows
         .get(&trigger.flow)
