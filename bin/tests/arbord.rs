@@ -1793,6 +1793,21 @@ fn inv_67_a_recovered_run_keeps_its_pinned_definitions_across_a_reload_and_a_kil
     let doc = approved(&arbord, &third, &third_card);
     assert_eq!(doc["run"]["output"], "shipped-v1", "{doc}");
     assert_eq!(doc["run"]["version"], v1.as_str());
+    // A broken edit is refused whole, saying why; the version stays.
+    std::fs::write(&agent, "---\ndescription: [unclosed\n---\nYou ship.\n").unwrap();
+    let out = arbord.arbor(&["reload"]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(code(&out), 2, "a refusal (422): {said}");
+    assert!(
+        said.contains("agents/shipper") && said.contains(&format!("version {v1} stays")),
+        "{said}"
+    );
+    std::fs::write(&agent, shipper("v3")).unwrap();
+    append_toml(ws.path(), "\n[approvals]\ntimeout = \"2h\"\n");
+    let out = arbord.arbor(&["reload"]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(code(&out) != 0 && said.contains("arbor.toml"), "{said}");
+    assert_eq!(arbord.json(&["versions"])["current"], v1.as_str());
     let out = arbord.arbor(&["rollback", "0000000000000000"]);
     assert_eq!(
         code(&out),

@@ -59,6 +59,45 @@ pub struct EmbeddedNode {
     notifications: Option<Arc<crate::notify::Notifications>>,
 }
 
+/// The context every actor of the node shares, of `workspace`.
+fn node_context(
+    workspace: &Workspace,
+    data_dir: &Path,
+    journal: Journal,
+    events: arbor_actors::events::EventBus,
+    models: Arc<dyn ModelFactory>,
+    sandbox: Arc<Posture>,
+    secrets: Arc<arbor_actors::secrets::Secrets>,
+) -> NodeContext {
+    let mcp = Arc::new(McpCatalog::new(
+        workspace.config.mcp.clone(),
+        data_dir.join("mcp"),
+        sandbox.clone(),
+        workspace.config.sandbox,
+        Some(data_dir.join("roots")),
+        secrets.clone(),
+    ));
+    NodeContext {
+        journal,
+        events,
+        limits: workspace.config.limits.clone(),
+        agents: agents_of(workspace),
+        models,
+        work_root: data_dir.join("work"),
+        sandbox_roots: data_dir.join("roots"),
+        sandbox,
+        secrets,
+        skills: workspace.skills.clone(),
+        mcp,
+        approvals: workspace.config.approvals.clone(),
+        gate: Default::default(),
+        slots: Arc::new(arbor_actors::slots::AgentSlots::new(
+            &workspace.config.limits.concurrency.per_agent,
+        )),
+        pools: Default::default(),
+    }
+}
+
 /// A workspace's agents as a node's context holds them.
 fn agents_of(
     workspace: &Workspace,
@@ -355,36 +394,12 @@ impl EmbeddedNode {
                 .await
                 .map_err(|e| Error::Start(format!("the sandbox probe failed: {e}")))?,
         );
-        let mcp = Arc::new(McpCatalog::new(
-            workspace.config.mcp.clone(),
-            data_dir.join("mcp"),
-            sandbox.clone(),
-            workspace.config.sandbox,
-            Some(data_dir.join("roots")),
-            secrets.clone(),
-        ));
         // Before any run: on a shared journal, a request of this node's
         // counts in every node's rate windows.
         models.share_rates(&journal);
-        let ctx = Arc::new(NodeContext {
-            journal,
-            events,
-            limits: workspace.config.limits.clone(),
-            agents: agents_of(workspace),
-            models,
-            work_root: data_dir.join("work"),
-            sandbox_roots: data_dir.join("roots"),
-            sandbox,
-            secrets,
-            skills: workspace.skills.clone(),
-            mcp,
-            approvals: workspace.config.approvals.clone(),
-            gate: Default::default(),
-            slots: Arc::new(arbor_actors::slots::AgentSlots::new(
-                &workspace.config.limits.concurrency.per_agent,
-            )),
-            pools: Default::default(),
-        });
+        let ctx = Arc::new(node_context(
+            workspace, data_dir, journal, events, models, sandbox, secrets,
+        ));
         sweep_data_dir(&ctx);
         let versions = pin_versions(&ctx, workspace).await?;
         let args = NodeArgs {

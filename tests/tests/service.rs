@@ -1789,6 +1789,9 @@ async fn inv_63_every_route_answers_each_role_as_the_matrix_says() {
         ("POST /v1/schedules/{name}/unpause", "operator"),
         ("POST /v1/schedules/{name}/trigger", "operator"),
         ("POST /v1/schedules/{name}/backfill", "operator"),
+        ("POST /v1/workspace/reload", "admin"),
+        ("GET /v1/workspace/versions", "viewer"),
+        ("POST /v1/workspace/rollback", "admin"),
     ];
     // Every protected route of the document is pinned (the public ones
     // take no credential).
