@@ -42,6 +42,10 @@ pub struct ReplayArgs {
     /// Record the replay too.
     #[arg(long)]
     record: bool,
+    /// Replay against the workspace as it is now, not the version the
+    /// recorded run was admitted with: to see what an edit changes.
+    #[arg(long)]
+    current: bool,
     /// Rerun a failed run, keeping what worked: the jobs that completed,
     /// whose agent and arbor.toml are unchanged, are served from the
     /// recording; the rest run live. A new run, linked to the failed one.
@@ -110,6 +114,7 @@ pub async fn replay(args: ReplayArgs, conn: &crate::client::Conn) -> Result<Exit
             dry_run: args.dry_run,
             allow_changed: args.allow_changed,
             record: args.record,
+            current: args.current,
         };
         return crate::with_client(conn, |c| {
             Box::pin(crate::client::replay(c, &run, body.clone()))
@@ -126,6 +131,7 @@ pub async fn replay(args: ReplayArgs, conn: &crate::client::Conn) -> Result<Exit
             After::Live => AfterDivergence::Live,
         },
         record: args.record,
+        current: args.current,
     };
     // The export, read whole and checked before any node starts.
     let export = match &args.fixture {

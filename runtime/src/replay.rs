@@ -69,6 +69,9 @@ pub struct ReplayOptions {
     pub after_divergence: AfterDivergence,
     /// The replay records itself too.
     pub record: bool,
+    /// Against the workspace as it is now, not the version the recorded
+    /// run was admitted with (I-67): to see what an edit changes.
+    pub current: bool,
 }
 
 /// A recorded run as the journal holds it.
@@ -225,6 +228,9 @@ pub fn replay_spec(
         after_divergence: options.after_divergence,
         reuse: None,
     });
+    if options.current {
+        spec.version = Some(workspace.version.clone());
+    }
     spec
 }
 
@@ -687,6 +693,9 @@ pub fn rerun_spec(workspace: &Workspace, plan: RerunPlan, record: bool) -> (RunS
         after_divergence: AfterDivergence::Live,
         reuse: Some(reuse),
     });
+    // A rerun is a new admission: what runs live runs as the files are now
+    // (`allow_changed` said they may differ).
+    spec.version = Some(workspace.version.clone());
     (spec, plan.tape)
 }
 

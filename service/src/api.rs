@@ -116,6 +116,10 @@ pub struct ReplayRun {
     /// Record the new run too.
     #[serde(default)]
     pub record: bool,
+    /// Replay against the workspace as it is now, not the version the
+    /// recorded run was admitted with: to see what an edit changes.
+    #[serde(default)]
+    pub current: bool,
 }
 
 /// The answer to a replay: the new run, queued, and the run it replays.

@@ -107,10 +107,18 @@ async fn inv_49_an_edited_prompt_is_reported_as_a_divergence_at_its_job_and_call
     let node = TestNode::open(workspace, &dir.path().join("data"), Arc::new(DefaultModels))
         .await
         .unwrap();
-    let replayed = node
+    // Against the edit (by default a replay runs the recorded run's own
+    // version, I-67, and would not diverge).
+    let current = ReplayOptions {
+        current: true,
+        ..Default::default()
+    };
+    let pinned = node
         .replay(recorded, ReplayOptions::default())
         .await
         .unwrap();
+    assert_eq!(node.wait_run(pinned).await.run_status(), Status::Done);
+    let replayed = node.replay(recorded, current).await.unwrap();
     let tree = node.wait_run(replayed).await;
     let run = tree.root();
     assert_eq!(run.status, Status::Failed);

@@ -461,6 +461,7 @@ async fn replay_run(
             tools: body.tools,
             after_divergence: body.after_divergence,
             record: body.record,
+            current: body.current,
         };
         replay::replay_spec(&shared.workspace(), of, recorded.spec, options)
     };
