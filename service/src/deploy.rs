@@ -56,8 +56,9 @@ pub async fn at_start(node: &EmbeddedNode, disk: Workspace) -> Result<Deployed, 
     };
     let disk_version = disk.version.clone();
     let chosen = rolled_back.unwrap_or(disk);
-    if versions::current(journal)?.as_ref() != Some(&(chosen.version.clone(), disk_version.clone()))
-    {
+    // A rollback the edited files overrule is retired; with none, the
+    // files are current and nothing is written.
+    if versions::current(journal)?.is_some_and(|(id, _)| id != chosen.version) {
         let row = versions::current_row(journal, &chosen.version, &disk_version)?;
         journal.commit(vec![row]).await?;
     }

@@ -730,6 +730,11 @@ impl Acks {
                     acks.durable = acks.durable.max(seq.parse().unwrap_or(0));
                     acks.durable_lines += 1;
                 }
+                // What the node's open committed (its workspace version),
+                // durable before the case began: told, not a flush of it.
+                (Some("opened"), Some(seq), None) => {
+                    acks.durable = acks.durable.max(seq.parse().unwrap_or(0));
+                }
                 (Some("run"), Some(id), None) => acks.run = id.parse().ok(),
                 (Some("ended"), Some(id), Some(status)) => {
                     if let (Ok(id), Ok(status)) =
@@ -874,6 +879,7 @@ async fn run_child(scenario: &Scenario, case: ChildCase) -> ! {
     // The base first: a flush between the two is counted toward the case's
     // k and told to nobody, so at most k - 1 are told before flush k.
     let base = journal.flush_count();
+    let _ = (&*acks).write_all(format!("opened {}\n", journal.durable_seq()).as_bytes());
     journal
         .faults()
         .record_durable_to(acks.try_clone().expect("the acks file"));

@@ -563,3 +563,33 @@ fn top_up_when_paused(node: &TestNode, run: RunId) -> BoxFuture<'_, ()> {
         let _ = node.node().top_up(run, amount, None).await;
     })
 }
+
+/// A run whose workspace is deployed again (an edited agent) while its
+/// first group runs (I-67), crashed at every commit point, the new
+/// version's among them: the run keeps the version it was admitted with.
+pub fn deployed_mid_run() -> Scenario {
+    let step = |said: &str| {
+        agent_md(&format!(
+            "script:\n  - delay: 20ms\n    call: {{tool: submit_output, args: {{output: {said}}}}}"
+        ))
+    };
+    let flow = "[[group]]\nsteps = [{ agent = \"step\", instruction = \"one\", label = \"first\" }]\n[[group]]\nsteps = [{ agent = \"step\", instruction = \"two\", label = \"second\" }]\n";
+    let (v1, v2) = (step("said-v1"), step("said-v2"));
+    Scenario::flow_texts(None, &[("step", &v1)], &[("pinned", flow)], "pinned").during(
+        move |node, run| {
+            let v2 = v2.clone();
+            Box::pin(async move {
+                node.wait_for(run, "first").await;
+                let edited = arbor_runtime::Workspace::from_texts(
+                    node.workspace.root.clone(),
+                    None,
+                    &[("step", &v2)],
+                    &[("pinned", flow)],
+                )
+                .expect("the edited workspace loads");
+                // Refused once the node is closing: part of the workload.
+                let _ = node.node().deploy(&edited).await;
+            })
+        },
+    )
+}

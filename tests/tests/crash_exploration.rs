@@ -625,3 +625,32 @@ async fn inv_58_every_commit_point_of_a_pause_keeps_it_until_a_top_up() {
         "no case paused: {report}"
     );
 }
+
+/// I-67 at every commit point of a deploy during a run (the new version's
+/// snapshot among them), killed and powered off: the run ends done with
+/// the definitions it was admitted with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inv_67_every_commit_point_of_a_deploy_mid_run_keeps_the_runs_version() {
+    let scenario = arbor_tests::scenarios::deployed_mid_run();
+    let report = explore_crashes(&scenario, |node, run| {
+        ended_done(node, run)?;
+        let tree = node.tree(run);
+        let root = tree.root();
+        if root.version.as_deref() != Some(node.workspace.version.as_str()) {
+            return Err(format!("the run's version is {:?}", root.version));
+        }
+        let done = root
+            .children
+            .iter()
+            .filter(|s| s.status == arbor_protocol::Status::Done);
+        for step in done {
+            if step.output != "said-v1" {
+                return Err(format!("step {:?} said {:?}", step.label, step.output));
+            }
+        }
+        Ok(())
+    })
+    .await;
+    println!("{report}");
+    assert!(report.crashed > 0, "no case crashed: {report}");
+}

@@ -188,9 +188,11 @@ impl Writer {
             if !self.faults.syncs_skipped() {
                 self.progress.syncs.fetch_add(1, Ordering::AcqRel);
             }
+            // The fault log first: a test reads it as what was told, and a
+            // commit may return (and the test go on) once the seq is out.
+            self.faults.durable(last_seq);
             self.progress.durable.store(last_seq, Ordering::Release);
             self.progress.durable_tx.send_replace(last_seq);
-            self.faults.durable(last_seq);
         }
     }
 
