@@ -157,9 +157,9 @@ pub fn parse_time(text: &str) -> Result<u64, String> {
 mod tests {
     use super::*;
 
-    fn schedule(cron: &str, zone: &str) -> Schedule {
-        let spec = ScheduleSpec {
-            name: "s".into(),
+    fn spec(name: &str, cron: &str, zone: &str) -> ScheduleSpec {
+        ScheduleSpec {
+            name: name.into(),
             cron: cron.into(),
             timezone: Some(zone.into()),
             input: None,
@@ -169,8 +169,11 @@ mod tests {
             paused: false,
             budget: None,
             tenant: None,
-        };
-        Schedule::check("f", &spec).expect("a schedule")
+        }
+    }
+
+    fn schedule(cron: &str, zone: &str) -> Schedule {
+        Schedule::check("f", &spec("s", cron, zone)).expect("a schedule")
     }
 
     fn at(text: &str) -> u64 {
@@ -200,18 +203,7 @@ mod tests {
             every_two.ticks(at("2026-01-01T00:00:00Z"), at("2026-01-01T00:00:06Z"), 10),
             [2000, 4000, 6000].map(|d| at("2026-01-01T00:00:00Z") + d)
         );
-        let spec = |cron: &str, zone: &str| ScheduleSpec {
-            name: "nightly".into(),
-            cron: cron.into(),
-            timezone: Some(zone.into()),
-            input: None,
-            overlap: None,
-            catchup_window: None,
-            jitter: None,
-            paused: false,
-            budget: None,
-            tenant: None,
-        };
+        let spec = |cron: &str, zone: &str| spec("nightly", cron, zone);
         let why = Schedule::check("f", &spec("61 * * * *", "UTC")).unwrap_err();
         assert!(why.contains("nightly") && why.contains("61"), "{why}");
         let why = Schedule::check("f", &spec("* * *", "UTC")).unwrap_err();
