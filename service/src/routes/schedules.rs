@@ -103,6 +103,8 @@ pub(super) fn schedule_routes() -> ApiRouter<Arc<Shared>> {
                     400,
                     403,
                     404,
+                    413,
+                    415,
                     422,
                     503
                 )

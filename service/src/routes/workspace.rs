@@ -59,6 +59,8 @@ pub(super) fn workspace_routes() -> ApiRouter<Arc<Shared>> {
                     400,
                     403,
                     404,
+                    413,
+                    415,
                     422,
                     503
                 )
